@@ -1,0 +1,81 @@
+#include "smp/comm/launch_info.h"
+
+#include <cstdlib>
+#include <string>
+
+#include "smp/comm/communicator.h"
+
+namespace smp::comm {
+namespace {
+
+int parse_int(const char* name, const char* value, int low, int high) {
+  char* end = nullptr;
+  errno = 0;
+  const long number = std::strtol(value, &end, 10);
+  if (errno != 0 || end == value || *end != '\0' || number < low || number > high) {
+    throw CommError(std::string("environment variable ") + name + "=\"" + value + "\" is not an integer in [" +
+                    std::to_string(low) + ", " + std::to_string(high) + "]");
+  }
+  return static_cast<int>(number);
+}
+
+}  // namespace
+
+LaunchInfo LaunchInfo::from_environment(const std::function<const char*(const char*)>& lookup_or_null) {
+  const auto lookup = lookup_or_null ? lookup_or_null : [](const char* name) -> const char* { return std::getenv(name); };
+  struct Variables {
+    const char* launcher;
+    const char* rank;
+    const char* world_size;
+    const char* local_rank;
+    const char* local_world_size;
+  };
+  static const Variables kLaunchers[] = {
+      {"torchrun/smprun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+      {"mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+       "OMPI_COMM_WORLD_LOCAL_SIZE"},
+      {"slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"},
+  };
+  LaunchInfo info;
+  const Variables* found = nullptr;
+  for (const auto& candidate : kLaunchers) {
+    if (lookup(candidate.rank) && lookup(candidate.world_size)) {
+      found = &candidate;
+      break;
+    }
+  }
+  if (!found) {
+    // Run directly, without a launcher: a one-process job that needs no rendezvous.
+    info.launcher = "none (single process)";
+    return info;
+  }
+  info.launcher = found->launcher;
+  info.world_size = parse_int(found->world_size, lookup(found->world_size), 1, 1 << 20);
+  info.rank = parse_int(found->rank, lookup(found->rank), 0, info.world_size - 1);
+  const char* local_rank = lookup(found->local_rank);
+  info.local_rank = local_rank ? parse_int(found->local_rank, local_rank, 0, 1 << 20) : 0;
+  const char* local_world_size = lookup(found->local_world_size);
+  // Slurm writes e.g. "4(x2)" for heterogeneous nodes; only a plain number is taken, else assume one host.
+  info.local_world_size = info.world_size;
+  if (local_world_size && std::string(local_world_size).find_first_not_of("0123456789") == std::string::npos) {
+    info.local_world_size = parse_int(found->local_world_size, local_world_size, 1, 1 << 20);
+  }
+  if (info.world_size > 1) {
+    const char* addr = lookup("MASTER_ADDR");
+    const char* port = lookup("MASTER_PORT");
+    if (!addr || !*addr) {
+      throw CommError(std::string("MASTER_ADDR is not set (launched by ") + info.launcher +
+                      "); set it to the host of rank 0");
+    }
+    if (!port) throw CommError(std::string("MASTER_PORT is not set (launched by ") + info.launcher + ")");
+    info.master_addr = addr;
+    info.master_port = parse_int("MASTER_PORT", port, 1, 65535);
+  }
+  return info;
+}
+
+bool LaunchInfo::master_is_loopback() const {
+  return master_addr == "localhost" || master_addr == "::1" || master_addr.rfind("127.", 0) == 0;
+}
+
+}  // namespace smp::comm

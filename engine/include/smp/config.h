@@ -1,0 +1,59 @@
+#pragma once
+// The job configuration: the only place that knows key names, types, ranges and defaults. Keys follow
+// SageMaker model parallelism (SMP) where SMP has one. Validation happens before any communication.
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace smp {
+
+class ConfigError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+enum class PipelineKind { Simple, Interleaved };  // SMP's names: GPipe fill-drain, 1F1B
+
+struct Config {
+  int partitions = 1;            // pipeline stages (alias pipeline_parallel_degree)
+  int microbatches = 1;          // per data-parallel replica and step
+  PipelineKind pipeline = PipelineKind::Interleaved;
+  bool ddp = false;              // data parallelism over world_size / partitions replicas
+  std::string placement_strategy = "cluster";  // "cluster", "spread", or an order of the letters D and P (T)
+  int active_microbatches = 0;   // cap on microbatches in flight per stage; 0 = the schedule's natural bound
+  bool auto_partition = true;
+  int default_partition = 0;     // stage for every module when auto_partition is false
+  std::map<std::string, int> partition_overrides;  // module path -> stage, honoured in both modes
+  std::string optimize = "speed";  // "speed" or "memory"
+  double memory_weight = 0.8;    // share of memory in the partition cost when optimize == "speed"
+  std::uint64_t seed = 0;
+  int global_batch_size = 0;     // 0: not fixed in the config (train_step checks every batch it gets)
+  double comm_timeout_s = 300.0; // every blocking wait fails after this long, naming the peer
+  std::string log_level = "info";
+  std::string source = "<config>";  // file name used in error messages
+  // Top-level sections beside "smp" that belong to the application (e.g. "model"); see application().
+  std::shared_ptr<const nlohmann::json> application_sections;
+
+  // Parses and validates one JSON document. The smp keys are either the whole top-level object or the
+  // object under "smp"; in the latter case the other top-level keys belong to the application and are left
+  // alone (see application_section).
+  static Config from_json_text(const std::string& text, const std::string& source);
+  static Config from_file(const std::string& path);
+
+  // The data-parallel degree for a world size, as SMP defines it, or ConfigError naming the fix.
+  int replicas_for_world(int world_size) const;
+  // ConfigError unless global_batch_size (when set) splits into replicas x microbatches.
+  void check_batch(int global_batch, int replicas) const;
+
+  std::string describe() const;  // one line for the start-of-job log
+
+  // The application's own top-level section (e.g. "model"); a null json when absent.
+  const nlohmann::json& application(const std::string& name) const;
+};
+
+}  // namespace smp

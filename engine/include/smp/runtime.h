@@ -1,0 +1,62 @@
+#pragma once
+// The process's place in the job: config, topology, and the communicators built on them.
+// smp::Runtime::init() is the first call of every smp program (SMP's smp.init()).
+
+#include <memory>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include "smp/comm/communicator.h"
+#include "smp/comm/launch_info.h"
+#include "smp/config.h"
+#include "smp/topology.h"
+
+namespace c10d {
+class Store;
+}
+
+namespace smp {
+
+class Runtime {
+ public:
+  // Validates the config against the launch (world size, replicas, batch) before any communication, then
+  // rendezvouses on the TCPStore at MASTER_ADDR:MASTER_PORT and creates the world, pipeline and
+  // data-parallel groups. Throws ConfigError or comm::CommError with a one-line reason.
+  static std::shared_ptr<Runtime> init(const Config& config);
+  static std::shared_ptr<Runtime> init(const Config& config, const comm::LaunchInfo& launch);
+
+  const Config& config() const { return config_; }
+  const Topology& topology() const { return topology_; }
+  const comm::LaunchInfo& launch() const { return launch_; }
+  int rank() const { return launch_.rank; }
+  int world_size() const { return launch_.world_size; }
+  int pp_rank() const { return coordinates_.pp_rank; }
+  int dp_rank() const { return coordinates_.dp_rank; }
+
+  comm::Communicator& world() { return *world_; }
+  comm::Communicator& pipeline() { return *pipeline_; }  // group rank == pp_rank
+  comm::Communicator& data_parallel() { return *data_parallel_; }  // group rank == dp_rank
+
+  // Small control messages (the partition plan): rank `from` publishes, the others wait up to the timeout.
+  void publish(const std::string& key, const std::string& value);
+  std::string fetch(const std::string& key);
+
+  // This replica's contiguous share of a global batch (dimension 0), or ConfigError if it does not split.
+  at::Tensor replica_slice(const at::Tensor& global_batch) const;
+
+ private:
+  Runtime(const Config& config, const comm::LaunchInfo& launch);
+
+  Config config_;
+  comm::LaunchInfo launch_;
+  Topology topology_;
+  Coordinates coordinates_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::shared_ptr<comm::Communicator> world_;
+  std::shared_ptr<comm::Communicator> pipeline_;
+  std::shared_ptr<comm::Communicator> data_parallel_;
+};
+
+}  // namespace smp

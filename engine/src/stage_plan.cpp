@@ -1,0 +1,183 @@
+#include "smp/stage_plan.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include "smp/config.h"
+#include "smp/partitioner/chain_split.h"
+
+namespace smp {
+namespace {
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+std::string format_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int unit = 0;
+  while (bytes >= 1024.0 && unit < 4) bytes /= 1024.0, ++unit;
+  char text[32];
+  std::snprintf(text, sizeof text, unit == 0 ? "%.0f %s" : "%.1f %s", bytes, units[unit]);
+  return text;
+}
+
+}  // namespace
+
+std::vector<int> StagePlan::modules_of_stage(int stage) const {
+  std::vector<int> modules;
+  for (std::size_t i = 0; i < stage_of_module.size(); ++i) {
+    if (stage_of_module[i] == stage) modules.push_back(static_cast<int>(i));
+  }
+  return modules;
+}
+
+double StagePlan::stage_time(int stage) const {
+  double total = 0.0;
+  for (int i : modules_of_stage(stage)) total += modules[i].forward_s + modules[i].backward_s;
+  return total;
+}
+
+std::string StagePlan::report() const {
+  std::ostringstream text;
+  double slowest = 0.0, sum = 0.0;
+  for (int stage = 0; stage < num_stages; ++stage) {
+    slowest = std::max(slowest, stage_time(stage));
+    sum += stage_time(stage);
+  }
+  text << "partition into " << num_stages << " stages (imbalance slowest/mean = ";
+  char imbalance[32];
+  std::snprintf(imbalance, sizeof imbalance, "%.3f", sum > 0 ? slowest / (sum / num_stages) : 1.0);
+  text << imbalance << "):";
+  for (int stage = 0; stage < num_stages; ++stage) {
+    const auto members = modules_of_stage(stage);
+    std::int64_t parameter_bytes = 0;
+    for (int i : members) parameter_bytes += modules[i].parameter_bytes;
+    char line[160];
+    std::snprintf(line, sizeof line, "\n  stage %d: modules %s..%s (%zu), params %s, est. fwd+bwd %.3f ms, sends %s",
+                  stage, modules[members.front()].name.c_str(), modules[members.back()].name.c_str(), members.size(),
+                  format_bytes(static_cast<double>(parameter_bytes)).c_str(), stage_time(stage) * 1e3,
+                  stage + 1 < num_stages ? format_bytes(static_cast<double>(modules[members.back()].output_bytes)).c_str()
+                                         : "-");
+    text << line;
+  }
+  return text.str();
+}
+
+std::string StagePlan::to_json() const {
+  nlohmann::json document;
+  document["num_stages"] = num_stages;
+  document["stage_of_module"] = stage_of_module;
+  for (const auto& module : modules) {
+    document["modules"].push_back({{"name", module.name},
+                                   {"forward_s", module.forward_s},
+                                   {"backward_s", module.backward_s},
+                                   {"parameter_bytes", module.parameter_bytes},
+                                   {"output_bytes", module.output_bytes}});
+  }
+  return document.dump();
+}
+
+StagePlan StagePlan::from_json(const std::string& text) {
+  const auto document = nlohmann::json::parse(text);
+  StagePlan plan;
+  plan.num_stages = document.at("num_stages").get<int>();
+  plan.stage_of_module = document.at("stage_of_module").get<std::vector<int>>();
+  for (const auto& module : document.at("modules")) {
+    plan.modules.push_back({module.at("name").get<std::string>(), module.at("forward_s").get<double>(),
+                            module.at("backward_s").get<double>(), module.at("parameter_bytes").get<std::int64_t>(),
+                            module.at("output_bytes").get<std::int64_t>()});
+  }
+  return plan;
+}
+
+std::vector<ModuleProfile> profile_chain(torch::nn::SequentialImpl& model, const at::Tensor& sample, int repeats) {
+  std::vector<ModuleProfile> profiles;
+  const auto children = model.named_children();
+  at::Tensor input = sample;
+  std::size_t index = 0;
+  for (auto& module : model) {
+    ModuleProfile profile;
+    profile.name = children[index].key();
+    for (const auto& parameter : children[index].value()->parameters()) {
+      profile.parameter_bytes += parameter.numel() * static_cast<std::int64_t>(parameter.element_size());
+    }
+    ++index;
+    std::vector<double> forward_times, backward_times;
+    at::Tensor output;
+    // One extra, untimed round first: first calls pay for allocations and lazy initialisation.
+    for (int repeat = -1; repeat < repeats; ++repeat) {
+      at::Tensor leaf = input.detach();
+      if (at::isFloatingType(leaf.scalar_type())) leaf.requires_grad_(true);
+      auto start = std::chrono::steady_clock::now();
+      output = module.forward<at::Tensor>(leaf);
+      const double forward_s = seconds_since(start);
+      start = std::chrono::steady_clock::now();
+      if (output.requires_grad()) torch::autograd::backward({output}, {at::ones_like(output)});
+      const double backward_s = seconds_since(start);
+      if (repeat < 0) continue;
+      forward_times.push_back(forward_s);
+      backward_times.push_back(backward_s);
+    }
+    // The profile must leave no trace in the training state.
+    for (const auto& parameter : model.parameters()) {
+      if (parameter.grad().defined()) parameter.mutable_grad() = at::Tensor();
+    }
+    profile.forward_s = median(forward_times);
+    profile.backward_s = median(backward_times);
+    profile.output_bytes = output.numel() * static_cast<std::int64_t>(output.element_size());
+    profiles.push_back(profile);
+    input = output.detach();
+  }
+  return profiles;
+}
+
+StagePlan plan_chain(std::vector<ModuleProfile> modules, const Config& config) {
+  const int num_modules = static_cast<int>(modules.size());
+  std::vector<int> pinned(num_modules, config.auto_partition ? -1 : config.default_partition);
+  for (const auto& [path, stage] : config.partition_overrides) {
+    auto found = std::find_if(modules.begin(), modules.end(), [&](const ModuleProfile& m) { return m.name == path; });
+    if (found == modules.end()) {
+      std::string names;
+      for (const auto& module : modules) names += (names.empty() ? "" : ", ") + module.name;
+      throw ConfigError(config.source + ": key \"partition_overrides\": no module \"" + path +
+                        "\" in the model (its modules: " + names + ")");
+    }
+    pinned[found - modules.begin()] = stage;
+  }
+  std::vector<double> costs;
+  for (const auto& module : modules) costs.push_back(module.forward_s + module.backward_s);
+  StagePlan plan;
+  try {
+    plan.stage_of_module = part::split_chain_min_bottleneck(costs, config.partitions, pinned).stage_of_node;
+  } catch (const part::PartitionError& error) {
+    std::string message = error.what();
+    // The partitioner speaks of node indices; users know module paths.
+    for (int i = num_modules - 1; i >= 0; --i) {
+      const std::string index = "module " + std::to_string(i);
+      for (auto at = message.find(index); at != std::string::npos; at = message.find(index, at + 1)) {
+        const auto end = at + index.size();
+        if (end < message.size() && std::isdigit(static_cast<unsigned char>(message[end]))) continue;
+        message.replace(at, index.size(), "module \"" + modules[i].name + "\"");
+      }
+    }
+    throw ConfigError(config.source + ": cannot partition the model: " + message);
+  }
+  plan.modules = std::move(modules);
+  plan.num_stages = config.partitions;
+  return plan;
+}
+
+}  // namespace smp

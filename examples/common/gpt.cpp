@@ -1,0 +1,127 @@
+#include "gpt.h"
+
+#include <cmath>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+
+#include "smp/config.h"
+
+namespace smp::examples {
+namespace {
+
+class TokenEmbeddingImpl : public torch::nn::Module {
+ public:
+  explicit TokenEmbeddingImpl(const GptOptions& options)
+      : tokens_(register_module("tokens", torch::nn::Embedding(options.vocab_size, options.d_model))),
+        positions_(register_module("positions", torch::nn::Embedding(options.context, options.d_model))) {}
+
+  at::Tensor forward(const at::Tensor& token_ids) {
+    const auto length = token_ids.size(1);
+    if (length > positions_->weight.size(0)) {
+      throw ConfigError("sequence of " + std::to_string(length) + " tokens exceeds the model's context of " +
+                        std::to_string(positions_->weight.size(0)));
+    }
+    const auto positions = at::arange(length, token_ids.options().dtype(at::kLong));
+    return tokens_->forward(token_ids) + positions_->forward(positions).unsqueeze(0);
+  }
+
+ private:
+  torch::nn::Embedding tokens_;
+  torch::nn::Embedding positions_;
+};
+TORCH_MODULE(TokenEmbedding);
+
+class TransformerBlockImpl : public torch::nn::Module {
+ public:
+  explicit TransformerBlockImpl(const GptOptions& options)
+      : heads_(options.heads),
+        attention_norm_(register_module("attention_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({options.d_model})))),
+        qkv_(register_module("qkv", torch::nn::Linear(options.d_model, 3 * options.d_model))),
+        projection_(register_module("projection", torch::nn::Linear(options.d_model, options.d_model))),
+        mlp_norm_(register_module("mlp_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({options.d_model})))),
+        expand_(register_module("expand", torch::nn::Linear(options.d_model, 4 * options.d_model))),
+        contract_(register_module("contract", torch::nn::Linear(4 * options.d_model, options.d_model))) {}
+
+  at::Tensor forward(const at::Tensor& x) {
+    const auto batch = x.size(0), length = x.size(1), width = x.size(2);
+    auto qkv = qkv_->forward(attention_norm_->forward(x)).view({batch, length, 3, heads_, width / heads_});
+    qkv = qkv.permute({2, 0, 3, 1, 4});  // [3, B, heads, T, head_dim]
+    auto attended = at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                                     /*is_causal=*/true);
+    auto h = x + projection_->forward(attended.transpose(1, 2).reshape({batch, length, width}));
+    return h + contract_->forward(at::gelu(expand_->forward(mlp_norm_->forward(h))));
+  }
+
+ private:
+  int64_t heads_;
+  torch::nn::LayerNorm attention_norm_;
+  torch::nn::Linear qkv_, projection_;
+  torch::nn::LayerNorm mlp_norm_;
+  torch::nn::Linear expand_, contract_;
+};
+TORCH_MODULE(TransformerBlock);
+
+class LanguageModelHeadImpl : public torch::nn::Module {
+ public:
+  explicit LanguageModelHeadImpl(const GptOptions& options)
+      : norm_(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({options.d_model})))),
+        output_(register_module("output", torch::nn::Linear(torch::nn::LinearOptions(options.d_model, options.vocab_size).bias(false)))) {}
+
+  at::Tensor forward(const at::Tensor& x) { return output_->forward(norm_->forward(x)); }
+
+ private:
+  torch::nn::LayerNorm norm_;
+  torch::nn::Linear output_;
+};
+TORCH_MODULE(LanguageModelHead);
+
+}  // namespace
+
+GptOptions gpt_options_from_section(const std::string& json_text, const std::string& source) {
+  GptOptions options;
+  const auto section = nlohmann::json::parse(json_text.empty() ? "{}" : json_text);
+  if (section.is_null()) return options;
+  if (!section.is_object()) throw ConfigError(source + ": key \"model\": expected an object");
+  const std::pair<const char*, int64_t*> keys[] = {{"vocab_size", &options.vocab_size}, {"context", &options.context},
+                                                   {"d_model", &options.d_model},       {"heads", &options.heads},
+                                                   {"layers", &options.layers}};
+  for (auto it = section.begin(); it != section.end(); ++it) {
+    bool known = false;
+    for (const auto& [name, target] : keys) {
+      if (it.key() != name) continue;
+      known = true;
+      if (!it.value().is_number_integer() || it.value().get<int64_t>() < 1 || it.value().get<int64_t>() > (1 << 20)) {
+        throw ConfigError(source + ": key \"model." + it.key() + "\": expected an integer in [1, 1048576], got " +
+                          it.value().dump());
+      }
+      *target = it.value().get<int64_t>();
+    }
+    if (!known) throw ConfigError(source + ": unknown key \"model." + it.key() + "\"");
+  }
+  if (options.d_model % options.heads != 0) {
+    throw ConfigError(source + ": key \"model.heads\": " + std::to_string(options.heads) + " does not divide d_model " +
+                      std::to_string(options.d_model));
+  }
+  return options;
+}
+
+torch::nn::Sequential make_gpt(const GptOptions& options) {
+  torch::nn::Sequential model;
+  model->push_back("embed", TokenEmbedding(options));
+  for (int64_t layer = 0; layer < options.layers; ++layer) {
+    model->push_back("block" + std::to_string(layer), TransformerBlock(options));
+  }
+  model->push_back("head", LanguageModelHead(options));
+  return model;
+}
+
+at::Tensor gpt_loss(const at::Tensor& logits, const at::Tensor& targets) {
+  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+}
+
+}  // namespace smp::examples

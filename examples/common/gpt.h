@@ -1,0 +1,30 @@
+#pragma once
+// A small GPT-style decoder written as a torch::nn::Sequential chain (embedding, transformer blocks, head), so
+// that smp can cut it into pipeline stages between any two modules.
+
+#include <cstdint>
+#include <string>
+
+#include <torch/nn/modules/container/sequential.h>
+
+namespace smp::examples {
+
+struct GptOptions {
+  int64_t vocab_size = 256;  // byte-level tokens
+  int64_t context = 64;      // positions the model can see
+  int64_t d_model = 64;
+  int64_t heads = 4;
+  int64_t layers = 6;
+};
+
+// Reads the "model" section of a config, given as JSON text (unknown keys and bad values are errors naming the key).
+GptOptions gpt_options_from_section(const std::string& json_text, const std::string& source);
+
+// Modules: "embed", "block0".."block{layers-1}", "head". Initialisation draws from torch's global generator:
+// seed it identically on every rank.
+torch::nn::Sequential make_gpt(const GptOptions& options);
+
+// Mean cross-entropy of logits [B, T, V] against targets [B, T].
+at::Tensor gpt_loss(const at::Tensor& logits, const at::Tensor& targets);
+
+}  // namespace smp::examples

@@ -1,0 +1,117 @@
+#include "rank_setup.h"
+
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+
+namespace smp::launch {
+namespace {
+
+int port_of(const sockaddr_storage& address) {
+  if (address.ss_family == AF_INET) {
+    return ntohs(reinterpret_cast<const sockaddr_in&>(address).sin_port);
+  }
+  return ntohs(reinterpret_cast<const sockaddr_in6&>(address).sin6_port);
+}
+
+// 0, or the errno execve would give for this exact path.
+int check_executable_path(const std::string& path) {
+  struct stat info {};
+  if (::stat(path.c_str(), &info) != 0) return errno;
+  if (!S_ISREG(info.st_mode)) return EACCES;
+  if (::access(path.c_str(), X_OK) != 0) return errno;
+  return 0;
+}
+
+}  // namespace
+
+int pick_free_port(const std::string& address) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* candidates = nullptr;
+  const int lookup = ::getaddrinfo(address.c_str(), "0", &hints, &candidates);
+  if (lookup != 0) {
+    throw std::runtime_error("cannot resolve '" + address + "': " + ::gai_strerror(lookup));
+  }
+
+  std::string last_error = "no usable address";
+  int port = 0;
+  for (const addrinfo* candidate = candidates; candidate != nullptr && port == 0;
+       candidate = candidate->ai_next) {
+    const int fd = ::socket(candidate->ai_family, candidate->ai_socktype | SOCK_CLOEXEC, candidate->ai_protocol);
+    if (fd < 0) {
+      last_error = std::strerror(errno);
+      continue;
+    }
+    sockaddr_storage bound{};
+    socklen_t bound_length = sizeof bound;
+    if (::bind(fd, candidate->ai_addr, candidate->ai_addrlen) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &bound_length) == 0) {
+      port = port_of(bound);
+    } else {
+      last_error = std::strerror(errno);
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(candidates);
+  if (port == 0) {
+    throw std::runtime_error("cannot pick a free port on '" + address + "': " + last_error);
+  }
+  return port;
+}
+
+std::vector<std::string> rank_environment(const std::vector<std::string>& base, int rank, int world_size,
+                                          const std::string& master_addr, int master_port) {
+  const std::array<std::pair<const char*, std::string>, 6> rendezvous{{
+      {"RANK", std::to_string(rank)},
+      {"LOCAL_RANK", std::to_string(rank)},
+      {"WORLD_SIZE", std::to_string(world_size)},
+      {"LOCAL_WORLD_SIZE", std::to_string(world_size)},
+      {"MASTER_ADDR", master_addr},
+      {"MASTER_PORT", std::to_string(master_port)},
+  }};
+  const auto is_rendezvous_variable = [&](const std::string& entry) {
+    const std::string name = entry.substr(0, entry.find('='));
+    return std::any_of(rendezvous.begin(), rendezvous.end(),
+                       [&](const auto& variable) { return name == variable.first; });
+  };
+
+  std::vector<std::string> environment;
+  environment.reserve(base.size() + rendezvous.size());
+  std::copy_if(base.begin(), base.end(), std::back_inserter(environment),
+               [&](const std::string& entry) { return !is_rendezvous_variable(entry); });
+  for (const auto& [name, value] : rendezvous) environment.push_back(std::string(name) + "=" + value);
+  return environment;
+}
+
+int check_executable(const std::string& program, const char* path_variable) {
+  if (program.empty()) return ENOENT;
+  if (program.find('/') != std::string::npos) return check_executable_path(program);
+
+  // glibc's execvp searches this when PATH is unset.
+  const std::string search_path = path_variable != nullptr ? path_variable : "/bin:/usr/bin";
+  int failure = ENOENT;
+  std::size_t start = 0;
+  while (true) {
+    const std::size_t end = search_path.find(':', start);
+    const std::string directory = search_path.substr(start, end == std::string::npos ? end : end - start);
+    // An empty PATH entry means the current directory, as for execvp.
+    const int result = check_executable_path((directory.empty() ? "." : directory) + "/" + program);
+    if (result == 0) return 0;
+    // Like execvp: a file that exists but cannot be run is reported over one that is missing elsewhere.
+    if (result == EACCES) failure = EACCES;
+    if (end == std::string::npos) return failure;
+    start = end + 1;
+  }
+}
+
+}  // namespace smp::launch

@@ -1,0 +1,23 @@
+#pragma once
+// What every rank needs before it is forked: a rendezvous port, its environment, and a program that exists.
+
+#include <string>
+#include <vector>
+
+namespace smp::launch {
+
+// Binds a TCP socket to port 0 on `address` (numeric or a host name), reads back the port the kernel chose
+// and closes the socket. Throws std::runtime_error when nothing can be bound there, e.g. a remote address.
+int pick_free_port(const std::string& address);
+
+// `base` ("NAME=value" entries) with the rendezvous variables replaced by this rank's values; everything
+// else, OMP_NUM_THREADS included, is kept as given.
+std::vector<std::string> rank_environment(const std::vector<std::string>& base, int rank, int world_size,
+                                          const std::string& master_addr, int master_port);
+
+// Checks, the way execvp searches, that `program` names an executable file: a path when it contains a '/',
+// otherwise a PATH lookup (`path_variable` null: the default search path). Returns 0 or the errno that
+// execvp would fail with (ENOENT, EACCES).
+int check_executable(const std::string& program, const char* path_variable);
+
+}  // namespace smp::launch

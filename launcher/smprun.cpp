@@ -1,0 +1,50 @@
+// smprun: the local process launcher of smp. See `smprun --help` (command_line.cpp) for the interface.
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "command_line.h"
+#include "job_runner.h"
+#include "rank_setup.h"
+
+namespace {
+
+int usage_error(const std::string& problem) {
+  std::fprintf(stderr, "smprun: %s\n%s\n", problem.c_str(), smp::launch::usage_line().c_str());
+  return smp::launch::kExitUsage;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace smp::launch;
+
+  CommandLine command_line;
+  try {
+    command_line = parse_command_line({argv + 1, argv + argc});
+  } catch (const UsageError& error) {
+    return usage_error(error.what());
+  }
+  if (command_line.help_requested) {
+    std::fputs(help_text().c_str(), stdout);
+    return kExitSuccess;
+  }
+
+  LaunchOptions& options = command_line.options;
+  // Checked once here so that a typo is one clear error instead of N failing ranks.
+  const std::string& program = options.program_and_args.front();
+  if (const int error = check_executable(program, std::getenv("PATH")); error != 0) {
+    return usage_error("cannot execute '" + program + "': " + std::strerror(error));
+  }
+  if (options.master_port == 0) {
+    try {
+      options.master_port = pick_free_port(options.master_addr);
+    } catch (const std::runtime_error& error) {
+      return usage_error(std::string(error.what()) + "; pass --master-port");
+    }
+  }
+  return run_job(options);
+}

@@ -1,0 +1,95 @@
+#pragma once
+// A pipeline schedule is data: for each pipeline rank, the ordered list of actions it performs in one
+// training step. Generators write compute-only lists; lower_communication() adds the transfers so that both
+// ends of every transfer come from the same pass; validate() rejects anything the engine could not run.
+// Plain C++: no LibTorch here, so these tests run in milliseconds.
+
+#include <cstdint>
+#include <iosfwd>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace smp::sched {
+
+enum class ActionKind : std::uint8_t {
+  Forward,         // F: run the stage forward for one microbatch
+  Backward,        // B: full backward (input and weight gradients)
+  BackwardInput,   // I: input-gradient part of backward only
+  BackwardWeight,  // W: weight-gradient part, after the matching I
+  SendForward,     // SEND_F: ship this stage's outputs for a microbatch to peer_stage
+  RecvForward,     // RECV_F: wait for the inputs of a microbatch from peer_stage
+  SendBackward,    // SEND_B: ship input gradients of a microbatch back to peer_stage
+  RecvBackward,    // RECV_B: wait for output gradients of a microbatch from peer_stage
+};
+
+struct Action {
+  ActionKind kind;
+  int stage;       // the stage this rank executes the action for
+  int microbatch;
+  int peer_stage = -1;  // transfers only: the stage at the other end
+
+  bool operator==(const Action& other) const {
+    return kind == other.kind && stage == other.stage && microbatch == other.microbatch &&
+           peer_stage == other.peer_stage;
+  }
+  bool operator!=(const Action& other) const { return !(*this == other); }
+};
+
+// "F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B" (as torch.distributed.pipelining spells them).
+const char* to_string(ActionKind kind);
+ActionKind action_kind_from_string(const std::string& text);  // throws ScheduleError on unknown text
+bool is_compute(ActionKind kind);
+// e.g. "F(stage 2, mb 3)" or "SEND_F(stage 1 -> 2, mb 0)"
+std::string describe(const Action& action);
+
+class ScheduleError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Which stages feed which: consumers[s] lists the stages that take an output of stage s (always later
+// stages). A chain is consumers[s] = {s + 1}. Stage 0 takes the batch, the last stage produces the loss.
+struct StageGraph {
+  std::vector<std::vector<int>> consumers;
+
+  static StageGraph chain(int num_stages);
+  int num_stages() const { return static_cast<int>(consumers.size()); }
+  std::vector<int> producers_of(int stage) const;
+};
+
+struct Schedule {
+  std::string name;      // generator name, e.g. "gpipe", "1f1b"
+  int num_ranks = 0;     // pipeline ranks
+  int num_stages = 0;    // stages (num_ranks * virtual stages per rank)
+  int num_microbatches = 0;
+  bool split_backward = false;    // true when the schedule uses I + W instead of B
+  std::vector<int> stage_to_rank; // stage -> pipeline rank that owns it
+  std::vector<std::vector<Action>> ranks;  // per pipeline rank, in execution order
+
+  std::vector<int> stages_of_rank(int rank) const;
+};
+
+// Fill-drain: every forward of every microbatch, then every backward (in reverse microbatch order).
+Schedule make_gpipe(int num_ranks, int num_microbatches);
+// One forward, one backward in steady state. max_active caps the microbatches in flight per rank
+// (SMP's active_microbatches); 0 means the natural 1F1B bound of num_ranks - rank.
+Schedule make_1f1b(int num_ranks, int num_microbatches, int max_active = 0);
+
+// Adds SEND_F/RECV_F/SEND_B/RECV_B around the compute actions of a compute-only schedule. Sends are posted
+// right after the compute that produces them and receives right before the compute that needs them; the
+// engine posts sends asynchronously and never waits on a send before its program ends, so the only blocking
+// actions are receives, and the schedule is deadlock-free iff the simulator finds no cycle.
+Schedule lower_communication(const Schedule& compute_only, const StageGraph& graph);
+
+// Throws ScheduleError naming the rank, the position and the offending action when the schedule is malformed:
+// unknown stage or rank, an action on a stage the rank does not own, a microbatch out of range, duplicates,
+// missing actions (each stage must F, and B or I+W, each microbatch exactly once), B/I before its F, W before
+// its I, a receive without the matching send on the peer (or the reverse), or an order that deadlocks.
+void validate(const Schedule& schedule, const StageGraph& graph);
+
+// One action per line: "rank,kind,stage,microbatch,peer_stage" after a header line; see schedule.cpp.
+void write_csv(const Schedule& schedule, std::ostream& out);
+Schedule read_csv(std::istream& in);  // throws ScheduleError naming the line
+
+}  // namespace smp::sched

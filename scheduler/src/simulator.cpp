@@ -1,0 +1,217 @@
+#include "smp/scheduler/simulator.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <string>
+
+#include "detail.h"
+
+namespace smp::sched {
+
+SimulationCosts SimulationCosts::uniform(int num_stages, const StageCosts& stage, const P2PCosts& p2p) {
+  if (num_stages < 1) throw ScheduleError("simulation costs need at least 1 stage, got " + std::to_string(num_stages));
+  return SimulationCosts{std::vector<StageCosts>(static_cast<std::size_t>(num_stages), stage), p2p};
+}
+
+namespace {
+
+void check_costs(const SimulationCosts& costs, int num_stages) {
+  const auto check = [](double value, const std::string& what) {
+    if (!std::isfinite(value) || value < 0)
+      throw ScheduleError("simulation costs: " + what + " must be finite and non-negative, got " +
+                          std::to_string(value));
+  };
+  if (static_cast<int>(costs.stages.size()) != num_stages)
+    throw ScheduleError("simulation costs: " + std::to_string(costs.stages.size()) + " stage entries for " +
+                        std::to_string(num_stages) + " stages");
+  for (std::size_t stage = 0; stage < costs.stages.size(); ++stage) {
+    const StageCosts& cost = costs.stages[stage];
+    const std::string which = "stage " + std::to_string(stage) + " ";
+    check(cost.forward, which + "forward");
+    check(cost.backward, which + "backward");
+    check(cost.backward_input, which + "backward_input");
+    check(cost.backward_weight, which + "backward_weight");
+  }
+  check(costs.p2p.latency_s, "latency_s");
+  check(costs.p2p.bytes_per_transfer, "bytes_per_transfer");
+  if (costs.p2p.bytes_per_transfer > 0 && !(costs.p2p.bandwidth_bytes_per_s > 0))
+    throw ScheduleError("simulation costs: bandwidth_bytes_per_s must be positive when bytes_per_transfer is");
+}
+
+double compute_cost(const StageCosts& cost, ActionKind kind) {
+  switch (kind) {
+    case ActionKind::Forward:
+      return cost.forward;
+    case ActionKind::Backward:
+      return cost.backward;
+    case ActionKind::BackwardInput:
+      return cost.backward_input;
+    case ActionKind::BackwardWeight:
+      return cost.backward_weight;
+    default:
+      return 0.0;
+  }
+}
+
+// Ranks never contend for links here, so each rank's timeline depends only on its own order and on when its
+// messages arrive. That makes the step a dataflow problem: run each rank as far as it can go, park it on the
+// first message that has not been sent yet, and wake it when that message is sent. Every action is visited
+// once (plus once per wake-up), and the order in which ranks are advanced does not change any time.
+class Simulation {
+ public:
+  Simulation(const Schedule& schedule, const StageGraph& graph, const SimulationCosts& costs)
+      : schedule_(schedule),
+        costs_(costs),
+        transfers_(graph, schedule.num_microbatches),
+        implicit_transfers_(!detail::has_transfers(schedule)),
+        arrival_(static_cast<std::size_t>(transfers_.num_messages()), kNotSent),
+        waiting_rank_(static_cast<std::size_t>(transfers_.num_messages()), -1),
+        next_action_(static_cast<std::size_t>(schedule.num_ranks), 0),
+        clock_(static_cast<std::size_t>(schedule.num_ranks), 0.0),
+        awaited_(static_cast<std::size_t>(schedule.num_ranks)),
+        in_flight_(static_cast<std::size_t>(schedule.num_ranks), 0) {
+    result_.busy_time.assign(static_cast<std::size_t>(schedule.num_ranks), 0.0);
+    result_.peak_in_flight.assign(static_cast<std::size_t>(schedule.num_ranks), 0);
+    result_.timings.resize(static_cast<std::size_t>(schedule.num_ranks));
+    for (int rank = 0; rank < schedule.num_ranks; ++rank) result_.timings[rank].resize(schedule.ranks[rank].size());
+  }
+
+  SimulationResult run() {
+    std::vector<int> runnable(static_cast<std::size_t>(schedule_.num_ranks));
+    std::iota(runnable.begin(), runnable.end(), 0);
+    while (!runnable.empty()) {
+      const int rank = runnable.back();
+      runnable.pop_back();
+      advance(rank, runnable);
+    }
+    throw_if_stuck();
+
+    result_.makespan = *std::max_element(clock_.begin(), clock_.end());
+    const double busy = std::accumulate(result_.busy_time.begin(), result_.busy_time.end(), 0.0);
+    if (result_.makespan > 0) result_.bubble_fraction = 1.0 - busy / (schedule_.num_ranks * result_.makespan);
+    return std::move(result_);
+  }
+
+ private:
+  static constexpr double kNotSent = -1.0;
+
+  double transfer_time(const Action& transfer) const {
+    if (schedule_.stage_to_rank[transfer.stage] == schedule_.stage_to_rank[transfer.peer_stage]) return 0.0;
+    const P2PCosts& p2p = costs_.p2p;
+    return p2p.latency_s + (p2p.bytes_per_transfer > 0 ? p2p.bytes_per_transfer / p2p.bandwidth_bytes_per_s : 0.0);
+  }
+
+  // Runs `rank` until it finishes or reaches a message that has not been sent yet.
+  void advance(int rank, std::vector<int>& runnable) {
+    const std::vector<Action>& actions = schedule_.ranks[rank];
+    std::size_t& next = next_action_[rank];
+    for (; next < actions.size(); ++next) {
+      const Action& action = actions[next];
+      double inputs_ready = clock_[rank];
+      bool blocked = false;
+      const auto need = [&](const Action& receive, int message) {
+        if (blocked) return;
+        if (arrival_[message] == kNotSent) {
+          blocked = true;
+          waiting_rank_[message] = rank;
+          awaited_[rank] = receive;
+        } else {
+          inputs_ready = std::max(inputs_ready, arrival_[message]);
+        }
+      };
+      if (action.kind == ActionKind::RecvForward || action.kind == ActionKind::RecvBackward)
+        need(action, transfers_.message_of(action));
+      else if (implicit_transfers_)
+        transfers_.for_each_receive(action, need);
+      if (blocked) return;
+
+      const bool compute = is_compute(action.kind);
+      const double duration = compute_cost(costs_.stages[action.stage], action.kind);
+      // A RECV spans the wait; a compute action starts once its inputs are there.
+      const double start = compute ? inputs_ready : clock_[rank];
+      const double end = inputs_ready + duration;
+      result_.timings[rank][next] = {start, end};
+      clock_[rank] = end;
+
+      const auto send = [&](const Action& transfer, int message) {
+        arrival_[message] = end + transfer_time(transfer);
+        if (waiting_rank_[message] >= 0) {
+          runnable.push_back(waiting_rank_[message]);
+          waiting_rank_[message] = -1;
+        }
+      };
+      if (action.kind == ActionKind::SendForward || action.kind == ActionKind::SendBackward)
+        send(action, transfers_.message_of(action));
+      else if (implicit_transfers_)
+        transfers_.for_each_send(action, send);
+
+      if (compute) {
+        result_.busy_time[rank] += duration;
+        track_activations(rank, action.kind);
+      }
+    }
+  }
+
+  void track_activations(int rank, ActionKind kind) {
+    int& held = in_flight_[rank];
+    if (kind == ActionKind::Forward) {
+      ++held;
+      result_.peak_in_flight[rank] = std::max(result_.peak_in_flight[rank], held);
+    } else if (kind == ActionKind::Backward || kind == ActionKind::BackwardWeight) {
+      --held;
+    }
+  }
+
+  // What produces the message a receive waits for: its SEND, or in a compute-only schedule the compute action
+  // that ships it, since that is what the reader of such a schedule can find in it.
+  Action awaited_sender(const Action& receive) const {
+    const Action send = detail::matching_transfer(receive);
+    if (!implicit_transfers_) return send;
+    if (send.kind == ActionKind::SendForward) return {ActionKind::Forward, send.stage, send.microbatch};
+    return {schedule_.split_backward ? ActionKind::BackwardInput : ActionKind::Backward, send.stage, send.microbatch};
+  }
+
+  void throw_if_stuck() const {
+    std::string stuck;
+    for (int rank = 0; rank < schedule_.num_ranks; ++rank) {
+      const std::size_t next = next_action_[rank];
+      if (next == schedule_.ranks[rank].size()) continue;
+      const Action sender = awaited_sender(awaited_[rank]);
+      stuck += (stuck.empty() ? "" : "; ") + std::string("rank ") + std::to_string(rank) + " waits at action #" +
+               std::to_string(next) + " " + describe(schedule_.ranks[rank][next]) + " for " + describe(sender) +
+               " from rank " + std::to_string(schedule_.stage_to_rank[sender.stage]);
+    }
+    if (!stuck.empty()) throw ScheduleError("schedule '" + schedule_.name + "' deadlocks: " + stuck);
+  }
+
+  const Schedule& schedule_;
+  const SimulationCosts& costs_;
+  const detail::TransferMap transfers_;
+  const bool implicit_transfers_;  // compute-only: each compute action does its own receives and sends
+  std::vector<double> arrival_;    // per message
+  std::vector<int> waiting_rank_;  // per message: the rank parked on it, -1 if none
+  std::vector<std::size_t> next_action_;
+  std::vector<double> clock_;    // per rank: when its last action ended
+  std::vector<Action> awaited_;  // per rank: the receive it is parked on
+  std::vector<int> in_flight_;
+  SimulationResult result_;
+};
+
+}  // namespace
+
+namespace detail {
+
+SimulationResult simulate_checked(const Schedule& schedule, const StageGraph& graph, const SimulationCosts& costs) {
+  return Simulation(schedule, graph, costs).run();
+}
+
+}  // namespace detail
+
+SimulationResult simulate(const Schedule& schedule, const StageGraph& graph, const SimulationCosts& costs) {
+  detail::check_structure(schedule, graph);
+  check_costs(costs, schedule.num_stages);
+  return detail::simulate_checked(schedule, graph, costs);
+}
+
+}  // namespace smp::sched

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Installs what is missing and builds smp in Release. Idempotent: seconds when everything is already there.
+#   SMP_VENV    virtual environment holding the torch wheel (default ~/.cache/smp/venv, shared by every clone)
+#   SMP_BUILD   build directory (default <repo>/build)
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${SMP_VENV:-$HOME/.cache/smp/venv}
+build=${SMP_BUILD:-$repo/build}
+torch_version=2.11.0
+apt_packages=(build-essential cmake ninja-build ccache python3-venv libmetis-dev libspdlog-dev catch2
+              nlohmann-json3-dev libgloo-dev fortunes)
+
+say() { printf '[setup] %s\n' "$*" >&2; }
+
+missing=()
+for package in "${apt_packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "ok installed" || missing+=("$package")
+done
+if ((${#missing[@]})); then
+  say "installing Debian packages: ${missing[*]}"
+  sudo_cmd=(); [ "$(id -u)" -ne 0 ] && sudo_cmd=(sudo)
+  "${sudo_cmd[@]}" apt-get update -q
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+python=${SMP_PYTHON:-python3}
+if ! "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" 2>/dev/null; then
+  say "installing torch==$torch_version into $venv (one time, shared by every clone)"
+  "$python" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q "torch==$torch_version"
+fi
+torch_prefix=$("$venv/bin/python" -c "import torch; print(torch.utils.cmake_prefix_path)" 2>/dev/null)
+
+generator=()
+command -v ninja >/dev/null && generator=(-G Ninja)
+if [ ! -f "$build/CMakeCache.txt" ]; then
+  say "configuring $build"
+  cmake -S "$repo" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" >&2
+fi
+jobs=${SMP_JOBS:-$(nproc)}
+say "building ($jobs jobs)"
+cmake --build "$build" --parallel "$jobs" >&2
+say "ready: $build/bin"

@@ -1,0 +1,27 @@
+# Torch-free unit tests: config validation, topology, chain partition search.
+add_executable(test_core
+  ${CMAKE_CURRENT_LIST_DIR}/test_config.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/test_topology.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/test_chain_split.cpp)
+target_link_libraries(test_core PRIVATE smp_catch_main smp::config smp::partitioner)
+target_compile_options(test_core PRIVATE -Wall -Wextra)
+catch_discover_tests(test_core)
+
+# The program every multi-process test launches: trains under smp and checks itself against single-process
+# LibTorch training of the same model on the same global batches.
+add_executable(training_worker ${CMAKE_CURRENT_LIST_DIR}/training_worker.cpp)
+target_link_libraries(training_worker PRIVATE smp_examples_common)
+target_compile_options(training_worker PRIVATE -Wall -Wextra)
+target_precompile_headers(training_worker REUSE_FROM smp_engine)
+set_target_properties(training_worker PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+
+add_executable(test_training ${CMAKE_CURRENT_LIST_DIR}/test_training.cpp)
+target_link_libraries(test_training PRIVATE smp_catch_main)
+target_compile_options(test_training PRIVATE -Wall -Wextra)
+target_compile_definitions(test_training PRIVATE
+  SMPRUN_PATH="$<TARGET_FILE:smprun>"
+  WORKER_PATH="$<TARGET_FILE:training_worker>"
+  EXAMPLE_PATH="$<TARGET_FILE:hybrid_2x4>"
+  EXAMPLE_CONFIG="${PROJECT_SOURCE_DIR}/examples/hybrid_2x4.json")
+add_dependencies(test_training smprun training_worker hybrid_2x4)
+catch_discover_tests(test_training PROPERTIES TIMEOUT 600)

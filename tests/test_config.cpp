@@ -1,0 +1,90 @@
+#include <catch2/catch.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include "smp/config.h"
+
+using smp::Config;
+using smp::ConfigError;
+using Catch::Matchers::Contains;
+
+namespace {
+Config parse(const std::string& text) { return Config::from_json_text(text, "job.json"); }
+}  // namespace
+
+TEST_CASE("config: defaults and SMP keys", "[config]") {
+  const Config defaults = parse("{}");
+  CHECK(defaults.partitions == 1);
+  CHECK(defaults.microbatches == 1);
+  CHECK(defaults.pipeline == smp::PipelineKind::Interleaved);
+  CHECK_FALSE(defaults.ddp);
+
+  const Config config = parse(R"({"partitions": 4, "microbatches": 8, "pipeline": "simple", "ddp": true,
+      "placement_strategy": "spread", "active_microbatches": 3, "auto_partition": false, "default_partition": 2,
+      "optimize": "memory", "memory_weight": 0.5, "seed": 7, "global_batch_size": 64, "comm_timeout_s": 12.5,
+      "partition_overrides": {"block3": 1}})");
+  CHECK(config.partitions == 4);
+  CHECK(config.microbatches == 8);
+  CHECK(config.pipeline == smp::PipelineKind::Simple);
+  CHECK(config.ddp);
+  CHECK(config.placement_strategy == "spread");
+  CHECK(config.active_microbatches == 3);
+  CHECK_FALSE(config.auto_partition);
+  CHECK(config.default_partition == 2);
+  CHECK(config.optimize == "memory");
+  CHECK(config.memory_weight == 0.5);
+  CHECK(config.seed == 7);
+  CHECK(config.global_batch_size == 64);
+  CHECK(config.comm_timeout_s == 12.5);
+  CHECK(config.partition_overrides.at("block3") == 1);
+
+  CHECK(parse(R"({"pipeline_parallel_degree": 3})").partitions == 3);
+}
+
+TEST_CASE("config: an smp section leaves the other sections to the application", "[config]") {
+  const Config config = parse(R"({"smp": {"partitions": 2}, "model": {"layers": 3}})");
+  CHECK(config.partitions == 2);
+  CHECK(config.application("model").at("layers") == 3);
+  CHECK(config.application("training").is_null());
+  CHECK_THROWS_WITH(parse(R"({"smp": 3})"), Contains("\"smp\": expected an object"));
+}
+
+TEST_CASE("config: every bad value is a one-line error naming the key", "[config]") {
+  CHECK_THROWS_WITH(parse(R"({"microbatchs": 4})"), Contains("unknown key \"microbatchs\"") && Contains("did you mean \"microbatches\""));
+  CHECK_THROWS_WITH(parse(R"({"zzzzzzzzzz": 4})"), Contains("unknown key \"zzzzzzzzzz\""));
+  CHECK_THROWS_WITH(parse(R"({"partitions": "4"})"), Contains("key \"partitions\": expected an integer, got string"));
+  CHECK_THROWS_WITH(parse(R"({"partitions": 0})"), Contains("key \"partitions\": must be in [1, 4096], got 0"));
+  CHECK_THROWS_WITH(parse(R"({"partitions": 2.5})"), Contains("key \"partitions\": expected an integer"));
+  CHECK_THROWS_WITH(parse(R"({"microbatches": -3})"), Contains("key \"microbatches\""));
+  CHECK_THROWS_WITH(parse(R"({"microbatches": 99999999999999999999})"), Contains("key \"microbatches\""));
+  CHECK_THROWS_WITH(parse(R"({"pipeline": "1f1b"})"), Contains("key \"pipeline\": expected one of \"simple\", \"interleaved\""));
+  CHECK_THROWS_WITH(parse(R"({"ddp": 1})"), Contains("key \"ddp\": expected true or false"));
+  CHECK_THROWS_WITH(parse(R"({"placement_strategy": "DD"})"), Contains("key \"placement_strategy\""));
+  CHECK_THROWS_WITH(parse(R"({"memory_weight": 1.5})"), Contains("key \"memory_weight\": must be in [0, 1]"));
+  CHECK_THROWS_WITH(parse(R"({"optimize": "fast"})"), Contains("key \"optimize\""));
+  CHECK_THROWS_WITH(parse(R"({"partitions": 2, "default_partition": 2})"), Contains("key \"default_partition\""));
+  CHECK_THROWS_WITH(parse(R"({"partitions": 2, "partition_overrides": {"a": 5}})"), Contains("module \"a\" must map to a stage in [0, 1]"));
+  CHECK_THROWS_WITH(parse(R"({"partitions": 2, "pipeline_parallel_degree": 2})"), Contains("give only one of them"));
+  CHECK_THROWS_WITH(parse(R"({"microbatches": 3, "global_batch_size": 32})"), Contains("does not split into 3 microbatches"));
+  CHECK_THROWS_WITH(parse(R"({"comm_timeout_s": 0})"), Contains("key \"comm_timeout_s\""));
+}
+
+TEST_CASE("config: malformed documents", "[config]") {
+  CHECK_THROWS_WITH(parse("{\"partitions\": 4"), Contains("job.json: not valid JSON"));
+  CHECK_THROWS_WITH(parse("[1, 2]"), Contains("expected a JSON object"));
+  CHECK_THROWS_WITH(parse(std::string(1000, '[') + std::string(1000, ']')), Contains("nested 1000 levels deep"));
+  CHECK_THROWS_WITH(parse("{\"seed\": \"\xff\xfe\"}"), Contains("not valid JSON"));
+  CHECK_THROWS_AS(Config::from_file("/nonexistent/job.json"), ConfigError);
+}
+
+TEST_CASE("config: world size must be partitions x replicas", "[config]") {
+  Config config = parse(R"({"partitions": 4, "ddp": true, "microbatches": 4, "global_batch_size": 32})");
+  CHECK(config.replicas_for_world(8) == 2);
+  CHECK(config.replicas_for_world(4) == 1);
+  CHECK_THROWS_WITH(config.replicas_for_world(6), Contains("world size 6 is not a multiple of \"partitions\" (4)"));
+  CHECK_THROWS_WITH(config.replicas_for_world(12), Contains("does not split into 3 replicas x 4 microbatches"));
+  config.ddp = false;
+  CHECK_THROWS_WITH(config.replicas_for_world(8), Contains("\"ddp\" is false"));
+  CHECK_NOTHROW(config.check_batch(64, 2));
+  CHECK_THROWS_WITH(config.check_batch(20, 2), Contains("a global batch of 20 does not split into 2 replicas x 4 microbatches"));
+}

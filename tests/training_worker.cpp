@@ -1,0 +1,165 @@
+// Launched by the multi-process tests (under smprun). Trains a model with smp for a few steps and, on every rank,
+// also trains the same model the plain single-process LibTorch way on the same global batches; exits 0 only if
+// this rank's parameters and the step losses agree with that reference within float tolerance.
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+
+#include <ATen/ATen.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include "common/gpt.h"
+#include "smp/distributed_model.h"
+#include "smp/distributed_optimizer.h"
+#include "smp/main.h"
+#include "smp/runtime.h"
+
+namespace {
+
+struct Options {
+  std::string config_path;
+  std::string model = "mlp";
+  std::string optimizer = "sgd";
+  int steps = 3;
+  double clip = 0.0;
+  int fail_rank = -1;
+  int fail_step = -1;
+  double rtol = 1e-4;
+  double atol = 1e-5;
+};
+
+constexpr int64_t kMlpIn = 8, kMlpOut = 4, kGptLength = 16;
+
+torch::nn::Sequential make_model(const Options& options) {
+  if (options.model == "gpt") {
+    smp::examples::GptOptions gpt;
+    gpt.vocab_size = 32, gpt.context = kGptLength, gpt.d_model = 16, gpt.heads = 2, gpt.layers = 4;
+    return smp::examples::make_gpt(gpt);
+  }
+  torch::nn::Sequential mlp;
+  mlp->push_back(torch::nn::Linear(kMlpIn, 32));
+  for (int layer = 0; layer < 3; ++layer) {
+    mlp->push_back(torch::nn::Tanh());
+    mlp->push_back(torch::nn::Linear(32, 32));
+  }
+  mlp->push_back(torch::nn::Tanh());
+  mlp->push_back(torch::nn::Linear(32, kMlpOut));
+  return mlp;
+}
+
+std::pair<at::Tensor, at::Tensor> global_batch(const Options& options, int64_t size, int step, uint64_t seed) {
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(seed * 7919 + static_cast<uint64_t>(step));
+  if (options.model == "gpt") {
+    auto tokens = at::randint(32, {size, kGptLength + 1}, generator, at::kLong);
+    return {tokens.narrow(1, 0, kGptLength).contiguous(), tokens.narrow(1, 1, kGptLength).contiguous()};
+  }
+  return {at::randn({size, kMlpIn}, generator), at::randn({size, kMlpOut}, generator)};
+}
+
+smp::LossFunction loss_of(const Options& options) {
+  if (options.model == "gpt") return smp::examples::gpt_loss;
+  return [](const at::Tensor& output, const at::Tensor& target) { return at::mse_loss(output, target); };
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Options& options, std::vector<at::Tensor> parameters) {
+  if (options.optimizer == "adamw") {
+    return std::make_unique<torch::optim::AdamW>(parameters, torch::optim::AdamWOptions(1e-2));
+  }
+  return std::make_unique<torch::optim::SGD>(parameters, torch::optim::SGDOptions(0.1).momentum(0.9));
+}
+
+Options parse(int argc, char** argv) {
+  Options options;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i], value = argv[i + 1];
+    if (flag == "--config") options.config_path = value;
+    else if (flag == "--model") options.model = value;
+    else if (flag == "--optimizer") options.optimizer = value;
+    else if (flag == "--steps") options.steps = std::stoi(value);
+    else if (flag == "--clip") options.clip = std::stod(value);
+    else if (flag == "--fail-rank") options.fail_rank = std::stoi(value);
+    else if (flag == "--fail-step") options.fail_step = std::stoi(value);
+    else if (flag == "--rtol") options.rtol = std::stod(value);
+    else throw std::runtime_error("training_worker: unknown flag " + flag);
+  }
+  return options;
+}
+
+int run(int argc, char** argv) {
+  const Options options = parse(argc, argv);
+  const smp::Config config = smp::Config::from_file(options.config_path);
+  auto runtime = smp::Runtime::init(config);
+  const int64_t batch = config.global_batch_size;
+  const int64_t microbatch = batch / runtime->topology().data_parallel_degree() / config.microbatches;
+
+  at::manual_seed(config.seed);
+  auto model = make_model(options);
+  smp::DistributedModel distributed(runtime, model, runtime->replica_slice(global_batch(options, batch, 0, config.seed).first).narrow(0, 0, microbatch));
+  smp::DistributedOptimizer optimizer(distributed, make_optimizer(options, distributed.parameters()));
+
+  at::manual_seed(config.seed);
+  auto reference = make_model(options);
+  auto reference_optimizer = make_optimizer(options, reference->parameters());
+  const auto loss = loss_of(options);
+
+  int failures = 0;
+  for (int step = 0; step < options.steps; ++step) {
+    if (runtime->rank() == options.fail_rank && step == options.fail_step) {
+      throw std::runtime_error("injected failure on rank " + std::to_string(runtime->rank()) + " at step " +
+                               std::to_string(step));
+    }
+    const auto [inputs, targets] = global_batch(options, batch, step, config.seed);
+    optimizer.zero_grad();
+    const auto output = distributed.train_step(runtime->replica_slice(inputs), runtime->replica_slice(targets), loss);
+    double norm = 0.0;
+    if (options.clip > 0) norm = optimizer.clip_grad_norm(options.clip);
+    optimizer.step();
+
+    reference_optimizer->zero_grad();
+    const auto reference_loss = loss(reference->forward(inputs), targets);
+    reference_loss.backward();
+    double reference_norm = 0.0;
+    if (options.clip > 0) reference_norm = torch::nn::utils::clip_grad_norm_(reference->parameters(), options.clip);
+    reference_optimizer->step();
+
+    const double expected = reference_loss.item<double>();
+    if (std::abs(output.loss - expected) > options.atol + options.rtol * std::abs(expected)) {
+      std::fprintf(stderr, "rank %d step %d: loss %.8f, single-process %.8f\n", runtime->rank(), step, output.loss, expected);
+      ++failures;
+    }
+    if (options.clip > 0 && std::abs(norm - reference_norm) > 1e-4 * reference_norm + 1e-6) {
+      std::fprintf(stderr, "rank %d step %d: grad norm %.8f, single-process %.8f\n", runtime->rank(), step, norm, reference_norm);
+      ++failures;
+    }
+    if (runtime->rank() == 0) std::printf("step %d loss %.8f reference %.8f\n", step, output.loss, expected);
+  }
+
+  const auto reference_parameters = reference->named_parameters();
+  for (const auto& [name, parameter] : distributed.named_parameters()) {
+    const at::Tensor* expected = reference_parameters.find(name);
+    if (!expected) {
+      std::fprintf(stderr, "rank %d: parameter %s has no single-process counterpart\n", runtime->rank(), name.c_str());
+      ++failures;
+      continue;
+    }
+    const double difference = (parameter - *expected).abs().max().item<double>();
+    const double scale = expected->abs().max().item<double>();
+    if (difference > options.atol + options.rtol * scale) {
+      std::fprintf(stderr, "rank %d: parameter %s differs by %.3g (scale %.3g)\n", runtime->rank(), name.c_str(),
+                   difference, scale);
+      ++failures;
+    }
+  }
+  std::printf("rank %d stage %d: %zu parameters checked, %d mismatches\n", runtime->rank(), distributed.stage(),
+              distributed.named_parameters().size(), failures);
+  return failures == 0 ? 0 : 3;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return smp::guarded_main(argc, argv, run); }

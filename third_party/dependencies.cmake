@@ -1,0 +1,20 @@
+# Glue for external packages; nothing here is copied source. Included (not add_subdirectory) from the top level
+# so that the imported targets are visible everywhere.
+
+find_package(Threads REQUIRED)
+find_package(nlohmann_json 3.10 REQUIRED)
+find_package(spdlog REQUIRED)
+find_package(METIS REQUIRED)
+find_package(GlooHeaders REQUIRED)
+
+# LibTorch comes from the pip `torch` wheel; scripts/setup.sh passes its torch.utils.cmake_prefix_path.
+find_package(Torch REQUIRED)
+# TORCH_LIBRARIES carries the wheel's compile flags and definitions (USE_C10D_GLOO among them).
+add_library(smp_torch INTERFACE)
+add_library(smp::torch ALIAS smp_torch)
+target_link_libraries(smp_torch INTERFACE ${TORCH_LIBRARIES} smp::gloo_headers)
+
+# CUDA/NCCL: present on the build machines; the GPU code is compiled whenever the toolkit is found.
+include(CheckLanguage)
+check_language(CUDA)
+set(SMP_HAVE_CUDA ${CMAKE_CUDA_COMPILER})
