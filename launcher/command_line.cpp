@@ -11,8 +11,7 @@ constexpr double kMaxSeconds = 1e8;
 
 int parse_int_in_range(const std::string& flag, const std::string& text, int min, int max) {
   const std::string range = std::to_string(min) + ".." + std::to_string(max);
-  const bool all_digits =
-      !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
+  const bool all_digits = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
   if (!all_digits) {
     throw UsageError(flag + " needs an integer in " + range + ", got '" + text + "'");
   }
@@ -124,7 +123,8 @@ Each rank gets the caller's environment plus
   RANK=i  LOCAL_RANK=i  WORLD_SIZE=N  LOCAL_WORLD_SIZE=N  MASTER_ADDR  MASTER_PORT
 (OMP_NUM_THREADS is passed through if set and never invented), its own process group,
 stdin from /dev/null, and its stdout/stderr forwarded line by line to smprun's
-stdout/stderr as "[rank i] line".
+stdout/stderr as "[rank i] line". If smprun's stdout or stderr is closed (smprun ... | head),
+the ranks' pipes to it are closed too, so they see the closed pipe as they would without smprun.
 
 options:
   -n N                 number of ranks, 1..4096 (required)
@@ -134,13 +134,14 @@ options:
   --grace S            seconds between SIGTERM and SIGKILL when stopping (default 5)
   --no-prefix          forward output lines without the "[rank i] " prefix
   -h, --help           show this text
-Values may also be given as --option=value.
+Seconds are plain decimals (2, 0.5), at most 100000000. Values may also be given as --option=value.
 
 Stopping: when a rank exits non-zero or is killed by a signal, smprun reports it, sends
 SIGTERM to the process groups of all other ranks, SIGKILL to whatever is left after the
 grace period, forwards the remaining output and prints every rank's final status.
-SIGINT, SIGTERM and SIGHUP sent to smprun are forwarded to all ranks the same way;
-a second one kills all ranks at once.
+SIGINT, SIGTERM and SIGHUP sent to smprun are forwarded to all ranks the same way
+(those ignored when smprun started, as under nohup, stay ignored); one more while
+stopping kills all ranks at once.
 
 exit status:
   0    every rank exited 0

@@ -8,11 +8,12 @@
 
 namespace smp::launch {
 
-// Exit codes of smprun itself; a rank's own exit code is never passed through, so that these stay unambiguous.
+// Exit codes of smprun itself; a rank's own exit code is never passed through, so that these stay
+// unambiguous.
 inline constexpr int kExitSuccess = 0;
 inline constexpr int kExitRankFailed = 1;
 inline constexpr int kExitUsage = 2;
-inline constexpr int kExitTimeout = 124;  // as timeout(1) does
+inline constexpr int kExitTimeout = 124;     // as timeout(1) does
 inline constexpr int kExitSignalBase = 128;  // + the signal smprun received, as shells report it
 
 // Far above what one machine runs; it keeps a typo such as -n 40000 from forking the machine to death.

@@ -35,7 +35,8 @@ constexpr auto kDrainAfterLastExit = std::chrono::seconds(1);
 constexpr int kMaxReadsWhenDraining = 64;
 constexpr std::size_t kReadChunkBytes = 64 * 1024;
 
-constexpr std::array<int, 4> kHandledSignals{SIGCHLD, SIGINT, SIGTERM, SIGHUP};
+// The signals whose disposition smprun changes; every rank gets back the dispositions smprun inherited.
+constexpr std::array<int, 5> kManagedSignals{SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGPIPE};
 
 int g_signal_pipe_write_end = -1;
 
@@ -44,15 +45,14 @@ void record_signal(int signal_number) {
   const int saved_errno = errno;
   const auto byte = static_cast<unsigned char>(signal_number);
   // A full pipe already guarantees a wake-up, so a failed write loses nothing.
-  if (::write(g_signal_pipe_write_end, &byte, 1) < 0) {
-  }
+  [[maybe_unused]] const ssize_t written = ::write(g_signal_pipe_write_end, &byte, 1);
   errno = saved_errno;
 }
 
-sigset_t handled_signal_set() {
+sigset_t managed_signal_set() {
   sigset_t set;
   sigemptyset(&set);
-  for (const int signal_number : kHandledSignals) sigaddset(&set, signal_number);
+  for (const int signal_number : kManagedSignals) sigaddset(&set, signal_number);
   return set;
 }
 
@@ -162,14 +162,26 @@ class Job {
       return false;
     }
     g_signal_pipe_write_end = signal_pipe_[1];
-    struct sigaction action {};
-    action.sa_handler = record_signal;
-    sigemptyset(&action.sa_mask);
+    struct sigaction recording {};
+    recording.sa_handler = record_signal;
+    sigemptyset(&recording.sa_mask);
     // SA_NOCLDSTOP: a rank stopped by job control has not ended, so it needs no attention.
-    action.sa_flags = SA_RESTART | SA_NOCLDSTOP;
-    for (const int signal_number : kHandledSignals) ::sigaction(signal_number, &action, nullptr);
-    // A closed stdout must not kill smprun while it is still responsible for stopping the ranks.
-    ::signal(SIGPIPE, SIG_IGN);
+    recording.sa_flags = SA_RESTART | SA_NOCLDSTOP;
+    struct sigaction ignoring {};
+    ignoring.sa_handler = SIG_IGN;
+    sigemptyset(&ignoring.sa_mask);
+
+    for (std::size_t index = 0; index < kManagedSignals.size(); ++index) {
+      const int signal_number = kManagedSignals[index];
+      ::sigaction(signal_number, nullptr, &inherited_actions_[index]);
+      if (signal_number == SIGPIPE) {
+        // A closed stdout must not kill smprun while it is still responsible for stopping the ranks.
+        ::sigaction(signal_number, &ignoring, nullptr);
+      } else if (signal_number == SIGCHLD || inherited_actions_[index].sa_handler != SIG_IGN) {
+        // A stop signal that whoever started smprun chose to ignore (nohup) stays ignored.
+        ::sigaction(signal_number, &recording, nullptr);
+      }
+    }
     return true;
   }
 
@@ -204,7 +216,8 @@ class Job {
   // Returns 0 or an errno.
   int start_rank(Rank& rank, const std::vector<std::string>& environment) {
     std::vector<char*> environment_pointers;
-    for (const std::string& entry : environment) environment_pointers.push_back(const_cast<char*>(entry.c_str()));
+    for (const std::string& entry : environment)
+      environment_pointers.push_back(const_cast<char*>(entry.c_str()));
     environment_pointers.push_back(nullptr);
 
     int stdout_pipe[2];
@@ -219,9 +232,9 @@ class Job {
 
     // Blocked across fork so that the child cannot run smprun's handlers and feed them into smprun's own
     // signal pipe before it has reset them.
-    const sigset_t handled = handled_signal_set();
+    const sigset_t managed = managed_signal_set();
     sigset_t previous_mask;
-    ::sigprocmask(SIG_BLOCK, &handled, &previous_mask);
+    ::sigprocmask(SIG_BLOCK, &managed, &previous_mask);
     const pid_t pid = ::fork();
     if (pid == 0) {
       exec_rank(stdout_pipe[1], stderr_pipe[1], environment_pointers.data(), previous_mask);
@@ -248,9 +261,11 @@ class Job {
   // In the forked child. smprun is single-threaded, so the child may use any libc function until exec.
   [[noreturn]] void exec_rank(int stdout_write_fd, int stderr_write_fd, char** environment,
                               const sigset_t& original_mask) const {
-    for (const int signal_number : kHandledSignals) ::signal(signal_number, SIG_DFL);
-    // An ignored SIGPIPE would survive exec and change how the program reacts to a closed pipe.
-    ::signal(SIGPIPE, SIG_DFL);
+    // Left as smprun set them, an ignored SIGPIPE would survive exec and change how the program reacts to a
+    // closed pipe.
+    for (std::size_t index = 0; index < kManagedSignals.size(); ++index) {
+      ::sigaction(kManagedSignals[index], &inherited_actions_[index], nullptr);
+    }
     ::sigprocmask(SIG_SETMASK, &original_mask, nullptr);
     // Its own group, so that stopping a rank also reaches the processes it started.
     ::setpgid(0, 0);
@@ -276,7 +291,8 @@ class Job {
       const Clock::time_point now = Clock::now();
       const bool ranks_running = any_rank_running();
       if (stop_reason_ == StopReason::None && ranks_running && job_deadline && now >= *job_deadline) {
-        report("job exceeded --timeout " + format_seconds(options_.timeout_seconds) + " s; stopping all ranks");
+        report("job exceeded --timeout " + format_seconds(options_.timeout_seconds) +
+               " s; stopping all ranks");
         begin_stop(StopReason::Timeout, SIGTERM);
       }
       if (stopping_ && !kill_sent_ && now >= grace_deadline_) kill_remaining("the --grace period ended");
@@ -442,11 +458,15 @@ class Job {
 
   int exit_code() const {
     switch (stop_reason_) {
-      case StopReason::None: return kExitSuccess;
+      case StopReason::None:
+        return kExitSuccess;
       case StopReason::RankFailed:
-      case StopReason::LaunchFailed: return kExitRankFailed;
-      case StopReason::Timeout: return kExitTimeout;
-      case StopReason::Signal: return kExitSignalBase + received_signal_;
+      case StopReason::LaunchFailed:
+        return kExitRankFailed;
+      case StopReason::Timeout:
+        return kExitTimeout;
+      case StopReason::Signal:
+        return kExitSignalBase + received_signal_;
     }
     return kExitRankFailed;
   }
@@ -457,6 +477,7 @@ class Job {
   std::string exec_failure_prefix_;
   int null_input_fd_ = -1;
   int signal_pipe_[2] = {-1, -1};
+  std::array<struct sigaction, kManagedSignals.size()> inherited_actions_{};
 
   Clock::time_point started_at_;
   StopReason stop_reason_ = StopReason::None;

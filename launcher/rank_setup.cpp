@@ -47,7 +47,8 @@ int pick_free_port(const std::string& address) {
   int port = 0;
   for (const addrinfo* candidate = candidates; candidate != nullptr && port == 0;
        candidate = candidate->ai_next) {
-    const int fd = ::socket(candidate->ai_family, candidate->ai_socktype | SOCK_CLOEXEC, candidate->ai_protocol);
+    const int fd =
+        ::socket(candidate->ai_family, candidate->ai_socktype | SOCK_CLOEXEC, candidate->ai_protocol);
     if (fd < 0) {
       last_error = std::strerror(errno);
       continue;

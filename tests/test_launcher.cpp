@@ -54,6 +54,8 @@ struct SmprunRun {
   std::vector<std::pair<std::string, std::optional<std::string>>> environment_changes;
   // Fired in order, each only after the previous one.
   std::vector<SignalTrigger> signal_triggers;
+  // Ignored in smprun from its start, as nohup does with SIGHUP.
+  std::vector<int> ignored_signals;
   std::chrono::seconds deadline{60};
 };
 
@@ -94,6 +96,7 @@ SmprunResult run_smprun(const SmprunRun& run) {
         ::unsetenv(name.c_str());
       }
     }
+    for (const int signal_number : run.ignored_signals) ::signal(signal_number, SIG_IGN);
     ::dup2(out_pipe[1], STDOUT_FILENO);
     ::dup2(err_pipe[1], STDERR_FILENO);
     ::execv(argv[0], argv.data());
@@ -104,7 +107,8 @@ SmprunResult run_smprun(const SmprunRun& run) {
 
   SmprunResult result;
   const Clock::time_point deadline = started + run.deadline;
-  std::vector<std::pair<int, std::string*>> open_streams{{out_pipe[0], &result.out}, {err_pipe[0], &result.err}};
+  std::vector<std::pair<int, std::string*>> open_streams{{out_pipe[0], &result.out},
+                                                         {err_pipe[0], &result.err}};
   std::size_t triggers_fired = 0;
   while (!open_streams.empty() && !result.hit_deadline) {
     std::vector<pollfd> watched;
@@ -155,7 +159,9 @@ SmprunResult run_smprun(std::vector<std::string> args) {
   return run_smprun(run);
 }
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
 
 // Dead, or a zombie waiting for whoever adopted it: either way no longer running.
 bool process_gone(pid_t pid) {
@@ -220,9 +226,9 @@ int wait_status_of_child(const std::function<void()>& child_body) {
 // Command line
 
 TEST_CASE("parse_command_line reads every option", "[launcher]") {
-  const CommandLine parsed = parse_command_line({"-n", "4", "--master-addr", "10.0.0.1", "--master-port=29500",
-                                                 "--timeout", "2.5", "--grace=0", "--no-prefix", "--", "prog",
-                                                 "-n", "--x"});
+  const CommandLine parsed =
+      parse_command_line({"-n", "4", "--master-addr", "10.0.0.1", "--master-port=29500", "--timeout", "2.5",
+                          "--grace=0", "--no-prefix", "--", "prog", "-n", "--x"});
   REQUIRE_FALSE(parsed.help_requested);
   CHECK(parsed.options.world_size == 4);
   CHECK(parsed.options.master_addr == "10.0.0.1");
@@ -274,7 +280,8 @@ TEST_CASE("parse_command_line names each usage problem", "[launcher]") {
       {{"-n", "2", "--timeout", "1e3", "--", "prog"}, "--timeout needs a non-negative number"},
       {{"-n", "2", "--timeout", "inf", "--", "prog"}, "--timeout needs a non-negative number"},
       {{"-n", "2", "--grace", "1.2.3", "--", "prog"}, "--grace needs a non-negative number"},
-      {{"-n", "2", "--timeout", "99999999999999999999", "--", "prog"}, "--timeout must be at most 100000000 seconds"},
+      {{"-n", "2", "--timeout", "99999999999999999999", "--", "prog"},
+       "--timeout must be at most 100000000 seconds"},
       {{"-n", "2", "--grace", ".", "--", "prog"}, "--grace needs a non-negative number"},
       {{"-n", "2", "--no-prefix=yes", "--", "prog"}, "--no-prefix takes no value"},
   };
@@ -430,8 +437,8 @@ TEST_CASE("smprun runs every rank with its environment and prefixes its output",
 }
 
 TEST_CASE("smprun passes --master-addr and --master-port through", "[launcher][smprun]") {
-  const SmprunResult result = run_smprun({"-n", "2", "--master-addr", "localhost", "--master-port", "29123", "--",
-                                          "sh", "-c", "echo $MASTER_ADDR:$MASTER_PORT"});
+  const SmprunResult result = run_smprun({"-n", "2", "--master-addr", "localhost", "--master-port", "29123",
+                                          "--", "sh", "-c", "echo $MASTER_ADDR:$MASTER_PORT"});
   CHECK(result.exit_code == 0);
   CHECK(contains(result.out, "[rank 0] localhost:29123\n"));
   CHECK(contains(result.out, "[rank 1] localhost:29123\n"));
@@ -459,8 +466,8 @@ TEST_CASE("smprun sends stdout lines to stdout and stderr lines to stderr", "[la
     const auto lines = split_lines(result.out);
     return std::multiset<std::string>(lines.begin(), lines.end());
   }();
-  CHECK(out_lines ==
-        std::multiset<std::string>{"[rank 0] out0", "[rank 0] partial0", "[rank 1] out1", "[rank 1] partial1"});
+  CHECK(out_lines == std::multiset<std::string>{"[rank 0] out0", "[rank 0] partial0", "[rank 1] out1",
+                                                "[rank 1] partial1"});
   CHECK(contains(result.err, "[rank 0] err0\n"));
   CHECK(contains(result.err, "[rank 1] err1\n"));
   CHECK_FALSE(contains(result.err, "out"));
@@ -469,7 +476,8 @@ TEST_CASE("smprun sends stdout lines to stdout and stderr lines to stderr", "[la
 }
 
 TEST_CASE("smprun --no-prefix passes lines through unchanged", "[launcher][smprun]") {
-  const SmprunResult result = run_smprun({"--no-prefix", "-n", "1", "--", "sh", "-c", "echo plain; echo e >&2"});
+  const SmprunResult result =
+      run_smprun({"--no-prefix", "-n", "1", "--", "sh", "-c", "echo plain; echo e >&2"});
   CHECK(result.exit_code == 0);
   CHECK(result.out == "plain\n");
   CHECK(result.err == "e\n");
@@ -601,7 +609,22 @@ TEST_CASE("smprun kills at once on a second signal", "[launcher][smprun]") {
   CHECK(result.seconds < 20);
   CHECK(contains(result.err, "smprun: received SIGTERM (15); forwarding it to all ranks\n"));
   CHECK(contains(result.err, "smprun: received SIGTERM (15) while stopping; sending SIGKILL"));
-  CHECK(contains(result.err, "rank 0 was killed by signal SIGKILL (9); rank 1 was killed by signal SIGKILL (9)"));
+  CHECK(contains(result.err, "final status: rank 0 was killed by signal SIGKILL (9); "
+                             "rank 1 was killed by signal SIGKILL (9)"));
+}
+
+TEST_CASE("smprun leaves alone a signal ignored by whoever started it", "[launcher][smprun]") {
+  SmprunRun run;
+  run.args = {"-n", "2", "--", "sh", "-c", "echo ready; sleep 1; echo done"};
+  run.ignored_signals = {SIGHUP};
+  run.signal_triggers = {
+      {[](const SmprunResult& sofar) { return split_lines(sofar.out).size() == 2; }, SIGHUP}};
+  const SmprunResult result = run_smprun(run);
+  CHECK(result.exit_code == 0);
+  CHECK(split_lines(result.out).size() == 4);
+  CHECK(contains(result.out, "[rank 0] done\n"));
+  CHECK(contains(result.out, "[rank 1] done\n"));
+  CHECK(result.err.empty());
 }
 
 TEST_CASE("smprun rejects bad usage with exit 2 and a message", "[launcher][smprun]") {
@@ -614,7 +637,8 @@ TEST_CASE("smprun rejects bad usage with exit 2 and a message", "[launcher][smpr
       {{"-n", "2", "--"}, "smprun: missing program"},
       {{"-n", "2", "--bogus", "--", "true"}, "smprun: unknown option '--bogus'"},
       {{"-n", "2", "--timeout", "x", "--", "true"}, "smprun: --timeout needs"},
-      {{"-n", "2", "--master-addr", "192.0.2.1", "--", "true"}, "smprun: cannot pick a free port on '192.0.2.1'"},
+      {{"-n", "2", "--master-addr", "192.0.2.1", "--", "true"},
+       "smprun: cannot pick a free port on '192.0.2.1'"},
   };
   for (const auto& [args, expected] : cases) {
     const SmprunResult result = run_smprun(args);
@@ -642,7 +666,8 @@ TEST_CASE("smprun refuses a program that cannot be executed", "[launcher][smprun
 
   const SmprunResult not_on_path = run_smprun({"-n", "2", "--", "definitely-not-a-program-xyz"});
   CHECK(not_on_path.exit_code == 2);
-  CHECK(contains(not_on_path.err, "cannot execute 'definitely-not-a-program-xyz': No such file or directory"));
+  CHECK(contains(not_on_path.err,
+                 "cannot execute 'definitely-not-a-program-xyz': No such file or directory"));
 
   const SmprunResult directory = run_smprun({"-n", "1", "--", "/tmp"});
   CHECK(directory.exit_code == 2);

@@ -76,14 +76,20 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
   data.targets = targets.chunk(microbatches);
   data.loss = loss;
 
-  const auto stats = executor_->run([this](int, const std::vector<at::Tensor>& stage_inputs) {
-    return std::vector<at::Tensor>{stage_modules_->forward(stage_inputs.at(0))};
-  }, data);
-  average_gradients_over_replicas();
-
-  // Only last-stage ranks hold a loss; one world all-reduce gives every rank the mean over replicas.
-  at::Tensor loss_total = at::full({1}, stats.has_loss ? stats.loss_sum : 0.0, at::kDouble);
-  runtime_->world().all_reduce_sum(loss_total);
+  ExecutorStats stats;
+  at::Tensor loss_total;
+  try {
+    stats = executor_->run([this](int, const std::vector<at::Tensor>& stage_inputs) {
+      return std::vector<at::Tensor>{stage_modules_->forward(stage_inputs.at(0))};
+    }, data);
+    average_gradients_over_replicas();
+    // Only last-stage ranks hold a loss; one world all-reduce gives every rank the mean over replicas.
+    loss_total = at::full({1}, stats.has_loss ? stats.loss_sum : 0.0, at::kDouble);
+    runtime_->world().all_reduce_sum(loss_total);
+  } catch (const comm::CommError& error) {
+    throw comm::CommError("step " + std::to_string(step_) + ", stage " + std::to_string(stage()) + ": " + error.what());
+  }
+  ++step_;
   StepOutput output;
   output.loss = loss_total.item<double>() / runtime_->topology().data_parallel_degree();
   output.peak_stashed_microbatches = stats.peak_stashed_microbatches;

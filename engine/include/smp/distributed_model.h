@@ -50,6 +50,7 @@ class DistributedModel {
   torch::nn::Sequential stage_modules_;
   std::vector<std::pair<std::string, at::Tensor>> named_parameters_;
   std::unique_ptr<PipelineExecutor> executor_;
+  long long step_ = 0;  // steps run so far, for error messages
 };
 
 }  // namespace smp

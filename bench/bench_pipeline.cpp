@@ -1,0 +1,75 @@
+// Pipeline efficiency on CPU: the same GPT-style model and global batch trained by `partitions` processes
+// (one stage each) and by one process. scripts/bench.sh runs both and prints the ratio against the ideal
+// m/(m+p-1)*p. Prints one JSON line (rank 0) with the median step time over the measured steps.
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+#include <torch/optim/sgd.h>
+
+#include "common/gpt.h"
+#include "smp/distributed_model.h"
+#include "smp/distributed_optimizer.h"
+#include "smp/main.h"
+#include "smp/runtime.h"
+
+namespace {
+
+int run(int argc, char** argv) {
+  std::string config_path;
+  int warmup = 2, measured = 10;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (flag == "--config") config_path = argv[i + 1];
+    else if (flag == "--warmup") warmup = std::stoi(argv[i + 1]);
+    else if (flag == "--steps") measured = std::stoi(argv[i + 1]);
+    else throw smp::ConfigError("bench_pipeline: unknown flag " + flag);
+  }
+  const auto config = smp::Config::from_file(config_path);
+  auto runtime = smp::Runtime::init(config);
+  const auto model_options = smp::examples::gpt_options_from_section(config.application("model").dump(), config.source);
+  const int64_t batch = config.global_batch_size, length = model_options.context;
+  at::manual_seed(config.seed);
+  auto model = smp::examples::make_gpt(model_options);
+  auto tokens = [&](int step) {
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(step));
+    auto all = at::randint(model_options.vocab_size, {batch, length + 1}, generator, at::kLong);
+    return std::make_pair(all.narrow(1, 0, length).contiguous(), all.narrow(1, 1, length).contiguous());
+  };
+  const int64_t microbatch = batch / runtime->topology().data_parallel_degree() / config.microbatches;
+  smp::DistributedModel distributed(runtime, model, tokens(0).first.narrow(0, 0, microbatch));
+  smp::DistributedOptimizer optimizer(
+      distributed, std::make_unique<torch::optim::SGD>(distributed.parameters(), torch::optim::SGDOptions(1e-3)));
+  std::vector<double> times;
+  for (int step = 0; step < warmup + measured; ++step) {
+    const auto [inputs, targets] = tokens(step);
+    runtime->world().barrier();  // every rank starts the step together, so the slowest stage sets the time
+    optimizer.zero_grad();
+    const auto output = distributed.train_step(runtime->replica_slice(inputs), runtime->replica_slice(targets),
+                                               smp::examples::gpt_loss);
+    optimizer.step();
+    if (step >= warmup) times.push_back(output.seconds);
+  }
+  // The job's step time is its slowest rank's: gather every rank's median (a sum of one-hot vectors).
+  std::sort(times.begin(), times.end());
+  const double median = times[times.size() / 2];
+  at::Tensor all_medians = at::zeros({runtime->world_size()}, at::kDouble);
+  all_medians[runtime->rank()] = median;
+  runtime->world().all_reduce_sum(all_medians);
+  const double job_median = all_medians.max().item<double>();
+  if (runtime->rank() == 0) {
+    std::printf("{\"partitions\": %d, \"replicas\": %d, \"microbatches\": %d, \"global_batch\": %lld, "
+                "\"median_step_s\": %.6f, \"samples_per_s\": %.2f}\n",
+                config.partitions, runtime->topology().data_parallel_degree(), config.microbatches,
+                static_cast<long long>(batch), job_median, static_cast<double>(batch) / job_median);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return smp::guarded_main(argc, argv, run); }
