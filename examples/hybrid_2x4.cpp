@@ -11,6 +11,7 @@
 
 #include "common/gpt.h"
 #include "common/text_corpus.h"
+#include "smp/checkpoint.h"
 #include "smp/distributed_model.h"
 #include "smp/distributed_optimizer.h"
 #include "smp/main.h"
@@ -52,13 +53,16 @@ TrainingOptions training_options(const nlohmann::json& section, const std::strin
 }
 
 const char* kUsage =
-    "usage: hybrid_2x4 --config FILE [--steps N] [--data DIR]\n"
+    "usage: hybrid_2x4 --config FILE [--steps N] [--data DIR] [--trace DIR] [--resume]\n"
     "  Trains a small GPT on Debian's fortunes corpus with the partitions/microbatches/ddp of FILE.\n"
+    "  --trace DIR writes the timeline of the second step (Chrome trace JSON and SVG) to DIR.\n"
+    "  --resume continues from the newest complete checkpoint in the config's checkpoint_dir.\n"
     "  Launch partitions x replicas processes, e.g. smprun -n 8 -- hybrid_2x4 --config examples/hybrid_2x4.json\n";
 
 int run(int argc, char** argv) {
-  std::string config_path, data_dir = smp::examples::kDefaultCorpusDir;
+  std::string config_path, data_dir = smp::examples::kDefaultCorpusDir, trace_dir;
   int64_t steps_override = 0;
+  bool resume = false;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     auto value = [&]() -> std::string {
@@ -77,6 +81,10 @@ int run(int argc, char** argv) {
       if (steps_override < 1) throw smp::ConfigError("--steps: expected a positive integer, got \"" + text + "\"");
     } else if (flag == "--data") {
       data_dir = value();
+    } else if (flag == "--resume") {
+      resume = true;
+    } else if (flag == "--trace") {
+      trace_dir = value();
     } else if (flag == "--help" || flag == "-h") {
       std::fputs(kUsage, stdout);
       return 0;
@@ -86,11 +94,19 @@ int run(int argc, char** argv) {
   }
   if (config_path.empty()) throw smp::ConfigError(std::string("--config is required\n") + kUsage);
 
-  const smp::Config config = smp::Config::from_file(config_path);
+  smp::Config config = smp::Config::from_file(config_path);
   const auto model_options =
       smp::examples::gpt_options_from_section(config.application("model").dump(), config.source);
   auto training = training_options(config.application("training"), config.source);
   if (steps_override > 0) training.steps = steps_override;
+  if (resume) {
+    if (config.checkpoint_dir.empty()) throw smp::ConfigError("--resume needs \"checkpoint_dir\" in " + config.source);
+    config.resume = true;
+  }
+  if (!trace_dir.empty()) {
+    config.trace_dir = trace_dir;
+    config.trace_step = training.steps > 1 ? 1 : 0;  // the first step pays for warm-up
+  }
   if (config.global_batch_size == 0) {
     throw smp::ConfigError(config.source + ": key \"smp.global_batch_size\" is required by this example");
   }
@@ -115,7 +131,9 @@ int run(int argc, char** argv) {
       distributed, std::make_unique<torch::optim::AdamW>(
                        distributed.parameters(), torch::optim::AdamWOptions(training.learning_rate).weight_decay(0.0)));
 
-  for (int64_t step = 0; step < training.steps; ++step) {
+  smp::Checkpointer checkpointer(distributed, optimizer);
+  const int64_t first_step = checkpointer.resume();
+  for (int64_t step = first_step; step < training.steps; ++step) {
     const auto [inputs, targets] = corpus.batch(config.seed, step, global_batch, training.sequence_length);
     optimizer.zero_grad();
     const auto output =
@@ -127,7 +145,9 @@ int run(int argc, char** argv) {
                   static_cast<double>(global_batch) / output.seconds);
       std::fflush(stdout);
     }
+    if (checkpointer.due(step)) checkpointer.save(step);
   }
+  if (first_step < training.steps) checkpointer.save(training.steps - 1);
   return 0;
 }
 

@@ -1,9 +1,11 @@
-# Torch-free unit tests: config validation, topology, chain partition search.
+# Torch-free unit tests: config validation, topology, chain partition search, timeline formatting.
 add_executable(test_core
   ${CMAKE_CURRENT_LIST_DIR}/test_config.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_topology.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/test_chain_split.cpp)
-target_link_libraries(test_core PRIVATE smp_catch_main smp::config smp::partitioner)
+  ${CMAKE_CURRENT_LIST_DIR}/test_chain_split.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/test_timeline.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/test_checkpoint_manifest.cpp)
+target_link_libraries(test_core PRIVATE smp_catch_main smp::core smp::partitioner)
 target_compile_options(test_core PRIVATE -Wall -Wextra)
 catch_discover_tests(test_core)
 
@@ -21,7 +23,18 @@ target_compile_options(test_training PRIVATE -Wall -Wextra)
 target_compile_definitions(test_training PRIVATE
   SMPRUN_PATH="$<TARGET_FILE:smprun>"
   WORKER_PATH="$<TARGET_FILE:training_worker>"
+  SMP_SCHEDULE_PATH="$<TARGET_FILE:smp_schedule>"
   EXAMPLE_PATH="$<TARGET_FILE:hybrid_2x4>"
   EXAMPLE_CONFIG="${PROJECT_SOURCE_DIR}/examples/hybrid_2x4.json")
-add_dependencies(test_training smprun training_worker hybrid_2x4)
+add_dependencies(test_training smprun training_worker hybrid_2x4 smp_schedule)
 catch_discover_tests(test_training PROPERTIES TIMEOUT 600)
+
+add_executable(test_faults ${CMAKE_CURRENT_LIST_DIR}/test_faults.cpp)
+target_link_libraries(test_faults PRIVATE smp_catch_main)
+target_compile_options(test_faults PRIVATE -Wall -Wextra)
+target_compile_definitions(test_faults PRIVATE
+  SMPRUN_PATH="$<TARGET_FILE:smprun>"
+  WORKER_PATH="$<TARGET_FILE:training_worker>"
+  SMP_CHECKPOINT_PATH="$<TARGET_FILE:smp_checkpoint>")
+add_dependencies(test_faults smprun training_worker smp_checkpoint)
+catch_discover_tests(test_faults PROPERTIES TIMEOUT 600)

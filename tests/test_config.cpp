@@ -20,7 +20,7 @@ TEST_CASE("config: defaults and SMP keys", "[config]") {
   CHECK_FALSE(defaults.ddp);
 
   const Config config = parse(R"({"partitions": 4, "microbatches": 8, "pipeline": "simple", "ddp": true,
-      "placement_strategy": "spread", "active_microbatches": 3, "auto_partition": false, "default_partition": 2,
+      "placement_strategy": "spread", "auto_partition": false, "default_partition": 2,
       "optimize": "memory", "memory_weight": 0.5, "seed": 7, "global_batch_size": 64, "comm_timeout_s": 12.5,
       "partition_overrides": {"block3": 1}})");
   CHECK(config.partitions == 4);
@@ -28,7 +28,6 @@ TEST_CASE("config: defaults and SMP keys", "[config]") {
   CHECK(config.pipeline == smp::PipelineKind::Simple);
   CHECK(config.ddp);
   CHECK(config.placement_strategy == "spread");
-  CHECK(config.active_microbatches == 3);
   CHECK_FALSE(config.auto_partition);
   CHECK(config.default_partition == 2);
   CHECK(config.optimize == "memory");
@@ -39,6 +38,29 @@ TEST_CASE("config: defaults and SMP keys", "[config]") {
   CHECK(config.partition_overrides.at("block3") == 1);
 
   CHECK(parse(R"({"pipeline_parallel_degree": 3})").partitions == 3);
+}
+
+TEST_CASE("config: schedules, virtual stages, checkpointing, trace", "[config]") {
+  CHECK(parse("{}").schedule_name() == "1f1b");
+  CHECK(parse(R"({"pipeline": "simple"})").schedule_name() == "gpipe");
+  CHECK(parse(R"({"pipeline": "zero_bubble"})").schedule_name() == "zb_h1");
+  CHECK(parse(R"({"pipeline": "zero_bubble_h2"})").schedule_name() == "zb_h2");
+  const Config interleaved = parse(R"({"partitions": 2, "virtual_stages": 3, "activation_checkpointing": [0, 5],
+      "partition_overrides": {"head": 5}, "trace_dir": "/tmp/t", "trace_step": 4})");
+  CHECK(interleaved.schedule_name() == "interleaved_1f1b");
+  CHECK(interleaved.num_stages() == 6);
+  CHECK(interleaved.checkpointed_stages == std::vector<int>{0, 5});
+  CHECK(interleaved.trace_dir == "/tmp/t");
+  CHECK(interleaved.trace_step == 4);
+  CHECK(parse(R"({"partitions": 3, "activation_checkpointing": true})").checkpointed_stages == std::vector<int>{0, 1, 2});
+  CHECK(parse(R"({"activation_checkpointing": false})").checkpointed_stages.empty());
+  CHECK_THROWS_WITH(parse(R"({"pipeline": "simple", "virtual_stages": 2})"), Contains("key \"virtual_stages\": needs \"pipeline\": \"interleaved\""));
+  CHECK_THROWS_WITH(parse(R"({"partitions": 2, "activation_checkpointing": [2]})"), Contains("stage 2 is not in [0, 1]"));
+  CHECK_THROWS_WITH(parse(R"({"activation_checkpointing": "yes"})"), Contains("key \"activation_checkpointing\""));
+  CHECK_THROWS_WITH(parse(R"({"virtual_stages": 0})"), Contains("key \"virtual_stages\""));
+  CHECK(parse(R"({"active_microbatches": 3})").active_microbatches == 3);
+  CHECK_THROWS_WITH(parse(R"({"pipeline": "simple", "active_microbatches": 3})"), Contains("key \"active_microbatches\": has no effect"));
+  CHECK_THROWS_WITH(parse(R"({"virtual_stages": 3, "active_microbatches": 2})"), Contains("must be 0 or at least \"virtual_stages\" (3)"));
 }
 
 TEST_CASE("config: an smp section leaves the other sections to the application", "[config]") {

@@ -37,7 +37,7 @@ void erase_action(Schedule& schedule, int rank, const Action& action) {
   schedule.ranks[rank].erase(find_action(schedule, rank, action));
 }
 
-// Split-backward pipeline of 2 ranks, 2 microbatches, written by hand (no generator makes I/W yet).
+// Split-backward pipeline of 2 ranks, 2 microbatches, written by hand so that the checks below pin every action.
 Schedule split_backward_schedule() {
   Schedule schedule;
   schedule.name = "split";

@@ -215,3 +215,235 @@ TEST_CASE("simulating p=128, m=1024", "[simulator][large]") {
   REQUIRE(result.timings.size() == static_cast<std::size_t>(ranks));
   CHECK(result.timings[0].size() == lowered.ranks[0].size());
 }
+
+namespace {
+
+// Split-backward costs; 1F1B sees T_B = T_I + T_W.
+SimulationCosts split_costs(int num_stages, double forward, double backward_input, double backward_weight,
+                            double latency_s = 0.0) {
+  StageCosts stage;
+  stage.forward = forward;
+  stage.backward_input = backward_input;
+  stage.backward_weight = backward_weight;
+  stage.backward = backward_input + backward_weight;
+  P2PCosts p2p;
+  p2p.latency_s = latency_s;
+  return SimulationCosts::uniform(num_stages, stage, p2p);
+}
+
+// T_F = 1, T_B = 2 per rank, split evenly over its virtual stages, so every rank does the work it does in 1F1B.
+SimulationCosts chunked_textbook_costs(int num_ranks, int virtual_stages) {
+  StageCosts stage;
+  stage.forward = 1.0 / virtual_stages;
+  stage.backward = 2.0 / virtual_stages;
+  return SimulationCosts::uniform(num_ranks * virtual_stages, stage);
+}
+
+// Idle time per rank: the step minus the rank's own work, the same for every rank when the work is.
+double bubble_time(const SimulationResult& result) { return result.makespan - result.busy_time.front(); }
+
+}  // namespace
+
+TEST_CASE("interleaved 1F1B matches the analytic bubble (p - 1) / (v m + p - 1)", "[simulator][interleaved]") {
+  for (int ranks : {1, 2, 3, 4, 8}) {
+    for (int microbatches_per_rank : {1, 2, 4}) {
+      for (int virtual_stages : {1, 2, 3, 4}) {
+        const int microbatches = ranks * microbatches_per_rank;
+        INFO("ranks=" << ranks << " microbatches=" << microbatches << " virtual_stages=" << virtual_stages);
+        const Schedule schedule = make_interleaved_1f1b(ranks, microbatches, virtual_stages);
+        const SimulationResult result = simulate(schedule, StageGraph::chain(ranks * virtual_stages),
+                                                 chunked_textbook_costs(ranks, virtual_stages));
+        const double slots = virtual_stages * microbatches + ranks - 1;
+        CHECK_THAT(result.makespan, WithinAbs(slots * 3.0 / virtual_stages, kTolerance));
+        CHECK_THAT(result.bubble_fraction, WithinAbs((ranks - 1) / slots, kTolerance));
+        for (double busy : result.busy_time) CHECK_THAT(busy, WithinAbs(3.0 * microbatches, kTolerance));
+      }
+    }
+  }
+}
+
+TEST_CASE("interleaved 1F1B at p=4: a smaller bubble than 1F1B for the same work per rank",
+          "[simulator][interleaved]") {
+  const SimulationResult one_f_one_b = simulate(make_1f1b(4, 8), StageGraph::chain(4), textbook_costs(4));
+  const SimulationResult interleaved =
+      simulate(make_interleaved_1f1b(4, 8, 2), StageGraph::chain(8), chunked_textbook_costs(4, 2));
+  CHECK_THAT(one_f_one_b.makespan, WithinAbs(33.0, kTolerance));
+  CHECK_THAT(interleaved.makespan, WithinAbs(28.5, kTolerance));  // (2 * 8 + 3) * 3 / 2
+  CHECK_THAT(interleaved.bubble_fraction, WithinAbs(3.0 / 19.0, kTolerance));
+  CHECK(interleaved.bubble_fraction < one_f_one_b.bubble_fraction);
+  // Megatron-LM's warmup of 2 (p - r - 1) + (v - 1) p forwards, plus the one of the steady state, in (stage,
+  // microbatch) pairs of half a rank's layers each.
+  CHECK(interleaved.peak_in_flight == std::vector<int>{11, 9, 7, 5});
+
+  const SimulationResult deep =
+      simulate(make_interleaved_1f1b(4, 16, 4), StageGraph::chain(16), chunked_textbook_costs(4, 4));
+  CHECK_THAT(deep.bubble_fraction, WithinAbs(3.0 / 67.0, kTolerance));
+}
+
+TEST_CASE("interleaved 1F1B is never worse than 1F1B, for any number of microbatches", "[simulator][interleaved]") {
+  for (int ranks : {2, 3, 4, 8}) {
+    for (int microbatches = 1; microbatches <= 17; ++microbatches) {
+      const SimulationResult one_f_one_b =
+          simulate(make_1f1b(ranks, microbatches), StageGraph::chain(ranks), textbook_costs(ranks));
+      for (int virtual_stages : {2, 3}) {
+        INFO("ranks=" << ranks << " microbatches=" << microbatches << " virtual_stages=" << virtual_stages);
+        const SimulationResult interleaved =
+            simulate(make_interleaved_1f1b(ranks, microbatches, virtual_stages),
+                     StageGraph::chain(ranks * virtual_stages), chunked_textbook_costs(ranks, virtual_stages));
+        CHECK(interleaved.makespan <= one_f_one_b.makespan + kTolerance);
+      }
+    }
+  }
+}
+
+TEST_CASE("interleaved 1F1B under a cap holds at most max_active pairs", "[simulator][interleaved]") {
+  for (int max_active : {2, 3, 4, 5, 8}) {
+    for (int microbatches : {1, 3, 8}) {
+      INFO("max_active=" << max_active << " microbatches=" << microbatches);
+      const SimulationResult result = simulate(make_interleaved_1f1b(4, microbatches, 2, max_active),
+                                               StageGraph::chain(8), chunked_textbook_costs(4, 2));
+      CHECK(*std::max_element(result.peak_in_flight.begin(), result.peak_in_flight.end()) <= max_active);
+    }
+  }
+}
+
+TEST_CASE("ZB-H1 cuts the 1F1B bubble to a third at the same peak memory", "[simulator][zero_bubble]") {
+  SECTION("p=4, m=8, T_F = T_I = T_W = 1") {
+    const StageGraph graph = StageGraph::chain(4);
+    const SimulationCosts costs = split_costs(4, 1.0, 1.0, 1.0);
+    const SimulationResult one_f_one_b = simulate(make_1f1b(4, 8), graph, costs);
+    const SimulationResult zb = simulate(make_zero_bubble_h1(4, 8), graph, costs);
+    CHECK_THAT(one_f_one_b.makespan, WithinAbs(33.0, kTolerance));  // (m + p - 1) * 3
+    CHECK_THAT(zb.makespan, WithinAbs(27.0, kTolerance));           // 3 m + (p - 1)
+    CHECK_THAT(bubble_time(zb), WithinAbs(bubble_time(one_f_one_b) / 3.0, kTolerance));
+    CHECK_THAT(zb.bubble_fraction, WithinAbs(3.0 / 27.0, kTolerance));
+  }
+  SECTION("the paper's bubble (p - 1)(T_F + T_I - T_W), m >= p") {
+    struct Costs {
+      double forward, input, weight;
+    };
+    for (const Costs& cost : {Costs{1.0, 1.0, 1.0}, Costs{1.0, 1.5, 0.5}, Costs{1.0, 2.0, 1.0}}) {
+      for (int ranks : {2, 3, 4, 8}) {
+        for (int microbatches : {ranks, 2 * ranks, 32}) {
+          INFO("T_F=" << cost.forward << " T_I=" << cost.input << " T_W=" << cost.weight << " ranks=" << ranks
+                      << " microbatches=" << microbatches);
+          const SimulationCosts costs = split_costs(ranks, cost.forward, cost.input, cost.weight);
+          const StageGraph graph = StageGraph::chain(ranks);
+          const SimulationResult one_f_one_b = simulate(make_1f1b(ranks, microbatches), graph, costs);
+          const SimulationResult zb = simulate(make_zero_bubble_h1(ranks, microbatches), graph, costs);
+          const double step = cost.forward + cost.input + cost.weight;
+          CHECK_THAT(one_f_one_b.makespan, WithinAbs((microbatches + ranks - 1) * step, kTolerance));
+          const double paper_bubble = (ranks - 1) * (cost.forward + cost.input - cost.weight);
+          CHECK_THAT(zb.makespan, WithinAbs(microbatches * step + paper_bubble, kTolerance));
+        }
+      }
+    }
+  }
+  SECTION("no rank holds more than 1F1B's rank 0") {
+    // Activations count from F to W. Deferring W, every rank holds p, as rank 0 does in 1F1B and as in the paper's
+    // Figure 3, where 1F1B's rank r holds p - r. Holding only p - r would cost the bubble: with unit costs a last
+    // rank that holds one microbatch must run F, I, W in turn from time p - 1, so its I of the last microbatch ends
+    // at 3 m + p - 2 at the earliest, and rank 0's W of that microbatch at 3 m + 2 p - 2, not 3 m + p - 1.
+    for (int ranks : {1, 2, 4, 5}) {
+      for (int microbatches : {1, 2, 3, 8}) {
+        INFO("ranks=" << ranks << " microbatches=" << microbatches);
+        const StageGraph graph = StageGraph::chain(ranks);
+        const SimulationCosts costs = split_costs(ranks, 1.0, 1.0, 1.0);
+        const SimulationResult one_f_one_b = simulate(make_1f1b(ranks, microbatches), graph, costs);
+        const SimulationResult zb = simulate(make_zero_bubble_h1(ranks, microbatches), graph, costs);
+        CHECK(zb.peak_in_flight == std::vector<int>(ranks, std::min(ranks, microbatches)));
+        CHECK(*std::max_element(zb.peak_in_flight.begin(), zb.peak_in_flight.end()) ==
+              *std::max_element(one_f_one_b.peak_in_flight.begin(), one_f_one_b.peak_in_flight.end()));
+      }
+    }
+  }
+}
+
+TEST_CASE("ZB-H2 leaves no bubble inside any rank's step", "[simulator][zero_bubble]") {
+  SECTION("m >= 2p - 1: the step is as short as the last rank's work allows") {
+    struct Costs {
+      double forward, input, weight, latency;
+    };
+    for (const Costs& cost : {Costs{1.0, 1.0, 1.0, 0.0}, Costs{1.0, 1.2, 0.8, 0.0}, Costs{1.0, 1.0, 1.0, 0.5}}) {
+      const bool equal_costs = cost.forward == cost.input && cost.input == cost.weight && cost.latency == 0.0;
+      for (int ranks : {1, 2, 3, 4, 8}) {
+        for (int microbatches : {2 * ranks - 1, 2 * ranks, 16, 32}) {
+          if (microbatches < 2 * ranks - 1) continue;
+          INFO("T_F=" << cost.forward << " T_I=" << cost.input << " T_W=" << cost.weight << " latency="
+                      << cost.latency << " ranks=" << ranks << " microbatches=" << microbatches);
+          const SimulationResult zb = simulate(make_zero_bubble_h2(ranks, microbatches), StageGraph::chain(ranks),
+                                               split_costs(ranks, cost.forward, cost.input, cost.weight, cost.latency));
+          const double hop = cost.forward + cost.latency;
+          const double work = microbatches * (cost.forward + cost.input + cost.weight);
+          // Every rank starts as soon as its first input can be there, and the last one never waits after that.
+          // What remains is the skew between the ranks' starts, which only the paper's optimizer-step
+          // post-validation (not modelled here) removes.
+          for (int rank = 0; rank < ranks; ++rank)
+            CHECK_THAT(zb.timings[rank].front().start, WithinAbs(rank * hop, kTolerance));
+          CHECK_THAT(zb.makespan, WithinAbs((ranks - 1) * hop + work, kTolerance));
+          // With equal costs no rank waits at all once it has started.
+          if (equal_costs)
+            for (int rank = 0; rank < ranks; ++rank)
+              CHECK_THAT(zb.timings[rank].back().end, WithinAbs(rank * hop + work, kTolerance));
+        }
+      }
+    }
+  }
+  SECTION("p=4, m=16, T_F = T_I = T_W = 1") {
+    const StageGraph graph = StageGraph::chain(4);
+    const SimulationCosts costs = split_costs(4, 1.0, 1.0, 1.0);
+    const SimulationResult one_f_one_b = simulate(make_1f1b(4, 16), graph, costs);
+    const SimulationResult h1 = simulate(make_zero_bubble_h1(4, 16), graph, costs);
+    const SimulationResult h2 = simulate(make_zero_bubble_h2(4, 16), graph, costs);
+    // The last rank cannot start before 3 T_F, so 3 / 51 is the least bubble any schedule has here. With equal
+    // costs ZB-H1 reaches it too; ZB-H2 pulls ahead where W is cheaper than F + I, or where transfers take time.
+    CHECK_THAT(h2.makespan, WithinAbs(51.0, kTolerance));
+    CHECK_THAT(h2.bubble_fraction, WithinAbs(3.0 / 51.0, kTolerance));
+    CHECK_THAT(h1.makespan, WithinAbs(51.0, kTolerance));
+    CHECK_THAT(one_f_one_b.makespan, WithinAbs(57.0, kTolerance));
+    CHECK(h2.peak_in_flight == std::vector<int>{7, 7, 7, 7});  // 2 p - 1
+    CHECK(*std::min_element(h2.peak_in_flight.begin(), h2.peak_in_flight.end()) >
+          *std::max_element(one_f_one_b.peak_in_flight.begin(), one_f_one_b.peak_in_flight.end()));
+  }
+  SECTION("where W is cheap or transfers are slow, ZB-H2 beats ZB-H1") {
+    const StageGraph graph = StageGraph::chain(4);
+    const SimulationCosts cheap_weight = split_costs(4, 1.0, 1.2, 0.8);
+    CHECK_THAT(simulate(make_zero_bubble_h1(4, 16), graph, cheap_weight).makespan, WithinAbs(52.2, kTolerance));
+    CHECK_THAT(simulate(make_zero_bubble_h2(4, 16), graph, cheap_weight).makespan, WithinAbs(51.0, kTolerance));
+    const SimulationCosts slow_links = split_costs(4, 1.0, 1.0, 1.0, 1.0);
+    CHECK_THAT(simulate(make_zero_bubble_h1(4, 16), graph, slow_links).makespan, WithinAbs(71.0, kTolerance));
+    CHECK_THAT(simulate(make_zero_bubble_h2(4, 16), graph, slow_links).makespan, WithinAbs(54.0, kTolerance));
+  }
+  SECTION("peak in flight is 2 p - 1, or m") {
+    for (int ranks : {1, 2, 4, 5}) {
+      for (int microbatches : {1, 2, 3, 8, 16}) {
+        INFO("ranks=" << ranks << " microbatches=" << microbatches);
+        const SimulationResult zb = simulate(make_zero_bubble_h2(ranks, microbatches), StageGraph::chain(ranks),
+                                             split_costs(ranks, 1.0, 1.0, 1.0));
+        CHECK(zb.peak_in_flight == std::vector<int>(ranks, std::min(2 * ranks - 1, microbatches)));
+      }
+    }
+  }
+}
+
+TEST_CASE("zero-bubble schedules under a cap hold at most max_active", "[simulator][zero_bubble]") {
+  for (int max_active : {1, 2, 3, 5}) {
+    for (const Schedule& schedule : {make_zero_bubble_h1(5, 8, max_active), make_zero_bubble_h2(5, 8, max_active)}) {
+      INFO(schedule.name << " max_active=" << max_active);
+      const SimulationResult result = simulate(schedule, StageGraph::chain(5), split_costs(5, 1.0, 1.0, 1.0));
+      for (int peak : result.peak_in_flight) CHECK(peak == max_active);
+    }
+  }
+}
+
+TEST_CASE("simulating interleaved 1F1B at p=128, m=1024, v=4", "[simulator][large]") {
+  const int ranks = 128;
+  const int microbatches = 1024;
+  const int virtual_stages = 4;
+  const StageGraph graph = StageGraph::chain(ranks * virtual_stages);
+  const Schedule lowered = lower_communication(make_interleaved_1f1b(ranks, microbatches, virtual_stages), graph);
+  const SimulationResult result = simulate(lowered, graph, chunked_textbook_costs(ranks, virtual_stages));
+  CHECK_THAT(result.makespan,
+             WithinAbs((virtual_stages * microbatches + ranks - 1) * 3.0 / virtual_stages, kTolerance));
+  CHECK(result.timings[0].size() == lowered.ranks[0].size());
+}

@@ -1,76 +1,11 @@
 // Multi-process tests: real processes under smprun, Gloo over loopback, ports picked at run time by smprun,
 // one intra-op thread per process, every run bounded by `timeout`.
 
-#include <catch2/catch.hpp>
-
-#include <sys/wait.h>
-#include <unistd.h>
-
-#include <array>
-#include <chrono>
-#include <cstdio>
-#include <fstream>
-#include <regex>
-#include <sstream>
-#include <string>
-#include <vector>
+#include "multiprocess.h"
 
 using Catch::Matchers::Contains;
 
-namespace {
-
-struct Result {
-  int status = -1;
-  std::string output;
-  double seconds = 0;
-};
-
-Result run_command(const std::string& command, int timeout_s) {
-  // `timeout -k` also kills what ignores SIGTERM; a test can never hang past its bound.
-  const std::string bounded = "OMP_NUM_THREADS=1 timeout -k 5 " + std::to_string(timeout_s) + " " + command + " 2>&1";
-  const auto start = std::chrono::steady_clock::now();
-  Result result;
-  FILE* pipe = popen(bounded.c_str(), "r");
-  REQUIRE(pipe != nullptr);
-  std::array<char, 4096> buffer{};
-  while (std::fgets(buffer.data(), buffer.size(), pipe)) result.output += buffer.data();
-  const int raw = pclose(pipe);
-  result.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
-  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return result;
-}
-
-std::string write_config(const std::string& name, const std::string& json) {
-  const std::string path = "/tmp/smp_test_" + std::to_string(getpid()) + "_" + name + ".json";
-  std::ofstream(path) << json;
-  return path;
-}
-
-std::string smp_config(int pp, int dp, int microbatches, const std::string& pipeline, const std::string& placement,
-                       int global_batch, double timeout_s = 60) {
-  std::ostringstream json;
-  json << R"({"partitions": )" << pp << R"(, "microbatches": )" << microbatches << R"(, "pipeline": ")" << pipeline
-       << R"(", "ddp": )" << (dp > 1 ? "true" : "false") << R"(, "placement_strategy": ")" << placement
-       << R"(", "global_batch_size": )" << global_batch << R"(, "seed": 5, "comm_timeout_s": )" << timeout_s << "}";
-  return json.str();
-}
-
-std::vector<double> step_losses(const std::string& output) {
-  std::vector<double> losses;
-  const std::regex line(R"(\[rank 0\] step \d+ loss ([0-9.eE+-]+))");
-  for (std::sregex_iterator it(output.begin(), output.end(), line), end; it != end; ++it) {
-    losses.push_back(std::stod((*it)[1].str()));
-  }
-  return losses;
-}
-
-// Ranks whose every parameter matched single-process training (the worker's closing line).
-int count_clean_ranks(const std::string& output) {
-  const std::regex line(R"(rank \d+ stage \d+: \d+ parameters checked, 0 mismatches)");
-  return static_cast<int>(std::distance(std::sregex_iterator(output.begin(), output.end(), line), std::sregex_iterator()));
-}
-
-}  // namespace
+using namespace smp_test;
 
 TEST_CASE("pipeline x data parallel training equals single-process training", "[training][multiprocess]") {
   struct Case {
@@ -96,6 +31,74 @@ TEST_CASE("pipeline x data parallel training equals single-process training", "[
       }
     }
   }
+}
+
+TEST_CASE("every schedule trains like single-process training", "[training][multiprocess][schedules]") {
+  struct Case {
+    const char* name;
+    int pp, dp, microbatches;
+    const char* pipeline;
+    const char* extra_keys;
+  };
+  const Case cases[] = {
+      {"zero bubble H1", 4, 1, 8, "zero_bubble", ""},
+      {"zero bubble H1, m < p", 3, 2, 2, "zero_bubble", ""},
+      {"zero bubble H2", 2, 2, 5, "zero_bubble_h2", ""},
+      {"interleaved 1F1B v=2", 4, 1, 8, "interleaved", R"(, "virtual_stages": 2)"},
+      {"interleaved 1F1B v=3, m not divisible by p", 3, 1, 4, "interleaved", R"(, "virtual_stages": 3)"},
+      {"interleaved 1F1B v=2 with replicas and a cap", 2, 2, 6, "interleaved", R"(, "virtual_stages": 2, "active_microbatches": 2)"},
+      {"1F1B, m < p", 4, 1, 2, "interleaved", ""},
+      {"one stage", 1, 2, 4, "simple", ""},
+      {"activation checkpointing, 1F1B", 3, 1, 6, "interleaved", R"(, "activation_checkpointing": true)"},
+      {"activation checkpointing on some stages, ZB-H1", 4, 1, 4, "zero_bubble", R"(, "activation_checkpointing": [0, 3])"},
+  };
+  for (const auto& c : cases) {
+    DYNAMIC_SECTION(c.name) {
+      const int global_batch = c.dp * c.microbatches * 2;
+      const auto config = write_config(std::string("schedules_") + std::to_string(&c - cases),
+                                       smp_config(c.pp, c.dp, c.microbatches, c.pipeline, "cluster", global_batch, 60, c.extra_keys));
+      const auto result = run_worker(c.pp * c.dp, config, "--steps 3 --clip 0.5");
+      INFO(result.output);
+      CHECK(result.status == 0);
+      CHECK(count_clean_ranks(result.output) == c.pp * c.dp);
+    }
+  }
+}
+
+TEST_CASE("a schedule loaded from a CSV file runs", "[training][multiprocess][schedules]") {
+  const std::string csv = "/tmp/smp_test_" + std::to_string(getpid()) + "_schedule.csv";
+  const auto dumped = run_command(std::string(SMP_SCHEDULE_PATH) + " --schedule zb_h1 --ranks 2 --microbatches 4 --csv " + csv, 30);
+  INFO(dumped.output);
+  REQUIRE(dumped.status == 0);
+  const auto config = write_config("from_csv", smp_config(2, 1, 4, "interleaved", "cluster", 8, 60, R"(, "schedule_file": ")" + csv + "\""));
+  const auto result = run_worker(2, config, "--steps 2");
+  INFO(result.output);
+  CHECK(result.status == 0);
+  CHECK(count_clean_ranks(result.output) == 2);
+
+  // A schedule for another shape is refused before training, naming the file.
+  const auto mismatched = write_config("from_csv_bad", smp_config(2, 1, 2, "interleaved", "cluster", 4, 60, R"(, "schedule_file": ")" + csv + "\""));
+  const auto refused = run_worker(2, mismatched, "--steps 1");
+  CHECK(refused.status != 0);
+  CHECK_THAT(refused.output, Contains(csv) && Contains("the config asks for"));
+}
+
+TEST_CASE("the example writes a timeline", "[training][example][timeline]") {
+  const std::string dir = "/tmp/smp_test_" + std::to_string(getpid()) + "_trace";
+  const auto result = run_command(std::string(SMPRUN_PATH) + " -n 8 -- " + EXAMPLE_PATH + " --config " +
+                                      EXAMPLE_CONFIG + " --steps 2 --trace " + dir,
+                                  300);
+  INFO(result.output);
+  REQUIRE(result.status == 0);
+  CHECK_THAT(result.output, Contains("timeline of step 1: bubble") && Contains("simulated"));
+  std::ifstream trace(dir + "/step1_trace.json");
+  REQUIRE(trace.good());
+  std::string text((std::istreambuf_iterator<char>(trace)), std::istreambuf_iterator<char>());
+  CHECK_THAT(text, Contains("\"traceEvents\"") && Contains("\"name\":\"F0\"") && Contains("\"name\":\"B3\""));
+  std::ifstream svg(dir + "/step1_pipeline.svg");
+  REQUIRE(svg.good());
+  std::string picture((std::istreambuf_iterator<char>(svg)), std::istreambuf_iterator<char>());
+  CHECK_THAT(picture, Contains("<svg") && Contains("replica 1 stage-rank 3"));
 }
 
 TEST_CASE("a transformer trains the same through the pipeline (AdamW)", "[training][multiprocess]") {

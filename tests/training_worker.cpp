@@ -13,7 +13,10 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <csignal>
+
 #include "common/gpt.h"
+#include "smp/checkpoint.h"
 #include "smp/distributed_model.h"
 #include "smp/distributed_optimizer.h"
 #include "smp/main.h"
@@ -29,6 +32,12 @@ struct Options {
   double clip = 0.0;
   int fail_rank = -1;
   int fail_step = -1;
+  int kill_rank = -1;   // this rank SIGKILLs itself at the start of kill_step
+  int kill_step = -1;
+  int nan_step = -1;    // the inputs of this step are NaN
+  int input_width = 8;  // a width the model does not take gives a shape error
+  std::string load_full;  // a full-model file (smp_checkpoint export) to load instead of training
+  int expect_step = -1;   // with load_full: the file holds the state after this step
   double rtol = 1e-4;
   double atol = 1e-5;
 };
@@ -58,7 +67,7 @@ std::pair<at::Tensor, at::Tensor> global_batch(const Options& options, int64_t s
     auto tokens = at::randint(32, {size, kGptLength + 1}, generator, at::kLong);
     return {tokens.narrow(1, 0, kGptLength).contiguous(), tokens.narrow(1, 1, kGptLength).contiguous()};
   }
-  return {at::randn({size, kMlpIn}, generator), at::randn({size, kMlpOut}, generator)};
+  return {at::randn({size, options.input_width}, generator), at::randn({size, kMlpOut}, generator)};
 }
 
 smp::LossFunction loss_of(const Options& options) {
@@ -85,6 +94,12 @@ Options parse(int argc, char** argv) {
     else if (flag == "--fail-rank") options.fail_rank = std::stoi(value);
     else if (flag == "--fail-step") options.fail_step = std::stoi(value);
     else if (flag == "--rtol") options.rtol = std::stod(value);
+    else if (flag == "--kill-rank") options.kill_rank = std::stoi(value);
+    else if (flag == "--kill-step") options.kill_step = std::stoi(value);
+    else if (flag == "--nan-step") options.nan_step = std::stoi(value);
+    else if (flag == "--input-width") options.input_width = std::stoi(value);
+    else if (flag == "--load-full") options.load_full = value;
+    else if (flag == "--expect-step") options.expect_step = std::stoi(value);
     else throw std::runtime_error("training_worker: unknown flag " + flag);
   }
   return options;
@@ -101,33 +116,53 @@ int run(int argc, char** argv) {
   auto model = make_model(options);
   smp::DistributedModel distributed(runtime, model, runtime->replica_slice(global_batch(options, batch, 0, config.seed).first).narrow(0, 0, microbatch));
   smp::DistributedOptimizer optimizer(distributed, make_optimizer(options, distributed.parameters()));
+  smp::Checkpointer checkpointer(distributed, optimizer);
+  const int first_step = static_cast<int>(checkpointer.resume());
 
   at::manual_seed(config.seed);
   auto reference = make_model(options);
   auto reference_optimizer = make_optimizer(options, reference->parameters());
   const auto loss = loss_of(options);
-
-  int failures = 0;
-  for (int step = 0; step < options.steps; ++step) {
-    if (runtime->rank() == options.fail_rank && step == options.fail_step) {
-      throw std::runtime_error("injected failure on rank " + std::to_string(runtime->rank()) + " at step " +
-                               std::to_string(step));
-    }
-    const auto [inputs, targets] = global_batch(options, batch, step, config.seed);
-    optimizer.zero_grad();
-    const auto output = distributed.train_step(runtime->replica_slice(inputs), runtime->replica_slice(targets), loss);
-    double norm = 0.0;
-    if (options.clip > 0) norm = optimizer.clip_grad_norm(options.clip);
-    optimizer.step();
-
+  auto reference_step = [&](int step) {
+    auto [inputs, targets] = global_batch(options, batch, step, config.seed);
+    if (step == options.nan_step) inputs = at::full_like(inputs, std::nan(""));
     reference_optimizer->zero_grad();
     const auto reference_loss = loss(reference->forward(inputs), targets);
     reference_loss.backward();
     double reference_norm = 0.0;
     if (options.clip > 0) reference_norm = torch::nn::utils::clip_grad_norm_(reference->parameters(), options.clip);
-    reference_optimizer->step();
+    // With "nonfinite": "skip" smp drops the step; so does the reference.
+    if (step != options.nan_step) reference_optimizer->step();
+    return std::make_pair(reference_loss.item<double>(), reference_norm);
+  };
+  if (!options.load_full.empty()) {
+    distributed.load_parameters(options.load_full);
+    for (int step = 0; step <= options.expect_step; ++step) reference_step(step);
+  }
+  for (int step = 0; step < first_step; ++step) reference_step(step);
 
-    const double expected = reference_loss.item<double>();
+  int failures = 0;
+  for (int step = first_step; step < options.steps; ++step) {
+    if (runtime->rank() == options.fail_rank && step == options.fail_step) {
+      throw std::runtime_error("injected failure on rank " + std::to_string(runtime->rank()) + " at step " +
+                               std::to_string(step));
+    }
+    if (runtime->rank() == options.kill_rank && step == options.kill_step) raise(SIGKILL);
+    auto [inputs, targets] = global_batch(options, batch, step, config.seed);
+    if (step == options.nan_step) inputs = at::full_like(inputs, std::nan(""));
+    optimizer.zero_grad();
+    const auto output = distributed.train_step(runtime->replica_slice(inputs), runtime->replica_slice(targets), loss);
+    double norm = 0.0;
+    if (options.clip > 0) norm = optimizer.clip_grad_norm(options.clip);
+    optimizer.step();
+    if (checkpointer.due(step)) checkpointer.save(step);
+
+    const auto [expected, reference_norm] = reference_step(step);
+    if (output.skipped) {
+      if (runtime->rank() == 0) std::printf("step %d skipped\n", step);
+      continue;
+    }
+
     if (std::abs(output.loss - expected) > options.atol + options.rtol * std::abs(expected)) {
       std::fprintf(stderr, "rank %d step %d: loss %.8f, single-process %.8f\n", runtime->rank(), step, output.loss, expected);
       ++failures;
@@ -136,7 +171,7 @@ int run(int argc, char** argv) {
       std::fprintf(stderr, "rank %d step %d: grad norm %.8f, single-process %.8f\n", runtime->rank(), step, norm, reference_norm);
       ++failures;
     }
-    if (runtime->rank() == 0) std::printf("step %d loss %.8f reference %.8f\n", step, output.loss, expected);
+    if (runtime->rank() == 0) std::printf("step %d loss %.17g reference %.17g\n", step, output.loss, expected);
   }
 
   const auto reference_parameters = reference->named_parameters();

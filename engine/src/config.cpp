@@ -18,7 +18,9 @@ const std::vector<std::string>& known_keys() {
   static const std::vector<std::string> keys = {
       "partitions", "pipeline_parallel_degree", "microbatches", "pipeline", "ddp", "placement_strategy",
       "active_microbatches", "auto_partition", "default_partition", "partition_overrides", "optimize",
-      "memory_weight", "seed", "global_batch_size", "comm_timeout_s", "log_level"};
+      "memory_weight", "seed", "global_batch_size", "comm_timeout_s", "log_level", "virtual_stages", "schedule_file",
+      "activation_checkpointing", "trace_dir", "trace_step", "checkpoint_dir", "checkpoint_interval",
+      "checkpoints_kept", "resume", "nonfinite"};
   return keys;
 }
 
@@ -146,6 +148,7 @@ Config Config::from_json_text(const std::string& text, const std::string& source
 
   Config config;
   config.source = source;
+  config.text = text;
   json smp_keys = document;
   auto sections = std::make_shared<json>(json::object());
   if (document.contains("smp")) {
@@ -181,9 +184,59 @@ Config Config::from_json_text(const std::string& text, const std::string& source
   }
   if (read.has("microbatches")) config.microbatches = static_cast<int>(read.integer("microbatches", 1, kMaxCount));
   if (read.has("pipeline")) {
-    config.pipeline = read.choice("pipeline", {"simple", "interleaved"}) == "simple" ? PipelineKind::Simple
-                                                                                     : PipelineKind::Interleaved;
+    const std::string name = read.choice("pipeline", {"simple", "interleaved", "zero_bubble", "zero_bubble_h2"});
+    config.pipeline = name == "simple"        ? PipelineKind::Simple
+                      : name == "interleaved" ? PipelineKind::Interleaved
+                      : name == "zero_bubble" ? PipelineKind::ZeroBubble
+                                              : PipelineKind::ZeroBubbleH2;
   }
+  if (read.has("active_microbatches")) {
+    config.active_microbatches = static_cast<int>(read.integer("active_microbatches", 0, kMaxCount));
+  }
+  if (read.has("virtual_stages")) config.virtual_stages = static_cast<int>(read.integer("virtual_stages", 1, 64));
+  if (config.virtual_stages > 1 && config.pipeline != PipelineKind::Interleaved) {
+    read.fail("virtual_stages", "needs \"pipeline\": \"interleaved\" (interleaved 1F1B); the other schedules run one "
+                                "stage per rank");
+  }
+  if (read.has("schedule_file")) config.schedule_file = read.string("schedule_file");
+  if (config.active_microbatches > 0 && config.pipeline == PipelineKind::Simple) {
+    read.fail("active_microbatches", "has no effect with \"pipeline\": \"simple\" (GPipe runs every forward first); "
+                                     "use \"interleaved\" to cap microbatches in flight");
+  }
+  if (config.active_microbatches > 0 && config.active_microbatches < config.virtual_stages) {
+    read.fail("active_microbatches", "must be 0 or at least \"virtual_stages\" (" +
+                                         std::to_string(config.virtual_stages) + ")");
+  }
+  if (read.has("activation_checkpointing")) {
+    const json& value = read.raw("activation_checkpointing");
+    const int stages = config.partitions * config.virtual_stages;
+    if (value.is_boolean()) {
+      if (value.get<bool>()) {
+        for (int stage = 0; stage < stages; ++stage) config.checkpointed_stages.push_back(stage);
+      }
+    } else if (value.is_array()) {
+      for (const auto& stage : value) {
+        if (!stage.is_number_integer() || stage.get<long long>() < 0 || stage.get<long long>() >= stages) {
+          read.fail("activation_checkpointing", "stage " + stage.dump() + " is not in [0, " + std::to_string(stages - 1) + "]");
+        }
+        config.checkpointed_stages.push_back(stage.get<int>());
+      }
+    } else {
+      read.fail("activation_checkpointing", "expected true, false, or a list of stage indices");
+    }
+  }
+  if (read.has("trace_dir")) config.trace_dir = read.string("trace_dir");
+  if (read.has("trace_step")) config.trace_step = static_cast<int>(read.integer("trace_step", 0, 1 << 30));
+  if (read.has("checkpoint_dir")) config.checkpoint_dir = read.string("checkpoint_dir");
+  if (read.has("checkpoint_interval")) {
+    config.checkpoint_interval = static_cast<int>(read.integer("checkpoint_interval", 0, 1 << 30));
+  }
+  if (read.has("checkpoints_kept")) config.checkpoints_kept = static_cast<int>(read.integer("checkpoints_kept", 1, 1000));
+  if (read.has("resume")) config.resume = read.boolean("resume");
+  if ((config.checkpoint_interval > 0 || config.resume) && config.checkpoint_dir.empty()) {
+    read.fail(config.resume ? "resume" : "checkpoint_interval", "needs \"checkpoint_dir\"");
+  }
+  if (read.has("nonfinite")) config.skip_nonfinite_steps = read.choice("nonfinite", {"stop", "skip"}) == "skip";
   if (read.has("ddp")) config.ddp = read.boolean("ddp");
   if (read.has("placement_strategy")) {
     const std::string text = read.string("placement_strategy");
@@ -193,18 +246,16 @@ Config Config::from_json_text(const std::string& text, const std::string& source
     }
     config.placement_strategy = text;
   }
-  if (read.has("active_microbatches")) {
-    config.active_microbatches = static_cast<int>(read.integer("active_microbatches", 0, kMaxCount));
-  }
   if (read.has("auto_partition")) config.auto_partition = read.boolean("auto_partition");
   if (read.has("default_partition")) config.default_partition = static_cast<int>(read.integer("default_partition", 0, 4095));
   if (read.has("partition_overrides")) {
     const json& overrides = read.raw("partition_overrides");
     if (!overrides.is_object()) read.fail("partition_overrides", "expected an object of module path -> stage");
     for (auto it = overrides.begin(); it != overrides.end(); ++it) {
-      if (!it.value().is_number_integer() || it.value().get<long long>() < 0 || it.value().get<long long>() >= config.partitions) {
+      const long long stages = static_cast<long long>(config.partitions) * config.virtual_stages;
+      if (!it.value().is_number_integer() || it.value().get<long long>() < 0 || it.value().get<long long>() >= stages) {
         read.fail("partition_overrides", "module \"" + it.key() + "\" must map to a stage in [0, " +
-                                             std::to_string(config.partitions - 1) + "], got " + it.value().dump());
+                                             std::to_string(stages - 1) + "], got " + it.value().dump());
       }
       config.partition_overrides[it.key()] = it.value().get<int>();
     }
@@ -218,9 +269,9 @@ Config Config::from_json_text(const std::string& text, const std::string& source
   if (read.has("comm_timeout_s")) config.comm_timeout_s = read.real("comm_timeout_s", 0.1, 7 * 24 * 3600.0);
   if (read.has("log_level")) config.log_level = read.choice("log_level", {"trace", "debug", "info", "warn", "error", "off"});
 
-  if (config.default_partition >= config.partitions) {
-    read.fail("default_partition", "must be below \"partitions\" (" + std::to_string(config.partitions) + "), got " +
-                                       std::to_string(config.default_partition));
+  if (config.default_partition >= config.num_stages()) {
+    read.fail("default_partition", "must be below the number of stages (" + std::to_string(config.num_stages()) +
+                                       "), got " + std::to_string(config.default_partition));
   }
   if (config.global_batch_size > 0 && config.global_batch_size % config.microbatches != 0) {
     read.fail("global_batch_size", std::to_string(config.global_batch_size) + " does not split into " +
@@ -267,10 +318,21 @@ void Config::check_batch(int global_batch, int replicas) const {
   }
 }
 
+std::string Config::schedule_name() const {
+  switch (pipeline) {
+    case PipelineKind::Simple: return "gpipe";
+    case PipelineKind::Interleaved: return virtual_stages > 1 ? "interleaved_1f1b" : "1f1b";
+    case PipelineKind::ZeroBubble: return "zb_h1";
+    case PipelineKind::ZeroBubbleH2: return "zb_h2";
+  }
+  return "1f1b";
+}
+
 std::string Config::describe() const {
   std::ostringstream text;
-  text << "partitions=" << partitions << " microbatches=" << microbatches
-       << " pipeline=" << (pipeline == PipelineKind::Simple ? "simple" : "interleaved") << " ddp=" << (ddp ? "true" : "false")
+  text << "partitions=" << partitions << " microbatches=" << microbatches << " schedule="
+       << (schedule_file.empty() ? schedule_name() : "file:" + schedule_file) << " virtual_stages=" << virtual_stages
+       << " ddp=" << (ddp ? "true" : "false")
        << " placement=" << placement_strategy << " active_microbatches=" << active_microbatches
        << " auto_partition=" << (auto_partition ? "true" : "false") << " seed=" << seed;
   if (global_batch_size > 0) text << " global_batch_size=" << global_batch_size;

@@ -1,22 +1,59 @@
 #include "smp/distributed_model.h"
 
 #include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
 
 #include <ATen/ATen.h>
 
+#include <cmath>
+
+#include <c10/util/StringUtil.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+
 #include "smp/log.h"
+#include "smp/scheduler/simulator.h"
 
 namespace smp {
 namespace {
 
 sched::Schedule make_schedule(const Config& config) {
-  sched::Schedule compute = config.pipeline == PipelineKind::Simple
-                                ? sched::make_gpipe(config.partitions, config.microbatches)
-                                : sched::make_1f1b(config.partitions, config.microbatches, config.active_microbatches);
-  const auto graph = sched::StageGraph::chain(config.partitions);
-  sched::Schedule lowered = sched::lower_communication(compute, graph);
-  sched::validate(lowered, graph);
-  return lowered;
+  sched::Schedule schedule;
+  if (config.schedule_file.empty()) {
+    schedule = sched::make_schedule(config.schedule_name(), config.partitions, config.microbatches,
+                                    config.virtual_stages, config.active_microbatches);
+  } else {
+    std::ifstream file(config.schedule_file);
+    if (!file) throw ConfigError(config.source + ": key \"schedule_file\": cannot open " + config.schedule_file);
+    try {
+      schedule = sched::read_csv(file);
+    } catch (const sched::ScheduleError& error) {
+      throw ConfigError(config.schedule_file + ": " + error.what());
+    }
+    if (schedule.num_ranks != config.partitions || schedule.num_stages != config.num_stages() ||
+        schedule.num_microbatches != config.microbatches) {
+      throw ConfigError(config.schedule_file + ": the schedule is for " + std::to_string(schedule.num_ranks) +
+                        " ranks, " + std::to_string(schedule.num_stages) + " stages, " +
+                        std::to_string(schedule.num_microbatches) + " microbatches; the config asks for " +
+                        std::to_string(config.partitions) + ", " + std::to_string(config.num_stages()) + ", " +
+                        std::to_string(config.microbatches));
+    }
+  }
+  const auto graph = sched::StageGraph::chain(config.num_stages());
+  bool has_transfers = false;
+  for (const auto& actions : schedule.ranks) {
+    for (const auto& action : actions) has_transfers |= !sched::is_compute(action.kind);
+  }
+  if (!has_transfers) schedule = sched::lower_communication(schedule, graph);
+  try {
+    sched::validate(schedule, graph);
+  } catch (const sched::ScheduleError& error) {
+    throw ConfigError((config.schedule_file.empty() ? config.schedule_name() : config.schedule_file) +
+                      ": invalid schedule: " + error.what());
+  }
+  return schedule;
 }
 
 }  // namespace
@@ -26,32 +63,121 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, torch::nn::
     : runtime_(std::move(runtime)) {
   const Config& config = runtime_->config();
   if (model->size() == 0) throw ConfigError("the model is an empty Sequential; nothing to train");
+  auto schedule = make_schedule(config);
+  {
+    std::string shapes;
+    for (const auto& parameter : model->named_parameters()) {
+      shapes += parameter.key() + ":";
+      for (auto size : parameter.value().sizes()) shapes += std::to_string(size) + ",";
+      shapes += ";";
+    }
+    model_signature_ = std::to_string(model->parameters().size()) + " parameters, crc32 " +
+                       std::to_string(crc32(shapes.data(), shapes.size()));
+  }
   if (runtime_->rank() == 0) {
     plan_ = plan_chain(profile_chain(*model, sample_input), config);
-    log::info(plan_.report());
     runtime_->publish("stage_plan", plan_.to_json());
   } else {
     plan_ = StagePlan::from_json(runtime_->fetch("stage_plan"));
   }
+  if (config.resume) adopt_checkpoint_partition(model);
+  if (runtime_->rank() == 0) log::info(plan_.report());
 
   const auto children = model->named_children();
   std::size_t index = 0;
   for (auto& module : *model) {
     const auto& name = children[index].key();
-    if (plan_.stage_of_module[index++] != stage()) continue;
-    stage_modules_->push_back(name, module);
+    const int module_stage = plan_.stage_of_module[index++];
+    if (schedule.stage_to_rank[module_stage] != runtime_->pp_rank()) continue;
+    auto& stage = stages_[module_stage];
+    if (!stage.modules) stage.modules = torch::nn::Sequential();
+    stage.modules->push_back(name, module);
     for (const auto& parameter : module.ptr()->named_parameters()) {
       named_parameters_.emplace_back(name + "." + parameter.key(), parameter.value());
+      stage.parameters.push_back(parameter.value());
     }
   }
-  executor_ = std::make_unique<PipelineExecutor>(make_schedule(config), sched::StageGraph::chain(config.partitions),
-                                                 runtime_->pipeline());
+  graph_ = sched::StageGraph::chain(config.num_stages());
+  executor_ = std::make_unique<PipelineExecutor>(schedule, graph_, runtime_->pipeline(), config.checkpointed_stages);
+}
+
+void DistributedModel::adopt_checkpoint_partition(const torch::nn::Sequential& model) {
+  const Config& config = runtime_->config();
+  // Rank 0 chooses, so that every rank resumes from the same checkpoint even if another is being written.
+  if (runtime_->rank() == 0) {
+    std::vector<std::string> skipped;
+    const auto found = find_latest_checkpoint(config.checkpoint_dir, &skipped);
+    for (const auto& reason : skipped) log::warn("skipping checkpoint: " + reason);
+    if (!found) log::info("no complete checkpoint in " + config.checkpoint_dir + "; starting from step 0");
+    runtime_->publish("resume_from", found ? found->directory : "");
+  }
+  const std::string directory = runtime_->fetch("resume_from");
+  if (directory.empty()) return;
+  auto manifest = verify_checkpoint(directory);
+  if (manifest.partitions != config.partitions || manifest.virtual_stages != config.virtual_stages) {
+    throw CheckpointError(directory + " was saved with " + std::to_string(manifest.partitions) + " partitions x " +
+                          std::to_string(manifest.virtual_stages) + " virtual stages, this job has " +
+                          std::to_string(config.partitions) + " x " + std::to_string(config.virtual_stages) +
+                          "; export it (smp_checkpoint export) and load it with DistributedModel::load_parameters");
+  }
+  if (manifest.model_signature != model_signature_) {
+    throw CheckpointError(directory + " holds another model (" + manifest.model_signature + "; this model: " +
+                          model_signature_ + ")");
+  }
+  std::vector<std::string> names;
+  for (const auto& child : model->named_children()) names.push_back(child.key());
+  if (names != manifest.module_names) throw CheckpointError(directory + ": the model's modules differ from the checkpoint's");
+  plan_.stage_of_module = manifest.stage_of_module;
+  resumed_from_ = FoundCheckpoint{directory, std::move(manifest)};
+}
+
+void DistributedModel::load_named_parameters(const c10::impl::GenericDict& parameters, const std::string& source) {
+  c10::NoGradGuard no_grad;
+  for (auto& [name, parameter] : named_parameters_) {
+    const auto found = parameters.find(name);
+    if (found == parameters.end()) throw CheckpointError(source + ": no parameter \"" + name + "\"");
+    const at::Tensor value = found->value().toTensor();
+    if (value.sizes() != parameter.sizes()) {
+      throw CheckpointError(source + ": parameter \"" + name + "\" has shape " + c10::str(value.sizes()) +
+                            ", the model has " + c10::str(parameter.sizes()));
+    }
+    parameter.copy_(value);
+  }
+}
+
+void DistributedModel::load_parameters(const std::string& full_model_file) {
+  std::ifstream in(full_model_file, std::ios::binary);
+  if (!in) throw CheckpointError(full_model_file + ": cannot open");
+  const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  c10::IValue value;
+  try {
+    value = torch::jit::pickle_load(bytes);
+  } catch (const std::exception& error) {
+    throw CheckpointError(full_model_file + ": unreadable: " + comm::brief_message(error));
+  }
+  if (!value.isGenericDict() || !value.toGenericDict().contains("parameters")) {
+    throw CheckpointError(full_model_file + ": not an smp model file");
+  }
+  load_named_parameters(value.toGenericDict().at("parameters").toGenericDict(), full_model_file);
+}
+
+bool DistributedModel::local_gradients_finite() const {
+  for (const auto& [name, parameter] : named_parameters_) {
+    if (parameter.grad().defined() && !at::isfinite(parameter.grad()).all().item<bool>()) return false;
+  }
+  return true;
 }
 
 std::vector<at::Tensor> DistributedModel::parameters() const {
   std::vector<at::Tensor> tensors;
   for (const auto& [name, tensor] : named_parameters_) tensors.push_back(tensor);
   return tensors;
+}
+
+std::vector<int> DistributedModel::stages() const {
+  std::vector<int> owned;
+  for (const auto& [stage, modules] : stages_) owned.push_back(stage);
+  return owned;
 }
 
 StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss) {
@@ -76,25 +202,116 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
   data.targets = targets.chunk(microbatches);
   data.loss = loss;
 
+  StageCallbacks callbacks;
+  callbacks.forward = [this](int stage, const std::vector<at::Tensor>& stage_inputs) {
+    try {
+      return std::vector<at::Tensor>{stages_.at(stage).modules->forward(stage_inputs.at(0))};
+    } catch (const c10::Error& error) {
+      // A model that does not fit its data fails inside LibTorch; say where, without the C++ backtrace.
+      const auto members = plan_.modules_of_stage(stage);
+      throw ModelError("step " + std::to_string(step_) + ", stage " + std::to_string(stage) + " (modules " +
+                       plan_.modules[members.front()].name + ".." + plan_.modules[members.back()].name + "), input " +
+                       c10::str(stage_inputs.at(0).sizes()) + ": " + comm::brief_message(error));
+    }
+  };
+  callbacks.parameters = [this](int stage) { return stages_.at(stage).parameters; };
+
   ExecutorStats stats;
   at::Tensor loss_total;
   try {
-    stats = executor_->run([this](int, const std::vector<at::Tensor>& stage_inputs) {
-      return std::vector<at::Tensor>{stage_modules_->forward(stage_inputs.at(0))};
-    }, data);
+    stats = executor_->run(callbacks, data);
     average_gradients_over_replicas();
-    // Only last-stage ranks hold a loss; one world all-reduce gives every rank the mean over replicas.
-    loss_total = at::full({1}, stats.has_loss ? stats.loss_sum : 0.0, at::kDouble);
+    // One world all-reduce: slot 0 sums the last stages' losses (every rank learns the mean over replicas),
+    // slot 1 + r is set by rank r when its gradients are not finite.
+    loss_total = at::zeros({1 + runtime_->world_size()}, at::kDouble);
+    loss_total[0] = stats.has_loss ? stats.loss_sum : 0.0;
+    if (!local_gradients_finite()) loss_total[1 + runtime_->rank()] = 1.0;
     runtime_->world().all_reduce_sum(loss_total);
+    if (!config.trace_dir.empty() && step_ == config.trace_step) write_timeline(stats.events);
   } catch (const comm::CommError& error) {
-    throw comm::CommError("step " + std::to_string(step_) + ", stage " + std::to_string(stage()) + ": " + error.what());
+    throw comm::CommError("step " + std::to_string(step_) + ", stage-rank " + std::to_string(runtime_->pp_rank()) +
+                          ": " + error.what());
+  }
+  StepOutput output;
+  output.loss = loss_total[0].item<double>() / runtime_->topology().data_parallel_degree();
+  std::string bad_ranks;
+  for (int rank = 0; rank < runtime_->world_size(); ++rank) {
+    if (loss_total[1 + rank].item<double>() != 0.0) {
+      const auto where = runtime_->topology().coordinates_of(rank);
+      bad_ranks += (bad_ranks.empty() ? "" : ", ") + std::string("rank ") + std::to_string(rank) + " (stage-rank " +
+                   std::to_string(where.pp_rank) + ")";
+    }
+  }
+  last_step_skipped_ = false;
+  if (!std::isfinite(output.loss) || !bad_ranks.empty()) {
+    const std::string what = "step " + std::to_string(step_) + ": " +
+                             (!std::isfinite(output.loss) ? "the loss is " + std::to_string(output.loss) : std::string()) +
+                             (!std::isfinite(output.loss) && !bad_ranks.empty() ? "; " : "") +
+                             (bad_ranks.empty() ? "" : "non-finite gradients on " + bad_ranks);
+    if (!config.skip_nonfinite_steps) throw NonFiniteError(what + " (set \"nonfinite\": \"skip\" to skip such steps)");
+    if (runtime_->rank() == 0) log::warn(what + "; skipping the step");
+    for (auto& [name, parameter] : named_parameters_) {
+      if (parameter.grad().defined()) parameter.mutable_grad().zero_();
+    }
+    last_step_skipped_ = true;
+    output.skipped = true;
   }
   ++step_;
-  StepOutput output;
-  output.loss = loss_total.item<double>() / runtime_->topology().data_parallel_degree();
   output.peak_stashed_microbatches = stats.peak_stashed_microbatches;
   output.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return output;
+}
+
+void DistributedModel::write_timeline(const std::vector<TimelineEvent>& events) {
+  RankTimeline mine{runtime_->rank(), runtime_->pp_rank(), runtime_->dp_rank(), events};
+  const std::string key = "timeline/" + std::to_string(step_) + "/";
+  runtime_->publish(key + std::to_string(runtime_->rank()), mine.to_json());
+  if (runtime_->rank() != 0) return;
+  std::vector<RankTimeline> ranks;
+  for (int rank = 0; rank < runtime_->world_size(); ++rank) {
+    ranks.push_back(RankTimeline::from_json(runtime_->fetch(key + std::to_string(rank))));
+  }
+
+  // Simulate the same schedule with the durations this step measured (replica 0), to compare bubbles.
+  const auto& schedule = executor_->schedule();
+  std::map<std::string, std::vector<std::pair<double, int>>> totals;  // kind -> per stage (sum, count)
+  for (const auto& rank : ranks) {
+    if (rank.dp_rank != 0) continue;
+    for (const auto& event : rank.events) {
+      auto& per_stage = totals[event.kind];
+      per_stage.resize(static_cast<std::size_t>(schedule.num_stages));
+      per_stage[event.stage].first += (event.end_us - event.start_us) * 1e-6;
+      per_stage[event.stage].second += 1;
+    }
+  }
+  auto mean = [&](const char* kind, int stage) {
+    const auto found = totals.find(kind);
+    if (found == totals.end() || found->second[stage].second == 0) return 0.0;
+    return found->second[stage].first / found->second[stage].second;
+  };
+  sched::SimulationCosts costs;
+  for (int stage = 0; stage < schedule.num_stages; ++stage) {
+    costs.stages.push_back({mean("F", stage), mean("B", stage), mean("I", stage), mean("W", stage)});
+  }
+  const auto simulated = sched::simulate(schedule, graph_, costs);
+  const auto measured = summarize(ranks, 0);
+
+  const std::string& dir = runtime_->config().trace_dir;
+  std::filesystem::create_directories(dir);
+  const std::string stem = dir + "/step" + std::to_string(step_);
+  write_file_atomically(stem + "_trace.json", to_chrome_trace(ranks));
+  char title[256];
+  std::snprintf(title, sizeof title, "%s, %d stages on %d ranks, %d microbatches, step %lld: bubble %.3f measured, %.3f simulated",
+                schedule.name.c_str(), schedule.num_stages, schedule.num_ranks, schedule.num_microbatches, step_,
+                measured.bubble_fraction, simulated.bubble_fraction);
+  write_file_atomically(stem + "_pipeline.svg", to_svg(ranks, title));
+  char line[512];
+  std::snprintf(line, sizeof line,
+                "timeline of step %lld: bubble %.3f measured (makespan %.2f ms), %.3f simulated (makespan %.2f ms); "
+                "receive waits %.2f ms over replica 0; wrote %s_trace.json and %s_pipeline.svg",
+                step_, measured.bubble_fraction, measured.makespan_us / 1e3, simulated.bubble_fraction,
+                simulated.makespan * 1e3, measured.receive_wait_us / 1e3, stem.c_str(), stem.c_str());
+  log::info(line);
 }
 
 void DistributedModel::average_gradients_over_replicas() {

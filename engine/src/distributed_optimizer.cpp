@@ -19,7 +19,10 @@ DistributedOptimizer::DistributedOptimizer(DistributedModel& model, std::unique_
 
 void DistributedOptimizer::zero_grad() { optimizer_->zero_grad(); }
 
-void DistributedOptimizer::step() { optimizer_->step(); }
+void DistributedOptimizer::step() {
+  // A skipped step must not move the weights: even zero gradients would, through momentum.
+  if (!model_.last_step_skipped()) optimizer_->step();
+}
 
 double DistributedOptimizer::clip_grad_norm(double max_norm) {
   at::Tensor squares = at::zeros({1}, at::kDouble);

@@ -1,17 +1,19 @@
 #include "smp/executor.h"
 
+#include <chrono>
 #include <climits>
 #include <map>
-#include <memory>
 
 #include <ATen/ATen.h>
-#include <torch/csrc/autograd/autograd.h>
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/autograd.h>
 
 #include "smp/comm/tensor_transfer.h"
 
 namespace smp {
 namespace {
+
+using sched::ActionKind;
 
 enum class Direction { Activation = 0, Gradient = 1 };
 
@@ -28,139 +30,231 @@ int transfer_tag(Direction direction, int from_stage, int to_stage, int microbat
   return static_cast<int>(tag);
 }
 
+double now_us() {
+  return std::chrono::duration<double, std::micro>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
 struct Stash {
-  std::vector<at::Tensor> inputs;   // leaves whose .grad is sent back
-  std::vector<at::Tensor> outputs;  // graph roots for backward
+  std::vector<at::Tensor> inputs;   // leaves whose gradients are sent back
+  std::vector<at::Tensor> outputs;  // graph roots for backward (empty while a checkpointed stage waits)
   at::Tensor loss;                  // last stage only
   std::map<int, std::vector<at::Tensor>> output_grads;  // by consumer stage
-  int gradient_sends_left = 0;      // the entry is dropped once every producer has its gradients
+  std::vector<at::Tensor> input_grads;  // from I, when backward is split
+  std::vector<at::Tensor> weight_roots, weight_root_grads;  // what I leaves for W
+  bool backward_done = false;       // B, or W after I
+  int gradient_sends_left = 0;
 };
 
 }  // namespace
 
-PipelineExecutor::PipelineExecutor(sched::Schedule schedule, sched::StageGraph graph, comm::Communicator& pipeline)
-    : schedule_(std::move(schedule)), graph_(std::move(graph)), pipeline_(pipeline), last_stage_(graph_.num_stages() - 1) {
+PipelineExecutor::PipelineExecutor(sched::Schedule schedule, sched::StageGraph graph, comm::Communicator& pipeline,
+                                   std::vector<int> checkpointed_stages)
+    : schedule_(std::move(schedule)),
+      graph_(std::move(graph)),
+      pipeline_(pipeline),
+      checkpointed_(static_cast<std::size_t>(graph_.num_stages()), false),
+      last_stage_(graph_.num_stages() - 1) {
   if (pipeline_.size() != schedule_.num_ranks) {
     throw sched::ScheduleError("schedule has " + std::to_string(schedule_.num_ranks) + " pipeline ranks, group " +
                                pipeline_.name() + " has " + std::to_string(pipeline_.size()));
   }
+  for (int stage : checkpointed_stages) checkpointed_.at(static_cast<std::size_t>(stage)) = true;
 }
 
-ExecutorStats PipelineExecutor::run(const StageForward& forward, const MicrobatchData& data) {
+ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const MicrobatchData& data) {
   const int me = pipeline_.rank();
-  const int stages = schedule_.num_stages;
+  const int num_stages = schedule_.num_stages;
   const int microbatches = schedule_.num_microbatches;
+  const auto& actions = schedule_.ranks[me];
   ExecutorStats stats;
+  stats.events.reserve(actions.size());
   std::map<std::pair<int, int>, Stash> stash;  // (stage, microbatch)
-  std::map<int, std::vector<at::Tensor>> local_mail;  // tag -> tensors between stages of this rank
+  std::map<int, std::vector<at::Tensor>> local_mail;  // tag -> tensors between two stages of this rank
   std::vector<std::unique_ptr<comm::Pending>> sends;
   at::Tensor loss_sum = at::zeros({}, at::kDouble);
+  int stashed = 0;
 
-  auto describe = [](const sched::Action& action) { return sched::describe(action); };
-  auto receive = [&](Direction direction, int from_stage, int to_stage, int microbatch, const sched::Action& action) {
-    const int tag = transfer_tag(direction, from_stage, to_stage, microbatch, stages, microbatches);
-    const int peer = schedule_.stage_to_rank[from_stage];
-    if (peer == me) {
-      auto mail = local_mail.find(tag);
-      if (mail == local_mail.end()) throw sched::ScheduleError(describe(action) + ": local message missing");
-      auto tensors = std::move(mail->second);
-      local_mail.erase(mail);
-      return tensors;
+  auto tag_of = [&](const sched::Action& action) {
+    switch (action.kind) {
+      case ActionKind::SendForward: return transfer_tag(Direction::Activation, action.stage, action.peer_stage, action.microbatch, num_stages, microbatches);
+      case ActionKind::RecvForward: return transfer_tag(Direction::Activation, action.peer_stage, action.stage, action.microbatch, num_stages, microbatches);
+      case ActionKind::SendBackward: return transfer_tag(Direction::Gradient, action.stage, action.peer_stage, action.microbatch, num_stages, microbatches);
+      default: return transfer_tag(Direction::Gradient, action.peer_stage, action.stage, action.microbatch, num_stages, microbatches);
     }
-    comm::IncomingTensors incoming(pipeline_, peer, tag, describe(action) + " on rank " + std::to_string(pipeline_.global_rank(me)));
-    return incoming.wait();
   };
-  auto send = [&](Direction direction, int from_stage, int to_stage, int microbatch, std::vector<at::Tensor> tensors,
-                  const sched::Action& action) {
-    const int tag = transfer_tag(direction, from_stage, to_stage, microbatch, stages, microbatches);
-    const int peer = schedule_.stage_to_rank[to_stage];
+  auto where = [&](const sched::Action& action) {
+    return sched::describe(action) + " on rank " + std::to_string(pipeline_.global_rank(me));
+  };
+
+  // Every receive is posted before the first compute, so a message is taken in as soon as its sender posts it
+  // and the wait at the receive action covers only what compute could not hide.
+  std::vector<std::unique_ptr<comm::IncomingTensors>> posted(actions.size());
+  for (std::size_t i = 0; i < actions.size(); ++i) {
+    const auto& action = actions[i];
+    if (action.kind != ActionKind::RecvForward && action.kind != ActionKind::RecvBackward) continue;
+    const int peer = schedule_.stage_to_rank[action.peer_stage];
+    if (peer != me) posted[i] = std::make_unique<comm::IncomingTensors>(pipeline_, peer, tag_of(action), where(action));
+  }
+
+  auto receive = [&](std::size_t index) {
+    if (posted[index]) return posted[index]->wait();
+    auto mail = local_mail.find(tag_of(actions[index]));
+    if (mail == local_mail.end()) throw sched::ScheduleError(where(actions[index]) + ": local message missing");
+    auto tensors = std::move(mail->second);
+    local_mail.erase(mail);
+    return tensors;
+  };
+  auto send = [&](const sched::Action& action, std::vector<at::Tensor> tensors) {
+    const int peer = schedule_.stage_to_rank[action.peer_stage];
     if (peer == me) {
-      local_mail[tag] = std::move(tensors);
-      return;
+      local_mail[tag_of(action)] = std::move(tensors);
+    } else {
+      sends.push_back(comm::send_tensors(pipeline_, tensors, peer, tag_of(action), where(action)));
     }
-    sends.push_back(comm::send_tensors(pipeline_, tensors, peer, tag, describe(action)));
   };
-  auto run_backward = [&](Stash& entry) {
+  auto run_forward = [&](int stage, int microbatch, Stash& entry) {
+    entry.outputs = stages.forward(stage, entry.inputs);
+    if (stage == last_stage_) {
+      if (entry.outputs.size() != 1) {
+        throw sched::ScheduleError("the last stage must return one output for the loss, it returned " +
+                                   std::to_string(entry.outputs.size()));
+      }
+      entry.loss = data.loss(entry.outputs[0], data.targets.at(microbatch)) / static_cast<double>(microbatches);
+    }
+  };
+  // The roots of this stage's backward and the gradients flowing into them.
+  auto backward_roots = [&](int stage, int microbatch, Stash& entry) {
+    if (entry.outputs.empty()) {  // checkpointed: rebuild the graph first
+      c10::AutoGradMode enable_grad(true);
+      run_forward(stage, microbatch, entry);
+    }
+    std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> roots;
     if (entry.loss.defined()) {
-      entry.loss.backward();
-      return;
+      roots.first.push_back(entry.loss);
+      roots.second.push_back(at::ones_like(entry.loss));
+      return roots;
     }
-    std::vector<at::Tensor> roots, grads;
     for (std::size_t i = 0; i < entry.outputs.size(); ++i) {
       if (!entry.outputs[i].requires_grad()) continue;
       at::Tensor grad;
       for (const auto& [consumer, received] : entry.output_grads) {
         grad = grad.defined() ? grad + received.at(i) : received.at(i);
       }
-      roots.push_back(entry.outputs[i]);
-      grads.push_back(grad);
+      roots.first.push_back(entry.outputs[i]);
+      roots.second.push_back(grad);
     }
-    if (!roots.empty()) torch::autograd::backward(roots, grads);
+    return roots;
+  };
+  auto finish_backward = [&](int stage, int microbatch, Stash& entry) {
+    entry.backward_done = true;
+    entry.outputs.clear();
+    entry.output_grads.clear();
+    entry.loss = at::Tensor();
+    --stashed;
+    if (entry.gradient_sends_left == 0) stash.erase({stage, microbatch});
   };
 
-  int stashed = 0;
-  for (const auto& action : schedule_.ranks[me]) {
+  for (std::size_t index = 0; index < actions.size(); ++index) {
+    const auto& action = actions[index];
     const int stage = action.stage, microbatch = action.microbatch;
     auto& entry = stash[{stage, microbatch}];
+    TimelineEvent event{sched::to_string(action.kind), stage, microbatch, now_us(), 0.0};
     switch (action.kind) {
-      case sched::ActionKind::RecvForward: {
-        auto received = receive(Direction::Activation, action.peer_stage, stage, microbatch, action);
-        for (auto& tensor : received) {
-          // A fresh leaf: backward of this stage stops here and leaves the input gradient in .grad.
+      case ActionKind::RecvForward:
+        for (auto& tensor : receive(index)) {
+          // A fresh leaf: backward of this stage stops here and leaves the input gradient behind.
           tensor = tensor.detach();
           if (at::isFloatingType(tensor.scalar_type())) tensor.requires_grad_(true);
           entry.inputs.push_back(tensor);
         }
         break;
-      }
-      case sched::ActionKind::Forward: {
+      case ActionKind::Forward: {
         if (stage == 0) entry.inputs = {data.inputs.at(microbatch)};
-        c10::AutoGradMode enable_grad(true);
-        entry.outputs = forward(stage, entry.inputs);
-        if (stage == last_stage_) {
-          if (entry.outputs.size() != 1) {
-            throw sched::ScheduleError("the last stage must return one output for the loss, it returned " +
-                                       std::to_string(entry.outputs.size()));
-          }
-          entry.loss = data.loss(entry.outputs[0], data.targets.at(microbatch)) / static_cast<double>(microbatches);
+        entry.gradient_sends_left = static_cast<int>(graph_.producers_of(stage).size());
+        {
+          c10::AutoGradMode grad_mode(!checkpointed_[stage]);
+          run_forward(stage, microbatch, entry);
+        }
+        if (entry.loss.defined()) {
           loss_sum += entry.loss.detach().to(at::kDouble);
           stats.has_loss = true;
         }
+        // A checkpointed stage ran without a graph: its outputs are kept only until SEND_F and its loss not at
+        // all; backward recomputes both from the inputs.
+        if (checkpointed_[stage]) entry.loss = at::Tensor();
         stats.peak_stashed_microbatches = std::max(stats.peak_stashed_microbatches, ++stashed);
         break;
       }
-      case sched::ActionKind::SendForward: {
+      case ActionKind::SendForward: {
         std::vector<at::Tensor> payload;
         for (const auto& output : entry.outputs) payload.push_back(output.detach());
-        send(Direction::Activation, stage, action.peer_stage, microbatch, std::move(payload), action);
+        send(action, std::move(payload));
+        if (checkpointed_[stage] && stage != last_stage_) entry.outputs.clear();
         break;
       }
-      case sched::ActionKind::RecvBackward:
-        entry.output_grads[action.peer_stage] =
-            receive(Direction::Gradient, action.peer_stage, stage, microbatch, action);
+      case ActionKind::RecvBackward:
+        entry.output_grads[action.peer_stage] = receive(index);
         break;
-      case sched::ActionKind::Backward:
-        run_backward(entry);
+      case ActionKind::Backward: {
+        if (checkpointed_[stage]) entry.outputs.clear(), entry.loss = at::Tensor();
+        auto [roots, grads] = backward_roots(stage, microbatch, entry);
+        if (!roots.empty()) torch::autograd::backward(roots, grads);
+        finish_backward(stage, microbatch, entry);
+        break;
+      }
+      case ActionKind::BackwardInput: {
+        if (checkpointed_[stage]) entry.outputs.clear(), entry.loss = at::Tensor();
+        auto [roots, grads] = backward_roots(stage, microbatch, entry);
+        std::vector<at::Tensor> differentiable;
+        for (const auto& input : entry.inputs) {
+          if (input.requires_grad()) differentiable.push_back(input);
+        }
+        entry.input_grads.clear();
+        if (!roots.empty() && !differentiable.empty()) {
+          // Input gradients only; the graph stays for W.
+          auto grads_of_inputs = torch::autograd::grad(roots, differentiable, grads, /*retain_graph=*/true,
+                                                       /*create_graph=*/false, /*allow_unused=*/true);
+          std::size_t next = 0;
+          for (const auto& input : entry.inputs) {
+            at::Tensor grad = input.requires_grad() ? grads_of_inputs[next++] : at::Tensor();
+            entry.input_grads.push_back(grad.defined() ? grad : at::zeros_like(input));
+          }
+        }
+        entry.weight_roots = std::move(roots);
+        entry.weight_root_grads = std::move(grads);
         entry.outputs.clear();
         entry.output_grads.clear();
         entry.loss = at::Tensor();
-        --stashed;
-        entry.gradient_sends_left = static_cast<int>(graph_.producers_of(stage).size());
-        if (entry.gradient_sends_left == 0) stash.erase({stage, microbatch});
-        break;
-      case sched::ActionKind::SendBackward: {
-        std::vector<at::Tensor> grads;
-        for (const auto& input : entry.inputs) {
-          grads.push_back(input.grad().defined() ? input.grad() : at::zeros_like(input));
-        }
-        send(Direction::Gradient, stage, action.peer_stage, microbatch, std::move(grads), action);
-        if (--entry.gradient_sends_left == 0) stash.erase({stage, microbatch});
         break;
       }
-      case sched::ActionKind::BackwardInput:
-      case sched::ActionKind::BackwardWeight:
-        throw sched::ScheduleError(describe(action) + ": split backward is not supported by this engine yet");
+      case ActionKind::BackwardWeight: {
+        std::vector<at::Tensor> trainable;
+        for (const auto& parameter : stages.parameters(stage)) {
+          if (parameter.requires_grad()) trainable.push_back(parameter);
+        }
+        if (!entry.weight_roots.empty() && !trainable.empty()) {
+          torch::autograd::backward(entry.weight_roots, entry.weight_root_grads, /*retain_graph=*/false,
+                                    /*create_graph=*/false, trainable);
+        }
+        entry.weight_roots.clear();
+        entry.weight_root_grads.clear();
+        finish_backward(stage, microbatch, entry);
+        break;
+      }
+      case ActionKind::SendBackward: {
+        std::vector<at::Tensor> grads = entry.input_grads;
+        if (grads.empty()) {
+          for (const auto& input : entry.inputs) {
+            grads.push_back(input.grad().defined() ? input.grad() : at::zeros_like(input));
+          }
+        }
+        send(action, std::move(grads));
+        if (--entry.gradient_sends_left == 0 && entry.backward_done) stash.erase({stage, microbatch});
+        break;
+      }
     }
+    event.end_us = now_us();
+    stats.events.push_back(std::move(event));
   }
   for (auto& pending : sends) pending->wait();
   stats.loss_sum = loss_sum.item<double>();

@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -40,6 +41,9 @@ Runtime::Runtime(const Config& config, const comm::LaunchInfo& launch)
       topology_(config, launch.world_size),
       coordinates_(topology_.coordinates_of(launch.rank)) {
   log::configure(launch_.rank, config_.log_level);
+  // c10d logs a C++ backtrace with every warning (e.g. a store connection closed by a peer that failed); our
+  // errors already name the peer, so LibTorch's own warnings show only when debugging.
+  if (!log::enabled("debug")) FLAGS_caffe2_log_level = 2;
   // Processes that share a host must not each start one thread per core: on a small machine the oversubscribed
   // intra-op pools make a pipeline many times slower. OMP_NUM_THREADS, when set, decides instead.
   if (!std::getenv("OMP_NUM_THREADS")) {

@@ -10,7 +10,9 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include "smp/comm/communicator.h"
 #include "smp/config.h"
+#include "smp/errors.h"
 #include "smp/partitioner/chain_split.h"
 
 namespace smp {
@@ -122,11 +124,17 @@ std::vector<ModuleProfile> profile_chain(torch::nn::SequentialImpl& model, const
       at::Tensor leaf = input.detach();
       if (at::isFloatingType(leaf.scalar_type())) leaf.requires_grad_(true);
       auto start = std::chrono::steady_clock::now();
-      output = module.forward<at::Tensor>(leaf);
-      const double forward_s = seconds_since(start);
-      start = std::chrono::steady_clock::now();
-      if (output.requires_grad()) torch::autograd::backward({output}, {at::ones_like(output)});
-      const double backward_s = seconds_since(start);
+      double forward_s = 0, backward_s = 0;
+      try {
+        output = module.forward<at::Tensor>(leaf);
+        forward_s = seconds_since(start);
+        start = std::chrono::steady_clock::now();
+        if (output.requires_grad()) torch::autograd::backward({output}, {at::ones_like(output)});
+        backward_s = seconds_since(start);
+      } catch (const c10::Error& error) {
+        throw ModelError("module \"" + profile.name + "\" fails on the sample microbatch (input " +
+                         c10::str(leaf.sizes()) + "): " + comm::brief_message(error));
+      }
       if (repeat < 0) continue;
       forward_times.push_back(forward_s);
       backward_times.push_back(backward_s);
@@ -161,7 +169,7 @@ StagePlan plan_chain(std::vector<ModuleProfile> modules, const Config& config) {
   for (const auto& module : modules) costs.push_back(module.forward_s + module.backward_s);
   StagePlan plan;
   try {
-    plan.stage_of_module = part::split_chain_min_bottleneck(costs, config.partitions, pinned).stage_of_node;
+    plan.stage_of_module = part::split_chain_min_bottleneck(costs, config.num_stages(), pinned).stage_of_node;
   } catch (const part::PartitionError& error) {
     std::string message = error.what();
     // The partitioner speaks of node indices; users know module paths.
@@ -176,7 +184,7 @@ StagePlan plan_chain(std::vector<ModuleProfile> modules, const Config& config) {
     throw ConfigError(config.source + ": cannot partition the model: " + message);
   }
   plan.modules = std::move(modules);
-  plan.num_stages = config.partitions;
+  plan.num_stages = config.num_stages();
   return plan;
 }
 

@@ -1,5 +1,7 @@
 #include <algorithm>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "smp/scheduler/schedule.h"
 
@@ -7,61 +9,245 @@ namespace smp::sched {
 
 namespace {
 
-// One stage per rank, stage s on rank s: the layout of every non-interleaved schedule.
-Schedule one_stage_per_rank(const char* name, int num_ranks, int num_microbatches) {
+// Stage s lives on rank s % num_ranks, so chunk c of rank r is stage c * num_ranks + r and a chain of stages visits
+// every rank once per chunk. With one virtual stage per rank this is the layout of every non-interleaved schedule.
+Schedule looped_layout(const char* name, int num_ranks, int num_microbatches, int virtual_stages = 1) {
   if (num_ranks < 1)
     throw ScheduleError(std::string(name) + ": need at least 1 rank, got " + std::to_string(num_ranks));
   if (num_microbatches < 1)
     throw ScheduleError(std::string(name) + ": need at least 1 microbatch, got " + std::to_string(num_microbatches));
+  if (virtual_stages < 1)
+    throw ScheduleError(std::string(name) + ": need at least 1 virtual stage per rank, got " +
+                        std::to_string(virtual_stages));
   Schedule schedule;
   schedule.name = name;
   schedule.num_ranks = num_ranks;
-  schedule.num_stages = num_ranks;
+  schedule.num_stages = num_ranks * virtual_stages;
   schedule.num_microbatches = num_microbatches;
-  schedule.stage_to_rank.resize(static_cast<std::size_t>(num_ranks));
-  for (int stage = 0; stage < num_ranks; ++stage) schedule.stage_to_rank[stage] = stage;
+  schedule.stage_to_rank.resize(static_cast<std::size_t>(schedule.num_stages));
+  for (int stage = 0; stage < schedule.num_stages; ++stage) schedule.stage_to_rank[stage] = stage % num_ranks;
   schedule.ranks.resize(static_cast<std::size_t>(num_ranks));
   return schedule;
 }
 
-Action forward(int stage, int microbatch) { return {ActionKind::Forward, stage, microbatch}; }
-Action backward(int stage, int microbatch) { return {ActionKind::Backward, stage, microbatch}; }
+void check_max_active(const char* name, int max_active) {
+  if (max_active < 0)
+    throw ScheduleError(std::string(name) + ": max_active must be 0 (no cap) or positive, got " +
+                        std::to_string(max_active));
+}
+
+// The forwards a rank runs ahead of its first backward: the one forward of each steady-state step comes on top,
+// so a cap of max_active in flight leaves max_active - 1 (0 means no cap).
+int warmup_within(int natural_warmup, int max_active) {
+  return max_active > 0 ? std::min(natural_warmup, max_active - 1) : natural_warmup;
+}
+
+std::vector<Action> each_microbatch(ActionKind kind, int stage, int num_microbatches) {
+  std::vector<Action> actions;
+  actions.reserve(static_cast<std::size_t>(num_microbatches));
+  for (int mb = 0; mb < num_microbatches; ++mb) actions.push_back({kind, stage, mb});
+  return actions;
+}
+
+// The 1F1B order of one rank, given the order in which its forwards and its backwards must run: `warmup` forwards,
+// then one forward and one backward at a time, then the backwards left.
+std::vector<Action> one_forward_one_backward(const std::vector<Action>& forwards, const std::vector<Action>& backwards,
+                                             int warmup) {
+  const std::size_t ahead = std::min(static_cast<std::size_t>(warmup), forwards.size());
+  std::vector<Action> order(forwards.begin(), forwards.begin() + static_cast<std::ptrdiff_t>(ahead));
+  order.reserve(forwards.size() + backwards.size());
+  auto backward = backwards.begin();
+  for (auto forward = forwards.begin() + static_cast<std::ptrdiff_t>(ahead); forward != forwards.end(); ++forward) {
+    order.push_back(*forward);
+    order.push_back(*backward++);
+  }
+  order.insert(order.end(), backward, backwards.end());
+  return order;
+}
+
+// How far a split-backward rank runs ahead: `warmup` forwards as in 1F1B, and the W of microbatch i right after the
+// I of microbatch i + weight_lag.
+struct SplitBackwardDepths {
+  int warmup;
+  int weight_lag;
+};
+
+// 1F1B over F and I, with each W deferred by its rank's weight lag. An I is all that the previous rank waits for, so
+// running it as soon as its gradient is in lets gradients travel back at T_I per rank instead of T_B; the deferred
+// Ws then fill the cooldown, in which 1F1B idles. Activations are held from F to W, so a lag adds to the warmup's
+// activations, and a max_active cap trims the warmup first, then the lag.
+template <typename DepthsOfRank>
+Schedule split_backward_1f1b(const char* name, int num_ranks, int num_microbatches, int max_active,
+                             DepthsOfRank depths_of_rank) {
+  check_max_active(name, max_active);
+  Schedule schedule = looped_layout(name, num_ranks, num_microbatches);
+  schedule.split_backward = true;
+  for (int rank = 0; rank < num_ranks; ++rank) {
+    const SplitBackwardDepths natural = depths_of_rank(rank);
+    const int warmup = warmup_within(natural.warmup, max_active);
+    const int weight_lag = max_active > 0 ? std::min(natural.weight_lag, max_active - 1 - warmup) : natural.weight_lag;
+
+    const std::vector<Action> forwards_and_inputs =
+        one_forward_one_backward(each_microbatch(ActionKind::Forward, rank, num_microbatches),
+                                 each_microbatch(ActionKind::BackwardInput, rank, num_microbatches), warmup);
+    std::vector<Action>& actions = schedule.ranks[rank];
+    actions.reserve(3 * static_cast<std::size_t>(num_microbatches));
+    int inputs_done = 0;
+    int weights_done = 0;
+    for (const Action& action : forwards_and_inputs) {
+      actions.push_back(action);
+      if (action.kind != ActionKind::BackwardInput) continue;
+      ++inputs_done;
+      const int weights_due = inputs_done == num_microbatches ? num_microbatches : inputs_done - weight_lag;
+      for (; weights_done < weights_due; ++weights_done)
+        actions.push_back({ActionKind::BackwardWeight, rank, weights_done});
+    }
+  }
+  return schedule;
+}
+
+struct NamedGenerator {
+  const char* name;
+  bool interleaved;  // the only kind that takes virtual_stages
+  Schedule (*make)(int num_ranks, int num_microbatches, int virtual_stages, int max_active);
+};
+
+const NamedGenerator kGenerators[] = {
+    {"gpipe", false,
+     [](int num_ranks, int num_microbatches, int, int max_active) {
+       if (max_active != 0)
+         throw ScheduleError("gpipe holds every microbatch until the backwards start, so max_active=" +
+                             std::to_string(max_active) + " cannot apply; use 0, or 1f1b to cap activations");
+       return make_gpipe(num_ranks, num_microbatches);
+     }},
+    {"1f1b", false,
+     [](int num_ranks, int num_microbatches, int, int max_active) {
+       return make_1f1b(num_ranks, num_microbatches, max_active);
+     }},
+    {"interleaved_1f1b", true, make_interleaved_1f1b},
+    {"zb_h1", false,
+     [](int num_ranks, int num_microbatches, int, int max_active) {
+       return make_zero_bubble_h1(num_ranks, num_microbatches, max_active);
+     }},
+    {"zb_h2", false,
+     [](int num_ranks, int num_microbatches, int, int max_active) {
+       return make_zero_bubble_h2(num_ranks, num_microbatches, max_active);
+     }},
+};
 
 }  // namespace
 
 Schedule make_gpipe(int num_ranks, int num_microbatches) {
-  Schedule schedule = one_stage_per_rank("gpipe", num_ranks, num_microbatches);
+  Schedule schedule = looped_layout("gpipe", num_ranks, num_microbatches);
   for (int rank = 0; rank < num_ranks; ++rank) {
     std::vector<Action>& actions = schedule.ranks[rank];
-    actions.reserve(2 * static_cast<std::size_t>(num_microbatches));
-    for (int mb = 0; mb < num_microbatches; ++mb) actions.push_back(forward(rank, mb));
+    actions = each_microbatch(ActionKind::Forward, rank, num_microbatches);
     // Reverse order on every rank: the last stage starts with the microbatch whose activations are freshest,
     // and each earlier stage receives gradients in exactly the order it then consumes them.
-    for (int mb = num_microbatches - 1; mb >= 0; --mb) actions.push_back(backward(rank, mb));
+    std::vector<Action> backwards = each_microbatch(ActionKind::Backward, rank, num_microbatches);
+    actions.insert(actions.end(), backwards.rbegin(), backwards.rend());
   }
   return schedule;
 }
 
 Schedule make_1f1b(int num_ranks, int num_microbatches, int max_active) {
-  if (max_active < 0)
-    throw ScheduleError("1f1b: max_active must be 0 (no cap) or positive, got " + std::to_string(max_active));
-  Schedule schedule = one_stage_per_rank("1f1b", num_ranks, num_microbatches);
+  check_max_active("1f1b", max_active);
+  Schedule schedule = looped_layout("1f1b", num_ranks, num_microbatches);
   for (int rank = 0; rank < num_ranks; ++rank) {
     // Rank r must have num_ranks - r microbatches in flight before the first gradient can come back; fewer
     // warmup forwards (a cap) only trade bubble for memory. The steady state adds one more in flight.
-    int warmup = std::min(num_ranks - rank - 1, num_microbatches);
-    if (max_active > 0) warmup = std::min(warmup, max_active - 1);
-
-    std::vector<Action>& actions = schedule.ranks[rank];
-    actions.reserve(2 * static_cast<std::size_t>(num_microbatches));
-    for (int mb = 0; mb < warmup; ++mb) actions.push_back(forward(rank, mb));
-    for (int mb = 0; mb + warmup < num_microbatches; ++mb) {
-      actions.push_back(forward(rank, mb + warmup));
-      actions.push_back(backward(rank, mb));
-    }
-    for (int mb = num_microbatches - warmup; mb < num_microbatches; ++mb) actions.push_back(backward(rank, mb));
+    const int warmup = warmup_within(num_ranks - rank - 1, max_active);
+    schedule.ranks[rank] = one_forward_one_backward(each_microbatch(ActionKind::Forward, rank, num_microbatches),
+                                                    each_microbatch(ActionKind::Backward, rank, num_microbatches),
+                                                    warmup);
   }
   return schedule;
+}
+
+Schedule make_interleaved_1f1b(int num_ranks, int num_microbatches, int virtual_stages, int max_active) {
+  constexpr const char* name = "interleaved_1f1b";
+  check_max_active(name, max_active);
+  Schedule schedule = looped_layout(name, num_ranks, num_microbatches, virtual_stages);
+  if (max_active > 0 && max_active < virtual_stages)
+    throw ScheduleError(std::string(name) + ": max_active=" + std::to_string(max_active) + " is below virtual_stages=" +
+                        std::to_string(virtual_stages) + ": every rank runs microbatch 0 forward through all its " +
+                        std::to_string(virtual_stages) + " stages before its first backward");
+
+  // Microbatches go through the chunks in groups: a group runs chunk 0, then chunk 1, and so on. A group of
+  // num_ranks microbatches keeps rank 0 busy until the first of them comes back round from the last rank for the
+  // next chunk. A rank holds all of a group on chunks 0..v-2 before its first backward, so a cap shrinks the groups.
+  int group = num_ranks;
+  if (max_active > 0 && virtual_stages > 1) group = std::min(group, (max_active - 1) / (virtual_stages - 1));
+  // Megatron-LM's order needs whole groups: a short last group makes rank 0 wait for its wrap-around in the middle
+  // of the steady state, where the order can deadlock. So the order is built for whole groups and the microbatches
+  // beyond num_microbatches are then left out, which cannot deadlock: dropping every action of some microbatches
+  // removes nodes from an acyclic graph of waits.
+  const int padded_microbatches = (num_microbatches + group - 1) / group * group;
+  const auto chunk_major = [&](bool reverse_chunks) {
+    std::vector<std::pair<int, int>> order;  // (chunk, microbatch)
+    order.reserve(static_cast<std::size_t>(padded_microbatches) * virtual_stages);
+    for (int first = 0; first < padded_microbatches; first += group)
+      for (int step = 0; step < virtual_stages; ++step)
+        for (int mb = first; mb < first + group; ++mb)
+          order.emplace_back(reverse_chunks ? virtual_stages - 1 - step : step, mb);
+    return order;
+  };
+  // Megatron-LM's warmup: the first backward on rank r is for its last chunk, which needs v - 1 groups of forwards
+  // first, plus p - r - 1 for each trip between rank r and the last rank that the first gradient waits on. Covering
+  // the gradient's trip back as well costs memory, but keeps the steady state from stalling where microbatches were
+  // left out or transfers take time. With one chunk Megatron-LM runs plain 1F1B, which covers only the forward trip,
+  // and so does this: virtual_stages = 1 gives make_1f1b's order.
+  const int trips_to_last_rank = virtual_stages > 1 ? 2 : 1;
+  const std::vector<std::pair<int, int>> forward_order = chunk_major(false);
+  const std::vector<std::pair<int, int>> backward_order = chunk_major(true);
+
+  for (int rank = 0; rank < num_ranks; ++rank) {
+    std::vector<Action> forwards, backwards;
+    for (const auto& [chunk, mb] : forward_order)
+      forwards.push_back({ActionKind::Forward, chunk * num_ranks + rank, mb});
+    for (const auto& [chunk, mb] : backward_order)
+      backwards.push_back({ActionKind::Backward, chunk * num_ranks + rank, mb});
+    const int warmup = warmup_within(trips_to_last_rank * (num_ranks - rank - 1) + (virtual_stages - 1) * group,
+                                     max_active);
+    std::vector<Action>& actions = schedule.ranks[rank];
+    actions = one_forward_one_backward(forwards, backwards, warmup);
+    actions.erase(std::remove_if(actions.begin(), actions.end(),
+                                 [&](const Action& action) { return action.microbatch >= num_microbatches; }),
+                  actions.end());
+  }
+  return schedule;
+}
+
+Schedule make_zero_bubble_h1(int num_ranks, int num_microbatches, int max_active) {
+  return split_backward_1f1b("zb_h1", num_ranks, num_microbatches, max_active, [&](int rank) {
+    return SplitBackwardDepths{num_ranks - rank - 1, rank};
+  });
+}
+
+Schedule make_zero_bubble_h2(int num_ranks, int num_microbatches, int max_active) {
+  return split_backward_1f1b("zb_h2", num_ranks, num_microbatches, max_active, [&](int rank) {
+    return SplitBackwardDepths{2 * (num_ranks - rank - 1), 2 * rank};
+  });
+}
+
+Schedule make_schedule(const std::string& name, int num_ranks, int num_microbatches, int virtual_stages,
+                       int max_active) {
+  for (const NamedGenerator& generator : kGenerators) {
+    if (name != generator.name) continue;
+    if (virtual_stages != 1 && !generator.interleaved)
+      throw ScheduleError(name + " runs one stage per rank, so virtual_stages must be 1, got " +
+                          std::to_string(virtual_stages) + "; interleaved_1f1b runs several");
+    return generator.make(num_ranks, num_microbatches, virtual_stages, max_active);
+  }
+  std::string valid;
+  for (const std::string& known : schedule_names()) valid += (valid.empty() ? "" : ", ") + known;
+  throw ScheduleError("unknown schedule '" + name + "' (expected one of " + valid + ")");
+}
+
+std::vector<std::string> schedule_names() {
+  std::vector<std::string> names;
+  for (const NamedGenerator& generator : kGenerators) names.emplace_back(generator.name);
+  return names;
 }
 
 }  // namespace smp::sched

@@ -7,6 +7,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -17,7 +18,9 @@ class ConfigError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-enum class PipelineKind { Simple, Interleaved };  // SMP's names: GPipe fill-drain, 1F1B
+// SMP's names "simple" (GPipe fill-drain) and "interleaved" (1F1B; Megatron's interleaved 1F1B when
+// virtual_stages > 1), plus the zero-bubble schedules of Qi et al. (ICLR 2024).
+enum class PipelineKind { Simple, Interleaved, ZeroBubble, ZeroBubbleH2 };
 
 struct Config {
   int partitions = 1;            // pipeline stages (alias pipeline_parallel_degree)
@@ -25,7 +28,18 @@ struct Config {
   PipelineKind pipeline = PipelineKind::Interleaved;
   bool ddp = false;              // data parallelism over world_size / partitions replicas
   std::string placement_strategy = "cluster";  // "cluster", "spread", or an order of the letters D and P (T)
-  int active_microbatches = 0;   // cap on microbatches in flight per stage; 0 = the schedule's natural bound
+  int virtual_stages = 1;        // model chunks per pipeline rank (interleaved 1F1B)
+  std::string schedule_file;     // a CSV schedule (scheduler/src/csv.cpp) to run instead of a generated one
+  int active_microbatches = 0;   // cap on microbatches in flight per rank; 0 = the schedule's natural bound
+  // Stages that drop their activations after forward and recompute them in backward (empty: none).
+  std::vector<int> checkpointed_stages;
+  std::string trace_dir;         // when set, the timeline of step trace_step is written here
+  int trace_step = 1;
+  std::string checkpoint_dir;    // empty: no checkpoints
+  int checkpoint_interval = 0;   // save after every K-th step; 0: only when the program asks (e.g. at the end)
+  int checkpoints_kept = 3;
+  bool resume = false;           // continue from the newest complete checkpoint in checkpoint_dir, if any
+  bool skip_nonfinite_steps = false;  // "nonfinite": "skip" drops a step whose loss or gradients are NaN/Inf
   bool auto_partition = true;
   int default_partition = 0;     // stage for every module when auto_partition is false
   std::map<std::string, int> partition_overrides;  // module path -> stage, honoured in both modes
@@ -36,6 +50,7 @@ struct Config {
   double comm_timeout_s = 300.0; // every blocking wait fails after this long, naming the peer
   std::string log_level = "info";
   std::string source = "<config>";  // file name used in error messages
+  std::string text;                 // the document as given, kept in checkpoint manifests
   // Top-level sections beside "smp" that belong to the application (e.g. "model"); see application().
   std::shared_ptr<const nlohmann::json> application_sections;
 
@@ -50,6 +65,9 @@ struct Config {
   // ConfigError unless global_batch_size (when set) splits into replicas x microbatches.
   void check_batch(int global_batch, int replicas) const;
 
+  int num_stages() const { return partitions * virtual_stages; }
+  // The scheduler's generator name for `pipeline` and `virtual_stages` (see sched::make_schedule).
+  std::string schedule_name() const;
   std::string describe() const;  // one line for the start-of-job log
 
   // The application's own top-level section (e.g. "model"); a null json when absent.

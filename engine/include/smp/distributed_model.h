@@ -2,7 +2,10 @@
 // smp::DistributedModel: wraps a chain model, keeps on this rank only its pipeline stage's modules, and runs
 // training steps across the pipeline and the data-parallel replicas.
 
+#include <map>
 #include <memory>
+#include <optional>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -10,6 +13,11 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include <ATen/core/Dict.h>
+#include <ATen/core/ivalue.h>
+
+#include "smp/checkpoint_manifest.h"
+#include "smp/errors.h"
 #include "smp/executor.h"
 #include "smp/runtime.h"
 #include "smp/stage_plan.h"
@@ -18,6 +26,7 @@ namespace smp {
 
 struct StepOutput {
   double loss = 0.0;     // mean loss over the global batch, the same on every rank
+  bool skipped = false;  // non-finite loss or gradients with "nonfinite": "skip": gradients were zeroed
   double seconds = 0.0;  // wall time of the step on this rank
   int peak_stashed_microbatches = 0;
 };
@@ -35,22 +44,46 @@ class DistributedModel {
   // and only the last reads `targets`.
   StepOutput train_step(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss);
 
+  // Copies this rank's parameters from a full-model file (export_checkpoint), by name: a model trained under
+  // another partitioning, or for inference. CheckpointError names a missing or mis-shaped parameter.
+  void load_parameters(const std::string& full_model_file);
+  void load_named_parameters(const c10::impl::GenericDict& parameters, const std::string& source);
+  // The checkpoint this model took its partition from (config "resume"), for Checkpointer::resume.
+  const std::optional<FoundCheckpoint>& resumed_from() const { return resumed_from_; }
+  // Parameter names and shapes of the whole model, so a checkpoint of another model is refused.
+  const std::string& model_signature() const { return model_signature_; }
+  bool last_step_skipped() const { return last_step_skipped_; }
+
   // This rank's parameters, named as in the full model (e.g. "3.weight").
   const std::vector<std::pair<std::string, at::Tensor>>& named_parameters() const { return named_parameters_; }
   std::vector<at::Tensor> parameters() const;
   const StagePlan& plan() const { return plan_; }
-  int stage() const { return runtime_->pp_rank(); }
+  int stage() const { return runtime_->pp_rank(); }  // this rank's pipeline position
+  std::vector<int> stages() const;  // the model stages this rank runs (several with virtual stages)
+  const sched::Schedule& schedule() const { return executor_->schedule(); }
   Runtime& runtime() { return *runtime_; }
 
  private:
+  struct LocalStage {
+    torch::nn::Sequential modules{nullptr};
+    std::vector<at::Tensor> parameters;
+  };
+
   void average_gradients_over_replicas();
+  void write_timeline(const std::vector<TimelineEvent>& events);
+  void adopt_checkpoint_partition(const torch::nn::Sequential& model);
+  bool local_gradients_finite() const;
 
   std::shared_ptr<Runtime> runtime_;
   StagePlan plan_;
-  torch::nn::Sequential stage_modules_;
+  sched::StageGraph graph_;
+  std::map<int, LocalStage> stages_;  // by stage index
   std::vector<std::pair<std::string, at::Tensor>> named_parameters_;
   std::unique_ptr<PipelineExecutor> executor_;
   long long step_ = 0;  // steps run so far, for error messages
+  std::optional<FoundCheckpoint> resumed_from_;
+  std::string model_signature_;
+  bool last_step_skipped_ = false;
 };
 
 }  // namespace smp

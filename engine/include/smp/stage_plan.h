@@ -40,7 +40,7 @@ struct StagePlan {
 // time (median of `repeats`), parameter and output bytes.
 std::vector<ModuleProfile> profile_chain(torch::nn::SequentialImpl& model, const at::Tensor& sample, int repeats = 3);
 
-// Splits a profiled chain into config.partitions stages: balanced by forward + backward time when
+// Splits a profiled chain into config.num_stages() stages: balanced by forward + backward time when
 // auto_partition is true, else every module on default_partition; partition_overrides pin modules in both
 // modes. Throws ConfigError naming the modules when the request cannot be met.
 StagePlan plan_chain(std::vector<ModuleProfile> modules, const Config& config);

@@ -75,6 +75,25 @@ Schedule make_gpipe(int num_ranks, int num_microbatches);
 // One forward, one backward in steady state. max_active caps the microbatches in flight per rank
 // (SMP's active_microbatches); 0 means the natural 1F1B bound of num_ranks - rank.
 Schedule make_1f1b(int num_ranks, int num_microbatches, int max_active = 0);
+// Megatron-LM's interleaved 1F1B: rank r owns stages r, r + num_ranks, ... (virtual_stages of them), which run as
+// the chain StageGraph::chain(num_ranks * virtual_stages), wrapping from the last rank back to rank 0. Smaller
+// stages shrink the bubble to (p - 1) / (v * m + p - 1) of the step when m is a multiple of p; any m >= 1 works.
+// max_active caps the (stage, microbatch) pairs in flight per rank: 0 (Megatron-LM's bound) or at least
+// virtual_stages. virtual_stages = 1 gives make_1f1b's order.
+Schedule make_interleaved_1f1b(int num_ranks, int num_microbatches, int virtual_stages, int max_active = 0);
+// ZB-H1 and ZB-H2 from "Zero Bubble Pipeline Parallelism" (Qi et al., ICLR 2024): backward split into I and W
+// (split_backward), W deferred to fill the bubble. ZB-H1 holds at most num_ranks microbatches on any rank, as 1F1B
+// does on rank 0; ZB-H2 runs more forwards ahead and holds up to 2 * num_ranks - 1. max_active caps what a rank
+// holds (from F to W); 0 means the schedule's own bound.
+Schedule make_zero_bubble_h1(int num_ranks, int num_microbatches, int max_active = 0);
+Schedule make_zero_bubble_h2(int num_ranks, int num_microbatches, int max_active = 0);
+
+// The generator called `name`, one of schedule_names(); throws ScheduleError for any other name, for
+// virtual_stages != 1 with anything but interleaved_1f1b, and for max_active != 0 with gpipe (which has no cap).
+Schedule make_schedule(const std::string& name, int num_ranks, int num_microbatches, int virtual_stages,
+                       int max_active);
+// "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2"
+std::vector<std::string> schedule_names();
 
 // Adds SEND_F/RECV_F/SEND_B/RECV_B around the compute actions of a compute-only schedule. Sends are posted
 // right after the compute that produces them and receives right before the compute that needs them; the

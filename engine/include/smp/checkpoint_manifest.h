@@ -1,0 +1,69 @@
+#pragma once
+// The manifest of a checkpoint and the rules that make a checkpoint complete: every file it lists is present
+// with the size and CRC-32 it records. Plain C++, so the reader can be fuzzed without LibTorch.
+//
+// Layout under checkpoint_dir:  step-00000042/manifest.json, step-00000042/partition-0003.pt, ...
+// The manifest is written last and atomically, so a directory without a valid manifest is an interrupted save.
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace smp {
+
+class CheckpointError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct CheckpointFile {
+  std::string name;  // relative to the checkpoint directory, no '/'
+  int pp_rank = 0;
+  std::uint64_t size = 0;
+  std::uint32_t crc32 = 0;
+};
+
+struct CheckpointManifest {
+  static constexpr int kFormatVersion = 1;
+  std::int64_t step = 0;             // the last completed step; training resumes at step + 1
+  int partitions = 0;
+  int virtual_stages = 1;
+  int replicas = 0;                  // when saved; any number may load it
+  std::string schedule;              // generator name, for the record
+  std::vector<std::string> module_names;
+  std::vector<int> stage_of_module;  // the partition
+  std::string model_signature;       // parameter names and shapes, to refuse a different model
+  std::uint64_t seed = 0;
+  std::string config_json;           // the job's config as given
+  std::vector<CheckpointFile> files;
+
+  std::string to_json() const;
+  // Strict: wrong types, missing keys, unknown versions, unsafe file names, or files that do not cover every
+  // pipeline rank exactly once are CheckpointErrors naming `source`.
+  static CheckpointManifest parse(const std::string& text, const std::string& source);
+};
+
+std::uint32_t crc32(const void* data, std::size_t size, std::uint32_t crc = 0);
+// CRC-32 and size of a file; CheckpointError naming the path when it cannot be read.
+std::pair<std::uint32_t, std::uint64_t> crc32_of_file(const std::string& path);
+
+std::string checkpoint_directory_name(std::int64_t step);  // "step-00000042"
+std::string partition_file_name(int pp_rank);               // "partition-0003.pt"
+
+// Reads and checks one checkpoint directory: the manifest parses and every file matches its size and checksum.
+CheckpointManifest verify_checkpoint(const std::string& directory);
+
+struct FoundCheckpoint {
+  std::string directory;
+  CheckpointManifest manifest;
+};
+// The newest complete checkpoint under `root` (by step), skipping incomplete or corrupt ones; each skipped
+// directory's reason is appended to `skipped` when given. nullopt when there is none.
+std::optional<FoundCheckpoint> find_latest_checkpoint(const std::string& root, std::vector<std::string>* skipped = nullptr);
+
+// Removes all but the newest `keep` complete checkpoints, and any incomplete one older than the newest complete.
+void prune_checkpoints(const std::string& root, int keep);
+
+}  // namespace smp

@@ -1,0 +1,45 @@
+#pragma once
+// What the pipeline did: every rank's actions with start and end times, merged into a Chrome trace (opens in
+// Perfetto) and an SVG picture (ranks as rows, F/B/I/W coloured, microbatch numbers, bubbles visible).
+// Plain C++: the engine records, this file only formats and measures.
+
+#include <string>
+#include <vector>
+
+namespace smp {
+
+struct TimelineEvent {
+  std::string kind;  // "F", "B", "I", "W", "RECV_F", "SEND_F", "RECV_B", "SEND_B"
+  int stage = 0;
+  int microbatch = 0;
+  double start_us = 0.0;  // wall clock, microseconds since the epoch
+  double end_us = 0.0;
+};
+
+struct RankTimeline {
+  int rank = 0;
+  int pp_rank = 0;
+  int dp_rank = 0;
+  std::vector<TimelineEvent> events;
+
+  std::string to_json() const;
+  static RankTimeline from_json(const std::string& text);  // throws std::runtime_error on malformed input
+};
+
+struct TimelineSummary {
+  double makespan_us = 0.0;   // first start to last end over the ranks of one replica
+  double busy_us = 0.0;       // compute time (F, B, I, W) summed over those ranks
+  double bubble_fraction = 0.0;  // 1 - busy / (pipeline ranks * makespan)
+  double receive_wait_us = 0.0;  // time blocked in receives: communication not hidden behind compute
+};
+
+// Summary of the ranks of replica `dp_rank`.
+TimelineSummary summarize(const std::vector<RankTimeline>& ranks, int dp_rank);
+
+std::string to_chrome_trace(const std::vector<RankTimeline>& ranks);
+std::string to_svg(const std::vector<RankTimeline>& ranks, const std::string& title);
+
+// Writes `contents` to `path` atomically: a temporary file in the same folder, fsync, rename.
+void write_file_atomically(const std::string& path, const std::string& contents);
+
+}  // namespace smp

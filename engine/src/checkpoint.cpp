@@ -1,0 +1,196 @@
+#include "smp/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <ATen/core/Dict.h>
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include "smp/checkpoint_manifest.h"
+#include "smp/log.h"
+#include "smp/timeline.h"
+
+namespace smp {
+namespace {
+
+constexpr std::int64_t kPartitionFormat = 1;
+
+std::vector<char> read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw CheckpointError(path + ": cannot open");
+  return std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+at::Tensor bytes_tensor(const std::string& bytes) {
+  at::Tensor tensor = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  std::memcpy(tensor.data_ptr(), bytes.data(), bytes.size());
+  return tensor;
+}
+
+void fsync_directory(const std::string& directory) {
+  const int fd = ::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+c10::impl::GenericDict load_partition_file(const std::string& path, const CheckpointFile& expected) {
+  const auto bytes = read_bytes(path);
+  if (bytes.size() != expected.size || crc32(bytes.data(), bytes.size()) != expected.crc32) {
+    throw CheckpointError(path + ": size or checksum differs from the manifest (the file is corrupt)");
+  }
+  c10::IValue value;
+  try {
+    value = torch::jit::pickle_load(bytes);
+  } catch (const std::exception& error) {
+    throw CheckpointError(path + ": unreadable: " + comm::brief_message(error));
+  }
+  if (!value.isGenericDict()) throw CheckpointError(path + ": not an smp partition file");
+  auto dict = value.toGenericDict();
+  if (!dict.contains("format") || dict.at("format").toInt() != kPartitionFormat || !dict.contains("parameters")) {
+    throw CheckpointError(path + ": not an smp partition file of format " + std::to_string(kPartitionFormat));
+  }
+  return dict;
+}
+
+}  // namespace
+
+Checkpointer::Checkpointer(DistributedModel& model, DistributedOptimizer& optimizer)
+    : model_(model), optimizer_(optimizer) {}
+
+bool Checkpointer::enabled() const { return !model_.runtime().config().checkpoint_dir.empty(); }
+
+bool Checkpointer::due(std::int64_t step) const {
+  const int interval = model_.runtime().config().checkpoint_interval;
+  return enabled() && interval > 0 && (step + 1) % interval == 0;
+}
+
+void Checkpointer::save(std::int64_t step) {
+  if (!enabled() || step == last_saved_) return;
+  Runtime& runtime = model_.runtime();
+  const Config& config = runtime.config();
+  const std::string directory = config.checkpoint_dir + "/" + checkpoint_directory_name(step);
+  const std::string key = "checkpoint/" + std::to_string(step) + "/";
+  if (runtime.dp_rank() == 0) {
+    std::string report;
+    try {
+      std::filesystem::create_directories(directory);
+      c10::Dict<std::string, at::Tensor> parameters;
+      for (const auto& [name, parameter] : model_.named_parameters()) parameters.insert(name, parameter.detach());
+      torch::serialize::OutputArchive optimizer_archive;
+      optimizer_.local().save(optimizer_archive);
+      std::ostringstream optimizer_bytes;
+      optimizer_archive.save_to(optimizer_bytes);
+      c10::impl::GenericDict contents(c10::StringType::get(), c10::AnyType::get());
+      contents.insert("format", kPartitionFormat);
+      contents.insert("step", step);
+      contents.insert("pp_rank", static_cast<std::int64_t>(runtime.pp_rank()));
+      contents.insert("parameters", parameters);
+      contents.insert("optimizer", bytes_tensor(optimizer_bytes.str()));
+      contents.insert("rng", at::detail::getDefaultCPUGenerator().get_state());
+      const auto bytes = torch::jit::pickle_save(contents);
+      write_file_atomically(directory + "/" + partition_file_name(runtime.pp_rank()), std::string(bytes.begin(), bytes.end()));
+      report = std::to_string(bytes.size()) + " " + std::to_string(crc32(bytes.data(), bytes.size()));
+    } catch (const std::exception& error) {
+      report = "error " + comm::brief_message(error);
+    }
+    runtime.publish(key + std::to_string(runtime.pp_rank()), report);
+    if (report.rfind("error ", 0) == 0) {
+      throw CheckpointError("rank " + std::to_string(runtime.rank()) + " could not save step " + std::to_string(step) +
+                            ": " + report.substr(6));
+    }
+  }
+  last_saved_ = step;
+  if (runtime.rank() != 0) return;
+
+  CheckpointManifest manifest;
+  manifest.step = step;
+  manifest.partitions = config.partitions;
+  manifest.virtual_stages = config.virtual_stages;
+  manifest.replicas = runtime.topology().data_parallel_degree();
+  manifest.schedule = model_.schedule().name;
+  for (const auto& module : model_.plan().modules) manifest.module_names.push_back(module.name);
+  manifest.stage_of_module = model_.plan().stage_of_module;
+  manifest.model_signature = model_.model_signature();
+  manifest.seed = config.seed;
+  manifest.config_json = config.text;
+  for (int pp = 0; pp < config.partitions; ++pp) {
+    const int writer = runtime.topology().rank_of({pp, 0});
+    std::string report;
+    try {
+      report = runtime.fetch(key + std::to_string(pp));
+    } catch (const comm::CommError& error) {
+      throw CheckpointError("step " + std::to_string(step) + ": rank " + std::to_string(writer) +
+                            " did not report its partition file; the checkpoint is left incomplete (" + error.what() + ")");
+    }
+    if (report.rfind("error ", 0) == 0) {
+      throw CheckpointError("step " + std::to_string(step) + ": rank " + std::to_string(writer) + " failed to save: " +
+                            report.substr(6));
+    }
+    CheckpointFile file;
+    file.name = partition_file_name(pp);
+    file.pp_rank = pp;
+    std::istringstream fields(report);
+    fields >> file.size >> file.crc32;
+    manifest.files.push_back(file);
+  }
+  write_file_atomically(directory + "/manifest.json", manifest.to_json());
+  fsync_directory(directory);
+  fsync_directory(config.checkpoint_dir);
+  prune_checkpoints(config.checkpoint_dir, config.checkpoints_kept);
+  log::info("saved checkpoint " + directory);
+}
+
+std::int64_t Checkpointer::resume() {
+  const auto& origin = model_.resumed_from();
+  if (!origin) return 0;
+  Runtime& runtime = model_.runtime();
+  const auto& [directory, manifest] = *origin;
+  const auto& file = manifest.files.at(static_cast<std::size_t>(runtime.pp_rank()));
+  const std::string path = directory + "/" + file.name;
+  auto contents = load_partition_file(path, file);
+  model_.load_named_parameters(contents.at("parameters").toGenericDict(), path);
+  try {
+    const at::Tensor optimizer_bytes = contents.at("optimizer").toTensor();
+    std::istringstream stream(std::string(static_cast<const char*>(optimizer_bytes.data_ptr()),
+                                          static_cast<std::size_t>(optimizer_bytes.numel())));
+    torch::serialize::InputArchive archive;
+    archive.load_from(stream);
+    optimizer_.local().load(archive);
+    auto generator = at::detail::getDefaultCPUGenerator();
+    generator.set_state(contents.at("rng").toTensor());
+  } catch (const std::exception& error) {
+    throw CheckpointError(path + ": optimizer state does not fit this optimizer: " + comm::brief_message(error));
+  }
+  last_saved_ = manifest.step;
+  if (runtime.rank() == 0) log::info("resumed from " + directory + " (step " + std::to_string(manifest.step) + ")");
+  return manifest.step + 1;
+}
+
+void export_checkpoint(const std::string& checkpoint_directory, const std::string& output_file) {
+  const auto manifest = verify_checkpoint(checkpoint_directory);
+  c10::Dict<std::string, at::Tensor> parameters;
+  for (const auto& file : manifest.files) {
+    auto contents = load_partition_file(checkpoint_directory + "/" + file.name, file);
+    for (const auto& entry : contents.at("parameters").toGenericDict()) {
+      parameters.insert(entry.key().toStringRef(), entry.value().toTensor());
+    }
+  }
+  c10::impl::GenericDict full(c10::StringType::get(), c10::AnyType::get());
+  full.insert("format", kPartitionFormat);
+  full.insert("step", manifest.step);
+  full.insert("parameters", parameters);
+  const auto bytes = torch::jit::pickle_save(full);
+  write_file_atomically(output_file, std::string(bytes.begin(), bytes.end()));
+}
+
+}  // namespace smp

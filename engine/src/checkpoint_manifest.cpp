@@ -1,0 +1,234 @@
+#include "smp/checkpoint_manifest.h"
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include <nlohmann/json.hpp>
+
+namespace smp {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+const std::array<std::uint32_t, 256>& crc_table() {
+  static const std::array<std::uint32_t, 256> table = [] {
+    std::array<std::uint32_t, 256> entries{};
+    for (std::uint32_t i = 0; i < 256; ++i) {
+      std::uint32_t value = i;
+      for (int bit = 0; bit < 8; ++bit) value = (value & 1) ? 0xEDB88320u ^ (value >> 1) : value >> 1;
+      entries[i] = value;
+    }
+    return entries;
+  }();
+  return table;
+}
+
+bool safe_file_name(const std::string& name) {
+  if (name.empty() || name.size() > 128 || name == "." || name == "..") return false;
+  return std::all_of(name.begin(), name.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.';
+  });
+}
+
+std::optional<std::int64_t> step_of_directory(const std::string& name) {
+  if (name.size() < 6 || name.rfind("step-", 0) != 0) return std::nullopt;
+  std::int64_t step = 0;
+  for (std::size_t i = 5; i < name.size(); ++i) {
+    if (!std::isdigit(static_cast<unsigned char>(name[i])) || step > (INT64_MAX / 10 - 10)) return std::nullopt;
+    step = step * 10 + (name[i] - '0');
+  }
+  return step;
+}
+
+// Checkpoint directories under root, newest first.
+std::vector<std::pair<std::int64_t, fs::path>> checkpoint_directories(const std::string& root) {
+  std::vector<std::pair<std::int64_t, fs::path>> found;
+  std::error_code error;
+  if (!fs::is_directory(root, error)) return found;
+  for (const auto& entry : fs::directory_iterator(root, error)) {
+    if (!entry.is_directory(error)) continue;
+    if (auto step = step_of_directory(entry.path().filename().string())) found.emplace_back(*step, entry.path());
+  }
+  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  return found;
+}
+
+}  // namespace
+
+std::uint32_t crc32(const void* data, std::size_t size, std::uint32_t crc) {
+  const auto& table = crc_table();
+  const auto* bytes = static_cast<const unsigned char*>(data);
+  crc = ~crc;
+  for (std::size_t i = 0; i < size; ++i) crc = table[(crc ^ bytes[i]) & 0xFF] ^ (crc >> 8);
+  return ~crc;
+}
+
+std::pair<std::uint32_t, std::uint64_t> crc32_of_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw CheckpointError(path + ": cannot open");
+  std::vector<char> buffer(1 << 20);
+  std::uint32_t crc = 0;
+  std::uint64_t size = 0;
+  while (in) {
+    in.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
+    const auto got = static_cast<std::size_t>(in.gcount());
+    crc = crc32(buffer.data(), got, crc);
+    size += got;
+  }
+  if (in.bad()) throw CheckpointError(path + ": read error");
+  return {crc, size};
+}
+
+std::string checkpoint_directory_name(std::int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%08lld", static_cast<long long>(step));
+  return name;
+}
+
+std::string partition_file_name(int pp_rank) {
+  char name[32];
+  std::snprintf(name, sizeof name, "partition-%04d.pt", pp_rank);
+  return name;
+}
+
+std::string CheckpointManifest::to_json() const {
+  json files_json = json::array();
+  for (const auto& file : files) {
+    files_json.push_back({{"name", file.name}, {"pp_rank", file.pp_rank}, {"size", file.size}, {"crc32", file.crc32}});
+  }
+  return json({{"format_version", kFormatVersion},
+               {"step", step},
+               {"partitions", partitions},
+               {"virtual_stages", virtual_stages},
+               {"replicas", replicas},
+               {"schedule", schedule},
+               {"module_names", module_names},
+               {"stage_of_module", stage_of_module},
+               {"model_signature", model_signature},
+               {"seed", seed},
+               {"config", config_json},
+               {"files", files_json}})
+      .dump(2);
+}
+
+CheckpointManifest CheckpointManifest::parse(const std::string& text, const std::string& source) {
+  auto fail = [&](const std::string& problem) -> CheckpointError {
+    return CheckpointError(source + ": " + problem);
+  };
+  json document;
+  try {
+    document = json::parse(text);
+  } catch (const json::exception& error) {
+    throw fail(std::string("not a valid manifest (") + error.what() + ")");
+  }
+  if (!document.is_object()) throw fail("not a valid manifest (expected an object)");
+  auto field = [&](const char* key, auto check, const char* expected) -> const json& {
+    if (!document.contains(key)) throw fail(std::string("missing \"") + key + "\"");
+    const json& value = document[key];
+    if (!check(value)) throw fail(std::string("\"") + key + "\" must be " + expected);
+    return value;
+  };
+  auto is_count = [](const json& v) { return v.is_number_integer() && v.get<long long>() >= 0 && v.get<long long>() <= (1 << 20); };
+  if (field("format_version", is_count, "an integer").get<int>() != kFormatVersion) {
+    throw fail("format version " + document["format_version"].dump() + " is not supported (expected " +
+               std::to_string(kFormatVersion) + ")");
+  }
+  CheckpointManifest manifest;
+  const json& step = field("step", [](const json& v) { return v.is_number_integer() && v.get<long long>() >= 0; }, "a non-negative integer");
+  manifest.step = step.get<std::int64_t>();
+  manifest.partitions = field("partitions", is_count, "a count").get<int>();
+  manifest.virtual_stages = field("virtual_stages", is_count, "a count").get<int>();
+  manifest.replicas = field("replicas", is_count, "a count").get<int>();
+  if (manifest.partitions < 1 || manifest.virtual_stages < 1 || manifest.replicas < 1) throw fail("counts must be positive");
+  manifest.schedule = field("schedule", [](const json& v) { return v.is_string(); }, "a string").get<std::string>();
+  manifest.model_signature = field("model_signature", [](const json& v) { return v.is_string(); }, "a string").get<std::string>();
+  manifest.config_json = field("config", [](const json& v) { return v.is_string(); }, "a string").get<std::string>();
+  manifest.seed = field("seed", [](const json& v) { return v.is_number_unsigned() || (v.is_number_integer() && v.get<long long>() >= 0); }, "a non-negative integer").get<std::uint64_t>();
+  const json& names = field("module_names", [](const json& v) { return v.is_array(); }, "a list");
+  const json& stages = field("stage_of_module", [](const json& v) { return v.is_array(); }, "a list");
+  if (names.size() != stages.size()) throw fail("module_names and stage_of_module differ in length");
+  const int num_stages = manifest.partitions * manifest.virtual_stages;
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    if (!names[i].is_string()) throw fail("module_names must hold strings");
+    if (!stages[i].is_number_integer() || stages[i].get<long long>() < 0 || stages[i].get<long long>() >= num_stages) {
+      throw fail("stage_of_module[" + std::to_string(i) + "] is not a stage below " + std::to_string(num_stages));
+    }
+    manifest.module_names.push_back(names[i].get<std::string>());
+    manifest.stage_of_module.push_back(stages[i].get<int>());
+  }
+  const json& files = field("files", [](const json& v) { return v.is_array(); }, "a list");
+  std::vector<bool> covered(static_cast<std::size_t>(manifest.partitions), false);
+  for (const auto& file : files) {
+    if (!file.is_object() || !file.contains("name") || !file["name"].is_string() || !file.contains("pp_rank") ||
+        !file["pp_rank"].is_number_integer() || !file.contains("size") || !file["size"].is_number_unsigned() ||
+        !file.contains("crc32") || !file["crc32"].is_number_unsigned() || file["crc32"].get<std::uint64_t>() > 0xFFFFFFFFu) {
+      throw fail("a files entry must have name, pp_rank, size and crc32");
+    }
+    CheckpointFile entry{file["name"].get<std::string>(), file["pp_rank"].get<int>(), file["size"].get<std::uint64_t>(),
+                         static_cast<std::uint32_t>(file["crc32"].get<std::uint64_t>())};
+    if (!safe_file_name(entry.name)) throw fail("unsafe file name \"" + entry.name + "\"");
+    if (entry.pp_rank < 0 || entry.pp_rank >= manifest.partitions || covered[entry.pp_rank]) {
+      throw fail("file " + entry.name + " has a missing or repeated pp_rank " + std::to_string(entry.pp_rank));
+    }
+    covered[entry.pp_rank] = true;
+    manifest.files.push_back(entry);
+  }
+  for (int rank = 0; rank < manifest.partitions; ++rank) {
+    if (!covered[rank]) throw fail("no file for pipeline rank " + std::to_string(rank));
+  }
+  return manifest;
+}
+
+CheckpointManifest verify_checkpoint(const std::string& directory) {
+  const std::string manifest_path = directory + "/manifest.json";
+  std::ifstream in(manifest_path, std::ios::binary);
+  if (!in) throw CheckpointError(manifest_path + ": missing (the save did not finish)");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto manifest = CheckpointManifest::parse(text, manifest_path);
+  for (const auto& file : manifest.files) {
+    const std::string path = directory + "/" + file.name;
+    const auto [crc, size] = crc32_of_file(path);
+    if (size != file.size) {
+      throw CheckpointError(path + ": " + std::to_string(size) + " bytes, the manifest says " + std::to_string(file.size) +
+                            " (truncated or replaced)");
+    }
+    if (crc != file.crc32) throw CheckpointError(path + ": checksum mismatch (the file is corrupt)");
+  }
+  return manifest;
+}
+
+std::optional<FoundCheckpoint> find_latest_checkpoint(const std::string& root, std::vector<std::string>* skipped) {
+  for (const auto& [step, path] : checkpoint_directories(root)) {
+    try {
+      return FoundCheckpoint{path.string(), verify_checkpoint(path.string())};
+    } catch (const CheckpointError& error) {
+      if (skipped) skipped->push_back(error.what());
+    }
+  }
+  return std::nullopt;
+}
+
+void prune_checkpoints(const std::string& root, int keep) {
+  int complete_seen = 0;
+  for (const auto& [step, path] : checkpoint_directories(root)) {
+    bool complete = true;
+    try {
+      verify_checkpoint(path.string());
+    } catch (const CheckpointError&) {
+      complete = false;
+    }
+    // An incomplete directory newer than every complete one may be a save still in progress: leave it.
+    const bool remove = complete ? ++complete_seen > keep : complete_seen > 0;
+    if (remove) {
+      std::error_code error;
+      fs::remove_all(path, error);
+    }
+  }
+}
+
+}  // namespace smp

@@ -1,0 +1,186 @@
+#include "smp/timeline.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+
+#include <nlohmann/json.hpp>
+
+namespace smp {
+namespace {
+
+bool is_compute(const std::string& kind) { return kind == "F" || kind == "B" || kind == "I" || kind == "W"; }
+
+const char* colour_of(const std::string& kind) {
+  if (kind == "F") return "#4e79a7";
+  if (kind == "B") return "#59a14f";
+  if (kind == "I") return "#8cd17d";
+  if (kind == "W") return "#f28e2b";
+  return "#bab0ac";
+}
+
+}  // namespace
+
+std::string RankTimeline::to_json() const {
+  nlohmann::json document = {{"rank", rank}, {"pp_rank", pp_rank}, {"dp_rank", dp_rank}, {"events", nlohmann::json::array()}};
+  for (const auto& event : events) {
+    document["events"].push_back({event.kind, event.stage, event.microbatch, event.start_us, event.end_us});
+  }
+  return document.dump();
+}
+
+RankTimeline RankTimeline::from_json(const std::string& text) {
+  try {
+    const auto document = nlohmann::json::parse(text);
+    RankTimeline timeline;
+    timeline.rank = document.at("rank").get<int>();
+    timeline.pp_rank = document.at("pp_rank").get<int>();
+    timeline.dp_rank = document.at("dp_rank").get<int>();
+    for (const auto& event : document.at("events")) {
+      timeline.events.push_back({event.at(0).get<std::string>(), event.at(1).get<int>(), event.at(2).get<int>(),
+                                 event.at(3).get<double>(), event.at(4).get<double>()});
+    }
+    return timeline;
+  } catch (const nlohmann::json::exception& error) {
+    throw std::runtime_error(std::string("malformed timeline: ") + error.what());
+  }
+}
+
+TimelineSummary summarize(const std::vector<RankTimeline>& ranks, int dp_rank) {
+  TimelineSummary summary;
+  double first = std::numeric_limits<double>::infinity(), last = -first;
+  int pipeline_ranks = 0;
+  for (const auto& rank : ranks) {
+    if (rank.dp_rank != dp_rank) continue;
+    ++pipeline_ranks;
+    for (const auto& event : rank.events) {
+      first = std::min(first, event.start_us);
+      last = std::max(last, event.end_us);
+      if (is_compute(event.kind)) summary.busy_us += event.end_us - event.start_us;
+      if (event.kind.rfind("RECV", 0) == 0) summary.receive_wait_us += event.end_us - event.start_us;
+    }
+  }
+  if (pipeline_ranks == 0 || last <= first) return summary;
+  summary.makespan_us = last - first;
+  summary.bubble_fraction = 1.0 - summary.busy_us / (pipeline_ranks * summary.makespan_us);
+  return summary;
+}
+
+std::string to_chrome_trace(const std::vector<RankTimeline>& ranks) {
+  // One process per replica and one thread per pipeline rank, so Perfetto draws each pipeline as a block.
+  nlohmann::json events = nlohmann::json::array();
+  std::map<int, bool> named_replicas;
+  for (const auto& rank : ranks) {
+    if (!named_replicas[rank.dp_rank]) {
+      named_replicas[rank.dp_rank] = true;
+      events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", rank.dp_rank},
+                        {"args", {{"name", "replica " + std::to_string(rank.dp_rank)}}}});
+    }
+    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", rank.dp_rank}, {"tid", rank.pp_rank},
+                      {"args", {{"name", "rank " + std::to_string(rank.rank) + " (pp " + std::to_string(rank.pp_rank) + ")"}}}});
+    for (const auto& event : rank.events) {
+      events.push_back({{"name", event.kind + std::to_string(event.microbatch)},
+                        {"cat", is_compute(event.kind) ? "compute" : "transfer"},
+                        {"ph", "X"},
+                        {"ts", event.start_us},
+                        {"dur", std::max(0.0, event.end_us - event.start_us)},
+                        {"pid", rank.dp_rank},
+                        {"tid", rank.pp_rank},
+                        {"args", {{"stage", event.stage}, {"microbatch", event.microbatch}}}});
+    }
+  }
+  return nlohmann::json({{"traceEvents", events}, {"displayTimeUnit", "ms"}}).dump();
+}
+
+std::string to_svg(const std::vector<RankTimeline>& ranks, const std::string& title) {
+  double first = std::numeric_limits<double>::infinity(), last = -first;
+  for (const auto& rank : ranks) {
+    for (const auto& event : rank.events) {
+      first = std::min(first, event.start_us);
+      last = std::max(last, event.end_us);
+    }
+  }
+  if (!(last > first)) first = 0, last = 1;
+  std::vector<const RankTimeline*> rows;
+  for (const auto& rank : ranks) rows.push_back(&rank);
+  std::sort(rows.begin(), rows.end(), [](const RankTimeline* a, const RankTimeline* b) {
+    return a->dp_rank != b->dp_rank ? a->dp_rank < b->dp_rank : a->pp_rank < b->pp_rank;
+  });
+  const double label_width = 150, plot_width = 1200, row_height = 28, top = 40;
+  const double scale = plot_width / (last - first);
+  const double height = top + row_height * static_cast<double>(rows.size()) + 40;
+  std::ostringstream svg;
+  svg << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << label_width + plot_width + 20 << "\" height=\"" << height
+      << "\" font-family=\"sans-serif\" font-size=\"11\">\n"
+      << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+      << "<text x=\"10\" y=\"20\" font-size=\"14\">";
+  for (char c : title) {
+    if (c == '<') svg << "&lt;";
+    else if (c == '&') svg << "&amp;";
+    else svg << c;
+  }
+  svg << "</text>\n";
+  for (std::size_t row = 0; row < rows.size(); ++row) {
+    const double y = top + row_height * static_cast<double>(row);
+    svg << "<text x=\"10\" y=\"" << y + row_height * 0.65 << "\">replica " << rows[row]->dp_rank << " stage-rank "
+        << rows[row]->pp_rank << "</text>\n"
+        << "<rect x=\"" << label_width << "\" y=\"" << y + 2 << "\" width=\"" << plot_width << "\" height=\""
+        << row_height - 4 << "\" fill=\"#f4f4f4\"/>\n";
+    for (const auto& event : rows[row]->events) {
+      if (!is_compute(event.kind)) continue;
+      const double x = label_width + (event.start_us - first) * scale;
+      const double width = std::max(0.5, (event.end_us - event.start_us) * scale);
+      svg << "<rect x=\"" << x << "\" y=\"" << y + 2 << "\" width=\"" << width << "\" height=\"" << row_height - 4
+          << "\" fill=\"" << colour_of(event.kind) << "\" stroke=\"white\" stroke-width=\"0.5\"><title>" << event.kind
+          << " stage " << event.stage << " microbatch " << event.microbatch << "</title></rect>\n";
+      if (width > 14) {
+        svg << "<text x=\"" << x + width / 2 << "\" y=\"" << y + row_height * 0.65
+            << "\" text-anchor=\"middle\" fill=\"white\">" << event.microbatch << "</text>\n";
+      }
+    }
+  }
+  const double legend_y = top + row_height * static_cast<double>(rows.size()) + 20;
+  double legend_x = label_width;
+  for (const char* kind : {"F", "B", "I", "W"}) {
+    svg << "<rect x=\"" << legend_x << "\" y=\"" << legend_y - 10 << "\" width=\"12\" height=\"12\" fill=\""
+        << colour_of(kind) << "\"/><text x=\"" << legend_x + 16 << "\" y=\"" << legend_y << "\">" << kind << "</text>\n";
+    legend_x += 50;
+  }
+  char span[64];
+  std::snprintf(span, sizeof span, "%.2f ms", (last - first) / 1000.0);
+  svg << "<text x=\"" << legend_x + 20 << "\" y=\"" << legend_y << "\">gray = idle; width = " << span << "</text>\n</svg>\n";
+  return svg.str();
+}
+
+void write_file_atomically(const std::string& path, const std::string& contents) {
+  const std::string temporary = path + ".tmp." + std::to_string(getpid());
+  const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw std::runtime_error("cannot write " + temporary + ": " + std::strerror(errno));
+  std::size_t written = 0;
+  while (written < contents.size()) {
+    const ssize_t n = ::write(fd, contents.data() + written, contents.size() - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int error = errno;
+      ::close(fd);
+      ::unlink(temporary.c_str());
+      throw std::runtime_error("cannot write " + temporary + ": " + std::strerror(error));
+    }
+    written += static_cast<std::size_t>(n);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0 || ::rename(temporary.c_str(), path.c_str()) != 0) {
+    const int error = errno;
+    ::unlink(temporary.c_str());
+    throw std::runtime_error("cannot write " + path + ": " + std::strerror(error));
+  }
+}
+
+}  // namespace smp

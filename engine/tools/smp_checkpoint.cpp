@@ -1,0 +1,54 @@
+// smp_checkpoint: inspect and convert checkpoints without starting a job.
+//   smp_checkpoint list ROOT          every checkpoint under ROOT, complete or not, and why not
+//   smp_checkpoint verify DIR         checks the manifest and every file's size and checksum
+//   smp_checkpoint export DIR FILE    merges the partitions into one full-model file (parameters by name)
+
+#include <cstdio>
+#include <algorithm>
+#include <filesystem>
+#include <string>
+
+#include "smp/checkpoint.h"
+#include "smp/checkpoint_manifest.h"
+#include "smp/main.h"
+
+namespace {
+
+int run(int argc, char** argv) {
+  const std::string usage = "usage: smp_checkpoint list ROOT | verify DIR | export DIR FILE";
+  if (argc < 3) throw std::runtime_error(usage);
+  const std::string command = argv[1];
+  if (command == "list" && argc == 3) {
+    std::vector<std::filesystem::path> directories;
+    for (const auto& entry : std::filesystem::directory_iterator(argv[2])) {
+      if (entry.is_directory()) directories.push_back(entry.path());
+    }
+    std::sort(directories.begin(), directories.end());
+    for (const auto& directory : directories) {
+      try {
+        const auto manifest = smp::verify_checkpoint(directory.string());
+        std::printf("%s: complete, step %lld, %d partitions\n", directory.c_str(), static_cast<long long>(manifest.step),
+                    manifest.partitions);
+      } catch (const smp::CheckpointError& error) {
+        std::printf("%s: incomplete: %s\n", directory.c_str(), error.what());
+      }
+    }
+    return 0;
+  }
+  if (command == "verify" && argc == 3) {
+    const auto manifest = smp::verify_checkpoint(argv[2]);
+    std::printf("%s: complete, step %lld, %d partitions x %d virtual stages, saved by %d replicas\n", argv[2],
+                static_cast<long long>(manifest.step), manifest.partitions, manifest.virtual_stages, manifest.replicas);
+    return 0;
+  }
+  if (command == "export" && argc == 4) {
+    smp::export_checkpoint(argv[2], argv[3]);
+    std::printf("wrote %s\n", argv[3]);
+    return 0;
+  }
+  throw std::runtime_error(usage);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return smp::guarded_main(argc, argv, run); }

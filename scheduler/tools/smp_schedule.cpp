@@ -1,0 +1,107 @@
+// smp_schedule: generate, dump, load and simulate pipeline schedules without running a model.
+//   smp_schedule --schedule 1f1b --ranks 4 --microbatches 8 [--virtual-stages V] [--active A] [--csv OUT]
+//   smp_schedule --load FILE.csv
+// Prints the simulated makespan, bubble fraction and peak in-flight activations per rank, with the textbook
+// bubble formula where one exists. Costs per microbatch and stage: --forward, --backward, --backward-input,
+// --backward-weight (seconds; defaults 1, 2, 1, 1), --latency (seconds per transfer).
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <string>
+
+#include "smp/scheduler/schedule.h"
+#include "smp/scheduler/simulator.h"
+
+namespace {
+
+using namespace smp::sched;
+
+[[noreturn]] void usage_error(const std::string& message) {
+  std::fprintf(stderr, "smp_schedule: %s\nusage: smp_schedule --schedule NAME --ranks P --microbatches M "
+                       "[--virtual-stages V] [--active A] [--csv OUT] [--forward T] [--backward T] "
+                       "[--backward-input T] [--backward-weight T] [--latency S]\n"
+                       "       smp_schedule --load FILE.csv\nschedules:", message.c_str());
+  for (const auto& name : schedule_names()) std::fprintf(stderr, " %s", name.c_str());
+  std::fprintf(stderr, "\n");
+  std::exit(2);
+}
+
+double number(const std::string& flag, const char* text) {
+  char* end = nullptr;
+  const double value = std::strtod(text, &end);
+  if (end == text || *end != '\0' || !(value >= 0)) usage_error(flag + " expects a non-negative number, got " + text);
+  return value;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string name, csv_out, load;
+  int ranks = 0, microbatches = 0, virtual_stages = 1, active = 0;
+  StageCosts stage_costs;
+  P2PCosts p2p;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (i + 1 >= argc) usage_error(flag + " needs a value");
+    const char* value = argv[++i];
+    if (flag == "--schedule") name = value;
+    else if (flag == "--ranks") ranks = static_cast<int>(number(flag, value));
+    else if (flag == "--microbatches") microbatches = static_cast<int>(number(flag, value));
+    else if (flag == "--virtual-stages") virtual_stages = static_cast<int>(number(flag, value));
+    else if (flag == "--active") active = static_cast<int>(number(flag, value));
+    else if (flag == "--csv") csv_out = value;
+    else if (flag == "--load") load = value;
+    else if (flag == "--forward") stage_costs.forward = number(flag, value);
+    else if (flag == "--backward") stage_costs.backward = number(flag, value);
+    else if (flag == "--backward-input") stage_costs.backward_input = number(flag, value);
+    else if (flag == "--backward-weight") stage_costs.backward_weight = number(flag, value);
+    else if (flag == "--latency") p2p.latency_s = number(flag, value);
+    else usage_error("unknown flag " + flag);
+  }
+  try {
+    Schedule schedule;
+    if (!load.empty()) {
+      std::ifstream in(load);
+      if (!in) usage_error("cannot open " + load);
+      schedule = read_csv(in);
+    } else {
+      if (name.empty() || ranks < 1 || microbatches < 1) usage_error("--schedule, --ranks and --microbatches are required");
+      schedule = make_schedule(name, ranks, microbatches, virtual_stages, active);
+    }
+    const auto graph = StageGraph::chain(schedule.num_stages);
+    bool lowered = false;
+    for (const auto& actions : schedule.ranks) {
+      for (const auto& action : actions) lowered |= !is_compute(action.kind);
+    }
+    if (!lowered) schedule = lower_communication(schedule, graph);
+    validate(schedule, graph);
+    if (!csv_out.empty()) {
+      std::ofstream out(csv_out);
+      write_csv(schedule, out);
+      if (!out) usage_error("cannot write " + csv_out);
+    }
+    // Stage costs are per stage; with v stages per rank each is 1/v of the rank's work.
+    const int per_rank = schedule.num_stages / schedule.num_ranks;
+    StageCosts scaled{stage_costs.forward / per_rank, stage_costs.backward / per_rank,
+                      stage_costs.backward_input / per_rank, stage_costs.backward_weight / per_rank};
+    const auto result = simulate(schedule, graph, SimulationCosts::uniform(schedule.num_stages, scaled, p2p));
+    std::printf("schedule %s: %d ranks, %d stages, %d microbatches\n", schedule.name.c_str(), schedule.num_ranks,
+                schedule.num_stages, schedule.num_microbatches);
+    std::printf("makespan %.6g, bubble fraction %.6f\n", result.makespan, result.bubble_fraction);
+    const double p = schedule.num_ranks, m = schedule.num_microbatches, v = per_rank;
+    if (schedule.name == "gpipe" || schedule.name == "1f1b") {
+      std::printf("formula (p-1)/(m+p-1) = %.6f\n", (p - 1) / (m + p - 1));
+    } else if (schedule.name == "interleaved_1f1b") {
+      std::printf("formula (p-1)/(v*m+p-1) = %.6f\n", (p - 1) / (v * m + p - 1));
+    }
+    std::printf("peak in-flight activations per rank:");
+    for (int peak : result.peak_in_flight) std::printf(" %d", peak);
+    std::printf("\n");
+  } catch (const ScheduleError& error) {
+    std::fprintf(stderr, "smp_schedule: %s\n", error.what());
+    return 1;
+  }
+  return 0;
+}

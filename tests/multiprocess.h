@@ -1,0 +1,80 @@
+#pragma once
+// What the multi-process tests share: running a bounded command, writing configs, reading worker output.
+
+#include <catch2/catch.hpp>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace smp_test {
+
+
+struct Result {
+  int status = -1;
+  std::string output;
+  double seconds = 0;
+};
+
+inline Result run_command(const std::string& command, int timeout_s) {
+  // `timeout -k` also kills what ignores SIGTERM; a test can never hang past its bound.
+  const std::string bounded = "OMP_NUM_THREADS=1 timeout -k 5 " + std::to_string(timeout_s) + " " + command + " 2>&1";
+  const auto start = std::chrono::steady_clock::now();
+  Result result;
+  FILE* pipe = popen(bounded.c_str(), "r");
+  REQUIRE(pipe != nullptr);
+  std::array<char, 4096> buffer{};
+  while (std::fgets(buffer.data(), buffer.size(), pipe)) result.output += buffer.data();
+  const int raw = pclose(pipe);
+  result.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return result;
+}
+
+inline std::string write_config(const std::string& name, const std::string& json) {
+  const std::string path = "/tmp/smp_test_" + std::to_string(getpid()) + "_" + name + ".json";
+  std::ofstream(path) << json;
+  return path;
+}
+
+inline std::string smp_config(int pp, int dp, int microbatches, const std::string& pipeline, const std::string& placement,
+                       int global_batch, double timeout_s = 60, const std::string& extra_keys = "") {
+  std::ostringstream json;
+  json << R"({"partitions": )" << pp << R"(, "microbatches": )" << microbatches << R"(, "pipeline": ")" << pipeline
+       << R"(", "ddp": )" << (dp > 1 ? "true" : "false") << R"(, "placement_strategy": ")" << placement
+       << R"(", "global_batch_size": )" << global_batch << R"(, "seed": 5, "comm_timeout_s": )" << timeout_s
+       << extra_keys << "}";
+  return json.str();
+}
+
+inline Result run_worker(int processes, const std::string& config, const std::string& flags = "") {
+  return run_command(std::string(SMPRUN_PATH) + " -n " + std::to_string(processes) + " -- " + WORKER_PATH +
+                         " --config " + config + " " + flags,
+                     240);
+}
+
+inline std::vector<double> step_losses(const std::string& output) {
+  std::vector<double> losses;
+  const std::regex line(R"(\[rank 0\] step \d+ loss ([0-9.eE+-]+))");
+  for (std::sregex_iterator it(output.begin(), output.end(), line), end; it != end; ++it) {
+    losses.push_back(std::stod((*it)[1].str()));
+  }
+  return losses;
+}
+
+// Ranks whose every parameter matched single-process training (the worker's closing line).
+inline int count_clean_ranks(const std::string& output) {
+  const std::regex line(R"(rank \d+ stage \d+: \d+ parameters checked, 0 mismatches)");
+  return static_cast<int>(std::distance(std::sregex_iterator(output.begin(), output.end(), line), std::sregex_iterator()));
+}
+
+
+}  // namespace smp_test

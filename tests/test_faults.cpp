@@ -1,0 +1,164 @@
+// Checkpoints, crashes and bad input, with real processes under smprun.
+
+#include <csignal>
+#include <filesystem>
+
+#include "multiprocess.h"
+
+using Catch::Matchers::Contains;
+using namespace smp_test;
+
+namespace {
+
+std::string fresh_directory(const std::string& name) {
+  const std::string path = "/tmp/smp_test_" + std::to_string(getpid()) + "_" + name;
+  std::filesystem::remove_all(path);
+  return path;
+}
+
+std::string checkpoint_keys(const std::string& dir, int interval) {
+  return R"(, "checkpoint_dir": ")" + dir + R"(", "checkpoint_interval": )" + std::to_string(interval);
+}
+
+std::string worker(const std::string& config, const std::string& flags) {
+  return std::string(SMPRUN_PATH) + " -n 4 -- " + WORKER_PATH + " --config " + config + " --optimizer adamw " + flags;
+}
+
+void flip_byte(const std::string& path, std::streamoff offset) {
+  std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
+  file.seekg(offset);
+  char byte = 0;
+  file.read(&byte, 1);
+  byte = static_cast<char>(byte ^ 0x5a);
+  file.seekp(offset);
+  file.write(&byte, 1);
+}
+
+}  // namespace
+
+TEST_CASE("a killed rank stops the job; resuming gives the uninterrupted losses bit for bit", "[faults][checkpoint]") {
+  const auto uninterrupted_config = write_config("uninterrupted", smp_config(2, 2, 2, "interleaved", "cluster", 8, 20));
+  const auto uninterrupted = run_command(worker(uninterrupted_config, "--steps 6"), 120);
+  INFO(uninterrupted.output);
+  REQUIRE(uninterrupted.status == 0);
+  const auto expected = step_losses(uninterrupted.output);
+  REQUIRE(expected.size() == 6);
+
+  const auto dir = fresh_directory("kill");
+  const auto config = write_config("kill", smp_config(2, 2, 2, "interleaved", "cluster", 8, 20, checkpoint_keys(dir, 2)));
+  const auto killed = run_command(worker(config, "--steps 6 --kill-rank 1 --kill-step 3"), 120);
+  INFO(killed.output);
+  CHECK(killed.status != 0);
+  CHECK(killed.status != 124);
+  CHECK_THAT(killed.output, Contains("rank 1 was killed by signal SIGKILL"));
+  CHECK(killed.seconds < 20 + 10);
+  CHECK(std::filesystem::exists(dir + "/step-00000001/manifest.json"));
+
+  const auto resume_config = write_config("kill_resume", smp_config(2, 2, 2, "interleaved", "cluster", 8, 20,
+                                                                    checkpoint_keys(dir, 2) + R"(, "resume": true)"));
+  const auto continued = run_command(worker(resume_config, "--steps 6"), 120);
+  INFO(continued.output);
+  REQUIRE(continued.status == 0);
+  CHECK_THAT(continued.output, Contains("resumed from " + dir + "/step-00000001"));
+  CHECK(count_clean_ranks(continued.output) == 4);
+  const auto after = step_losses(continued.output);
+  REQUIRE(after.size() == 4);  // steps 2..5
+  for (std::size_t i = 0; i < after.size(); ++i) CHECK(after[i] == expected[i + 2]);
+}
+
+TEST_CASE("a checkpoint loads into another number of replicas and exports for another partitioning", "[faults][checkpoint]") {
+  const auto dir = fresh_directory("reshape");
+  const auto config = write_config("reshape", smp_config(2, 2, 2, "interleaved", "cluster", 8, 30, checkpoint_keys(dir, 3)));
+  const auto saved = run_command(worker(config, "--steps 3"), 120);
+  INFO(saved.output);
+  REQUIRE(saved.status == 0);
+  REQUIRE(std::filesystem::exists(dir + "/step-00000002/manifest.json"));
+
+  // Two replicas saved it, one resumes it and trains on; parameters still equal single-process training.
+  const auto one_replica = write_config("reshape_dp1", smp_config(2, 1, 4, "interleaved", "cluster", 8, 30,
+                                                                  checkpoint_keys(dir, 0) + R"(, "resume": true)"));
+  const auto resumed = run_command(std::string(SMPRUN_PATH) + " -n 2 -- " + WORKER_PATH + " --config " + one_replica +
+                                       " --optimizer adamw --steps 5",
+                                   120);
+  INFO(resumed.output);
+  CHECK(resumed.status == 0);
+  CHECK(count_clean_ranks(resumed.output) == 2);
+  CHECK(step_losses(resumed.output).size() == 2);
+
+  // Exported as one file, it loads into three stages and holds the state after step 2.
+  const std::string exported = dir + "/full.pt";
+  const auto export_run = run_command(std::string(SMP_CHECKPOINT_PATH) + " export " + dir + "/step-00000002 " + exported, 60);
+  INFO(export_run.output);
+  REQUIRE(export_run.status == 0);
+  const auto three_stages = write_config("reshape_pp3", smp_config(3, 1, 2, "interleaved", "cluster", 8, 30));
+  const auto loaded = run_command(std::string(SMPRUN_PATH) + " -n 3 -- " + WORKER_PATH + " --config " + three_stages +
+                                      " --optimizer adamw --steps 0 --load-full " + exported + " --expect-step 2",
+                                  120);
+  INFO(loaded.output);
+  CHECK(loaded.status == 0);
+  CHECK(count_clean_ranks(loaded.output) == 3);
+}
+
+TEST_CASE("corrupt and truncated checkpoints are refused with a clear error", "[faults][checkpoint]") {
+  const auto dir = fresh_directory("corrupt");
+  const auto config = write_config("corrupt", smp_config(2, 2, 2, "interleaved", "cluster", 8, 30, checkpoint_keys(dir, 1)));
+  REQUIRE(run_command(worker(config, "--steps 2"), 120).status == 0);
+  const std::string newest = dir + "/step-00000001", older = dir + "/step-00000000";
+  flip_byte(newest + "/partition-0001.pt", 100);
+  const auto verify = run_command(std::string(SMP_CHECKPOINT_PATH) + " verify " + newest, 60);
+  CHECK(verify.status == 1);
+  CHECK_THAT(verify.output, Contains("partition-0001.pt: checksum mismatch"));
+
+  std::filesystem::resize_file(older + "/partition-0000.pt", 10);
+  const auto truncated = run_command(std::string(SMP_CHECKPOINT_PATH) + " verify " + older, 60);
+  CHECK(truncated.status == 1);
+  CHECK_THAT(truncated.output, Contains("truncated or replaced"));
+
+  // Resuming skips both, says why, and starts over.
+  const auto resume_config = write_config("corrupt_resume", smp_config(2, 2, 2, "interleaved", "cluster", 8, 30,
+                                                                       checkpoint_keys(dir, 0) + R"(, "resume": true)"));
+  const auto resumed = run_command(worker(resume_config, "--steps 1"), 120);
+  INFO(resumed.output);
+  CHECK(resumed.status == 0);
+  CHECK_THAT(resumed.output, Contains("skipping checkpoint") && Contains("checksum mismatch") &&
+                                 Contains("no complete checkpoint"));
+}
+
+TEST_CASE("a checkpoint of another model is refused", "[faults][checkpoint]") {
+  const auto dir = fresh_directory("other_model");
+  const auto config = write_config("other_model", smp_config(2, 1, 2, "interleaved", "cluster", 4, 30, checkpoint_keys(dir, 1)));
+  REQUIRE(run_command(std::string(SMPRUN_PATH) + " -n 2 -- " + WORKER_PATH + " --config " + config + " --steps 1", 120).status == 0);
+  const auto resume_config = write_config("other_model_resume", smp_config(2, 1, 2, "interleaved", "cluster", 4, 30,
+                                                                           checkpoint_keys(dir, 0) + R"(, "resume": true)"));
+  const auto refused = run_command(std::string(SMPRUN_PATH) + " -n 2 -- " + WORKER_PATH + " --config " + resume_config +
+                                       " --model gpt --steps 1",
+                                   120);
+  CHECK(refused.status != 0);
+  CHECK_THAT(refused.output, Contains("holds another model"));
+}
+
+TEST_CASE("a NaN loss stops the job naming the step, or skips the step when configured", "[faults][nonfinite]") {
+  const auto stop_config = write_config("nan_stop", smp_config(2, 2, 2, "interleaved", "cluster", 8, 30));
+  const auto stopped = run_command(worker(stop_config, "--steps 3 --nan-step 1"), 120);
+  INFO(stopped.output);
+  CHECK(stopped.status != 0);
+  CHECK_THAT(stopped.output, Contains("step 1: the loss is nan") && Contains("non-finite gradients on rank"));
+
+  const auto skip_config = write_config("nan_skip", smp_config(2, 2, 2, "interleaved", "cluster", 8, 30, R"(, "nonfinite": "skip")"));
+  const auto skipped = run_command(worker(skip_config, "--steps 3 --nan-step 1"), 120);
+  INFO(skipped.output);
+  CHECK(skipped.status == 0);
+  CHECK_THAT(skipped.output, Contains("step 1 skipped"));
+  CHECK(count_clean_ranks(skipped.output) == 4);
+}
+
+TEST_CASE("a model that does not fit its data fails naming the stage and modules", "[faults][input]") {
+  const auto config = write_config("bad_shapes", smp_config(2, 2, 2, "interleaved", "cluster", 8, 30));
+  const auto result = run_command(worker(config, "--steps 1 --input-width 5"), 120);
+  INFO(result.output);
+  CHECK(result.status != 0);
+  CHECK_THAT(result.output, Contains("module \"0\" fails on the sample microbatch (input [2, 5])") &&
+                                Contains("mat1 and mat2 shapes cannot be multiplied"));
+  CHECK(result.output.find("frame #") == std::string::npos);  // no C++ backtraces
+  CHECK(result.seconds < 30);
+}

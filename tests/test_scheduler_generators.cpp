@@ -1,0 +1,272 @@
+// The interleaved and zero-bubble generators and the name-based factory: structure, validity, CSV. Their simulated
+// bubbles and memory are in test_simulator.cpp.
+
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <map>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "smp/scheduler/schedule.h"
+#include "smp/scheduler/simulator.h"
+
+using namespace smp::sched;
+using Catch::Contains;
+
+namespace {
+
+Action F(int stage, int mb) { return {ActionKind::Forward, stage, mb}; }
+Action B(int stage, int mb) { return {ActionKind::Backward, stage, mb}; }
+Action I(int stage, int mb) { return {ActionKind::BackwardInput, stage, mb}; }
+Action W(int stage, int mb) { return {ActionKind::BackwardWeight, stage, mb}; }
+
+// How often each compute action (kind, stage, microbatch) occurs in the schedule.
+std::map<std::tuple<ActionKind, int, int>, int> compute_counts(const Schedule& schedule) {
+  std::map<std::tuple<ActionKind, int, int>, int> counts;
+  for (const std::vector<Action>& actions : schedule.ranks)
+    for (const Action& action : actions) ++counts[{action.kind, action.stage, action.microbatch}];
+  return counts;
+}
+
+// The same order with every B replaced by I and W back to back: a valid split-backward schedule of any layout.
+Schedule split_each_backward(const Schedule& schedule) {
+  Schedule split = schedule;
+  split.split_backward = true;
+  for (std::vector<Action>& actions : split.ranks) {
+    std::vector<Action> replaced;
+    for (const Action& action : actions) {
+      if (action.kind != ActionKind::Backward) {
+        replaced.push_back(action);
+        continue;
+      }
+      replaced.push_back(I(action.stage, action.microbatch));
+      replaced.push_back(W(action.stage, action.microbatch));
+    }
+    actions = replaced;
+  }
+  return split;
+}
+
+bool takes_virtual_stages(const std::string& name) { return name == "interleaved_1f1b"; }
+bool splits_backward(const std::string& name) { return name == "zb_h1" || name == "zb_h2"; }
+
+}  // namespace
+
+TEST_CASE("schedule_names lists every generator", "[generators][factory]") {
+  CHECK(schedule_names() == std::vector<std::string>{"gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2"});
+}
+
+TEST_CASE("make_schedule builds what the named generator builds", "[generators][factory]") {
+  CHECK(make_schedule("gpipe", 3, 5, 1, 0).ranks == make_gpipe(3, 5).ranks);
+  CHECK(make_schedule("1f1b", 3, 5, 1, 2).ranks == make_1f1b(3, 5, 2).ranks);
+  CHECK(make_schedule("interleaved_1f1b", 3, 5, 2, 0).ranks == make_interleaved_1f1b(3, 5, 2).ranks);
+  CHECK(make_schedule("zb_h1", 3, 5, 1, 0).ranks == make_zero_bubble_h1(3, 5).ranks);
+  CHECK(make_schedule("zb_h2", 3, 5, 1, 4).ranks == make_zero_bubble_h2(3, 5, 4).ranks);
+  for (const std::string& name : schedule_names()) CHECK(make_schedule(name, 2, 2, 1, 0).name == name);
+}
+
+TEST_CASE("make_schedule rejects what it cannot build", "[generators][factory]") {
+  REQUIRE_THROWS_WITH(make_schedule("zb_h3", 4, 8, 1, 0),
+                      Contains("unknown schedule 'zb_h3'") &&
+                          Contains("gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_h2"));
+  REQUIRE_THROWS_AS(make_schedule("", 4, 8, 1, 0), ScheduleError);
+  for (const char* name : {"gpipe", "1f1b", "zb_h1", "zb_h2"}) {
+    INFO(name);
+    REQUIRE_THROWS_WITH(make_schedule(name, 4, 8, 2, 0),
+                        Contains(std::string(name) + " runs one stage per rank") &&
+                            Contains("virtual_stages must be 1, got 2"));
+    REQUIRE_THROWS_WITH(make_schedule(name, 4, 8, 0, 0), Contains("virtual_stages must be 1, got 0"));
+  }
+  REQUIRE_THROWS_WITH(make_schedule("gpipe", 4, 8, 1, 2), Contains("gpipe") && Contains("max_active=2"));
+  REQUIRE_THROWS_WITH(make_schedule("interleaved_1f1b", 4, 8, 0, 0), Contains("at least 1 virtual stage"));
+}
+
+TEST_CASE("the new generators reject impossible arguments", "[generators]") {
+  REQUIRE_THROWS_WITH(make_interleaved_1f1b(0, 4, 2), Contains("rank"));
+  REQUIRE_THROWS_WITH(make_interleaved_1f1b(4, 0, 2), Contains("microbatch"));
+  REQUIRE_THROWS_WITH(make_interleaved_1f1b(4, 4, 2, -1), Contains("max_active"));
+  REQUIRE_THROWS_WITH(make_interleaved_1f1b(4, 4, 3, 2),
+                      Contains("max_active=2 is below virtual_stages=3") && Contains("before its first backward"));
+  for (const auto make : {make_zero_bubble_h1, make_zero_bubble_h2}) {
+    REQUIRE_THROWS_WITH(make(0, 4, 0), Contains("rank"));
+    REQUIRE_THROWS_WITH(make(4, 0, 0), Contains("microbatch"));
+    REQUIRE_THROWS_WITH(make(4, 4, -1), Contains("max_active"));
+  }
+}
+
+TEST_CASE("every named schedule over the grid validates, lowers and simulates", "[generators][validate]") {
+  for (const std::string& name : schedule_names()) {
+    for (int ranks : {1, 2, 3, 4, 8}) {
+      for (int microbatches : {1, 2, 3, 5, 8, 16}) {
+        for (int virtual_stages : {1, 2, 3}) {
+          if (virtual_stages != 1 && !takes_virtual_stages(name)) continue;
+          for (int max_active : {0, 2}) {
+            INFO(name << " ranks=" << ranks << " microbatches=" << microbatches << " virtual_stages=" << virtual_stages
+                      << " max_active=" << max_active);
+            if ((name == "gpipe" && max_active != 0) || (max_active != 0 && max_active < virtual_stages)) {
+              REQUIRE_THROWS_AS(make_schedule(name, ranks, microbatches, virtual_stages, max_active), ScheduleError);
+              continue;
+            }
+            const Schedule schedule = make_schedule(name, ranks, microbatches, virtual_stages, max_active);
+            const int stages = ranks * virtual_stages;
+            REQUIRE(schedule.num_ranks == ranks);
+            REQUIRE(schedule.num_stages == stages);
+            REQUIRE(schedule.num_microbatches == microbatches);
+            REQUIRE(schedule.split_backward == splits_backward(name));
+            for (int stage = 0; stage < stages; ++stage) CHECK(schedule.stage_to_rank[stage] == stage % ranks);
+
+            const auto counts = compute_counts(schedule);
+            std::vector<ActionKind> passes = {ActionKind::Forward, ActionKind::Backward};
+            if (schedule.split_backward)
+              passes = {ActionKind::Forward, ActionKind::BackwardInput, ActionKind::BackwardWeight};
+            CHECK(counts.size() == passes.size() * stages * microbatches);
+            for (int stage = 0; stage < stages; ++stage)
+              for (int mb = 0; mb < microbatches; ++mb)
+                for (ActionKind kind : passes) {
+                  const auto found = counts.find({kind, stage, mb});
+                  REQUIRE(found != counts.end());
+                  CHECK(found->second == 1);
+                }
+
+            const StageGraph graph = StageGraph::chain(stages);
+            REQUIRE_NOTHROW(validate(schedule, graph));
+            const Schedule lowered = lower_communication(schedule, graph);
+            REQUIRE_NOTHROW(validate(lowered, graph));
+            const SimulationResult result = simulate(lowered, graph, SimulationCosts::uniform(stages));
+            if (max_active > 0)
+              for (int peak : result.peak_in_flight) CHECK(peak <= max_active);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("interleaved 1F1B action lists", "[generators]") {
+  SECTION("p=2, m=4, v=2: rank r owns stages r and r + 2, microbatches go round in groups of 2") {
+    const Schedule schedule = make_interleaved_1f1b(2, 4, 2);
+    CHECK(schedule.name == "interleaved_1f1b");
+    CHECK(schedule.stage_to_rank == std::vector<int>{0, 1, 0, 1});
+    // Rank 0 warms up with 2 (p - 1) + (v - 1) p = 4 forwards, rank 1 with (v - 1) p = 2.
+    CHECK(schedule.ranks[0] == std::vector<Action>{F(0, 0), F(0, 1), F(2, 0), F(2, 1), F(0, 2), B(2, 0), F(0, 3),
+                                                   B(2, 1), F(2, 2), B(0, 0), F(2, 3), B(0, 1), B(2, 2), B(2, 3),
+                                                   B(0, 2), B(0, 3)});
+    CHECK(schedule.ranks[1] == std::vector<Action>{F(1, 0), F(1, 1), F(3, 0), B(3, 0), F(3, 1), B(3, 1), F(1, 2),
+                                                   B(1, 0), F(1, 3), B(1, 1), F(3, 2), B(3, 2), F(3, 3), B(3, 3),
+                                                   B(1, 2), B(1, 3)});
+  }
+  SECTION("m not a multiple of p: the order for the next multiple, without the extra microbatches") {
+    const Schedule schedule = make_interleaved_1f1b(2, 3, 2);
+    CHECK(schedule.ranks[0] == std::vector<Action>{F(0, 0), F(0, 1), F(2, 0), F(2, 1), F(0, 2), B(2, 0), B(2, 1),
+                                                   F(2, 2), B(0, 0), B(0, 1), B(2, 2), B(0, 2)});
+    CHECK(schedule.ranks[1] == std::vector<Action>{F(1, 0), F(1, 1), F(3, 0), B(3, 0), F(3, 1), B(3, 1), F(1, 2),
+                                                   B(1, 0), B(1, 1), F(3, 2), B(3, 2), B(1, 2)});
+  }
+  SECTION("a cap shrinks the groups: p=2, v=2, max_active=2 sends microbatches round one at a time") {
+    const Schedule schedule = make_interleaved_1f1b(2, 2, 2, 2);
+    for (int rank = 0; rank < 2; ++rank)
+      CHECK(schedule.ranks[rank] == std::vector<Action>{F(rank, 0), F(rank + 2, 0), B(rank + 2, 0), F(rank, 1),
+                                                        B(rank, 0), F(rank + 2, 1), B(rank + 2, 1), B(rank, 1)});
+  }
+  SECTION("one virtual stage is 1F1B") {
+    for (int ranks : {1, 2, 4, 5})
+      for (int microbatches : {1, 3, 4, 9})
+        for (int max_active : {0, 1, 2}) {
+          INFO("ranks=" << ranks << " microbatches=" << microbatches << " max_active=" << max_active);
+          CHECK(make_interleaved_1f1b(ranks, microbatches, 1, max_active).ranks ==
+                make_1f1b(ranks, microbatches, max_active).ranks);
+        }
+  }
+}
+
+TEST_CASE("zero-bubble action lists", "[generators]") {
+  SECTION("ZB-H1, p=3, m=4: 1F1B's warmup, W of microbatch i right after I of microbatch i + rank") {
+    const Schedule schedule = make_zero_bubble_h1(3, 4);
+    CHECK(schedule.name == "zb_h1");
+    CHECK(schedule.split_backward);
+    CHECK(schedule.ranks[0] == std::vector<Action>{F(0, 0), F(0, 1), F(0, 2), I(0, 0), W(0, 0), F(0, 3), I(0, 1),
+                                                   W(0, 1), I(0, 2), W(0, 2), I(0, 3), W(0, 3)});
+    CHECK(schedule.ranks[1] == std::vector<Action>{F(1, 0), F(1, 1), I(1, 0), F(1, 2), I(1, 1), W(1, 0), F(1, 3),
+                                                   I(1, 2), W(1, 1), I(1, 3), W(1, 2), W(1, 3)});
+    CHECK(schedule.ranks[2] == std::vector<Action>{F(2, 0), I(2, 0), F(2, 1), I(2, 1), F(2, 2), I(2, 2), W(2, 0),
+                                                   F(2, 3), I(2, 3), W(2, 1), W(2, 2), W(2, 3)});
+  }
+  SECTION("ZB-H2, p=2, m=4: twice the warmup and twice the lag") {
+    const Schedule schedule = make_zero_bubble_h2(2, 4);
+    CHECK(schedule.name == "zb_h2");
+    CHECK(schedule.ranks[0] == std::vector<Action>{F(0, 0), F(0, 1), F(0, 2), I(0, 0), W(0, 0), F(0, 3), I(0, 1),
+                                                   W(0, 1), I(0, 2), W(0, 2), I(0, 3), W(0, 3)});
+    CHECK(schedule.ranks[1] == std::vector<Action>{F(1, 0), I(1, 0), F(1, 1), I(1, 1), F(1, 2), I(1, 2), W(1, 0),
+                                                   F(1, 3), I(1, 3), W(1, 1), W(1, 2), W(1, 3)});
+  }
+  SECTION("max_active=2 trims the warmup first, then the lag") {
+    const Schedule schedule = make_zero_bubble_h1(3, 3, 2);
+    CHECK(schedule.ranks[0] ==
+          std::vector<Action>{F(0, 0), F(0, 1), I(0, 0), W(0, 0), F(0, 2), I(0, 1), W(0, 1), I(0, 2), W(0, 2)});
+    CHECK(schedule.ranks[2] ==
+          std::vector<Action>{F(2, 0), I(2, 0), F(2, 1), I(2, 1), W(2, 0), F(2, 2), I(2, 2), W(2, 1), W(2, 2)});
+  }
+  SECTION("max_active=1 runs F, I, W for one microbatch at a time") {
+    for (const Schedule& schedule : {make_zero_bubble_h1(3, 2, 1), make_zero_bubble_h2(3, 2, 1)})
+      for (int rank = 0; rank < 3; ++rank)
+        CHECK(schedule.ranks[rank] ==
+              std::vector<Action>{F(rank, 0), I(rank, 0), W(rank, 0), F(rank, 1), I(rank, 1), W(rank, 1)});
+  }
+}
+
+TEST_CASE("malformed split-backward schedules are rejected, naming the action", "[validate]") {
+  // An interleaved order with each B split, so stages share ranks and the chain wraps round.
+  const StageGraph graph = StageGraph::chain(6);
+  Schedule split = split_each_backward(make_interleaved_1f1b(3, 4, 2));
+  REQUIRE_NOTHROW(validate(split, graph));
+  REQUIRE_NOTHROW(validate(lower_communication(split, graph), graph));
+
+  SECTION("W before its I") {
+    std::vector<Action>& actions = split.ranks[1];
+    const auto input = std::find(actions.begin(), actions.end(), I(4, 2));
+    REQUIRE(input != actions.end());
+    std::iter_swap(input, input + 1);
+    REQUIRE_THROWS_WITH(validate(split, graph),
+                        Contains("rank 1, action #") &&
+                            Contains(describe(W(4, 2)) + ": weight gradient before its input gradient"));
+  }
+  SECTION("I without W") {
+    std::vector<Action>& actions = split.ranks[0];
+    actions.erase(std::find(actions.begin(), actions.end(), W(3, 1)));
+    REQUIRE_THROWS_WITH(validate(split, graph), Contains("rank 0: missing " + describe(W(3, 1))));
+  }
+  SECTION("ZB-H1 with a W moved ahead of its I") {
+    Schedule zb = make_zero_bubble_h1(4, 8);
+    std::vector<Action>& actions = zb.ranks[2];
+    const auto weight = std::find(actions.begin(), actions.end(), W(2, 3));
+    REQUIRE(weight != actions.end());
+    std::rotate(actions.begin(), weight, weight + 1);
+    REQUIRE_THROWS_WITH(validate(zb, StageGraph::chain(4)),
+                        Contains("rank 2, action #0 " + describe(W(2, 3)) +
+                                 ": weight gradient before its input gradient"));
+  }
+}
+
+TEST_CASE("CSV round trip of every named schedule", "[csv]") {
+  for (const std::string& name : schedule_names()) {
+    const int virtual_stages = takes_virtual_stages(name) ? 3 : 1;
+    const Schedule compute_only = make_schedule(name, 3, 5, virtual_stages, 0);
+    const StageGraph graph = StageGraph::chain(compute_only.num_stages);
+    for (const Schedule& original : {compute_only, lower_communication(compute_only, graph)}) {
+      INFO(name);
+      std::stringstream csv;
+      write_csv(original, csv);
+      const Schedule read = read_csv(csv);
+      CHECK(read.name == original.name);
+      CHECK(read.num_ranks == original.num_ranks);
+      CHECK(read.num_stages == original.num_stages);
+      CHECK(read.num_microbatches == original.num_microbatches);
+      CHECK(read.split_backward == original.split_backward);
+      CHECK(read.stage_to_rank == original.stage_to_rank);
+      CHECK(read.ranks == original.ranks);
+      REQUIRE_NOTHROW(validate(read, graph));
+    }
+  }
+}

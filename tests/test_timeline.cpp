@@ -1,0 +1,64 @@
+#include <catch2/catch.hpp>
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+
+#include <nlohmann/json.hpp>
+
+#include "smp/timeline.h"
+
+using namespace smp;
+using Catch::Matchers::Contains;
+
+namespace {
+// Two pipeline ranks of one replica: rank 0 busy 0-10 and 30-40, rank 1 busy 10-30; makespan 40, busy 40 of 80.
+std::vector<RankTimeline> two_ranks() {
+  RankTimeline first{0, 0, 0, {{"F", 0, 0, 0, 10}, {"RECV_B", 0, 0, 10, 30}, {"B", 0, 0, 30, 40}}};
+  RankTimeline second{1, 1, 0, {{"RECV_F", 1, 0, 0, 10}, {"F", 1, 0, 10, 15}, {"B", 1, 0, 15, 30}}};
+  return {first, second};
+}
+}  // namespace
+
+TEST_CASE("timeline: bubble and receive waits of one replica", "[timeline]") {
+  const auto summary = summarize(two_ranks(), 0);
+  CHECK(summary.makespan_us == 40);
+  CHECK(summary.busy_us == 40);
+  CHECK(summary.bubble_fraction == Approx(0.5));
+  CHECK(summary.receive_wait_us == 30);
+  CHECK(summarize(two_ranks(), 1).makespan_us == 0);
+}
+
+TEST_CASE("timeline: JSON round trip and malformed input", "[timeline]") {
+  const auto rank = two_ranks()[1];
+  const auto back = RankTimeline::from_json(rank.to_json());
+  CHECK(back.rank == 1);
+  REQUIRE(back.events.size() == 3);
+  CHECK(back.events[2].kind == "B");
+  CHECK(back.events[2].end_us == 30);
+  CHECK_THROWS_WITH(RankTimeline::from_json("{\"rank\": 1}"), Contains("malformed timeline"));
+}
+
+TEST_CASE("timeline: Chrome trace and SVG", "[timeline]") {
+  const auto trace = nlohmann::json::parse(to_chrome_trace(two_ranks()));
+  int complete_events = 0;
+  for (const auto& event : trace.at("traceEvents")) {
+    if (event.at("ph") == "X") ++complete_events;
+  }
+  CHECK(complete_events == 6);
+  const auto svg = to_svg(two_ranks(), "1f1b <test> & co");
+  CHECK_THAT(svg, Contains("<svg") && Contains("</svg>") && Contains("1f1b &lt;test> &amp; co"));
+  CHECK_THAT(svg, Contains("replica 0 stage-rank 1") && Contains("#4e79a7"));
+}
+
+TEST_CASE("timeline: files are written whole or not at all", "[timeline]") {
+  const std::string path = "/tmp/smp_timeline_test_" + std::to_string(getpid()) + ".json";
+  write_file_atomically(path, "first");
+  write_file_atomically(path, "second");
+  std::ifstream in(path);
+  CHECK(std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()) == "second");
+  std::remove(path.c_str());
+  CHECK_THROWS_WITH(write_file_atomically("/nonexistent-dir/x.json", "x"), Contains("cannot write"));
+}
