@@ -2,6 +2,8 @@
 // (one stage each) and by one process. scripts/bench.sh runs both and prints the ratio against the ideal
 // m/(m+p-1)*p. Prints one JSON line (rank 0) with the median step time over the measured steps.
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -61,11 +63,18 @@ int run(int argc, char** argv) {
   all_medians[runtime->rank()] = median;
   runtime->world().all_reduce_sum(all_medians);
   const double job_median = all_medians.max().item<double>();
+  // Peak resident memory of the largest process: what activation checkpointing is meant to lower.
+  struct rusage usage {};
+  getrusage(RUSAGE_SELF, &usage);
+  at::Tensor peaks = at::zeros({runtime->world_size()}, at::kDouble);
+  peaks[runtime->rank()] = static_cast<double>(usage.ru_maxrss) / 1024.0;
+  runtime->world().all_reduce_sum(peaks);
   if (runtime->rank() == 0) {
-    std::printf("{\"partitions\": %d, \"replicas\": %d, \"microbatches\": %d, \"global_batch\": %lld, "
-                "\"median_step_s\": %.6f, \"samples_per_s\": %.2f}\n",
+    std::printf("{\"partitions\": %d, \"replicas\": %d, \"microbatches\": %d, \"schedule\": \"%s\", "
+                "\"global_batch\": %lld, \"median_step_s\": %.6f, \"samples_per_s\": %.2f, \"peak_rss_mib\": %.1f}\n",
                 config.partitions, runtime->topology().data_parallel_degree(), config.microbatches,
-                static_cast<long long>(batch), job_median, static_cast<double>(batch) / job_median);
+                distributed.schedule().name.c_str(), static_cast<long long>(batch), job_median,
+                static_cast<double>(batch) / job_median, peaks.max().item<double>());
   }
   return 0;
 }

@@ -92,6 +92,13 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
       options.timeout_seconds = parse_seconds("--timeout", take_value());
     } else if (flag.name == "--grace") {
       options.grace_seconds = parse_seconds("--grace", take_value());
+    } else if (flag.name == "--nodes") {
+      options.nodes = parse_int_in_range("--nodes", take_value(), 1, kMaxWorldSize);
+    } else if (flag.name == "--node-rank") {
+      options.node_rank = parse_int_in_range("--node-rank", take_value(), 0, kMaxWorldSize - 1);
+    } else if (flag.name == "--job-id") {
+      options.job_id = take_value();
+      if (options.job_id.empty()) throw UsageError("--job-id must not be empty");
     } else if (flag.name == "--no-prefix") {
       if (flag.inline_value) throw UsageError("--no-prefix takes no value");
       options.prefix_output = false;
@@ -103,6 +110,15 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
   }
 
   if (!world_size_given) throw UsageError("missing -n N (the number of ranks)");
+  if (options.node_rank >= options.nodes) {
+    throw UsageError("--node-rank " + std::to_string(options.node_rank) + " must be below --nodes " +
+                     std::to_string(options.nodes));
+  }
+  if (static_cast<long long>(options.nodes) * options.world_size > kMaxWorldSize) {
+    throw UsageError("--nodes x -n exceeds " + std::to_string(kMaxWorldSize) + " ranks");
+  }
+  // Every node must agree on the rendezvous: a port picked on one host means nothing to the others.
+  if (options.nodes > 1 && options.master_port == 0) throw UsageError("--nodes > 1 needs --master-port");
   if (!separator_found) throw UsageError("missing '--' before the program");
   if (index >= args.size()) throw UsageError("missing program after '--'");
   options.program_and_args.assign(args.begin() + static_cast<std::ptrdiff_t>(index), args.end());
@@ -110,7 +126,7 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
 }
 
 std::string usage_line() {
-  return "usage: smprun -n N [--master-addr A] [--master-port P] [--timeout S] [--grace S] [--no-prefix] "
+  return "usage: smprun -n N [--nodes M --node-rank K] [--master-addr A] [--master-port P] [--job-id ID] [--timeout S] [--grace S] [--no-prefix] "
          "-- program [args...]  (smprun --help for details)";
 }
 
@@ -120,14 +136,18 @@ std::string help_text() {
 Starts N local ranks of `program args...` (looked up on PATH) and waits for them.
 
 Each rank gets the caller's environment plus
-  RANK=i  LOCAL_RANK=i  WORLD_SIZE=N  LOCAL_WORLD_SIZE=N  MASTER_ADDR  MASTER_PORT
+  RANK=K*N+i  LOCAL_RANK=i  WORLD_SIZE=M*N  LOCAL_WORLD_SIZE=N  GROUP_RANK=K  MASTER_ADDR  MASTER_PORT
+  SMP_JOB_ID (the same for every rank of the job, so that a rank never joins another job's rendezvous)
 (OMP_NUM_THREADS is passed through if set and never invented), its own process group,
 stdin from /dev/null, and its stdout/stderr forwarded line by line to smprun's
 stdout/stderr as "[rank i] line". If smprun's stdout or stderr is closed (smprun ... | head),
 the ranks' pipes to it are closed too, so they see the closed pipe as they would without smprun.
 
 options:
-  -n N                 number of ranks, 1..4096 (required)
+  -n N                 number of ranks on this node, 1..4096 (required)
+  --nodes M            number of nodes (smprun instances) in the job (default 1)
+  --node-rank K        this node's index, 0..M-1 (default 0); needs --master-port when M > 1
+  --job-id ID          job identity shared by all nodes (default: random for one node, none for several)
   --master-addr A      rendezvous address (default 127.0.0.1)
   --master-port P      rendezvous port, 1..65535 (default: a free port on A, picked at launch)
   --timeout S          stop the job after S seconds (default 0: no limit)

@@ -20,7 +20,10 @@ inline constexpr int kExitSignalBase = 128;  // + the signal smprun received, as
 inline constexpr int kMaxWorldSize = 4096;
 
 struct LaunchOptions {
-  int world_size = 0;
+  int world_size = 0;             // ranks started by this smprun (per node)
+  int nodes = 1;                  // smprun instances of the job, one per host
+  int node_rank = 0;              // this instance's index: its ranks are node_rank * world_size + i
+  std::string job_id;             // exported as SMP_JOB_ID; empty: a random one when nodes == 1
   std::string master_addr = "127.0.0.1";
   int master_port = 0;           // 0: pick a free port at launch
   double timeout_seconds = 0.0;  // 0: no limit

@@ -103,7 +103,8 @@ struct OutputStream {
 };
 
 struct Rank {
-  int index = 0;
+  int index = 0;        // on this node: LOCAL_RANK
+  int global_index = 0;  // in the job: RANK, what every message names
   std::string line_prefix;
   pid_t pid = -1;  // -1: never started
   bool running = false;
@@ -123,7 +124,8 @@ class Job {
     for (int index = 0; index < options.world_size; ++index) {
       Rank& rank = ranks_[static_cast<std::size_t>(index)];
       rank.index = index;
-      rank.line_prefix = options.prefix_output ? "[rank " + std::to_string(index) + "] " : "";
+      rank.global_index = options.node_rank * options.world_size + index;
+      rank.line_prefix = options.prefix_output ? "[rank " + std::to_string(rank.global_index) + "] " : "";
       rank.streams[0].destination_fd = STDOUT_FILENO;
       rank.streams[1].destination_fd = STDERR_FILENO;
     }
@@ -200,9 +202,10 @@ class Job {
 
     for (Rank& rank : ranks_) {
       const int error = start_rank(rank, rank_environment(base_environment, rank.index, options_.world_size,
-                                                          options_.master_addr, options_.master_port));
+                                                          options_.master_addr, options_.master_port,
+                                                          options_.node_rank, options_.nodes, options_.job_id));
       if (error != 0) {
-        fail_launch(rank.index, error);
+        fail_launch(rank.global_index, error);
         return;
       }
     }
@@ -363,7 +366,7 @@ class Job {
         // What a failing rank printed last usually explains the failure, so it goes out before the verdict.
         drain_output(rank);
         if (is_failure(wait_status) && !stopping_) {
-          report("rank " + std::to_string(rank.index) + " " + describe_wait_status(wait_status));
+          report("rank " + std::to_string(rank.global_index) + " " + describe_wait_status(wait_status));
           begin_stop(StopReason::RankFailed, SIGTERM);
         }
       }
@@ -450,7 +453,7 @@ class Job {
   void report_final_statuses() const {
     std::string summary = "final status:";
     for (const Rank& rank : ranks_) {
-      summary += (rank.index == 0 ? " rank " : "; rank ") + std::to_string(rank.index) + " ";
+      summary += (rank.index == 0 ? " rank " : "; rank ") + std::to_string(rank.global_index) + " ";
       summary += rank.pid > 0 ? describe_wait_status(rank.wait_status) : "was not started";
     }
     report(summary);

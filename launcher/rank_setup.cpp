@@ -70,15 +70,18 @@ int pick_free_port(const std::string& address) {
   return port;
 }
 
-std::vector<std::string> rank_environment(const std::vector<std::string>& base, int rank, int world_size,
-                                          const std::string& master_addr, int master_port) {
-  const std::array<std::pair<const char*, std::string>, 6> rendezvous{{
-      {"RANK", std::to_string(rank)},
-      {"LOCAL_RANK", std::to_string(rank)},
-      {"WORLD_SIZE", std::to_string(world_size)},
-      {"LOCAL_WORLD_SIZE", std::to_string(world_size)},
+std::vector<std::string> rank_environment(const std::vector<std::string>& base, int local_rank, int local_world_size,
+                                          const std::string& master_addr, int master_port, int node_rank, int nodes,
+                                          const std::string& job_id) {
+  const std::array<std::pair<const char*, std::string>, 8> rendezvous{{
+      {"RANK", std::to_string(node_rank * local_world_size + local_rank)},
+      {"LOCAL_RANK", std::to_string(local_rank)},
+      {"WORLD_SIZE", std::to_string(nodes * local_world_size)},
+      {"LOCAL_WORLD_SIZE", std::to_string(local_world_size)},
+      {"GROUP_RANK", std::to_string(node_rank)},
       {"MASTER_ADDR", master_addr},
       {"MASTER_PORT", std::to_string(master_port)},
+      {"SMP_JOB_ID", job_id},
   }};
   const auto is_rendezvous_variable = [&](const std::string& entry) {
     const std::string name = entry.substr(0, entry.find('='));
@@ -90,7 +93,9 @@ std::vector<std::string> rank_environment(const std::vector<std::string>& base, 
   environment.reserve(base.size() + rendezvous.size());
   std::copy_if(base.begin(), base.end(), std::back_inserter(environment),
                [&](const std::string& entry) { return !is_rendezvous_variable(entry); });
-  for (const auto& [name, value] : rendezvous) environment.push_back(std::string(name) + "=" + value);
+  for (const auto& [name, value] : rendezvous) {
+    if (!value.empty()) environment.push_back(std::string(name) + "=" + value);
+  }
   return environment;
 }
 

@@ -12,8 +12,11 @@ int pick_free_port(const std::string& address);
 
 // `base` ("NAME=value" entries) with the rendezvous variables replaced by this rank's values; everything
 // else, OMP_NUM_THREADS included, is kept as given.
-std::vector<std::string> rank_environment(const std::vector<std::string>& base, int rank, int world_size,
-                                          const std::string& master_addr, int master_port);
+// With several nodes, `local_rank` and `local_world_size` are this node's and the global rank is
+// node_rank * local_world_size + local_rank. A non-empty job_id is exported as SMP_JOB_ID.
+std::vector<std::string> rank_environment(const std::vector<std::string>& base, int local_rank, int local_world_size,
+                                          const std::string& master_addr, int master_port, int node_rank = 0,
+                                          int nodes = 1, const std::string& job_id = "");
 
 // Checks, the way execvp searches, that `program` names an executable file: a path when it contains a '/',
 // otherwise a PATH lookup (`path_variable` null: the default search path). Returns 0 or the errno that

@@ -1,6 +1,7 @@
 // smprun: the local process launcher of smp. See `smprun --help` (command_line.cpp) for the interface.
 
 #include <cstdio>
+#include <random>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -45,6 +46,12 @@ int main(int argc, char** argv) {
     } catch (const std::runtime_error& error) {
       return usage_error(std::string(error.what()) + "; pass --master-port");
     }
+  }
+  if (options.job_id.empty() && options.nodes == 1) {
+    std::random_device entropy;
+    char id[32];
+    std::snprintf(id, sizeof id, "%08x%08x", entropy(), entropy());
+    options.job_id = id;
   }
   return run_job(options);
 }

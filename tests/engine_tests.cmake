@@ -38,3 +38,8 @@ target_compile_definitions(test_faults PRIVATE
   SMP_CHECKPOINT_PATH="$<TARGET_FILE:smp_checkpoint>")
 add_dependencies(test_faults smprun training_worker smp_checkpoint)
 catch_discover_tests(test_faults PROPERTIES TIMEOUT 600)
+
+# Two hosts in network namespaces (root only; skipped with a message otherwise).
+add_test(NAME two_hosts_in_network_namespaces
+  COMMAND ${CMAKE_CURRENT_LIST_DIR}/netns_two_hosts.sh ${CMAKE_BINARY_DIR}/bin ${PROJECT_SOURCE_DIR}/examples/hybrid_2x4.json)
+set_tests_properties(two_hosts_in_network_namespaces PROPERTIES TIMEOUT 600 SKIP_RETURN_CODE 77)

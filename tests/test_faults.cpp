@@ -1,5 +1,9 @@
 // Checkpoints, crashes and bad input, with real processes under smprun.
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <csignal>
 #include <filesystem>
 
@@ -161,4 +165,39 @@ TEST_CASE("a model that does not fit its data fails naming the stage and modules
                                 Contains("mat1 and mat2 shapes cannot be multiplied"));
   CHECK(result.output.find("frame #") == std::string::npos);  // no C++ backtraces
   CHECK(result.seconds < 30);
+}
+
+TEST_CASE("a second job on the same port fails clearly and leaves the first alone", "[faults][rendezvous]") {
+  // A port that is free now; the first job takes it.
+  const int port = [] {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address);
+    socklen_t length = sizeof address;
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+    ::close(fd);
+    return static_cast<int>(ntohs(address.sin_port));
+  }();
+  const auto config = write_config("same_port", smp_config(2, 1, 2, "interleaved", "cluster", 4, 20));
+  const std::string job = std::string(SMPRUN_PATH) + " -n 2 --master-port " + std::to_string(port) + " -- " +
+                          WORKER_PATH + " --config " + config;
+  const std::string first_log = "/tmp/smp_test_" + std::to_string(getpid()) + "_first_job.log";
+  const std::string first = "OMP_NUM_THREADS=1 timeout -k 5 120 " + job + " --optimizer adamw --steps 800 > " + first_log + " 2>&1";
+  FILE* first_job = popen(first.c_str(), "r");
+  REQUIRE(first_job != nullptr);
+  ::sleep(2);
+  const auto second = run_command(job + " --steps 1", 60);
+  INFO(second.output);
+  CHECK(second.status != 0);
+  CHECK_THAT(second.output, Contains("port is in use") || Contains("belongs to another job"));
+  CHECK(second.seconds < 30);
+  const int raw = pclose(first_job);
+  std::ifstream log(first_log);
+  const std::string first_output((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  INFO(first_output);
+  CHECK(WIFEXITED(raw));
+  CHECK(WEXITSTATUS(raw) == 0);
+  CHECK(count_clean_ranks(first_output) == 2);
 }

@@ -304,8 +304,28 @@ TEST_CASE("rank_environment sets the rendezvous variables and keeps the rest", "
   const std::multiset<std::string> expected{"PATH=/usr/bin",    "OMP_NUM_THREADS=3",  "RANKING=kept",
                                             "EMPTY=",           "RANK=2",             "LOCAL_RANK=2",
                                             "WORLD_SIZE=4",     "LOCAL_WORLD_SIZE=4", "MASTER_ADDR=10.1.2.3",
-                                            "MASTER_PORT=29500"};
+                                            "MASTER_PORT=29500", "GROUP_RANK=0"};
   CHECK(entries == expected);
+}
+
+TEST_CASE("rank_environment numbers the ranks of several nodes globally", "[launcher]") {
+  const auto environment = rank_environment({"SMP_JOB_ID=stale"}, 1, 4, "10.1.2.3", 29500, 1, 2, "job42");
+  const std::multiset<std::string> entries(environment.begin(), environment.end());
+  const std::multiset<std::string> expected{"RANK=5",        "LOCAL_RANK=1",         "WORLD_SIZE=8",
+                                            "LOCAL_WORLD_SIZE=4", "GROUP_RANK=1",     "MASTER_ADDR=10.1.2.3",
+                                            "MASTER_PORT=29500", "SMP_JOB_ID=job42"};
+  CHECK(entries == expected);
+}
+
+TEST_CASE("several nodes need a shared port and a node rank below the node count", "[launcher]") {
+  const auto options = parse_command_line({"-n", "4", "--nodes", "2", "--node-rank", "1", "--master-port", "29500",
+                                           "--job-id", "abc", "--", "prog"}).options;
+  CHECK(options.nodes == 2);
+  CHECK(options.node_rank == 1);
+  CHECK(options.job_id == "abc");
+  CHECK_THROWS_WITH(parse_command_line({"-n", "4", "--nodes", "2", "--", "prog"}), Catch::Contains("needs --master-port"));
+  CHECK_THROWS_WITH(parse_command_line({"-n", "4", "--nodes", "2", "--node-rank", "2", "--master-port", "1", "--", "p"}),
+                    Catch::Contains("--node-rank 2 must be below --nodes 2"));
 }
 
 TEST_CASE("rank_environment does not invent OMP_NUM_THREADS", "[launcher]") {

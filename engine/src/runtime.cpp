@@ -10,6 +10,7 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "smp/comm/sockets.h"
 #include "smp/log.h"
 
 namespace smp {
@@ -60,16 +61,24 @@ Runtime::Runtime(const Config& config, const comm::LaunchInfo& launch)
     options.numWorkers = launch_.world_size;
     options.waitWorkers = true;
     options.timeout = timeout;
+    // Rank 0 opens the listening socket itself, on MASTER_ADDR only: c10d would listen on every interface, and a
+    // second job on the same port must fail here rather than find this one's store.
+    if (options.isServer) options.masterListenFd = comm::listen_on(launch_.master_addr, launch_.master_port);
+    const std::string where = launch_.master_addr + ":" + std::to_string(launch_.master_port);
     try {
       store_ = c10::make_intrusive<c10d::TCPStore>(launch_.master_addr, options);
     } catch (const std::exception& error) {
-      throw comm::CommError("rendezvous at " + launch_.master_addr + ":" + std::to_string(launch_.master_port) +
-                            " failed for rank " + std::to_string(launch_.rank) + " of " +
+      throw comm::CommError("rendezvous at " + where + " failed for rank " + std::to_string(launch_.rank) + " of " +
                             std::to_string(launch_.world_size) + " (launched by " + launch_.launcher +
                             "): " + comm::brief_message(error));
     }
+    check_job_identity(where);
   }
-  const std::string bind_host = launch_.master_is_loopback() || launch_.world_size == 1 ? "127.0.0.1" : "";
+  // Gloo listens where the peers can reach this host: loopback for one-host jobs, else the address that routes
+  // to rank 0 (GLOO_SOCKET_IFNAME, when set, overrides both).
+  const std::string bind_host = launch_.world_size == 1 || launch_.master_is_loopback()
+                                    ? "127.0.0.1"
+                                    : comm::local_address_towards(launch_.master_addr);
   std::vector<int> everyone(launch_.world_size);
   for (int rank = 0; rank < launch_.world_size; ++rank) everyone[rank] = rank;
   world_ = comm::make_gloo_group(store_, everyone, launch_.rank, "world", bind_host, timeout);
@@ -82,6 +91,21 @@ Runtime::Runtime(const Config& config, const comm::LaunchInfo& launch)
   if (launch_.rank == 0) {
     log::info("config " + config_.source + ": " + config_.describe());
     log::info(topology_.describe() + " (launched by " + launch_.launcher + ")");
+  }
+}
+
+void Runtime::check_job_identity(const std::string& where) {
+  const char* job = std::getenv("SMP_JOB_ID");
+  if (!job) job = std::getenv("TORCHELASTIC_RUN_ID");
+  const std::string mine = job && std::string(job) != "none" ? job : "";
+  if (launch_.rank == 0) {
+    publish("job_id", mine);
+    return;
+  }
+  const std::string theirs = fetch("job_id");
+  if (!mine.empty() && !theirs.empty() && mine != theirs) {
+    throw comm::CommError("the rendezvous store at " + where + " belongs to another job (job id " + theirs +
+                          ", this job " + mine + "); pick another MASTER_PORT");
   }
 }
 

@@ -48,6 +48,8 @@ class Runtime {
 
  private:
   Runtime(const Config& config, const comm::LaunchInfo& launch);
+  // Refuses to go on with a store that another job (another SMP_JOB_ID or TORCHELASTIC_RUN_ID) hosts.
+  void check_job_identity(const std::string& where);
 
   Config config_;
   comm::LaunchInfo launch_;

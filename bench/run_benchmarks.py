@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Runs the benchmarks of bench/ and prints what they measured. Called by scripts/bench.sh after the build.
+
+Every number printed is measured in this run; nothing is copied from elsewhere.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+BIN = sys.argv[1]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = int(os.environ.get("SMP_BENCH_STEPS", "10"))
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+MODEL = {"vocab_size": 256, "context": 64, "d_model": 128, "heads": 4, "layers": 8}
+
+
+def run(command, timeout=600):
+    result = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=timeout)
+    if result.returncode != 0:
+        sys.exit(f"benchmark command failed: {' '.join(command)}\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def bench_pipeline(smp_keys, processes, trace_dir=None, model=MODEL, global_batch=32):
+    keys = dict(smp_keys, seed=1, global_batch_size=global_batch)
+    if trace_dir:
+        keys.update(trace_dir=trace_dir, trace_step=STEPS - 1)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as config:
+        json.dump({"smp": keys, "model": model}, config)
+    result = run([f"{BIN}/smprun", "-n", str(processes), "--no-prefix", "--", f"{BIN}/bench_pipeline",
+                  "--config", config.name, "--steps", str(STEPS)])
+    os.unlink(config.name)
+    line = next(l for l in result.stdout.splitlines() if l.startswith("{"))
+    measured = json.loads(line)
+    timeline = re.search(r"timeline of step \d+: bubble ([\d.]+) measured \(makespan ([\d.]+) ms\), ([\d.]+) simulated "
+                         r"\(makespan ([\d.]+) ms\); receive waits ([\d.]+) ms", result.stderr)
+    if timeline:
+        measured.update(bubble_measured=float(timeline[1]), makespan_measured_ms=float(timeline[2]),
+                        bubble_simulated=float(timeline[3]), makespan_simulated_ms=float(timeline[4]),
+                        receive_wait_ms=float(timeline[5]))
+    return measured
+
+
+def section(title):
+    print(f"\n== {title}")
+
+
+section("pipeline efficiency: 2 stages (1 process, 1 thread each), m = 8, vs one process")
+single = bench_pipeline({"partitions": 1, "microbatches": 1}, 1)
+piped = bench_pipeline({"partitions": 2, "microbatches": 8, "pipeline": "interleaved"}, 2)
+p, m = 2, 8
+ratio = piped["samples_per_s"] / single["samples_per_s"]
+ideal = m / (m + p - 1) * p
+print(f"one process      {single['samples_per_s']:8.1f} samples/s (median step {single['median_step_s'] * 1e3:.1f} ms)")
+print(f"2-stage pipeline {piped['samples_per_s']:8.1f} samples/s (median step {piped['median_step_s'] * 1e3:.1f} ms)")
+print(f"throughput ratio {ratio:.3f}, ideal m/(m+p-1)*p = {ideal:.3f}, efficiency {ratio / ideal:.1%}")
+
+section("schedules on CPU: 2 ranks, m = 8; measured step (traced) vs simulated with the measured action times")
+print(f"{'schedule':<22}{'step ms':>9}{'traced ms':>11}{'sim ms':>9}{'traced/sim':>12}{'bubble':>8}{'sim':>7}{'formula':>9}{'recv wait ms':>14}")
+schedule_cases = [("gpipe", {"pipeline": "simple"}), ("1f1b", {"pipeline": "interleaved"}),
+                  ("interleaved_1f1b v=2", {"pipeline": "interleaved", "virtual_stages": 2}),
+                  ("zb_h1", {"pipeline": "zero_bubble"}), ("zb_h2", {"pipeline": "zero_bubble_h2"})]
+with tempfile.TemporaryDirectory() as traces:
+    for name, keys in schedule_cases:
+        r = bench_pipeline(dict({"partitions": 2, "microbatches": 8}, **keys), 2, trace_dir=traces)
+        v = keys.get("virtual_stages", 1)
+        formula = (p - 1) / (v * m + p - 1) if name in ("gpipe", "1f1b", "interleaved_1f1b v=2") else float("nan")
+        print(f"{name:<22}{r['median_step_s'] * 1e3:9.1f}{r['makespan_measured_ms']:11.1f}{r['makespan_simulated_ms']:9.1f}"
+              f"{r['makespan_measured_ms'] / r['makespan_simulated_ms']:12.3f}{r['bubble_measured']:8.3f}"
+              f"{r['bubble_simulated']:7.3f}{formula:9.3f}{r['receive_wait_ms']:14.1f}")
+
+section("activation checkpointing: peak resident memory of the largest process (GPipe, 2 stages, m = 8, "
+        "256-token context, global batch 64)")
+long_context = dict(MODEL, context=256)
+plain = bench_pipeline({"partitions": 2, "microbatches": 8, "pipeline": "simple"}, 2, model=long_context, global_batch=64)
+recomputed = bench_pipeline({"partitions": 2, "microbatches": 8, "pipeline": "simple", "activation_checkpointing": True},
+                            2, model=long_context, global_batch=64)
+print(f"without: {plain['peak_rss_mib']:.1f} MiB, step {plain['median_step_s'] * 1e3:.1f} ms")
+print(f"with:    {recomputed['peak_rss_mib']:.1f} MiB, step {recomputed['median_step_s'] * 1e3:.1f} ms "
+      f"(saves {plain['peak_rss_mib'] - recomputed['peak_rss_mib']:.1f} MiB, costs "
+      f"{recomputed['median_step_s'] / plain['median_step_s'] - 1:.1%} time)")
+
+section("simulator: equal costs T_F = T_I = T_W = 1 (T_B = 2), zero latency")
+def simulate(*args):
+    out = run([f"{BIN}/smp_schedule", *args]).stdout
+    return float(re.search(r"makespan ([\d.e+-]+), bubble fraction ([\d.]+)", out)[1]), \
+        float(re.search(r"bubble fraction ([\d.]+)", out)[1])
+for p_, m_ in [(4, 8), (8, 32), (16, 64)]:
+    base = ["--ranks", str(p_), "--microbatches", str(m_)]
+    one_f_one_b, one_bubble = simulate("--schedule", "1f1b", *base)
+    zb1, zb1_bubble = simulate("--schedule", "zb_h1", *base)
+    zb2, zb2_bubble = simulate("--schedule", "zb_h2", *base)
+    work = 3 * m_
+    print(f"p={p_:<3} m={m_:<4} 1F1B bubble time {one_f_one_b - work:6.1f} (fraction {one_bubble:.3f}, formula "
+          f"{(p_ - 1) / (m_ + p_ - 1):.3f}); ZB-H1 {zb1 - work:6.1f} = {(zb1 - work) / (one_f_one_b - work):.3f} of 1F1B's "
+          f"(paper: 1/3); ZB-H2 {zb2 - work:6.1f}")
+start = time.perf_counter()
+_, bubble = simulate("--schedule", "interleaved_1f1b", "--ranks", "128", "--microbatches", "1024", "--virtual-stages", "4")
+elapsed = time.perf_counter() - start
+print(f"interleaved p=128 m=1024 v=4: bubble {bubble:.5f} (formula {127 / (4 * 1024 + 127):.5f}); generate + lower + "
+      f"validate + simulate in {elapsed:.2f} s (whole process)")
