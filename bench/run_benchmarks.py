@@ -103,3 +103,16 @@ _, bubble = simulate("--schedule", "interleaved_1f1b", "--ranks", "128", "--micr
 elapsed = time.perf_counter() - start
 print(f"interleaved p=128 m=1024 v=4: bubble {bubble:.5f} (formula {127 / (4 * 1024 + 127):.5f}); generate + lower + "
       f"validate + simulate in {elapsed:.2f} s (whole process)")
+
+section("checkpoints: GPT d_model 512, 8 blocks, AdamW; 2 stages x 2 replicas; save (files + manifest) and resume")
+with tempfile.TemporaryDirectory() as checkpoints:
+    big = dict(MODEL, d_model=512, heads=8)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as config:
+        json.dump({"smp": {"partitions": 2, "ddp": True, "microbatches": 2, "global_batch_size": 8, "seed": 1,
+                           "checkpoint_dir": checkpoints}, "model": big}, config)
+    result = run([f"{BIN}/smprun", "-n", "4", "--no-prefix", "--", f"{BIN}/bench_checkpoint", "--config", config.name])
+    os.unlink(config.name)
+    r = json.loads(next(l for l in result.stdout.splitlines() if l.startswith("{")))
+    print(f"{r['bytes'] / 1e6:.1f} MB written in {r['save_s']:.3f} s ({r['save_mb_per_s']:.0f} MB/s, fsync included); "
+          f"loaded in {r['load_s']:.3f} s ({r['load_mb_per_s']:.0f} MB/s, checksums verified); "
+          f"a save pauses rank 0's step by {r['step_pause_s']:.3f} s")

@@ -9,7 +9,7 @@ venv=${SMP_VENV:-$HOME/.cache/smp/venv}
 build=${SMP_BUILD:-$repo/build}
 torch_version=2.11.0
 apt_packages=(build-essential cmake ninja-build ccache python3-venv libmetis-dev libspdlog-dev catch2
-              nlohmann-json3-dev libgloo-dev fortunes)
+              nlohmann-json3-dev libgloo-dev zlib1g-dev fortunes)
 
 say() { printf '[setup] %s\n' "$*" >&2; }
 

@@ -5,6 +5,7 @@ find_package(Threads REQUIRED)
 find_package(nlohmann_json 3.10 REQUIRED)
 find_package(spdlog REQUIRED)
 find_package(METIS REQUIRED)
+find_package(ZLIB REQUIRED)
 find_package(GlooHeaders REQUIRED)
 
 # LibTorch comes from the pip `torch` wheel; scripts/setup.sh passes its torch.utils.cmake_prefix_path.

@@ -24,9 +24,12 @@ namespace {
 constexpr std::int64_t kPartitionFormat = 1;
 
 std::vector<char> read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) throw CheckpointError(path + ": cannot open");
-  return std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<char> bytes(static_cast<std::size_t>(in.tellg()));
+  in.seekg(0);
+  if (!in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()))) throw CheckpointError(path + ": read error");
+  return bytes;
 }
 
 at::Tensor bytes_tensor(const std::string& bytes) {
@@ -79,7 +82,7 @@ void Checkpointer::save(std::int64_t step) {
   Runtime& runtime = model_.runtime();
   const Config& config = runtime.config();
   const std::string directory = config.checkpoint_dir + "/" + checkpoint_directory_name(step);
-  const std::string key = "checkpoint/" + std::to_string(step) + "/";
+  const std::string key = "checkpoint/" + std::to_string(runtime.next_exchange()) + "/";
   if (runtime.dp_rank() == 0) {
     std::string report;
     try {
@@ -98,7 +101,8 @@ void Checkpointer::save(std::int64_t step) {
       contents.insert("optimizer", bytes_tensor(optimizer_bytes.str()));
       contents.insert("rng", at::detail::getDefaultCPUGenerator().get_state());
       const auto bytes = torch::jit::pickle_save(contents);
-      write_file_atomically(directory + "/" + partition_file_name(runtime.pp_rank()), std::string(bytes.begin(), bytes.end()));
+      write_file_atomically(directory + "/" + partition_file_name(runtime.pp_rank()),
+                            std::string_view(bytes.data(), bytes.size()));
       report = std::to_string(bytes.size()) + " " + std::to_string(crc32(bytes.data(), bytes.size()));
     } catch (const std::exception& error) {
       report = "error " + comm::brief_message(error);
@@ -190,7 +194,7 @@ void export_checkpoint(const std::string& checkpoint_directory, const std::strin
   full.insert("step", manifest.step);
   full.insert("parameters", parameters);
   const auto bytes = torch::jit::pickle_save(full);
-  write_file_atomically(output_file, std::string(bytes.begin(), bytes.end()));
+  write_file_atomically(output_file, std::string_view(bytes.data(), bytes.size()));
 }
 
 }  // namespace smp

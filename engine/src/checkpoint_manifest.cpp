@@ -1,32 +1,19 @@
 #include "smp/checkpoint_manifest.h"
 
 #include <algorithm>
-#include <array>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
 
 #include <nlohmann/json.hpp>
+#include <zlib.h>
 
 namespace smp {
 namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
-
-const std::array<std::uint32_t, 256>& crc_table() {
-  static const std::array<std::uint32_t, 256> table = [] {
-    std::array<std::uint32_t, 256> entries{};
-    for (std::uint32_t i = 0; i < 256; ++i) {
-      std::uint32_t value = i;
-      for (int bit = 0; bit < 8; ++bit) value = (value & 1) ? 0xEDB88320u ^ (value >> 1) : value >> 1;
-      entries[i] = value;
-    }
-    return entries;
-  }();
-  return table;
-}
 
 bool safe_file_name(const std::string& name) {
   if (name.empty() || name.size() > 128 || name == "." || name == "..") return false;
@@ -61,11 +48,15 @@ std::vector<std::pair<std::int64_t, fs::path>> checkpoint_directories(const std:
 }  // namespace
 
 std::uint32_t crc32(const void* data, std::size_t size, std::uint32_t crc) {
-  const auto& table = crc_table();
-  const auto* bytes = static_cast<const unsigned char*>(data);
-  crc = ~crc;
-  for (std::size_t i = 0; i < size; ++i) crc = table[(crc ^ bytes[i]) & 0xFF] ^ (crc >> 8);
-  return ~crc;
+  // zlib's CRC-32 (the same polynomial as zip and gzip) runs several times faster than a byte table.
+  const auto* bytes = static_cast<const Bytef*>(data);
+  while (size > 0) {
+    const auto chunk = static_cast<uInt>(std::min<std::size_t>(size, 1u << 30));
+    crc = static_cast<std::uint32_t>(::crc32(crc, bytes, chunk));
+    bytes += chunk;
+    size -= chunk;
+  }
+  return crc;
 }
 
 std::pair<std::uint32_t, std::uint64_t> crc32_of_file(const std::string& path) {
@@ -152,7 +143,8 @@ CheckpointManifest CheckpointManifest::parse(const std::string& text, const std:
   const json& names = field("module_names", [](const json& v) { return v.is_array(); }, "a list");
   const json& stages = field("stage_of_module", [](const json& v) { return v.is_array(); }, "a list");
   if (names.size() != stages.size()) throw fail("module_names and stage_of_module differ in length");
-  const int num_stages = manifest.partitions * manifest.virtual_stages;
+  // Each count may be up to 2^20, so their product can overflow int.
+  const long long num_stages = static_cast<long long>(manifest.partitions) * manifest.virtual_stages;
   for (std::size_t i = 0; i < names.size(); ++i) {
     if (!names[i].is_string()) throw fail("module_names must hold strings");
     if (!stages[i].is_number_integer() || stages[i].get<long long>() < 0 || stages[i].get<long long>() >= num_stages) {
@@ -184,12 +176,16 @@ CheckpointManifest CheckpointManifest::parse(const std::string& text, const std:
   return manifest;
 }
 
-CheckpointManifest verify_checkpoint(const std::string& directory) {
+CheckpointManifest read_manifest(const std::string& directory) {
   const std::string manifest_path = directory + "/manifest.json";
   std::ifstream in(manifest_path, std::ios::binary);
   if (!in) throw CheckpointError(manifest_path + ": missing (the save did not finish)");
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  auto manifest = CheckpointManifest::parse(text, manifest_path);
+  return CheckpointManifest::parse(text, manifest_path);
+}
+
+CheckpointManifest verify_checkpoint(const std::string& directory) {
+  auto manifest = read_manifest(directory);
   for (const auto& file : manifest.files) {
     const std::string path = directory + "/" + file.name;
     const auto [crc, size] = crc32_of_file(path);

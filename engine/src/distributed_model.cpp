@@ -74,11 +74,12 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, torch::nn::
     model_signature_ = std::to_string(model->parameters().size()) + " parameters, crc32 " +
                        std::to_string(crc32(shapes.data(), shapes.size()));
   }
+  exchange_ = "model" + std::to_string(runtime_->next_exchange()) + "/";
   if (runtime_->rank() == 0) {
     plan_ = plan_chain(profile_chain(*model, sample_input), config);
-    runtime_->publish("stage_plan", plan_.to_json());
+    runtime_->publish(exchange_ + "stage_plan", plan_.to_json());
   } else {
-    plan_ = StagePlan::from_json(runtime_->fetch("stage_plan"));
+    plan_ = StagePlan::from_json(runtime_->fetch(exchange_ + "stage_plan"));
   }
   if (config.resume) adopt_checkpoint_partition(model);
   if (runtime_->rank() == 0) log::info(plan_.report());
@@ -109,11 +110,12 @@ void DistributedModel::adopt_checkpoint_partition(const torch::nn::Sequential& m
     const auto found = find_latest_checkpoint(config.checkpoint_dir, &skipped);
     for (const auto& reason : skipped) log::warn("skipping checkpoint: " + reason);
     if (!found) log::info("no complete checkpoint in " + config.checkpoint_dir + "; starting from step 0");
-    runtime_->publish("resume_from", found ? found->directory : "");
+    runtime_->publish(exchange_ + "resume_from", found ? found->directory : "");
   }
-  const std::string directory = runtime_->fetch("resume_from");
+  const std::string directory = runtime_->fetch(exchange_ + "resume_from");
   if (directory.empty()) return;
-  auto manifest = verify_checkpoint(directory);
+  // Rank 0 verified every file; each rank checks its own again as Checkpointer::resume loads it.
+  auto manifest = read_manifest(directory);
   if (manifest.partitions != config.partitions || manifest.virtual_stages != config.virtual_stages) {
     throw CheckpointError(directory + " was saved with " + std::to_string(manifest.partitions) + " partitions x " +
                           std::to_string(manifest.virtual_stages) + " virtual stages, this job has " +
@@ -264,7 +266,7 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
 
 void DistributedModel::write_timeline(const std::vector<TimelineEvent>& events) {
   RankTimeline mine{runtime_->rank(), runtime_->pp_rank(), runtime_->dp_rank(), events};
-  const std::string key = "timeline/" + std::to_string(step_) + "/";
+  const std::string key = exchange_ + "timeline/" + std::to_string(step_) + "/";
   runtime_->publish(key + std::to_string(runtime_->rank()), mine.to_json());
   if (runtime_->rank() != 0) return;
   std::vector<RankTimeline> ranks;

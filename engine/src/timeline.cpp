@@ -160,7 +160,7 @@ std::string to_svg(const std::vector<RankTimeline>& ranks, const std::string& ti
   return svg.str();
 }
 
-void write_file_atomically(const std::string& path, const std::string& contents) {
+void write_file_atomically(const std::string& path, std::string_view contents) {
   const std::string temporary = path + ".tmp." + std::to_string(getpid());
   const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw std::runtime_error("cannot write " + temporary + ": " + std::strerror(errno));

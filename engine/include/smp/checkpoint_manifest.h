@@ -54,6 +54,8 @@ std::string partition_file_name(int pp_rank);               // "partition-0003.p
 
 // Reads and checks one checkpoint directory: the manifest parses and every file matches its size and checksum.
 CheckpointManifest verify_checkpoint(const std::string& directory);
+// The manifest alone, for a rank that checks only its own file as it loads it.
+CheckpointManifest read_manifest(const std::string& directory);
 
 struct FoundCheckpoint {
   std::string directory;

@@ -81,6 +81,7 @@ class DistributedModel {
   std::vector<std::pair<std::string, at::Tensor>> named_parameters_;
   std::unique_ptr<PipelineExecutor> executor_;
   long long step_ = 0;  // steps run so far, for error messages
+  std::string exchange_;  // prefix of this model's store keys
   std::optional<FoundCheckpoint> resumed_from_;
   std::string model_signature_;
   bool last_step_skipped_ = false;

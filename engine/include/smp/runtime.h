@@ -39,6 +39,10 @@ class Runtime {
   comm::Communicator& pipeline() { return *pipeline_; }  // group rank == pp_rank
   comm::Communicator& data_parallel() { return *data_parallel_; }  // group rank == dp_rank
 
+  // A number that every rank draws in the same order, to keep the keys of repeated exchanges apart (e.g. two
+  // models built by one job).
+  int next_exchange() { return exchanges_++; }
+
   // Small control messages (the partition plan): rank `from` publishes, the others wait up to the timeout.
   void publish(const std::string& key, const std::string& value);
   std::string fetch(const std::string& key);
@@ -59,6 +63,7 @@ class Runtime {
   std::shared_ptr<comm::Communicator> world_;
   std::shared_ptr<comm::Communicator> pipeline_;
   std::shared_ptr<comm::Communicator> data_parallel_;
+  int exchanges_ = 0;
 };
 
 }  // namespace smp

@@ -4,6 +4,7 @@
 // Plain C++: the engine records, this file only formats and measures.
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace smp {
@@ -40,6 +41,6 @@ std::string to_chrome_trace(const std::vector<RankTimeline>& ranks);
 std::string to_svg(const std::vector<RankTimeline>& ranks, const std::string& title);
 
 // Writes `contents` to `path` atomically: a temporary file in the same folder, fsync, rename.
-void write_file_atomically(const std::string& path, const std::string& contents);
+void write_file_atomically(const std::string& path, std::string_view contents);
 
 }  // namespace smp
