@@ -17,27 +17,24 @@ target_compile_options(training_worker PRIVATE -Wall -Wextra)
 target_precompile_headers(training_worker REUSE_FROM smp_engine)
 set_target_properties(training_worker PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
 
-add_executable(test_training ${CMAKE_CURRENT_LIST_DIR}/test_training.cpp)
-target_link_libraries(test_training PRIVATE smp_catch_main)
-target_compile_options(test_training PRIVATE -Wall -Wextra)
-target_compile_definitions(test_training PRIVATE
-  SMPRUN_PATH="$<TARGET_FILE:smprun>"
-  WORKER_PATH="$<TARGET_FILE:training_worker>"
-  SMP_SCHEDULE_PATH="$<TARGET_FILE:smp_schedule>"
-  EXAMPLE_PATH="$<TARGET_FILE:hybrid_2x4>"
-  EXAMPLE_CONFIG="${PROJECT_SOURCE_DIR}/examples/hybrid_2x4.json")
-add_dependencies(test_training smprun training_worker hybrid_2x4 smp_schedule)
-catch_discover_tests(test_training PROPERTIES TIMEOUT 600)
+# Multi-process tests: Catch2 programs that launch the real binaries under smprun.
+function(smp_multiprocess_test name)
+  add_executable(${name} ${CMAKE_CURRENT_FUNCTION_LIST_DIR}/${name}.cpp)
+  target_link_libraries(${name} PRIVATE smp_catch_main)
+  target_compile_options(${name} PRIVATE -Wall -Wextra)
+  target_compile_definitions(${name} PRIVATE
+    SMPRUN_PATH="$<TARGET_FILE:smprun>"
+    WORKER_PATH="$<TARGET_FILE:training_worker>"
+    SMP_SCHEDULE_PATH="$<TARGET_FILE:smp_schedule>"
+    SMP_CHECKPOINT_PATH="$<TARGET_FILE:smp_checkpoint>"
+    EXAMPLE_PATH="$<TARGET_FILE:hybrid_2x4>"
+    EXAMPLE_CONFIG="${PROJECT_SOURCE_DIR}/examples/hybrid_2x4.json")
+  add_dependencies(${name} smprun training_worker hybrid_2x4 smp_schedule smp_checkpoint)
+  catch_discover_tests(${name} PROPERTIES TIMEOUT 600)
+endfunction()
+smp_multiprocess_test(test_training)
+smp_multiprocess_test(test_faults)
 
-add_executable(test_faults ${CMAKE_CURRENT_LIST_DIR}/test_faults.cpp)
-target_link_libraries(test_faults PRIVATE smp_catch_main)
-target_compile_options(test_faults PRIVATE -Wall -Wextra)
-target_compile_definitions(test_faults PRIVATE
-  SMPRUN_PATH="$<TARGET_FILE:smprun>"
-  WORKER_PATH="$<TARGET_FILE:training_worker>"
-  SMP_CHECKPOINT_PATH="$<TARGET_FILE:smp_checkpoint>")
-add_dependencies(test_faults smprun training_worker smp_checkpoint)
-catch_discover_tests(test_faults PROPERTIES TIMEOUT 600)
 
 # Two hosts in network namespaces (root only; skipped with a message otherwise).
 add_test(NAME two_hosts_in_network_namespaces

@@ -81,9 +81,7 @@ TEST_CASE("a checkpoint loads into another number of replicas and exports for an
   // Two replicas saved it, one resumes it and trains on; parameters still equal single-process training.
   const auto one_replica = write_config("reshape_dp1", smp_config(2, 1, 4, "interleaved", "cluster", 8, 30,
                                                                   checkpoint_keys(dir, 0) + R"(, "resume": true)"));
-  const auto resumed = run_command(std::string(SMPRUN_PATH) + " -n 2 -- " + WORKER_PATH + " --config " + one_replica +
-                                       " --optimizer adamw --steps 5",
-                                   120);
+  const auto resumed = run_worker(2, one_replica, "--optimizer adamw --steps 5");
   INFO(resumed.output);
   CHECK(resumed.status == 0);
   CHECK(count_clean_ranks(resumed.output) == 2);
@@ -131,12 +129,10 @@ TEST_CASE("corrupt and truncated checkpoints are refused with a clear error", "[
 TEST_CASE("a checkpoint of another model is refused", "[faults][checkpoint]") {
   const auto dir = fresh_directory("other_model");
   const auto config = write_config("other_model", smp_config(2, 1, 2, "interleaved", "cluster", 4, 30, checkpoint_keys(dir, 1)));
-  REQUIRE(run_command(std::string(SMPRUN_PATH) + " -n 2 -- " + WORKER_PATH + " --config " + config + " --steps 1", 120).status == 0);
+  REQUIRE(run_worker(2, config, "--steps 1").status == 0);
   const auto resume_config = write_config("other_model_resume", smp_config(2, 1, 2, "interleaved", "cluster", 4, 30,
                                                                            checkpoint_keys(dir, 0) + R"(, "resume": true)"));
-  const auto refused = run_command(std::string(SMPRUN_PATH) + " -n 2 -- " + WORKER_PATH + " --config " + resume_config +
-                                       " --model gpt --steps 1",
-                                   120);
+  const auto refused = run_worker(2, resume_config, "--model gpt --steps 1");
   CHECK(refused.status != 0);
   CHECK_THAT(refused.output, Contains("holds another model"));
 }

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "scheduler_test_support.h"
 #include "smp/scheduler/schedule.h"
 
 using namespace smp::sched;
@@ -357,17 +358,7 @@ TEST_CASE("validate rejects malformed lowered schedules", "[validate]") {
 TEST_CASE("CSV round trip", "[csv]") {
   const StageGraph graph = StageGraph::chain(3);
   for (const Schedule& original : {lower_communication(make_1f1b(3, 5, 2), graph), make_gpipe(3, 2)}) {
-    std::stringstream csv;
-    write_csv(original, csv);
-    const Schedule read = read_csv(csv);
-    CHECK(read.name == original.name);
-    CHECK(read.num_ranks == original.num_ranks);
-    CHECK(read.num_stages == original.num_stages);
-    CHECK(read.num_microbatches == original.num_microbatches);
-    CHECK(read.split_backward == original.split_backward);
-    CHECK(read.stage_to_rank == original.stage_to_rank);
-    CHECK(read.ranks == original.ranks);
-    REQUIRE_NOTHROW(validate(read, graph));
+    testing::check_csv_round_trip(original, graph);
   }
   const Schedule split = split_backward_schedule();
   std::stringstream csv;

@@ -103,9 +103,7 @@ TEST_CASE("the example writes a timeline", "[training][example][timeline]") {
 
 TEST_CASE("a transformer trains the same through the pipeline (AdamW)", "[training][multiprocess]") {
   const auto config = write_config("gpt", smp_config(4, 2, 4, "interleaved", "cluster", 16));
-  const auto result = run_command(std::string(SMPRUN_PATH) + " -n 8 -- " + WORKER_PATH + " --config " + config +
-                                      " --model gpt --optimizer adamw --steps 3 --clip 1.0 --rtol 1e-3",
-                                  240);
+  const auto result = run_worker(8, config, "--model gpt --optimizer adamw --steps 3 --clip 1.0 --rtol 1e-3");
   INFO(result.output);
   CHECK(result.status == 0);
   CHECK(count_clean_ranks(result.output) == 8);
@@ -143,9 +141,7 @@ TEST_CASE("the 2x4 example's losses depend only on the seed and the global batch
 
 TEST_CASE("a failing rank stops the whole job with a message", "[training][faults]") {
   const auto config = write_config("fail", smp_config(2, 2, 2, "interleaved", "cluster", 8, 20));
-  const auto result = run_command(std::string(SMPRUN_PATH) + " -n 4 -- " + WORKER_PATH + " --config " + config +
-                                      " --steps 5 --fail-rank 2 --fail-step 1",
-                                  120);
+  const auto result = run_worker(4, config, "--steps 5 --fail-rank 2 --fail-step 1");
   INFO(result.output);
   CHECK(result.status != 0);
   CHECK(result.status != 124);  // not stopped by the test's own timeout

@@ -161,7 +161,13 @@ CheckpointManifest CheckpointManifest::parse(const std::string& text, const std:
         !file.contains("crc32") || !file["crc32"].is_number_unsigned() || file["crc32"].get<std::uint64_t>() > 0xFFFFFFFFu) {
       throw fail("a files entry must have name, pp_rank, size and crc32");
     }
-    CheckpointFile entry{file["name"].get<std::string>(), file["pp_rank"].get<int>(), file["size"].get<std::uint64_t>(),
+    // Range-checked before narrowing: 4294967297 must not wrap to a valid rank.
+    const long long pp_rank = file["pp_rank"].get<long long>();
+    if (pp_rank < 0 || pp_rank >= manifest.partitions) {
+      throw fail("file " + file["name"].get<std::string>() + " has pp_rank " + std::to_string(pp_rank) +
+                 ", outside [0, " + std::to_string(manifest.partitions - 1) + "]");
+    }
+    CheckpointFile entry{file["name"].get<std::string>(), static_cast<int>(pp_rank), file["size"].get<std::uint64_t>(),
                          static_cast<std::uint32_t>(file["crc32"].get<std::uint64_t>())};
     if (!safe_file_name(entry.name)) throw fail("unsafe file name \"" + entry.name + "\"");
     if (entry.pp_rank < 0 || entry.pp_rank >= manifest.partitions || covered[entry.pp_rank]) {
