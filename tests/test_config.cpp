@@ -18,6 +18,8 @@ TEST_CASE("config: defaults and SMP keys", "[config]") {
   CHECK(defaults.microbatches == 1);
   CHECK(defaults.pipeline == smp::PipelineKind::Interleaved);
   CHECK_FALSE(defaults.ddp);
+  CHECK(defaults.memory_weight == 0.2);
+  CHECK(parse(R"({"optimize": "memory"})").memory_weight == 0.8);
 
   const Config config = parse(R"({"partitions": 4, "microbatches": 8, "pipeline": "simple", "ddp": true,
       "placement_strategy": "spread", "auto_partition": false, "default_partition": 2,

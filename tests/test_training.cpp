@@ -65,6 +65,58 @@ TEST_CASE("every schedule trains like single-process training", "[training][mult
   }
 }
 
+TEST_CASE("graphs with skips across stages, branches and tied weights train like single-process training",
+          "[training][multiprocess][graph]") {
+  struct Case {
+    const char* model;
+    int pp, dp, microbatches;
+    const char* pipeline;
+    const char* extra_keys;
+  };
+  const Case cases[] = {
+      {"residual", 4, 2, 4, "interleaved", ""},
+      {"residual", 4, 1, 4, "zero_bubble", ""},
+      {"branch", 4, 2, 4, "simple", ""},
+      {"branch", 2, 1, 4, "interleaved", R"(, "virtual_stages": 2)"},
+      {"tied", 4, 2, 4, "interleaved", ""},
+      {"tied", 3, 1, 3, "zero_bubble_h2", R"(, "activation_checkpointing": [0])"},
+      // Pinned by hand: the skip's source and its consumer two stages apart.
+      {"residual", 4, 1, 4, "interleaved", R"(, "auto_partition": false, "default_partition": 3,
+          "partition_overrides": {"in": 0, "a": 1, "b": 2})"},
+  };
+  for (const auto& c : cases) {
+    DYNAMIC_SECTION(c.model << " pp=" << c.pp << " dp=" << c.dp << " " << c.pipeline << c.extra_keys) {
+      const auto config = write_config(std::string("graph_") + std::to_string(&c - cases),
+                                       smp_config(c.pp, c.dp, c.microbatches, c.pipeline, "cluster",
+                                                  c.dp * c.microbatches * 2, 60, c.extra_keys));
+      const auto result = run_worker(c.pp * c.dp, config, std::string("--model ") + c.model + " --steps 3 --clip 0.5");
+      INFO(result.output);
+      CHECK(result.status == 0);
+      CHECK(count_clean_ranks(result.output) == c.pp * c.dp);
+    }
+  }
+}
+
+TEST_CASE("impossible partitions are refused naming the modules", "[training][multiprocess][graph]") {
+  const auto too_many = write_config("too_many_stages", smp_config(8, 1, 2, "interleaved", "cluster", 4, 30,
+                                                                   R"(, "virtual_stages": 2)"));
+  auto result = run_worker(8, too_many, "--model residual --steps 1");
+  CHECK(result.status != 0);
+  CHECK_THAT(result.output, Contains("cannot split 7 modules into 16 pipeline stages"));
+
+  const auto backwards = write_config("pins_backwards", smp_config(2, 1, 2, "interleaved", "cluster", 4, 30,
+                                                                   R"(, "partition_overrides": {"in": 1, "out": 0})"));
+  result = run_worker(2, backwards, "--model residual --steps 1");
+  CHECK(result.status != 0);
+  CHECK_THAT(result.output, Contains("module \"out\" is pinned to stage 0 but comes after module \"in\""));
+
+  const auto unknown = write_config("unknown_module", smp_config(2, 1, 2, "interleaved", "cluster", 4, 30,
+                                                                 R"(, "partition_overrides": {"nope": 1})"));
+  result = run_worker(2, unknown, "--model residual --steps 1");
+  CHECK(result.status != 0);
+  CHECK_THAT(result.output, Contains("no module \"nope\" in the model (its modules: in, a, b, c, join, d, out)"));
+}
+
 TEST_CASE("a schedule loaded from a CSV file runs", "[training][multiprocess][schedules]") {
   const std::string csv = "/tmp/smp_test_" + std::to_string(getpid()) + "_schedule.csv";
   const auto dumped = run_command(std::string(SMP_SCHEDULE_PATH) + " --schedule zb_h1 --ranks 2 --microbatches 4 --csv " + csv, 30);

@@ -14,6 +14,7 @@
 #include <torch/optim/sgd.h>
 
 #include <csignal>
+#include <map>
 
 #include "common/gpt.h"
 #include "smp/checkpoint.h"
@@ -44,11 +45,76 @@ struct Options {
 
 constexpr int64_t kMlpIn = 8, kMlpOut = 4, kGptLength = 16;
 
-torch::nn::Sequential make_model(const Options& options) {
+class AddImpl : public torch::nn::Module {
+ public:
+  at::Tensor forward(const at::Tensor& a, const at::Tensor& b) { return a + b; }
+};
+TORCH_MODULE(Add);
+
+class TanhLinearImpl : public torch::nn::Module {
+ public:
+  TanhLinearImpl(int64_t in, int64_t out) : linear_(register_module("linear", torch::nn::Linear(in, out))) {}
+  at::Tensor forward(const at::Tensor& x) { return at::tanh(linear_->forward(x)); }
+
+ private:
+  torch::nn::Linear linear_;
+};
+TORCH_MODULE(TanhLinear);
+
+// Uses the weight of another Linear (transposed), as a tied embedding and LM head do.
+class TiedLinearImpl : public torch::nn::Module {
+ public:
+  explicit TiedLinearImpl(const at::Tensor& weight) : weight_(register_parameter("weight", weight)) {}
+  at::Tensor forward(const at::Tensor& x) { return at::matmul(x, weight_); }
+
+ private:
+  at::Tensor weight_;
+};
+TORCH_MODULE(TiedLinear);
+
+smp::GraphModel make_model(const Options& options) {
   if (options.model == "gpt") {
     smp::examples::GptOptions gpt;
     gpt.vocab_size = 32, gpt.context = kGptLength, gpt.d_model = 16, gpt.heads = 2, gpt.layers = 4;
     return smp::examples::make_gpt(gpt);
+  }
+  if (options.model == "residual") {
+    // A skip from "in" over three blocks to "join": on 4 stages it crosses two stage boundaries.
+    smp::GraphModel graph("x");
+    graph.add("in", TanhLinear(kMlpIn, 32), {"x"});
+    graph.add("a", TanhLinear(32, 32), {"in"});
+    graph.add("b", TanhLinear(32, 32), {"a"});
+    graph.add("c", TanhLinear(32, 32), {"b"});
+    graph.add("join", Add(), {"c", "in"});
+    graph.add("d", TanhLinear(32, 32), {"join"});
+    graph.add("out", torch::nn::Linear(32, kMlpOut), {"d"});
+    return graph;
+  }
+  if (options.model == "branch") {
+    // Two branches of one input, joined later; the model input is also read deep in the graph.
+    smp::GraphModel graph("x");
+    graph.add("in", TanhLinear(kMlpIn, 32), {"x"});
+    graph.add("left", TanhLinear(32, 32), {"in"});
+    graph.add("left2", TanhLinear(32, 32), {"left"});
+    graph.add("right", TanhLinear(32, 32), {"in"});
+    graph.add("join", Add(), {"left2", "right"});
+    graph.add("late_input", TanhLinear(kMlpIn, 32), {"x"});
+    graph.add("join2", Add(), {"join", "late_input"});
+    graph.add("out", torch::nn::Linear(32, kMlpOut), {"join2"});
+    return graph;
+  }
+  if (options.model == "tied") {
+    // The first and the last layer share one matrix, so on several stages two ranks hold copies.
+    smp::GraphModel graph("x");
+    torch::nn::Linear first(torch::nn::LinearOptions(kMlpIn, 32).bias(false));
+    graph.add("first", first, {"x"});
+    graph.add("a", TanhLinear(32, 32), {"first"});
+    graph.add("b", TanhLinear(32, 32), {"a"});
+    graph.add("c", TanhLinear(32, kMlpIn), {"b"});
+    graph.add("d", TanhLinear(kMlpIn, 32), {"c"});
+    graph.add("tied", TiedLinear(first->weight), {"d"});  // [.., 32] x [32, 8] -> [.., 8]
+    graph.add("out", torch::nn::Linear(kMlpIn, kMlpOut), {"tied"});
+    return graph;
   }
   torch::nn::Sequential mlp;
   mlp->push_back(torch::nn::Linear(kMlpIn, 32));
@@ -58,7 +124,13 @@ torch::nn::Sequential make_model(const Options& options) {
   }
   mlp->push_back(torch::nn::Tanh());
   mlp->push_back(torch::nn::Linear(32, kMlpOut));
-  return mlp;
+  return smp::GraphModel::from_sequential(mlp);
+}
+
+std::vector<at::Tensor> parameters_of(const smp::GraphModel& model) {
+  std::vector<at::Tensor> tensors;
+  for (const auto& [name, tensor] : model.named_parameters()) tensors.push_back(tensor);
+  return tensors;
 }
 
 std::pair<at::Tensor, at::Tensor> global_batch(const Options& options, int64_t size, int step, uint64_t seed) {
@@ -121,16 +193,16 @@ int run(int argc, char** argv) {
 
   at::manual_seed(config.seed);
   auto reference = make_model(options);
-  auto reference_optimizer = make_optimizer(options, reference->parameters());
+  auto reference_optimizer = make_optimizer(options, parameters_of(reference));
   const auto loss = loss_of(options);
   auto reference_step = [&](int step) {
     auto [inputs, targets] = global_batch(options, batch, step, config.seed);
     if (step == options.nan_step) inputs = at::full_like(inputs, std::nan(""));
     reference_optimizer->zero_grad();
-    const auto reference_loss = loss(reference->forward(inputs), targets);
+    const auto reference_loss = loss(reference.forward(inputs), targets);
     reference_loss.backward();
     double reference_norm = 0.0;
-    if (options.clip > 0) reference_norm = torch::nn::utils::clip_grad_norm_(reference->parameters(), options.clip);
+    if (options.clip > 0) reference_norm = torch::nn::utils::clip_grad_norm_(parameters_of(reference), options.clip);
     // With "nonfinite": "skip" smp drops the step; so does the reference.
     if (step != options.nan_step) reference_optimizer->step();
     return std::make_pair(reference_loss.item<double>(), reference_norm);
@@ -142,6 +214,27 @@ int run(int argc, char** argv) {
   for (int step = 0; step < first_step; ++step) reference_step(step);
 
   int failures = 0;
+  // Every step, each parameter this rank holds (tied copies included) must equal single-process training's.
+  auto check_parameters = [&](int step) {
+    std::map<std::string, at::Tensor> reference_parameters;
+    for (const auto& [name, tensor] : reference.named_parameters()) reference_parameters[name] = tensor;
+    for (const auto& [name, parameter] : distributed.named_parameters()) {
+      const auto found = reference_parameters.find(name);
+      const at::Tensor* expected = found == reference_parameters.end() ? nullptr : &found->second;
+      if (!expected) {
+        std::fprintf(stderr, "rank %d: parameter %s has no single-process counterpart\n", runtime->rank(), name.c_str());
+        ++failures;
+        continue;
+      }
+      const double difference = (parameter - *expected).abs().max().item<double>();
+      const double scale = expected->abs().max().item<double>();
+      if (difference > options.atol + options.rtol * scale) {
+        std::fprintf(stderr, "rank %d step %d: parameter %s differs by %.3g (scale %.3g)\n", runtime->rank(), step, name.c_str(),
+                     difference, scale);
+        ++failures;
+      }
+    }
+  };
   for (int step = first_step; step < options.steps; ++step) {
     if (runtime->rank() == options.fail_rank && step == options.fail_step) {
       throw std::runtime_error("injected failure on rank " + std::to_string(runtime->rank()) + " at step " +
@@ -172,24 +265,10 @@ int run(int argc, char** argv) {
       ++failures;
     }
     if (runtime->rank() == 0) std::printf("step %d loss %.17g reference %.17g\n", step, output.loss, expected);
+    check_parameters(step);
   }
 
-  const auto reference_parameters = reference->named_parameters();
-  for (const auto& [name, parameter] : distributed.named_parameters()) {
-    const at::Tensor* expected = reference_parameters.find(name);
-    if (!expected) {
-      std::fprintf(stderr, "rank %d: parameter %s has no single-process counterpart\n", runtime->rank(), name.c_str());
-      ++failures;
-      continue;
-    }
-    const double difference = (parameter - *expected).abs().max().item<double>();
-    const double scale = expected->abs().max().item<double>();
-    if (difference > options.atol + options.rtol * scale) {
-      std::fprintf(stderr, "rank %d: parameter %s differs by %.3g (scale %.3g)\n", runtime->rank(), name.c_str(),
-                   difference, scale);
-      ++failures;
-    }
-  }
+  if (options.steps == 0 || first_step >= options.steps) check_parameters(options.expect_step);
   std::printf("rank %d stage %d: %zu parameters checked, %d mismatches\n", runtime->rank(), distributed.stage(),
               distributed.named_parameters().size(), failures);
   return failures == 0 ? 0 : 3;

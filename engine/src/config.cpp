@@ -261,6 +261,7 @@ Config Config::from_json_text(const std::string& text, const std::string& source
     }
   }
   if (read.has("optimize")) config.optimize = read.choice("optimize", {"speed", "memory"});
+  config.memory_weight = config.optimize == "speed" ? 0.2 : 0.8;
   if (read.has("memory_weight")) config.memory_weight = read.real("memory_weight", 0.0, 1.0);
   if (read.has("seed")) config.seed = static_cast<std::uint64_t>(read.integer("seed", 0, std::numeric_limits<long long>::max()));
   if (read.has("global_batch_size")) {

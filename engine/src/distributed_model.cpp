@@ -4,7 +4,9 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <algorithm>
 #include <map>
+#include <set>
 
 #include <ATen/ATen.h>
 
@@ -14,6 +16,7 @@
 #include <torch/csrc/jit/serialization/pickle.h>
 
 #include "smp/log.h"
+#include "smp/timeline.h"
 #include "smp/scheduler/simulator.h"
 
 namespace smp {
@@ -41,13 +44,18 @@ sched::Schedule make_schedule(const Config& config) {
                         std::to_string(config.microbatches));
     }
   }
-  const auto graph = sched::StageGraph::chain(config.num_stages());
+  return schedule;
+}
+
+// Adds the transfers the model's stage graph needs (unless a schedule file brought its own) and validates the
+// result against that graph: skip connections get their own sends and receives.
+sched::Schedule lower_and_validate(sched::Schedule schedule, const sched::StageGraph& graph, const Config& config) {
   bool has_transfers = false;
   for (const auto& actions : schedule.ranks) {
     for (const auto& action : actions) has_transfers |= !sched::is_compute(action.kind);
   }
-  if (!has_transfers) schedule = sched::lower_communication(schedule, graph);
   try {
+    if (!has_transfers) schedule = sched::lower_communication(schedule, graph);
     sched::validate(schedule, graph);
   } catch (const sched::ScheduleError& error) {
     throw ConfigError((config.schedule_file.empty() ? config.schedule_name() : config.schedule_file) +
@@ -58,51 +66,150 @@ sched::Schedule make_schedule(const Config& config) {
 
 }  // namespace
 
-DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, torch::nn::Sequential model,
+DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, const torch::nn::Sequential& model,
                                    const at::Tensor& sample_input)
-    : runtime_(std::move(runtime)) {
+    : DistributedModel(std::move(runtime), GraphModel::from_sequential(model), sample_input) {}
+
+DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const at::Tensor& sample_input)
+    : runtime_(std::move(runtime)), model_(std::move(model)) {
   const Config& config = runtime_->config();
-  if (model->size() == 0) throw ConfigError("the model is an empty Sequential; nothing to train");
+  if (model_.nodes().empty()) throw ConfigError("the model has no modules; nothing to train");
   auto schedule = make_schedule(config);
   {
     std::string shapes;
-    for (const auto& parameter : model->named_parameters()) {
-      shapes += parameter.key() + ":";
-      for (auto size : parameter.value().sizes()) shapes += std::to_string(size) + ",";
+    const auto parameters = model_.named_parameters();
+    for (const auto& [name, parameter] : parameters) {
+      shapes += name + ":";
+      for (auto size : parameter.sizes()) shapes += std::to_string(size) + ",";
       shapes += ";";
     }
-    model_signature_ = std::to_string(model->parameters().size()) + " parameters, crc32 " +
+    model_signature_ = std::to_string(parameters.size()) + " parameters, crc32 " +
                        std::to_string(crc32(shapes.data(), shapes.size()));
   }
   exchange_ = "model" + std::to_string(runtime_->next_exchange()) + "/";
   if (runtime_->rank() == 0) {
-    plan_ = plan_chain(profile_chain(*model, sample_input), config);
+    plan_ = plan_stages(profile_graph(model_, sample_input), config);
     runtime_->publish(exchange_ + "stage_plan", plan_.to_json());
   } else {
     plan_ = StagePlan::from_json(runtime_->fetch(exchange_ + "stage_plan"));
   }
-  if (config.resume) adopt_checkpoint_partition(model);
-  if (runtime_->rank() == 0) log::info(plan_.report());
-
-  const auto children = model->named_children();
-  std::size_t index = 0;
-  for (auto& module : *model) {
-    const auto& name = children[index].key();
-    const int module_stage = plan_.stage_of_module[index++];
-    if (schedule.stage_to_rank[module_stage] != runtime_->pp_rank()) continue;
-    auto& stage = stages_[module_stage];
-    if (!stage.modules) stage.modules = torch::nn::Sequential();
-    stage.modules->push_back(name, module);
-    for (const auto& parameter : module.ptr()->named_parameters()) {
-      named_parameters_.emplace_back(name + "." + parameter.key(), parameter.value());
-      stage.parameters.push_back(parameter.value());
+  if (config.resume) adopt_checkpoint_partition();
+  if (runtime_->rank() == 0) {
+    log::info(plan_.report());
+    if (!config.trace_dir.empty()) {
+      std::filesystem::create_directories(config.trace_dir);
+      write_file_atomically(config.trace_dir + "/partition.json", plan_.to_json());
     }
   }
-  graph_ = sched::StageGraph::chain(config.num_stages());
-  executor_ = std::make_unique<PipelineExecutor>(schedule, graph_, runtime_->pipeline(), config.checkpointed_stages);
+  build_stages(schedule);
+  executor_ = std::make_unique<PipelineExecutor>(lower_and_validate(std::move(schedule), graph_, config), graph_,
+                                                 runtime_->pipeline(), config.checkpointed_stages);
 }
 
-void DistributedModel::adopt_checkpoint_partition(const torch::nn::Sequential& model) {
+void DistributedModel::build_stages(const sched::Schedule& schedule) {
+  const Config& config = runtime_->config();
+  const auto& nodes = model_.nodes();
+  const auto stage_of = [&](const std::string& tensor) { return plan_.stage_of_module.at(model_.index_of(tensor)); };
+  graph_.consumers.assign(static_cast<std::size_t>(config.num_stages()), {});
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    const int consumer = plan_.stage_of_module[i];
+    for (const auto& input : nodes[i].inputs) {
+      if (input == model_.input_name()) continue;  // every rank has the batch
+      const int producer = stage_of(input);
+      if (producer == consumer) continue;
+      auto& names = transfers_[{producer, consumer}];
+      if (std::find(names.begin(), names.end(), input) == names.end()) names.push_back(input);
+    }
+  }
+  for (auto& [stages, names] : transfers_) {
+    std::sort(names.begin(), names.end(), [&](const std::string& a, const std::string& b) {
+      return model_.index_of(a) < model_.index_of(b);
+    });
+    graph_.consumers[stages.first].push_back(stages.second);
+  }
+  for (auto& consumers : graph_.consumers) std::sort(consumers.begin(), consumers.end());
+
+  // Parameters: each local one once, under its model-wide name.
+  std::set<const void*> local_tensors;
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    const int stage = plan_.stage_of_module[i];
+    if (schedule.stage_to_rank[stage] != runtime_->pp_rank()) continue;
+    auto& local = stages_[stage];
+    local.nodes.push_back(static_cast<int>(i));
+    for (const auto& parameter : nodes[i].module->parameters()) {
+      local_tensors.insert(parameter.unsafeGetTensorImpl());
+      if (std::none_of(local.parameters.begin(), local.parameters.end(),
+                       [&](const at::Tensor& known) { return known.is_same(parameter); })) {
+        local.parameters.push_back(parameter);
+      }
+    }
+  }
+  for (const auto& [name, parameter] : model_.named_parameters()) {
+    if (local_tensors.count(parameter.unsafeGetTensorImpl())) named_parameters_.emplace_back(name, parameter);
+  }
+
+  // Tied parameters whose holders sit on several ranks: every holder keeps a copy and their gradients are summed
+  // over exactly those ranks of this replica before the optimizer step, so the copies never drift.
+  std::set<const void*> counted_elsewhere;
+  for (const auto& tie : model_.ties()) {
+    std::set<int> holder_ranks;
+    for (int node : tie.nodes) holder_ranks.insert(schedule.stage_to_rank[plan_.stage_of_module[node]]);
+    const int first_holder = schedule.stage_to_rank[plan_.stage_of_module[tie.nodes.front()]];
+    const at::Tensor parameter = nodes[tie.nodes.front()].module->named_parameters()[tie.parameter.substr(
+        tie.parameter.find('.') + 1)];
+    if (first_holder != runtime_->pp_rank()) counted_elsewhere.insert(parameter.unsafeGetTensorImpl());
+    if (holder_ranks.size() < 2 || !holder_ranks.count(runtime_->pp_rank())) continue;
+    std::vector<int> members;
+    std::string name = "tied/" + tie.parameter + "/";
+    for (int pp : holder_ranks) {
+      members.push_back(runtime_->topology().rank_of({pp, runtime_->dp_rank()}));
+      name += std::to_string(members.back()) + ",";
+    }
+    tied_.push_back({parameter, runtime_->make_group(members, name)});
+  }
+  for (const auto& [name, parameter] : named_parameters_) {
+    if (!counted_elsewhere.count(parameter.unsafeGetTensorImpl())) norm_parameters_.push_back(parameter);
+  }
+}
+
+StageOutputs DistributedModel::run_stage(int stage, const at::Tensor& model_input, const TensorsByStage& from_producers) {
+  std::map<std::string, at::Tensor> values{{model_.input_name(), model_input}};
+  for (const auto& [producer, tensors] : from_producers) {
+    const auto& names = transfers_.at({producer, stage});
+    for (std::size_t i = 0; i < names.size(); ++i) values[names[i]] = tensors.at(i);
+  }
+  const auto& nodes = model_.nodes();
+  for (int index : stages_.at(stage).nodes) {
+    const auto& node = nodes[index];
+    std::vector<at::Tensor> arguments;
+    for (const auto& input : node.inputs) arguments.push_back(values.at(input));
+    try {
+      values[node.name] = node.forward(arguments);
+    } catch (const c10::Error& error) {
+      // A model that does not fit its data fails inside LibTorch; say where, without the C++ backtrace.
+      std::string shapes;
+      for (const auto& argument : arguments) shapes += (shapes.empty() ? "" : ", ") + c10::str(argument.sizes());
+      throw ModelError("step " + std::to_string(step_) + ", stage " + std::to_string(stage) + ", module \"" + node.name +
+                       "\" (input " + shapes + "): " + comm::brief_message(error));
+    }
+  }
+  StageOutputs outputs;
+  for (const auto& consumer : graph_.consumers[stage]) {
+    auto& sent = outputs.to_consumers[consumer];
+    for (const auto& name : transfers_.at({stage, consumer})) sent.push_back(values.at(name));
+  }
+  if (stage == graph_.num_stages() - 1) outputs.model_output = values.at(nodes.back().name);
+  return outputs;
+}
+
+void DistributedModel::sum_tied_gradients() {
+  for (auto& tied : tied_) {
+    if (!tied.parameter.grad().defined()) tied.parameter.mutable_grad() = at::zeros_like(tied.parameter);
+    tied.holders->all_reduce_sum(tied.parameter.mutable_grad());
+  }
+}
+
+void DistributedModel::adopt_checkpoint_partition() {
   const Config& config = runtime_->config();
   // Rank 0 chooses, so that every rank resumes from the same checkpoint even if another is being written.
   if (runtime_->rank() == 0) {
@@ -127,7 +234,7 @@ void DistributedModel::adopt_checkpoint_partition(const torch::nn::Sequential& m
                           model_signature_ + ")");
   }
   std::vector<std::string> names;
-  for (const auto& child : model->named_children()) names.push_back(child.key());
+  for (const auto& node : model_.nodes()) names.push_back(node.name);
   if (names != manifest.module_names) throw CheckpointError(directory + ": the model's modules differ from the checkpoint's");
   plan_.stage_of_module = manifest.stage_of_module;
   resumed_from_ = FoundCheckpoint{directory, std::move(manifest)};
@@ -205,16 +312,8 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
   data.loss = loss;
 
   StageCallbacks callbacks;
-  callbacks.forward = [this](int stage, const std::vector<at::Tensor>& stage_inputs) {
-    try {
-      return std::vector<at::Tensor>{stages_.at(stage).modules->forward(stage_inputs.at(0))};
-    } catch (const c10::Error& error) {
-      // A model that does not fit its data fails inside LibTorch; say where, without the C++ backtrace.
-      const auto members = plan_.modules_of_stage(stage);
-      throw ModelError("step " + std::to_string(step_) + ", stage " + std::to_string(stage) + " (modules " +
-                       plan_.modules[members.front()].name + ".." + plan_.modules[members.back()].name + "), input " +
-                       c10::str(stage_inputs.at(0).sizes()) + ": " + comm::brief_message(error));
-    }
+  callbacks.forward = [this](int stage, const at::Tensor& model_input, const TensorsByStage& from_producers) {
+    return run_stage(stage, model_input, from_producers);
   };
   callbacks.parameters = [this](int stage) { return stages_.at(stage).parameters; };
 
@@ -222,6 +321,7 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
   at::Tensor loss_total;
   try {
     stats = executor_->run(callbacks, data);
+    sum_tied_gradients();
     average_gradients_over_replicas();
     // One world all-reduce: slot 0 sums the last stages' losses (every rank learns the mean over replicas),
     // slot 1 + r is set by rank r when its gradients are not finite.

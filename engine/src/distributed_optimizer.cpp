@@ -26,7 +26,7 @@ void DistributedOptimizer::step() {
 
 double DistributedOptimizer::clip_grad_norm(double max_norm) {
   at::Tensor squares = at::zeros({1}, at::kDouble);
-  for (const auto& parameter : model_.parameters()) {
+  for (const auto& parameter : model_.norm_parameters()) {
     if (parameter.grad().defined()) squares += parameter.grad().to(at::kDouble).pow(2).sum();
   }
   // Replicas hold identical averaged gradients, so the pipeline group alone sees the whole model.

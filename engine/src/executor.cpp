@@ -35,13 +35,14 @@ double now_us() {
 }
 
 struct Stash {
-  std::vector<at::Tensor> inputs;   // leaves whose gradients are sent back
-  std::vector<at::Tensor> outputs;  // graph roots for backward (empty while a checkpointed stage waits)
-  at::Tensor loss;                  // last stage only
-  std::map<int, std::vector<at::Tensor>> output_grads;  // by consumer stage
-  std::vector<at::Tensor> input_grads;  // from I, when backward is split
+  TensorsByStage inputs;        // by producer: leaves whose gradients are sent back
+  TensorsByStage outputs;       // by consumer: graph roots for backward (empty while a checkpointed stage waits)
+  bool outputs_ready = false;   // false after a checkpointed forward, until backward recomputes
+  at::Tensor loss;              // last stage only
+  TensorsByStage output_grads;  // by consumer
+  TensorsByStage input_grads;   // by producer, from I when backward is split
   std::vector<at::Tensor> weight_roots, weight_root_grads;  // what I leaves for W
-  bool backward_done = false;       // B, or W after I
+  bool backward_done = false;   // B, or W after I
   int gradient_sends_left = 0;
 };
 
@@ -113,18 +114,19 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
     }
   };
   auto run_forward = [&](int stage, int microbatch, Stash& entry) {
-    entry.outputs = stages.forward(stage, entry.inputs);
+    auto produced = stages.forward(stage, data.inputs.at(microbatch), entry.inputs);
+    entry.outputs = std::move(produced.to_consumers);
+    entry.outputs_ready = true;
     if (stage == last_stage_) {
-      if (entry.outputs.size() != 1) {
-        throw sched::ScheduleError("the last stage must return one output for the loss, it returned " +
-                                   std::to_string(entry.outputs.size()));
+      if (!produced.model_output.defined()) {
+        throw sched::ScheduleError("the last stage (" + std::to_string(stage) + ") did not produce the model's output");
       }
-      entry.loss = data.loss(entry.outputs[0], data.targets.at(microbatch)) / static_cast<double>(microbatches);
+      entry.loss = data.loss(produced.model_output, data.targets.at(microbatch)) / static_cast<double>(microbatches);
     }
   };
   // The roots of this stage's backward and the gradients flowing into them.
   auto backward_roots = [&](int stage, int microbatch, Stash& entry) {
-    if (entry.outputs.empty()) {  // checkpointed: rebuild the graph first
+    if (!entry.outputs_ready) {  // checkpointed: rebuild the graph first
       c10::AutoGradMode enable_grad(true);
       run_forward(stage, microbatch, entry);
     }
@@ -132,22 +134,22 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
     if (entry.loss.defined()) {
       roots.first.push_back(entry.loss);
       roots.second.push_back(at::ones_like(entry.loss));
-      return roots;
     }
-    for (std::size_t i = 0; i < entry.outputs.size(); ++i) {
-      if (!entry.outputs[i].requires_grad()) continue;
-      at::Tensor grad;
-      for (const auto& [consumer, received] : entry.output_grads) {
-        grad = grad.defined() ? grad + received.at(i) : received.at(i);
+    // A tensor sent to several consumers is a root once per consumer; autograd sums what flows into it.
+    for (const auto& [consumer, outputs] : entry.outputs) {
+      const auto& grads = entry.output_grads.at(consumer);
+      for (std::size_t i = 0; i < outputs.size(); ++i) {
+        if (!outputs[i].requires_grad()) continue;
+        roots.first.push_back(outputs[i]);
+        roots.second.push_back(grads.at(i));
       }
-      roots.first.push_back(entry.outputs[i]);
-      roots.second.push_back(grad);
     }
     return roots;
   };
   auto finish_backward = [&](int stage, int microbatch, Stash& entry) {
     entry.backward_done = true;
     entry.outputs.clear();
+    entry.outputs_ready = false;
     entry.output_grads.clear();
     entry.loss = at::Tensor();
     --stashed;
@@ -160,16 +162,17 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
     auto& entry = stash[{stage, microbatch}];
     TimelineEvent event{sched::to_string(action.kind), stage, microbatch, now_us(), 0.0};
     switch (action.kind) {
-      case ActionKind::RecvForward:
+      case ActionKind::RecvForward: {
+        auto& received = entry.inputs[action.peer_stage];
         for (auto& tensor : receive(index)) {
           // A fresh leaf: backward of this stage stops here and leaves the input gradient behind.
           tensor = tensor.detach();
           if (at::isFloatingType(tensor.scalar_type())) tensor.requires_grad_(true);
-          entry.inputs.push_back(tensor);
+          received.push_back(tensor);
         }
         break;
+      }
       case ActionKind::Forward: {
-        if (stage == 0) entry.inputs = {data.inputs.at(microbatch)};
         entry.gradient_sends_left = static_cast<int>(graph_.producers_of(stage).size());
         {
           c10::AutoGradMode grad_mode(!checkpointed_[stage]);
@@ -179,35 +182,39 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
           loss_sum += entry.loss.detach().to(at::kDouble);
           stats.has_loss = true;
         }
-        // A checkpointed stage ran without a graph: its outputs are kept only until SEND_F and its loss not at
-        // all; backward recomputes both from the inputs.
-        if (checkpointed_[stage]) entry.loss = at::Tensor();
+        // A checkpointed stage ran without a graph: its outputs are only sent on, its loss only counted; backward
+        // recomputes both from the inputs.
+        if (checkpointed_[stage]) {
+          entry.loss = at::Tensor();
+          entry.outputs_ready = false;
+        }
         stats.peak_stashed_microbatches = std::max(stats.peak_stashed_microbatches, ++stashed);
         break;
       }
       case ActionKind::SendForward: {
         std::vector<at::Tensor> payload;
-        for (const auto& output : entry.outputs) payload.push_back(output.detach());
+        for (const auto& output : entry.outputs.at(action.peer_stage)) payload.push_back(output.detach());
         send(action, std::move(payload));
-        if (checkpointed_[stage] && stage != last_stage_) entry.outputs.clear();
+        // Without a graph the outputs are worth nothing after sending: backward recomputes them.
+        if (!entry.outputs_ready) entry.outputs.erase(action.peer_stage);
         break;
       }
       case ActionKind::RecvBackward:
         entry.output_grads[action.peer_stage] = receive(index);
         break;
       case ActionKind::Backward: {
-        if (checkpointed_[stage]) entry.outputs.clear(), entry.loss = at::Tensor();
         auto [roots, grads] = backward_roots(stage, microbatch, entry);
         if (!roots.empty()) torch::autograd::backward(roots, grads);
         finish_backward(stage, microbatch, entry);
         break;
       }
       case ActionKind::BackwardInput: {
-        if (checkpointed_[stage]) entry.outputs.clear(), entry.loss = at::Tensor();
         auto [roots, grads] = backward_roots(stage, microbatch, entry);
         std::vector<at::Tensor> differentiable;
-        for (const auto& input : entry.inputs) {
-          if (input.requires_grad()) differentiable.push_back(input);
+        for (const auto& [producer, inputs] : entry.inputs) {
+          for (const auto& input : inputs) {
+            if (input.requires_grad()) differentiable.push_back(input);
+          }
         }
         entry.input_grads.clear();
         if (!roots.empty() && !differentiable.empty()) {
@@ -215,9 +222,11 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
           auto grads_of_inputs = torch::autograd::grad(roots, differentiable, grads, /*retain_graph=*/true,
                                                        /*create_graph=*/false, /*allow_unused=*/true);
           std::size_t next = 0;
-          for (const auto& input : entry.inputs) {
-            at::Tensor grad = input.requires_grad() ? grads_of_inputs[next++] : at::Tensor();
-            entry.input_grads.push_back(grad.defined() ? grad : at::zeros_like(input));
+          for (const auto& [producer, inputs] : entry.inputs) {
+            for (const auto& input : inputs) {
+              at::Tensor grad = input.requires_grad() ? grads_of_inputs[next++] : at::Tensor();
+              entry.input_grads[producer].push_back(grad.defined() ? grad : at::zeros_like(input));
+            }
           }
         }
         entry.weight_roots = std::move(roots);
@@ -242,9 +251,12 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
         break;
       }
       case ActionKind::SendBackward: {
-        std::vector<at::Tensor> grads = entry.input_grads;
-        if (grads.empty()) {
-          for (const auto& input : entry.inputs) {
+        std::vector<at::Tensor> grads;
+        const auto split = entry.input_grads.find(action.peer_stage);
+        if (split != entry.input_grads.end()) {
+          grads = split->second;
+        } else {
+          for (const auto& input : entry.inputs.at(action.peer_stage)) {
             grads.push_back(input.grad().defined() ? input.grad() : at::zeros_like(input));
           }
         }

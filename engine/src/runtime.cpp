@@ -76,22 +76,24 @@ Runtime::Runtime(const Config& config, const comm::LaunchInfo& launch)
   }
   // Gloo listens where the peers can reach this host: loopback for one-host jobs, else the address that routes
   // to rank 0 (GLOO_SOCKET_IFNAME, when set, overrides both).
-  const std::string bind_host = launch_.world_size == 1 || launch_.master_is_loopback()
-                                    ? "127.0.0.1"
-                                    : comm::local_address_towards(launch_.master_addr);
+  bind_host_ = launch_.world_size == 1 || launch_.master_is_loopback()
+                   ? "127.0.0.1"
+                   : comm::local_address_towards(launch_.master_addr);
   std::vector<int> everyone(launch_.world_size);
   for (int rank = 0; rank < launch_.world_size; ++rank) everyone[rank] = rank;
-  world_ = comm::make_gloo_group(store_, everyone, launch_.rank, "world", bind_host, timeout);
+  world_ = make_group(everyone, "world");
   const auto pipeline_members = topology_.pipeline_group(coordinates_.dp_rank);
-  pipeline_ = comm::make_gloo_group(store_, pipeline_members, launch_.rank,
-                                    "pipeline/" + join(pipeline_members), bind_host, timeout);
+  pipeline_ = make_group(pipeline_members, "pipeline/" + join(pipeline_members));
   const auto replica_members = topology_.data_parallel_group(coordinates_.pp_rank);
-  data_parallel_ = comm::make_gloo_group(store_, replica_members, launch_.rank,
-                                         "data_parallel/" + join(replica_members), bind_host, timeout);
+  data_parallel_ = make_group(replica_members, "data_parallel/" + join(replica_members));
   if (launch_.rank == 0) {
     log::info("config " + config_.source + ": " + config_.describe());
     log::info(topology_.describe() + " (launched by " + launch_.launcher + ")");
   }
+}
+
+std::shared_ptr<comm::Communicator> Runtime::make_group(const std::vector<int>& members, const std::string& name) {
+  return comm::make_gloo_group(store_, members, launch_.rank, name, bind_host_, timeout_of(config_));
 }
 
 void Runtime::check_job_identity(const std::string& where) {

@@ -8,11 +8,13 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 #include <torch/csrc/autograd/autograd.h>
-#include <torch/nn/modules/container/sequential.h>
+#include <map>
+#include <set>
 
 #include "smp/comm/communicator.h"
 #include "smp/config.h"
 #include "smp/errors.h"
+#include "smp/graph_model.h"
 #include "smp/partitioner/chain_split.h"
 
 namespace smp {
@@ -46,6 +48,21 @@ std::vector<int> StagePlan::modules_of_stage(int stage) const {
   return modules;
 }
 
+std::int64_t StagePlan::stage_sent_bytes(int stage) const {
+  std::int64_t bytes = 0;
+  for (int node : modules_of_stage(stage)) {
+    std::set<int> consumer_stages;
+    for (std::size_t consumer = 0; consumer < modules.size(); ++consumer) {
+      const auto& producers = modules[consumer].producers;
+      if (stage_of_module[consumer] != stage && std::find(producers.begin(), producers.end(), node) != producers.end()) {
+        consumer_stages.insert(stage_of_module[consumer]);
+      }
+    }
+    bytes += static_cast<std::int64_t>(consumer_stages.size()) * modules[node].output_bytes;
+  }
+  return bytes;
+}
+
 double StagePlan::stage_time(int stage) const {
   double total = 0.0;
   for (int i : modules_of_stage(stage)) total += modules[i].forward_s + modules[i].backward_s;
@@ -71,8 +88,7 @@ std::string StagePlan::report() const {
     std::snprintf(line, sizeof line, "\n  stage %d: modules %s..%s (%zu), params %s, est. fwd+bwd %.3f ms, sends %s",
                   stage, modules[members.front()].name.c_str(), modules[members.back()].name.c_str(), members.size(),
                   format_bytes(static_cast<double>(parameter_bytes)).c_str(), stage_time(stage) * 1e3,
-                  stage + 1 < num_stages ? format_bytes(static_cast<double>(modules[members.back()].output_bytes)).c_str()
-                                         : "-");
+                  stage + 1 < num_stages ? format_bytes(static_cast<double>(stage_sent_bytes(stage))).c_str() : "-");
     text << line;
   }
   return text.str();
@@ -87,7 +103,8 @@ std::string StagePlan::to_json() const {
                                    {"forward_s", module.forward_s},
                                    {"backward_s", module.backward_s},
                                    {"parameter_bytes", module.parameter_bytes},
-                                   {"output_bytes", module.output_bytes}});
+                                   {"output_bytes", module.output_bytes},
+                                   {"producers", module.producers}});
   }
   return document.dump();
 }
@@ -100,59 +117,69 @@ StagePlan StagePlan::from_json(const std::string& text) {
   for (const auto& module : document.at("modules")) {
     plan.modules.push_back({module.at("name").get<std::string>(), module.at("forward_s").get<double>(),
                             module.at("backward_s").get<double>(), module.at("parameter_bytes").get<std::int64_t>(),
-                            module.at("output_bytes").get<std::int64_t>()});
+                            module.at("output_bytes").get<std::int64_t>(),
+                            module.at("producers").get<std::vector<int>>()});
   }
   return plan;
 }
 
-std::vector<ModuleProfile> profile_chain(torch::nn::SequentialImpl& model, const at::Tensor& sample, int repeats) {
+std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tensor& sample, int repeats) {
   std::vector<ModuleProfile> profiles;
-  const auto children = model.named_children();
-  at::Tensor input = sample;
-  std::size_t index = 0;
-  for (auto& module : model) {
+  std::map<std::string, at::Tensor> values{{model.input_name(), sample}};
+  std::set<const void*> counted;  // a tied parameter's bytes count once, at its first node
+  for (const auto& node : model.nodes()) {
     ModuleProfile profile;
-    profile.name = children[index].key();
-    for (const auto& parameter : children[index].value()->parameters()) {
-      profile.parameter_bytes += parameter.numel() * static_cast<std::int64_t>(parameter.element_size());
+    profile.name = node.name;
+    for (const auto& input : node.inputs) {
+      if (input != model.input_name()) profile.producers.push_back(model.index_of(input));
     }
-    ++index;
+    for (const auto& parameter : node.module->parameters()) {
+      if (counted.insert(parameter.unsafeGetTensorImpl()).second) {
+        profile.parameter_bytes += parameter.numel() * static_cast<std::int64_t>(parameter.element_size());
+      }
+    }
     std::vector<double> forward_times, backward_times;
     at::Tensor output;
     // One extra, untimed round first: first calls pay for allocations and lazy initialisation.
     for (int repeat = -1; repeat < repeats; ++repeat) {
-      at::Tensor leaf = input.detach();
-      if (at::isFloatingType(leaf.scalar_type())) leaf.requires_grad_(true);
+      std::vector<at::Tensor> arguments;
+      for (const auto& input : node.inputs) {
+        at::Tensor leaf = values.at(input).detach();
+        if (at::isFloatingType(leaf.scalar_type())) leaf.requires_grad_(true);
+        arguments.push_back(leaf);
+      }
       auto start = std::chrono::steady_clock::now();
       double forward_s = 0, backward_s = 0;
       try {
-        output = module.forward<at::Tensor>(leaf);
+        output = node.forward(arguments);
         forward_s = seconds_since(start);
         start = std::chrono::steady_clock::now();
         if (output.requires_grad()) torch::autograd::backward({output}, {at::ones_like(output)});
         backward_s = seconds_since(start);
       } catch (const c10::Error& error) {
-        throw ModelError("module \"" + profile.name + "\" fails on the sample microbatch (input " +
-                         c10::str(leaf.sizes()) + "): " + comm::brief_message(error));
+        std::string shapes;
+        for (const auto& argument : arguments) shapes += (shapes.empty() ? "" : ", ") + c10::str(argument.sizes());
+        throw ModelError("module \"" + profile.name + "\" fails on the sample microbatch (input " + shapes +
+                         "): " + comm::brief_message(error));
       }
       if (repeat < 0) continue;
       forward_times.push_back(forward_s);
       backward_times.push_back(backward_s);
     }
     // The profile must leave no trace in the training state.
-    for (const auto& parameter : model.parameters()) {
+    for (const auto& parameter : node.module->parameters()) {
       if (parameter.grad().defined()) parameter.mutable_grad() = at::Tensor();
     }
     profile.forward_s = median(forward_times);
     profile.backward_s = median(backward_times);
     profile.output_bytes = output.numel() * static_cast<std::int64_t>(output.element_size());
     profiles.push_back(profile);
-    input = output.detach();
+    values[node.name] = output.detach();
   }
   return profiles;
 }
 
-StagePlan plan_chain(std::vector<ModuleProfile> modules, const Config& config) {
+StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config) {
   const int num_modules = static_cast<int>(modules.size());
   std::vector<int> pinned(num_modules, config.auto_partition ? -1 : config.default_partition);
   for (const auto& [path, stage] : config.partition_overrides) {
@@ -165,8 +192,20 @@ StagePlan plan_chain(std::vector<ModuleProfile> modules, const Config& config) {
     }
     pinned[found - modules.begin()] = stage;
   }
+  // Nodes are in a topological order, so contiguous stages along it only ever feed later stages. Each node's
+  // cost mixes its share of the time with its share of the memory (parameters, gradients and two optimizer
+  // moments: 4x the parameter bytes), weighted by memory_weight as SMP does.
+  double total_time = 0, total_memory = 0;
+  for (const auto& module : modules) {
+    total_time += module.forward_s + module.backward_s;
+    total_memory += 4.0 * static_cast<double>(module.parameter_bytes);
+  }
   std::vector<double> costs;
-  for (const auto& module : modules) costs.push_back(module.forward_s + module.backward_s);
+  for (const auto& module : modules) {
+    const double time_share = total_time > 0 ? (module.forward_s + module.backward_s) / total_time : 0.0;
+    const double memory_share = total_memory > 0 ? 4.0 * static_cast<double>(module.parameter_bytes) / total_memory : 0.0;
+    costs.push_back((1.0 - config.memory_weight) * time_share + config.memory_weight * memory_share);
+  }
   StagePlan plan;
   try {
     plan.stage_of_module = part::split_chain_min_bottleneck(costs, config.num_stages(), pinned).stage_of_node;

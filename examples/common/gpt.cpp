@@ -20,6 +20,8 @@ class TokenEmbeddingImpl : public torch::nn::Module {
       : tokens_(register_module("tokens", torch::nn::Embedding(options.vocab_size, options.d_model))),
         positions_(register_module("positions", torch::nn::Embedding(options.context, options.d_model))) {}
 
+  const at::Tensor& token_weight() const { return tokens_->weight; }
+
   at::Tensor forward(const at::Tensor& token_ids) {
     const auto length = token_ids.size(1);
     if (length > positions_->weight.size(0)) {
@@ -68,15 +70,21 @@ TORCH_MODULE(TransformerBlock);
 
 class LanguageModelHeadImpl : public torch::nn::Module {
  public:
-  explicit LanguageModelHeadImpl(const GptOptions& options)
-      : norm_(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({options.d_model})))),
-        output_(register_module("output", torch::nn::Linear(torch::nn::LinearOptions(options.d_model, options.vocab_size).bias(false)))) {}
+  // `tied_weight`, when defined, is the token embedding matrix [vocab, d_model], used as the output projection.
+  LanguageModelHeadImpl(const GptOptions& options, const at::Tensor& tied_weight)
+      : norm_(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({options.d_model})))) {
+    output_weight_ = tied_weight.defined()
+                         ? register_parameter("output_weight", tied_weight)
+                         : register_parameter("output_weight", torch::nn::Linear(torch::nn::LinearOptions(
+                                                                   options.d_model, options.vocab_size).bias(false))
+                                                                   ->weight.detach());
+  }
 
-  at::Tensor forward(const at::Tensor& x) { return output_->forward(norm_->forward(x)); }
+  at::Tensor forward(const at::Tensor& x) { return at::linear(norm_->forward(x), output_weight_); }
 
  private:
   torch::nn::LayerNorm norm_;
-  torch::nn::Linear output_;
+  at::Tensor output_weight_;
 };
 TORCH_MODULE(LanguageModelHead);
 
@@ -87,11 +95,17 @@ GptOptions gpt_options_from_section(const std::string& json_text, const std::str
   const auto section = nlohmann::json::parse(json_text.empty() ? "{}" : json_text);
   if (section.is_null()) return options;
   if (!section.is_object()) throw ConfigError(source + ": key \"model\": expected an object");
+  if (section.contains("tie_embeddings")) {
+    if (!section["tie_embeddings"].is_boolean()) {
+      throw ConfigError(source + ": key \"model.tie_embeddings\": expected true or false");
+    }
+    options.tie_embeddings = section["tie_embeddings"].get<bool>();
+  }
   const std::pair<const char*, int64_t*> keys[] = {{"vocab_size", &options.vocab_size}, {"context", &options.context},
                                                    {"d_model", &options.d_model},       {"heads", &options.heads},
                                                    {"layers", &options.layers}};
   for (auto it = section.begin(); it != section.end(); ++it) {
-    bool known = false;
+    bool known = it.key() == "tie_embeddings";
     for (const auto& [name, target] : keys) {
       if (it.key() != name) continue;
       known = true;
@@ -110,13 +124,17 @@ GptOptions gpt_options_from_section(const std::string& json_text, const std::str
   return options;
 }
 
-torch::nn::Sequential make_gpt(const GptOptions& options) {
-  torch::nn::Sequential model;
-  model->push_back("embed", TokenEmbedding(options));
+smp::GraphModel make_gpt(const GptOptions& options) {
+  smp::GraphModel model("tokens");
+  TokenEmbedding embed(options);
+  model.add("embed", embed, {"tokens"});
+  std::string previous = "embed";
   for (int64_t layer = 0; layer < options.layers; ++layer) {
-    model->push_back("block" + std::to_string(layer), TransformerBlock(options));
+    const std::string name = "block" + std::to_string(layer);
+    model.add(name, TransformerBlock(options), {previous});
+    previous = name;
   }
-  model->push_back("head", LanguageModelHead(options));
+  model.add("head", LanguageModelHead(options, options.tie_embeddings ? embed->token_weight() : at::Tensor()), {previous});
   return model;
 }
 

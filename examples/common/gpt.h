@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string>
 
-#include <torch/nn/modules/container/sequential.h>
+#include "smp/graph_model.h"
 
 namespace smp::examples {
 
@@ -15,14 +15,16 @@ struct GptOptions {
   int64_t d_model = 64;
   int64_t heads = 4;
   int64_t layers = 6;
+  bool tie_embeddings = true;  // the LM head reuses the token embedding matrix, as GPT-2 does
 };
 
 // Reads the "model" section of a config, given as JSON text (unknown keys and bad values are errors naming the key).
 GptOptions gpt_options_from_section(const std::string& json_text, const std::string& source);
 
-// Modules: "embed", "block0".."block{layers-1}", "head". Initialisation draws from torch's global generator:
-// seed it identically on every rank.
-torch::nn::Sequential make_gpt(const GptOptions& options);
+// Nodes: "embed", "block0".."block{layers-1}", "head", a chain; with tie_embeddings the head's weight is the
+// embedding's (a parameter shared across whatever stages hold the two). Initialisation draws from torch's
+// global generator: seed it identically on every rank.
+smp::GraphModel make_gpt(const GptOptions& options);
 
 // Mean cross-entropy of logits [B, T, V] against targets [B, T].
 at::Tensor gpt_loss(const at::Tensor& logits, const at::Tensor& targets);

@@ -1,6 +1,6 @@
 #pragma once
-// smp::DistributedModel: wraps a chain model, keeps on this rank only its pipeline stage's modules, and runs
-// training steps across the pipeline and the data-parallel replicas.
+// smp::DistributedModel: wraps a model (a GraphModel, or a Sequential chain), keeps on this rank only the modules
+// of its pipeline stages, and runs training steps across the pipeline and the data-parallel replicas.
 
 #include <map>
 #include <memory>
@@ -19,6 +19,7 @@
 #include "smp/checkpoint_manifest.h"
 #include "smp/errors.h"
 #include "smp/executor.h"
+#include "smp/graph_model.h"
 #include "smp/runtime.h"
 #include "smp/stage_plan.h"
 
@@ -34,9 +35,10 @@ struct StepOutput {
 class DistributedModel {
  public:
   // Every rank must build `model` the same way (same seed) so that each stage starts from the weights
-  // single-process training would have. `sample_input` is one microbatch of first-stage input: rank 0 profiles
-  // the modules on it and publishes the partition, so that all ranks agree.
-  DistributedModel(std::shared_ptr<Runtime> runtime, torch::nn::Sequential model, const at::Tensor& sample_input);
+  // single-process training would have. `sample_input` is one microbatch of model input: rank 0 profiles the
+  // modules on it and publishes the partition, so that all ranks agree.
+  DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const at::Tensor& sample_input);
+  DistributedModel(std::shared_ptr<Runtime> runtime, const torch::nn::Sequential& model, const at::Tensor& sample_input);
 
   // One step on this replica's share of the global batch (Runtime::replica_slice): split into microbatches,
   // run the pipeline schedule, average gradients over replicas. Gradients accumulate into .grad (clear them
@@ -54,9 +56,13 @@ class DistributedModel {
   const std::string& model_signature() const { return model_signature_; }
   bool last_step_skipped() const { return last_step_skipped_; }
 
-  // This rank's parameters, named as in the full model (e.g. "3.weight").
+  // This rank's parameters, named as in the full model (e.g. "3.weight"); a tied parameter is named after its
+  // first node (GraphModel::named_parameters) on every rank that holds it.
   const std::vector<std::pair<std::string, at::Tensor>>& named_parameters() const { return named_parameters_; }
   std::vector<at::Tensor> parameters() const;
+  // The parameters that count toward the whole model's gradient norm here: a tied parameter counts only on the
+  // rank of its first node, though every holder keeps (and updates) an identical copy.
+  const std::vector<at::Tensor>& norm_parameters() const { return norm_parameters_; }
   const StagePlan& plan() const { return plan_; }
   int stage() const { return runtime_->pp_rank(); }  // this rank's pipeline position
   std::vector<int> stages() const;  // the model stages this rank runs (several with virtual stages)
@@ -65,20 +71,32 @@ class DistributedModel {
 
  private:
   struct LocalStage {
-    torch::nn::Sequential modules{nullptr};
+    std::vector<int> nodes;  // in the model's (topological) order
     std::vector<at::Tensor> parameters;
   };
+  struct TiedParameter {
+    at::Tensor parameter;
+    std::shared_ptr<comm::Communicator> holders;  // this replica's ranks that hold a copy
+  };
 
+  StageOutputs run_stage(int stage, const at::Tensor& model_input, const TensorsByStage& from_producers);
+  void build_stages(const sched::Schedule& schedule);
+  void sum_tied_gradients();
   void average_gradients_over_replicas();
   void write_timeline(const std::vector<TimelineEvent>& events);
-  void adopt_checkpoint_partition(const torch::nn::Sequential& model);
+  void adopt_checkpoint_partition();
   bool local_gradients_finite() const;
 
   std::shared_ptr<Runtime> runtime_;
+  GraphModel model_;
   StagePlan plan_;
   sched::StageGraph graph_;
   std::map<int, LocalStage> stages_;  // by stage index
+  // Tensor names that stage `first` sends to stage `second`, in node order.
+  std::map<std::pair<int, int>, std::vector<std::string>> transfers_;
   std::vector<std::pair<std::string, at::Tensor>> named_parameters_;
+  std::vector<at::Tensor> norm_parameters_;
+  std::vector<TiedParameter> tied_;
   std::unique_ptr<PipelineExecutor> executor_;
   long long step_ = 0;  // steps run so far, for error messages
   std::string exchange_;  // prefix of this model's store keys

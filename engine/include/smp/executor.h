@@ -3,6 +3,7 @@
 // It owns the per-microbatch activation stash and the action timeline; what a stage computes is a callback.
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -16,8 +17,18 @@ namespace smp {
 
 using LossFunction = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
 
+// Tensors exchanged between stages, keyed by the stage at the other end.
+using TensorsByStage = std::map<int, std::vector<at::Tensor>>;
+
+struct StageOutputs {
+  TensorsByStage to_consumers;  // what each consumer stage receives
+  at::Tensor model_output;      // set by the stage that holds the model's output (the last stage)
+};
+
 struct StageCallbacks {
-  std::function<std::vector<at::Tensor>(int stage, const std::vector<at::Tensor>& inputs)> forward;
+  // Runs `stage` on the tensors received from each producer stage and, where the stage reads it, the model's
+  // input for this microbatch.
+  std::function<StageOutputs(int stage, const at::Tensor& model_input, const TensorsByStage& from_producers)> forward;
   std::function<std::vector<at::Tensor>(int stage)> parameters;  // what W (weight gradients) differentiates
 };
 

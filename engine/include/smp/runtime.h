@@ -39,6 +39,9 @@ class Runtime {
   comm::Communicator& pipeline() { return *pipeline_; }  // group rank == pp_rank
   comm::Communicator& data_parallel() { return *data_parallel_; }  // group rank == dp_rank
 
+  // A Gloo group of `members` (global ranks); only the members call it, with the same arguments.
+  std::shared_ptr<comm::Communicator> make_group(const std::vector<int>& members, const std::string& name);
+
   // A number that every rank draws in the same order, to keep the keys of repeated exchanges apart (e.g. two
   // models built by one job).
   int next_exchange() { return exchanges_++; }
@@ -64,6 +67,7 @@ class Runtime {
   std::shared_ptr<comm::Communicator> pipeline_;
   std::shared_ptr<comm::Communicator> data_parallel_;
   int exchanges_ = 0;
+  std::string bind_host_;
 };
 
 }  // namespace smp

@@ -7,20 +7,18 @@
 
 #include <ATen/core/Tensor.h>
 
-namespace torch::nn {
-class SequentialImpl;
-}
-
 namespace smp {
 
 struct Config;
+class GraphModel;
 
 struct ModuleProfile {
   std::string name;              // path in the model, e.g. "3" or "blocks.3"
   double forward_s = 0.0;        // median over repeats, on the trial microbatch
   double backward_s = 0.0;
   std::int64_t parameter_bytes = 0;
-  std::int64_t output_bytes = 0;  // what crosses to the next module (and to the next stage if cut here)
+  std::int64_t output_bytes = 0;  // what crosses to a consumer on another stage, if cut there
+  std::vector<int> producers;      // nodes whose outputs this one reads (the model input is not a node)
 };
 
 struct StagePlan {
@@ -30,19 +28,22 @@ struct StagePlan {
 
   std::vector<int> modules_of_stage(int stage) const;
   double stage_time(int stage) const;
+  std::int64_t stage_sent_bytes(int stage) const;  // outputs read by later stages, once per consumer stage
   // A table per stage: modules, parameters, estimated time, bytes sent on, and the imbalance.
   std::string report() const;
   std::string to_json() const;
   static StagePlan from_json(const std::string& text);
 };
 
-// Measures every module of `model` on `sample` (one microbatch of first-stage input): forward and backward
-// time (median of `repeats`), parameter and output bytes.
-std::vector<ModuleProfile> profile_chain(torch::nn::SequentialImpl& model, const at::Tensor& sample, int repeats = 3);
+// Measures every node of `model` on `sample` (one microbatch of model input): forward and backward time
+// (median of `repeats` after a warm-up), parameter bytes (a tied parameter counts at its first node) and output
+// bytes. Throws ModelError naming the node that fails on the sample.
+std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tensor& sample, int repeats = 3);
 
-// Splits a profiled chain into config.num_stages() stages: balanced by forward + backward time when
-// auto_partition is true, else every module on default_partition; partition_overrides pin modules in both
-// modes. Throws ConfigError naming the modules when the request cannot be met.
-StagePlan plan_chain(std::vector<ModuleProfile> modules, const Config& config);
+// Splits a profiled graph into config.num_stages() stages, each stage only feeding later ones: balanced by
+// forward + backward time mixed with memory by memory_weight when auto_partition is true, else every module on
+// default_partition; partition_overrides pin modules in both modes. Throws ConfigError naming the modules when
+// the request cannot be met.
+StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config);
 
 }  // namespace smp

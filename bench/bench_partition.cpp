@@ -1,0 +1,113 @@
+// Graph partition search against its yardsticks and baselines. For every generator, size and stage count it
+// prints the bottleneck of partition_graph, of the uniform split and of DeepSpeed's "parameters" split, each
+// divided by a reference bottleneck, and partition_graph's time:
+//   exact       chains without communication: chain_split's O(k n^2) dynamic program on the blended node costs
+//   exhaustive  graphs of at most 12 nodes: every acyclic assignment
+//   best        otherwise (large DAGs, chains with communication): the best of the three, not a proven optimum
+// Torch-free; run from the build: bin/bench_partition.
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "smp/partitioner/chain_split.h"
+#include "smp/partitioner/graph_generators.h"
+#include "smp/partitioner/graph_partition.h"
+
+using namespace smp::part;
+
+namespace {
+
+constexpr double kMemoryWeight = 0.2;         // SMP's default ("optimize": "speed")
+constexpr double kBandwidthBytesPerS = 10e9;  // a fast inter-node link; tensors here are a few MiB
+constexpr int kMaxExhaustiveNodes = 12;
+constexpr double kRelativeTolerance = 1e-9;
+const std::vector<int> kStageCounts = {2, 4, 8, 16, 32, 64};
+
+struct Case {
+  std::string generator;
+  bool is_chain;
+  ModuleGraph graph;
+};
+
+// Sizes near 12 (exhaustive), 100, 1,000 and 10,000 nodes.
+std::vector<Case> cases() {
+  std::vector<Case> all;
+  for (int nodes : {12, 100, 1000, 10000}) {
+    all.push_back({"uniform_chain", true, uniform_chain(nodes)});
+    all.push_back({"random_chain", true, random_chain(nodes, 7)});
+    all.push_back({"transformer_chain", true, transformer_chain(nodes - 2)});
+    all.push_back({"resnet_like", false, resnet_like((nodes - 2) / 3)});
+    all.push_back({"unet_like", false, unet_like((nodes - 2) / 2)});
+    all.push_back({"random_dag", false, random_dag(nodes, 7)});
+  }
+  return all;
+}
+
+// The objective is additive along a chain when sends are free, so chain_split on the blended per-node costs is
+// its exact optimum (see the cost in graph_partition.h).
+double exact_chain_bottleneck(const ModuleGraph& graph, const GraphPartitionOptions& options) {
+  double total_compute = 0, total_memory = 0;
+  for (const GraphNode& node : graph.nodes) total_compute += node.compute_s, total_memory += node.memory_bytes;
+  std::vector<double> blended;
+  for (const GraphNode& node : graph.nodes) {
+    blended.push_back(options.num_stages * ((1 - options.memory_weight) * node.compute_s / total_compute +
+                                            options.memory_weight * node.memory_bytes / total_memory));
+  }
+  return split_chain_min_bottleneck(blended, options.num_stages).bottleneck;
+}
+
+}  // namespace
+
+int main() {
+  std::printf("%-10s %-18s %6s %6s %-10s %9s %9s %9s %10s\n", "bandwidth", "graph", "nodes", "stages",
+              "reference", "ours", "uniform", "params", "ours ms");
+  double worst_chain_ratio = 1, worst_small_dag_ratio = 1, slowest_10k_ms = 0;
+  int rows = 0, worse_than_baseline = 0;
+  for (double bandwidth : {0.0, kBandwidthBytesPerS}) {
+    for (const Case& c : cases()) {
+      const int num_nodes = static_cast<int>(c.graph.nodes.size());
+      for (int num_stages : kStageCounts) {
+        if (num_stages > num_nodes) continue;
+        GraphPartitionOptions options;
+        options.num_stages = num_stages;
+        options.memory_weight = kMemoryWeight;
+        options.bandwidth_bytes_per_s = bandwidth;
+
+        const auto start = std::chrono::steady_clock::now();
+        const double ours = partition_graph(c.graph, options).bottleneck;
+        const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+        const double uniform = partition_uniform(c.graph, options).bottleneck;
+        const double by_parameters = partition_by_parameters(c.graph, options).bottleneck;
+
+        std::string reference_kind;
+        double reference;
+        if (c.is_chain && bandwidth == 0) {
+          reference_kind = "exact", reference = exact_chain_bottleneck(c.graph, options);
+        } else if (num_nodes <= kMaxExhaustiveNodes) {
+          reference_kind = "exhaustive", reference = optimal_partition_exhaustive(c.graph, options).bottleneck;
+        } else {
+          reference_kind = "best", reference = std::min({ours, uniform, by_parameters});
+        }
+        const double ratio = ours / reference;
+        if (reference_kind == "exact") worst_chain_ratio = std::max(worst_chain_ratio, ratio);
+        if (reference_kind == "exhaustive" && !c.is_chain) worst_small_dag_ratio = std::max(worst_small_dag_ratio, ratio);
+        if (num_nodes >= 10000) slowest_10k_ms = std::max(slowest_10k_ms, ms);
+        const bool worse = ours > std::min(uniform, by_parameters) * (1 + kRelativeTolerance);
+        worse_than_baseline += worse ? 1 : 0;
+        ++rows;
+        std::printf("%-10s %-18s %6d %6d %-10s %9.4f %9.4f %9.4f %10.2f%s\n",
+                    bandwidth == 0 ? "free" : "10 GB/s", c.generator.c_str(), num_nodes, num_stages,
+                    reference_kind.c_str(), ratio, uniform / reference, by_parameters / reference, ms,
+                    worse ? "  <- worse than a baseline" : "");
+      }
+    }
+  }
+  std::printf(
+      "\nsummary: %d cases; worst ours/optimum on chains (exact) %.6f; worst ours/optimum on small DAGs (exhaustive) "
+      "%.4f; ours worse than a baseline in %d cases; slowest partition_graph at 10,000 nodes %.1f ms\n",
+      rows, worst_chain_ratio, worst_small_dag_ratio, worse_than_baseline, slowest_10k_ms);
+  return 0;
+}

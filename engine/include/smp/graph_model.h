@@ -1,0 +1,79 @@
+#pragma once
+// A model as a DAG of modules with named tensors between them: residual connections, branches, several
+// consumers of one tensor, and parameters shared between modules (a tied embedding and LM head). A
+// torch::nn::Sequential is the trivial case (from_sequential).
+//
+//   smp::GraphModel graph("tokens");
+//   graph.add("embed", Embedding(...), {"tokens"});
+//   graph.add("block0", Block(...), {"embed"});
+//   graph.add("mix", Add(), {"block0", "embed"});   // a residual around block0
+//   graph.add("head", Head(...), {"mix"});            // the last node is the model's output
+//
+// Node names double as the names of their output tensors; every node reads named tensors produced earlier
+// (or the model input), so the nodes are always in a topological order.
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/container/sequential.h>
+
+namespace smp {
+
+class GraphModel {
+ public:
+  using Forward = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
+
+  struct Node {
+    std::string name;
+    std::shared_ptr<torch::nn::Module> module;
+    Forward forward;
+    std::vector<std::string> inputs;  // tensor names: the model input or earlier nodes
+  };
+
+  explicit GraphModel(std::string input_name = "input");
+
+  // Adds a module whose forward takes one tensor per name in `inputs` (1 to 3) and returns one tensor.
+  template <typename ModuleHolder>
+  GraphModel& add(const std::string& name, ModuleHolder module, std::vector<std::string> inputs) {
+    Forward forward = any_forward(torch::nn::AnyModule(module), name, inputs.size());
+    return add(name, module.ptr(), std::move(forward), std::move(inputs));
+  }
+  // Adds a node with an explicit forward function over the module (any signature the function adapts).
+  GraphModel& add(const std::string& name, std::shared_ptr<torch::nn::Module> module, Forward forward,
+                  std::vector<std::string> inputs);
+
+  static GraphModel from_sequential(const torch::nn::Sequential& model, std::string input_name = "input");
+
+  const std::string& input_name() const { return input_name_; }
+  const std::vector<Node>& nodes() const { return nodes_; }
+  int index_of(const std::string& node) const;  // -1 when absent
+
+  // The whole graph in one process, as plain LibTorch would run it: the reference the pipeline must match.
+  at::Tensor forward(const at::Tensor& input) const;
+
+  // Every parameter once, named "<node>.<parameter>" after the first node (in node order) that holds it: a
+  // parameter shared by several nodes (tied) has one name, the same on every rank.
+  std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
+  // Groups of node indices that share a parameter, with that parameter's name (for ties across stages).
+  struct Tie {
+    std::string parameter;
+    std::vector<int> nodes;
+  };
+  std::vector<Tie> ties() const;
+
+ private:
+  static Forward any_forward(torch::nn::AnyModule module, const std::string& name, std::size_t arity);
+
+  std::string input_name_;
+  std::vector<Node> nodes_;
+  std::map<std::string, int> index_;
+};
+
+}  // namespace smp

@@ -1,0 +1,115 @@
+#include "smp/graph_model.h"
+
+#include <set>
+
+#include <ATen/ATen.h>
+
+#include "smp/config.h"
+
+namespace smp {
+
+GraphModel::GraphModel(std::string input_name) : input_name_(std::move(input_name)) {
+  if (input_name_.empty()) throw ConfigError("GraphModel: the model input needs a name");
+}
+
+GraphModel::Forward GraphModel::any_forward(torch::nn::AnyModule module, const std::string& name, std::size_t arity) {
+  if (arity < 1 || arity > 3) {
+    throw ConfigError("GraphModel node \"" + name + "\": " + std::to_string(arity) +
+                      " inputs; add() with a module takes 1 to 3 (pass a forward function for more)");
+  }
+  auto shared = std::make_shared<torch::nn::AnyModule>(std::move(module));
+  return [shared, arity](const std::vector<at::Tensor>& in) -> at::Tensor {
+    switch (arity) {
+      case 1: return shared->forward<at::Tensor>(in[0]);
+      case 2: return shared->forward<at::Tensor>(in[0], in[1]);
+      default: return shared->forward<at::Tensor>(in[0], in[1], in[2]);
+    }
+  };
+}
+
+GraphModel& GraphModel::add(const std::string& name, std::shared_ptr<torch::nn::Module> module, Forward forward,
+                            std::vector<std::string> inputs) {
+  if (name.empty() || name == input_name_ || index_.count(name)) {
+    throw ConfigError("GraphModel: node name \"" + name + "\" is empty, taken, or the input's name");
+  }
+  if (name.find('.') != std::string::npos) {
+    throw ConfigError("GraphModel: node name \"" + name + "\" contains '.', which separates parameter names");
+  }
+  for (const auto& input : inputs) {
+    if (input != input_name_ && !index_.count(input)) {
+      throw ConfigError("GraphModel node \"" + name + "\" reads \"" + input +
+                        "\", which is neither the model input nor an earlier node");
+    }
+  }
+  index_[name] = static_cast<int>(nodes_.size());
+  nodes_.push_back({name, std::move(module), std::move(forward), std::move(inputs)});
+  return *this;
+}
+
+GraphModel GraphModel::from_sequential(const torch::nn::Sequential& model, std::string input_name) {
+  GraphModel graph(std::move(input_name));
+  const auto children = model->named_children();
+  std::string previous = graph.input_name_;
+  std::size_t index = 0;
+  for (const auto& module : *model) {
+    const std::string& name = children[index++].key();
+    torch::nn::AnyModule any = module;
+    graph.add(name, module.ptr(), any_forward(any, name, 1), {previous});
+    previous = name;
+  }
+  return graph;
+}
+
+int GraphModel::index_of(const std::string& node) const {
+  const auto found = index_.find(node);
+  return found == index_.end() ? -1 : found->second;
+}
+
+at::Tensor GraphModel::forward(const at::Tensor& input) const {
+  if (nodes_.empty()) throw ConfigError("GraphModel: no nodes");
+  std::map<std::string, at::Tensor> values{{input_name_, input}};
+  for (const auto& node : nodes_) {
+    std::vector<at::Tensor> arguments;
+    for (const auto& name : node.inputs) arguments.push_back(values.at(name));
+    values[node.name] = node.forward(arguments);
+  }
+  return values.at(nodes_.back().name);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> GraphModel::named_parameters() const {
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  std::set<const void*> seen;
+  for (const auto& node : nodes_) {
+    for (const auto& parameter : node.module->named_parameters()) {
+      if (seen.insert(parameter.value().unsafeGetTensorImpl()).second) {
+        named.emplace_back(node.name + "." + parameter.key(), parameter.value());
+      }
+    }
+  }
+  return named;
+}
+
+std::vector<GraphModel::Tie> GraphModel::ties() const {
+  std::map<const void*, Tie> by_tensor;
+  std::vector<const void*> order;
+  for (std::size_t i = 0; i < nodes_.size(); ++i) {
+    for (const auto& parameter : nodes_[i].module->named_parameters()) {
+      const void* key = parameter.value().unsafeGetTensorImpl();
+      auto [entry, created] = by_tensor.try_emplace(key);
+      if (created) {
+        entry->second.parameter = nodes_[i].name + "." + parameter.key();
+        order.push_back(key);
+      }
+      if (entry->second.nodes.empty() || entry->second.nodes.back() != static_cast<int>(i)) {
+        entry->second.nodes.push_back(static_cast<int>(i));
+      }
+    }
+  }
+  std::vector<Tie> ties;
+  for (const void* key : order) {
+    if (by_tensor[key].nodes.size() > 1) ties.push_back(by_tensor[key]);
+  }
+  return ties;
+}
+
+}  // namespace smp

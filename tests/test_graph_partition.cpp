@@ -1,0 +1,368 @@
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "smp/partitioner/chain_split.h"
+#include "smp/partitioner/graph_generators.h"
+#include "smp/partitioner/graph_partition.h"
+
+using namespace smp::part;
+using Catch::Matchers::Contains;
+
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+constexpr double kRelativeTolerance = 1e-9;
+
+// Tensors of a few MiB cost a noticeable fraction of a millisecond-scale stage at 10 GB/s.
+constexpr double kBandwidth = 10e9;
+
+ModuleGraph chain(const std::vector<double>& compute_s, const std::vector<double>& memory_bytes,
+                  const std::vector<double>& edge_bytes) {
+  ModuleGraph graph;
+  for (std::size_t i = 0; i < compute_s.size(); ++i) {
+    graph.nodes.push_back({"layer_" + std::to_string(i), compute_s[i], memory_bytes[i], memory_bytes[i] / 4});
+    if (i > 0) graph.edges.push_back({static_cast<int>(i) - 1, static_cast<int>(i), edge_bytes[i - 1]});
+  }
+  return graph;
+}
+
+ModuleGraph named_chain(const std::vector<std::string>& names) {
+  ModuleGraph graph;
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    graph.nodes.push_back({names[i], 1e-3, 10.0, 1.0});
+    if (i > 0) graph.edges.push_back({static_cast<int>(i) - 1, static_cast<int>(i), 1.0});
+  }
+  return graph;
+}
+
+GraphPartitionOptions stages(int num_stages, double memory_weight = 0.2, double bandwidth = 0) {
+  GraphPartitionOptions options;
+  options.num_stages = num_stages;
+  options.memory_weight = memory_weight;
+  options.bandwidth_bytes_per_s = bandwidth;
+  return options;
+}
+
+double max_of(const std::vector<double>& values) { return *std::max_element(values.begin(), values.end()); }
+
+bool no_worse(double ours, double other) { return ours <= other * (1 + kRelativeTolerance); }
+
+struct NamedGraph {
+  std::string name;
+  ModuleGraph graph;
+};
+
+std::vector<NamedGraph> every_generator() {
+  return {{"uniform_chain(100)", uniform_chain(100)},  {"random_chain(100)", random_chain(100, 3)},
+          {"transformer_chain(70)", transformer_chain(70)}, {"resnet_like(40)", resnet_like(40)},
+          {"unet_like(30)", unet_like(30)},                {"random_dag(150)", random_dag(150, 5)}};
+}
+
+}  // namespace
+
+TEST_CASE("evaluate counts each output once per consuming stage and normalizes by the graph's means") {
+  // a feeds b and c; b feeds d.
+  ModuleGraph graph;
+  graph.nodes = {{"a", 1.0, 100, 0}, {"b", 2.0, 300, 0}, {"c", 1.0, 0, 0}, {"d", 4.0, 600, 0}};
+  graph.edges = {{0, 1, 10}, {0, 2, 30}, {1, 3, 5}};
+  GraphPartitionOptions options = stages(3, 0.25, 10.0);  // 10 bytes per second
+
+  const GraphPartition together = evaluate(graph, {0, 1, 1, 2}, options);
+  CHECK(together.stage_sent_bytes == std::vector<double>{30, 5, 0});  // a's output travels once, at its largest
+  const GraphPartition apart = evaluate(graph, {0, 1, 2, 2}, options);
+  CHECK(apart.stage_sent_bytes == std::vector<double>{40, 5, 0});  // once to each consuming stage
+  CHECK(apart.stage_compute_s == std::vector<double>{1, 2, 5});
+  CHECK(apart.stage_memory_bytes == std::vector<double>{100, 300, 600});
+
+  // Means over the graph: compute 8 s / 3 stages, memory 1000 bytes / 3 stages.
+  const double mean_time = 8.0 / 3, mean_memory = 1000.0 / 3;
+  CHECK(apart.stage_cost[0] == Approx(0.75 * (1 + 40 / 10.0) / mean_time + 0.25 * 100 / mean_memory));
+  CHECK(apart.stage_cost[2] == Approx(0.75 * 5 / mean_time + 0.25 * 600 / mean_memory));
+  CHECK(apart.bottleneck == Approx(max_of(apart.stage_cost)));
+
+  SECTION("a term whose total is zero drops out") {
+    for (GraphNode& node : graph.nodes) node.memory_bytes = 0;
+    const GraphPartition compute_only = evaluate(graph, {0, 1, 2, 2}, stages(3, 0.25));
+    CHECK(compute_only.stage_cost[2] == Approx(0.75 * 5 / mean_time));
+  }
+  SECTION("a stage over the memory limit is infeasible") {
+    options.memory_limit_bytes = 500;
+    CHECK(evaluate(graph, {0, 1, 2, 2}, options).bottleneck == std::numeric_limits<double>::infinity());
+  }
+}
+
+TEST_CASE("on chains partition_graph finds the exact chain split's bottleneck") {
+  std::mt19937_64 random(11);
+  std::uniform_real_distribution<double> compute(0.1e-3, 5e-3), memory(1 * kMiB, 500 * kMiB), bytes(1, 64 * kMiB);
+  for (int trial = 0; trial < 60; ++trial) {
+    const int num_stages = 1 + trial % 8;
+    const int num_nodes = num_stages + static_cast<int>(random() % 40);
+    std::vector<double> compute_s(num_nodes), memory_bytes(num_nodes), edge_bytes(num_nodes);
+    for (int i = 0; i < num_nodes; ++i) compute_s[i] = compute(random), memory_bytes[i] = memory(random);
+    for (double& b : edge_bytes) b = bytes(random);
+    const ModuleGraph graph = chain(compute_s, memory_bytes, edge_bytes);
+    INFO("trial " << trial << ": " << num_nodes << " nodes, " << num_stages << " stages");
+
+    // Compute only: the bottleneck in seconds is the chain split's.
+    const GraphPartition ours = partition_graph(graph, stages(num_stages, 0.0));
+    CHECK_NOTHROW(check_partition(graph, ours, num_stages));
+    CHECK(max_of(ours.stage_compute_s) ==
+          Approx(split_chain_min_bottleneck(compute_s, num_stages).bottleneck).epsilon(kRelativeTolerance));
+
+    // With memory balancing the objective is still additive along a chain.
+    const double total_compute = std::accumulate(compute_s.begin(), compute_s.end(), 0.0);
+    const double total_memory = std::accumulate(memory_bytes.begin(), memory_bytes.end(), 0.0);
+    std::vector<double> blended(num_nodes);
+    for (int i = 0; i < num_nodes; ++i) {
+      blended[i] = num_stages * (0.8 * compute_s[i] / total_compute + 0.2 * memory_bytes[i] / total_memory);
+    }
+    CHECK(partition_graph(graph, stages(num_stages, 0.2)).bottleneck ==
+          Approx(split_chain_min_bottleneck(blended, num_stages).bottleneck).epsilon(kRelativeTolerance));
+  }
+}
+
+TEST_CASE("on long chains partition_graph matches the exact chain split") {
+  const ModuleGraph graph = random_chain(400, 17);
+  std::vector<double> compute_s;
+  for (const GraphNode& node : graph.nodes) compute_s.push_back(node.compute_s);
+  for (int num_stages : {2, 7, 32, 64}) {
+    INFO(num_stages << " stages");
+    CHECK(max_of(partition_graph(graph, stages(num_stages, 0.0)).stage_compute_s) ==
+          Approx(split_chain_min_bottleneck(compute_s, num_stages).bottleneck).epsilon(kRelativeTolerance));
+  }
+}
+
+TEST_CASE("on chains with communication partition_graph is optimal") {
+  // A chain has no fan-out, so the contiguous split prices every send exactly.
+  for (std::uint64_t seed = 1; seed <= 30; ++seed) {
+    const ModuleGraph graph = random_chain(6 + static_cast<int>(seed % 7), seed);
+    for (int num_stages = 2; num_stages <= 4; ++num_stages) {
+      const GraphPartitionOptions options = stages(num_stages, 0.2, kBandwidth);
+      INFO("seed " << seed << ", " << num_stages << " stages");
+      CHECK(partition_graph(graph, options).bottleneck ==
+            Approx(optimal_partition_exhaustive(graph, options).bottleneck).epsilon(kRelativeTolerance));
+    }
+  }
+}
+
+TEST_CASE("on small DAGs partition_graph is near the exhaustive optimum and never worse than the baselines") {
+  double worst_ratio = 1, ratio_sum = 0;
+  int cases = 0, within_two_percent = 0;
+  for (std::uint64_t seed = 1; seed <= 40; ++seed) {
+    const ModuleGraph graph = random_dag(6 + static_cast<int>(seed % 7), 1000 + seed);
+    for (int num_stages = 2; num_stages <= 4; ++num_stages) {
+      for (double bandwidth : {0.0, kBandwidth}) {
+        const GraphPartitionOptions options = stages(num_stages, 0.2, bandwidth);
+        INFO("seed " << seed << ", " << graph.nodes.size() << " nodes, " << num_stages << " stages, bandwidth "
+                     << bandwidth);
+        const GraphPartition ours = partition_graph(graph, options);
+        const double optimum = optimal_partition_exhaustive(graph, options).bottleneck;
+        REQUIRE_NOTHROW(check_partition(graph, ours, num_stages));
+        const double ratio = ours.bottleneck / optimum;
+        REQUIRE(ratio >= 1 - kRelativeTolerance);
+        REQUIRE(ratio <= 1.10);
+        CHECK(no_worse(ours.bottleneck, partition_uniform(graph, options).bottleneck));
+        CHECK(no_worse(ours.bottleneck, partition_by_parameters(graph, options).bottleneck));
+        worst_ratio = std::max(worst_ratio, ratio);
+        ratio_sum += ratio;
+        within_two_percent += ratio <= 1.02 ? 1 : 0;
+        ++cases;
+      }
+    }
+  }
+  std::ostringstream report;
+  report << "small DAGs: " << cases << " cases, ours / exhaustive optimum: mean " << ratio_sum / cases << ", worst "
+         << worst_ratio << ", within 2%: " << within_two_percent;
+  WARN(report.str());
+}
+
+TEST_CASE("every generator and stage count gives an acyclic partition with non-empty stages") {
+  for (const NamedGraph& generated : every_generator()) {
+    const int num_nodes = static_cast<int>(generated.graph.nodes.size());
+    for (int num_stages = 2; num_stages <= std::min(64, num_nodes); ++num_stages) {
+      for (double bandwidth : {0.0, kBandwidth}) {
+        INFO(generated.name << ", " << num_stages << " stages, bandwidth " << bandwidth);
+        const GraphPartitionOptions options = stages(num_stages, 0.2, bandwidth);
+        const GraphPartition ours = partition_graph(generated.graph, options);
+        REQUIRE_NOTHROW(check_partition(generated.graph, ours, num_stages));
+        REQUIRE(ours.stage_cost.size() == static_cast<std::size_t>(num_stages));
+        REQUIRE(ours.bottleneck == Approx(evaluate(generated.graph, ours.stage_of_node, options).bottleneck));
+        CHECK_NOTHROW(check_partition(generated.graph, partition_uniform(generated.graph, options), num_stages));
+        CHECK_NOTHROW(
+            check_partition(generated.graph, partition_by_parameters(generated.graph, options), num_stages));
+      }
+    }
+  }
+}
+
+TEST_CASE("on larger graphs partition_graph is never worse than the baselines") {
+  const std::vector<NamedGraph> graphs = {{"transformer_chain(500)", transformer_chain(500)},
+                                          {"resnet_like(300)", resnet_like(300)},
+                                          {"unet_like(250)", unet_like(250)},
+                                          {"random_dag(800)", random_dag(800, 9)}};
+  for (const NamedGraph& generated : graphs) {
+    for (int num_stages : {2, 8, 32, 64}) {
+      for (double bandwidth : {0.0, kBandwidth}) {
+        INFO(generated.name << ", " << num_stages << " stages, bandwidth " << bandwidth);
+        const GraphPartitionOptions options = stages(num_stages, 0.2, bandwidth);
+        const double ours = partition_graph(generated.graph, options).bottleneck;
+        CHECK(no_worse(ours, partition_uniform(generated.graph, options).bottleneck));
+        CHECK(no_worse(ours, partition_by_parameters(generated.graph, options).bottleneck));
+      }
+    }
+  }
+}
+
+TEST_CASE("pinned nodes stay on their stages") {
+  for (std::uint64_t seed = 1; seed <= 10; ++seed) {
+    const ModuleGraph graph = random_dag(60, seed);
+    const int num_stages = 2 + static_cast<int>(seed % 5);
+    GraphPartitionOptions options = stages(num_stages, 0.2, kBandwidth);
+    // Pins taken from a valid assignment (contiguous along the topological order) are consistent with the edges.
+    const std::vector<int> valid = partition_uniform(graph, options).stage_of_node;
+    options.pinned.assign(graph.nodes.size(), -1);
+    std::mt19937_64 random(seed);
+    for (std::size_t node = 0; node < graph.nodes.size(); ++node) {
+      if (random() % 5 == 0) options.pinned[node] = valid[node];
+    }
+    INFO("seed " << seed);
+    const GraphPartition ours = partition_graph(graph, options);
+    REQUIRE_NOTHROW(check_partition(graph, ours, num_stages));
+    for (std::size_t node = 0; node < graph.nodes.size(); ++node) {
+      if (options.pinned[node] >= 0) CHECK(ours.stage_of_node[node] == options.pinned[node]);
+    }
+  }
+}
+
+TEST_CASE("pins on unrelated nodes that the given order lists backwards are still honoured") {
+  // Two independent branches; the later-listed branch is pinned to the first stage.
+  ModuleGraph graph;
+  graph.nodes = {{"left_a", 1, 1, 0}, {"left_b", 1, 1, 0}, {"right_a", 1, 1, 0}, {"right_b", 1, 1, 0}};
+  graph.edges = {{0, 1, 1}, {2, 3, 1}};
+  GraphPartitionOptions options = stages(2);
+  options.pinned = {1, -1, 0, -1};
+  const GraphPartition ours = partition_graph(graph, options);
+  REQUIRE_NOTHROW(check_partition(graph, ours, 2));
+  CHECK(ours.stage_of_node[0] == 1);
+  CHECK(ours.stage_of_node[2] == 0);
+}
+
+TEST_CASE("the memory limit holds and costs balance") {
+  const ModuleGraph graph = transformer_chain(30);
+  std::vector<double> memory_bytes;
+  for (const GraphNode& node : graph.nodes) memory_bytes.push_back(node.memory_bytes);
+  const int num_stages = 4;
+  GraphPartitionOptions options = stages(num_stages, 0.0);
+  const GraphPartition unconstrained = partition_graph(graph, options);
+  const double smallest_possible = split_chain_min_bottleneck(memory_bytes, num_stages).bottleneck;
+  REQUIRE(max_of(unconstrained.stage_memory_bytes) > smallest_possible * 1.01);  // the limit below binds
+
+  options.memory_limit_bytes = (max_of(unconstrained.stage_memory_bytes) + smallest_possible) / 2;
+  const GraphPartition limited = partition_graph(graph, options);
+  REQUIRE_NOTHROW(check_partition(graph, limited, num_stages));
+  CHECK(max_of(limited.stage_memory_bytes) <= options.memory_limit_bytes);
+  CHECK(limited.bottleneck >= unconstrained.bottleneck * (1 - kRelativeTolerance));
+  CHECK(std::isfinite(limited.bottleneck));
+}
+
+TEST_CASE("with a finite bandwidth the partition avoids cutting heavy tensors") {
+  SECTION("a heavy edge in the middle of a chain") {
+    ModuleGraph graph = named_chain({"n0", "n1", "n2", "n3", "n4", "n5"});
+    graph.edges[2].bytes = 4e9;  // n2 -> n3, where the balanced cut would be
+    const GraphPartition free_sends = partition_graph(graph, stages(2, 0.0));
+    REQUIRE(free_sends.stage_of_node[2] != free_sends.stage_of_node[3]);
+    const GraphPartition ours = partition_graph(graph, stages(2, 0.0, kBandwidth));
+    CHECK(ours.stage_of_node[2] == ours.stage_of_node[3]);
+    CHECK(ours.stage_sent_bytes[0] < 1e9);
+  }
+  SECTION("a heavy skip connection") {
+    // n0 -> x -> conv1 -> conv2 -> add -> n5 with a heavy skip x -> add: every cut between x and add crosses it.
+    ModuleGraph graph = named_chain({"n0", "x", "conv1", "conv2", "add", "n5"});
+    graph.edges.push_back({1, 4, 4e9});
+    const GraphPartition free_sends = partition_graph(graph, stages(2, 0.0));
+    REQUIRE(free_sends.stage_of_node[1] != free_sends.stage_of_node[4]);
+    const GraphPartition ours = partition_graph(graph, stages(2, 0.0, kBandwidth));
+    REQUIRE_NOTHROW(check_partition(graph, ours, 2));
+    CHECK(ours.stage_of_node[1] == ours.stage_of_node[4]);
+  }
+}
+
+TEST_CASE("errors name the modules involved") {
+  SECTION("more stages than modules") {
+    CHECK_THROWS_WITH(partition_graph(named_chain({"a", "b", "c"}), stages(4)),
+                      Contains("cannot split 3 modules into 4"));
+  }
+  SECTION("an edge against the order") {
+    ModuleGraph graph = named_chain({"a", "b", "c"});
+    graph.edges.push_back({2, 1, 1.0});
+    CHECK_THROWS_WITH(partition_graph(graph, stages(2)), Contains("'c'") && Contains("'b'"));
+  }
+  SECTION("pins against the edges, along a path") {
+    GraphPartitionOptions options = stages(2);
+    options.pinned = {1, -1, 0};
+    CHECK_THROWS_WITH(partition_graph(named_chain({"embed", "mid", "head"}), options),
+                      Contains("'head'") && Contains("'embed'"));
+    CHECK_THROWS_WITH(optimal_partition_exhaustive(named_chain({"embed", "mid", "head"}), options),
+                      Contains("'head'") && Contains("'embed'"));
+  }
+  SECTION("a pin out of range") {
+    GraphPartitionOptions options = stages(2);
+    options.pinned = {-1, 2, -1};
+    CHECK_THROWS_WITH(partition_graph(named_chain({"a", "b", "c"}), options), Contains("'b'") && Contains("outside"));
+  }
+  SECTION("a module over the memory limit alone") {
+    ModuleGraph graph = named_chain({"a", "big", "c"});
+    graph.nodes[1].memory_bytes = 100;
+    GraphPartitionOptions options = stages(2);
+    options.memory_limit_bytes = 50;
+    CHECK_THROWS_WITH(partition_graph(graph, options), Contains("'big'") && Contains("memory limit"));
+  }
+  SECTION("a memory limit that no split meets") {
+    GraphPartitionOptions options = stages(2);
+    options.memory_limit_bytes = 15;  // four modules of 10 bytes on two stages
+    CHECK_THROWS_WITH(partition_graph(named_chain({"a", "b", "c", "d"}), options), Contains("memory limit"));
+  }
+  SECTION("the exhaustive search refuses large graphs") {
+    CHECK_THROWS_AS(optimal_partition_exhaustive(uniform_chain(17), stages(2)), PartitionError);
+  }
+}
+
+TEST_CASE("check_partition rejects cycles, empty stages and misplaced nodes") {
+  const ModuleGraph graph = named_chain({"a", "b", "c"});
+  GraphPartition partition;
+  partition.stage_of_node = {0, 1, 0};
+  CHECK_THROWS_WITH(check_partition(graph, partition, 2), Contains("'c'") && Contains("'b'"));
+  partition.stage_of_node = {0, 0, 0};
+  CHECK_THROWS_WITH(check_partition(graph, partition, 2), Contains("stage 1 has no module"));
+  partition.stage_of_node = {0, 1};
+  CHECK_THROWS_AS(check_partition(graph, partition, 2), PartitionError);
+  partition.stage_of_node = {0, 1, 2};
+  CHECK_THROWS_WITH(check_partition(graph, partition, 2), Contains("'c'") && Contains("outside"));
+  partition.stage_of_node = {0, 0, 1};
+  CHECK_NOTHROW(check_partition(graph, partition, 2));
+}
+
+TEST_CASE("the baselines split the given order") {
+  const ModuleGraph graph = transformer_chain(10);  // embedding, 10 blocks, head
+  const GraphPartition uniform = partition_uniform(graph, stages(4));
+  CHECK(uniform.stage_of_node == std::vector<int>{0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3});
+  // By parameters: the embedding and head tables outweigh about two blocks each.
+  const GraphPartition by_parameters = partition_by_parameters(graph, stages(4));
+  REQUIRE_NOTHROW(check_partition(graph, by_parameters, 4));
+  std::vector<double> parameter_bytes;
+  for (const GraphNode& node : graph.nodes) parameter_bytes.push_back(node.parameter_bytes);
+  std::vector<double> per_stage(4, 0.0);
+  for (std::size_t node = 0; node < graph.nodes.size(); ++node) {
+    per_stage[by_parameters.stage_of_node[node]] += parameter_bytes[node];
+  }
+  CHECK(max_of(per_stage) == Approx(split_chain_min_bottleneck(parameter_bytes, 4).bottleneck));
+}
