@@ -18,7 +18,13 @@ class TokenEmbeddingImpl : public torch::nn::Module {
  public:
   explicit TokenEmbeddingImpl(const GptOptions& options)
       : tokens_(register_module("tokens", torch::nn::Embedding(options.vocab_size, options.d_model))),
-        positions_(register_module("positions", torch::nn::Embedding(options.context, options.d_model))) {}
+        positions_(register_module("positions", torch::nn::Embedding(options.context, options.d_model))) {
+    // GPT-2's small initialisation: the token matrix doubles as the output projection, and N(0, 1) entries
+    // would start the logits far from uniform.
+    c10::NoGradGuard no_grad;
+    tokens_->weight.normal_(0.0, 0.02);
+    positions_->weight.normal_(0.0, 0.02);
+  }
 
   const at::Tensor& token_weight() const { return tokens_->weight; }
 
