@@ -141,6 +141,27 @@ TEST_CASE("on long chains partition_graph matches the exact chain split") {
   }
 }
 
+TEST_CASE("more than 64 stages, and graphs without edges") {
+  const ModuleGraph graph = random_chain(150, 23);
+  std::vector<double> compute_s;
+  for (const GraphNode& node : graph.nodes) compute_s.push_back(node.compute_s);
+  for (int num_stages : {65, 100, 150}) {
+    INFO(num_stages << " stages");
+    const GraphPartition ours = partition_graph(graph, stages(num_stages, 0.0));
+    REQUIRE_NOTHROW(check_partition(graph, ours, num_stages));
+    CHECK(max_of(ours.stage_compute_s) ==
+          Approx(split_chain_min_bottleneck(compute_s, num_stages).bottleneck).epsilon(kRelativeTolerance));
+  }
+  ModuleGraph independent = random_chain(40, 29);
+  independent.edges.clear();
+  for (int num_stages : {2, 7}) {
+    const GraphPartitionOptions options = stages(num_stages, 0.2, kBandwidth);
+    const GraphPartition ours = partition_graph(independent, options);
+    REQUIRE_NOTHROW(check_partition(independent, ours, num_stages));
+    CHECK(no_worse(ours.bottleneck, partition_uniform(independent, options).bottleneck));
+  }
+}
+
 TEST_CASE("on chains with communication partition_graph is optimal") {
   // A chain has no fan-out, so the contiguous split prices every send exactly.
   for (std::uint64_t seed = 1; seed <= 30; ++seed) {

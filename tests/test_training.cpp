@@ -108,7 +108,7 @@ TEST_CASE("impossible partitions are refused naming the modules", "[training][mu
                                                                    R"(, "partition_overrides": {"in": 1, "out": 0})"));
   result = run_worker(2, backwards, "--model residual --steps 1");
   CHECK(result.status != 0);
-  CHECK_THAT(result.output, Contains("module \"out\" is pinned to stage 0 but comes after module \"in\""));
+  CHECK_THAT(result.output, Contains("module 'out' is pinned to stage 0 but depends on module 'in' pinned to stage 1"));
 
   const auto unknown = write_config("unknown_module", smp_config(2, 1, 2, "interleaved", "cluster", 4, 30,
                                                                  R"(, "partition_overrides": {"nope": 1})"));
@@ -159,6 +159,37 @@ TEST_CASE("a transformer trains the same through the pipeline (AdamW)", "[traini
   INFO(result.output);
   CHECK(result.status == 0);
   CHECK(count_clean_ranks(result.output) == 8);
+}
+
+TEST_CASE("bf16 and fp16 training match float32 within tolerance", "[training][multiprocess][precision]") {
+  for (const std::string precision : {"bf16", "fp16"}) {
+    DYNAMIC_SECTION(precision) {
+      const auto config = write_config("precision_" + precision, smp_config(2, 2, 2, "interleaved", "cluster", 8, 60,
+                                                                          ", \"" + precision + "\": true"));
+      const auto result = run_worker(4, config, "--model gpt --steps 3 --rtol 0.02");
+      INFO(result.output);
+      CHECK(result.status == 0);
+      CHECK(count_clean_ranks(result.output) == 4);
+    }
+  }
+}
+
+TEST_CASE("fp16 overflow skips the step and lowers the loss scale", "[training][multiprocess][precision]") {
+  const auto config = write_config("fp16_overflow", smp_config(2, 1, 2, "interleaved", "cluster", 4, 60, R"(, "fp16": true)"));
+  const auto result = run_worker(2, config, "--model gpt --steps 3 --spike-step 1 --rtol 0.02");
+  INFO(result.output);
+  CHECK(result.status == 0);
+  CHECK_THAT(result.output, Contains("step 1: fp16 gradients overflowed; skipping the step, loss scale now 32768"));
+  CHECK_THAT(result.output, Contains("step 1 skipped"));
+  CHECK(count_clean_ranks(result.output) == 2);
+}
+
+TEST_CASE("sequence lengths may change from step to step", "[training][multiprocess]") {
+  const auto config = write_config("vary_length", smp_config(4, 1, 2, "zero_bubble", "cluster", 4));
+  const auto result = run_worker(4, config, "--model gpt --optimizer adamw --steps 4 --vary-length 1 --rtol 1e-3");
+  INFO(result.output);
+  CHECK(result.status == 0);
+  CHECK(count_clean_ranks(result.output) == 4);
 }
 
 TEST_CASE("the 2x4 example's losses depend only on the seed and the global batch", "[training][example]") {

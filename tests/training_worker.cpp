@@ -36,7 +36,9 @@ struct Options {
   int kill_rank = -1;   // this rank SIGKILLs itself at the start of kill_step
   int kill_step = -1;
   int nan_step = -1;    // the inputs of this step are NaN
+  int spike_step = -1;  // the loss of this step is multiplied by 1e30: finite, but fp16 gradients overflow
   int input_width = 8;  // a width the model does not take gives a shape error
+  bool vary_length = false;  // gpt: the sequence length changes from step to step
   std::string load_full;  // a full-model file (smp_checkpoint export) to load instead of training
   int expect_step = -1;   // with load_full: the file holds the state after this step
   double rtol = 1e-4;
@@ -136,8 +138,10 @@ std::vector<at::Tensor> parameters_of(const smp::GraphModel& model) {
 std::pair<at::Tensor, at::Tensor> global_batch(const Options& options, int64_t size, int step, uint64_t seed) {
   auto generator = at::make_generator<at::CPUGeneratorImpl>(seed * 7919 + static_cast<uint64_t>(step));
   if (options.model == "gpt") {
-    auto tokens = at::randint(32, {size, kGptLength + 1}, generator, at::kLong);
-    return {tokens.narrow(1, 0, kGptLength).contiguous(), tokens.narrow(1, 1, kGptLength).contiguous()};
+    // Activation shapes then differ between steps, and every transfer must still match.
+    const int64_t length = options.vary_length ? kGptLength - 4 * (step % 3) : kGptLength;
+    auto tokens = at::randint(32, {size, length + 1}, generator, at::kLong);
+    return {tokens.narrow(1, 0, length).contiguous(), tokens.narrow(1, 1, length).contiguous()};
   }
   return {at::randn({size, options.input_width}, generator), at::randn({size, kMlpOut}, generator)};
 }
@@ -169,7 +173,9 @@ Options parse(int argc, char** argv) {
     else if (flag == "--kill-rank") options.kill_rank = std::stoi(value);
     else if (flag == "--kill-step") options.kill_step = std::stoi(value);
     else if (flag == "--nan-step") options.nan_step = std::stoi(value);
+    else if (flag == "--spike-step") options.spike_step = std::stoi(value);
     else if (flag == "--input-width") options.input_width = std::stoi(value);
+    else if (flag == "--vary-length") options.vary_length = value == "1";
     else if (flag == "--load-full") options.load_full = value;
     else if (flag == "--expect-step") options.expect_step = std::stoi(value);
     else throw std::runtime_error("training_worker: unknown flag " + flag);
@@ -194,8 +200,14 @@ int run(int argc, char** argv) {
   at::manual_seed(config.seed);
   auto reference = make_model(options);
   auto reference_optimizer = make_optimizer(options, parameters_of(reference));
-  const auto loss = loss_of(options);
+  const auto base_loss = loss_of(options);
+  int current_step = 0;
+  const smp::LossFunction loss = [&](const at::Tensor& output, const at::Tensor& target) {
+    const auto value = base_loss(output, target);
+    return current_step == options.spike_step ? value * 1e30 : value;
+  };
   auto reference_step = [&](int step) {
+    current_step = step;
     auto [inputs, targets] = global_batch(options, batch, step, config.seed);
     if (step == options.nan_step) inputs = at::full_like(inputs, std::nan(""));
     reference_optimizer->zero_grad();
@@ -203,8 +215,8 @@ int run(int argc, char** argv) {
     reference_loss.backward();
     double reference_norm = 0.0;
     if (options.clip > 0) reference_norm = torch::nn::utils::clip_grad_norm_(parameters_of(reference), options.clip);
-    // With "nonfinite": "skip" smp drops the step; so does the reference.
-    if (step != options.nan_step) reference_optimizer->step();
+    // smp drops these steps ("nonfinite": "skip", or an fp16 overflow); so does the reference.
+    if (step != options.nan_step && step != options.spike_step) reference_optimizer->step();
     return std::make_pair(reference_loss.item<double>(), reference_norm);
   };
   if (!options.load_full.empty()) {
@@ -244,6 +256,7 @@ int run(int argc, char** argv) {
     auto [inputs, targets] = global_batch(options, batch, step, config.seed);
     if (step == options.nan_step) inputs = at::full_like(inputs, std::nan(""));
     optimizer.zero_grad();
+    current_step = step;
     const auto output = distributed.train_step(runtime->replica_slice(inputs), runtime->replica_slice(targets), loss);
     double norm = 0.0;
     if (options.clip > 0) norm = optimizer.clip_grad_norm(options.clip);

@@ -20,7 +20,7 @@ const std::vector<std::string>& known_keys() {
       "active_microbatches", "auto_partition", "default_partition", "partition_overrides", "optimize",
       "memory_weight", "seed", "global_batch_size", "comm_timeout_s", "log_level", "virtual_stages", "schedule_file",
       "activation_checkpointing", "trace_dir", "trace_step", "checkpoint_dir", "checkpoint_interval",
-      "checkpoints_kept", "resume", "nonfinite"};
+      "checkpoints_kept", "resume", "nonfinite", "memory_limit_mb", "link_bandwidth_gbps", "bf16", "fp16"};
   return keys;
 }
 
@@ -236,6 +236,9 @@ Config Config::from_json_text(const std::string& text, const std::string& source
   if ((config.checkpoint_interval > 0 || config.resume) && config.checkpoint_dir.empty()) {
     read.fail(config.resume ? "resume" : "checkpoint_interval", "needs \"checkpoint_dir\"");
   }
+  if (read.has("bf16")) config.bf16 = read.boolean("bf16");
+  if (read.has("fp16")) config.fp16 = read.boolean("fp16");
+  if (config.bf16 && config.fp16) read.fail("fp16", "and \"bf16\" are both true; pick one");
   if (read.has("nonfinite")) config.skip_nonfinite_steps = read.choice("nonfinite", {"stop", "skip"}) == "skip";
   if (read.has("ddp")) config.ddp = read.boolean("ddp");
   if (read.has("placement_strategy")) {
@@ -263,6 +266,8 @@ Config Config::from_json_text(const std::string& text, const std::string& source
   if (read.has("optimize")) config.optimize = read.choice("optimize", {"speed", "memory"});
   config.memory_weight = config.optimize == "speed" ? 0.2 : 0.8;
   if (read.has("memory_weight")) config.memory_weight = read.real("memory_weight", 0.0, 1.0);
+  if (read.has("memory_limit_mb")) config.memory_limit_mb = read.real("memory_limit_mb", 0.0, 1e12);
+  if (read.has("link_bandwidth_gbps")) config.link_bandwidth_gbps = read.real("link_bandwidth_gbps", 0.0, 1e6);
   if (read.has("seed")) config.seed = static_cast<std::uint64_t>(read.integer("seed", 0, std::numeric_limits<long long>::max()));
   if (read.has("global_batch_size")) {
     config.global_batch_size = static_cast<int>(read.integer("global_batch_size", 1, 1LL << 30));

@@ -9,6 +9,7 @@
 #include <set>
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 
 #include <cmath>
 
@@ -21,6 +22,37 @@
 
 namespace smp {
 namespace {
+
+// Runs what is inside under autocast for `device`, restoring the previous state after (LibTorch has no public
+// RAII guard for it).
+class AutocastScope {
+ public:
+  AutocastScope(at::DeviceType device, at::ScalarType dtype)
+      : device_(device),
+        was_enabled_(at::autocast::is_autocast_enabled(device)),
+        previous_dtype_(at::autocast::get_autocast_dtype(device)) {
+    at::autocast::set_autocast_enabled(device_, true);
+    at::autocast::set_autocast_dtype(device_, dtype);
+    at::autocast::increment_nesting();
+  }
+  ~AutocastScope() {
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(device_, was_enabled_);
+    at::autocast::set_autocast_dtype(device_, previous_dtype_);
+  }
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  at::DeviceType device_;
+  bool was_enabled_;
+  at::ScalarType previous_dtype_;
+};
+
+// Dynamic loss scaling for fp16 (the usual schedule): start high, halve on an overflow (and skip that step),
+// double after this many steps without one.
+constexpr double kInitialLossScale = 65536.0;
+constexpr int kLossScaleGrowthInterval = 2000;
 
 sched::Schedule make_schedule(const Config& config) {
   sched::Schedule schedule;
@@ -73,6 +105,7 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, const torch
 DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const at::Tensor& sample_input)
     : runtime_(std::move(runtime)), model_(std::move(model)) {
   const Config& config = runtime_->config();
+  if (config.fp16) loss_scale_ = kInitialLossScale;
   if (model_.nodes().empty()) throw ConfigError("the model has no modules; nothing to train");
   auto schedule = make_schedule(config);
   {
@@ -179,6 +212,11 @@ StageOutputs DistributedModel::run_stage(int stage, const at::Tensor& model_inpu
     for (std::size_t i = 0; i < names.size(); ++i) values[names[i]] = tensors.at(i);
   }
   const auto& nodes = model_.nodes();
+  const Config& config = runtime_->config();
+  std::optional<AutocastScope> autocast;
+  if (config.bf16 || config.fp16) {
+    autocast.emplace(model_input.device().type(), config.bf16 ? at::kBFloat16 : at::kHalf);
+  }
   for (int index : stages_.at(stage).nodes) {
     const auto& node = nodes[index];
     std::vector<at::Tensor> arguments;
@@ -198,7 +236,13 @@ StageOutputs DistributedModel::run_stage(int stage, const at::Tensor& model_inpu
     auto& sent = outputs.to_consumers[consumer];
     for (const auto& name : transfers_.at({stage, consumer})) sent.push_back(values.at(name));
   }
-  if (stage == graph_.num_stages() - 1) outputs.model_output = values.at(nodes.back().name);
+  if (stage == graph_.num_stages() - 1) {
+    outputs.model_output = values.at(nodes.back().name);
+    // The loss is computed in float32 whatever precision the stages ran in.
+    if (autocast && at::isFloatingType(outputs.model_output.scalar_type())) {
+      outputs.model_output = outputs.model_output.to(at::kFloat);
+    }
+  }
   return outputs;
 }
 
@@ -310,6 +354,7 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
   data.inputs = inputs.chunk(microbatches);
   data.targets = targets.chunk(microbatches);
   data.loss = loss;
+  data.loss_scale = loss_scale_;
 
   StageCallbacks callbacks;
   callbacks.forward = [this](int stage, const at::Tensor& model_input, const TensorsByStage& from_producers) {
@@ -323,6 +368,11 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
     stats = executor_->run(callbacks, data);
     sum_tied_gradients();
     average_gradients_over_replicas();
+    if (loss_scale_ != 1.0) {
+      for (auto& [name, parameter] : named_parameters_) {
+        if (parameter.grad().defined()) parameter.mutable_grad().div_(loss_scale_);
+      }
+    }
     // One world all-reduce: slot 0 sums the last stages' losses (every rank learns the mean over replicas),
     // slot 1 + r is set by rank r when its gradients are not finite.
     loss_total = at::zeros({1 + runtime_->world_size()}, at::kDouble);
@@ -345,7 +395,20 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
     }
   }
   last_step_skipped_ = false;
-  if (!std::isfinite(output.loss) || !bad_ranks.empty()) {
+  if (config.fp16 && std::isfinite(output.loss) && !bad_ranks.empty()) {
+    // An fp16 overflow under a too large loss scale, not a broken model: skip the step, lower the scale.
+    loss_scale_ /= 2.0;
+    good_steps_ = 0;
+    if (runtime_->rank() == 0) {
+      log::info("step " + std::to_string(step_) + ": fp16 gradients overflowed; skipping the step, loss scale now " +
+                std::to_string(loss_scale_));
+    }
+    for (auto& [name, parameter] : named_parameters_) {
+      if (parameter.grad().defined()) parameter.mutable_grad().zero_();
+    }
+    last_step_skipped_ = true;
+    output.skipped = true;
+  } else if (!std::isfinite(output.loss) || !bad_ranks.empty()) {
     const std::string what = "step " + std::to_string(step_) + ": " +
                              (!std::isfinite(output.loss) ? "the loss is " + std::to_string(output.loss) : std::string()) +
                              (!std::isfinite(output.loss) && !bad_ranks.empty() ? "; " : "") +
@@ -358,6 +421,7 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
     last_step_skipped_ = true;
     output.skipped = true;
   }
+  if (config.fp16 && !output.skipped && ++good_steps_ % kLossScaleGrowthInterval == 0) loss_scale_ *= 2.0;
   ++step_;
   output.peak_stashed_microbatches = stats.peak_stashed_microbatches;
   output.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -121,7 +121,8 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
       if (!produced.model_output.defined()) {
         throw sched::ScheduleError("the last stage (" + std::to_string(stage) + ") did not produce the model's output");
       }
-      entry.loss = data.loss(produced.model_output, data.targets.at(microbatch)) / static_cast<double>(microbatches);
+      entry.loss = data.loss(produced.model_output, data.targets.at(microbatch)) *
+                   (data.loss_scale / static_cast<double>(microbatches));
     }
   };
   // The roots of this stage's backward and the gradients flowing into them.
@@ -179,7 +180,7 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
           run_forward(stage, microbatch, entry);
         }
         if (entry.loss.defined()) {
-          loss_sum += entry.loss.detach().to(at::kDouble);
+          loss_sum += entry.loss.detach().to(at::kDouble) / data.loss_scale;
           stats.has_loss = true;
         }
         // A checkpointed stage ran without a graph: its outputs are only sent on, its loss only counted; backward

@@ -15,7 +15,7 @@
 #include "smp/config.h"
 #include "smp/errors.h"
 #include "smp/graph_model.h"
-#include "smp/partitioner/chain_split.h"
+#include "smp/partitioner/graph_partition.h"
 
 namespace smp {
 namespace {
@@ -192,35 +192,29 @@ StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config) 
     }
     pinned[found - modules.begin()] = stage;
   }
-  // Nodes are in a topological order, so contiguous stages along it only ever feed later stages. Each node's
-  // cost mixes its share of the time with its share of the memory (parameters, gradients and two optimizer
-  // moments: 4x the parameter bytes), weighted by memory_weight as SMP does.
-  double total_time = 0, total_memory = 0;
+  // The partition search sees the profile as a DAG: compute time, memory (parameters, gradients and two
+  // optimizer moments: 4x the parameter bytes) per node, and the bytes of every tensor between nodes.
+  part::ModuleGraph graph;
   for (const auto& module : modules) {
-    total_time += module.forward_s + module.backward_s;
-    total_memory += 4.0 * static_cast<double>(module.parameter_bytes);
+    graph.nodes.push_back({module.name, module.forward_s + module.backward_s, 4.0 * static_cast<double>(module.parameter_bytes),
+                           static_cast<double>(module.parameter_bytes)});
   }
-  std::vector<double> costs;
-  for (const auto& module : modules) {
-    const double time_share = total_time > 0 ? (module.forward_s + module.backward_s) / total_time : 0.0;
-    const double memory_share = total_memory > 0 ? 4.0 * static_cast<double>(module.parameter_bytes) / total_memory : 0.0;
-    costs.push_back((1.0 - config.memory_weight) * time_share + config.memory_weight * memory_share);
+  for (int consumer = 0; consumer < num_modules; ++consumer) {
+    for (int producer : modules[consumer].producers) {
+      graph.edges.push_back({producer, consumer, static_cast<double>(modules[producer].output_bytes)});
+    }
   }
+  part::GraphPartitionOptions options;
+  options.num_stages = config.num_stages();
+  options.memory_weight = config.memory_weight;
+  options.memory_limit_bytes = config.memory_limit_mb * 1024.0 * 1024.0;
+  options.bandwidth_bytes_per_s = config.link_bandwidth_gbps * 1e9;
+  options.pinned = pinned;
   StagePlan plan;
   try {
-    plan.stage_of_module = part::split_chain_min_bottleneck(costs, config.num_stages(), pinned).stage_of_node;
+    plan.stage_of_module = part::partition_graph(graph, options).stage_of_node;
   } catch (const part::PartitionError& error) {
-    std::string message = error.what();
-    // The partitioner speaks of node indices; users know module paths.
-    for (int i = num_modules - 1; i >= 0; --i) {
-      const std::string index = "module " + std::to_string(i);
-      for (auto at = message.find(index); at != std::string::npos; at = message.find(index, at + 1)) {
-        const auto end = at + index.size();
-        if (end < message.size() && std::isdigit(static_cast<unsigned char>(message[end]))) continue;
-        message.replace(at, index.size(), "module \"" + modules[i].name + "\"");
-      }
-    }
-    throw ConfigError(config.source + ": cannot partition the model: " + message);
+    throw ConfigError(config.source + ": cannot partition the model: " + error.what());
   }
   plan.modules = std::move(modules);
   plan.num_stages = config.num_stages();

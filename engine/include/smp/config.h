@@ -39,7 +39,11 @@ struct Config {
   int checkpoint_interval = 0;   // save after every K-th step; 0: only when the program asks (e.g. at the end)
   int checkpoints_kept = 3;
   bool resume = false;           // continue from the newest complete checkpoint in checkpoint_dir, if any
-  bool skip_nonfinite_steps = false;  // "nonfinite": "skip" drops a step whose loss or gradients are NaN/Inf
+  bool skip_nonfinite_steps = false;
+  // Mixed precision (SMP's keys): stages run under autocast in bfloat16 or float16; parameters, gradients and
+  // the optimizer stay float32. fp16 adds dynamic loss scaling.
+  bool bf16 = false;
+  bool fp16 = false;  // "nonfinite": "skip" drops a step whose loss or gradients are NaN/Inf
   bool auto_partition = true;
   int default_partition = 0;     // stage for every module when auto_partition is false
   std::map<std::string, int> partition_overrides;  // module path -> stage, honoured in both modes
@@ -47,6 +51,8 @@ struct Config {
   // Weight of memory balancing against compute balancing in the partition objective (0: compute only,
   // 1: memory only); SMP's default is 0.2 with optimize "speed" and 0.8 with "memory".
   double memory_weight = 0.2;
+  double memory_limit_mb = 0;        // per stage, for the partition search (parameters, gradients, Adam state)
+  double link_bandwidth_gbps = 10;   // GB/s between stages, to weigh what a cut sends against compute
   std::uint64_t seed = 0;
   int global_batch_size = 0;     // 0: not fixed in the config (train_step checks every batch it gets)
   double comm_timeout_s = 300.0; // every blocking wait fails after this long, naming the peer

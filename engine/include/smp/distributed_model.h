@@ -103,6 +103,8 @@ class DistributedModel {
   std::optional<FoundCheckpoint> resumed_from_;
   std::string model_signature_;
   bool last_step_skipped_ = false;
+  double loss_scale_ = 1.0;  // fp16 only
+  long long good_steps_ = 0;
 };
 
 }  // namespace smp

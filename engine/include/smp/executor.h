@@ -36,6 +36,7 @@ struct MicrobatchData {
   std::vector<at::Tensor> inputs;   // first-stage inputs, one per microbatch
   std::vector<at::Tensor> targets;  // last-stage targets, one per microbatch
   LossFunction loss;
+  double loss_scale = 1.0;  // fp16: backward starts from loss * scale; the reported loss is unscaled
 };
 
 struct ExecutorStats {

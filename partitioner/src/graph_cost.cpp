@@ -1,0 +1,251 @@
+// The objective, input validation and the partition checks of the graph partitioner.
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "graph_internals.h"
+
+namespace smp::part {
+namespace detail {
+namespace {
+
+bool valid_amount(double value) { return std::isfinite(value) && value >= 0; }
+
+std::string stage_text(int stage) { return "stage " + std::to_string(stage); }
+
+}  // namespace
+
+std::string node_label(const ModuleGraph& graph, int node) {
+  const std::string& name = graph.nodes[node].name;
+  return name.empty() ? "#" + std::to_string(node) : "'" + name + "'";
+}
+
+Adjacency::Adjacency(const ModuleGraph& graph)
+    : out(graph.nodes.size()), predecessors(graph.nodes.size()), successors(graph.nodes.size()) {
+  const int num_nodes = static_cast<int>(graph.nodes.size());
+  for (std::size_t e = 0; e < graph.edges.size(); ++e) {
+    const GraphEdge& edge = graph.edges[e];
+    const std::string which = "edge " + std::to_string(e);
+    if (edge.from < 0 || edge.to < 0 || edge.from >= num_nodes || edge.to >= num_nodes) {
+      throw PartitionError(which + " (" + std::to_string(edge.from) + " -> " + std::to_string(edge.to) +
+                           ") names a node outside [0, " + std::to_string(num_nodes - 1) + "]");
+    }
+    if (edge.from >= edge.to) {
+      throw PartitionError(which + " from " + node_label(graph, edge.from) + " to " + node_label(graph, edge.to) +
+                           " points backwards: list the nodes in a topological order (every edge from < to)");
+    }
+    if (!valid_amount(edge.bytes)) {
+      throw PartitionError(which + " from " + node_label(graph, edge.from) + " to " + node_label(graph, edge.to) +
+                           " has invalid bytes " + std::to_string(edge.bytes));
+    }
+    out[edge.from].push_back({edge.to, edge.bytes});
+    predecessors[edge.to].push_back(edge.from);
+    successors[edge.from].push_back(edge.to);
+  }
+  for (auto* lists : {&predecessors, &successors}) {
+    for (std::vector<int>& nodes : *lists) {
+      std::sort(nodes.begin(), nodes.end());
+      nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
+    }
+  }
+}
+
+CostModel::CostModel(const ModuleGraph& graph, const GraphPartitionOptions& options) {
+  double total_compute_s = 0, total_memory_bytes = 0;
+  for (const GraphNode& node : graph.nodes) {
+    total_compute_s += node.compute_s;
+    total_memory_bytes += node.memory_bytes;
+  }
+  const double stages = options.num_stages, w = options.memory_weight;
+  if (total_compute_s > 0) per_compute_s = (1 - w) * stages / total_compute_s;
+  if (options.bandwidth_bytes_per_s > 0) per_sent_byte = per_compute_s / options.bandwidth_bytes_per_s;
+  if (total_memory_bytes > 0) per_memory_byte = w * stages / total_memory_bytes;
+  if (options.memory_limit_bytes > 0) memory_limit_bytes = options.memory_limit_bytes;
+}
+
+double SentBytes::of_producer(const Adjacency& adjacency, const std::vector<int>& stage_of_node, int node) {
+  if (++epoch_ == 0) {  // wrapped: old stamps could read as current
+    std::fill(stamp_.begin(), stamp_.end(), 0u);
+    epoch_ = 1;
+  }
+  const int own_stage = stage_of_node[node];
+  double total = 0;
+  for (const OutEdge& edge : adjacency.out[node]) {
+    const int stage = stage_of_node[edge.to];
+    if (stage == own_stage) continue;
+    if (stamp_[stage] != epoch_) {
+      stamp_[stage] = epoch_;
+      largest_[stage] = edge.bytes;
+      total += edge.bytes;
+    } else if (edge.bytes > largest_[stage]) {
+      total += edge.bytes - largest_[stage];
+      largest_[stage] = edge.bytes;
+    }
+  }
+  return total;
+}
+
+StageMeter::StageMeter(const ModuleGraph& graph, const Adjacency& adjacency, const CostModel& costs, int num_stages)
+    : compute_s(num_stages),
+      memory_bytes(num_stages),
+      sent_bytes(num_stages),
+      cost(num_stages),
+      graph_(graph),
+      adjacency_(adjacency),
+      costs_(costs),
+      sent_bytes_of_(num_stages) {}
+
+double StageMeter::bottleneck(const std::vector<int>& stage_of_node) {
+  std::fill(compute_s.begin(), compute_s.end(), 0.0);
+  std::fill(memory_bytes.begin(), memory_bytes.end(), 0.0);
+  std::fill(sent_bytes.begin(), sent_bytes.end(), 0.0);
+  for (std::size_t node = 0; node < graph_.nodes.size(); ++node) {
+    const int stage = stage_of_node[node];
+    compute_s[stage] += graph_.nodes[node].compute_s;
+    memory_bytes[stage] += graph_.nodes[node].memory_bytes;
+    sent_bytes[stage] += sent_bytes_of_.of_producer(adjacency_, stage_of_node, static_cast<int>(node));
+  }
+  double worst = 0;
+  for (std::size_t stage = 0; stage < cost.size(); ++stage) {
+    cost[stage] = costs_.stage_cost(compute_s[stage], memory_bytes[stage], sent_bytes[stage]);
+    worst = std::max(worst, cost[stage]);
+  }
+  return worst;
+}
+
+StageBounds validate(const ModuleGraph& graph, const Adjacency& adjacency, const GraphPartitionOptions& options) {
+  const int num_nodes = static_cast<int>(graph.nodes.size()), num_stages = options.num_stages;
+  if (num_stages < 1) throw PartitionError("cannot split a graph into " + std::to_string(num_stages) + " stages");
+  if (num_nodes < num_stages) {
+    throw PartitionError("cannot split " + std::to_string(num_nodes) + " modules into " + std::to_string(num_stages) +
+                         " pipeline stages: every stage needs at least one module");
+  }
+  for (int node = 0; node < num_nodes; ++node) {
+    const GraphNode& info = graph.nodes[node];
+    if (!valid_amount(info.compute_s) || !valid_amount(info.memory_bytes) || !valid_amount(info.parameter_bytes)) {
+      throw PartitionError("module " + node_label(graph, node) + " has a negative or non-finite cost");
+    }
+  }
+  if (!(options.memory_weight >= 0 && options.memory_weight <= 1)) {
+    throw PartitionError("memory_weight must be in [0, 1], got " + std::to_string(options.memory_weight));
+  }
+  if (!valid_amount(options.bandwidth_bytes_per_s) || !valid_amount(options.memory_limit_bytes)) {
+    throw PartitionError("bandwidth_bytes_per_s and memory_limit_bytes must be finite and non-negative");
+  }
+
+  const std::vector<int>& pinned = options.pinned;
+  if (!pinned.empty() && static_cast<int>(pinned.size()) != num_nodes) {
+    throw PartitionError("pinned stages given for " + std::to_string(pinned.size()) + " nodes, expected " +
+                         std::to_string(num_nodes));
+  }
+  auto pin_of = [&](int node) { return pinned.empty() ? -1 : pinned[node]; };
+  for (int node = 0; node < num_nodes; ++node) {
+    if (pin_of(node) < -1 || pin_of(node) >= num_stages) {
+      throw PartitionError("module " + node_label(graph, node) + " is pinned to " + stage_text(pin_of(node)) +
+                           ", outside [0, " + std::to_string(num_stages - 1) + "]");
+    }
+  }
+
+  if (options.memory_limit_bytes > 0) {
+    int largest = 0;
+    for (int node = 1; node < num_nodes; ++node) {
+      if (graph.nodes[node].memory_bytes > graph.nodes[largest].memory_bytes) largest = node;
+    }
+    if (graph.nodes[largest].memory_bytes > options.memory_limit_bytes) {
+      throw PartitionError("module " + node_label(graph, largest) + " alone needs " +
+                           std::to_string(graph.nodes[largest].memory_bytes) +
+                           " bytes, over the per-stage memory limit of " +
+                           std::to_string(options.memory_limit_bytes) + " bytes");
+    }
+  }
+
+  StageBounds bounds{std::vector<int>(num_nodes, 0), std::vector<int>(num_nodes, num_stages - 1)};
+  std::vector<int> earliest_because_of(num_nodes, -1);  // the pinned ancestor that sets `earliest`
+  for (int node = 0; node < num_nodes; ++node) {
+    for (int predecessor : adjacency.predecessors[node]) {
+      if (bounds.earliest[predecessor] > bounds.earliest[node]) {
+        bounds.earliest[node] = bounds.earliest[predecessor];
+        earliest_because_of[node] = earliest_because_of[predecessor];
+      }
+    }
+    const int pin = pin_of(node);
+    if (pin < 0) continue;
+    if (bounds.earliest[node] > pin) {
+      const int ancestor = earliest_because_of[node];
+      throw PartitionError("module " + node_label(graph, node) + " is pinned to " + stage_text(pin) +
+                           " but depends on module " + node_label(graph, ancestor) + " pinned to " +
+                           stage_text(pin_of(ancestor)) + ": tensors only flow to the same or later stages");
+    }
+    bounds.earliest[node] = pin;
+    earliest_because_of[node] = node;
+  }
+  for (int node = num_nodes - 1; node >= 0; --node) {
+    for (int successor : adjacency.successors[node]) {
+      bounds.latest[node] = std::min(bounds.latest[node], bounds.latest[successor]);
+    }
+    if (pin_of(node) >= 0) bounds.latest[node] = pin_of(node);
+  }
+  return bounds;
+}
+
+}  // namespace detail
+
+GraphPartition evaluate(const ModuleGraph& graph, const std::vector<int>& stage_of_node,
+                        const GraphPartitionOptions& options) {
+  const int num_stages = options.num_stages;
+  if (num_stages < 1) throw PartitionError("cannot evaluate a partition into " + std::to_string(num_stages) + " stages");
+  if (stage_of_node.size() != graph.nodes.size()) {
+    throw PartitionError("the partition places " + std::to_string(stage_of_node.size()) + " nodes, the graph has " +
+                         std::to_string(graph.nodes.size()));
+  }
+  for (std::size_t node = 0; node < stage_of_node.size(); ++node) {
+    if (stage_of_node[node] < 0 || stage_of_node[node] >= num_stages) {
+      throw PartitionError("module " + detail::node_label(graph, static_cast<int>(node)) + " is on " +
+                           detail::stage_text(stage_of_node[node]) + ", outside [0, " +
+                           std::to_string(num_stages - 1) + "]");
+    }
+  }
+  const detail::Adjacency adjacency(graph);
+  const detail::CostModel costs(graph, options);
+  detail::StageMeter meter(graph, adjacency, costs, num_stages);
+  GraphPartition partition;
+  partition.bottleneck = meter.bottleneck(stage_of_node);
+  partition.stage_of_node = stage_of_node;
+  partition.stage_compute_s = std::move(meter.compute_s);
+  partition.stage_memory_bytes = std::move(meter.memory_bytes);
+  partition.stage_sent_bytes = std::move(meter.sent_bytes);
+  partition.stage_cost = std::move(meter.cost);
+  return partition;
+}
+
+void check_partition(const ModuleGraph& graph, const GraphPartition& partition, int num_stages) {
+  const std::vector<int>& stage_of_node = partition.stage_of_node;
+  if (stage_of_node.size() != graph.nodes.size()) {
+    throw PartitionError("the partition places " + std::to_string(stage_of_node.size()) + " nodes, the graph has " +
+                         std::to_string(graph.nodes.size()));
+  }
+  std::vector<int> nodes_on_stage(std::max(num_stages, 0), 0);
+  for (std::size_t node = 0; node < stage_of_node.size(); ++node) {
+    const int stage = stage_of_node[node];
+    if (stage < 0 || stage >= num_stages) {
+      throw PartitionError("module " + detail::node_label(graph, static_cast<int>(node)) + " is on " +
+                           detail::stage_text(stage) + ", outside [0, " + std::to_string(num_stages - 1) + "]");
+    }
+    ++nodes_on_stage[stage];
+  }
+  const detail::Adjacency checked_edges(graph);  // throws before a malformed edge could index stage_of_node
+  for (const GraphEdge& edge : graph.edges) {
+    if (stage_of_node[edge.from] > stage_of_node[edge.to]) {
+      throw PartitionError("module " + detail::node_label(graph, edge.to) + " on " +
+                           detail::stage_text(stage_of_node[edge.to]) + " consumes module " +
+                           detail::node_label(graph, edge.from) + " on later " +
+                           detail::stage_text(stage_of_node[edge.from]) + ": the stages form a cycle");
+    }
+  }
+  for (int stage = 0; stage < num_stages; ++stage) {
+    if (nodes_on_stage[stage] == 0) throw PartitionError(detail::stage_text(stage) + " has no module");
+  }
+}
+
+}  // namespace smp::part
