@@ -33,66 +33,62 @@ TEST_CASE("pipeline x data parallel training equals single-process training", "[
   }
 }
 
+namespace {
+
+// One job compared with single-process training: `model` is a training_worker model, `extra_keys` more config.
+struct EquivalenceCase {
+  const char* label;
+  const char* model;
+  int pp, dp, microbatches;
+  const char* pipeline;
+  const char* extra_keys;
+};
+
+void check_equivalence(const EquivalenceCase& c, const std::string& name) {
+  const auto config = write_config(name, smp_config(c.pp, c.dp, c.microbatches, c.pipeline, "cluster",
+                                                    c.dp * c.microbatches * 2, 60, c.extra_keys));
+  const auto result = run_worker(c.pp * c.dp, config, std::string("--model ") + c.model + " --steps 3 --clip 0.5");
+  INFO(result.output);
+  CHECK(result.status == 0);
+  CHECK(count_clean_ranks(result.output) == c.pp * c.dp);
+}
+
+}  // namespace
+
 TEST_CASE("every schedule trains like single-process training", "[training][multiprocess][schedules]") {
-  struct Case {
-    const char* name;
-    int pp, dp, microbatches;
-    const char* pipeline;
-    const char* extra_keys;
-  };
-  const Case cases[] = {
-      {"zero bubble H1", 4, 1, 8, "zero_bubble", ""},
-      {"zero bubble H1, m < p", 3, 2, 2, "zero_bubble", ""},
-      {"zero bubble H2", 2, 2, 5, "zero_bubble_h2", ""},
-      {"interleaved 1F1B v=2", 4, 1, 8, "interleaved", R"(, "virtual_stages": 2)"},
-      {"interleaved 1F1B v=3, m not divisible by p", 3, 1, 4, "interleaved", R"(, "virtual_stages": 3)"},
-      {"interleaved 1F1B v=2 with replicas and a cap", 2, 2, 6, "interleaved", R"(, "virtual_stages": 2, "active_microbatches": 2)"},
-      {"1F1B, m < p", 4, 1, 2, "interleaved", ""},
-      {"one stage", 1, 2, 4, "simple", ""},
-      {"activation checkpointing, 1F1B", 3, 1, 6, "interleaved", R"(, "activation_checkpointing": true)"},
-      {"activation checkpointing on some stages, ZB-H1", 4, 1, 4, "zero_bubble", R"(, "activation_checkpointing": [0, 3])"},
+  const EquivalenceCase cases[] = {
+      {"zero bubble H1", "mlp", 4, 1, 8, "zero_bubble", ""},
+      {"zero bubble H1, m < p", "mlp", 3, 2, 2, "zero_bubble", ""},
+      {"zero bubble H2", "mlp", 2, 2, 5, "zero_bubble_h2", ""},
+      {"interleaved 1F1B v=2", "mlp", 4, 1, 8, "interleaved", R"(, "virtual_stages": 2)"},
+      {"interleaved 1F1B v=3, m not divisible by p", "mlp", 3, 1, 4, "interleaved", R"(, "virtual_stages": 3)"},
+      {"interleaved 1F1B v=2 with replicas and a cap", "mlp", 2, 2, 6, "interleaved", R"(, "virtual_stages": 2, "active_microbatches": 2)"},
+      {"1F1B, m < p", "mlp", 4, 1, 2, "interleaved", ""},
+      {"one stage", "mlp", 1, 2, 4, "simple", ""},
+      {"activation checkpointing, 1F1B", "mlp", 3, 1, 6, "interleaved", R"(, "activation_checkpointing": true)"},
+      {"activation checkpointing on some stages, ZB-H1", "mlp", 4, 1, 4, "zero_bubble", R"(, "activation_checkpointing": [0, 3])"},
   };
   for (const auto& c : cases) {
-    DYNAMIC_SECTION(c.name) {
-      const int global_batch = c.dp * c.microbatches * 2;
-      const auto config = write_config(std::string("schedules_") + std::to_string(&c - cases),
-                                       smp_config(c.pp, c.dp, c.microbatches, c.pipeline, "cluster", global_batch, 60, c.extra_keys));
-      const auto result = run_worker(c.pp * c.dp, config, "--steps 3 --clip 0.5");
-      INFO(result.output);
-      CHECK(result.status == 0);
-      CHECK(count_clean_ranks(result.output) == c.pp * c.dp);
-    }
+    DYNAMIC_SECTION(c.label) { check_equivalence(c, "schedules_" + std::to_string(&c - cases)); }
   }
 }
 
 TEST_CASE("graphs with skips across stages, branches and tied weights train like single-process training",
           "[training][multiprocess][graph]") {
-  struct Case {
-    const char* model;
-    int pp, dp, microbatches;
-    const char* pipeline;
-    const char* extra_keys;
-  };
-  const Case cases[] = {
-      {"residual", 4, 2, 4, "interleaved", ""},
-      {"residual", 4, 1, 4, "zero_bubble", ""},
-      {"branch", 4, 2, 4, "simple", ""},
-      {"branch", 2, 1, 4, "interleaved", R"(, "virtual_stages": 2)"},
-      {"tied", 4, 2, 4, "interleaved", ""},
-      {"tied", 3, 1, 3, "zero_bubble_h2", R"(, "activation_checkpointing": [0])"},
+  const EquivalenceCase cases[] = {
+      {"residual", "residual", 4, 2, 4, "interleaved", ""},
+      {"residual", "residual", 4, 1, 4, "zero_bubble", ""},
+      {"branch", "branch", 4, 2, 4, "simple", ""},
+      {"branch", "branch", 2, 1, 4, "interleaved", R"(, "virtual_stages": 2)"},
+      {"tied", "tied", 4, 2, 4, "interleaved", ""},
+      {"tied", "tied", 3, 1, 3, "zero_bubble_h2", R"(, "activation_checkpointing": [0])"},
       // Pinned by hand: the skip's source and its consumer two stages apart.
-      {"residual", 4, 1, 4, "interleaved", R"(, "auto_partition": false, "default_partition": 3,
+      {"residual", "residual", 4, 1, 4, "interleaved", R"(, "auto_partition": false, "default_partition": 3,
           "partition_overrides": {"in": 0, "a": 1, "b": 2})"},
   };
   for (const auto& c : cases) {
-    DYNAMIC_SECTION(c.model << " pp=" << c.pp << " dp=" << c.dp << " " << c.pipeline << c.extra_keys) {
-      const auto config = write_config(std::string("graph_") + std::to_string(&c - cases),
-                                       smp_config(c.pp, c.dp, c.microbatches, c.pipeline, "cluster",
-                                                  c.dp * c.microbatches * 2, 60, c.extra_keys));
-      const auto result = run_worker(c.pp * c.dp, config, std::string("--model ") + c.model + " --steps 3 --clip 0.5");
-      INFO(result.output);
-      CHECK(result.status == 0);
-      CHECK(count_clean_ranks(result.output) == c.pp * c.dp);
+    DYNAMIC_SECTION(c.label << " pp=" << c.pp << " dp=" << c.dp << " " << c.pipeline << c.extra_keys) {
+      check_equivalence(c, "graph_" + std::to_string(&c - cases));
     }
   }
 }
