@@ -70,6 +70,19 @@ TEST_CASE("a killed rank stops the job; resuming gives the uninterrupted losses 
   for (std::size_t i = 0; i < after.size(); ++i) CHECK(after[i] == expected[i + 2]);
 }
 
+TEST_CASE("a rank that stops answering makes the others fail within the timeout and names it", "[faults]") {
+  const auto config = write_config("stopped", smp_config(2, 2, 2, "interleaved", "cluster", 8, 5));
+  const auto result = run_command(std::string(SMPRUN_PATH) + " --grace 2 -n 4 -- " + WORKER_PATH + " --config " +
+                                      config + " --steps 4 --stop-rank 1 --stop-step 2",
+                                  120);
+  INFO(result.output);
+  CHECK(result.status != 0);
+  CHECK(result.status != 124);
+  // Rank 1's pipeline peer (rank 0) waits for it and gives up after comm_timeout_s = 5 s.
+  CHECK_THAT(result.output, Contains("step 2, stage-rank 0") && Contains("receiving from rank 1 failed"));
+  CHECK(result.seconds < 5 + 2 + 20);
+}
+
 TEST_CASE("a checkpoint loads into another number of replicas and exports for another partitioning", "[faults][checkpoint]") {
   const auto dir = fresh_directory("reshape");
   const auto config = write_config("reshape", smp_config(2, 2, 2, "interleaved", "cluster", 8, 30, checkpoint_keys(dir, 3)));

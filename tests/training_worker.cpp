@@ -35,6 +35,8 @@ struct Options {
   int fail_step = -1;
   int kill_rank = -1;   // this rank SIGKILLs itself at the start of kill_step
   int kill_step = -1;
+  int stop_rank = -1;   // this rank stops answering (SIGSTOP) at the start of stop_step
+  int stop_step = -1;
   int nan_step = -1;    // the inputs of this step are NaN
   int spike_step = -1;  // the loss of this step is multiplied by 1e30: finite, but fp16 gradients overflow
   int input_width = 8;  // a width the model does not take gives a shape error
@@ -172,6 +174,8 @@ Options parse(int argc, char** argv) {
     else if (flag == "--rtol") options.rtol = std::stod(value);
     else if (flag == "--kill-rank") options.kill_rank = std::stoi(value);
     else if (flag == "--kill-step") options.kill_step = std::stoi(value);
+    else if (flag == "--stop-rank") options.stop_rank = std::stoi(value);
+    else if (flag == "--stop-step") options.stop_step = std::stoi(value);
     else if (flag == "--nan-step") options.nan_step = std::stoi(value);
     else if (flag == "--spike-step") options.spike_step = std::stoi(value);
     else if (flag == "--input-width") options.input_width = std::stoi(value);
@@ -253,6 +257,7 @@ int run(int argc, char** argv) {
                                std::to_string(step));
     }
     if (runtime->rank() == options.kill_rank && step == options.kill_step) raise(SIGKILL);
+    if (runtime->rank() == options.stop_rank && step == options.stop_step) raise(SIGSTOP);
     auto [inputs, targets] = global_batch(options, batch, step, config.seed);
     if (step == options.nan_step) inputs = at::full_like(inputs, std::nan(""));
     optimizer.zero_grad();
