@@ -37,11 +37,11 @@ def bench_pipeline(smp_keys, processes, trace_dir=None, model=MODEL, global_batc
     line = next(l for l in result.stdout.splitlines() if l.startswith("{"))
     measured = json.loads(line)
     timeline = re.search(r"timeline of step \d+: bubble ([\d.]+) measured \(makespan ([\d.]+) ms\), ([\d.]+) simulated "
-                         r"\(makespan ([\d.]+) ms\); receive waits ([\d.]+) ms", result.stderr)
+                         r"\(makespan ([\d.]+) ms\); receive waits ([\d.]+) ms; transfer latency ([\d.]+) ms", result.stderr)
     if timeline:
         measured.update(bubble_measured=float(timeline[1]), makespan_measured_ms=float(timeline[2]),
                         bubble_simulated=float(timeline[3]), makespan_simulated_ms=float(timeline[4]),
-                        receive_wait_ms=float(timeline[5]))
+                        receive_wait_ms=float(timeline[5]), latency_ms=float(timeline[6]))
     return measured
 
 

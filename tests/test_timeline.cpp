@@ -16,8 +16,9 @@ using Catch::Matchers::Contains;
 namespace {
 // Two pipeline ranks of one replica: rank 0 busy 0-10 and 30-40, rank 1 busy 10-30; makespan 40, busy 40 of 80.
 std::vector<RankTimeline> two_ranks() {
-  RankTimeline first{0, 0, 0, {{"F", 0, 0, 0, 10}, {"RECV_B", 0, 0, 10, 30}, {"B", 0, 0, 30, 40}}};
-  RankTimeline second{1, 1, 0, {{"RECV_F", 1, 0, 0, 10}, {"F", 1, 0, 10, 15}, {"B", 1, 0, 15, 30}}};
+  RankTimeline first{0, 0, 0, {{"F", 0, 0, 0, 9}, {"SEND_F", 0, 0, 9, 10, 1}, {"RECV_B", 0, 0, 10, 30, 1}, {"B", 0, 0, 30, 40}}};
+  RankTimeline second{1, 1, 0, {{"RECV_F", 1, 0, 0, 10, 0}, {"F", 1, 0, 10, 15}, {"B", 1, 0, 15, 28},
+                                {"SEND_B", 1, 0, 28, 29, 0}}};
   return {first, second};
 }
 }  // namespace
@@ -25,9 +26,12 @@ std::vector<RankTimeline> two_ranks() {
 TEST_CASE("timeline: bubble and receive waits of one replica", "[timeline]") {
   const auto summary = summarize(two_ranks(), 0);
   CHECK(summary.makespan_us == 40);
-  CHECK(summary.busy_us == 40);
-  CHECK(summary.bubble_fraction == Approx(0.5));
+  CHECK(summary.busy_us == 40 - 1 - 2);  // sends are not compute
+  CHECK(summary.bubble_fraction == Approx(1.0 - 37.0 / 80.0));
   CHECK(summary.receive_wait_us == 30);
+  // RECV_F waited from 0 and ended 0 us after its send (10 -> 10); RECV_B waited from 10 and ended 1 us after its
+  // send (29 -> 30): mean 0.5 us.
+  CHECK(summary.transfer_latency_us == Approx(0.5));
   CHECK(summarize(two_ranks(), 1).makespan_us == 0);
 }
 
@@ -35,9 +39,10 @@ TEST_CASE("timeline: JSON round trip and malformed input", "[timeline]") {
   const auto rank = two_ranks()[1];
   const auto back = RankTimeline::from_json(rank.to_json());
   CHECK(back.rank == 1);
-  REQUIRE(back.events.size() == 3);
+  REQUIRE(back.events.size() == 4);
   CHECK(back.events[2].kind == "B");
-  CHECK(back.events[2].end_us == 30);
+  CHECK(back.events[2].end_us == 28);
+  CHECK(back.events[3].peer_stage == 0);
   CHECK_THROWS_WITH(RankTimeline::from_json("{\"rank\": 1}"), Contains("malformed timeline"));
 }
 
@@ -47,7 +52,7 @@ TEST_CASE("timeline: Chrome trace and SVG", "[timeline]") {
   for (const auto& event : trace.at("traceEvents")) {
     if (event.at("ph") == "X") ++complete_events;
   }
-  CHECK(complete_events == 6);
+  CHECK(complete_events == 8);
   const auto svg = to_svg(two_ranks(), "1f1b <test> & co");
   CHECK_THAT(svg, Contains("<svg") && Contains("</svg>") && Contains("1f1b &lt;test> &amp; co"));
   CHECK_THAT(svg, Contains("replica 0 stage-rank 1") && Contains("#4e79a7"));

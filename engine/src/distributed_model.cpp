@@ -463,8 +463,9 @@ void DistributedModel::write_timeline(const std::vector<TimelineEvent>& events) 
     costs.stages.push_back({mean("F", stage) + send_forward, mean("B", stage) + send_backward,
                             mean("I", stage) + send_backward, mean("W", stage)});
   }
-  const auto simulated = sched::simulate(schedule, graph_, costs);
   const auto measured = summarize(ranks, 0);
+  costs.p2p.latency_s = measured.transfer_latency_us * 1e-6;
+  const auto simulated = sched::simulate(schedule, graph_, costs);
 
   const std::string& dir = runtime_->config().trace_dir;
   std::filesystem::create_directories(dir);
@@ -478,9 +479,11 @@ void DistributedModel::write_timeline(const std::vector<TimelineEvent>& events) 
   char line[512];
   std::snprintf(line, sizeof line,
                 "timeline of step %lld: bubble %.3f measured (makespan %.2f ms), %.3f simulated (makespan %.2f ms); "
-                "receive waits %.2f ms over replica 0; wrote %s_trace.json and %s_pipeline.svg",
+                "receive waits %.2f ms over replica 0; transfer latency %.3f ms; wrote %s_trace.json and "
+                "%s_pipeline.svg",
                 step_, measured.bubble_fraction, measured.makespan_us / 1e3, simulated.bubble_fraction,
-                simulated.makespan * 1e3, measured.receive_wait_us / 1e3, stem.c_str(), stem.c_str());
+                simulated.makespan * 1e3, measured.receive_wait_us / 1e3, measured.transfer_latency_us / 1e3,
+                stem.c_str(), stem.c_str());
   log::info(line);
 }
 

@@ -161,7 +161,7 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
     const auto& action = actions[index];
     const int stage = action.stage, microbatch = action.microbatch;
     auto& entry = stash[{stage, microbatch}];
-    TimelineEvent event{sched::to_string(action.kind), stage, microbatch, now_us(), 0.0};
+    TimelineEvent event{sched::to_string(action.kind), stage, microbatch, now_us(), 0.0, action.peer_stage};
     switch (action.kind) {
       case ActionKind::RecvForward: {
         auto& received = entry.inputs[action.peer_stage];

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <tuple>
 #include <sstream>
 #include <stdexcept>
 
@@ -32,7 +33,8 @@ const char* colour_of(const std::string& kind) {
 std::string RankTimeline::to_json() const {
   nlohmann::json document = {{"rank", rank}, {"pp_rank", pp_rank}, {"dp_rank", dp_rank}, {"events", nlohmann::json::array()}};
   for (const auto& event : events) {
-    document["events"].push_back({event.kind, event.stage, event.microbatch, event.start_us, event.end_us});
+    document["events"].push_back(
+        {event.kind, event.stage, event.microbatch, event.start_us, event.end_us, event.peer_stage});
   }
   return document.dump();
 }
@@ -46,7 +48,7 @@ RankTimeline RankTimeline::from_json(const std::string& text) {
     timeline.dp_rank = document.at("dp_rank").get<int>();
     for (const auto& event : document.at("events")) {
       timeline.events.push_back({event.at(0).get<std::string>(), event.at(1).get<int>(), event.at(2).get<int>(),
-                                 event.at(3).get<double>(), event.at(4).get<double>()});
+                                 event.at(3).get<double>(), event.at(4).get<double>(), event.at(5).get<int>()});
     }
     return timeline;
   } catch (const nlohmann::json::exception& error) {
@@ -68,6 +70,29 @@ TimelineSummary summarize(const std::vector<RankTimeline>& ranks, int dp_rank) {
       if (event.kind.rfind("RECV", 0) == 0) summary.receive_wait_us += event.end_us - event.start_us;
     }
   }
+  // Match each receive with its send: (direction, from stage, to stage, microbatch).
+  std::map<std::tuple<char, int, int, int>, double> send_done;
+  for (const auto& rank : ranks) {
+    if (rank.dp_rank != dp_rank) continue;
+    for (const auto& event : rank.events) {
+      if (event.kind == "SEND_F" || event.kind == "SEND_B") {
+        send_done[{event.kind.back(), event.stage, event.peer_stage, event.microbatch}] = event.end_us;
+      }
+    }
+  }
+  double latency_sum = 0;
+  int latency_samples = 0;
+  for (const auto& rank : ranks) {
+    if (rank.dp_rank != dp_rank) continue;
+    for (const auto& event : rank.events) {
+      if (event.kind != "RECV_F" && event.kind != "RECV_B") continue;
+      const auto sent = send_done.find({event.kind.back(), event.peer_stage, event.stage, event.microbatch});
+      if (sent == send_done.end() || event.start_us > sent->second) continue;  // arrived before it was awaited
+      latency_sum += event.end_us - sent->second;
+      ++latency_samples;
+    }
+  }
+  if (latency_samples > 0) summary.transfer_latency_us = latency_sum / latency_samples;
   if (pipeline_ranks == 0 || last <= first) return summary;
   summary.makespan_us = last - first;
   summary.bubble_fraction = 1.0 - summary.busy_us / (pipeline_ranks * summary.makespan_us);

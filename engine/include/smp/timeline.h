@@ -15,6 +15,7 @@ struct TimelineEvent {
   int microbatch = 0;
   double start_us = 0.0;  // wall clock, microseconds since the epoch
   double end_us = 0.0;
+  int peer_stage = -1;    // transfers: the stage at the other end
 };
 
 struct RankTimeline {
@@ -32,6 +33,9 @@ struct TimelineSummary {
   double busy_us = 0.0;       // compute time (F, B, I, W) summed over those ranks
   double bubble_fraction = 0.0;  // 1 - busy / (pipeline ranks * makespan)
   double receive_wait_us = 0.0;  // time blocked in receives: communication not hidden behind compute
+  // Mean time from a send's posting being done to its receive completing, over receives that were already
+  // waiting when the message left: what one transfer costs on this link (0 when no receive waited).
+  double transfer_latency_us = 0.0;
 };
 
 // Summary of the ranks of replica `dp_rank`.
