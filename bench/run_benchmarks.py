@@ -37,7 +37,7 @@ def bench_pipeline(smp_keys, processes, trace_dir=None, model=MODEL, global_batc
     line = next(l for l in result.stdout.splitlines() if l.startswith("{"))
     measured = json.loads(line)
     timeline = re.search(r"timeline of step \d+: bubble ([\d.]+) measured \(makespan ([\d.]+) ms\), ([\d.]+) simulated "
-                         r"\(makespan ([\d.]+) ms\); receive waits ([\d.]+) ms; transfer latency ([\d.]+) ms", result.stderr)
+                         r"\(makespan ([\d.]+) ms\); receive waits ([\d.]+) ms over replica 0; transfer latency ([\d.]+) ms", result.stderr)
     if timeline:
         measured.update(bubble_measured=float(timeline[1]), makespan_measured_ms=float(timeline[2]),
                         bubble_simulated=float(timeline[3]), makespan_simulated_ms=float(timeline[4]),
@@ -59,8 +59,9 @@ print(f"one process      {single['samples_per_s']:8.1f} samples/s (median step {
 print(f"2-stage pipeline {piped['samples_per_s']:8.1f} samples/s (median step {piped['median_step_s'] * 1e3:.1f} ms)")
 print(f"throughput ratio {ratio:.3f}, ideal m/(m+p-1)*p = {ideal:.3f}, efficiency {ratio / ideal:.1%}")
 
-section("schedules on CPU: 2 ranks, m = 8; measured step (traced) vs simulated with the measured action times")
-print(f"{'schedule':<22}{'step ms':>9}{'traced ms':>11}{'sim ms':>9}{'traced/sim':>12}{'bubble':>8}{'sim':>7}{'formula':>9}{'recv wait ms':>14}")
+section("schedules on CPU: 2 ranks, m = 8; a traced step vs the simulator fed with that step's action times and "
+        "transfer latency")
+print(f"{'schedule':<22}{'step ms':>9}{'traced ms':>11}{'sim ms':>9}{'traced/sim':>12}{'bubble':>8}{'sim':>7}{'formula':>9}{'recv wait ms':>14}{'latency ms':>12}")
 schedule_cases = [("gpipe", {"pipeline": "simple"}), ("1f1b", {"pipeline": "interleaved"}),
                   ("interleaved_1f1b v=2", {"pipeline": "interleaved", "virtual_stages": 2}),
                   ("zb_h1", {"pipeline": "zero_bubble"}), ("zb_h2", {"pipeline": "zero_bubble_h2"})]
@@ -71,7 +72,7 @@ with tempfile.TemporaryDirectory() as traces:
         formula = (p - 1) / (v * m + p - 1) if name in ("gpipe", "1f1b", "interleaved_1f1b v=2") else float("nan")
         print(f"{name:<22}{r['median_step_s'] * 1e3:9.1f}{r['makespan_measured_ms']:11.1f}{r['makespan_simulated_ms']:9.1f}"
               f"{r['makespan_measured_ms'] / r['makespan_simulated_ms']:12.3f}{r['bubble_measured']:8.3f}"
-              f"{r['bubble_simulated']:7.3f}{formula:9.3f}{r['receive_wait_ms']:14.1f}")
+              f"{r['bubble_simulated']:7.3f}{formula:9.3f}{r['receive_wait_ms']:14.1f}{r['latency_ms']:12.2f}")
 
 section("activation checkpointing: peak resident memory of the largest process (GPipe, 2 stages, m = 8, "
         "256-token context, global batch 64)")
