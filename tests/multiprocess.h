@@ -77,4 +77,11 @@ inline int count_clean_ranks(const std::string& output) {
 }
 
 
+// The job succeeded and every one of its `ranks` matched single-process training.
+inline void check_clean_run(const Result& result, int ranks) {
+  INFO(result.output);
+  CHECK(result.status == 0);
+  CHECK(count_clean_ranks(result.output) == ranks);
+}
+
 }  // namespace smp_test

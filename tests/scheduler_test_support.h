@@ -9,6 +9,11 @@
 
 namespace smp::sched::testing {
 
+inline Action F(int stage, int mb) { return {ActionKind::Forward, stage, mb}; }
+inline Action B(int stage, int mb) { return {ActionKind::Backward, stage, mb}; }
+inline Action I(int stage, int mb) { return {ActionKind::BackwardInput, stage, mb}; }
+inline Action W(int stage, int mb) { return {ActionKind::BackwardWeight, stage, mb}; }
+
 // Writing a schedule as CSV and reading it back gives the same schedule, which still validates.
 inline void check_csv_round_trip(const Schedule& original, const StageGraph& graph) {
   std::stringstream csv;

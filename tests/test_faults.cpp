@@ -95,9 +95,7 @@ TEST_CASE("a checkpoint loads into another number of replicas and exports for an
   const auto one_replica = write_config("reshape_dp1", smp_config(2, 1, 4, "interleaved", "cluster", 8, 30,
                                                                   checkpoint_keys(dir, 0) + R"(, "resume": true)"));
   const auto resumed = run_worker(2, one_replica, "--optimizer adamw --steps 5");
-  INFO(resumed.output);
-  CHECK(resumed.status == 0);
-  CHECK(count_clean_ranks(resumed.output) == 2);
+  check_clean_run(resumed, 2);
   CHECK(step_losses(resumed.output).size() == 2);
 
   // Exported as one file, it loads into three stages and holds the state after step 2.
@@ -109,9 +107,7 @@ TEST_CASE("a checkpoint loads into another number of replicas and exports for an
   const auto loaded = run_command(std::string(SMPRUN_PATH) + " -n 3 -- " + WORKER_PATH + " --config " + three_stages +
                                       " --optimizer adamw --steps 0 --load-full " + exported + " --expect-step 2",
                                   120);
-  INFO(loaded.output);
-  CHECK(loaded.status == 0);
-  CHECK(count_clean_ranks(loaded.output) == 3);
+  check_clean_run(loaded, 3);
 }
 
 TEST_CASE("corrupt and truncated checkpoints are refused with a clear error", "[faults][checkpoint]") {

@@ -10,14 +10,11 @@
 #include "smp/scheduler/schedule.h"
 
 using namespace smp::sched;
+using namespace smp::sched::testing;
 using Catch::Contains;
 
 namespace {
 
-Action F(int stage, int mb) { return {ActionKind::Forward, stage, mb}; }
-Action B(int stage, int mb) { return {ActionKind::Backward, stage, mb}; }
-Action I(int stage, int mb) { return {ActionKind::BackwardInput, stage, mb}; }
-Action W(int stage, int mb) { return {ActionKind::BackwardWeight, stage, mb}; }
 Action send_f(int stage, int to, int mb) { return {ActionKind::SendForward, stage, mb, to}; }
 Action recv_f(int stage, int from, int mb) { return {ActionKind::RecvForward, stage, mb, from}; }
 Action send_b(int stage, int to, int mb) { return {ActionKind::SendBackward, stage, mb, to}; }
@@ -358,7 +355,7 @@ TEST_CASE("validate rejects malformed lowered schedules", "[validate]") {
 TEST_CASE("CSV round trip", "[csv]") {
   const StageGraph graph = StageGraph::chain(3);
   for (const Schedule& original : {lower_communication(make_1f1b(3, 5, 2), graph), make_gpipe(3, 2)}) {
-    testing::check_csv_round_trip(original, graph);
+    check_csv_round_trip(original, graph);
   }
   const Schedule split = split_backward_schedule();
   std::stringstream csv;

@@ -14,14 +14,11 @@
 #include "smp/scheduler/simulator.h"
 
 using namespace smp::sched;
+using namespace smp::sched::testing;
 using Catch::Contains;
 
 namespace {
 
-Action F(int stage, int mb) { return {ActionKind::Forward, stage, mb}; }
-Action B(int stage, int mb) { return {ActionKind::Backward, stage, mb}; }
-Action I(int stage, int mb) { return {ActionKind::BackwardInput, stage, mb}; }
-Action W(int stage, int mb) { return {ActionKind::BackwardWeight, stage, mb}; }
 
 // How often each compute action (kind, stage, microbatch) occurs in the schedule.
 std::map<std::tuple<ActionKind, int, int>, int> compute_counts(const Schedule& schedule) {
@@ -257,7 +254,7 @@ TEST_CASE("CSV round trip of every named schedule", "[csv]") {
     const StageGraph graph = StageGraph::chain(compute_only.num_stages);
     for (const Schedule& original : {compute_only, lower_communication(compute_only, graph)}) {
       INFO(name);
-      testing::check_csv_round_trip(original, graph);
+      check_csv_round_trip(original, graph);
     }
   }
 }

@@ -23,9 +23,7 @@ TEST_CASE("pipeline x data parallel training equals single-process training", "[
           const auto result = run_command(std::string(SMPRUN_PATH) + " -n " + std::to_string(c.pp * c.dp) + " -- " +
                                               WORKER_PATH + " --config " + config + " --steps 3 --clip 0.5",
                                           240);
-          INFO(result.output);
-          CHECK(result.status == 0);
-          CHECK(count_clean_ranks(result.output) == c.pp * c.dp);
+          check_clean_run(result, c.pp * c.dp);
           CHECK(step_losses(result.output).size() == 3);
         }
       }
@@ -48,9 +46,7 @@ void check_equivalence(const EquivalenceCase& c, const std::string& name) {
   const auto config = write_config(name, smp_config(c.pp, c.dp, c.microbatches, c.pipeline, "cluster",
                                                     c.dp * c.microbatches * 2, 60, c.extra_keys));
   const auto result = run_worker(c.pp * c.dp, config, std::string("--model ") + c.model + " --steps 3 --clip 0.5");
-  INFO(result.output);
-  CHECK(result.status == 0);
-  CHECK(count_clean_ranks(result.output) == c.pp * c.dp);
+  check_clean_run(result, c.pp * c.dp);
 }
 
 }  // namespace
@@ -120,9 +116,7 @@ TEST_CASE("a schedule loaded from a CSV file runs", "[training][multiprocess][sc
   REQUIRE(dumped.status == 0);
   const auto config = write_config("from_csv", smp_config(2, 1, 4, "interleaved", "cluster", 8, 60, R"(, "schedule_file": ")" + csv + "\""));
   const auto result = run_worker(2, config, "--steps 2");
-  INFO(result.output);
-  CHECK(result.status == 0);
-  CHECK(count_clean_ranks(result.output) == 2);
+  check_clean_run(result, 2);
 
   // A schedule for another shape is refused before training, naming the file.
   const auto mismatched = write_config("from_csv_bad", smp_config(2, 1, 2, "interleaved", "cluster", 4, 60, R"(, "schedule_file": ")" + csv + "\""));
@@ -152,9 +146,7 @@ TEST_CASE("the example writes a timeline", "[training][example][timeline]") {
 TEST_CASE("a transformer trains the same through the pipeline (AdamW)", "[training][multiprocess]") {
   const auto config = write_config("gpt", smp_config(4, 2, 4, "interleaved", "cluster", 16));
   const auto result = run_worker(8, config, "--model gpt --optimizer adamw --steps 3 --clip 1.0 --rtol 1e-3");
-  INFO(result.output);
-  CHECK(result.status == 0);
-  CHECK(count_clean_ranks(result.output) == 8);
+  check_clean_run(result, 8);
 }
 
 TEST_CASE("bf16 and fp16 training match float32 within tolerance", "[training][multiprocess][precision]") {
@@ -163,9 +155,7 @@ TEST_CASE("bf16 and fp16 training match float32 within tolerance", "[training][m
       const auto config = write_config("precision_" + precision, smp_config(2, 2, 2, "interleaved", "cluster", 8, 60,
                                                                           ", \"" + precision + "\": true"));
       const auto result = run_worker(4, config, "--model gpt --steps 3 --rtol 0.02");
-      INFO(result.output);
-      CHECK(result.status == 0);
-      CHECK(count_clean_ranks(result.output) == 4);
+      check_clean_run(result, 4);
     }
   }
 }
@@ -183,9 +173,7 @@ TEST_CASE("fp16 overflow skips the step and lowers the loss scale", "[training][
 TEST_CASE("sequence lengths may change from step to step", "[training][multiprocess]") {
   const auto config = write_config("vary_length", smp_config(4, 1, 2, "zero_bubble", "cluster", 4));
   const auto result = run_worker(4, config, "--model gpt --optimizer adamw --steps 4 --vary-length 1 --rtol 1e-3");
-  INFO(result.output);
-  CHECK(result.status == 0);
-  CHECK(count_clean_ranks(result.output) == 4);
+  check_clean_run(result, 4);
 }
 
 TEST_CASE("the 2x4 example's losses depend only on the seed and the global batch", "[training][example]") {
