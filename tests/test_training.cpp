@@ -77,6 +77,8 @@ TEST_CASE("graphs with skips across stages, branches and tied weights train like
       {"branch", "branch", 4, 2, 4, "simple", ""},
       {"branch", "branch", 2, 1, 4, "interleaved", R"(, "virtual_stages": 2)"},
       {"tied", "tied", 4, 2, 4, "interleaved", ""},
+      {"nested Sequentials expanded for 4 stages", "nested", 4, 1, 4, "interleaved", ""},
+      {"nested Sequentials expanded for 8 stages", "nested", 4, 1, 4, "interleaved", R"(, "virtual_stages": 2)"},
       {"tied", "tied", 3, 1, 3, "zero_bubble_h2", R"(, "activation_checkpointing": [0])"},
       // Pinned by hand: the skip's source and its consumer two stages apart.
       {"residual", "residual", 4, 1, 4, "interleaved", R"(, "auto_partition": false, "default_partition": 3,

@@ -15,6 +15,7 @@
 
 #include <csignal>
 #include <map>
+#include <tuple>
 
 #include "common/gpt.h"
 #include "smp/checkpoint.h"
@@ -118,6 +119,20 @@ smp::GraphModel make_model(const Options& options) {
     graph.add("d", TanhLinear(kMlpIn, 32), {"c"});
     graph.add("tied", TiedLinear(first->weight), {"d"});  // [.., 32] x [32, 8] -> [.., 8]
     graph.add("out", torch::nn::Linear(kMlpIn, kMlpOut), {"tied"});
+    return graph;
+  }
+  if (options.model == "nested") {
+    // Three top-level modules, two of them Sequentials: more stages than that need the module tree's children.
+    auto block = [](int64_t in) {
+      return torch::nn::Sequential(torch::nn::Linear(in, 32), torch::nn::Tanh(), torch::nn::Linear(32, 32), torch::nn::Tanh());
+    };
+    smp::GraphModel graph("x");
+    for (const auto& [name, input, width] : {std::tuple{"encoder", "x", kMlpIn}, std::tuple{"decoder", "encoder", int64_t{32}}}) {
+      auto sequential = block(width);
+      graph.add(name, sequential.ptr(), [sequential](const std::vector<at::Tensor>& in) mutable { return sequential->forward(in[0]); },
+                {input});
+    }
+    graph.add("out", torch::nn::Linear(32, kMlpOut), {"decoder"});
     return graph;
   }
   torch::nn::Sequential mlp;

@@ -103,7 +103,9 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, const torch
     : DistributedModel(std::move(runtime), GraphModel::from_sequential(model), sample_input) {}
 
 DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const at::Tensor& sample_input)
-    : runtime_(std::move(runtime)), model_(std::move(model)) {
+    : runtime_(std::move(runtime)),
+      // More stages than nodes: cut finer along the module tree first.
+      model_(model.expanded_to(static_cast<std::size_t>(runtime_->config().num_stages()))) {
   const Config& config = runtime_->config();
   if (config.fp16) loss_scale_ = kInitialLossScale;
   if (model_.nodes().empty()) throw ConfigError("the model has no modules; nothing to train");

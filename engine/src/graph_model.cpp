@@ -1,5 +1,6 @@
 #include "smp/graph_model.h"
 
+#include <cstdint>
 #include <set>
 
 #include <ATen/ATen.h>
@@ -29,21 +30,78 @@ GraphModel::Forward GraphModel::any_forward(torch::nn::AnyModule module, const s
 
 GraphModel& GraphModel::add(const std::string& name, std::shared_ptr<torch::nn::Module> module, Forward forward,
                             std::vector<std::string> inputs) {
-  if (name.empty() || name == input_name_ || index_.count(name)) {
-    throw ConfigError("GraphModel: node name \"" + name + "\" is empty, taken, or the input's name");
-  }
   if (name.find('.') != std::string::npos) {
     throw ConfigError("GraphModel: node name \"" + name + "\" contains '.', which separates parameter names");
   }
-  for (const auto& input : inputs) {
+  return add_node({name, std::move(module), std::move(forward), std::move(inputs)});
+}
+
+GraphModel& GraphModel::add_node(Node node) {
+  if (node.name.empty() || node.name == input_name_ || index_.count(node.name)) {
+    throw ConfigError("GraphModel: node name \"" + node.name + "\" is empty, taken, or the input's name");
+  }
+  for (const auto& input : node.inputs) {
     if (input != input_name_ && !index_.count(input)) {
-      throw ConfigError("GraphModel node \"" + name + "\" reads \"" + input +
+      throw ConfigError("GraphModel node \"" + node.name + "\" reads \"" + input +
                         "\", which is neither the model input nor an earlier node");
     }
   }
-  index_[name] = static_cast<int>(nodes_.size());
-  nodes_.push_back({name, std::move(module), std::move(forward), std::move(inputs)});
+  index_[node.name] = static_cast<int>(nodes_.size());
+  nodes_.push_back(std::move(node));
   return *this;
+}
+
+bool GraphModel::expandable(int node) const {
+  const auto* sequential = dynamic_cast<const torch::nn::SequentialImpl*>(nodes_.at(node).module.get());
+  return sequential && sequential->size() >= 2 && nodes_[node].inputs.size() == 1;
+}
+
+GraphModel GraphModel::expanded(const std::string& node) const {
+  const int target = index_of(node);
+  if (target < 0 || !expandable(target)) {
+    throw ConfigError("GraphModel: node \"" + node + "\" is not a Sequential of two or more modules with one input");
+  }
+  auto* sequential = dynamic_cast<torch::nn::SequentialImpl*>(nodes_[target].module.get());
+  GraphModel result(input_name_);
+  std::string last_child;
+  for (std::size_t i = 0; i < nodes_.size(); ++i) {
+    Node copy = nodes_[i];
+    // Whoever read the expanded node now reads its last child, which produces the same tensor.
+    for (auto& input : copy.inputs) {
+      if (input == node) input = last_child;
+    }
+    if (static_cast<int>(i) != target) {
+      result.add_node(std::move(copy));
+      continue;
+    }
+    const auto children = sequential->named_children();
+    std::string previous = copy.inputs.front();
+    std::size_t index = 0;
+    for (const auto& child : *sequential) {
+      const std::string name = node + "." + children[index++].key();
+      result.add_node({name, child.ptr(), any_forward(child, name, 1), {previous}});
+      previous = name;
+    }
+    last_child = previous;
+  }
+  return result;
+}
+
+GraphModel GraphModel::expanded_to(std::size_t nodes) const {
+  GraphModel result = *this;
+  while (result.nodes_.size() < nodes) {
+    int largest = -1;
+    std::int64_t largest_parameters = -1;
+    for (int i = 0; i < static_cast<int>(result.nodes_.size()); ++i) {
+      if (!result.expandable(i)) continue;
+      std::int64_t parameters = 0;
+      for (const auto& parameter : result.nodes_[i].module->parameters()) parameters += parameter.numel();
+      if (parameters > largest_parameters) largest = i, largest_parameters = parameters;
+    }
+    if (largest < 0) break;
+    result = result.expanded(result.nodes_[largest].name);
+  }
+  return result;
 }
 
 GraphModel GraphModel::from_sequential(const torch::nn::Sequential& model, std::string input_name) {

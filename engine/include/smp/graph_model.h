@@ -51,6 +51,15 @@ class GraphModel {
 
   static GraphModel from_sequential(const torch::nn::Sequential& model, std::string input_name = "input");
 
+  // The same model with node `node`, whose module must be a torch::nn::Sequential, replaced by a chain of its
+  // children named "<node>.<child>" (so parameter names do not change). Throws ConfigError otherwise.
+  GraphModel expanded(const std::string& node) const;
+  // True when `node`'s module is a Sequential of two or more children with one input.
+  bool expandable(int node) const;
+  // Expands Sequential nodes, largest parameter count first, until there are at least `nodes` of them or nothing
+  // is left to expand: granularity follows the module tree.
+  GraphModel expanded_to(std::size_t nodes) const;
+
   const std::string& input_name() const { return input_name_; }
   const std::vector<Node>& nodes() const { return nodes_; }
   int index_of(const std::string& node) const;  // -1 when absent
@@ -70,6 +79,8 @@ class GraphModel {
 
  private:
   static Forward any_forward(torch::nn::AnyModule module, const std::string& name, std::size_t arity);
+  // Adds without the '.' check: expanded children are named "<node>.<child>" on purpose.
+  GraphModel& add_node(Node node);
 
   std::string input_name_;
   std::vector<Node> nodes_;
