@@ -49,17 +49,17 @@ std::vector<int> StagePlan::modules_of_stage(int stage) const {
 }
 
 std::int64_t StagePlan::stage_sent_bytes(int stage) const {
-  std::int64_t bytes = 0;
-  for (int node : modules_of_stage(stage)) {
-    std::set<int> consumer_stages;
-    for (std::size_t consumer = 0; consumer < modules.size(); ++consumer) {
-      const auto& producers = modules[consumer].producers;
-      if (stage_of_module[consumer] != stage && std::find(producers.begin(), producers.end(), node) != producers.end()) {
-        consumer_stages.insert(stage_of_module[consumer]);
+  // Each output leaves once per consumer stage, however many nodes there read it.
+  std::set<std::pair<int, int>> sent;  // (producer node, consumer stage)
+  for (std::size_t consumer = 0; consumer < modules.size(); ++consumer) {
+    for (int producer : modules[consumer].producers) {
+      if (stage_of_module[producer] == stage && stage_of_module[consumer] != stage) {
+        sent.insert({producer, stage_of_module[consumer]});
       }
     }
-    bytes += static_cast<std::int64_t>(consumer_stages.size()) * modules[node].output_bytes;
   }
+  std::int64_t bytes = 0;
+  for (const auto& [producer, consumer_stage] : sent) bytes += modules[producer].output_bytes;
   return bytes;
 }
 
