@@ -142,6 +142,60 @@ TEST_CASE("every named schedule over the grid validates, lowers and simulates", 
   }
 }
 
+TEST_CASE("receives_in_send_order pairs every receive with the peer's sends, in order", "[generators][lowering]") {
+  int out_of_order = 0;
+  for (const std::string& name : schedule_names()) {
+    for (int ranks : {2, 3, 4, 8}) {
+      for (int microbatches : {1, 2, 3, 5, 8, 16}) {
+        for (int virtual_stages : {1, 2, 3}) {
+          if (virtual_stages != 1 && !takes_virtual_stages(name)) continue;
+          const Schedule compute_only = make_schedule(name, ranks, microbatches, virtual_stages, 0);
+          const int stages = ranks * virtual_stages;
+          // A chain, and skip connections over one stage as residual models have.
+          StageGraph skips = StageGraph::chain(stages);
+          for (int stage = 0; stage + 2 < stages; ++stage) skips.consumers[stage].push_back(stage + 2);
+          for (const StageGraph& graph : {StageGraph::chain(stages), skips}) {
+            INFO(name << " ranks=" << ranks << " microbatches=" << microbatches << " virtual_stages=" << virtual_stages
+                      << " skips=" << (graph.consumers[0].size() > 1));
+            const Schedule schedule = lower_communication(compute_only, graph);
+            for (int rank = 0; rank < ranks; ++rank) {
+              const auto order = receives_in_send_order(schedule, rank);
+              for (const auto& [peer, receives] : order) {
+                std::vector<Action> sends;
+                for (const Action& action : schedule.ranks[peer])
+                  if ((action.kind == ActionKind::SendForward || action.kind == ActionKind::SendBackward) &&
+                      schedule.stage_to_rank[action.peer_stage] == rank)
+                    sends.push_back(action);
+                REQUIRE(sends.size() == receives.size());
+                for (std::size_t i = 0; i < sends.size(); ++i) {
+                  const Action& receive = schedule.ranks[rank][receives[i]];
+                  CHECK(receive.kind == (sends[i].kind == ActionKind::SendForward ? ActionKind::RecvForward
+                                                                                  : ActionKind::RecvBackward));
+                  CHECK(receive.stage == sends[i].peer_stage);
+                  CHECK(receive.peer_stage == sends[i].stage);
+                  CHECK(receive.microbatch == sends[i].microbatch);
+                }
+                out_of_order += !std::is_sorted(receives.begin(), receives.end());
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  // Interleaved 1F1B with skips on 3 ranks receives some messages in another order than they are sent: the case
+  // the executor's receive-ahead exists for.
+  CHECK(out_of_order > 0);
+}
+
+TEST_CASE("receives_in_send_order names a send nobody receives", "[validate]") {
+  Schedule lowered = lower_communication(make_gpipe(2, 2), StageGraph::chain(2));
+  auto& receiver = lowered.ranks[1];
+  receiver.erase(std::find_if(receiver.begin(), receiver.end(),
+                              [](const Action& action) { return action.kind == ActionKind::RecvForward; }));
+  REQUIRE_THROWS_WITH(receives_in_send_order(lowered, 1), Contains("never receives"));
+}
+
 TEST_CASE("interleaved 1F1B action lists", "[generators]") {
   SECTION("p=2, m=4, v=2: rank r owns stages r and r + 2, microbatches go round in groups of 2") {
     const Schedule schedule = make_interleaved_1f1b(2, 4, 2);

@@ -1,3 +1,6 @@
+#include <algorithm>
+#include <map>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -185,6 +188,40 @@ void validate(const Schedule& schedule, const StageGraph& graph) {
   detail::check_structure(schedule, graph);
   // Only whether every rank gets to its end matters here, so any positive costs do.
   detail::simulate_checked(schedule, graph, SimulationCosts::uniform(schedule.num_stages));
+}
+
+std::map<int, std::vector<std::size_t>> receives_in_send_order(const Schedule& schedule, int rank) {
+  // A transfer as both ends name it: SEND_F(s -> t, mb) is RECV_F(t <- s, mb).
+  using Transfer = std::tuple<bool, int, int, int>;  // forward, from stage, to stage, microbatch
+  std::map<Transfer, std::size_t> receive_index;
+  const auto& mine = schedule.ranks.at(static_cast<std::size_t>(rank));
+  for (std::size_t i = 0; i < mine.size(); ++i) {
+    const Action& action = mine[i];
+    if (action.kind != ActionKind::RecvForward && action.kind != ActionKind::RecvBackward) continue;
+    if (schedule.stage_to_rank.at(action.peer_stage) == rank) continue;  // stays in the process
+    receive_index[{action.kind == ActionKind::RecvForward, action.peer_stage, action.stage, action.microbatch}] = i;
+  }
+  std::map<int, std::vector<std::size_t>> order;
+  for (int peer = 0; peer < schedule.num_ranks; ++peer) {
+    if (peer == rank) continue;
+    for (const Action& action : schedule.ranks[peer]) {
+      if (action.kind != ActionKind::SendForward && action.kind != ActionKind::SendBackward) continue;
+      if (schedule.stage_to_rank.at(action.peer_stage) != rank) continue;
+      const auto found = receive_index.find(
+          {action.kind == ActionKind::SendForward, action.stage, action.peer_stage, action.microbatch});
+      if (found == receive_index.end()) {
+        throw ScheduleError("rank " + std::to_string(peer) + " does " + describe(action) + " but rank " +
+                            std::to_string(rank) + " never receives it");
+      }
+      order[peer].push_back(found->second);
+      receive_index.erase(found);
+    }
+  }
+  if (!receive_index.empty()) {
+    const auto& [transfer, index] = *receive_index.begin();
+    throw ScheduleError("rank " + std::to_string(rank) + " does " + describe(mine[index]) + " but no rank sends it");
+  }
+  return order;
 }
 
 }  // namespace smp::sched

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <iosfwd>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -106,6 +107,12 @@ Schedule lower_communication(const Schedule& compute_only, const StageGraph& gra
 // missing actions (each stage must F, and B or I+W, each microbatch exactly once), B/I before its F, W before
 // its I, a receive without the matching send on the peer (or the reverse), or an order that deadlocks.
 void validate(const Schedule& schedule, const StageGraph& graph);
+
+// Transports that match the messages between two ranks by their order instead of by tag (NCCL) must take a
+// peer's messages in the order the peer sends them. For each peer of `rank`, the indices into schedule.ranks[rank]
+// of the receives from that peer, in the peer's send order. Most lowered schedules receive in exactly this order;
+// some (interleaved 1F1B with skip connections on 3 ranks) do not, and the executor then receives ahead.
+std::map<int, std::vector<std::size_t>> receives_in_send_order(const Schedule& schedule, int rank);
 
 // One action per line: "rank,kind,stage,microbatch,peer_stage" after a header line; see schedule.cpp.
 void write_csv(const Schedule& schedule, std::ostream& out);
