@@ -35,6 +35,20 @@ endfunction()
 smp_multiprocess_test(test_training)
 smp_multiprocess_test(test_faults)
 
+# GPU tests (label gpu): one program with its own Catch2 main, which exits 77 where no CUDA device is visible;
+# ctest lists it as skipped. scripts/device_gpu.sh runs them on a GPU machine.
+add_executable(test_gpu ${CMAKE_CURRENT_LIST_DIR}/test_gpu.cpp)
+target_link_libraries(test_gpu PRIVATE Catch2::Catch2 smp::comm)
+target_compile_options(test_gpu PRIVATE -Wall -Wextra)
+target_compile_definitions(test_gpu PRIVATE
+  SMPRUN_PATH="$<TARGET_FILE:smprun>"
+  WORKER_PATH="$<TARGET_FILE:training_worker>"
+  EXAMPLE_PATH="$<TARGET_FILE:hybrid_2x4>"
+  EXAMPLE_CONFIG="${PROJECT_SOURCE_DIR}/examples/hybrid_2x4.json")
+add_dependencies(test_gpu smprun training_worker hybrid_2x4)
+add_test(NAME gpu_tests COMMAND test_gpu)
+set_tests_properties(gpu_tests PROPERTIES LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 900)
+
 
 # Two hosts in network namespaces (root only; skipped with a message otherwise).
 add_test(NAME two_hosts_in_network_namespaces

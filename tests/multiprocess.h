@@ -45,13 +45,16 @@ inline std::string write_config(const std::string& name, const std::string& json
   return path;
 }
 
+// The device is the CPU unless a test says otherwise: these stay CPU/Gloo tests on a GPU machine.
 inline std::string smp_config(int pp, int dp, int microbatches, const std::string& pipeline, const std::string& placement,
-                       int global_batch, double timeout_s = 60, const std::string& extra_keys = "") {
+                       int global_batch, double timeout_s = 60, const std::string& extra_keys = "",
+                       const std::string& device = "cpu") {
   std::ostringstream json;
   json << R"({"partitions": )" << pp << R"(, "microbatches": )" << microbatches << R"(, "pipeline": ")" << pipeline
        << R"(", "ddp": )" << (dp > 1 ? "true" : "false") << R"(, "placement_strategy": ")" << placement
        << R"(", "global_batch_size": )" << global_batch << R"(, "seed": 5, "comm_timeout_s": )" << timeout_s
-       << extra_keys << "}";
+       << R"(, "device": ")" << device
+       << "\"" << extra_keys << "}";
   return json.str();
 }
 

@@ -42,6 +42,20 @@ TEST_CASE("config: defaults and SMP keys", "[config]") {
   CHECK(parse(R"({"pipeline_parallel_degree": 3})").partitions == 3);
 }
 
+TEST_CASE("config: device and backend", "[config]") {
+  const Config defaults = parse("{}");
+  CHECK(defaults.device == "auto");
+  CHECK(defaults.backend == "auto");
+  const Config gpu = parse(R"({"device": "cuda", "backend": "nccl"})");
+  CHECK(gpu.device == "cuda");
+  CHECK(gpu.backend == "nccl");
+  CHECK(parse(R"({"device": "cuda", "ddp_dist_backend": "gloo"})").backend == "gloo");
+  CHECK_THROWS_WITH(parse(R"({"device": "gpu"})"), Contains("key \"device\": expected one of \"auto\", \"cpu\", \"cuda\""));
+  CHECK_THROWS_WITH(parse(R"({"backend": "mpi"})"), Contains("key \"backend\""));
+  CHECK_THROWS_WITH(parse(R"({"device": "cpu", "backend": "nccl"})"), Contains("key \"backend\": \"nccl\" moves GPU tensors only"));
+  CHECK_THROWS_WITH(parse(R"({"backend": "gloo", "ddp_dist_backend": "gloo"})"), Contains("give only one of them"));
+}
+
 TEST_CASE("config: schedules, virtual stages, checkpointing, trace", "[config]") {
   CHECK(parse("{}").schedule_name() == "1f1b");
   CHECK(parse(R"({"pipeline": "simple"})").schedule_name() == "gpipe");

@@ -218,6 +218,9 @@ int run(int argc, char** argv) {
 
   at::manual_seed(config.seed);
   auto reference = make_model(options);
+  // Single-device training on this rank's device: on a GPU the reference is single-GPU training.
+  const c10::Device device = runtime->device();
+  for (const auto& node : reference.nodes()) node.module->to(device);
   auto reference_optimizer = make_optimizer(options, parameters_of(reference));
   const auto base_loss = loss_of(options);
   int current_step = 0;
@@ -229,6 +232,8 @@ int run(int argc, char** argv) {
     current_step = step;
     auto [inputs, targets] = global_batch(options, batch, step, config.seed);
     if (step == options.nan_step) inputs = at::full_like(inputs, std::nan(""));
+    inputs = inputs.to(device);
+    targets = targets.to(device);
     reference_optimizer->zero_grad();
     const auto reference_loss = loss(reference.forward(inputs), targets);
     reference_loss.backward();

@@ -15,7 +15,11 @@ add_library(smp_torch INTERFACE)
 add_library(smp::torch ALIAS smp_torch)
 target_link_libraries(smp_torch INTERFACE ${TORCH_LIBRARIES} smp::gloo_headers)
 
-# CUDA/NCCL: present on the build machines; the GPU code is compiled whenever the toolkit is found.
-include(CheckLanguage)
-check_language(CUDA)
-set(SMP_HAVE_CUDA ${CMAKE_CUDA_COMPILER})
+# The NCCL path is compiled whenever LibTorch was built with CUDA and NCCL is found: both are on the build
+# machines, GPU or not, so CI compiles and links it. Without them comm/ builds a stand-in that says why.
+find_package(NCCL)
+set(SMP_WITH_NCCL OFF)
+if(NCCL_FOUND AND TARGET c10_cuda)
+  set(SMP_WITH_NCCL ON)
+endif()
+message(STATUS "smp: NCCL path: ${SMP_WITH_NCCL} (${NCCL_LIBRARY})")

@@ -1,4 +1,5 @@
 #include <cstdlib>
+#include <functional>
 #include <sstream>
 
 #include <ATen/ops/empty.h>
@@ -25,9 +26,14 @@ namespace {
 
 class GlooPending final : public Pending {
  public:
+  // `finish` runs after the work completes (copying a staged receive back to the device).
   GlooPending(c10::intrusive_ptr<c10d::Work> work, at::Tensor keep_alive, std::chrono::milliseconds timeout,
-              std::string what)
-      : work_(std::move(work)), keep_alive_(std::move(keep_alive)), timeout_(timeout), what_(std::move(what)) {}
+              std::string what, std::function<void()> finish = {})
+      : work_(std::move(work)),
+        keep_alive_(std::move(keep_alive)),
+        timeout_(timeout),
+        what_(std::move(what)),
+        finish_(std::move(finish)) {}
 
   void wait() override {
     if (!work_) return;
@@ -37,6 +43,8 @@ class GlooPending final : public Pending {
       throw CommError(what_ + " failed: " + brief_message(error));
     }
     work_.reset();
+    if (finish_) finish_();
+    finish_ = nullptr;
     keep_alive_.reset();
   }
 
@@ -45,13 +53,18 @@ class GlooPending final : public Pending {
   at::Tensor keep_alive_;
   std::chrono::milliseconds timeout_;
   std::string what_;
+  std::function<void()> finish_;
 };
+
+// Gloo moves host memory only: a tensor elsewhere (a GPU with "backend": "gloo") travels through a CPU copy.
+at::Tensor on_host(const at::Tensor& tensor) { return tensor.is_cpu() ? tensor : tensor.to(c10::kCPU); }
 
 class GlooCommunicator final : public Communicator {
  public:
   GlooCommunicator(const c10::intrusive_ptr<c10d::Store>& store, std::vector<int> members, int global_rank,
-                   std::string name, const std::string& bind_host, std::chrono::milliseconds timeout)
-      : members_(std::move(members)), name_(std::move(name)), timeout_(timeout) {
+                   std::string name, const std::string& bind_host, std::chrono::milliseconds timeout,
+                   c10::Device device)
+      : members_(std::move(members)), name_(std::move(name)), timeout_(timeout), device_(device) {
     for (std::size_t i = 0; i < members_.size(); ++i) {
       if (members_[i] == global_rank) rank_ = static_cast<int>(i);
     }
@@ -81,30 +94,32 @@ class GlooCommunicator final : public Communicator {
   int size() const override { return static_cast<int>(members_.size()); }
   int global_rank(int group_rank) const override { return members_.at(group_rank); }
   std::chrono::milliseconds timeout() const override { return timeout_; }
+  c10::Device device() const override { return device_; }
 
   std::unique_ptr<Pending> isend(const at::Tensor& tensor, int peer, int tag) override {
-    std::vector<at::Tensor> tensors{tensor};
-    return post([&] { return group_->send(tensors, peer, tag); }, tensor,
+    std::vector<at::Tensor> tensors{on_host(tensor)};
+    return post([&] { return group_->send(tensors, peer, tag); }, tensors[0],
                 "sending to rank " + std::to_string(global_rank(peer)));
   }
 
   std::unique_ptr<Pending> irecv(const at::Tensor& into, int peer, int tag) override {
-    std::vector<at::Tensor> tensors{into};
-    return post([&] { return group_->recv(tensors, peer, tag); }, into,
-                "receiving from rank " + std::to_string(global_rank(peer)));
+    std::vector<at::Tensor> tensors{on_host(into)};
+    return post([&] { return group_->recv(tensors, peer, tag); }, tensors[0],
+                "receiving from rank " + std::to_string(global_rank(peer)), copy_back(into, tensors[0]));
   }
 
-  void all_reduce_sum(const at::Tensor& tensor) override {
-    std::vector<at::Tensor> tensors{tensor};
-    post([&] { return group_->allreduce(tensors); }, tensor, "all-reduce in group " + name_)->wait();
+  std::unique_ptr<Pending> iall_reduce_sum(const at::Tensor& tensor) override {
+    std::vector<at::Tensor> tensors{on_host(tensor)};
+    return post([&] { return group_->allreduce(tensors); }, tensors[0], "all-reduce in group " + name_,
+                copy_back(tensor, tensors[0]));
   }
 
   void broadcast(const at::Tensor& tensor, int root) override {
-    std::vector<at::Tensor> tensors{tensor};
+    std::vector<at::Tensor> tensors{on_host(tensor)};
     c10d::BroadcastOptions options;
     options.rootRank = root;
-    post([&] { return group_->broadcast(tensors, options); }, tensor,
-         "broadcast from rank " + std::to_string(global_rank(root)))
+    post([&] { return group_->broadcast(tensors, options); }, tensors[0],
+         "broadcast from rank " + std::to_string(global_rank(root)), copy_back(tensor, tensors[0]))
         ->wait();
   }
 
@@ -113,10 +128,16 @@ class GlooCommunicator final : public Communicator {
   }
 
  private:
+  static std::function<void()> copy_back(const at::Tensor& target, const at::Tensor& staged) {
+    if (target.is_same(staged)) return {};
+    return [target, staged]() mutable { target.copy_(staged); };
+  }
+
   template <typename Start>
-  std::unique_ptr<Pending> post(Start start, const at::Tensor& keep_alive, std::string what) {
+  std::unique_ptr<Pending> post(Start start, const at::Tensor& keep_alive, std::string what,
+                                std::function<void()> finish = {}) {
     try {
-      return std::make_unique<GlooPending>(start(), keep_alive, timeout_, std::move(what));
+      return std::make_unique<GlooPending>(start(), keep_alive, timeout_, std::move(what), std::move(finish));
     } catch (const std::exception& error) {
       throw CommError(what + " failed: " + brief_message(error));
     }
@@ -125,6 +146,7 @@ class GlooCommunicator final : public Communicator {
   std::vector<int> members_;
   std::string name_;
   std::chrono::milliseconds timeout_;
+  c10::Device device_;
   int rank_ = -1;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;
 };
@@ -134,8 +156,8 @@ class GlooCommunicator final : public Communicator {
 std::shared_ptr<Communicator> make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store,
                                               const std::vector<int>& members, int global_rank,
                                               const std::string& name, const std::string& bind_host,
-                                              std::chrono::milliseconds timeout) {
-  return std::make_shared<GlooCommunicator>(store, members, global_rank, name, bind_host, timeout);
+                                              std::chrono::milliseconds timeout, c10::Device device) {
+  return std::make_shared<GlooCommunicator>(store, members, global_rank, name, bind_host, timeout, device);
 }
 
 }  // namespace smp::comm

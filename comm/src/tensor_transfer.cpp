@@ -86,7 +86,8 @@ std::vector<at::Tensor> IncomingTensors::wait() {
     for (int64_t size : sizes) {
       if (size < 0) throw malformed("negative size");
     }
-    tensors.push_back(at::empty(sizes, at::TensorOptions().dtype(static_cast<at::ScalarType>(dtype))));
+    tensors.push_back(
+        at::empty(sizes, at::TensorOptions().dtype(static_cast<at::ScalarType>(dtype)).device(comm_.device())));
     receives.push_back(comm_.irecv(tensors.back(), peer_, tag_ + 1 + static_cast<int>(i)));
   }
   for (auto& receive : receives) {

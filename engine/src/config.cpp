@@ -20,7 +20,8 @@ const std::vector<std::string>& known_keys() {
       "active_microbatches", "auto_partition", "default_partition", "partition_overrides", "optimize",
       "memory_weight", "seed", "global_batch_size", "comm_timeout_s", "log_level", "virtual_stages", "schedule_file",
       "activation_checkpointing", "trace_dir", "trace_step", "checkpoint_dir", "checkpoint_interval",
-      "checkpoints_kept", "resume", "nonfinite", "memory_limit_mb", "link_bandwidth_gbps", "bf16", "fp16"};
+      "checkpoints_kept", "resume", "nonfinite", "memory_limit_mb", "link_bandwidth_gbps", "bf16", "fp16",
+      "device", "backend", "ddp_dist_backend"};
   return keys;
 }
 
@@ -239,6 +240,17 @@ Config Config::from_json_text(const std::string& text, const std::string& source
   if (read.has("bf16")) config.bf16 = read.boolean("bf16");
   if (read.has("fp16")) config.fp16 = read.boolean("fp16");
   if (config.bf16 && config.fp16) read.fail("fp16", "and \"bf16\" are both true; pick one");
+  if (read.has("device")) config.device = read.choice("device", {"auto", "cpu", "cuda"});
+  if (read.has("backend") && read.has("ddp_dist_backend")) {
+    read.fail("ddp_dist_backend", "is an alias of \"backend\"; give only one of them");
+  }
+  for (const char* key : {"backend", "ddp_dist_backend"}) {
+    if (read.has(key)) config.backend = read.choice(key, {"auto", "gloo", "nccl"});
+  }
+  if (config.device == "cpu" && config.backend == "nccl") {
+    read.fail(read.has("backend") ? "backend" : "ddp_dist_backend",
+              "\"nccl\" moves GPU tensors only, and \"device\" is \"cpu\"; use \"gloo\" or \"auto\"");
+  }
   if (read.has("nonfinite")) config.skip_nonfinite_steps = read.choice("nonfinite", {"stop", "skip"}) == "skip";
   if (read.has("ddp")) config.ddp = read.boolean("ddp");
   if (read.has("placement_strategy")) {
@@ -340,7 +352,8 @@ std::string Config::describe() const {
        << (schedule_file.empty() ? schedule_name() : "file:" + schedule_file) << " virtual_stages=" << virtual_stages
        << " ddp=" << (ddp ? "true" : "false")
        << " placement=" << placement_strategy << " active_microbatches=" << active_microbatches
-       << " auto_partition=" << (auto_partition ? "true" : "false") << " seed=" << seed;
+       << " auto_partition=" << (auto_partition ? "true" : "false") << " seed=" << seed << " device=" << device
+       << " backend=" << backend;
   if (global_batch_size > 0) text << " global_batch_size=" << global_batch_size;
   return text.str();
 }

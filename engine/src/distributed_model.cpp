@@ -182,6 +182,12 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
   for (const auto& [name, parameter] : model_.named_parameters()) {
     if (local_tensors.count(parameter.unsafeGetTensorImpl())) named_parameters_.emplace_back(name, parameter);
   }
+  // Only this rank's modules go to its device (Module::to keeps the parameter tensors, so what was collected above
+  // stays valid); the others stay where the caller built them.
+  const c10::Device device = runtime_->device();
+  for (const auto& [stage, local] : stages_) {
+    for (int node : local.nodes) nodes[node].module->to(device);
+  }
 
   // Tied parameters whose holders sit on several ranks: every holder keeps a copy and their gradients are summed
   // over exactly those ranks of this replica before the optimizer step, so the copies never drift.
@@ -353,8 +359,9 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
                       std::to_string(targets.size(0)) + " targets");
   }
   MicrobatchData data;
-  data.inputs = inputs.chunk(microbatches);
-  data.targets = targets.chunk(microbatches);
+  const c10::Device device = runtime_->device();
+  data.inputs = inputs.to(device).chunk(microbatches);
+  data.targets = targets.to(device).chunk(microbatches);
   data.loss = loss;
   data.loss_scale = loss_scale_;
 
@@ -492,20 +499,50 @@ void DistributedModel::write_timeline(const std::vector<TimelineEvent>& events) 
 void DistributedModel::average_gradients_over_replicas() {
   const int replicas = runtime_->topology().data_parallel_degree();
   if (replicas == 1 || named_parameters_.empty()) return;
-  // One flat buffer, one all-reduce: on Gloo the per-call latency dominates for the many small tensors of a stage.
-  std::vector<at::Tensor> grads;
+  // Gradients travel in flat buckets of one dtype: one call per bucket instead of per tensor (the per-call latency
+  // dominates for the many small tensors of a stage), and a bucket is reduced while the next one is packed.
+  constexpr int64_t kBucketBytes = 32 << 20;
+  struct Bucket {
+    std::vector<at::Tensor> grads;
+    int64_t bytes = 0;
+    at::Tensor flat;
+    std::unique_ptr<comm::Pending> reduction;
+  };
+  std::vector<Bucket> buckets;
+  std::map<at::ScalarType, std::size_t> open;  // dtype -> bucket being filled
+  auto post = [&](std::size_t index) {
+    auto& bucket = buckets[index];
+    std::vector<at::Tensor> pieces;
+    for (const auto& grad : bucket.grads) pieces.push_back(grad.reshape({-1}));
+    bucket.flat = at::cat(pieces);
+    bucket.reduction = runtime_->data_parallel().iall_reduce_sum(bucket.flat);
+  };
   for (auto& [name, parameter] : named_parameters_) {
     if (!parameter.grad().defined()) parameter.mutable_grad() = at::zeros_like(parameter);
-    grads.push_back(parameter.grad().reshape({-1}));
+    const at::Tensor& grad = parameter.grad();
+    auto found = open.find(grad.scalar_type());
+    if (found == open.end()) {
+      found = open.emplace(grad.scalar_type(), buckets.size()).first;
+      buckets.emplace_back();
+    }
+    auto& bucket = buckets[found->second];
+    bucket.grads.push_back(grad);
+    bucket.bytes += static_cast<int64_t>(grad.nbytes());
+    if (bucket.bytes >= kBucketBytes) {
+      post(found->second);
+      open.erase(found);
+    }
   }
-  at::Tensor flat = at::cat(grads);
-  runtime_->data_parallel().all_reduce_sum(flat);
-  flat.div_(replicas);
-  int64_t offset = 0;
-  for (auto& [name, parameter] : named_parameters_) {
-    const int64_t count = parameter.numel();
-    parameter.mutable_grad().copy_(flat.narrow(0, offset, count).view_as(parameter));
-    offset += count;
+  for (const auto& [dtype, index] : open) post(index);
+  for (auto& bucket : buckets) {
+    bucket.reduction->wait();
+    bucket.flat.div_(replicas);
+    int64_t offset = 0;
+    for (auto& grad : bucket.grads) {
+      const int64_t count = grad.numel();
+      grad.copy_(bucket.flat.narrow(0, offset, count).view_as(grad));
+      offset += count;
+    }
   }
 }
 

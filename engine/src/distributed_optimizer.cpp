@@ -25,7 +25,8 @@ void DistributedOptimizer::step() {
 }
 
 double DistributedOptimizer::clip_grad_norm(double max_norm) {
-  at::Tensor squares = at::zeros({1}, at::kDouble);
+  // On the parameters' device: the pipeline group reduces it there (NCCL on a GPU).
+  at::Tensor squares = at::zeros({1}, at::TensorOptions(at::kDouble).device(model_.runtime().device()));
   for (const auto& parameter : model_.norm_parameters()) {
     if (parameter.grad().defined()) squares += parameter.grad().to(at::kDouble).pow(2).sum();
   }

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <climits>
 #include <map>
+#include <set>
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -60,6 +61,16 @@ PipelineExecutor::PipelineExecutor(sched::Schedule schedule, sched::StageGraph g
                                pipeline_.name() + " has " + std::to_string(pipeline_.size()));
   }
   for (int stage : checkpointed_stages) checkpointed_.at(static_cast<std::size_t>(stage)) = true;
+  std::set<std::pair<int, int>> channels;  // (sender, receiver) pipeline ranks
+  for (int rank = 0; rank < schedule_.num_ranks; ++rank) {
+    for (const auto& action : schedule_.ranks[rank]) {
+      if (action.kind != ActionKind::SendForward && action.kind != ActionKind::SendBackward) continue;
+      const int receiver = schedule_.stage_to_rank[action.peer_stage];
+      if (receiver != rank) channels.insert({rank, receiver});
+    }
+  }
+  pipeline_.connect({channels.begin(), channels.end()});
+  if (pipeline_.in_order()) receive_order_ = sched::receives_in_send_order(schedule_, pipeline_.rank());
 }
 
 ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const MicrobatchData& data) {
@@ -72,7 +83,7 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
   std::map<std::pair<int, int>, Stash> stash;  // (stage, microbatch)
   std::map<int, std::vector<at::Tensor>> local_mail;  // tag -> tensors between two stages of this rank
   std::vector<std::unique_ptr<comm::Pending>> sends;
-  at::Tensor loss_sum = at::zeros({}, at::kDouble);
+  at::Tensor loss_sum;  // on the losses' device, so that summing them does not wait for the GPU
   int stashed = 0;
 
   auto tag_of = [&](const sched::Action& action) {
@@ -97,8 +108,28 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
     if (peer != me) posted[i] = std::make_unique<comm::IncomingTensors>(pipeline_, peer, tag_of(action), where(action));
   }
 
+  // An in-order transport (NCCL) must take a peer's messages in the peer's send order: a message this rank needs
+  // later is taken in early and kept. That never waits for more than the wanted message does: its sender sent
+  // everything before it first.
+  std::vector<std::vector<at::Tensor>> early(actions.size());
+  std::vector<bool> taken_early(actions.size(), false);
+  std::map<int, std::size_t> next_in_order;  // peer -> position in receive_order_
+  auto receive_posted = [&](std::size_t index) {
+    if (taken_early[index]) return std::move(early[index]);
+    if (!receive_order_.empty()) {
+      const int peer = schedule_.stage_to_rank[actions[index].peer_stage];
+      const auto& order = receive_order_.at(peer);
+      auto& next = next_in_order[peer];
+      for (; order.at(next) != index; ++next) {
+        early[order[next]] = posted[order[next]]->wait();
+        taken_early[order[next]] = true;
+      }
+      ++next;
+    }
+    return posted[index]->wait();
+  };
   auto receive = [&](std::size_t index) {
-    if (posted[index]) return posted[index]->wait();
+    if (posted[index]) return receive_posted(index);
     auto mail = local_mail.find(tag_of(actions[index]));
     if (mail == local_mail.end()) throw sched::ScheduleError(where(actions[index]) + ": local message missing");
     auto tensors = std::move(mail->second);
@@ -180,7 +211,8 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
           run_forward(stage, microbatch, entry);
         }
         if (entry.loss.defined()) {
-          loss_sum += entry.loss.detach().to(at::kDouble) / data.loss_scale;
+          const at::Tensor loss = entry.loss.detach().to(at::kDouble) / data.loss_scale;
+          loss_sum = loss_sum.defined() ? loss_sum + loss : loss;
           stats.has_loss = true;
         }
         // A checkpointed stage ran without a graph: its outputs are only sent on, its loss only counted; backward
@@ -270,7 +302,7 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
     stats.events.push_back(std::move(event));
   }
   for (auto& pending : sends) pending->wait();
-  stats.loss_sum = loss_sum.item<double>();
+  stats.loss_sum = loss_sum.defined() ? loss_sum.item<double>() : 0.0;
   return stats;
 }
 

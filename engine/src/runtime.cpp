@@ -6,7 +6,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Logging.h>
+#include <torch/cuda.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -18,6 +20,28 @@ namespace {
 
 std::chrono::milliseconds timeout_of(const Config& config) {
   return std::chrono::milliseconds(static_cast<long long>(config.comm_timeout_s * 1000.0));
+}
+
+// "auto" takes a GPU when every process of this host can have its own (hosts are assumed alike), else the CPU.
+// NCCL needs one GPU per process; Gloo can share one among the processes of a host (tests on a one-GPU machine).
+c10::Device choose_device(const Config& config, const comm::LaunchInfo& launch) {
+  if (config.device == "cpu") return c10::Device(c10::kCPU);
+  const int gpus = static_cast<int>(torch::cuda::device_count());
+  if (config.device == "auto") {
+    if (gpus == 0 || gpus < launch.local_world_size) return c10::Device(c10::kCPU);
+    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(launch.local_rank));
+  }
+  if (gpus == 0) {
+    throw ConfigError(config.source + ": key \"device\" is \"cuda\", but rank " + std::to_string(launch.rank) +
+                      " sees no CUDA device (check CUDA_VISIBLE_DEVICES and the driver), or set \"device\": \"auto\"");
+  }
+  if (launch.local_rank >= gpus && config.backend != "gloo") {
+    throw ConfigError(config.source + ": rank " + std::to_string(launch.rank) + " has LOCAL_RANK " +
+                      std::to_string(launch.local_rank) + " but its host has " + std::to_string(gpus) +
+                      " CUDA device(s): NCCL needs one GPU per process. Start at most " + std::to_string(gpus) +
+                      " processes per host, or set \"backend\": \"gloo\" to share GPUs");
+  }
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(launch.local_rank % gpus));
 }
 
 std::string join(const std::vector<int>& ranks) {
@@ -40,8 +64,11 @@ Runtime::Runtime(const Config& config, const comm::LaunchInfo& launch)
     : config_(config),
       launch_(launch),
       topology_(config, launch.world_size),
-      coordinates_(topology_.coordinates_of(launch.rank)) {
+      coordinates_(topology_.coordinates_of(launch.rank)),
+      device_(choose_device(config, launch)),
+      nccl_(device_.is_cuda() && config.backend != "gloo") {
   log::configure(launch_.rank, config_.log_level);
+  if (device_.is_cuda()) c10::cuda::set_device(device_.index());
   // c10d logs a C++ backtrace with every warning (e.g. a store connection closed by a peer that failed); our
   // errors already name the peer, so LibTorch's own warnings show only when debugging.
   if (!log::enabled("debug")) FLAGS_caffe2_log_level = 2;
@@ -81,7 +108,8 @@ Runtime::Runtime(const Config& config, const comm::LaunchInfo& launch)
                    : comm::local_address_towards(launch_.master_addr);
   std::vector<int> everyone(launch_.world_size);
   for (int rank = 0; rank < launch_.world_size; ++rank) everyone[rank] = rank;
-  world_ = make_group(everyone, "world");
+  // The world group carries control values (losses, flags) that live on the CPU.
+  world_ = comm::make_gloo_group(store_, everyone, launch_.rank, "world", bind_host_, timeout_of(config_));
   const auto pipeline_members = topology_.pipeline_group(coordinates_.dp_rank);
   pipeline_ = make_group(pipeline_members, "pipeline/" + join(pipeline_members));
   const auto replica_members = topology_.data_parallel_group(coordinates_.pp_rank);
@@ -89,11 +117,14 @@ Runtime::Runtime(const Config& config, const comm::LaunchInfo& launch)
   if (launch_.rank == 0) {
     log::info("config " + config_.source + ": " + config_.describe());
     log::info(topology_.describe() + " (launched by " + launch_.launcher + ")");
+    log::info("device " + device_.str() + ", " + (nccl_ ? "NCCL" : "Gloo") + " between ranks");
   }
 }
 
 std::shared_ptr<comm::Communicator> Runtime::make_group(const std::vector<int>& members, const std::string& name) {
-  return comm::make_gloo_group(store_, members, launch_.rank, name, bind_host_, timeout_of(config_));
+  auto host = comm::make_gloo_group(store_, members, launch_.rank, name, bind_host_, timeout_of(config_), device_);
+  if (!nccl_) return host;
+  return comm::make_nccl_group(store_, std::move(host), device_);
 }
 
 void Runtime::check_job_identity(const std::string& where) {

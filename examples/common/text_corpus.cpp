@@ -1,6 +1,7 @@
 #include "text_corpus.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -10,15 +11,22 @@
 
 namespace smp::examples {
 
+// When `directory` is kDefaultCorpusDir and the environment variable SMP_FORTUNES_DIR is set (non-empty), that
+// directory is read instead: machines without the `fortunes` package installed (the GPU machine, where
+// scripts/device_gpu.sh unpacks it under /tmp/smp-deps) point there. Any other directory is read as given.
 TextCorpus TextCorpus::load(const std::string& directory, int64_t min_bytes) {
   namespace fs = std::filesystem;
+  const char* override_dir = std::getenv("SMP_FORTUNES_DIR");
+  const std::string dir =
+      directory == kDefaultCorpusDir && override_dir != nullptr && *override_dir != '\0' ? override_dir : directory;
   std::error_code error;
-  if (!fs::is_directory(directory, error)) {
-    throw std::runtime_error("corpus directory " + directory +
-                             " not found; install Debian's `fortunes` package (scripts/setup.sh does) or pass --data DIR");
+  if (!fs::is_directory(dir, error)) {
+    throw std::runtime_error("corpus directory " + dir +
+                             " not found; install Debian's `fortunes` package (scripts/setup.sh does), "
+                             "set SMP_FORTUNES_DIR, or pass --data DIR");
   }
   std::vector<fs::path> files;
-  for (const auto& entry : fs::directory_iterator(directory)) {
+  for (const auto& entry : fs::directory_iterator(dir)) {
     if (entry.is_symlink() || !entry.is_regular_file() || entry.path().extension() == ".dat") continue;
     files.push_back(entry.path());
   }
@@ -30,7 +38,7 @@ TextCorpus TextCorpus::load(const std::string& directory, int64_t min_bytes) {
     ++corpus.file_count_;
   }
   if (static_cast<int64_t>(corpus.bytes_.size()) < min_bytes) {
-    throw std::runtime_error("corpus directory " + directory + " holds " + std::to_string(corpus.bytes_.size()) +
+    throw std::runtime_error("corpus directory " + dir + " holds " + std::to_string(corpus.bytes_.size()) +
                              " bytes of text; at least " + std::to_string(min_bytes) + " are needed");
   }
   return corpus;

@@ -44,6 +44,12 @@ struct Config {
   // the optimizer stay float32. fp16 adds dynamic loss scaling.
   bool bf16 = false;
   bool fp16 = false;  // "nonfinite": "skip" drops a step whose loss or gradients are NaN/Inf
+  // "auto": this process's GPU (LOCAL_RANK's) when the host has one for each of its processes, else the CPU.
+  // "cuda": LOCAL_RANK's GPU, an error without one (with "backend": "gloo", processes may share a GPU).
+  std::string device = "auto";
+  // How tensors move between ranks: "auto" follows the device (NCCL for GPU tensors, Gloo for CPU ones);
+  // "gloo" stages GPU tensors through host memory. SMP calls the key ddp_dist_backend.
+  std::string backend = "auto";
   bool auto_partition = true;
   int default_partition = 0;     // stage for every module when auto_partition is false
   std::map<std::string, int> partition_overrides;  // module path -> stage, honoured in both modes

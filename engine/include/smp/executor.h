@@ -65,6 +65,8 @@ class PipelineExecutor {
   comm::Communicator& pipeline_;
   std::vector<bool> checkpointed_;
   int last_stage_;
+  // In-order transports only: per peer, this rank's receives from it in the peer's send order.
+  std::map<int, std::vector<std::size_t>> receive_order_;
 };
 
 }  // namespace smp

@@ -34,12 +34,15 @@ class Runtime {
   int world_size() const { return launch_.world_size; }
   int pp_rank() const { return coordinates_.pp_rank; }
   int dp_rank() const { return coordinates_.dp_rank; }
+  // Where this rank's stages run: the CPU, or its GPU (config "device"; LOCAL_RANK picks the GPU).
+  c10::Device device() const { return device_; }
 
   comm::Communicator& world() { return *world_; }
   comm::Communicator& pipeline() { return *pipeline_; }  // group rank == pp_rank
   comm::Communicator& data_parallel() { return *data_parallel_; }  // group rank == dp_rank
 
-  // A Gloo group of `members` (global ranks); only the members call it, with the same arguments.
+  // A group of `members` (global ranks) for tensors on device(): NCCL for a GPU unless "backend" is "gloo".
+  // Only the members call it, with the same arguments.
   std::shared_ptr<comm::Communicator> make_group(const std::vector<int>& members, const std::string& name);
 
   // A number that every rank draws in the same order, to keep the keys of repeated exchanges apart (e.g. two
@@ -62,6 +65,8 @@ class Runtime {
   comm::LaunchInfo launch_;
   Topology topology_;
   Coordinates coordinates_;
+  c10::Device device_;
+  bool nccl_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::shared_ptr<comm::Communicator> world_;
   std::shared_ptr<comm::Communicator> pipeline_;

@@ -7,9 +7,11 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 #include <c10/util/intrusive_ptr.h>
 
 namespace c10d {
@@ -39,23 +41,45 @@ class Communicator {
   virtual int size() const = 0;
   virtual int global_rank(int group_rank) const = 0;
   virtual std::chrono::milliseconds timeout() const = 0;
+  // Where the tensors this group moves live (CPU, or this process's GPU): receive buffers are made there.
+  virtual c10::Device device() const = 0;
+  // True when tensors on device() are matched between two ranks in the order they are posted, not by tag
+  // (NCCL): a receiver must then post a peer's messages in the order the peer sends them. CPU tensors are always
+  // matched by tag.
+  virtual bool in_order() const { return false; }
+  // Sets up the point-to-point channels (sender, receiver), as group ranks, before their first use. Every member
+  // calls it with the same list. Transports with per-pair state (NCCL) create it here, in an order that cannot
+  // deadlock; sending on a channel that was not connected is an error there.
+  virtual void connect(const std::vector<std::pair<int, int>>& channels) { (void)channels; }
 
   // The tensor must stay alive and unchanged until the transfer completes; the Pending keeps a reference.
   virtual std::unique_ptr<Pending> isend(const at::Tensor& tensor, int peer, int tag) = 0;
-  // `into` must already have the sender's shape and dtype.
+  // `into` must already have the sender's shape and dtype, and be contiguous.
   virtual std::unique_ptr<Pending> irecv(const at::Tensor& into, int peer, int tag) = 0;
 
-  virtual void all_reduce_sum(const at::Tensor& tensor) = 0;  // in place
+  // In place; the result is there when the Pending's wait() returns.
+  virtual std::unique_ptr<Pending> iall_reduce_sum(const at::Tensor& tensor) = 0;
+  void all_reduce_sum(const at::Tensor& tensor) { iall_reduce_sum(tensor)->wait(); }
   virtual void broadcast(const at::Tensor& tensor, int root) = 0;
   virtual void barrier() = 0;
 };
 
 // Creates the Gloo communicator of a group. Only the members call it, each with the same `members` (global
-// ranks, in group order) and `name`; the group's rendezvous goes through `store` under that name.
+// ranks, in group order) and `name`; the group's rendezvous goes through `store` under that name. Tensors on
+// `device` other than the CPU are staged through host memory.
 std::shared_ptr<Communicator> make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store,
                                               const std::vector<int>& members, int global_rank,
                                               const std::string& name, const std::string& bind_host,
-                                              std::chrono::milliseconds timeout);
+                                              std::chrono::milliseconds timeout,
+                                              c10::Device device = c10::Device(c10::kCPU));
+
+// Creates the NCCL communicator of a group on this process's GPU `device`: CUDA tensors go over NCCL, CPU tensors
+// (and barriers) over `host_group`, a Gloo group of the same members. Called by the same ranks with the same
+// arguments as make_gloo_group. Throws CommError when this build has no NCCL or the GPU cannot be used.
+std::shared_ptr<Communicator> make_nccl_group(const c10::intrusive_ptr<c10d::Store>& store,
+                                              std::shared_ptr<Communicator> host_group, c10::Device device);
+// Whether this build can make NCCL groups.
+bool nccl_available();
 
 // The first line of an exception's message, without LibTorch's C++ backtrace.
 std::string brief_message(const std::exception& error);

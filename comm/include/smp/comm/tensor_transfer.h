@@ -1,6 +1,7 @@
 #pragma once
 // Transfers of tensor lists whose shapes the receiver does not know in advance: a fixed-size header message
-// (count, dtypes, shapes) and then one message per tensor. Shapes may change from step to step.
+// (count, dtypes, shapes) and then one message per tensor. Shapes may change from step to step. The header is a
+// CPU tensor (matched by tag); the tensors are received on the group's device.
 
 #include <memory>
 #include <string>

@@ -1,0 +1,156 @@
+#!/usr/bin/env bash
+# Runs ON THE GPU MACHINE, from the repository root: builds smp there and runs the GPU tests and benchmark.
+# That machine has CUDA, CMake, ninja, g++ and python3 with torch, but no package registry: the Debian packages
+# it lacks come as .debs in .deps/debs/ (scripts/device_prepare.sh fetches them on the development machine; the
+# device `run` call must carry ".deps"), unpacked with `dpkg -x` under /tmp/smp-deps, never into /.
+#   bash scripts/device_gpu.sh [TARGET...]   builds TARGETs (default: all), then tests and benchmarks
+#   SMP_GPU_BUILD=DIR          build directory (default build-gpu; kept between calls while the machine is warm)
+#   SMP_GPU_SKIP_TESTS=1       do not run `ctest -L gpu`
+#   SMP_GPU_SKIP_BENCH=1       do not run bin/bench_gpu
+#   SMP_GPU_CMAKE_ARGS="..."   extra configure arguments (word-split)
+#   SMP_GPU_PYTHON=PATH        python with torch (default python3)
+#   SMP_GPU_BENCH_TIMEOUT=S    seconds bench_gpu may run (default 540)
+#   SMP_GPU_CONFIGURE_ONLY=1   stop after configuring (checks that every dependency resolves)
+#   SMP_GPU_DEPS_ROOT=DIR      where the .debs are unpacked (default /tmp/smp-deps)
+#   OUT                        when set, logs go there: build_gpu.txt, ctest_gpu.txt, bench_gpu.txt
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo"
+build=${SMP_GPU_BUILD:-build-gpu}
+root=${SMP_GPU_DEPS_ROOT:-/tmp/smp-deps}
+deps=$root/usr
+arch=x86_64-linux-gnu
+python=${SMP_GPU_PYTHON:-python3}
+out=${OUT:-}
+
+say() { printf '[device] %s\n' "$*" >&2; }
+die() { say "ERROR: $*"; exit 1; }
+# Runs "$@" with its output also copied to $out/$name when $OUT is set; returns the command's status.
+logged() {
+  local name=$1; shift
+  if [ -n "$out" ]; then "$@" 2>&1 | tee "$out/$name"; else "$@"; fi
+}
+[ -n "$out" ] && mkdir -p "$out"
+
+# --- the machine --------------------------------------------------------------------------------------------
+command -v nvidia-smi >/dev/null || die "nvidia-smi not found: this script is for the GPU machine"
+say "GPU:"
+timeout 60 nvidia-smi || die "nvidia-smi failed (or hung for 60 s): no usable GPU"
+if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH=/usr/local/cuda/bin:$PATH
+fi
+command -v nvcc >/dev/null || die "nvcc not found (nor /usr/local/cuda/bin/nvcc): the GPU code needs the CUDA toolkit"
+for tool in cmake ninja ctest "$python"; do
+  command -v "$tool" >/dev/null || die "$tool not found"
+done
+command -v dpkg-deb >/dev/null || command -v ar >/dev/null || die "neither dpkg-deb nor ar found: cannot unpack .debs"
+cxx=$(command -v c++ || command -v g++) || die "no C++ compiler: neither c++ nor g++ is on PATH"
+say "system: $(sed -n 's/^PRETTY_NAME=//p' /etc/os-release 2>/dev/null | tr -d '"'), $(ldd --version 2>&1 | head -n 1)"
+say "compiler: $("$cxx" --version | head -n 1)"
+say "$(cmake --version | head -n 1), ninja $(ninja --version), nvcc $(nvcc --version | grep -o 'release [0-9.]*')"
+
+# --- the .debs ----------------------------------------------------------------------------------------------
+shopt -s nullglob
+debs=("$repo"/.deps/debs/*.deb)
+shopt -u nullglob
+((${#debs[@]})) ||
+  die "no .deps/debs/*.deb: run scripts/device_prepare.sh on the development machine; the run call must carry .deps"
+stamp=$(cat "${debs[@]}" | sha256sum | cut -d ' ' -f 1)
+if [ "$(cat "$root/.smp-stamp" 2>/dev/null)" = "$stamp" ]; then
+  say "dependencies already unpacked in $root"
+else
+  say "unpacking ${#debs[@]} .debs into $root"
+  rm -rf "$root"
+  mkdir -p "$root"
+  for deb in "${debs[@]}"; do
+    if command -v dpkg-deb >/dev/null; then
+      dpkg-deb -x "$deb" "$root" || die "cannot unpack $deb"
+    else  # a .deb is an ar archive holding data.tar.{xz,zst,gz}
+      member=$(ar t "$deb" | grep '^data\.tar') || die "cannot read $deb (no dpkg-deb, and ar failed)"
+      case $member in
+        *.xz) compression=--xz ;; *.zst) compression=--zstd ;; *.gz) compression=--gzip ;; *) compression= ;;
+      esac
+      ar p "$deb" "$member" | tar -x $compression -C "$root" -f - || die "cannot unpack $deb"
+    fi
+  done
+  # Absolute links (zlib1g-dev's libz.so -> /lib/x86_64-linux-gnu/libz.so.1.2.13) would point out of the prefix.
+  while IFS= read -r -d '' link; do
+    target=$(readlink "$link")
+    if [[ $target == /* ]]; then ln -sfn "$root$target" "$link"; fi
+  done < <(find "$root" -type l -print0)
+  echo "$stamp" >"$root/.smp-stamp"
+fi
+for file in include/metis.h include/gloo/algorithm.h include/spdlog/spdlog.h include/fmt/format.h \
+            include/nlohmann/json.hpp include/zlib.h lib/cmake/Catch2/Catch2Config.cmake \
+            "lib/$arch/cmake/spdlog/spdlogConfig.cmake" "lib/$arch/cmake/fmt/fmt-config.cmake" \
+            share/cmake/nlohmann_json/nlohmann_jsonConfig.cmake "lib/$arch/libmetis.so" "lib/$arch/libz.so" \
+            share/games/fortunes/fortunes; do
+  [ -e "$deps/$file" ] || die "$deps/$file missing after unpacking: rerun scripts/device_prepare.sh (its package list)"
+done
+export LD_LIBRARY_PATH=$deps/lib/$arch${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# Debian 12's libraries need glibc >= 2.34 and libstdc++ with GLIBCXX_3.4.30; say so now rather than at run time.
+for library in "$deps/lib/$arch"/*.so.*; do
+  if [ ! -L "$library" ] && ldd "$library" 2>&1 | grep -q 'not found'; then
+    ldd "$library" 2>&1 | grep 'not found' >&2
+    die "$library cannot load on this machine (too old a glibc/libstdc++ for Debian 12's .debs?)"
+  fi
+done
+export SMP_FORTUNES_DIR=$deps/share/games/fortunes
+
+# --- configure and build --------------------------------------------------------------------------------------
+torch_info=$(timeout 300 "$python" -c 'import torch
+print(torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())
+print(torch.utils.cmake_prefix_path)' | tail -n 2) ||
+  die "$python cannot import torch (set SMP_GPU_PYTHON to a python that can)"
+torch_prefix=$(tail -n 1 <<<"$torch_info")
+[ -d "$torch_prefix" ] || die "torch's cmake prefix \"$torch_prefix\" is not a directory"
+say "torch $(head -n 1 <<<"$torch_info"), cmake prefix $torch_prefix"
+
+# The prefix comes right after torch's in CMAKE_PREFIX_PATH, which find_package/find_path/find_library search
+# before the system directories (so FindMETIS, FindGlooHeaders and FindZLIB need nothing more, and the prefix wins
+# over /usr where both have a package). CMAKE_LIBRARY_ARCHITECTURE makes them look in <prefix>/lib/x86_64-linux-gnu
+# (libmetis.so, libz.so, the spdlog and fmt config files) even with a compiler that reports no multiarch directory;
+# the *_DIR variables pin each config package to the prefix outright.
+extra_args=()
+[ -n "${SMP_GPU_CMAKE_ARGS:-}" ] && read -r -a extra_args <<<"$SMP_GPU_CMAKE_ARGS"
+say "configuring $build"
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$torch_prefix;$deps" -DCMAKE_LIBRARY_ARCHITECTURE="$arch" \
+  -Dfmt_DIR="$deps/lib/$arch/cmake/fmt" -Dspdlog_DIR="$deps/lib/$arch/cmake/spdlog" \
+  -DCatch2_DIR="$deps/lib/cmake/Catch2" -Dnlohmann_json_DIR="$deps/share/cmake/nlohmann_json" \
+  "${extra_args[@]}" >&2 || die "configure failed (see above)"
+if [ "${SMP_GPU_CONFIGURE_ONLY:-0}" = 1 ]; then
+  say "configured $build (SMP_GPU_CONFIGURE_ONLY=1: not building)"
+  exit 0
+fi
+
+targets=()
+(($#)) && targets=(--target "$@")
+say "building ${*:-all} with $(nproc) jobs"
+logged build_gpu.txt cmake --build "$build" --parallel "$(nproc)" "${targets[@]}" || die "build failed (see above)"
+
+# --- tests and benchmark: both run even when the other fails; the exit status is the first failure ----------
+status=0
+if [ "${SMP_GPU_SKIP_TESTS:-0}" = 1 ]; then
+  say "tests skipped (SMP_GPU_SKIP_TESTS=1)"
+else
+  say "ctest -L gpu"
+  OMP_NUM_THREADS=1 logged ctest_gpu.txt \
+    ctest --test-dir "$build" -L gpu --output-on-failure --timeout 600 --no-tests=error || status=$?
+  if ((status == 0)); then say "gpu tests passed"; else say "gpu tests FAILED (status $status)"; fi
+fi
+
+if [ "${SMP_GPU_SKIP_BENCH:-0}" = 1 ]; then
+  say "benchmark skipped (SMP_GPU_SKIP_BENCH=1)"
+elif [ -x "$build/bin/bench_gpu" ]; then
+  say "bench_gpu"
+  bench_status=0
+  logged bench_gpu.txt timeout -k 10 "${SMP_GPU_BENCH_TIMEOUT:-540}" "$build/bin/bench_gpu" || bench_status=$?
+  ((bench_status == 0)) || say "bench_gpu FAILED (status $bench_status; 124 is the timeout)"
+  ((status != 0)) || status=$bench_status
+else
+  say "no $build/bin/bench_gpu; benchmark skipped"
+fi
+say "done (status $status)"
+exit "$status"

@@ -1,0 +1,167 @@
+// GPU tests: the NCCL communicator, pipelines on CUDA, mixed precision on the GPU, the example's model on the GPU.
+// They need one CUDA device; without one the program says so and exits 77, which ctest reports as skipped.
+// One GPU means NCCL runs one rank per process; multi-process jobs here share the GPU over Gloo.
+
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+
+#include <cstdio>
+#include <regex>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/cuda.h>
+
+#include "multiprocess.h"
+#include "smp/comm/communicator.h"
+
+using Catch::Matchers::Contains;
+using namespace smp_test;
+
+namespace {
+
+const c10::Device kGpu(c10::kCUDA, 0);
+
+std::shared_ptr<smp::comm::Communicator> one_rank_nccl_group(const std::string& name) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  auto host = smp::comm::make_gloo_group(store, {0}, 0, name, "127.0.0.1", std::chrono::seconds(30), kGpu);
+  return smp::comm::make_nccl_group(store, host, kGpu);
+}
+
+std::string gpu_config(int pp, int dp, int microbatches, const std::string& pipeline, int global_batch,
+                       const std::string& extra_keys = "") {
+  return smp_config(pp, dp, microbatches, pipeline, "cluster", global_batch, 60, extra_keys, "cuda");
+}
+
+}  // namespace
+
+TEST_CASE("NCCL with one rank: all-reduce, broadcast, sends to itself", "[gpu][nccl]") {
+  auto group = one_rank_nccl_group("one");
+  REQUIRE(group->in_order());
+  CHECK(group->device() == kGpu);
+
+  for (const auto dtype : {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble, at::kLong}) {
+    const at::Tensor original = at::arange(1000, at::TensorOptions().dtype(dtype)).to(kGpu);
+    at::Tensor reduced = original.clone();
+    group->all_reduce_sum(reduced);
+    CHECK(at::equal(reduced, original));
+  }
+  at::Tensor broadcast = at::randn({64, 3}, kGpu);
+  const at::Tensor before = broadcast.clone();
+  group->broadcast(broadcast, 0);
+  CHECK(at::equal(broadcast, before));
+
+  // CPU tensors of the same group go over its Gloo side.
+  at::Tensor on_host = at::ones({5});
+  group->all_reduce_sum(on_host);
+  CHECK(at::equal(on_host, at::ones({5})));
+
+  CHECK_THROWS_WITH(group->isend(at::ones({4}, kGpu), 0, 0), Contains("was not connected"));
+  group->connect({{0, 0}});
+  SECTION("receive posted first, then several sends in flight, taken in order") {
+    std::vector<at::Tensor> received;
+    std::vector<std::unique_ptr<smp::comm::Pending>> pending;
+    for (int i = 0; i < 3; ++i) {
+      received.push_back(at::empty({256, 256}, kGpu));
+      pending.push_back(group->irecv(received.back(), 0, 0));
+    }
+    std::vector<at::Tensor> sent;
+    for (int i = 0; i < 3; ++i) {
+      sent.push_back(at::full({256, 256}, static_cast<double>(i), kGpu));
+      pending.push_back(group->isend(sent.back(), 0, 0));
+    }
+    for (auto& operation : pending) operation->wait();
+    for (int i = 0; i < 3; ++i) CHECK(at::equal(received[i], sent[i]));
+  }
+  SECTION("send posted first") {
+    const at::Tensor payload = at::randn({1 << 20}, kGpu);
+    auto send = group->isend(payload, 0, 0);
+    at::Tensor into = at::empty_like(payload);
+    group->irecv(into, 0, 0)->wait();
+    send->wait();
+    CHECK(at::equal(into, payload));
+  }
+  SECTION("a send to itself without a receive is an error, not a hang") {
+    auto send = group->isend(at::ones({4}, kGpu), 0, 0);
+    CHECK_THROWS_WITH(send->wait(), Contains("no matching operation"));
+  }
+}
+
+TEST_CASE("a pipeline of four stages in one process on one GPU trains like single-GPU training", "[gpu][pipeline]") {
+  for (const std::string model : {"mlp", "residual", "tied", "gpt"}) {
+    DYNAMIC_SECTION(model) {
+      const auto config = write_config("gpu_one_process_" + model,
+                                       gpu_config(1, 1, 4, "interleaved", 8, R"(, "virtual_stages": 4)"));
+      check_clean_run(run_worker(1, config, "--model " + model + " --steps 3 --rtol 1e-4"), 1);
+    }
+  }
+}
+
+TEST_CASE("pipelines across processes sharing the GPU over Gloo train like single-GPU training", "[gpu][pipeline]") {
+  SECTION("2 stages, 1F1B") {
+    const auto config = write_config("gpu_gloo_2", gpu_config(2, 1, 4, "interleaved", 8, R"(, "backend": "gloo")"));
+    check_clean_run(run_worker(2, config, "--model gpt --optimizer adamw --steps 3 --rtol 1e-4"), 2);
+  }
+  SECTION("2 stages x 2 replicas, zero bubble") {
+    const auto config = write_config("gpu_gloo_2x2", gpu_config(2, 2, 2, "zero_bubble", 8, R"(, "backend": "gloo")"));
+    check_clean_run(run_worker(4, config, "--model residual --steps 3 --rtol 1e-4"), 4);
+  }
+}
+
+TEST_CASE("NCCL needs a GPU per process: a second process on a one-GPU host is told so", "[gpu][config]") {
+  if (torch::cuda::device_count() != 1) return;  // only meaningful with exactly one GPU
+  const auto config = write_config("gpu_nccl_two", gpu_config(2, 1, 2, "interleaved", 4));
+  const auto result = run_worker(2, config);
+  INFO(result.output);
+  CHECK(result.status != 0);
+  CHECK_THAT(result.output, Contains("NCCL needs one GPU per process"));
+}
+
+TEST_CASE("bf16 and fp16 on the GPU match float32 within tolerance", "[gpu][precision]") {
+  for (const std::string precision : {"bf16", "fp16"}) {
+    DYNAMIC_SECTION(precision) {
+      const auto config = write_config("gpu_" + precision,
+                                       gpu_config(1, 1, 2, "interleaved", 8, R"(, "virtual_stages": 2, ")" + precision + R"(": true)"));
+      check_clean_run(run_worker(1, config, "--model gpt --steps 3 --rtol 0.02"), 1);
+    }
+  }
+}
+
+TEST_CASE("the 2x4 example's model trains on the GPU with the CPU's losses", "[gpu][example]") {
+  std::ifstream original(EXAMPLE_CONFIG);
+  const std::string text((std::istreambuf_iterator<char>(original)), std::istreambuf_iterator<char>());
+  auto run_example = [&](const std::string& name, const std::string& device, int processes, const std::string& extra) {
+    std::string config = std::regex_replace(text, std::regex(R"("smp": \{)"),
+                                            "\"smp\": {\"device\": \"" + device + "\", " + extra);
+    if (processes == 1) {
+      config = std::regex_replace(config, std::regex(R"("partitions": \d+)"), R"("partitions": 1)");
+      config = std::regex_replace(config, std::regex(R"("ddp": true)"), R"("ddp": false)");
+    }
+    const auto result = run_command(std::string(SMPRUN_PATH) + " -n " + std::to_string(processes) + " -- " +
+                                        EXAMPLE_PATH + " --config " + write_config(name, config) + " --steps 4",
+                                    400);
+    INFO(result.output);
+    REQUIRE(result.status == 0);
+    const auto losses = step_losses(result.output);
+    REQUIRE(losses.size() == 4);
+    return losses;
+  };
+  const auto cpu = run_example("example_cpu", "cpu", 1, "");
+  const auto gpu = run_example("example_gpu", "cuda", 1, "");
+  // All eight ranks of the 2x4 job on the one GPU, over Gloo.
+  const auto hybrid = run_example("example_gpu_2x4", "cuda", 8, R"("backend": "gloo", )");
+  for (std::size_t i = 0; i < cpu.size(); ++i) {
+    CHECK(gpu[i] == Approx(cpu[i]).epsilon(1e-3));
+    CHECK(hybrid[i] == Approx(gpu[i]).epsilon(1e-3));
+  }
+  CHECK(gpu.back() < gpu.front());
+}
+
+int main(int argc, char** argv) {
+  if (torch::cuda::device_count() == 0) {
+    std::printf("SKIPPED: no CUDA device here. The GPU tests (NCCL, CUDA pipelines, mixed precision and the example "
+                "on the GPU) run on a GPU machine: scripts/device_gpu.sh\n");
+    return 77;
+  }
+  return Catch::Session().run(argc, argv);
+}
