@@ -91,6 +91,19 @@ TEST_CASE("graphs with skips across stages, branches and tied weights train like
   }
 }
 
+TEST_CASE("payloads matched in order, as NCCL matches them, still train like single-process training",
+          "[training][multiprocess][graph]") {
+  // Interleaved 1F1B on 3 ranks x 2 virtual stages with a skip from stage 1 to stage 3: rank 0 sends rank 1 a
+  // gradient before an activation that rank 1 needs first, so rank 1 must take the gradient in early.
+  const auto config = write_config(
+      "in_order", smp_config(3, 1, 4, "interleaved", "cluster", 8, 60, R"(, "virtual_stages": 2, "auto_partition": false,
+          "partition_overrides": {"pre": 0, "in": 1, "a": 2, "b": 2, "c": 3, "join": 3, "d": 4, "out": 5})"));
+  const auto result = run_command("env SMP_GLOO_IN_ORDER=1 " + std::string(SMPRUN_PATH) + " -n 3 -- " + WORKER_PATH +
+                                      " --config " + config + " --model long_residual --steps 3",
+                                  240);
+  check_clean_run(result, 3);
+}
+
 TEST_CASE("impossible partitions are refused naming the modules", "[training][multiprocess][graph]") {
   const auto too_many = write_config("too_many_stages", smp_config(8, 1, 2, "interleaved", "cluster", 4, 30,
                                                                    R"(, "virtual_stages": 2)"));

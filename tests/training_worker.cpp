@@ -95,6 +95,19 @@ smp::GraphModel make_model(const Options& options) {
     graph.add("out", torch::nn::Linear(32, kMlpOut), {"d"});
     return graph;
   }
+  if (options.model == "long_residual") {
+    // The residual model behind one more module, so that pins can put the skip's source on stage 1 of 6.
+    smp::GraphModel graph("x");
+    graph.add("pre", TanhLinear(kMlpIn, kMlpIn), {"x"});
+    graph.add("in", TanhLinear(kMlpIn, 32), {"pre"});
+    graph.add("a", TanhLinear(32, 32), {"in"});
+    graph.add("b", TanhLinear(32, 32), {"a"});
+    graph.add("c", TanhLinear(32, 32), {"b"});
+    graph.add("join", Add(), {"c", "in"});
+    graph.add("d", TanhLinear(32, 32), {"join"});
+    graph.add("out", torch::nn::Linear(32, kMlpOut), {"d"});
+    return graph;
+  }
   if (options.model == "branch") {
     // Two branches of one input, joined later; the model input is also read deep in the graph.
     smp::GraphModel graph("x");

@@ -64,7 +64,12 @@ class GlooCommunicator final : public Communicator {
   GlooCommunicator(const c10::intrusive_ptr<c10d::Store>& store, std::vector<int> members, int global_rank,
                    std::string name, const std::string& bind_host, std::chrono::milliseconds timeout,
                    c10::Device device)
-      : members_(std::move(members)), name_(std::move(name)), timeout_(timeout), device_(device) {
+      : members_(std::move(members)),
+        name_(std::move(name)),
+        timeout_(timeout),
+        device_(device),
+        // For tests: payloads matched by order as NCCL matches them, so that CPU jobs cover that path too.
+        in_order_(std::getenv("SMP_GLOO_IN_ORDER") && std::string(std::getenv("SMP_GLOO_IN_ORDER")) == "1") {
     for (std::size_t i = 0; i < members_.size(); ++i) {
       if (members_[i] == global_rank) rank_ = static_cast<int>(i);
     }
@@ -95,6 +100,7 @@ class GlooCommunicator final : public Communicator {
   int global_rank(int group_rank) const override { return members_.at(group_rank); }
   std::chrono::milliseconds timeout() const override { return timeout_; }
   c10::Device device() const override { return device_; }
+  bool in_order() const override { return in_order_; }
 
   std::unique_ptr<Pending> isend(const at::Tensor& tensor, int peer, int tag) override {
     std::vector<at::Tensor> tensors{on_host(tensor)};
@@ -147,6 +153,7 @@ class GlooCommunicator final : public Communicator {
   std::string name_;
   std::chrono::milliseconds timeout_;
   c10::Device device_;
+  bool in_order_;
   int rank_ = -1;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;
 };

@@ -33,6 +33,12 @@ at::Tensor make_header(const std::vector<at::Tensor>& tensors, const std::string
   return header;
 }
 
+// An in-order transport matches payloads by their order between two ranks, not by tag: they all carry the first
+// payload tag (never a header's, which are multiples of kTagsPerTransfer).
+int payload_tag(const Communicator& comm, int tag, std::size_t index) {
+  return comm.in_order() ? 1 : tag + 1 + static_cast<int>(index);
+}
+
 }  // namespace
 
 std::unique_ptr<Pending> send_tensors(Communicator& comm, const std::vector<at::Tensor>& tensors, int peer, int tag,
@@ -48,7 +54,7 @@ std::unique_ptr<Pending> send_tensors(Communicator& comm, const std::vector<at::
   auto group = std::make_unique<Group>();
   group->parts.push_back(comm.isend(make_header(tensors, what), peer, tag));
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    group->parts.push_back(comm.isend(tensors[i].contiguous(), peer, tag + 1 + static_cast<int>(i)));
+    group->parts.push_back(comm.isend(tensors[i].contiguous(), peer, payload_tag(comm, tag, i)));
   }
   return group;
 }
@@ -88,7 +94,7 @@ std::vector<at::Tensor> IncomingTensors::wait() {
     }
     tensors.push_back(
         at::empty(sizes, at::TensorOptions().dtype(static_cast<at::ScalarType>(dtype)).device(comm_.device())));
-    receives.push_back(comm_.irecv(tensors.back(), peer_, tag_ + 1 + static_cast<int>(i)));
+    receives.push_back(comm_.irecv(tensors.back(), peer_, payload_tag(comm_, tag_, static_cast<std::size_t>(i))));
   }
   for (auto& receive : receives) {
     try {
