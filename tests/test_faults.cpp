@@ -40,6 +40,24 @@ void flip_byte(const std::string& path, std::streamoff offset) {
 
 }  // namespace
 
+TEST_CASE("the fp16 loss scale survives a checkpoint", "[faults][checkpoint][precision]") {
+  const auto dir = fresh_directory("loss_scale");
+  const auto config = write_config("loss_scale", smp_config(2, 1, 2, "interleaved", "cluster", 4, 30,
+                                                            checkpoint_keys(dir, 1) + R"(, "fp16": true)"));
+  // Step 1 overflows: the scale halves to 32768 and the checkpoint after step 2 keeps it.
+  const auto first = run_worker(2, config, "--model gpt --steps 3 --spike-step 1 --rtol 0.02");
+  INFO(first.output);
+  REQUIRE(first.status == 0);
+  CHECK_THAT(first.output, Contains("loss scale now 32768"));
+  const auto resume_config = write_config("loss_scale_resume", smp_config(2, 1, 2, "interleaved", "cluster", 4, 30,
+                                                                          checkpoint_keys(dir, 1) + R"(, "fp16": true, "resume": true)"));
+  // The resumed job's overflow at step 4 halves the restored scale, not a fresh 65536.
+  const auto resumed = run_worker(2, resume_config, "--model gpt --steps 6 --spike-step 1 --spike-step 4 --rtol 0.02");
+  INFO(resumed.output);
+  CHECK_THAT(resumed.output, Contains("step 4: fp16 gradients overflowed; skipping the step, loss scale now 16384"));
+  check_clean_run(resumed, 2);
+}
+
 TEST_CASE("a killed rank stops the job; resuming gives the uninterrupted losses bit for bit", "[faults][checkpoint]") {
   const auto uninterrupted_config = write_config("uninterrupted", smp_config(2, 2, 2, "interleaved", "cluster", 8, 20));
   const auto uninterrupted = run_command(worker(uninterrupted_config, "--steps 6"), 120);

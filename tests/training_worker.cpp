@@ -15,6 +15,7 @@
 
 #include <csignal>
 #include <map>
+#include <set>
 #include <tuple>
 
 #include "common/gpt.h"
@@ -39,7 +40,7 @@ struct Options {
   int stop_rank = -1;   // this rank stops answering (SIGSTOP) at the start of stop_step
   int stop_step = -1;
   int nan_step = -1;    // the inputs of this step are NaN
-  int spike_step = -1;  // the loss of this step is multiplied by 1e30: finite, but fp16 gradients overflow
+  std::set<int> spike_steps;  // the loss of these steps is multiplied by 1e30: finite, but fp16 gradients overflow
   int input_width = 8;  // a width the model does not take gives a shape error
   bool vary_length = false;  // gpt: the sequence length changes from step to step
   std::string load_full;  // a full-model file (smp_checkpoint export) to load instead of training
@@ -205,7 +206,7 @@ Options parse(int argc, char** argv) {
     else if (flag == "--stop-rank") options.stop_rank = std::stoi(value);
     else if (flag == "--stop-step") options.stop_step = std::stoi(value);
     else if (flag == "--nan-step") options.nan_step = std::stoi(value);
-    else if (flag == "--spike-step") options.spike_step = std::stoi(value);
+    else if (flag == "--spike-step") options.spike_steps.insert(std::stoi(value));
     else if (flag == "--input-width") options.input_width = std::stoi(value);
     else if (flag == "--vary-length") options.vary_length = value == "1";
     else if (flag == "--load-full") options.load_full = value;
@@ -239,7 +240,7 @@ int run(int argc, char** argv) {
   int current_step = 0;
   const smp::LossFunction loss = [&](const at::Tensor& output, const at::Tensor& target) {
     const auto value = base_loss(output, target);
-    return current_step == options.spike_step ? value * 1e30 : value;
+    return options.spike_steps.count(current_step) ? value * 1e30 : value;
   };
   auto reference_step = [&](int step) {
     current_step = step;
@@ -253,7 +254,7 @@ int run(int argc, char** argv) {
     double reference_norm = 0.0;
     if (options.clip > 0) reference_norm = torch::nn::utils::clip_grad_norm_(parameters_of(reference), options.clip);
     // smp drops these steps ("nonfinite": "skip", or an fp16 overflow); so does the reference.
-    if (step != options.nan_step && step != options.spike_step) reference_optimizer->step();
+    if (step != options.nan_step && !options.spike_steps.count(step)) reference_optimizer->step();
     return std::make_pair(reference_loss.item<double>(), reference_norm);
   };
   if (!options.load_full.empty()) {

@@ -88,7 +88,8 @@ void Checkpointer::save(std::int64_t step) {
     try {
       std::filesystem::create_directories(directory);
       c10::Dict<std::string, at::Tensor> parameters;
-      for (const auto& [name, parameter] : model_.named_parameters()) parameters.insert(name, parameter.detach());
+      // On the CPU, so that a checkpoint of a GPU job loads anywhere.
+      for (const auto& [name, parameter] : model_.named_parameters()) parameters.insert(name, parameter.detach().cpu());
       torch::serialize::OutputArchive optimizer_archive;
       optimizer_.local().save(optimizer_archive);
       std::ostringstream optimizer_bytes;
@@ -100,6 +101,8 @@ void Checkpointer::save(std::int64_t step) {
       contents.insert("parameters", parameters);
       contents.insert("optimizer", bytes_tensor(optimizer_bytes.str()));
       contents.insert("rng", at::detail::getDefaultCPUGenerator().get_state());
+      contents.insert("loss_scale", model_.loss_scale());
+      contents.insert("steps_since_scale_change", static_cast<std::int64_t>(model_.steps_since_scale_change()));
       const auto bytes = torch::jit::pickle_save(contents);
       write_file_atomically(directory + "/" + partition_file_name(runtime.pp_rank()),
                             std::string_view(bytes.data(), bytes.size()));
@@ -172,10 +175,15 @@ std::int64_t Checkpointer::resume() {
     optimizer_.local().load(archive);
     auto generator = at::detail::getDefaultCPUGenerator();
     generator.set_state(contents.at("rng").toTensor());
+    if (contents.contains("loss_scale")) {  // absent in checkpoints written before it was saved
+      model_.restore_loss_scale(contents.at("loss_scale").toDouble(),
+                                contents.at("steps_since_scale_change").toInt());
+    }
   } catch (const std::exception& error) {
     throw CheckpointError(path + ": optimizer state does not fit this optimizer: " + comm::brief_message(error));
   }
   last_saved_ = manifest.step;
+  model_.resume_at(manifest.step + 1);
   if (runtime.rank() == 0) log::info("resumed from " + directory + " (step " + std::to_string(manifest.step) + ")");
   return manifest.step + 1;
 }

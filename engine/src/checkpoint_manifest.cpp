@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <ftw.h>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -215,6 +216,21 @@ std::optional<FoundCheckpoint> find_latest_checkpoint(const std::string& root, s
   return std::nullopt;
 }
 
+namespace {
+
+// Not std::filesystem::remove_all: libtorch.so exports its own copy of std::filesystem, which the dynamic linker
+// binds in every program linked with LibTorch, and that remove_all crashes (SIGSEGV) there. Removes what it can,
+// depth first, without following links.
+void remove_tree(const std::string& path) {
+  const auto remove_entry = [](const char* entry, const struct stat*, int, struct FTW*) {
+    ::remove(entry);
+    return 0;  // go on with the rest
+  };
+  nftw(path.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+}  // namespace
+
 void prune_checkpoints(const std::string& root, int keep) {
   int complete_seen = 0;
   for (const auto& [step, path] : checkpoint_directories(root)) {
@@ -226,10 +242,7 @@ void prune_checkpoints(const std::string& root, int keep) {
     }
     // An incomplete directory newer than every complete one may be a save still in progress: leave it.
     const bool remove = complete ? ++complete_seen > keep : complete_seen > 0;
-    if (remove) {
-      std::error_code error;
-      fs::remove_all(path, error);
-    }
+    if (remove) remove_tree(path.string());
   }
 }
 

@@ -329,6 +329,14 @@ bool DistributedModel::local_gradients_finite() const {
   return true;
 }
 
+void DistributedModel::resume_at(long long step) { step_ = step; }
+
+void DistributedModel::restore_loss_scale(double scale, long long steps_since_change) {
+  if (!runtime_->config().fp16) return;  // the scale only exists for fp16
+  loss_scale_ = scale;
+  good_steps_ = steps_since_change;
+}
+
 std::vector<at::Tensor> DistributedModel::parameters() const {
   std::vector<at::Tensor> tensors;
   for (const auto& [name, tensor] : named_parameters_) tensors.push_back(tensor);
@@ -409,8 +417,10 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
     loss_scale_ /= 2.0;
     good_steps_ = 0;
     if (runtime_->rank() == 0) {
+      char scale[32];
+      std::snprintf(scale, sizeof scale, "%g", loss_scale_);
       log::info("step " + std::to_string(step_) + ": fp16 gradients overflowed; skipping the step, loss scale now " +
-                std::to_string(loss_scale_));
+                scale);
     }
     for (auto& [name, parameter] : named_parameters_) {
       if (parameter.grad().defined()) parameter.mutable_grad().zero_();

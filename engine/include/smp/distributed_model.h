@@ -55,6 +55,12 @@ class DistributedModel {
   // Parameter names and shapes of the whole model, so a checkpoint of another model is refused.
   const std::string& model_signature() const { return model_signature_; }
   bool last_step_skipped() const { return last_step_skipped_; }
+  // fp16 dynamic loss scaling: the scale and the steps since it last changed (checkpoints keep both).
+  double loss_scale() const { return loss_scale_; }
+  long long steps_since_scale_change() const { return good_steps_; }
+  void restore_loss_scale(double scale, long long steps_since_change);
+  // The next train_step is step `step` of the job (after a resume), for messages and trace_step.
+  void resume_at(long long step);
 
   // This rank's parameters, named as in the full model (e.g. "3.weight"); a tied parameter is named after its
   // first node (GraphModel::named_parameters) on every rank that holds it.
