@@ -13,7 +13,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
-#include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/cuda.h>
 #include <torch/nn/modules/linear.h>
@@ -33,10 +32,10 @@ const c10::Device kGpu(c10::kCUDA, 0);
 double median_seconds(int warmup, int measured, const std::function<void()>& step) {
   std::vector<double> times;
   for (int i = 0; i < warmup + measured; ++i) {
-    c10::cuda::device_synchronize();
+    torch::cuda::synchronize();
     const auto start = std::chrono::steady_clock::now();
     step();
-    c10::cuda::device_synchronize();
+    torch::cuda::synchronize();
     if (i >= warmup) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   std::sort(times.begin(), times.end());

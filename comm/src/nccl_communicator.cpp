@@ -19,6 +19,8 @@
 #include <set>
 #include <thread>
 
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -49,20 +51,26 @@ struct NcclHandle {
   ncclComm_t comm = nullptr;
   bool aborted = false;
 
-  ~NcclHandle() {
-    if (comm == nullptr) return;
-    if (aborted) return;  // ncclCommAbort already freed it
-    ncclCommDestroy(comm);
-  }
+  NcclHandle() = default;
+  NcclHandle(const NcclHandle&) = delete;
+  NcclHandle& operator=(const NcclHandle&) = delete;
+  // Abort, never ncclCommDestroy: that waits for every operation issued, and after a failure (a model error, a
+  // dead peer) a send whose receiver never came would make the exit hang.
+  ~NcclHandle() { abort(); }
   void abort() {
     if (comm != nullptr && !aborted) {
       ncclCommAbort(comm);
       aborted = true;
     }
   }
+  // ncclCommAbort frees the communicator: nothing may touch it after.
+  void throw_if_aborted(const std::string& what) const {
+    if (aborted) throw CommError(what + ": the NCCL communicator was aborted after an earlier failure");
+  }
   // Communicators are non-blocking (so that a dead peer can be timed out): a call may return ncclInProgress, and
   // the communicator must be polled until it is ready for the next one.
   void wait_ready(Clock::time_point deadline, const std::string& what) {
+    throw_if_aborted(what);
     while (true) {
       ncclResult_t state = ncclSuccess;
       const ncclResult_t query = ncclCommGetAsyncError(comm, &state);
@@ -81,7 +89,7 @@ struct NcclHandle {
     }
   }
   void check(ncclResult_t result, Clock::time_point deadline, const std::string& what) {
-    if (aborted) throw CommError(what + ": the NCCL communicator was aborted after an earlier failure");
+    throw_if_aborted(what);
     if (result != ncclSuccess && result != ncclInProgress) {
       const std::string reason = nccl_error_text(result, comm);
       abort();
@@ -146,6 +154,7 @@ class NcclPending final : public Pending {
       throw CommError(what_ + ": no matching operation was posted (a send to oneself needs its receive)");
     }
     while (!completion_->done->query()) {
+      completion_->handle->throw_if_aborted(what_);
       ncclResult_t state = ncclSuccess;
       ncclCommGetAsyncError(completion_->handle->comm, &state);
       if (state != ncclSuccess && state != ncclInProgress) {
@@ -227,13 +236,15 @@ class NcclCommunicator final : public Communicator {
   void connect(const std::vector<std::pair<int, int>>& wanted) override {
     // Every member sees the same sorted list. Senders publish the ids of their channels before anyone waits for
     // one, then each rank creates all of its channels in one NCCL group: no order of arrival can deadlock.
+    c10::cuda::CUDAGuard guard(device_);
     const std::set<std::pair<int, int>> channels(wanted.begin(), wanted.end());
     std::vector<std::pair<int, int>> mine;
     std::vector<ncclUniqueId> ids;
     std::vector<int> sizes, ranks;
     for (const auto& channel : channels) {
       const auto [from, to] = channel;
-      if ((from != rank() && to != rank()) || channels_.count(channel)) continue;
+      // Only the sender makes the id: each one leaves a bootstrap thread and socket behind.
+      if (from != rank() || channels_.count(channel)) continue;
       ncclUniqueId id;
       check_plain(ncclGetUniqueId(&id), "creating NCCL channel " + channel_name(channel));
       if (from == to) {  // a one-rank communicator: sends to oneself
@@ -241,7 +252,7 @@ class NcclCommunicator final : public Communicator {
         ids.push_back(id);
         sizes.push_back(1);
         ranks.push_back(0);
-      } else if (from == rank()) {
+      } else {
         publish_id(key_of(channel), id);
       }
     }
@@ -255,12 +266,54 @@ class NcclCommunicator final : public Communicator {
       ranks.push_back(from == rank() ? 0 : 1);
     }
     if (mine.empty()) return;
-    const auto handles = create(ids, sizes, ranks, "creating NCCL channels of group " + name());
+    const std::string what = "creating NCCL channels of group " + name();
+    const auto handles = create(ids, sizes, ranks, what);
+    std::vector<Channel*> created;
     for (std::size_t i = 0; i < mine.size(); ++i) {
       Channel channel;
       channel.handle = handles[i];
       channel.stream = std::make_unique<Stream>();
-      channels_.emplace(mine[i], std::move(channel));
+      created.push_back(&channels_.emplace(mine[i], std::move(channel)).first->second);
+    }
+    // NCCL connects a channel at its first transfer, and until the peer is there the host waits: one byte each
+    // way now, while every member is here, so that no send in training waits on the host for its receiver. All
+    // are issued before any is waited for (each on its own communicator), so no order of arrival can deadlock.
+    const auto deadline = Clock::now() + timeout();
+    const at::Tensor byte = at::zeros({2}, at::TensorOptions(at::kByte).device(device_));
+    Event ready;
+    ready.record(c10::cuda::getCurrentCUDAStream(device_.index()).stream());
+    std::vector<std::shared_ptr<Completion>> warm_ups;
+    for (std::size_t i = 0; i < mine.size(); ++i) {
+      const auto [from, to] = mine[i];
+      Channel& channel = *created[i];
+      const cudaStream_t stream = channel.stream->get();
+      ready.block(stream);
+      ncclComm_t comm = channel.handle->comm;
+      ncclResult_t result = ncclSuccess;
+      if (from == to) {
+        check_plain(ncclGroupStart(), what);
+        const ncclResult_t sent = ncclSend(byte.data_ptr(), 1, ncclUint8, 0, comm, stream);
+        const ncclResult_t received = ncclRecv(static_cast<uint8_t*>(byte.data_ptr()) + 1, 1, ncclUint8, 0, comm, stream);
+        const ncclResult_t ended = ncclGroupEnd();
+        result = sent != ncclSuccess ? sent : received != ncclSuccess ? received : ended;
+      } else if (from == rank()) {
+        result = ncclSend(byte.data_ptr(), 1, ncclUint8, 1, comm, stream);
+      } else {
+        result = ncclRecv(static_cast<uint8_t*>(byte.data_ptr()) + 1, 1, ncclUint8, 0, comm, stream);
+      }
+      if (result != ncclSuccess && result != ncclInProgress) {
+        throw CommError(what + ": first transfer on " + channel_name(mine[i]) + " failed: NCCL: " +
+                        nccl_error_text(result, comm));
+      }
+      auto completion = std::make_shared<Completion>();
+      completion->handle = channel.handle;
+      warm_ups.push_back(completion);
+    }
+    for (std::size_t i = 0; i < mine.size(); ++i) {
+      const std::string where = what + ": first transfer on " + channel_name(mine[i]) + " (is the peer running?)";
+      created[i]->handle->wait_ready(deadline, where);
+      finish(*warm_ups[i], created[i]->stream->get());
+      NcclPending(warm_ups[i], byte, deadline, where).wait();
     }
   }
 
@@ -280,7 +333,8 @@ class NcclCommunicator final : public Communicator {
     check_contiguous(tensor, what);
     const auto type = nccl_type(tensor.scalar_type(), true, what);
     const auto deadline = Clock::now() + timeout();
-    auto completion = start(collective_, collective_stream_->get());
+    c10::cuda::CUDAGuard guard(device_);
+    auto completion = start(collective_, collective_stream_->get(), tensor);
     collective_->check(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), element_count(tensor, type), type, ncclSum,
                                      collective_->comm, collective_stream_->get()),
                        deadline, what);
@@ -294,7 +348,8 @@ class NcclCommunicator final : public Communicator {
     check_contiguous(tensor, what);
     const auto type = nccl_type(tensor.scalar_type(), false, what);
     const auto deadline = Clock::now() + timeout();
-    auto completion = start(collective_, collective_stream_->get());
+    c10::cuda::CUDAGuard guard(device_);
+    auto completion = start(collective_, collective_stream_->get(), tensor);
     collective_->check(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), element_count(tensor, type), type, root,
                                      collective_->comm, collective_stream_->get()),
                        deadline, what);
@@ -370,15 +425,18 @@ class NcclCommunicator final : public Communicator {
     return handles;
   }
 
-  // The operation's stream waits for what the caller queued on its current stream (the tensor's producer).
-  std::shared_ptr<Completion> start(const std::shared_ptr<NcclHandle>& handle, cudaStream_t stream) {
-    if (handle->aborted) {
-      throw CommError("group " + name() + ": the NCCL communicator was aborted after an earlier failure");
-    }
+  // The operation's stream waits for what the caller queued on its current stream (the tensor's producer), and
+  // the caching allocator learns that the tensor is in use on that stream: should the caller drop it before the
+  // operation completes (an exception unwinding), its memory is not handed out again until then.
+  std::shared_ptr<Completion> start(const std::shared_ptr<NcclHandle>& handle, cudaStream_t stream,
+                                    const at::Tensor& tensor) {
+    handle->throw_if_aborted("group " + name());
     c10::cuda::CUDAGuard guard(device_);
     Event ready;
     ready.record(c10::cuda::getCurrentCUDAStream(device_.index()).stream());
     ready.block(stream);
+    c10::cuda::CUDACachingAllocator::recordStream(tensor.storage().data_ptr(),
+                                                  c10::cuda::getStreamFromExternal(stream, device_.index()));
     auto completion = std::make_shared<Completion>();
     completion->handle = handle;
     return completion;
@@ -401,7 +459,7 @@ class NcclCommunicator final : public Communicator {
     const auto deadline = Clock::now() + timeout();
     c10::cuda::CUDAGuard guard(device_);
     const cudaStream_t stream = channel.stream->get();
-    auto completion = start(channel.handle, stream);
+    auto completion = start(channel.handle, stream, tensor);
     if (peer == rank()) {
       pair_self(channel, tensor, completion, sending, type, deadline, what);
     } else {

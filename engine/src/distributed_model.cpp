@@ -123,7 +123,8 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
   }
   exchange_ = "model" + std::to_string(runtime_->next_exchange()) + "/";
   if (runtime_->rank() == 0) {
-    plan_ = plan_stages(profile_graph(model_, sample_input), config);
+    // One stage has nothing to balance: one untimed round still checks that the model takes the sample.
+    plan_ = plan_stages(profile_graph(model_, sample_input, config.num_stages() > 1 ? 3 : 0), config);
     runtime_->publish(exchange_ + "stage_plan", plan_.to_json());
   } else {
     plan_ = StagePlan::from_json(runtime_->fetch(exchange_ + "stage_plan"));

@@ -6,7 +6,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/cuda/CUDAFunctions.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Logging.h>
 #include <torch/cuda.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -66,9 +66,11 @@ Runtime::Runtime(const Config& config, const comm::LaunchInfo& launch)
       topology_(config, launch.world_size),
       coordinates_(topology_.coordinates_of(launch.rank)),
       device_(choose_device(config, launch)),
-      nccl_(device_.is_cuda() && config.backend != "gloo") {
+      // "auto" falls back to Gloo in a build without NCCL; "nccl" there fails in make_nccl_group, saying why.
+      nccl_(device_.is_cuda() && (config.backend == "nccl" || (config.backend == "auto" && comm::nccl_available()))) {
   log::configure(launch_.rank, config_.log_level);
-  if (device_.is_cuda()) c10::cuda::set_device(device_.index());
+  // Through the device-generic interface: this file builds against a CPU-only LibTorch too.
+  if (device_.is_cuda()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(device_);
   // c10d logs a C++ backtrace with every warning (e.g. a store connection closed by a peer that failed); our
   // errors already name the peer, so LibTorch's own warnings show only when debugging.
   if (!log::enabled("debug")) FLAGS_caffe2_log_level = 2;

@@ -21,6 +21,7 @@ namespace smp {
 namespace {
 
 double median(std::vector<double> values) {
+  if (values.empty()) return 0.0;  // not timed (repeats = 0)
   std::sort(values.begin(), values.end());
   return values[values.size() / 2];
 }
