@@ -312,6 +312,12 @@ int run(int argc, char** argv) {
       std::fprintf(stderr, "rank %d step %d: loss %.8f, single-process %.8f\n", runtime->rank(), step, output.loss, expected);
       ++failures;
     }
+    // Every parameter of these models gets a gradient, so every bucket must go out while backward still runs.
+    if (output.buckets_overlapped != output.gradient_buckets) {
+      std::fprintf(stderr, "rank %d step %d: %d of %d gradient buckets were reduced during backward\n", runtime->rank(),
+                   step, output.buckets_overlapped, output.gradient_buckets);
+      ++failures;
+    }
     if (options.clip > 0 && std::abs(norm - reference_norm) > 1e-4 * reference_norm + 1e-6) {
       std::fprintf(stderr, "rank %d step %d: grad norm %.8f, single-process %.8f\n", runtime->rank(), step, norm, reference_norm);
       ++failures;

@@ -190,6 +190,26 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
     for (int node : local.nodes) nodes[node].module->to(device);
   }
 
+  if (runtime_->topology().data_parallel_degree() > 1 && !named_parameters_.empty()) {
+    // A parameter's gradient is final after one backward pass per microbatch and local stage that uses it.
+    std::vector<at::Tensor> parameters;
+    std::vector<int> accumulations;
+    for (const auto& [name, parameter] : named_parameters_) {
+      int users = 0;
+      for (const auto& [stage, local] : stages_) {
+        users += std::any_of(local.parameters.begin(), local.parameters.end(),
+                             [&](const at::Tensor& known) { return known.is_same(parameter); });
+      }
+      parameters.push_back(parameter);
+      accumulations.push_back(users * config.microbatches);
+    }
+    // PyTorch DDP's default bucket size: large enough that per-call latency does not dominate, small enough that
+    // the first bucket is ready early in the last backward pass.
+    constexpr std::int64_t kBucketBytes = 25 << 20;
+    reducer_ = std::make_unique<GradientReducer>(std::move(parameters), std::move(accumulations),
+                                                 runtime_->data_parallel(), kBucketBytes);
+  }
+
   // Tied parameters whose holders sit on several ranks: every holder keeps a copy and their gradients are summed
   // over exactly those ranks of this replica before the optimizer step, so the copies never drift.
   std::set<const void*> counted_elsewhere;
@@ -381,11 +401,17 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
   callbacks.parameters = [this](int stage) { return stages_.at(stage).parameters; };
 
   ExecutorStats stats;
+  StepOutput output;
   at::Tensor loss_total;
   try {
+    if (reducer_) reducer_->arm();
     stats = executor_->run(callbacks, data);
+    // Replicas first: it writes the mean back into .grad, and the tied sum (linear too) must come after.
+    if (reducer_) {
+      output.gradient_buckets = reducer_->buckets();
+      output.buckets_overlapped = reducer_->finish();
+    }
     sum_tied_gradients();
-    average_gradients_over_replicas();
     if (loss_scale_ != 1.0) {
       for (auto& [name, parameter] : named_parameters_) {
         if (parameter.grad().defined()) parameter.mutable_grad().div_(loss_scale_);
@@ -402,7 +428,6 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
     throw comm::CommError("step " + std::to_string(step_) + ", stage-rank " + std::to_string(runtime_->pp_rank()) +
                           ": " + error.what());
   }
-  StepOutput output;
   output.loss = loss_total[0].item<double>() / runtime_->topology().data_parallel_degree();
   std::string bad_ranks;
   for (int rank = 0; rank < runtime_->world_size(); ++rank) {
@@ -505,56 +530,6 @@ void DistributedModel::write_timeline(const std::vector<TimelineEvent>& events) 
                 simulated.makespan * 1e3, measured.receive_wait_us / 1e3, measured.transfer_latency_us / 1e3,
                 stem.c_str(), stem.c_str());
   log::info(line);
-}
-
-void DistributedModel::average_gradients_over_replicas() {
-  const int replicas = runtime_->topology().data_parallel_degree();
-  if (replicas == 1 || named_parameters_.empty()) return;
-  // Gradients travel in flat buckets of one dtype: one call per bucket instead of per tensor (the per-call latency
-  // dominates for the many small tensors of a stage), and a bucket is reduced while the next one is packed.
-  constexpr int64_t kBucketBytes = 32 << 20;
-  struct Bucket {
-    std::vector<at::Tensor> grads;
-    int64_t bytes = 0;
-    at::Tensor flat;
-    std::unique_ptr<comm::Pending> reduction;
-  };
-  std::vector<Bucket> buckets;
-  std::map<at::ScalarType, std::size_t> open;  // dtype -> bucket being filled
-  auto post = [&](std::size_t index) {
-    auto& bucket = buckets[index];
-    std::vector<at::Tensor> pieces;
-    for (const auto& grad : bucket.grads) pieces.push_back(grad.reshape({-1}));
-    bucket.flat = at::cat(pieces);
-    bucket.reduction = runtime_->data_parallel().iall_reduce_sum(bucket.flat);
-  };
-  for (auto& [name, parameter] : named_parameters_) {
-    if (!parameter.grad().defined()) parameter.mutable_grad() = at::zeros_like(parameter);
-    const at::Tensor& grad = parameter.grad();
-    auto found = open.find(grad.scalar_type());
-    if (found == open.end()) {
-      found = open.emplace(grad.scalar_type(), buckets.size()).first;
-      buckets.emplace_back();
-    }
-    auto& bucket = buckets[found->second];
-    bucket.grads.push_back(grad);
-    bucket.bytes += static_cast<int64_t>(grad.nbytes());
-    if (bucket.bytes >= kBucketBytes) {
-      post(found->second);
-      open.erase(found);
-    }
-  }
-  for (const auto& [dtype, index] : open) post(index);
-  for (auto& bucket : buckets) {
-    bucket.reduction->wait();
-    bucket.flat.div_(replicas);
-    int64_t offset = 0;
-    for (auto& grad : bucket.grads) {
-      const int64_t count = grad.numel();
-      grad.copy_(bucket.flat.narrow(0, offset, count).view_as(grad));
-      offset += count;
-    }
-  }
 }
 
 }  // namespace smp

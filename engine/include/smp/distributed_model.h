@@ -19,6 +19,7 @@
 #include "smp/checkpoint_manifest.h"
 #include "smp/errors.h"
 #include "smp/executor.h"
+#include "smp/gradient_reducer.h"
 #include "smp/graph_model.h"
 #include "smp/runtime.h"
 #include "smp/stage_plan.h"
@@ -30,6 +31,10 @@ struct StepOutput {
   bool skipped = false;  // non-finite loss or gradients with "nonfinite": "skip": gradients were zeroed
   double seconds = 0.0;  // wall time of the step on this rank
   int peak_stashed_microbatches = 0;
+  // Data parallelism: gradient buckets of this rank, and how many of them were all-reduced while backward still
+  // ran (the rest waited for its end: parameters without a gradient).
+  int gradient_buckets = 0;
+  int buckets_overlapped = 0;
 };
 
 class DistributedModel {
@@ -88,7 +93,6 @@ class DistributedModel {
   StageOutputs run_stage(int stage, const at::Tensor& model_input, const TensorsByStage& from_producers);
   void build_stages(const sched::Schedule& schedule);
   void sum_tied_gradients();
-  void average_gradients_over_replicas();
   void write_timeline(const std::vector<TimelineEvent>& events);
   void adopt_checkpoint_partition();
   bool local_gradients_finite() const;
@@ -104,6 +108,7 @@ class DistributedModel {
   std::vector<at::Tensor> norm_parameters_;
   std::vector<TiedParameter> tied_;
   std::unique_ptr<PipelineExecutor> executor_;
+  std::unique_ptr<GradientReducer> reducer_;  // with data-parallel replicas only
   long long step_ = 0;  // steps run so far, for error messages
   std::string exchange_;  // prefix of this model's store keys
   std::optional<FoundCheckpoint> resumed_from_;

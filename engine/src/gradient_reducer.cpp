@@ -1,0 +1,113 @@
+#include "smp/gradient_reducer.h"
+
+#include <map>
+#include <stdexcept>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace smp {
+namespace {
+
+class CountingHook final : public torch::autograd::PostAccumulateGradHook {
+ public:
+  CountingHook(GradientReducer& reducer, std::size_t parameter) : reducer_(reducer), parameter_(parameter) {}
+  void operator()(const torch::autograd::Variable& /*tensor*/) override { reducer_.accumulated(parameter_); }
+
+ private:
+  GradientReducer& reducer_;
+  std::size_t parameter_;
+};
+
+}  // namespace
+
+GradientReducer::GradientReducer(std::vector<at::Tensor> parameters, std::vector<int> accumulations,
+                                 comm::Communicator& replicas, std::int64_t bucket_bytes)
+    : parameters_(std::move(parameters)),
+      accumulations_(std::move(accumulations)),
+      replicas_(replicas),
+      bucket_of_(parameters_.size()),
+      seen_(parameters_.size(), 0) {
+  // Backward produces gradients roughly in reverse parameter order: buckets follow it, so the first bucket fills
+  // early in the last backward pass.
+  std::map<at::ScalarType, std::size_t> open;  // dtype -> bucket being filled
+  std::vector<std::int64_t> bytes;
+  for (std::size_t i = parameters_.size(); i-- > 0;) {
+    const at::Tensor& parameter = parameters_[i];
+    auto found = open.find(parameter.scalar_type());
+    if (found == open.end() || bytes[found->second] >= bucket_bytes) {
+      open[parameter.scalar_type()] = buckets_.size();
+      found = open.find(parameter.scalar_type());
+      buckets_.emplace_back();
+      bytes.push_back(0);
+    }
+    buckets_[found->second].members.push_back(i);
+    bytes[found->second] += static_cast<std::int64_t>(parameter.nbytes());
+    bucket_of_[i] = found->second;
+  }
+  for (std::size_t i = 0; i < parameters_.size(); ++i) {
+    torch::autograd::impl::set_post_acc_grad_hooks(parameters_[i], std::make_unique<CountingHook>(*this, i));
+  }
+}
+
+GradientReducer::~GradientReducer() {
+  for (const auto& parameter : parameters_) torch::autograd::impl::set_post_acc_grad_hooks(parameter, nullptr);
+}
+
+void GradientReducer::arm() {
+  std::fill(seen_.begin(), seen_.end(), 0);
+  for (auto& bucket : buckets_) {
+    bucket.waiting = static_cast<int>(bucket.members.size());
+    bucket.flat = at::Tensor();
+    bucket.reduction.reset();
+  }
+  posted_order_.clear();
+  armed_ = true;
+}
+
+void GradientReducer::accumulated(std::size_t parameter) {
+  if (!armed_) return;  // a backward outside a training step (e.g. profiling)
+  if (++seen_[parameter] != accumulations_[parameter]) return;
+  Bucket& bucket = buckets_[bucket_of_[parameter]];
+  if (--bucket.waiting == 0) post(bucket);
+}
+
+void GradientReducer::post(Bucket& bucket) {
+  std::vector<at::Tensor> pieces;
+  for (std::size_t member : bucket.members) {
+    at::Tensor& parameter = parameters_[member];
+    if (!parameter.grad().defined()) parameter.mutable_grad() = at::zeros_like(parameter);
+    pieces.push_back(parameter.grad().reshape({-1}));
+  }
+  bucket.flat = at::cat(pieces);
+  bucket.reduction = replicas_.iall_reduce_sum(bucket.flat);
+  posted_order_.push_back(static_cast<std::size_t>(&bucket - buckets_.data()));
+}
+
+int GradientReducer::finish() {
+  armed_ = false;
+  const int posted_during_backward = static_cast<int>(posted_order_.size());
+  // Buckets that no hook completed (a parameter without a gradient this step), in bucket order on every replica.
+  for (auto& bucket : buckets_) {
+    if (!bucket.reduction) post(bucket);
+  }
+  const double replicas = static_cast<double>(replicas_.size());
+  for (std::size_t index : posted_order_) {
+    Bucket& bucket = buckets_[index];
+    bucket.reduction->wait();
+    bucket.flat.div_(replicas);
+    std::int64_t offset = 0;
+    for (std::size_t member : bucket.members) {
+      at::Tensor grad = parameters_[member].grad();
+      const std::int64_t count = grad.numel();
+      grad.copy_(bucket.flat.narrow(0, offset, count).view_as(grad));
+      offset += count;
+    }
+    bucket.flat = at::Tensor();
+    bucket.reduction.reset();
+  }
+  return posted_during_backward;
+}
+
+}  // namespace smp
