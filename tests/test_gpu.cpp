@@ -101,6 +101,16 @@ TEST_CASE("a pipeline of four stages in one process on one GPU trains like singl
   }
 }
 
+TEST_CASE("the traced step on the GPU times each action to completion", "[gpu][timeline]") {
+  const std::string dir = "/tmp/smp_test_" + std::to_string(getpid()) + "_gpu_trace";
+  const auto config = write_config("gpu_trace", gpu_config(1, 1, 4, "interleaved", 8,
+                                                           R"(, "virtual_stages": 4, "trace_dir": ")" + dir + R"(")"));
+  const auto result = run_worker(1, config, "--model gpt --steps 3");
+  check_clean_run(result, 1);
+  CHECK_THAT(result.output, Contains("timeline of step 1: bubble"));
+  CHECK(std::ifstream(dir + "/step1_trace.json").good());
+}
+
 TEST_CASE("pipelines across processes sharing the GPU over Gloo train like single-GPU training", "[gpu][pipeline]") {
   SECTION("2 stages, 1F1B") {
     const auto config = write_config("gpu_gloo_2", gpu_config(2, 1, 4, "interleaved", 8, R"(, "backend": "gloo")"));

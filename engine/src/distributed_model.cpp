@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <torch/cuda.h>
 
 #include <cmath>
 
@@ -399,6 +400,9 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
     return run_stage(stage, model_input, from_producers);
   };
   callbacks.parameters = [this](int stage) { return stages_.at(stage).parameters; };
+  if (device.is_cuda() && !config.trace_dir.empty() && step_ == config.trace_step) {
+    callbacks.synchronize = [index = device.index()] { torch::cuda::synchronize(index); };
+  }
 
   ExecutorStats stats;
   StepOutput output;

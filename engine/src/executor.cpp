@@ -298,6 +298,7 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
         break;
       }
     }
+    if (stages.synchronize) stages.synchronize();
     event.end_us = now_us();
     stats.events.push_back(std::move(event));
   }
