@@ -116,7 +116,8 @@ with tempfile.TemporaryDirectory() as checkpoints:
     r = json.loads(next(l for l in result.stdout.splitlines() if l.startswith("{")))
     print(f"{r['bytes'] / 1e6:.1f} MB written in {r['save_s']:.3f} s ({r['save_mb_per_s']:.0f} MB/s, fsync included); "
           f"loaded in {r['load_s']:.3f} s ({r['load_mb_per_s']:.0f} MB/s, checksums verified); "
-          f"a save pauses rank 0's step by {r['step_pause_s']:.3f} s")
+          f"a save pauses the step by {r['step_pause_s']:.3f} s (the copy of the state; the rest is written in the "
+          f"background)")
 
 section("partitioner: ours vs the optimum (exact DP on chains, exhaustive on small DAGs) and the baselines")
 result = run([f"{BIN}/bench_partition"], timeout=900)

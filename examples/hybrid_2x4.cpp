@@ -148,6 +148,7 @@ int run(int argc, char** argv) {
     if (checkpointer.due(step)) checkpointer.save(step);
   }
   if (first_step < training.steps) checkpointer.save(training.steps - 1);
+  checkpointer.wait();  // saves are written in the background: the last one must be complete before exiting
   return 0;
 }
 

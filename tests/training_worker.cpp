@@ -326,6 +326,7 @@ int run(int argc, char** argv) {
     check_parameters(step);
   }
 
+  checkpointer.wait();
   if (options.steps == 0 || first_step >= options.steps) check_parameters(options.expect_step);
   std::printf("rank %d stage %d: %zu parameters checked, %d mismatches\n", runtime->rank(), distributed.stage(),
               distributed.named_parameters().size(), failures);

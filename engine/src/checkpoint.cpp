@@ -77,33 +77,79 @@ bool Checkpointer::due(std::int64_t step) const {
   return enabled() && interval > 0 && (step + 1) % interval == 0;
 }
 
+Checkpointer::~Checkpointer() {
+  try {
+    wait();
+  } catch (const std::exception& error) {
+    log::error(std::string("checkpoint failed: ") + error.what());
+  }
+}
+
+void Checkpointer::wait() {
+  if (pending_.valid()) pending_.get();
+}
+
 void Checkpointer::save(std::int64_t step) {
   if (!enabled() || step == last_saved_) return;
+  wait();  // one save at a time; a failure of the previous one surfaces here
   Runtime& runtime = model_.runtime();
   const Config& config = runtime.config();
   const std::string directory = config.checkpoint_dir + "/" + checkpoint_directory_name(step);
   const std::string key = "checkpoint/" + std::to_string(runtime.next_exchange()) + "/";
+
+  // The snapshot is all the step waits for: copies on the CPU of what training goes on changing in place. Writing,
+  // checksumming, the manifest and pruning happen on a background thread.
+  std::optional<c10::impl::GenericDict> contents;
   if (runtime.dp_rank() == 0) {
+    c10::Dict<std::string, at::Tensor> parameters;
+    for (const auto& [name, parameter] : model_.named_parameters()) {
+      parameters.insert(name, parameter.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
+    }
+    torch::serialize::OutputArchive optimizer_archive;
+    optimizer_.local().save(optimizer_archive);
+    std::ostringstream optimizer_bytes;
+    optimizer_archive.save_to(optimizer_bytes);
+    contents.emplace(c10::StringType::get(), c10::AnyType::get());
+    contents->insert("format", kPartitionFormat);
+    contents->insert("step", step);
+    contents->insert("pp_rank", static_cast<std::int64_t>(runtime.pp_rank()));
+    contents->insert("parameters", parameters);
+    contents->insert("optimizer", bytes_tensor(optimizer_bytes.str()));
+    contents->insert("rng", at::detail::getDefaultCPUGenerator().get_state());
+    contents->insert("loss_scale", model_.loss_scale());
+    contents->insert("steps_since_scale_change", static_cast<std::int64_t>(model_.steps_since_scale_change()));
+  }
+  std::optional<CheckpointManifest> manifest;
+  if (runtime.rank() == 0) {
+    manifest.emplace();
+    manifest->step = step;
+    manifest->partitions = config.partitions;
+    manifest->virtual_stages = config.virtual_stages;
+    manifest->replicas = runtime.topology().data_parallel_degree();
+    manifest->schedule = model_.schedule().name;
+    for (const auto& module : model_.plan().modules) manifest->module_names.push_back(module.name);
+    manifest->stage_of_module = model_.plan().stage_of_module;
+    manifest->model_signature = model_.model_signature();
+    manifest->seed = config.seed;
+    manifest->config_json = config.text;
+  }
+  last_saved_ = step;
+  pending_ = std::async(std::launch::async, [this, step, directory, key, contents = std::move(contents),
+                                             manifest = std::move(manifest)]() mutable {
+    write_checkpoint(step, directory, key, std::move(contents), std::move(manifest));
+  });
+}
+
+void Checkpointer::write_checkpoint(std::int64_t step, const std::string& directory, const std::string& key,
+                                    std::optional<c10::impl::GenericDict> contents,
+                                    std::optional<CheckpointManifest> manifest) {
+  Runtime& runtime = model_.runtime();
+  const Config& config = runtime.config();
+  if (contents) {
     std::string report;
     try {
       std::filesystem::create_directories(directory);
-      c10::Dict<std::string, at::Tensor> parameters;
-      // On the CPU, so that a checkpoint of a GPU job loads anywhere.
-      for (const auto& [name, parameter] : model_.named_parameters()) parameters.insert(name, parameter.detach().cpu());
-      torch::serialize::OutputArchive optimizer_archive;
-      optimizer_.local().save(optimizer_archive);
-      std::ostringstream optimizer_bytes;
-      optimizer_archive.save_to(optimizer_bytes);
-      c10::impl::GenericDict contents(c10::StringType::get(), c10::AnyType::get());
-      contents.insert("format", kPartitionFormat);
-      contents.insert("step", step);
-      contents.insert("pp_rank", static_cast<std::int64_t>(runtime.pp_rank()));
-      contents.insert("parameters", parameters);
-      contents.insert("optimizer", bytes_tensor(optimizer_bytes.str()));
-      contents.insert("rng", at::detail::getDefaultCPUGenerator().get_state());
-      contents.insert("loss_scale", model_.loss_scale());
-      contents.insert("steps_since_scale_change", static_cast<std::int64_t>(model_.steps_since_scale_change()));
-      const auto bytes = torch::jit::pickle_save(contents);
+      const auto bytes = torch::jit::pickle_save(*contents);
       write_file_atomically(directory + "/" + partition_file_name(runtime.pp_rank()),
                             std::string_view(bytes.data(), bytes.size()));
       report = std::to_string(bytes.size()) + " " + std::to_string(crc32(bytes.data(), bytes.size()));
@@ -116,20 +162,8 @@ void Checkpointer::save(std::int64_t step) {
                             ": " + report.substr(6));
     }
   }
-  last_saved_ = step;
-  if (runtime.rank() != 0) return;
+  if (!manifest) return;
 
-  CheckpointManifest manifest;
-  manifest.step = step;
-  manifest.partitions = config.partitions;
-  manifest.virtual_stages = config.virtual_stages;
-  manifest.replicas = runtime.topology().data_parallel_degree();
-  manifest.schedule = model_.schedule().name;
-  for (const auto& module : model_.plan().modules) manifest.module_names.push_back(module.name);
-  manifest.stage_of_module = model_.plan().stage_of_module;
-  manifest.model_signature = model_.model_signature();
-  manifest.seed = config.seed;
-  manifest.config_json = config.text;
   for (int pp = 0; pp < config.partitions; ++pp) {
     const int writer = runtime.topology().rank_of({pp, 0});
     std::string report;
@@ -148,9 +182,9 @@ void Checkpointer::save(std::int64_t step) {
     file.pp_rank = pp;
     std::istringstream fields(report);
     fields >> file.size >> file.crc32;
-    manifest.files.push_back(file);
+    manifest->files.push_back(file);
   }
-  write_file_atomically(directory + "/manifest.json", manifest.to_json());
+  write_file_atomically(directory + "/manifest.json", manifest->to_json());
   fsync_directory(directory);
   fsync_directory(config.checkpoint_dir);
   prune_checkpoints(config.checkpoint_dir, config.checkpoints_kept);
