@@ -84,23 +84,13 @@ smp::GraphModel make_model(const Options& options) {
     gpt.vocab_size = 32, gpt.context = kGptLength, gpt.d_model = 16, gpt.heads = 2, gpt.layers = 4;
     return smp::examples::make_gpt(gpt);
   }
-  if (options.model == "residual") {
-    // A skip from "in" over three blocks to "join": on 4 stages it crosses two stage boundaries.
+  if (options.model == "residual" || options.model == "long_residual") {
+    // A skip from "in" over three blocks to "join": on 4 stages it crosses two stage boundaries. long_residual puts
+    // one more module in front, so that pins can put the skip's source on stage 1 of 6.
     smp::GraphModel graph("x");
-    graph.add("in", TanhLinear(kMlpIn, 32), {"x"});
-    graph.add("a", TanhLinear(32, 32), {"in"});
-    graph.add("b", TanhLinear(32, 32), {"a"});
-    graph.add("c", TanhLinear(32, 32), {"b"});
-    graph.add("join", Add(), {"c", "in"});
-    graph.add("d", TanhLinear(32, 32), {"join"});
-    graph.add("out", torch::nn::Linear(32, kMlpOut), {"d"});
-    return graph;
-  }
-  if (options.model == "long_residual") {
-    // The residual model behind one more module, so that pins can put the skip's source on stage 1 of 6.
-    smp::GraphModel graph("x");
-    graph.add("pre", TanhLinear(kMlpIn, kMlpIn), {"x"});
-    graph.add("in", TanhLinear(kMlpIn, 32), {"pre"});
+    const bool longer = options.model == "long_residual";
+    if (longer) graph.add("pre", TanhLinear(kMlpIn, kMlpIn), {"x"});
+    graph.add("in", TanhLinear(kMlpIn, 32), {longer ? "pre" : "x"});
     graph.add("a", TanhLinear(32, 32), {"in"});
     graph.add("b", TanhLinear(32, 32), {"a"});
     graph.add("c", TanhLinear(32, 32), {"b"});

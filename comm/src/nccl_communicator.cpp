@@ -329,32 +329,19 @@ class NcclCommunicator final : public Communicator {
 
   std::unique_ptr<Pending> iall_reduce_sum(const at::Tensor& tensor) override {
     if (!tensor.is_cuda()) return host_->iall_reduce_sum(tensor);
-    const std::string what = "all-reduce in group " + name();
-    check_contiguous(tensor, what);
-    const auto type = nccl_type(tensor.scalar_type(), true, what);
-    const auto deadline = Clock::now() + timeout();
-    c10::cuda::CUDAGuard guard(device_);
-    auto completion = start(collective_, collective_stream_->get(), tensor);
-    collective_->check(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), element_count(tensor, type), type, ncclSum,
-                                     collective_->comm, collective_stream_->get()),
-                       deadline, what);
-    finish(*completion, collective_stream_->get());
-    return std::make_unique<NcclPending>(completion, tensor, deadline, what);
+    return collective(tensor, "all-reduce in group " + name(), /*reduces=*/true,
+                      [&](void* data, size_t count, ncclDataType_t type, cudaStream_t stream) {
+                        return ncclAllReduce(data, data, count, type, ncclSum, collective_->comm, stream);
+                      });
   }
 
   void broadcast(const at::Tensor& tensor, int root) override {
     if (!tensor.is_cuda()) return host_->broadcast(tensor, root);
-    const std::string what = "broadcast from rank " + std::to_string(global_rank(root));
-    check_contiguous(tensor, what);
-    const auto type = nccl_type(tensor.scalar_type(), false, what);
-    const auto deadline = Clock::now() + timeout();
-    c10::cuda::CUDAGuard guard(device_);
-    auto completion = start(collective_, collective_stream_->get(), tensor);
-    collective_->check(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), element_count(tensor, type), type, root,
-                                     collective_->comm, collective_stream_->get()),
-                       deadline, what);
-    finish(*completion, collective_stream_->get());
-    NcclPending(completion, tensor, deadline, what).wait();
+    collective(tensor, "broadcast from rank " + std::to_string(global_rank(root)), /*reduces=*/false,
+               [&](void* data, size_t count, ncclDataType_t type, cudaStream_t stream) {
+                 return ncclBroadcast(data, data, count, type, root, collective_->comm, stream);
+               })
+        ->wait();
   }
 
   void barrier() override { host_->barrier(); }
@@ -423,6 +410,20 @@ class NcclCommunicator final : public Communicator {
     }
     for (auto& handle : handles) handle->wait_ready(deadline, what + " (is every member of the group running?)");
     return handles;
+  }
+
+  // An in-place collective on the group's communicator and stream.
+  template <typename Launch>
+  std::unique_ptr<Pending> collective(const at::Tensor& tensor, const std::string& what, bool reduces, Launch launch) {
+    check_contiguous(tensor, what);
+    const auto type = nccl_type(tensor.scalar_type(), reduces, what);
+    const auto deadline = Clock::now() + timeout();
+    c10::cuda::CUDAGuard guard(device_);
+    const cudaStream_t stream = collective_stream_->get();
+    auto completion = start(collective_, stream, tensor);
+    collective_->check(launch(tensor.data_ptr(), element_count(tensor, type), type, stream), deadline, what);
+    finish(*completion, stream);
+    return std::make_unique<NcclPending>(completion, tensor, deadline, what);
   }
 
   // The operation's stream waits for what the caller queued on its current stream (the tensor's producer), and
