@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include "smp/comm/tensor_transfer.h"
+#include "split_backward.h"
 
 namespace smp {
 namespace {
@@ -42,7 +43,7 @@ struct Stash {
   at::Tensor loss;              // last stage only
   TensorsByStage output_grads;  // by consumer
   TensorsByStage input_grads;   // by producer, from I when backward is split
-  std::vector<at::Tensor> weight_roots, weight_root_grads;  // what I leaves for W
+  WeightPass weight_pass;       // what I leaves for W
   bool backward_done = false;   // B, or W after I
   int gradient_sends_left = 0;
 };
@@ -243,43 +244,23 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
       }
       case ActionKind::BackwardInput: {
         auto [roots, grads] = backward_roots(stage, microbatch, entry);
-        std::vector<at::Tensor> differentiable;
-        for (const auto& [producer, inputs] : entry.inputs) {
-          for (const auto& input : inputs) {
-            if (input.requires_grad()) differentiable.push_back(input);
-          }
-        }
+        std::vector<at::Tensor> inputs;
+        for (const auto& [producer, tensors] : entry.inputs) inputs.insert(inputs.end(), tensors.begin(), tensors.end());
+        // Input gradients only; W later runs what is left for the weights (split_backward.h).
+        auto [input_grads, weight_pass] = WeightPass::run_input_pass(roots, grads, inputs, stages.parameters(stage));
         entry.input_grads.clear();
-        if (!roots.empty() && !differentiable.empty()) {
-          // Input gradients only; the graph stays for W.
-          auto grads_of_inputs = torch::autograd::grad(roots, differentiable, grads, /*retain_graph=*/true,
-                                                       /*create_graph=*/false, /*allow_unused=*/true);
-          std::size_t next = 0;
-          for (const auto& [producer, inputs] : entry.inputs) {
-            for (const auto& input : inputs) {
-              at::Tensor grad = input.requires_grad() ? grads_of_inputs[next++] : at::Tensor();
-              entry.input_grads[producer].push_back(grad.defined() ? grad : at::zeros_like(input));
-            }
-          }
+        std::size_t next = 0;
+        for (const auto& [producer, tensors] : entry.inputs) {
+          for (std::size_t i = 0; i < tensors.size(); ++i) entry.input_grads[producer].push_back(input_grads[next++]);
         }
-        entry.weight_roots = std::move(roots);
-        entry.weight_root_grads = std::move(grads);
+        entry.weight_pass = std::move(weight_pass);
         entry.outputs.clear();
         entry.output_grads.clear();
         entry.loss = at::Tensor();
         break;
       }
       case ActionKind::BackwardWeight: {
-        std::vector<at::Tensor> trainable;
-        for (const auto& parameter : stages.parameters(stage)) {
-          if (parameter.requires_grad()) trainable.push_back(parameter);
-        }
-        if (!entry.weight_roots.empty() && !trainable.empty()) {
-          torch::autograd::backward(entry.weight_roots, entry.weight_root_grads, /*retain_graph=*/false,
-                                    /*create_graph=*/false, trainable);
-        }
-        entry.weight_roots.clear();
-        entry.weight_root_grads.clear();
+        entry.weight_pass.run();
         finish_backward(stage, microbatch, entry);
         break;
       }

@@ -1,0 +1,267 @@
+#include "split_backward.h"
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+#include <set>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <ATen/ops/zeros_like.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace smp {
+
+using torch::autograd::Edge;
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+namespace {
+
+// Keeps what flows into a node during I.
+struct CaptureHook final : torch::autograd::FunctionPreHook {
+  explicit CaptureHook(variable_list* slot) : slot(slot) {}
+  variable_list operator()(const variable_list& grads) override {
+    *slot = grads;
+    return grads;
+  }
+  variable_list* slot;
+};
+
+// One engine call of W: the weight nodes that share parameters, seeded with what reached them in I.
+struct Group {
+  std::vector<Edge> roots;
+  variable_list grads;
+  std::vector<Edge> accumulators;
+};
+
+}  // namespace
+
+struct WeightPass::State {
+  bool weight_nodes_only = false;
+  std::vector<Group> groups;
+  // Fallback: one backward pass from the stage's outputs to its parameters.
+  std::vector<at::Tensor> roots, root_grads, parameters;
+};
+
+WeightPass::WeightPass() = default;
+WeightPass::~WeightPass() = default;
+WeightPass::WeightPass(WeightPass&&) noexcept = default;
+WeightPass& WeightPass::operator=(WeightPass&&) noexcept = default;
+
+bool WeightPass::pending() const { return state_ != nullptr; }
+bool WeightPass::runs_weight_nodes_only() const { return state_ && state_->weight_nodes_only; }
+
+std::pair<std::vector<at::Tensor>, WeightPass> WeightPass::run_input_pass(const std::vector<at::Tensor>& roots,
+                                                                          const std::vector<at::Tensor>& root_grads,
+                                                                          const std::vector<at::Tensor>& inputs,
+                                                                          const std::vector<at::Tensor>& parameters) {
+  WeightPass pass;
+  pass.state_ = std::make_unique<State>();
+  State& state = *pass.state_;
+  state.roots = roots;
+  state.root_grads = root_grads;
+  std::vector<at::Tensor> trainable;
+  for (const auto& parameter : parameters) {
+    if (parameter.requires_grad()) trainable.push_back(parameter);
+  }
+  state.parameters = trainable;
+
+  // The graph below the roots, in an order where every node comes after all nodes that feed it (reverse of a
+  // depth-first post-order from the roots).
+  std::unordered_set<const Node*> accumulators;
+  std::unordered_map<const Node*, std::size_t> parameter_of;
+  for (std::size_t i = 0; i < trainable.size(); ++i) {
+    const auto accumulator = torch::autograd::impl::grad_accumulator(trainable[i]);
+    accumulators.insert(accumulator.get());
+    parameter_of[accumulator.get()] = i;
+  }
+  std::vector<Edge> root_edges;
+  for (const auto& root : roots) root_edges.push_back(torch::autograd::impl::gradient_edge(root));
+  std::vector<Node*> post_order;
+  {
+    std::unordered_set<const Node*> visited;
+    std::vector<std::pair<Node*, std::size_t>> stack;  // node, next edge to look at
+    for (const auto& edge : root_edges) {
+      if (!edge.is_valid() || !visited.insert(edge.function.get()).second) continue;
+      stack.emplace_back(edge.function.get(), 0);
+      while (!stack.empty()) {
+        auto& [node, next] = stack.back();
+        if (next < node->next_edges().size()) {
+          const Edge& child = node->next_edges()[next++];
+          if (child.is_valid() && visited.insert(child.function.get()).second) stack.emplace_back(child.function.get(), 0);
+        } else {
+          post_order.push_back(node);
+          stack.pop_back();
+        }
+      }
+    }
+  }
+  // A node "feeds only parameters" when everything below it ends in this stage's parameter accumulators.
+  std::unordered_map<const Node*, bool> parameters_only;
+  for (Node* node : post_order) {  // children before parents
+    if (accumulators.count(node)) {
+      parameters_only[node] = true;
+      continue;
+    }
+    bool only = false;
+    for (const auto& child : node->next_edges()) {
+      if (!child.is_valid()) continue;
+      only = parameters_only.at(child.function.get());
+      if (!only) break;
+    }
+    parameters_only[node] = only;
+  }
+  std::vector<Node*> weight_nodes;
+  for (Node* node : post_order) {
+    if (parameters_only.at(node)) continue;
+    const auto& edges = node->next_edges();
+    if (std::any_of(edges.begin(), edges.end(),
+                    [&](const Edge& child) { return child.is_valid() && parameters_only.at(child.function.get()); })) {
+      weight_nodes.push_back(node);
+    }
+  }
+
+  // I, recording what reaches each weight node.
+  std::vector<variable_list> captured(weight_nodes.size());
+  std::vector<std::pair<Node*, torch::autograd::FunctionPreHook*>> hooks;
+  for (std::size_t i = 0; i < weight_nodes.size(); ++i) {
+    auto hook = std::make_unique<CaptureHook>(&captured[i]);
+    hooks.emplace_back(weight_nodes[i], hook.get());
+    weight_nodes[i]->add_pre_hook(std::move(hook));
+  }
+  auto remove_hooks = [&] {
+    for (const auto& [node, hook] : hooks) {
+      auto& list = node->pre_hooks();
+      list.erase(std::remove_if(list.begin(), list.end(), [&](const auto& held) { return held.get() == hook; }),
+                 list.end());
+    }
+  };
+  std::vector<Edge> input_edges;
+  std::vector<std::size_t> differentiable;
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].requires_grad()) continue;
+    input_edges.push_back(torch::autograd::impl::gradient_edge(inputs[i]));
+    differentiable.push_back(i);
+  }
+  variable_list input_grads;
+  try {
+    if (!input_edges.empty() && !root_edges.empty()) {
+      input_grads = torch::autograd::Engine::get_default_engine().execute(
+          root_edges, root_grads, /*keep_graph=*/true, /*create_graph=*/false, /*accumulate_grad=*/false, input_edges);
+    }
+  } catch (...) {
+    remove_hooks();
+    throw;
+  }
+  remove_hooks();
+  std::vector<at::Tensor> gradients(inputs.size());
+  for (std::size_t i = 0; i < inputs.size(); ++i) gradients[i] = at::zeros_like(inputs[i]);
+  for (std::size_t k = 0; k < differentiable.size() && k < input_grads.size(); ++k) {
+    if (input_grads[k].defined()) gradients[differentiable[k]] = input_grads[k];
+  }
+
+  // W by weight nodes needs every one of them to have been reached by I.
+  const bool all_captured = !weight_nodes.empty() &&
+                            std::all_of(captured.begin(), captured.end(), [](const variable_list& grads) {
+                              return std::any_of(grads.begin(), grads.end(), [](const at::Tensor& g) { return g.defined(); });
+                            });
+  if (!all_captured) return {gradients, std::move(pass)};
+
+  // Weight nodes that reach a common parameter run in one engine call, so that each gradient accumulates once.
+  std::vector<std::size_t> leader(weight_nodes.size());
+  std::iota(leader.begin(), leader.end(), 0);
+  const auto find = [&](std::size_t i) {
+    while (leader[i] != i) i = leader[i] = leader[leader[i]];
+    return i;
+  };
+  std::unordered_map<const Node*, std::size_t> first_user;  // parameter-only node -> a weight node reaching it
+  std::vector<std::set<std::size_t>> reached(weight_nodes.size());  // parameters per weight node
+  for (std::size_t i = 0; i < weight_nodes.size(); ++i) {
+    std::vector<const Node*> stack;
+    std::unordered_set<const Node*> seen;
+    for (const auto& child : weight_nodes[i]->next_edges()) {
+      if (child.is_valid() && parameters_only.at(child.function.get())) stack.push_back(child.function.get());
+    }
+    while (!stack.empty()) {
+      const Node* node = stack.back();
+      stack.pop_back();
+      if (!seen.insert(node).second) continue;
+      const auto [user, fresh] = first_user.emplace(node, i);
+      if (!fresh) leader[find(i)] = find(user->second);
+      const auto parameter = parameter_of.find(node);
+      if (parameter != parameter_of.end()) reached[i].insert(parameter->second);
+      for (const auto& child : node->next_edges()) {
+        if (child.is_valid()) stack.push_back(child.function.get());
+      }
+    }
+  }
+  std::map<std::size_t, Group> groups;
+  std::map<std::size_t, std::set<std::size_t>> group_parameters;
+  for (std::size_t i = 0; i < weight_nodes.size(); ++i) {
+    Group& group = groups[find(i)];
+    for (std::size_t slot = 0; slot < captured[i].size(); ++slot) {
+      if (!captured[i][slot].defined()) continue;
+      group.roots.emplace_back(weight_nodes[i]->getptr(), static_cast<uint32_t>(slot));
+      group.grads.push_back(captured[i][slot]);
+    }
+    group_parameters[find(i)].insert(reached[i].begin(), reached[i].end());
+  }
+  // W roots at weight nodes and runs every path from them to their group's parameters. A weight node whose
+  // input-gradient side leads down to a weight node of its own group (a weight used again on the output of its
+  // first use) would make W run the graph in between again: then W falls back to one backward pass.
+  std::unordered_map<const Node*, std::size_t> group_of;
+  for (std::size_t i = 0; i < weight_nodes.size(); ++i) group_of[weight_nodes[i]] = find(i);
+  std::unordered_map<const Node*, std::set<std::size_t>> groups_below;  // weight-node groups at or below a node
+  for (Node* node : post_order) {  // children first
+    if (parameters_only.at(node)) continue;
+    auto& below = groups_below[node];
+    for (const auto& child : node->next_edges()) {
+      if (!child.is_valid() || parameters_only.at(child.function.get())) continue;
+      const auto& child_below = groups_below.at(child.function.get());
+      below.insert(child_below.begin(), child_below.end());
+    }
+    const auto group = group_of.find(node);
+    if (group == group_of.end()) continue;
+    if (below.count(group->second)) return {gradients, std::move(pass)};
+    below.insert(group->second);
+  }
+  for (auto& [leader_index, group] : groups) {
+    for (std::size_t parameter : group_parameters[leader_index]) {
+      group.accumulators.push_back(torch::autograd::impl::gradient_edge(trainable[parameter]));
+    }
+    state.groups.push_back(std::move(group));
+  }
+  state.weight_nodes_only = true;
+  // The weight nodes hold what W needs; the stage's outputs are not needed any more.
+  state.roots.clear();
+  state.root_grads.clear();
+  return {gradients, std::move(pass)};
+}
+
+void WeightPass::run() {
+  if (!state_) return;
+  State state = std::move(*state_);
+  state_.reset();
+  auto& engine = torch::autograd::Engine::get_default_engine();
+  if (state.weight_nodes_only) {
+    for (auto& group : state.groups) {
+      if (group.accumulators.empty()) continue;
+      // Only paths from these weight nodes to their parameters run: a node's input-gradient outputs are skipped.
+      engine.execute(group.roots, group.grads, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true,
+                     group.accumulators);
+    }
+    return;
+  }
+  if (state.roots.empty() || state.parameters.empty()) return;
+  std::vector<Edge> root_edges, accumulators;
+  for (const auto& root : state.roots) root_edges.push_back(torch::autograd::impl::gradient_edge(root));
+  for (const auto& parameter : state.parameters) accumulators.push_back(torch::autograd::impl::gradient_edge(parameter));
+  engine.execute(root_edges, state.root_grads, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true,
+                 accumulators);
+}
+
+}  // namespace smp

@@ -1,0 +1,135 @@
+// The zero-bubble split backward in one process: I then W must leave exactly the gradients of one plain backward,
+// and W must run only the weight nodes whenever I reached them all.
+
+#include <catch2/catch.hpp>
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "split_backward.h"
+
+namespace {
+
+struct Layer {
+  at::Tensor weight, bias;
+};
+
+std::vector<Layer> make_layers(int count, int64_t width) {
+  at::manual_seed(11);
+  std::vector<Layer> layers;
+  for (int i = 0; i < count; ++i) {
+    layers.push_back({(at::randn({width, width}) * 0.3).requires_grad_(true), at::randn({width}).requires_grad_(true)});
+  }
+  return layers;
+}
+
+std::vector<at::Tensor> parameters_of(const std::vector<Layer>& layers) {
+  std::vector<at::Tensor> parameters;
+  for (const auto& layer : layers) {
+    parameters.push_back(layer.weight);
+    parameters.push_back(layer.bias);
+  }
+  return parameters;
+}
+
+enum class Tie { None, Parallel, Sequential };
+
+// A stage: linear layers with tanh and residuals. Parallel: the first weight also applies to the stage input
+// beside its first use; Sequential: it applies again to the last layer's output (as a tied LM head would).
+at::Tensor stage(const at::Tensor& input, const std::vector<Layer>& layers, Tie tie = Tie::None) {
+  at::Tensor x = input;
+  for (const auto& layer : layers) x = at::tanh(at::linear(x, layer.weight, layer.bias)) + x;
+  if (tie == Tie::Parallel) x = x + at::linear(at::tanh(input), layers.front().weight);
+  if (tie == Tie::Sequential) x = at::linear(x, layers.front().weight);
+  return x;
+}
+
+void clear_grads(const std::vector<at::Tensor>& tensors) {
+  for (auto tensor : tensors) tensor.mutable_grad() = at::Tensor();
+}
+
+// Runs I and W on the stage and compares every gradient with one plain backward.
+void check_split_equals_plain(bool input_requires_grad, bool bf16, Tie tie, bool expect_weight_nodes_only) {
+  const auto layers = make_layers(3, 16);
+  const auto parameters = parameters_of(layers);
+  at::Tensor input = at::randn({4, 16});
+  if (input_requires_grad) input.requires_grad_(true);
+  const at::Tensor output_grad = at::randn({4, 16});
+
+  auto forward = [&] {
+    if (!bf16) return stage(input, layers, tie);
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    at::autocast::increment_nesting();
+    at::Tensor out = stage(input, layers, tie);
+    at::autocast::decrement_nesting();
+    at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    return out;
+  };
+
+  // Plain backward: the reference.
+  torch::autograd::backward({forward()}, {bf16 ? output_grad.to(at::kBFloat16) : output_grad});
+  std::vector<at::Tensor> expected;
+  for (const auto& parameter : parameters) expected.push_back(parameter.grad().clone());
+  const at::Tensor expected_input_grad = input_requires_grad ? input.grad().clone() : at::Tensor();
+  clear_grads(parameters);
+  if (input_requires_grad) clear_grads({input});
+
+  at::Tensor out = forward();
+  auto [input_grads, weight_pass] =
+      smp::WeightPass::run_input_pass({out}, {bf16 ? output_grad.to(at::kBFloat16) : output_grad}, {input}, parameters);
+  CHECK(weight_pass.runs_weight_nodes_only() == expect_weight_nodes_only);
+  // I computes no weight gradient.
+  for (const auto& parameter : parameters) CHECK_FALSE(parameter.grad().defined());
+  if (input_requires_grad) CHECK(at::allclose(input_grads[0], expected_input_grad, 1e-5, 1e-6));
+  out = at::Tensor();  // W must not need the stage's output any more
+  weight_pass.run();
+  CHECK_FALSE(weight_pass.pending());
+  for (std::size_t i = 0; i < parameters.size(); ++i) {
+    INFO("parameter " << i);
+    REQUIRE(parameters[i].grad().defined());
+    CHECK(at::allclose(parameters[i].grad(), expected[i], 1e-5, 1e-6));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("split backward: I then W equals one backward, W runs the weight nodes only", "[split_backward]") {
+  SECTION("float32") { check_split_equals_plain(true, false, Tie::None, true); }
+  SECTION("bf16 autocast (weights reach the matmuls through casts)") {
+    check_split_equals_plain(true, true, Tie::None, true);
+  }
+  SECTION("a weight used twice side by side") { check_split_equals_plain(true, false, Tie::Parallel, true); }
+  SECTION("a weight used again on its own output: W falls back to one backward pass") {
+    check_split_equals_plain(true, false, Tie::Sequential, false);
+  }
+  SECTION("an input without gradient: W falls back to one backward pass") {
+    check_split_equals_plain(false, false, Tie::None, false);
+  }
+}
+
+TEST_CASE("split backward: a gradient accumulates once per W, onto what earlier microbatches left", "[split_backward]") {
+  const auto layers = make_layers(2, 8);
+  const auto parameters = parameters_of(layers);
+  int accumulations = 0;
+  struct Counter : torch::autograd::PostAccumulateGradHook {
+    explicit Counter(int& count) : count(count) {}
+    void operator()(const torch::autograd::Variable&) override { ++count; }
+    int& count;
+  };
+  // The first weight feeds two matmuls: W must still accumulate it once.
+  torch::autograd::impl::set_post_acc_grad_hooks(parameters[0], std::make_unique<Counter>(accumulations));
+  for (int microbatch = 0; microbatch < 2; ++microbatch) {
+    const at::Tensor input = at::randn({3, 8}).requires_grad_(true);
+    at::Tensor out = stage(input, layers, Tie::Parallel);
+    auto [grads, weight_pass] = smp::WeightPass::run_input_pass({out}, {at::ones_like(out)}, {input}, parameters);
+    REQUIRE(weight_pass.runs_weight_nodes_only());
+    weight_pass.run();
+  }
+  CHECK(accumulations == 2);
+  torch::autograd::impl::set_post_acc_grad_hooks(parameters[0], nullptr);
+}
