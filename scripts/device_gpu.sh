@@ -136,9 +136,19 @@ if [ "${SMP_GPU_SKIP_TESTS:-0}" = 1 ]; then
   say "tests skipped (SMP_GPU_SKIP_TESTS=1)"
 else
   say "ctest -L gpu"
-  OMP_NUM_THREADS=1 logged ctest_gpu.txt \
-    ctest --test-dir "$build" -L gpu --output-on-failure --timeout 600 --no-tests=error || status=$?
-  if ((status == 0)); then say "gpu tests passed"; else say "gpu tests FAILED (status $status)"; fi
+  ctest_log=$(mktemp)
+  OMP_NUM_THREADS=1 ctest --test-dir "$build" -L gpu --output-on-failure --timeout 600 --no-tests=error 2>&1 |
+    tee "$ctest_log" || status=$?
+  [ -n "$out" ] && cp "$ctest_log" "$out/ctest_gpu.txt"
+  if ((status != 0)); then
+    say "gpu tests FAILED (status $status)"
+  elif grep -q '(Skipped)' "$ctest_log"; then
+    say "gpu tests SKIPPED: the test program saw no CUDA device"
+    status=1
+  else
+    say "gpu tests passed"
+  fi
+  rm -f "$ctest_log"
 fi
 
 if [ "${SMP_GPU_SKIP_BENCH:-0}" = 1 ]; then
