@@ -223,7 +223,8 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
     if (first_holder != runtime_->pp_rank()) counted_elsewhere.insert(parameter.unsafeGetTensorImpl());
     if (holder_ranks.size() < 2 || !holder_ranks.count(runtime_->pp_rank())) continue;
     std::vector<int> members;
-    std::string name = "tied/" + tie.parameter + "/";
+    // Under this model's prefix: a second model of the same job must not meet this group's rendezvous keys.
+    std::string name = exchange_ + "tied/" + tie.parameter + "/";
     for (int pp : holder_ranks) {
       members.push_back(runtime_->topology().rank_of({pp, runtime_->dp_rank()}));
       name += std::to_string(members.back()) + ",";
