@@ -122,6 +122,17 @@ TEST_CASE("pipelines across processes sharing the GPU over Gloo train like singl
   }
 }
 
+TEST_CASE("a GPU job resumes from its checkpoint and trains on like single-GPU training", "[gpu][checkpoint]") {
+  const std::string dir = "/tmp/smp_test_" + std::to_string(getpid()) + "_gpu_checkpoints";
+  const std::string keys = R"(, "virtual_stages": 2, "checkpoint_dir": ")" + dir + R"(", "checkpoint_interval": 2)";
+  const auto config = write_config("gpu_checkpoint", gpu_config(1, 1, 2, "interleaved", 8, keys));
+  check_clean_run(run_worker(1, config, "--model gpt --optimizer adamw --steps 2"), 1);
+  const auto resume = write_config("gpu_resume", gpu_config(1, 1, 2, "interleaved", 8, keys + R"(, "resume": true)"));
+  const auto resumed = run_worker(1, resume, "--model gpt --optimizer adamw --steps 4");
+  check_clean_run(resumed, 1);
+  CHECK_THAT(resumed.output, Contains("resumed from " + dir + "/step-00000001"));
+}
+
 TEST_CASE("NCCL needs a GPU per process: a second process on a one-GPU host is told so", "[gpu][config]") {
   if (torch::cuda::device_count() != 1) return;  // only meaningful with exactly one GPU
   const auto config = write_config("gpu_nccl_two", gpu_config(2, 1, 2, "interleaved", 4));

@@ -116,6 +116,8 @@ void Checkpointer::save(std::int64_t step) {
     contents->insert("parameters", parameters);
     contents->insert("optimizer", bytes_tensor(optimizer_bytes.str()));
     contents->insert("rng", at::detail::getDefaultCPUGenerator().get_state());
+    const c10::Device device = runtime.device();
+    if (device.is_cuda()) contents->insert("cuda_rng", at::globalContext().defaultGenerator(device).get_state());
     contents->insert("loss_scale", model_.loss_scale());
     contents->insert("steps_since_scale_change", static_cast<std::int64_t>(model_.steps_since_scale_change()));
   }
@@ -209,6 +211,12 @@ std::int64_t Checkpointer::resume() {
     optimizer_.local().load(archive);
     auto generator = at::detail::getDefaultCPUGenerator();
     generator.set_state(contents.at("rng").toTensor());
+    // A GPU job's dropout and other random kernels continue their sequence too (CPU jobs have no such state).
+    const c10::Device device = runtime.device();
+    if (device.is_cuda() && contents.contains("cuda_rng")) {
+      at::Generator cuda_generator = at::globalContext().defaultGenerator(device);  // a handle on the default one
+      cuda_generator.set_state(contents.at("cuda_rng").toTensor());
+    }
     if (contents.contains("loss_scale")) {  // absent in checkpoints written before it was saved
       model_.restore_loss_scale(contents.at("loss_scale").toDouble(),
                                 contents.at("steps_since_scale_change").toInt());
