@@ -9,13 +9,13 @@ target_link_libraries(test_core PRIVATE smp_catch_main smp::core smp::partitione
 target_compile_options(test_core PRIVATE -Wall -Wextra)
 catch_discover_tests(test_core)
 
-# The zero-bubble split backward in one process (LibTorch, no communication).
-add_executable(test_split_backward ${CMAKE_CURRENT_LIST_DIR}/test_split_backward.cpp)
-target_link_libraries(test_split_backward PRIVATE smp_catch_main smp::engine)
-target_include_directories(test_split_backward PRIVATE ${PROJECT_SOURCE_DIR}/engine/src)
-target_compile_options(test_split_backward PRIVATE -Wall -Wextra)
-target_precompile_headers(test_split_backward REUSE_FROM smp_engine)
-catch_discover_tests(test_split_backward)
+# Engine pieces that run in one process with LibTorch and no communication: split backward, profiling.
+add_executable(test_engine_in_process ${CMAKE_CURRENT_LIST_DIR}/test_engine_in_process.cpp)
+target_link_libraries(test_engine_in_process PRIVATE smp_catch_main smp::engine)
+target_include_directories(test_engine_in_process PRIVATE ${PROJECT_SOURCE_DIR}/engine/src)
+target_compile_options(test_engine_in_process PRIVATE -Wall -Wextra)
+target_precompile_headers(test_engine_in_process REUSE_FROM smp_engine)
+catch_discover_tests(test_engine_in_process)
 
 # The program every multi-process test launches: trains under smp and checks itself against single-process
 # LibTorch training of the same model on the same global batches.

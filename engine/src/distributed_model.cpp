@@ -125,7 +125,13 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
   exchange_ = "model" + std::to_string(runtime_->next_exchange()) + "/";
   if (runtime_->rank() == 0) {
     // One stage has nothing to balance: one untimed round still checks that the model takes the sample.
-    plan_ = plan_stages(profile_graph(model_, sample_input, config.num_stages() > 1 ? 3 : 0), config);
+    // What a stage's activations cost depends on how many microbatches the schedule keeps in flight on a rank.
+    const auto in_flight = sched::simulate(schedule, sched::StageGraph::chain(schedule.num_stages),
+                                           sched::SimulationCosts::uniform(schedule.num_stages))
+                               .peak_in_flight;
+    const int peak = in_flight.empty() ? 1 : *std::max_element(in_flight.begin(), in_flight.end());
+    const int copies = std::max(1, (peak + config.virtual_stages - 1) / config.virtual_stages);
+    plan_ = plan_stages(profile_graph(model_, sample_input, config.num_stages() > 1 ? 3 : 0), config, copies);
     runtime_->publish(exchange_ + "stage_plan", plan_.to_json());
   } else {
     plan_ = StagePlan::from_json(runtime_->fetch(exchange_ + "stage_plan"));

@@ -5,7 +5,13 @@
 #include <cstdio>
 #include <sstream>
 
+#include <atomic>
+#include <mutex>
+#include <unordered_map>
+#include <optional>
+
 #include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
 #include <nlohmann/json.hpp>
 #include <torch/csrc/autograd/autograd.h>
 #include <map>
@@ -19,6 +25,72 @@
 
 namespace smp {
 namespace {
+
+// Counts the bytes of the CPU tensors allocated while it is installed and not yet freed: how the profiler sees what a
+// module's forward keeps alive for backward. Its pointers are plain (context == data, as raw_allocate requires), so
+// it remembers each allocation of the base allocator by address; memory may outlive the installation.
+class CountingCpuAllocator final : public c10::Allocator {
+ public:
+  static CountingCpuAllocator& instance() {
+    static CountingCpuAllocator allocator;
+    return allocator;
+  }
+  std::int64_t live_bytes() const { return live_.load(); }
+
+  c10::DataPtr allocate(size_t bytes) override {
+    c10::DataPtr memory = base_->allocate(bytes);
+    void* data = memory.get();
+    if (data == nullptr) return memory;  // nothing allocated (zero bytes)
+    const c10::Device device = memory.device();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      allocations_[data] = {std::move(memory), static_cast<std::int64_t>(bytes)};
+    }
+    live_ += static_cast<std::int64_t>(bytes);
+    return {data, data, &release, device};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+  void copy_data(void* destination, const void* source, std::size_t count) const override {
+    base_->copy_data(destination, source, count);
+  }
+
+  // While one exists, CPU tensors come from the counting allocator.
+  class Installed {
+   public:
+    Installed() {
+      auto& counting = instance();
+      counting.base_ = c10::GetCPUAllocator();
+      c10::SetCPUAllocator(&counting, kPriority);
+    }
+    ~Installed() { c10::SetCPUAllocator(instance().base_, kPriority); }
+    Installed(const Installed&) = delete;
+    Installed& operator=(const Installed&) = delete;
+  };
+
+ private:
+  static constexpr std::uint8_t kPriority = 255;  // above LibTorch's own registration, and restored at the same
+  struct Allocation {
+    c10::DataPtr memory;
+    std::int64_t bytes = 0;
+  };
+  static void release(void* data) {
+    auto& self = instance();
+    Allocation allocation;
+    {
+      std::lock_guard<std::mutex> lock(self.mutex_);
+      auto found = self.allocations_.find(data);
+      if (found == self.allocations_.end()) return;
+      allocation = std::move(found->second);
+      self.allocations_.erase(found);
+    }
+    self.live_ -= allocation.bytes;
+  }  // the base allocator's deleter frees the memory here
+
+  c10::Allocator* base_ = nullptr;
+  std::atomic<std::int64_t> live_{0};
+  std::mutex mutex_;
+  std::unordered_map<void*, Allocation> allocations_;
+};
 
 double median(std::vector<double> values) {
   if (values.empty()) return 0.0;  // not timed (repeats = 0)
@@ -83,12 +155,18 @@ std::string StagePlan::report() const {
   text << imbalance << "):";
   for (int stage = 0; stage < num_stages; ++stage) {
     const auto members = modules_of_stage(stage);
-    std::int64_t parameter_bytes = 0;
-    for (int i : members) parameter_bytes += modules[i].parameter_bytes;
-    char line[160];
-    std::snprintf(line, sizeof line, "\n  stage %d: modules %s..%s (%zu), params %s, est. fwd+bwd %.3f ms, sends %s",
+    std::int64_t parameter_bytes = 0, kept_bytes = 0;
+    for (int i : members) {
+      parameter_bytes += modules[i].parameter_bytes;
+      kept_bytes += modules[i].activation_bytes + modules[i].output_bytes;
+    }
+    char line[200];
+    std::snprintf(line, sizeof line,
+                  "\n  stage %d: modules %s..%s (%zu), params %s, activations %s per microbatch, est. fwd+bwd %.3f ms, "
+                  "sends %s",
                   stage, modules[members.front()].name.c_str(), modules[members.back()].name.c_str(), members.size(),
-                  format_bytes(static_cast<double>(parameter_bytes)).c_str(), stage_time(stage) * 1e3,
+                  format_bytes(static_cast<double>(parameter_bytes)).c_str(),
+                  format_bytes(static_cast<double>(kept_bytes)).c_str(), stage_time(stage) * 1e3,
                   stage + 1 < num_stages ? format_bytes(static_cast<double>(stage_sent_bytes(stage))).c_str() : "-");
     text << line;
   }
@@ -105,6 +183,7 @@ std::string StagePlan::to_json() const {
                                    {"backward_s", module.backward_s},
                                    {"parameter_bytes", module.parameter_bytes},
                                    {"output_bytes", module.output_bytes},
+                                   {"activation_bytes", module.activation_bytes},
                                    {"producers", module.producers}});
   }
   return document.dump();
@@ -119,7 +198,8 @@ StagePlan StagePlan::from_json(const std::string& text) {
     plan.modules.push_back({module.at("name").get<std::string>(), module.at("forward_s").get<double>(),
                             module.at("backward_s").get<double>(), module.at("parameter_bytes").get<std::int64_t>(),
                             module.at("output_bytes").get<std::int64_t>(),
-                            module.at("producers").get<std::vector<int>>()});
+                            module.at("producers").get<std::vector<int>>(),
+                            module.value("activation_bytes", std::int64_t{0})});
   }
   return plan;
 }
@@ -127,6 +207,10 @@ StagePlan StagePlan::from_json(const std::string& text) {
 std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tensor& sample, int repeats) {
   std::vector<ModuleProfile> profiles;
   std::map<std::string, at::Tensor> values{{model.input_name(), sample}};
+  // Profiling runs on the CPU: count what each forward keeps alive for its backward.
+  std::optional<CountingCpuAllocator::Installed> counting;
+  if (sample.is_cpu()) counting.emplace();
+  const auto& meter = CountingCpuAllocator::instance();
   std::set<const void*> counted;  // a tied parameter's bytes count once, at its first node
   for (const auto& node : model.nodes()) {
     ModuleProfile profile;
@@ -140,6 +224,7 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tens
       }
     }
     std::vector<double> forward_times, backward_times;
+    std::int64_t activation_bytes = -1;  // the least over the rounds: the first pays for one-time allocations
     at::Tensor output;
     // One extra, untimed round first: first calls pay for allocations and lazy initialisation.
     for (int repeat = -1; repeat < repeats; ++repeat) {
@@ -152,8 +237,14 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tens
       auto start = std::chrono::steady_clock::now();
       double forward_s = 0, backward_s = 0;
       try {
-        output = node.forward(arguments);
+        const std::int64_t before = meter.live_bytes();
+        at::Tensor produced = node.forward(arguments);
         forward_s = seconds_since(start);
+        const std::int64_t kept = meter.live_bytes() - before -
+                                  produced.numel() * static_cast<std::int64_t>(produced.element_size());
+        activation_bytes = activation_bytes < 0 ? std::max<std::int64_t>(kept, 0)
+                                                : std::min(activation_bytes, std::max<std::int64_t>(kept, 0));
+        output = produced;
         start = std::chrono::steady_clock::now();
         if (output.requires_grad()) torch::autograd::backward({output}, {at::ones_like(output)});
         backward_s = seconds_since(start);
@@ -174,13 +265,14 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tens
     profile.forward_s = median(forward_times);
     profile.backward_s = median(backward_times);
     profile.output_bytes = output.numel() * static_cast<std::int64_t>(output.element_size());
+    profile.activation_bytes = counting ? std::max<std::int64_t>(activation_bytes, 0) : 0;
     profiles.push_back(profile);
     values[node.name] = output.detach();
   }
   return profiles;
 }
 
-StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config) {
+StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config, int activation_copies) {
   const int num_modules = static_cast<int>(modules.size());
   std::vector<int> pinned(num_modules, config.auto_partition ? -1 : config.default_partition);
   for (const auto& [path, stage] : config.partition_overrides) {
@@ -193,11 +285,15 @@ StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config) 
     }
     pinned[found - modules.begin()] = stage;
   }
-  // The partition search sees the profile as a DAG: compute time, memory (parameters, gradients and two
-  // optimizer moments: 4x the parameter bytes) per node, and the bytes of every tensor between nodes.
+  // The partition search sees the profile as a DAG: compute time, memory per node, and the bytes of every tensor
+  // between nodes. Memory: parameters, gradients and two optimizer moments (4x the parameter bytes), and what the
+  // forward keeps for backward (its saved tensors and its output, which the next module saves) for each
+  // microbatch the schedule holds at once.
   part::ModuleGraph graph;
   for (const auto& module : modules) {
-    graph.nodes.push_back({module.name, module.forward_s + module.backward_s, 4.0 * static_cast<double>(module.parameter_bytes),
+    const double kept = static_cast<double>(module.activation_bytes + module.output_bytes) * activation_copies;
+    graph.nodes.push_back({module.name, module.forward_s + module.backward_s,
+                           4.0 * static_cast<double>(module.parameter_bytes) + kept,
                            static_cast<double>(module.parameter_bytes)});
   }
   for (int consumer = 0; consumer < num_modules; ++consumer) {

@@ -19,6 +19,8 @@ struct ModuleProfile {
   std::int64_t parameter_bytes = 0;
   std::int64_t output_bytes = 0;  // what crosses to a consumer on another stage, if cut there
   std::vector<int> producers;      // nodes whose outputs this one reads (the model input is not a node)
+  // What its forward keeps alive for backward besides its output (saved tensors, intermediates), per microbatch.
+  std::int64_t activation_bytes = 0;
 };
 
 struct StagePlan {
@@ -44,6 +46,7 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tens
 // forward + backward time mixed with memory by memory_weight when auto_partition is true, else every module on
 // default_partition; partition_overrides pin modules in both modes. Throws ConfigError naming the modules when
 // the request cannot be met.
-StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config);
+// `activation_copies`: microbatches whose activations a stage holds at once under the job's schedule.
+StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config, int activation_copies = 1);
 
 }  // namespace smp

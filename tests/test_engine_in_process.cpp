@@ -1,5 +1,6 @@
-// The zero-bubble split backward in one process: I then W must leave exactly the gradients of one plain backward,
-// and W must run only the weight nodes whenever I reached them all.
+// Engine pieces in one process, without communication. The zero-bubble split backward: I then W must leave exactly
+// the gradients of one plain backward, and W must run only the weight nodes whenever I reached them all.
+// Profiling: what each module's forward keeps alive for backward.
 
 #include <catch2/catch.hpp>
 
@@ -9,6 +10,14 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <c10/core/CPUAllocator.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+
+#include "smp/config.h"
+#include "smp/graph_model.h"
+#include "smp/stage_plan.h"
 #include "split_backward.h"
 
 namespace {
@@ -132,4 +141,47 @@ TEST_CASE("split backward: a gradient accumulates once per W, onto what earlier 
   }
   CHECK(accumulations == 2);
   torch::autograd::impl::set_post_acc_grad_hooks(parameters[0], nullptr);
+}
+
+TEST_CASE("profiling counts what a module's forward keeps for backward", "[profile]") {
+  constexpr int64_t kBatch = 8, kWidth = 32;
+  smp::GraphModel model("x");
+  // A linear layer saves its input (the previous module's output) and its weight: nothing new beyond its output.
+  model.add("linear", torch::nn::Linear(16, kWidth), {"x"});
+  // GELU saves its input, the inner linear's output: kBatch x kWidth floats kept besides the module's output.
+  torch::nn::Sequential linear_gelu(torch::nn::Linear(kWidth, kWidth), torch::nn::GELU());
+  model.add("linear_gelu", linear_gelu.ptr(),
+            [linear_gelu](const std::vector<at::Tensor>& in) mutable { return linear_gelu->forward(in[0]); }, {"linear"});
+  c10::Allocator* before = c10::GetCPUAllocator();
+  const auto profiles = smp::profile_graph(model, at::randn({kBatch, 16}), 1);
+  CHECK(c10::GetCPUAllocator() == before);  // the counting allocator is gone again
+  REQUIRE(profiles.size() == 2);
+  CHECK(profiles[0].activation_bytes == 0);
+  CHECK(profiles[0].output_bytes == kBatch * kWidth * 4);
+  CHECK(profiles[1].activation_bytes == kBatch * kWidth * 4);
+
+  // The plan keeps it, and the partition search weighs it by the microbatches in flight.
+  smp::StagePlan plan;
+  plan.modules = profiles;
+  plan.stage_of_module = {0, 0};
+  plan.num_stages = 1;
+  CHECK(smp::StagePlan::from_json(plan.to_json()).modules[1].activation_bytes == kBatch * kWidth * 4);
+  // Per microbatch a stage keeps its modules' saved tensors and outputs: 1 KiB each of three here.
+  CHECK_THAT(plan.report(), Catch::Matchers::Contains("activations 3.0 KiB per microbatch"));
+}
+
+TEST_CASE("a memory limit counts activations times the microbatches in flight", "[profile]") {
+  // Two equal modules whose parameters fit one stage but whose activations for 4 microbatches do not.
+  std::vector<smp::ModuleProfile> modules(2);
+  for (int i = 0; i < 2; ++i) {
+    modules[i].name = "m" + std::to_string(i);
+    modules[i].forward_s = modules[i].backward_s = 1e-3;
+    modules[i].parameter_bytes = 1 << 20;
+    modules[i].activation_bytes = 4 << 20;
+  }
+  modules[1].producers = {0};
+  smp::Config config = smp::Config::from_json_text(R"({"partitions": 2, "memory_limit_mb": 16})", "test");
+  CHECK_NOTHROW(smp::plan_stages(modules, config, 1));   // 4 + 4 MiB per module and stage
+  CHECK_THROWS_WITH(smp::plan_stages(modules, config, 4),  // 4 + 16 MiB
+                    Catch::Matchers::Contains("memory"));
 }
