@@ -121,6 +121,30 @@ TEST_CASE("split backward: I then W equals one backward, W runs the weight nodes
   }
 }
 
+TEST_CASE("split backward: a stage output made of parameters alone still gets its gradient", "[split_backward]") {
+  const auto layers = make_layers(2, 8);
+  auto parameters = parameters_of(layers);
+  const at::Tensor position = at::randn({3, 8}).requires_grad_(true);  // e.g. a learned table sent on as it is
+  parameters.push_back(position);
+  const at::Tensor input = at::randn({3, 8}).requires_grad_(true);
+  const at::Tensor grad_a = at::randn({3, 8}), grad_b = at::randn({3, 8});
+  auto outputs = [&] { return std::vector<at::Tensor>{stage(input, layers), position * 2.0}; };
+
+  torch::autograd::backward(outputs(), {grad_a, grad_b});
+  std::vector<at::Tensor> expected;
+  for (const auto& parameter : parameters) expected.push_back(parameter.grad().clone());
+  clear_grads(parameters);
+
+  auto [grads, weight_pass] = smp::WeightPass::run_input_pass(outputs(), {grad_a, grad_b}, {input}, parameters);
+  CHECK_FALSE(weight_pass.runs_weight_nodes_only());  // the second output's gradient reaches no weight node
+  weight_pass.run();
+  for (std::size_t i = 0; i < parameters.size(); ++i) {
+    INFO("parameter " << i);
+    REQUIRE(parameters[i].grad().defined());
+    CHECK(at::allclose(parameters[i].grad(), expected[i], 1e-5, 1e-6));
+  }
+}
+
 TEST_CASE("split backward: a gradient accumulates once per W, onto what earlier microbatches left", "[split_backward]") {
   const auto layers = make_layers(2, 8);
   const auto parameters = parameters_of(layers);

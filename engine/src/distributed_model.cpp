@@ -125,7 +125,8 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
   exchange_ = "model" + std::to_string(runtime_->next_exchange()) + "/";
   if (runtime_->rank() == 0) {
     // One stage has nothing to balance: one untimed round still checks that the model takes the sample.
-    // What a stage's activations cost depends on how many microbatches the schedule keeps in flight on a rank.
+    // What a stage's activations cost depends on how many microbatches the schedule keeps in flight on a rank; the
+    // partition search takes one factor for all stages, the busiest rank's (a worst case for later stages).
     const auto in_flight = sched::simulate(schedule, sched::StageGraph::chain(schedule.num_stages),
                                            sched::SimulationCosts::uniform(schedule.num_stages))
                                .peak_in_flight;

@@ -121,10 +121,11 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
       const int peer = schedule_.stage_to_rank[actions[index].peer_stage];
       const auto& order = receive_order_.at(peer);
       auto& next = next_in_order[peer];
-      for (; order.at(next) != index; ++next) {
+      for (; next < order.size() && order[next] != index; ++next) {
         early[order[next]] = posted[order[next]]->wait();
         taken_early[order[next]] = true;
       }
+      if (next == order.size()) throw sched::ScheduleError(where(actions[index]) + ": not in its sender's order");
       ++next;
     }
     return posted[index]->wait();

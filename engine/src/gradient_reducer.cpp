@@ -2,6 +2,7 @@
 
 #include <map>
 #include <stdexcept>
+#include <string>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -62,15 +63,23 @@ void GradientReducer::arm() {
     bucket.flat = at::Tensor();
     bucket.reduction.reset();
   }
-  posted_order_.clear();
+  next_to_post_ = 0;
+  extra_pass_ = -1;
   armed_ = true;
 }
 
 void GradientReducer::accumulated(std::size_t parameter) {
   if (!armed_) return;  // a backward outside a training step (e.g. profiling)
-  if (++seen_[parameter] != accumulations_[parameter]) return;
-  Bucket& bucket = buckets_[bucket_of_[parameter]];
-  if (--bucket.waiting == 0) post(bucket);
+  const int seen = ++seen_[parameter];
+  if (seen > accumulations_[parameter]) {
+    extra_pass_ = static_cast<long long>(parameter);  // its bucket went out without this pass: finish() says so
+    return;
+  }
+  if (seen != accumulations_[parameter]) return;
+  --buckets_[bucket_of_[parameter]].waiting;
+  // Collectives must be posted in the same order on every replica: bucket order, each as soon as it and all before
+  // it are complete, whatever order the hooks complete them in.
+  while (next_to_post_ < buckets_.size() && buckets_[next_to_post_].waiting == 0) post(buckets_[next_to_post_++]);
 }
 
 void GradientReducer::post(Bucket& bucket) {
@@ -82,19 +91,15 @@ void GradientReducer::post(Bucket& bucket) {
   }
   bucket.flat = at::cat(pieces);
   bucket.reduction = replicas_.iall_reduce_sum(bucket.flat);
-  posted_order_.push_back(static_cast<std::size_t>(&bucket - buckets_.data()));
 }
 
 int GradientReducer::finish() {
   armed_ = false;
-  const int posted_during_backward = static_cast<int>(posted_order_.size());
-  // Buckets that no hook completed (a parameter without a gradient this step), in bucket order on every replica.
-  for (auto& bucket : buckets_) {
-    if (!bucket.reduction) post(bucket);
-  }
+  const int posted_during_backward = static_cast<int>(next_to_post_);
+  // Buckets that backward did not complete (a parameter without a gradient this step), still in bucket order.
+  while (next_to_post_ < buckets_.size()) post(buckets_[next_to_post_++]);
   const double replicas = static_cast<double>(replicas_.size());
-  for (std::size_t index : posted_order_) {
-    Bucket& bucket = buckets_[index];
+  for (auto& bucket : buckets_) {
     bucket.reduction->wait();
     bucket.flat.div_(replicas);
     std::int64_t offset = 0;
@@ -106,6 +111,12 @@ int GradientReducer::finish() {
     }
     bucket.flat = at::Tensor();
     bucket.reduction.reset();
+  }
+  if (extra_pass_ >= 0) {
+    throw std::logic_error("gradient reduction: parameter #" + std::to_string(extra_pass_) +
+                           " received more backward passes than the schedule has (" +
+                           std::to_string(accumulations_[static_cast<std::size_t>(extra_pass_)]) +
+                           "); its bucket was averaged before the last one");
   }
   return posted_during_backward;
 }

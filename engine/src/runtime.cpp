@@ -22,6 +22,12 @@ std::chrono::milliseconds timeout_of(const Config& config) {
   return std::chrono::milliseconds(static_cast<long long>(config.comm_timeout_s * 1000.0));
 }
 
+// Whether GPU tensors would move over NCCL: "auto" falls back to Gloo in a build without NCCL; "nccl" there fails
+// in make_nccl_group, saying why.
+bool nccl_for_gpus(const Config& config) {
+  return config.backend == "nccl" || (config.backend == "auto" && comm::nccl_available());
+}
+
 // "auto" takes a GPU when every process of this host can have its own (hosts are assumed alike), else the CPU.
 // NCCL needs one GPU per process; Gloo can share one among the processes of a host (tests on a one-GPU machine).
 c10::Device choose_device(const Config& config, const comm::LaunchInfo& launch) {
@@ -35,7 +41,7 @@ c10::Device choose_device(const Config& config, const comm::LaunchInfo& launch) 
     throw ConfigError(config.source + ": key \"device\" is \"cuda\", but rank " + std::to_string(launch.rank) +
                       " sees no CUDA device (check CUDA_VISIBLE_DEVICES and the driver), or set \"device\": \"auto\"");
   }
-  if (launch.local_rank >= gpus && config.backend != "gloo") {
+  if (launch.local_rank >= gpus && nccl_for_gpus(config)) {
     throw ConfigError(config.source + ": rank " + std::to_string(launch.rank) + " has LOCAL_RANK " +
                       std::to_string(launch.local_rank) + " but its host has " + std::to_string(gpus) +
                       " CUDA device(s): NCCL needs one GPU per process. Start at most " + std::to_string(gpus) +
@@ -66,8 +72,7 @@ Runtime::Runtime(const Config& config, const comm::LaunchInfo& launch)
       topology_(config, launch.world_size),
       coordinates_(topology_.coordinates_of(launch.rank)),
       device_(choose_device(config, launch)),
-      // "auto" falls back to Gloo in a build without NCCL; "nccl" there fails in make_nccl_group, saying why.
-      nccl_(device_.is_cuda() && (config.backend == "nccl" || (config.backend == "auto" && comm::nccl_available()))) {
+      nccl_(device_.is_cuda() && nccl_for_gpus(config)) {
   log::configure(launch_.rank, config_.log_level);
   // Through the device-generic interface: this file builds against a CPU-only LibTorch too.
   if (device_.is_cuda()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(device_);
@@ -102,6 +107,15 @@ Runtime::Runtime(const Config& config, const comm::LaunchInfo& launch)
                             "): " + comm::brief_message(error));
     }
     check_job_identity(where);
+    // Every rank must move stage tensors the same way; hosts with different GPU counts could choose differently.
+    const std::string transport = nccl_ ? "NCCL" : "Gloo";
+    if (launch_.rank == 0) {
+      publish("transport", transport);
+    } else if (const std::string chosen = fetch("transport"); chosen != transport) {
+      throw ConfigError(config_.source + ": rank " + std::to_string(launch_.rank) + " would use " + transport +
+                        " on " + device_.str() + " but rank 0 uses " + chosen +
+                        " (hosts with different GPU counts?); set \"device\" and \"backend\" explicitly");
+    }
   }
   // Gloo listens where the peers can reach this host: loopback for one-host jobs, else the address that routes
   // to rank 0 (GLOO_SOCKET_IFNAME, when set, overrides both).

@@ -159,12 +159,22 @@ std::pair<std::vector<at::Tensor>, WeightPass> WeightPass::run_input_pass(const 
   }
   remove_hooks();
   std::vector<at::Tensor> gradients(inputs.size());
-  for (std::size_t i = 0; i < inputs.size(); ++i) gradients[i] = at::zeros_like(inputs[i]);
   for (std::size_t k = 0; k < differentiable.size() && k < input_grads.size(); ++k) {
-    if (input_grads[k].defined()) gradients[differentiable[k]] = input_grads[k];
+    gradients[differentiable[k]] = input_grads[k];
+  }
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    if (!gradients[i].defined()) gradients[i] = at::zeros_like(inputs[i]);
   }
 
-  // W by weight nodes needs every one of them to have been reached by I.
+  // W by weight nodes needs every one of them to have been reached by I, no stage output that depends on
+  // parameters alone (its gradient reaches no weight node), and no hooks on the weight nodes' incoming gradients
+  // (I ran them already; W would run them again).
+  for (const auto& edge : root_edges) {
+    if (edge.is_valid() && parameters_only.at(edge.function.get())) return {gradients, std::move(pass)};
+  }
+  for (Node* node : weight_nodes) {
+    if (!node->tensor_pre_hooks().empty() || !node->retains_grad_hooks().empty()) return {gradients, std::move(pass)};
+  }
   const bool all_captured = !weight_nodes.empty() &&
                             std::all_of(captured.begin(), captured.end(), [](const variable_list& grads) {
                               return std::any_of(grads.begin(), grads.end(), [](const at::Tensor& g) { return g.defined(); });

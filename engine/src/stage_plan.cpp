@@ -57,12 +57,19 @@ class CountingCpuAllocator final : public c10::Allocator {
   // While one exists, CPU tensors come from the counting allocator.
   class Installed {
    public:
+    // Nested or concurrent profiles share the outermost installation (only the first one installs and restores).
     Installed() {
+      std::lock_guard<std::mutex> lock(installation_mutex());
       auto& counting = instance();
+      if (counting.installations_++ > 0) return;
       counting.base_ = c10::GetCPUAllocator();
       c10::SetCPUAllocator(&counting, kPriority);
     }
-    ~Installed() { c10::SetCPUAllocator(instance().base_, kPriority); }
+    ~Installed() {
+      std::lock_guard<std::mutex> lock(installation_mutex());
+      auto& counting = instance();
+      if (--counting.installations_ == 0) c10::SetCPUAllocator(counting.base_, kPriority);
+    }
     Installed(const Installed&) = delete;
     Installed& operator=(const Installed&) = delete;
   };
@@ -86,7 +93,13 @@ class CountingCpuAllocator final : public c10::Allocator {
     self.live_ -= allocation.bytes;
   }  // the base allocator's deleter frees the memory here
 
+  static std::mutex& installation_mutex() {
+    static std::mutex mutex;
+    return mutex;
+  }
+
   c10::Allocator* base_ = nullptr;
+  int installations_ = 0;
   std::atomic<std::int64_t> live_{0};
   std::mutex mutex_;
   std::unordered_map<void*, Allocation> allocations_;
@@ -160,15 +173,14 @@ std::string StagePlan::report() const {
       parameter_bytes += modules[i].parameter_bytes;
       kept_bytes += modules[i].activation_bytes + modules[i].output_bytes;
     }
-    char line[200];
-    std::snprintf(line, sizeof line,
-                  "\n  stage %d: modules %s..%s (%zu), params %s, activations %s per microbatch, est. fwd+bwd %.3f ms, "
-                  "sends %s",
-                  stage, modules[members.front()].name.c_str(), modules[members.back()].name.c_str(), members.size(),
+    char numbers[160];
+    std::snprintf(numbers, sizeof numbers, "), params %s, activations %s per microbatch, est. fwd+bwd %.3f ms, sends %s",
                   format_bytes(static_cast<double>(parameter_bytes)).c_str(),
                   format_bytes(static_cast<double>(kept_bytes)).c_str(), stage_time(stage) * 1e3,
                   stage + 1 < num_stages ? format_bytes(static_cast<double>(stage_sent_bytes(stage))).c_str() : "-");
-    text << line;
+    // Module names may be long: only the numbers go through a fixed buffer.
+    text << "\n  stage " << stage << ": modules " << modules[members.front()].name << ".."
+         << modules[members.back()].name << " (" << members.size() << numbers;
   }
   return text.str();
 }

@@ -50,7 +50,8 @@ class GradientReducer {
   std::vector<Bucket> buckets_;
   std::vector<std::size_t> bucket_of_;
   std::vector<int> seen_;  // this step's passes per parameter
-  std::vector<std::size_t> posted_order_;
+  std::size_t next_to_post_ = 0;  // buckets before it are posted
+  long long extra_pass_ = -1;     // a parameter that got more passes than expected, if any
   bool armed_ = false;
 };
 

@@ -39,7 +39,8 @@ struct StagePlan {
 
 // Measures every node of `model` on `sample` (one microbatch of model input): forward and backward time
 // (median of `repeats` after a warm-up; 0 when repeats is 0), parameter bytes (a tied parameter counts at its
-// first node) and output bytes. Throws ModelError naming the node that fails on the sample.
+// first node), output bytes, and on the CPU the bytes its forward keeps for backward. Throws ModelError naming the
+// node that fails on the sample.
 std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tensor& sample, int repeats = 3);
 
 // Splits a profiled graph into config.num_stages() stages, each stage only feeding later ones: balanced by
