@@ -7,6 +7,9 @@
 //   exhaustive  other graphs of at most 12 nodes: every acyclic assignment
 //   best        otherwise (large DAGs, chains of 10,000 nodes with communication): the best of the three, not a
 //               proven optimum
+// A second table compares, under 1F1B, the partition that knows each stage's activation copies (p - s) with one
+// that counts the worst case (p) on every stage, as the engine did before: the real bottleneck of each, and the
+// smallest per-stage memory limit each can be given (bisection on memory_limit_bytes).
 // Torch-free; run from the build: bin/bench_partition.
 
 #include <algorithm>
@@ -51,15 +54,18 @@ std::vector<Case> cases() {
   return all;
 }
 
+// The main table leaves activation copies at 1 per stage.
+double memory_of(const GraphNode& node) { return node.memory_bytes + node.activation_bytes; }
+
 // The objective is additive along a chain when sends are free, so chain_split on the blended per-node costs is
 // its exact optimum (see the cost in graph_partition.h).
 double exact_chain_bottleneck(const ModuleGraph& graph, const GraphPartitionOptions& options) {
   double total_compute = 0, total_memory = 0;
-  for (const GraphNode& node : graph.nodes) total_compute += node.compute_s, total_memory += node.memory_bytes;
+  for (const GraphNode& node : graph.nodes) total_compute += node.compute_s, total_memory += memory_of(node);
   std::vector<double> blended;
   for (const GraphNode& node : graph.nodes) {
     blended.push_back(options.num_stages * ((1 - options.memory_weight) * node.compute_s / total_compute +
-                                            options.memory_weight * node.memory_bytes / total_memory));
+                                            options.memory_weight * memory_of(node) / total_memory));
   }
   return split_chain_min_bottleneck(blended, options.num_stages).bottleneck;
 }
@@ -69,11 +75,11 @@ double exact_chain_bottleneck(const ModuleGraph& graph, const GraphPartitionOpti
 double exact_chain_bottleneck_with_sends(const ModuleGraph& graph, const GraphPartitionOptions& options) {
   const int n = static_cast<int>(graph.nodes.size()), k = options.num_stages;
   double total_compute = 0, total_memory = 0;
-  for (const GraphNode& node : graph.nodes) total_compute += node.compute_s, total_memory += node.memory_bytes;
+  for (const GraphNode& node : graph.nodes) total_compute += node.compute_s, total_memory += memory_of(node);
   std::vector<double> compute_prefix(n + 1, 0.0), memory_prefix(n + 1, 0.0), sent_after(n + 1, 0.0);
   for (int i = 0; i < n; ++i) {
     compute_prefix[i + 1] = compute_prefix[i] + graph.nodes[i].compute_s;
-    memory_prefix[i + 1] = memory_prefix[i] + graph.nodes[i].memory_bytes;
+    memory_prefix[i + 1] = memory_prefix[i] + memory_of(graph.nodes[i]);
   }
   for (const GraphEdge& edge : graph.edges) sent_after[edge.to] = edge.bytes;  // a stage ending before `to`
   auto segment_cost = [&](int i, int j) {
@@ -90,6 +96,77 @@ double exact_chain_bottleneck_with_sends(const ModuleGraph& graph, const GraphPa
     }
   }
   return best[k][n];
+}
+
+std::vector<double> one_f_one_b_copies(int num_stages) {
+  std::vector<double> copies;
+  for (int stage = 0; stage < num_stages; ++stage) copies.push_back(num_stages - stage);
+  return copies;
+}
+
+// The smallest memory limit (to 0.1%) under which partition_graph finds a split with `search_copies`.
+double smallest_memory_limit(const ModuleGraph& graph, GraphPartitionOptions options,
+                             const std::vector<double>& search_copies) {
+  options.activation_copies = search_copies;
+  options.memory_limit_bytes = 0;
+  double high = 0;
+  for (double bytes : partition_graph(graph, options).stage_memory_bytes) high = std::max(high, bytes);
+  double low = 0;
+  while (high - low > 1e-3 * high) {
+    options.memory_limit_bytes = (low + high) / 2;
+    try {
+      partition_graph(graph, options);
+      high = options.memory_limit_bytes;
+    } catch (const PartitionError&) {
+      low = options.memory_limit_bytes;
+    }
+  }
+  return high;
+}
+
+void compare_activation_copies() {
+  std::printf("\n1F1B: per-stage activation copies (p - s) against p copies on every stage\n");
+  std::printf("%-18s %6s %6s %16s %18s %18s %12s\n", "graph", "nodes", "stages", "bottleneck ratio",
+              "min limit (GiB)", "worst-case (GiB)", "ours ms");
+  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+  struct Compared {
+    std::string name;
+    ModuleGraph graph;
+  };
+  const std::vector<Compared> graphs = {{"transformer_chain", transformer_chain(32)},
+                                        {"transformer_chain", transformer_chain(96)},
+                                        {"random_dag", random_dag(1000, 7)}};
+  for (const Compared& compared : graphs) {
+    for (int num_stages : {4, 8}) {
+      GraphPartitionOptions options;
+      options.num_stages = num_stages;
+      options.memory_weight = kMemoryWeight;
+      options.activation_copies = one_f_one_b_copies(num_stages);
+      const auto start = std::chrono::steady_clock::now();
+      const GraphPartition aware = partition_graph(compared.graph, options);
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      GraphPartitionOptions worst_case = options;
+      worst_case.activation_copies.assign(num_stages, num_stages);
+      const GraphPartition blind = evaluate(compared.graph, partition_graph(compared.graph, worst_case).stage_of_node,
+                                            options);  // judged by the stages' real copies
+      std::printf("%-18s %6zu %6d %16.4f %18.2f %18.2f %12.2f\n", compared.name.c_str(),
+                  compared.graph.nodes.size(), num_stages, aware.bottleneck / blind.bottleneck,
+                  smallest_memory_limit(compared.graph, options, options.activation_copies) / kGiB,
+                  smallest_memory_limit(compared.graph, options, worst_case.activation_copies) / kGiB, ms);
+    }
+  }
+  for (int num_stages : {8, 64}) {
+    const ModuleGraph graph = random_dag(10000, 7);
+    GraphPartitionOptions options;
+    options.num_stages = num_stages;
+    options.memory_weight = kMemoryWeight;
+    options.bandwidth_bytes_per_s = kBandwidthBytesPerS;
+    options.activation_copies = one_f_one_b_copies(num_stages);
+    const auto start = std::chrono::steady_clock::now();
+    partition_graph(graph, options);
+    std::printf("random_dag 10000 nodes, %d stages, 1F1B copies, 10 GB/s: partition_graph %.1f ms\n", num_stages,
+                std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  }
 }
 
 }  // namespace
@@ -144,5 +221,6 @@ int main() {
       "\nsummary: %d cases; worst ours/optimum on chains (exact) %.6f; worst ours/optimum on small DAGs (exhaustive) "
       "%.4f; ours worse than a baseline in %d cases; slowest partition_graph at 10,000 nodes %.1f ms\n",
       rows, worst_chain_ratio, worst_small_dag_ratio, worse_than_baseline, slowest_10k_ms);
+  compare_activation_copies();
   return 0;
 }

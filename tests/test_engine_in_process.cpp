@@ -205,7 +205,33 @@ TEST_CASE("a memory limit counts activations times the microbatches in flight", 
   }
   modules[1].producers = {0};
   smp::Config config = smp::Config::from_json_text(R"({"partitions": 2, "memory_limit_mb": 16})", "test");
-  CHECK_NOTHROW(smp::plan_stages(modules, config, 1));   // 4 + 4 MiB per module and stage
-  CHECK_THROWS_WITH(smp::plan_stages(modules, config, 4),  // 4 + 16 MiB
+  CHECK_NOTHROW(smp::plan_stages(modules, config, {1, 1}));   // 4 + 4 MiB per module and stage
+  CHECK_THROWS_WITH(smp::plan_stages(modules, config, {4, 4}),  // 4 + 16 MiB
                     Catch::Matchers::Contains("memory"));
+  CHECK_NOTHROW(smp::plan_stages(modules, config, {2, 1}));     // 1F1B on 2 ranks: 4 + 8 MiB, 4 + 4 MiB
+  CHECK_THROWS_WITH(smp::plan_stages(modules, config, {1, 1, 1}), Catch::Matchers::Contains("3 stages"));
+
+  // A checkpointed stage holds one microbatch's activations at a time (while it recomputes).
+  smp::Config checkpointed = smp::Config::from_json_text(
+      R"({"partitions": 2, "memory_limit_mb": 16, "activation_checkpointing": true})", "test");
+  const smp::StagePlan plan = smp::plan_stages(modules, checkpointed, {4, 4});
+  CHECK(plan.activation_copies == std::vector<double>{1, 1});
+  CHECK_THAT(plan.report(), Catch::Matchers::Contains("x 1 held"));
+  CHECK(smp::StagePlan::from_json(plan.to_json()).activation_copies == plan.activation_copies);
+}
+
+TEST_CASE("under 1F1B the stage that holds more microbatches gets fewer modules", "[profile]") {
+  // Eight equal modules whose activations dominate their memory; memory balancing alone decides.
+  std::vector<smp::ModuleProfile> modules(8);
+  for (int i = 0; i < 8; ++i) {
+    modules[i].name = "m" + std::to_string(i);
+    modules[i].forward_s = modules[i].backward_s = 1e-3;
+    modules[i].parameter_bytes = 1 << 10;
+    modules[i].activation_bytes = 4 << 20;
+    if (i > 0) modules[i].producers = {i - 1};
+  }
+  const smp::Config config = smp::Config::from_json_text(R"({"partitions": 2, "memory_weight": 1.0})", "test");
+  const smp::StagePlan plan = smp::plan_stages(modules, config, {2, 1});
+  CHECK(plan.modules_of_stage(0).size() < plan.modules_of_stage(1).size());
+  CHECK_THAT(plan.report(), Catch::Matchers::Contains("x 2 held"));
 }

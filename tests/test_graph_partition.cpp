@@ -280,7 +280,7 @@ TEST_CASE("pins on unrelated nodes that the given order lists backwards are stil
 TEST_CASE("the memory limit holds and costs balance") {
   const ModuleGraph graph = transformer_chain(30);
   std::vector<double> memory_bytes;
-  for (const GraphNode& node : graph.nodes) memory_bytes.push_back(node.memory_bytes);
+  for (const GraphNode& node : graph.nodes) memory_bytes.push_back(node.memory_bytes + node.activation_bytes);
   const int num_stages = 4;
   GraphPartitionOptions options = stages(num_stages, 0.0);
   const GraphPartition unconstrained = partition_graph(graph, options);
@@ -293,6 +293,151 @@ TEST_CASE("the memory limit holds and costs balance") {
   CHECK(max_of(limited.stage_memory_bytes) <= options.memory_limit_bytes);
   CHECK(limited.bottleneck >= unconstrained.bottleneck * (1 - kRelativeTolerance));
   CHECK(std::isfinite(limited.bottleneck));
+}
+
+// Under 1F1B on p ranks, stage s holds the activations of p - s microbatches at once.
+std::vector<double> one_f_one_b_copies(int num_stages) {
+  std::vector<double> copies;
+  for (int stage = 0; stage < num_stages; ++stage) copies.push_back(num_stages - stage);
+  return copies;
+}
+
+ModuleGraph equal_layers(int num_nodes, double activation_bytes) {
+  ModuleGraph graph;
+  for (int i = 0; i < num_nodes; ++i) {
+    GraphNode node;
+    node.name = "layer_" + std::to_string(i);
+    node.compute_s = 3e-3;
+    node.recompute_s = 1e-3;
+    node.memory_bytes = 4 * kMiB;
+    node.parameter_bytes = kMiB;
+    node.activation_bytes = activation_bytes;
+    graph.nodes.push_back(node);
+    if (i > 0) graph.edges.push_back({i - 1, i, kMiB});
+  }
+  return graph;
+}
+
+std::vector<int> layers_per_stage(const GraphPartition& partition, int num_stages) {
+  std::vector<int> count(num_stages, 0);
+  for (int stage : partition.stage_of_node) ++count[stage];
+  return count;
+}
+
+TEST_CASE("per-stage activation copies and recomputation enter each stage's memory and time") {
+  ModuleGraph graph = equal_layers(4, 10 * kMiB);
+  GraphPartitionOptions options = stages(2, 0.5);
+  options.activation_copies = {3, 1};
+  options.recomputes = {false, true};
+  const GraphPartition split = evaluate(graph, {0, 0, 1, 1}, options);
+  CHECK(split.stage_memory_bytes == std::vector<double>{2 * (4 + 3 * 10) * kMiB, 2 * (4 + 10) * kMiB});
+  CHECK(split.stage_compute_s[0] == Approx(6e-3));
+  CHECK(split.stage_compute_s[1] == Approx(8e-3));  // its forward again
+
+  SECTION("the factors must fit the stages") {
+    options.activation_copies = {1, 2, 3};
+    CHECK_THROWS_WITH(evaluate(graph, {0, 0, 1, 1}, options), Contains("one entry per stage"));
+    CHECK_THROWS_WITH(partition_graph(graph, options), Contains("one entry per stage"));
+    options.activation_copies = {1, -1};
+    CHECK_THROWS_WITH(partition_graph(graph, options), Contains("activation_copies of stage 1"));
+  }
+}
+
+TEST_CASE("stages that hold more microbatches get fewer layers") {
+  const int num_stages = 4;
+  const ModuleGraph graph = equal_layers(20, 16 * kMiB);
+  SECTION("memory balancing under 1F1B") {
+    GraphPartitionOptions options = stages(num_stages, 1.0);
+    options.activation_copies = one_f_one_b_copies(num_stages);
+    const std::vector<int> layers = layers_per_stage(partition_graph(graph, options), num_stages);
+    INFO("layers per stage: " << layers[0] << " " << layers[1] << " " << layers[2] << " " << layers[3]);
+    CHECK(std::is_sorted(layers.begin(), layers.end()));
+    CHECK(layers.front() < layers.back());
+  }
+  SECTION("a memory limit that only the per-stage counts can meet") {
+    // 20 layers of 4 MiB state and 16 MiB activations: the first stage holds 4 copies (68 MiB a layer), the last
+    // one (20 MiB a layer). Counting 4 copies everywhere, 20 layers need 1360 MiB: more than 4 x 300 MiB.
+    GraphPartitionOptions options = stages(num_stages, 0.0);
+    options.memory_limit_bytes = 300 * kMiB;
+    options.activation_copies = std::vector<double>(num_stages, 4.0);
+    CHECK_THROWS_WITH(partition_graph(graph, options), Contains("memory limit"));
+    options.activation_copies = one_f_one_b_copies(num_stages);
+    const GraphPartition split = partition_graph(graph, options);
+    REQUIRE_NOTHROW(check_partition(graph, split, num_stages));
+    CHECK(max_of(split.stage_memory_bytes) <= options.memory_limit_bytes);
+  }
+  SECTION("recomputation makes a stage slower") {
+    GraphPartitionOptions options = stages(num_stages, 0.0);
+    options.recomputes = {true, false, false, false};
+    const std::vector<int> layers = layers_per_stage(partition_graph(graph, options), num_stages);
+    CHECK(layers[0] < layers[1]);
+  }
+}
+
+TEST_CASE("with per-stage factors partition_graph stays exact on chains and near the optimum on DAGs") {
+  std::mt19937_64 random(5);
+  int dag_cases = 0, dag_within_two_percent = 0, dag_limit_misses = 0;
+  double worst_dag_ratio = 1, dag_ratio_sum = 0;
+  for (std::uint64_t seed = 1; seed <= 30; ++seed) {
+    for (bool is_chain : {true, false}) {
+      const ModuleGraph graph = is_chain ? random_chain(6 + static_cast<int>(seed % 7), seed)
+                                         : random_dag(6 + static_cast<int>(seed % 7), 2000 + seed);
+      for (int num_stages = 2; num_stages <= 4; ++num_stages) {
+        GraphPartitionOptions options = stages(num_stages, 0.4, kBandwidth);
+        options.activation_copies.clear();
+        for (int stage = 0; stage < num_stages; ++stage) {
+          options.activation_copies.push_back(static_cast<double>(1 + random() % 4));
+          options.recomputes.push_back(random() % 3 == 0);
+        }
+        if (seed % 3 == 0) {  // a pin the edges allow: the node at position i on stage i * k / n
+          const int node = static_cast<int>(random() % graph.nodes.size());
+          options.pinned.assign(graph.nodes.size(), -1);
+          options.pinned[node] = static_cast<int>(node * num_stages / graph.nodes.size());
+        }
+        if (seed % 5 == 0) {  // a memory limit that binds: 90% of the largest stage of an unlimited optimum
+          const GraphPartition unlimited = optimal_partition_exhaustive(graph, options);
+          options.memory_limit_bytes = 0.9 * max_of(unlimited.stage_memory_bytes);
+        }
+        INFO("seed " << seed << (is_chain ? ", chain, " : ", DAG, ") << num_stages << " stages");
+        double optimum;
+        try {
+          optimum = optimal_partition_exhaustive(graph, options).bottleneck;
+        } catch (const PartitionError&) {
+          CHECK_THROWS_AS(partition_graph(graph, options), PartitionError);
+          continue;
+        }
+        if (!is_chain && options.memory_limit_bytes > 0) {
+          // On DAGs the search may miss the few splits that meet a tight limit (exact on chains).
+          try {
+            partition_graph(graph, options);
+          } catch (const PartitionError& error) {
+            CHECK_THAT(error.what(), Contains("found no split"));
+            ++dag_limit_misses;
+            continue;
+          }
+        }
+        const GraphPartition ours = partition_graph(graph, options);
+        REQUIRE_NOTHROW(check_partition(graph, ours, num_stages));
+        if (is_chain) {
+          CHECK(ours.bottleneck == Approx(optimum).epsilon(kRelativeTolerance));
+        } else {
+          CHECK(ours.bottleneck >= optimum * (1 - kRelativeTolerance));
+          // A heuristic on DAGs: the best assignment may need several nodes to trade stages at once (seen: 1.13
+          // once in these 90 cases, with a mean of 1.0015).
+          CHECK(ours.bottleneck <= optimum * 1.15);
+          worst_dag_ratio = std::max(worst_dag_ratio, ours.bottleneck / optimum);
+          dag_ratio_sum += ours.bottleneck / optimum;
+          dag_within_two_percent += ours.bottleneck <= optimum * 1.02 ? 1 : 0;
+          ++dag_cases;
+        }
+      }
+    }
+  }
+  WARN("small DAGs with per-stage factors: " << dag_cases << " cases, ours / optimum: mean "
+                                             << dag_ratio_sum / dag_cases << ", worst " << worst_dag_ratio
+                                             << ", within 2%: " << dag_within_two_percent
+                                             << "; limits met by a split that the search missed: " << dag_limit_misses);
+  CHECK(dag_limit_misses <= 3);
 }
 
 TEST_CASE("with a finite bandwidth the partition avoids cutting heavy tensors") {

@@ -125,13 +125,17 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
   exchange_ = "model" + std::to_string(runtime_->next_exchange()) + "/";
   if (runtime_->rank() == 0) {
     // One stage has nothing to balance: one untimed round still checks that the model takes the sample.
-    // What a stage's activations cost depends on how many microbatches the schedule keeps in flight on a rank; the
-    // partition search takes one factor for all stages, the busiest rank's (a worst case for later stages).
+    // What a stage's activations cost depends on how many microbatches the schedule keeps in flight on its rank
+    // (under 1F1B, p - rank); a rank's virtual stages share its count.
     const auto in_flight = sched::simulate(schedule, sched::StageGraph::chain(schedule.num_stages),
                                            sched::SimulationCosts::uniform(schedule.num_stages))
                                .peak_in_flight;
-    const int peak = in_flight.empty() ? 1 : *std::max_element(in_flight.begin(), in_flight.end());
-    const int copies = std::max(1, (peak + config.virtual_stages - 1) / config.virtual_stages);
+    std::vector<double> copies(static_cast<std::size_t>(schedule.num_stages), 1.0);
+    for (int stage = 0; stage < schedule.num_stages; ++stage) {
+      const int rank = schedule.stage_to_rank.at(stage);
+      const double stages_on_rank = static_cast<double>(schedule.stages_of_rank(rank).size());
+      copies[stage] = std::max(1.0, std::ceil(in_flight.at(rank) / stages_on_rank));
+    }
     plan_ = plan_stages(profile_graph(model_, sample_input, config.num_stages() > 1 ? 3 : 0), config, copies);
     runtime_->publish(exchange_ + "stage_plan", plan_.to_json());
   } else {

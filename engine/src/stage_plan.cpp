@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cstdio>
 #include <sstream>
+#include <stdexcept>
+#include <string>
 
 #include <atomic>
 #include <mutex>
@@ -173,10 +175,12 @@ std::string StagePlan::report() const {
       parameter_bytes += modules[i].parameter_bytes;
       kept_bytes += modules[i].activation_bytes + modules[i].output_bytes;
     }
-    char numbers[160];
-    std::snprintf(numbers, sizeof numbers, "), params %s, activations %s per microbatch, est. fwd+bwd %.3f ms, sends %s",
+    const double copies = activation_copies.empty() ? 1.0 : activation_copies.at(stage);
+    char numbers[200];
+    std::snprintf(numbers, sizeof numbers,
+                  "), params %s, activations %s per microbatch x %g held, est. fwd+bwd %.3f ms, sends %s",
                   format_bytes(static_cast<double>(parameter_bytes)).c_str(),
-                  format_bytes(static_cast<double>(kept_bytes)).c_str(), stage_time(stage) * 1e3,
+                  format_bytes(static_cast<double>(kept_bytes)).c_str(), copies, stage_time(stage) * 1e3,
                   stage + 1 < num_stages ? format_bytes(static_cast<double>(stage_sent_bytes(stage))).c_str() : "-");
     // Module names may be long: only the numbers go through a fixed buffer.
     text << "\n  stage " << stage << ": modules " << modules[members.front()].name << ".."
@@ -189,6 +193,7 @@ std::string StagePlan::to_json() const {
   nlohmann::json document;
   document["num_stages"] = num_stages;
   document["stage_of_module"] = stage_of_module;
+  document["activation_copies"] = activation_copies;
   for (const auto& module : modules) {
     document["modules"].push_back({{"name", module.name},
                                    {"forward_s", module.forward_s},
@@ -206,6 +211,7 @@ StagePlan StagePlan::from_json(const std::string& text) {
   StagePlan plan;
   plan.num_stages = document.at("num_stages").get<int>();
   plan.stage_of_module = document.at("stage_of_module").get<std::vector<int>>();
+  plan.activation_copies = document.value("activation_copies", std::vector<double>{});
   for (const auto& module : document.at("modules")) {
     plan.modules.push_back({module.at("name").get<std::string>(), module.at("forward_s").get<double>(),
                             module.at("backward_s").get<double>(), module.at("parameter_bytes").get<std::int64_t>(),
@@ -284,8 +290,21 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tens
   return profiles;
 }
 
-StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config, int activation_copies) {
+StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
+                      std::vector<double> activation_copies) {
   const int num_modules = static_cast<int>(modules.size());
+  const int num_stages = config.num_stages();
+  if (activation_copies.empty()) activation_copies.assign(num_stages, 1.0);
+  if (static_cast<int>(activation_copies.size()) != num_stages) {
+    throw std::invalid_argument("plan_stages: activation copies given for " +
+                                std::to_string(activation_copies.size()) + " stages, the config has " +
+                                std::to_string(num_stages));
+  }
+  std::vector<bool> recomputes(num_stages, false);
+  for (int stage : config.checkpointed_stages) {
+    recomputes.at(stage) = true;
+    activation_copies[stage] = 1.0;
+  }
   std::vector<int> pinned(num_modules, config.auto_partition ? -1 : config.default_partition);
   for (const auto& [path, stage] : config.partition_overrides) {
     auto found = std::find_if(modules.begin(), modules.end(), [&](const ModuleProfile& m) { return m.name == path; });
@@ -299,14 +318,19 @@ StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config, 
   }
   // The partition search sees the profile as a DAG: compute time, memory per node, and the bytes of every tensor
   // between nodes. Memory: parameters, gradients and two optimizer moments (4x the parameter bytes), and what the
-  // forward keeps for backward (its saved tensors and its output, which the next module saves) for each
-  // microbatch the schedule holds at once.
+  // forward keeps for backward (its saved tensors and its output, which the next module saves) times the
+  // microbatches each stage holds at once. A checkpointed stage keeps only its inputs between forward and backward
+  // (not counted) and holds one microbatch's activations while it recomputes, for which it runs forward again.
   part::ModuleGraph graph;
   for (const auto& module : modules) {
-    const double kept = static_cast<double>(module.activation_bytes + module.output_bytes) * activation_copies;
-    graph.nodes.push_back({module.name, module.forward_s + module.backward_s,
-                           4.0 * static_cast<double>(module.parameter_bytes) + kept,
-                           static_cast<double>(module.parameter_bytes)});
+    part::GraphNode node;
+    node.name = module.name;
+    node.compute_s = module.forward_s + module.backward_s;
+    node.memory_bytes = 4.0 * static_cast<double>(module.parameter_bytes);
+    node.parameter_bytes = static_cast<double>(module.parameter_bytes);
+    node.activation_bytes = static_cast<double>(module.activation_bytes + module.output_bytes);
+    node.recompute_s = module.forward_s;
+    graph.nodes.push_back(node);
   }
   for (int consumer = 0; consumer < num_modules; ++consumer) {
     for (int producer : modules[consumer].producers) {
@@ -314,11 +338,13 @@ StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config, 
     }
   }
   part::GraphPartitionOptions options;
-  options.num_stages = config.num_stages();
+  options.num_stages = num_stages;
   options.memory_weight = config.memory_weight;
   options.memory_limit_bytes = config.memory_limit_mb * 1024.0 * 1024.0;
   options.bandwidth_bytes_per_s = config.link_bandwidth_gbps * 1e9;
   options.pinned = pinned;
+  options.activation_copies = activation_copies;
+  options.recomputes = recomputes;
   StagePlan plan;
   try {
     plan.stage_of_module = part::partition_graph(graph, options).stage_of_node;
@@ -326,7 +352,8 @@ StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config, 
     throw ConfigError(config.source + ": cannot partition the model: " + error.what());
   }
   plan.modules = std::move(modules);
-  plan.num_stages = config.num_stages();
+  plan.num_stages = num_stages;
+  plan.activation_copies = std::move(activation_copies);
   return plan;
 }
 

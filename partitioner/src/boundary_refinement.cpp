@@ -19,18 +19,15 @@ class BoundaryRefinement {
         pinned_(options.pinned),
         num_stages_(options.num_stages),
         stage_of_node_(std::move(stage_of_node)),
-        compute_s_(num_stages_, 0.0),
-        memory_bytes_(num_stages_, 0.0),
-        sent_bytes_(num_stages_, 0.0),
+        totals_(num_stages_),
         nodes_of_stage_(num_stages_),
         slot_in_stage_(stage_of_node_.size()),
         sent_bytes_of_(num_stages_),
         candidate_epoch_(stage_of_node_.size(), 0) {
     for (int node = 0; node < num_nodes(); ++node) {
       const int stage = stage_of_node_[node];
-      compute_s_[stage] += graph_.nodes[node].compute_s;
-      memory_bytes_[stage] += graph_.nodes[node].memory_bytes;
-      sent_bytes_[stage] += sent_bytes_of_.of_producer(adjacency_, stage_of_node_, node);
+      totals_[stage].add(graph_.nodes[node]);
+      totals_[stage].sent_bytes += sent_bytes_of_.of_producer(adjacency_, stage_of_node_, node);
       slot_in_stage_[node] = static_cast<int>(nodes_of_stage_[stage].size());
       nodes_of_stage_[stage].push_back(node);
     }
@@ -78,14 +75,12 @@ class BoundaryRefinement {
   };
   struct StageDelta {
     int stage;
-    double compute_s, memory_bytes, sent_bytes;
+    StageTotals change;
   };
 
   int num_nodes() const { return static_cast<int>(graph_.nodes.size()); }
 
-  double stage_cost(int stage) const {
-    return costs_.stage_cost(compute_s_[stage], memory_bytes_[stage], sent_bytes_[stage]);
-  }
+  double stage_cost(int stage) const { return costs_.stage_cost(stage, totals_[stage]); }
 
   // Keeping every edge forward: no earlier than any predecessor, no later than any successor.
   std::pair<int, int> allowed_stages(int node) const {
@@ -117,7 +112,7 @@ class BoundaryRefinement {
     for (StageDelta& delta : deltas_) {
       if (delta.stage == stage) return delta;
     }
-    return deltas_.emplace_back(StageDelta{stage, 0.0, 0.0, 0.0});
+    return deltas_.emplace_back(StageDelta{stage, StageTotals{}});
   }
 
   // Fills deltas_ with the change of every stage touched by moving `node` to `to`: its own stage and `to` trade
@@ -136,14 +131,14 @@ class BoundaryRefinement {
     const double own_sent_after = sent_bytes_of_.of_producer(adjacency_, stage_of_node_, node);
     for (std::size_t i = 0; i < predecessors.size(); ++i) {
       const double change = sent_bytes_of_.of_producer(adjacency_, stage_of_node_, predecessors[i]) - sent_before_[i];
-      if (change != 0) delta_of(stage_of_node_[predecessors[i]]).sent_bytes += change;
+      if (change != 0) delta_of(stage_of_node_[predecessors[i]]).change.sent_bytes += change;
     }
     stage_of_node_[node] = from;
-    StageDelta& leaving = delta_of(from);
-    leaving.compute_s -= info.compute_s, leaving.memory_bytes -= info.memory_bytes;
+    StageTotals& leaving = delta_of(from).change;
+    leaving.add(info, -1.0);
     leaving.sent_bytes -= own_sent_before;
-    StageDelta& arriving = delta_of(to);
-    arriving.compute_s += info.compute_s, arriving.memory_bytes += info.memory_bytes;
+    StageTotals& arriving = delta_of(to).change;
+    arriving.add(info);
     arriving.sent_bytes += own_sent_after;
   }
 
@@ -154,9 +149,7 @@ class BoundaryRefinement {
     delta_of(slowest);
     double worst = 0;
     for (const StageDelta& delta : deltas_) {
-      worst = std::max(worst, costs_.stage_cost(compute_s_[delta.stage] + delta.compute_s,
-                                                memory_bytes_[delta.stage] + delta.memory_bytes,
-                                                sent_bytes_[delta.stage] + delta.sent_bytes));
+      worst = std::max(worst, costs_.stage_cost(delta.stage, totals_[delta.stage] + delta.change));
     }
     return worst;
   }
@@ -165,9 +158,7 @@ class BoundaryRefinement {
   void move(int node, int to) {
     collect_deltas(node, to);
     for (const StageDelta& delta : deltas_) {
-      compute_s_[delta.stage] += delta.compute_s;
-      memory_bytes_[delta.stage] += delta.memory_bytes;
-      sent_bytes_[delta.stage] += delta.sent_bytes;
+      totals_[delta.stage] += delta.change;
       touched_.push_back(delta.stage);
     }
     std::vector<int>& old_stage = nodes_of_stage_[stage_of_node_[node]];
@@ -239,7 +230,7 @@ class BoundaryRefinement {
   const std::vector<int>& pinned_;
   const int num_stages_;
   std::vector<int> stage_of_node_;
-  std::vector<double> compute_s_, memory_bytes_, sent_bytes_;
+  std::vector<StageTotals> totals_;
   std::vector<std::vector<int>> nodes_of_stage_;
   std::vector<int> slot_in_stage_;  // a node's index in nodes_of_stage_
   SentBytes sent_bytes_of_;

@@ -51,11 +51,34 @@ Adjacency::Adjacency(const ModuleGraph& graph)
   }
 }
 
-CostModel::CostModel(const ModuleGraph& graph, const GraphPartitionOptions& options) {
+CostModel::CostModel(const ModuleGraph& graph, const GraphPartitionOptions& options)
+    : activation_copies(options.activation_copies.empty() ? std::vector<double>(options.num_stages, 1.0)
+                                                          : options.activation_copies),
+      recomputes(std::max(options.num_stages, 0), 0) {
+  // evaluate() builds a cost model without validate(): the per-stage factors must fit before they are indexed.
+  if (activation_copies.size() != recomputes.size() ||
+      (!options.recomputes.empty() && options.recomputes.size() != recomputes.size())) {
+    throw PartitionError("activation_copies and recomputes need one entry per stage (" +
+                         std::to_string(options.num_stages) + "), got " +
+                         std::to_string(options.activation_copies.size()) + " and " +
+                         std::to_string(options.recomputes.size()));
+  }
+  for (std::size_t stage = 0; stage < options.recomputes.size() && stage < recomputes.size(); ++stage) {
+    recomputes[stage] = options.recomputes[stage] ? 1 : 0;
+  }
+  if (options.num_stages > 0) {
+    double copies = 0, recomputing = 0;
+    for (int stage = 0; stage < options.num_stages; ++stage) {
+      copies += activation_copies[stage];
+      recomputing += recomputes[stage];
+    }
+    mean_activation_copies = copies / options.num_stages;
+    mean_recomputes = recomputing / options.num_stages;
+  }
   double total_compute_s = 0, total_memory_bytes = 0;
   for (const GraphNode& node : graph.nodes) {
-    total_compute_s += node.compute_s;
-    total_memory_bytes += node.memory_bytes;
+    total_compute_s += node.compute_s + mean_recomputes * node.recompute_s;
+    total_memory_bytes += node.memory_bytes + mean_activation_copies * node.activation_bytes;
   }
   const double stages = options.num_stages, w = options.memory_weight;
   if (total_compute_s > 0) per_compute_s = (1 - w) * stages / total_compute_s;
@@ -87,28 +110,19 @@ double SentBytes::of_producer(const Adjacency& adjacency, const std::vector<int>
 }
 
 StageMeter::StageMeter(const ModuleGraph& graph, const Adjacency& adjacency, const CostModel& costs, int num_stages)
-    : compute_s(num_stages),
-      memory_bytes(num_stages),
-      sent_bytes(num_stages),
-      cost(num_stages),
-      graph_(graph),
-      adjacency_(adjacency),
-      costs_(costs),
+    : totals(num_stages), cost(num_stages), graph_(graph), adjacency_(adjacency), costs_(costs),
       sent_bytes_of_(num_stages) {}
 
 double StageMeter::bottleneck(const std::vector<int>& stage_of_node) {
-  std::fill(compute_s.begin(), compute_s.end(), 0.0);
-  std::fill(memory_bytes.begin(), memory_bytes.end(), 0.0);
-  std::fill(sent_bytes.begin(), sent_bytes.end(), 0.0);
+  std::fill(totals.begin(), totals.end(), StageTotals{});
   for (std::size_t node = 0; node < graph_.nodes.size(); ++node) {
-    const int stage = stage_of_node[node];
-    compute_s[stage] += graph_.nodes[node].compute_s;
-    memory_bytes[stage] += graph_.nodes[node].memory_bytes;
-    sent_bytes[stage] += sent_bytes_of_.of_producer(adjacency_, stage_of_node, static_cast<int>(node));
+    StageTotals& stage = totals[stage_of_node[node]];
+    stage.add(graph_.nodes[node]);
+    stage.sent_bytes += sent_bytes_of_.of_producer(adjacency_, stage_of_node, static_cast<int>(node));
   }
   double worst = 0;
   for (std::size_t stage = 0; stage < cost.size(); ++stage) {
-    cost[stage] = costs_.stage_cost(compute_s[stage], memory_bytes[stage], sent_bytes[stage]);
+    cost[stage] = costs_.stage_cost(static_cast<int>(stage), totals[stage]);
     worst = std::max(worst, cost[stage]);
   }
   return worst;
@@ -123,7 +137,8 @@ StageBounds validate(const ModuleGraph& graph, const Adjacency& adjacency, const
   }
   for (int node = 0; node < num_nodes; ++node) {
     const GraphNode& info = graph.nodes[node];
-    if (!valid_amount(info.compute_s) || !valid_amount(info.memory_bytes) || !valid_amount(info.parameter_bytes)) {
+    if (!valid_amount(info.compute_s) || !valid_amount(info.memory_bytes) || !valid_amount(info.parameter_bytes) ||
+        !valid_amount(info.activation_bytes) || !valid_amount(info.recompute_s)) {
       throw PartitionError("module " + node_label(graph, node) + " has a negative or non-finite cost");
     }
   }
@@ -132,6 +147,13 @@ StageBounds validate(const ModuleGraph& graph, const Adjacency& adjacency, const
   }
   if (!valid_amount(options.bandwidth_bytes_per_s) || !valid_amount(options.memory_limit_bytes)) {
     throw PartitionError("bandwidth_bytes_per_s and memory_limit_bytes must be finite and non-negative");
+  }
+  for (std::size_t stage = 0; stage < options.activation_copies.size(); ++stage) {
+    if (!valid_amount(options.activation_copies[stage])) {
+      throw PartitionError("activation_copies of " + stage_text(static_cast<int>(stage)) +
+                           " must be finite and non-negative, got " +
+                           std::to_string(options.activation_copies[stage]));
+    }
   }
 
   const std::vector<int>& pinned = options.pinned;
@@ -148,13 +170,16 @@ StageBounds validate(const ModuleGraph& graph, const Adjacency& adjacency, const
   }
 
   if (options.memory_limit_bytes > 0) {
+    // A node fits if it fits alone on the stage that holds the fewest activation copies.
+    double fewest_copies = options.activation_copies.empty() ? 1.0 : options.activation_copies.front();
+    for (double copies : options.activation_copies) fewest_copies = std::min(fewest_copies, copies);
+    auto alone = [&](int node) { return graph.nodes[node].memory_bytes + fewest_copies * graph.nodes[node].activation_bytes; };
     int largest = 0;
     for (int node = 1; node < num_nodes; ++node) {
-      if (graph.nodes[node].memory_bytes > graph.nodes[largest].memory_bytes) largest = node;
+      if (alone(node) > alone(largest)) largest = node;
     }
-    if (graph.nodes[largest].memory_bytes > options.memory_limit_bytes) {
-      throw PartitionError("module " + node_label(graph, largest) + " alone needs " +
-                           std::to_string(graph.nodes[largest].memory_bytes) +
+    if (alone(largest) > options.memory_limit_bytes) {
+      throw PartitionError("module " + node_label(graph, largest) + " alone needs " + std::to_string(alone(largest)) +
                            " bytes, over the per-stage memory limit of " +
                            std::to_string(options.memory_limit_bytes) + " bytes");
     }
@@ -212,9 +237,12 @@ GraphPartition evaluate(const ModuleGraph& graph, const std::vector<int>& stage_
   GraphPartition partition;
   partition.bottleneck = meter.bottleneck(stage_of_node);
   partition.stage_of_node = stage_of_node;
-  partition.stage_compute_s = std::move(meter.compute_s);
-  partition.stage_memory_bytes = std::move(meter.memory_bytes);
-  partition.stage_sent_bytes = std::move(meter.sent_bytes);
+  for (int stage = 0; stage < num_stages; ++stage) {
+    const detail::StageTotals& totals = meter.totals[stage];
+    partition.stage_compute_s.push_back(costs.stage_compute_s(stage, totals));
+    partition.stage_memory_bytes.push_back(costs.stage_memory_bytes(stage, totals));
+    partition.stage_sent_bytes.push_back(totals.sent_bytes);
+  }
   partition.stage_cost = std::move(meter.cost);
   return partition;
 }

@@ -30,8 +30,14 @@ class Draw {
 
 int add_node(ModuleGraph& graph, std::string name, double compute_s, double parameter_bytes,
              double activation_bytes) {
-  graph.nodes.push_back(
-      {std::move(name), compute_s, kStateCopies * parameter_bytes + activation_bytes, parameter_bytes});
+  GraphNode node;
+  node.name = std::move(name);
+  node.compute_s = compute_s;
+  node.memory_bytes = kStateCopies * parameter_bytes;
+  node.parameter_bytes = parameter_bytes;
+  node.activation_bytes = activation_bytes;
+  node.recompute_s = compute_s / 3;  // the forward: a third of forward + backward (see training_seconds)
+  graph.nodes.push_back(std::move(node));
   return static_cast<int>(graph.nodes.size()) - 1;
 }
 

@@ -26,18 +26,49 @@ struct Adjacency {
   std::vector<std::vector<int>> predecessors, successors;  // distinct nodes
 };
 
-// The coefficients of the objective documented in graph_partition.h.
+// What a stage gathers from its nodes; its cost and memory follow from these and from which stage it is.
+struct StageTotals {
+  double compute_s = 0, recompute_s = 0, memory_bytes = 0, activation_bytes = 0, sent_bytes = 0;
+
+  void add(const GraphNode& node, double sign = 1.0) {
+    compute_s += sign * node.compute_s;
+    recompute_s += sign * node.recompute_s;
+    memory_bytes += sign * node.memory_bytes;
+    activation_bytes += sign * node.activation_bytes;
+  }
+  StageTotals& operator+=(const StageTotals& other) {
+    compute_s += other.compute_s, recompute_s += other.recompute_s, memory_bytes += other.memory_bytes;
+    activation_bytes += other.activation_bytes, sent_bytes += other.sent_bytes;
+    return *this;
+  }
+  StageTotals operator+(const StageTotals& other) const { return StageTotals(*this) += other; }
+};
+
+// The coefficients of the objective documented in graph_partition.h, and the per-stage factors.
 struct CostModel {
   CostModel(const ModuleGraph& graph, const GraphPartitionOptions& options);
-  double node_cost(const GraphNode& node) const {
-    return per_compute_s * node.compute_s + per_memory_byte * node.memory_bytes;
+  double stage_compute_s(int stage, const StageTotals& totals) const {
+    return totals.compute_s + (recomputes[stage] ? totals.recompute_s : 0.0);
   }
-  double stage_cost(double compute_s, double memory_bytes, double sent_bytes) const {
+  double stage_memory_bytes(int stage, const StageTotals& totals) const {
+    return totals.memory_bytes + activation_copies[stage] * totals.activation_bytes;
+  }
+  double stage_cost(int stage, const StageTotals& totals) const {
+    const double memory_bytes = stage_memory_bytes(stage, totals);
     if (memory_bytes > memory_limit_bytes) return kInfinity;
-    return per_compute_s * compute_s + per_memory_byte * memory_bytes + per_sent_byte * sent_bytes;
+    return per_compute_s * stage_compute_s(stage, totals) + per_memory_byte * memory_bytes +
+           per_sent_byte * totals.sent_bytes;
+  }
+  // A node's compute and memory terms under the stages' mean factors, for orders that do not know its stage.
+  double mean_node_cost(const GraphNode& node) const {
+    return per_compute_s * (node.compute_s + mean_recomputes * node.recompute_s) +
+           per_memory_byte * (node.memory_bytes + mean_activation_copies * node.activation_bytes);
   }
   double per_compute_s = 0, per_memory_byte = 0, per_sent_byte = 0;
   double memory_limit_bytes = kInfinity;
+  std::vector<double> activation_copies;  // per stage, filled in (1 each when the options give none)
+  std::vector<char> recomputes;           // per stage, 0 or 1
+  double mean_activation_copies = 1, mean_recomputes = 0;
 };
 
 // A producer's sent bytes: its output goes once to each other stage that consumes it, at the size of its largest
@@ -58,8 +89,9 @@ class SentBytes {
 class StageMeter {
  public:
   StageMeter(const ModuleGraph& graph, const Adjacency& adjacency, const CostModel& costs, int num_stages);
-  double bottleneck(const std::vector<int>& stage_of_node);  // fills the totals below
-  std::vector<double> compute_s, memory_bytes, sent_bytes, cost;
+  double bottleneck(const std::vector<int>& stage_of_node);  // fills the totals and costs below
+  std::vector<StageTotals> totals;
+  std::vector<double> cost;
 
  private:
   const ModuleGraph& graph_;
@@ -74,11 +106,14 @@ struct StageBounds {
   std::vector<int> earliest, latest;
 };
 
-// Checks the graph, the stage count and the pins (range, and order along edges: the message names both nodes),
-// and that no node alone exceeds the memory limit. Returns the pins' stage bounds.
+// Checks the graph, the stage count, the per-stage factors and the pins (range, and order along edges: the
+// message names both nodes), and that no node alone exceeds the memory limit on every stage. Returns the pins'
+// stage bounds.
 StageBounds validate(const ModuleGraph& graph, const Adjacency& adjacency, const GraphPartitionOptions& options);
 
-// One topological order of the graph laid out as positions, for the contiguous split.
+// One topological order of the graph laid out as positions, for the contiguous split. A segment that becomes
+// stage t costs, per position, node_cost + activation_copies[t] * activation_cost + recomputes[t] *
+// recompute_cost, plus its sends; its memory is memory_bytes + activation_copies[t] * activation_bytes.
 struct LinearProblem {
   // A producer's segment pays `cost` for sending an output as long as one of its consumers (in this group) lies
   // beyond the segment, that is while the segment ends at or before `last_consumer`.
@@ -86,10 +121,15 @@ struct LinearProblem {
     int producer, last_consumer;
     double cost;
   };
-  std::vector<double> node_cost;     // the compute and memory terms of the node at each position
+  std::vector<double> node_cost;        // the compute and memory terms of the node at each position
+  std::vector<double> activation_cost;  // per position (empty: none): the memory term of one activation copy
+  std::vector<double> recompute_cost;   // per position (empty: none): the compute term of its recomputation
   std::vector<Send> sends;
-  std::vector<double> memory_bytes;  // for the memory limit
+  std::vector<double> memory_bytes;      // for the memory limit
+  std::vector<double> activation_bytes;  // per position (empty: none)
   double memory_limit_bytes = kInfinity;
+  std::vector<double> activation_copies;  // per stage (empty: 1 each)
+  std::vector<char> recomputes;           // per stage (empty: none)
   std::vector<int> pinned;           // -1 or the required stage; never decreasing along the positions
 };
 

@@ -23,7 +23,9 @@ using detail::StageBounds;
 
 // The baselines check the graph and the stage count, and ignore pins and the memory limit.
 void validate_for_baseline(const ModuleGraph& graph, int num_stages) {
-  detail::validate(graph, Adjacency(graph), GraphPartitionOptions{num_stages, 0.0, 0.0, 0.0, {}});
+  GraphPartitionOptions options;
+  options.num_stages = num_stages;
+  detail::validate(graph, Adjacency(graph), options);
 }
 
 // A topological order (Kahn's algorithm) choosing among the ready nodes, in this order of preference: those a pin
@@ -133,6 +135,8 @@ LinearProblem linear_problem(const ModuleGraph& graph, const Adjacency& adjacenc
   for (int position = 0; position < num_nodes; ++position) position_of[order[position]] = position;
   LinearProblem problem;
   problem.memory_limit_bytes = costs.memory_limit_bytes;
+  problem.activation_copies = costs.activation_copies;
+  problem.recomputes = costs.recomputes;
   std::vector<std::tuple<int, int, double>> consumers;  // (group, position, bytes)
   for (int position = 0; position < num_nodes; ++position) {
     const int node = order[position];
@@ -150,8 +154,12 @@ LinearProblem linear_problem(const ModuleGraph& graph, const Adjacency& adjacenc
       }
       problem.sends.push_back(send);
     }
-    problem.node_cost.push_back(costs.node_cost(graph.nodes[node]));
-    problem.memory_bytes.push_back(graph.nodes[node].memory_bytes);
+    const GraphNode& info = graph.nodes[node];
+    problem.node_cost.push_back(costs.per_compute_s * info.compute_s + costs.per_memory_byte * info.memory_bytes);
+    problem.activation_cost.push_back(costs.per_memory_byte * info.activation_bytes);
+    problem.recompute_cost.push_back(costs.per_compute_s * info.recompute_s);
+    problem.memory_bytes.push_back(info.memory_bytes);
+    problem.activation_bytes.push_back(info.activation_bytes);
     if (!options.pinned.empty()) problem.pinned.push_back(options.pinned[node]);
   }
   return problem;
@@ -170,12 +178,15 @@ std::vector<int> stage_of_node_from(const std::vector<int>& order, const std::ve
   if (problem.memory_limit_bytes < detail::kInfinity) {
     problem.memory_limit_bytes = detail::kInfinity;
     if (detail::split_min_bottleneck(problem, options.num_stages)) {
+      const double fewest_copies =
+          *std::min_element(problem.activation_copies.begin(), problem.activation_copies.end());
       double total_bytes = 0;
-      for (const GraphNode& node : graph.nodes) total_bytes += node.memory_bytes;
-      throw PartitionError("no split of the " + std::to_string(graph.nodes.size()) + " modules into " +
-                           std::to_string(options.num_stages) + " stages keeps every stage within the memory limit "
-                           "of " + std::to_string(options.memory_limit_bytes) + " bytes (the modules need " +
-                           std::to_string(total_bytes) + " bytes in all)");
+      for (const GraphNode& node : graph.nodes) total_bytes += node.memory_bytes + fewest_copies * node.activation_bytes;
+      // Exact on chains; on other graphs the search may miss a split that exists, so it says what it found.
+      throw PartitionError("found no split of the " + std::to_string(graph.nodes.size()) + " modules into " +
+                           std::to_string(options.num_stages) + " stages that keeps every stage within the memory "
+                           "limit of " + std::to_string(options.memory_limit_bytes) + " bytes (the modules need " +
+                           std::to_string(total_bytes) + " bytes in all, with the fewest activation copies)");
     }
   }
   throw PartitionError("the pinned modules leave no way to give each of the " + std::to_string(options.num_stages) +
@@ -254,7 +265,7 @@ GraphPartition optimal_partition_exhaustive(const ModuleGraph& graph, const Grap
   // bounds. A stage's compute and memory terms only grow as nodes join it (sends only add), so a stage whose
   // partial cost already reaches the best bottleneck prunes the branch.
   std::vector<int> stage_of_node(num_nodes), best_stage_of_node;
-  std::vector<double> compute_s(num_stages, 0.0), memory_bytes(num_stages, 0.0);
+  std::vector<detail::StageTotals> totals(num_stages);
   std::vector<int> nodes_on_stage(num_stages, 0);
   int empty_stages = num_stages;
   double best = detail::kInfinity;
@@ -271,13 +282,11 @@ GraphPartition optimal_partition_exhaustive(const ModuleGraph& graph, const Grap
     for (int stage = earliest; stage <= bounds.latest[node]; ++stage) {
       if (empty_stages - (nodes_on_stage[stage] == 0 ? 1 : 0) > nodes_left_after) continue;
       stage_of_node[node] = stage;
-      compute_s[stage] += graph.nodes[node].compute_s;
-      memory_bytes[stage] += graph.nodes[node].memory_bytes;
+      totals[stage].add(graph.nodes[node]);
       if (nodes_on_stage[stage]++ == 0) --empty_stages;
-      if (costs.stage_cost(compute_s[stage], memory_bytes[stage], 0.0) < best) place(node + 1);
+      if (costs.stage_cost(stage, totals[stage]) < best) place(node + 1);
       if (--nodes_on_stage[stage] == 0) ++empty_stages;
-      compute_s[stage] -= graph.nodes[node].compute_s;
-      memory_bytes[stage] -= graph.nodes[node].memory_bytes;
+      totals[stage].add(graph.nodes[node], -1.0);
     }
   };
   place(0);

@@ -50,11 +50,11 @@ std::vector<int> metis_parts(const ModuleGraph& graph, const CostModel& costs, i
   }
 
   double total_node_cost = 0;
-  for (const GraphNode& node : graph.nodes) total_node_cost += costs.node_cost(node);
+  for (const GraphNode& node : graph.nodes) total_node_cost += costs.mean_node_cost(node);
   const double node_scale = total_node_cost > 0 ? kTotalNodeWeight / total_node_cost : 0.0;
   std::vector<idx_t> node_weights(num_nodes);
   for (int node = 0; node < num_nodes; ++node) {
-    node_weights[node] = scaled_weight(costs.node_cost(graph.nodes[node]), node_scale);
+    node_weights[node] = scaled_weight(costs.mean_node_cost(graph.nodes[node]), node_scale);
   }
 
   idx_t vertex_count = num_nodes, constraints = 1, parts = num_parts, edge_cut = 0;

@@ -27,6 +27,9 @@ struct StagePlan {
   std::vector<ModuleProfile> modules;
   std::vector<int> stage_of_module;  // non-decreasing, every stage non-empty
   int num_stages = 0;
+  // Per stage (empty: 1 each): the microbatches whose activations it holds at once, as the partition search
+  // counted them (1 on a checkpointed stage, which holds one microbatch's at a time while it recomputes).
+  std::vector<double> activation_copies;
 
   std::vector<int> modules_of_stage(int stage) const;
   double stage_time(int stage) const;
@@ -47,7 +50,9 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tens
 // forward + backward time mixed with memory by memory_weight when auto_partition is true, else every module on
 // default_partition; partition_overrides pin modules in both modes. Throws ConfigError naming the modules when
 // the request cannot be met.
-// `activation_copies`: microbatches whose activations a stage holds at once under the job's schedule.
-StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config, int activation_copies = 1);
+// `activation_copies` (per stage; empty: 1 each): the microbatches whose activations a stage holds at once under
+// the job's schedule. Stages in config.checkpointed_stages count one copy and their forward time twice.
+StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
+                      std::vector<double> activation_copies = {});
 
 }  // namespace smp

@@ -13,9 +13,12 @@ namespace smp::part {
 struct GraphNode {
   std::string name;
   double compute_s = 0;        // forward + backward time of one microbatch
-  double memory_bytes = 0;     // everything the node keeps on its device: parameters, gradients, optimizer state,
-                               // activations
+  double memory_bytes = 0;     // what the node keeps on its device whatever the schedule: parameters, gradients,
+                               // optimizer state
   double parameter_bytes = 0;  // the parameters alone; only the by-parameters baseline looks at it
+  double activation_bytes = 0;  // what one microbatch's forward keeps for its backward; a stage holds
+                                // activation_copies of it (see GraphPartitionOptions)
+  double recompute_s = 0;       // the forward time that a recomputing stage (activation checkpointing) spends again
 };
 
 struct GraphEdge {
@@ -36,21 +39,29 @@ struct GraphPartitionOptions {
   double memory_limit_bytes = 0;     // per stage; 0 = none
   double bandwidth_bytes_per_s = 0;  // turns bytes sent into seconds; 0 = communication is free
   std::vector<int> pinned;           // empty, or one per node: -1 free, else the stage the node must be on
+  // Per stage (empty: 1 each): how many microbatches' activations the stage holds at once. Under 1F1B the first
+  // of p stages holds p and the last one; the same node costs more memory on an earlier stage.
+  std::vector<double> activation_copies;
+  std::vector<bool> recomputes;      // per stage (empty: none): its backward runs its forward again
 };
 
 // The objective: the bottleneck, the largest per-stage cost, where with w = memory_weight and k = num_stages
 //
-//   time_s(stage) = compute_s(stage) + sent_bytes(stage) / bandwidth_bytes_per_s
-//   cost(stage)   = (1 - w) * time_s(stage) / (total compute_s / k) + w * memory_bytes(stage) / (total memory / k)
+//   time_s(stage)       = compute_s(stage) [+ recompute_s(stage) if it recomputes] + sent_bytes(stage) / bandwidth
+//   memory_bytes(stage) = memory_bytes of its nodes + activation_copies[stage] * activation_bytes of its nodes
+//   cost(stage)         = (1 - w) * time_s(stage) / (total time / k) + w * memory_bytes(stage) / (total memory / k)
 //
 // sent_bytes(stage) counts the tensors its nodes send to other stages: a node's output goes once to each stage
-// that consumes it (the largest of its edges into that stage). The means are taken over the graph's totals, not
-// the partition's, so that every partition is measured on the same scale (a partition that sends more is charged
+// that consumes it (the largest of its edges into that stage). The means are taken over the graph's totals (with
+// the stages' mean activation copies and share of recomputing stages), not the partition's, so that every
+// partition is measured on the same scale (a partition that sends more is charged
 // for it, not normalized by it); a term whose total is 0 is dropped. A stage over memory_limit_bytes costs
 // +infinity (infeasible).
 struct GraphPartition {
   std::vector<int> stage_of_node;  // stage(from) <= stage(to) for every edge; every stage non-empty
-  std::vector<double> stage_compute_s, stage_memory_bytes, stage_sent_bytes;
+  std::vector<double> stage_compute_s;     // recomputation included
+  std::vector<double> stage_memory_bytes;  // activation copies included
+  std::vector<double> stage_sent_bytes;
   std::vector<double> stage_cost;  // the objective's per-stage cost (above)
   double bottleneck = 0;           // max stage_cost
 };
