@@ -119,6 +119,7 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$torch_prefix;$deps" -DCMAKE_LIBRARY_ARCHITECTURE="$arch" \
   -Dfmt_DIR="$deps/lib/$arch/cmake/fmt" -Dspdlog_DIR="$deps/lib/$arch/cmake/spdlog" \
   -DCatch2_DIR="$deps/lib/cmake/Catch2" -Dnlohmann_json_DIR="$deps/share/cmake/nlohmann_json" \
+  -DSMP_BUILD_PYTHON=OFF \
   "${extra_args[@]}" >&2 || die "configure failed (see above)"
 if [ "${SMP_GPU_CONFIGURE_ONLY:-0}" = 1 ]; then
   say "configured $build (SMP_GPU_CONFIGURE_ONLY=1: not building)"

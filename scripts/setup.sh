@@ -8,7 +8,7 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${SMP_VENV:-$HOME/.cache/smp/venv}
 build=${SMP_BUILD:-$repo/build}
 torch_version=2.11.0
-apt_packages=(build-essential cmake ninja-build ccache python3-venv libmetis-dev libspdlog-dev catch2
+apt_packages=(build-essential cmake ninja-build ccache python3-venv python3-dev libmetis-dev libspdlog-dev catch2
               nlohmann-json3-dev libgloo-dev zlib1g-dev fortunes)
 
 say() { printf '[setup] %s\n' "$*" >&2; }
@@ -37,7 +37,8 @@ generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 if [ ! -f "$build/CMakeCache.txt" ]; then
   say "configuring $build"
-  cmake -S "$repo" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" >&2
+  cmake -S "$repo" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" \
+    -DPython3_EXECUTABLE="$venv/bin/python" >&2
 fi
 jobs=${SMP_JOBS:-$(nproc)}
 say "building ($jobs jobs)"

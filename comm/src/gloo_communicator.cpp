@@ -12,12 +12,14 @@
 namespace smp::comm {
 
 std::string brief_message(const std::exception& error) {
-  if (const auto* torch_error = dynamic_cast<const c10::Error*>(&error)) {
-    std::string text = torch_error->what_without_backtrace();
-    const auto newline = text.find('\n');
-    return newline == std::string::npos ? text : text.substr(0, newline);
+  const auto* torch_error = dynamic_cast<const c10::Error*>(&error);
+  std::string text = torch_error ? torch_error->what_without_backtrace() : error.what();
+  // TorchScript's interpreter errors open with a traceback of the script; their last line holds the cause.
+  if (text.rfind("The following operation failed in the TorchScript interpreter", 0) == 0) {
+    const auto end = text.find_last_not_of("\n ");
+    const auto start = text.rfind('\n', end);
+    return text.substr(start == std::string::npos ? 0 : start + 1, end + 1 - (start == std::string::npos ? 0 : start + 1));
   }
-  std::string text = error.what();
   const auto newline = text.find('\n');
   return newline == std::string::npos ? text : text.substr(0, newline);
 }

@@ -265,7 +265,7 @@ StageOutputs DistributedModel::run_stage(int stage, const at::Tensor& model_inpu
     for (const auto& input : node.inputs) arguments.push_back(values.at(input));
     try {
       values[node.name] = node.forward(arguments);
-    } catch (const c10::Error& error) {
+    } catch (const std::exception& error) {  // LibTorch's, or TorchScript's interpreter's
       // A model that does not fit its data fails inside LibTorch; say where, without the C++ backtrace.
       std::string shapes;
       for (const auto& argument : arguments) shapes += (shapes.empty() ? "" : ", ") + c10::str(argument.sizes());

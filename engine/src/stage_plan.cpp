@@ -266,7 +266,7 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tens
         start = std::chrono::steady_clock::now();
         if (output.requires_grad()) torch::autograd::backward({output}, {at::ones_like(output)});
         backward_s = seconds_since(start);
-      } catch (const c10::Error& error) {
+      } catch (const std::exception& error) {  // LibTorch's, or TorchScript's interpreter's
         std::string shapes;
         for (const auto& argument : arguments) shapes += (shapes.empty() ? "" : ", ") + c10::str(argument.sizes());
         throw ModelError("module \"" + profile.name + "\" fails on the sample microbatch (input " + shapes +

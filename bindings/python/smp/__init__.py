@@ -1,0 +1,196 @@
+"""smp: pipeline- and data-parallel training of PyTorch models, configured by an SMP-style JSON file.
+
+Every process of the job runs the same script, launched by smprun (``smprun -n 8 -- python train.py``)::
+
+    import torch, smp
+
+    smp.init("config.json")                       # partitions, microbatches, pipeline, ddp, ...
+    torch.manual_seed(0)                          # every rank builds the same weights
+    net = torch.nn.Sequential(...)                # stages are cut between its children
+    model = smp.DistributedModel(net, sample)     # sample: one microbatch; rank 0 profiles and partitions
+    optimizer = smp.DistributedOptimizer(model, "adamw", lr=3e-4)
+    for inputs, targets in batches:               # the global batch, the same on every rank
+        optimizer.zero_grad()
+        out = model.train_step(inputs, targets, torch.nn.functional.cross_entropy)
+        optimizer.step()
+
+Modules run as TorchScript (``torch.jit.script``), so each child of the Sequential (or each node of an
+``smp.GraphModel``) must be scriptable. ``DistributedModel`` keeps its own copy of the weights of its stages: read
+them with ``model.named_parameters()``, named as in the original model's ``state_dict()``.
+"""
+
+import io
+import json
+import os
+
+import torch  # loads LibTorch before the extension that links it
+
+from . import _smp
+from ._smp import CheckpointError, CommError, ConfigError, ModelError, NonFiniteError
+
+__all__ = ["init", "runtime", "GraphModel", "DistributedModel", "DistributedOptimizer", "Checkpointer",
+           "ConfigError", "ModelError", "NonFiniteError", "CheckpointError", "CommError"]
+
+_runtime = None
+
+
+def init(config):
+    """Joins the job: reads the config (a JSON file path, or a dict holding what the file would), checks it against
+    the launch (smprun's environment), and connects to the other processes. Returns the runtime (rank, pp_rank,
+    dp_rank, ...). Raises ConfigError for a bad config and CommError when peers do not show up in time."""
+    global _runtime
+    if isinstance(config, dict):
+        parsed = _smp.Config.from_json_text(json.dumps(config), "<config dict>")
+    else:
+        parsed = _smp.Config.from_file(os.fspath(config))
+    _runtime = _smp.Runtime.init(parsed)
+    return _runtime
+
+
+def runtime():
+    """The runtime of smp.init."""
+    if _runtime is None:
+        raise RuntimeError("smp.init(config) has not been called in this process")
+    return _runtime
+
+
+def _load_scripted(name, module):
+    if isinstance(module, torch.jit.ScriptModule):
+        scripted = module
+    elif isinstance(module, torch.nn.Module):
+        try:
+            scripted = torch.jit.script(module)
+        except Exception as error:  # TorchScript raises several types; say which module and why
+            raise ModelError(f"module '{name}' ({type(module).__name__}) cannot be compiled with torch.jit.script: "
+                             f"{error}") from error
+    else:
+        raise TypeError(f"module '{name}': expected a torch.nn.Module, got {type(module).__name__}")
+    buffer = io.BytesIO()
+    torch.jit.save(scripted, buffer)
+    return _smp.load_scripted(buffer.getvalue())
+
+
+class GraphModel:
+    """A model as a DAG of modules with named tensors between them (residuals, skips, branches)::
+
+        graph = smp.GraphModel("tokens")
+        graph.add("embed", Embedding(...), ["tokens"])
+        graph.add("block0", Block(...), ["embed"])
+        graph.add("mix", Add(), ["block0", "embed"])     # forward(a, b)
+        graph.add("head", Head(...), ["mix"])            # the last node is the model's output
+    """
+
+    def __init__(self, input_name="input"):
+        self._graph = _smp.GraphModel(input_name)
+
+    def add(self, name, module, inputs):
+        self._graph.add(name, _load_scripted(name, module), list(inputs))
+        return self
+
+    @staticmethod
+    def from_sequential(sequential, input_name="input"):
+        """One node per child, named as in the Sequential, so parameter names match its state_dict."""
+        if not isinstance(sequential, (torch.nn.Sequential, torch.jit.ScriptModule)):
+            raise TypeError(f"expected a torch.nn.Sequential, got {type(sequential).__name__}")
+        graph = GraphModel(input_name)
+        previous = input_name
+        for name, child in sequential.named_children():
+            graph.add(name, child, [previous])
+            previous = name
+        if previous == input_name:
+            raise ModelError("the Sequential has no modules")
+        return graph
+
+    def node_names(self):
+        return self._graph.node_names()
+
+    def forward(self, input):
+        """The whole model in this process, as plain PyTorch would run it."""
+        return self._graph.forward(input)
+
+
+class DistributedModel:
+    """This rank's stages of `model` (an nn.Sequential or an smp.GraphModel). Every rank passes the same model and
+    one microbatch of input as `sample_input`: rank 0 profiles the modules on it and all ranks adopt its partition.
+    """
+
+    def __init__(self, model, sample_input):
+        if isinstance(model, GraphModel):
+            graph = model
+        elif isinstance(model, (torch.nn.Sequential, torch.jit.ScriptModule)):
+            graph = GraphModel.from_sequential(model)
+        else:
+            raise TypeError(f"pass an nn.Sequential or an smp.GraphModel, got {type(model).__name__}: pipeline "
+                            "stages are cut between a model's modules")
+        self._model = _smp.DistributedModel(runtime(), graph._graph, sample_input)
+
+    def train_step(self, inputs, targets, loss):
+        """One step on the global batch (the same tensors on every rank; each replica takes its share): splits it
+        into microbatches, runs the pipeline schedule, averages gradients over replicas. `loss(output, target)`
+        returns the mean loss of a microbatch. Returns the step's output: .loss (the global batch's mean loss, the
+        same on every rank), .skipped, .seconds."""
+        rt = runtime()
+        return self._model.train_step(rt.replica_slice(inputs), rt.replica_slice(targets), loss)
+
+    def named_parameters(self):
+        """This rank's parameters by their names in the full model (shared with the engine: no copies)."""
+        return self._model.named_parameters()
+
+    def load_parameters(self, full_model_file):
+        self._model.load_parameters(os.fspath(full_model_file))
+
+    @property
+    def stages(self):
+        """The pipeline stages this rank runs."""
+        return self._model.stages
+
+    @property
+    def stage_of_module(self):
+        return self._model.stage_of_module
+
+    def partition_report(self):
+        return self._model.partition_report()
+
+
+class DistributedOptimizer:
+    """An optimizer over this rank's parameters ("adamw", "adam" or "sgd"; `weight_decay` defaults to PyTorch's:
+    0.01 for AdamW, 0 otherwise), plus the global gradient norm across stages."""
+
+    def __init__(self, model, kind="adamw", lr=1e-3, weight_decay=None, momentum=0.0, betas=(0.9, 0.999),
+                 eps=1e-8):
+        if weight_decay is None:
+            weight_decay = 0.01 if kind == "adamw" else 0.0
+        self._model = model
+        self._optimizer = _smp.DistributedOptimizer(model._model, kind, float(lr), float(weight_decay),
+                                                    float(momentum), tuple(float(b) for b in betas), float(eps))
+
+    def zero_grad(self):
+        self._optimizer.zero_grad()
+
+    def step(self):
+        self._optimizer.step()
+
+    def clip_grad_norm(self, max_norm):
+        """Scales the gradients so that their 2-norm over the whole model is at most max_norm; returns the norm."""
+        return self._optimizer.clip_grad_norm(float(max_norm))
+
+
+class Checkpointer:
+    """Checkpoints as the config's checkpoint_dir / checkpoint_interval say: resume() continues from the newest
+    complete one (when the config says "resume": true) and returns the step to start at; save(step) writes in the
+    background; wait() before exiting."""
+
+    def __init__(self, model, optimizer):
+        self._checkpointer = _smp.Checkpointer(model._model, optimizer._optimizer)
+
+    def resume(self):
+        return self._checkpointer.resume()
+
+    def due(self, step):
+        return self._checkpointer.due(step)
+
+    def save(self, step):
+        self._checkpointer.save(step)
+
+    def wait(self):
+        self._checkpointer.wait()

@@ -1,0 +1,226 @@
+// The Python extension smp._smp: the engine for models written in Python and compiled with TorchScript.
+//
+// Models cross as TorchScript bytes (torch.jit.save in Python, torch::jit::load here), never as Python objects:
+// that needs nothing from PyTorch's Python internals but its tensor conversion, and each rank then owns its copy
+// of the weights, as the C++ API's DistributedModel does. Tensors cross without copies.
+
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>  // Runtime holds one: pybind11 instantiates its copy
+#include <torch/csrc/jit/serialization/import.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/nn/module.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include "smp/checkpoint.h"
+#include "smp/comm/communicator.h"
+#include "smp/config.h"
+#include "smp/distributed_model.h"
+#include "smp/distributed_optimizer.h"
+#include "smp/errors.h"
+#include "smp/graph_model.h"
+#include "smp/runtime.h"
+
+namespace py = pybind11;
+
+namespace smp::python {
+namespace {
+
+// A TorchScript module seen as a torch::nn::Module: the same parameter and buffer tensors (so moving or updating
+// one moves or updates the other), registered under the same names and submodules, so that parameter names match
+// the Python model's state_dict.
+class ScriptedModule : public torch::nn::Module {
+ public:
+  explicit ScriptedModule(torch::jit::Module module) : scripted_(std::move(module)) {
+    for (const auto& parameter : scripted_.named_parameters(/*recurse=*/false)) {
+      register_parameter(parameter.name, parameter.value, parameter.value.requires_grad());
+    }
+    for (const auto& buffer : scripted_.named_buffers(/*recurse=*/false)) register_buffer(buffer.name, buffer.value);
+    for (const auto& child : scripted_.named_children()) {
+      register_module(child.name, std::make_shared<ScriptedModule>(child.value));
+    }
+  }
+
+  at::Tensor forward(const std::vector<at::Tensor>& inputs) {
+    std::vector<c10::IValue> arguments(inputs.begin(), inputs.end());
+    c10::IValue output = scripted_.forward(std::move(arguments));
+    if (!output.isTensor()) {
+      throw ModelError("a TorchScript module returned " + output.tagKind() + "; pipeline stages pass one tensor");
+    }
+    return output.toTensor();
+  }
+
+ private:
+  torch::jit::Module scripted_;
+};
+
+std::shared_ptr<ScriptedModule> load_scripted(const py::bytes& serialized) {
+  std::istringstream stream(std::string(serialized), std::ios::binary);
+  torch::jit::Module module = torch::jit::load(stream);
+  module.train();
+  return std::make_shared<ScriptedModule>(std::move(module));
+}
+
+GraphModel::Forward forward_of(const std::shared_ptr<ScriptedModule>& module) {
+  return [module](const std::vector<at::Tensor>& inputs) { return module->forward(inputs); };
+}
+
+// A Python loss function, called from the engine with the GIL released around the step.
+LossFunction python_loss(py::function loss) {
+  // The engine may drop its last copy with the GIL released: the deleter takes it.
+  std::shared_ptr<py::function> holder(new py::function(std::move(loss)), [](py::function* function) {
+    py::gil_scoped_acquire gil;
+    delete function;
+  });
+  return [holder](const at::Tensor& output, const at::Tensor& target) {
+    py::gil_scoped_acquire gil;
+    py::object result = (*holder)(output, target);
+    try {
+      return result.cast<at::Tensor>();
+    } catch (const py::cast_error&) {
+      throw ModelError("the loss function returned " + std::string(py::str(py::type::of(result))) +
+                       ", not a tensor");
+    }
+  };
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(DistributedModel& model, const std::string& kind, double lr,
+                                                        double weight_decay, double momentum,
+                                                        std::pair<double, double> betas, double eps) {
+  const auto parameters = model.parameters();
+  if (kind == "adamw") {
+    return std::make_unique<torch::optim::AdamW>(
+        parameters, torch::optim::AdamWOptions(lr).weight_decay(weight_decay).betas({betas.first, betas.second}).eps(eps));
+  }
+  if (kind == "adam") {
+    return std::make_unique<torch::optim::Adam>(
+        parameters, torch::optim::AdamOptions(lr).weight_decay(weight_decay).betas({betas.first, betas.second}).eps(eps));
+  }
+  if (kind == "sgd") {
+    return std::make_unique<torch::optim::SGD>(
+        parameters, torch::optim::SGDOptions(lr).weight_decay(weight_decay).momentum(momentum));
+  }
+  throw ConfigError("optimizer \"" + kind + "\": expected \"adamw\", \"adam\" or \"sgd\"");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_smp, module) {
+  module.doc() = "smp's engine for TorchScript models (use the smp package, not this module)";
+
+  // Python classes for the errors each layer raises, so that callers can tell a bad config from a dead peer.
+  py::register_exception<ConfigError>(module, "ConfigError", PyExc_ValueError);
+  py::register_exception<ModelError>(module, "ModelError", PyExc_RuntimeError);
+  py::register_exception<NonFiniteError>(module, "NonFiniteError", PyExc_ArithmeticError);
+  py::register_exception<CheckpointError>(module, "CheckpointError", PyExc_RuntimeError);
+  py::register_exception<comm::CommError>(module, "CommError", PyExc_RuntimeError);
+
+  py::class_<ScriptedModule, std::shared_ptr<ScriptedModule>>(module, "ScriptedModule");
+  module.def("load_scripted", &load_scripted, py::arg("serialized"));
+
+  py::class_<GraphModel>(module, "GraphModel")
+      .def(py::init<std::string>(), py::arg("input_name") = "input")
+      .def(
+          "add",
+          [](GraphModel& graph, const std::string& name, const std::shared_ptr<ScriptedModule>& scripted,
+             std::vector<std::string> inputs) -> GraphModel& {
+            return graph.add(name, scripted, forward_of(scripted), std::move(inputs));
+          },
+          py::arg("name"), py::arg("module"), py::arg("inputs"), py::return_value_policy::reference_internal)
+      .def_property_readonly("input_name", &GraphModel::input_name)
+      .def("node_names",
+           [](const GraphModel& graph) {
+             std::vector<std::string> names;
+             for (const auto& node : graph.nodes()) names.push_back(node.name);
+             return names;
+           })
+      .def("forward", &GraphModel::forward, py::arg("input"), py::call_guard<py::gil_scoped_release>());
+
+  py::class_<Config>(module, "Config")
+      .def_static("from_file", &Config::from_file, py::arg("path"))
+      .def_static("from_json_text", &Config::from_json_text, py::arg("text"), py::arg("source"))
+      .def_readonly("partitions", &Config::partitions)
+      .def_readonly("microbatches", &Config::microbatches)
+      .def_readonly("global_batch_size", &Config::global_batch_size)
+      .def_readonly("seed", &Config::seed)
+      .def_readonly("source", &Config::source)
+      .def("num_stages", &Config::num_stages);
+
+  py::class_<Runtime, std::shared_ptr<Runtime>>(module, "Runtime")
+      .def_static("init", py::overload_cast<const Config&>(&Runtime::init), py::arg("config"),
+                  py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("rank", &Runtime::rank)
+      .def_property_readonly("world_size", &Runtime::world_size)
+      .def_property_readonly("pp_rank", &Runtime::pp_rank)
+      .def_property_readonly("dp_rank", &Runtime::dp_rank)
+      .def_property_readonly("data_parallel_degree",
+                             [](const Runtime& runtime) { return runtime.topology().data_parallel_degree(); })
+      .def_property_readonly("device", [](const Runtime& runtime) { return runtime.device().str(); })
+      .def_property_readonly("config", &Runtime::config, py::return_value_policy::reference_internal)
+      .def("replica_slice", &Runtime::replica_slice, py::arg("global_batch"));
+
+  py::class_<StepOutput>(module, "StepOutput")
+      .def_readonly("loss", &StepOutput::loss)
+      .def_readonly("skipped", &StepOutput::skipped)
+      .def_readonly("seconds", &StepOutput::seconds)
+      .def_readonly("gradient_buckets", &StepOutput::gradient_buckets)
+      .def_readonly("buckets_overlapped", &StepOutput::buckets_overlapped);
+
+  py::class_<DistributedModel>(module, "DistributedModel")
+      .def(py::init<std::shared_ptr<Runtime>, GraphModel, const at::Tensor&>(), py::arg("runtime"),
+           py::arg("model"), py::arg("sample_input"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "train_step",
+          [](DistributedModel& model, const at::Tensor& inputs, const at::Tensor& targets, py::function loss) {
+            LossFunction function = python_loss(std::move(loss));
+            py::gil_scoped_release released;
+            return model.train_step(inputs, targets, function);
+          },
+          py::arg("inputs"), py::arg("targets"), py::arg("loss"))
+      .def("named_parameters",
+           [](const DistributedModel& model) {
+             py::dict parameters;
+             for (const auto& [name, parameter] : model.named_parameters()) parameters[py::str(name)] = parameter;
+             return parameters;
+           })
+      .def("load_parameters", &DistributedModel::load_parameters, py::arg("full_model_file"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("stage", &DistributedModel::stage)
+      .def_property_readonly("stages", &DistributedModel::stages)
+      .def_property_readonly("stage_of_module", [](const DistributedModel& model) { return model.plan().stage_of_module; })
+      .def("partition_report", [](const DistributedModel& model) { return model.plan().report(); })
+      .def_property_readonly("loss_scale", &DistributedModel::loss_scale);
+
+  py::class_<DistributedOptimizer>(module, "DistributedOptimizer")
+      .def(py::init([](DistributedModel& model, const std::string& kind, double lr, double weight_decay,
+                       double momentum, std::pair<double, double> betas, double eps) {
+             return std::make_unique<DistributedOptimizer>(
+                 model, make_optimizer(model, kind, lr, weight_decay, momentum, betas, eps));
+           }),
+           py::arg("model"), py::arg("kind"), py::arg("lr"), py::arg("weight_decay"), py::arg("momentum"),
+           py::arg("betas"), py::arg("eps"), py::keep_alive<1, 2>())
+      .def("zero_grad", &DistributedOptimizer::zero_grad)
+      .def("step", &DistributedOptimizer::step, py::call_guard<py::gil_scoped_release>())
+      .def("clip_grad_norm", &DistributedOptimizer::clip_grad_norm, py::arg("max_norm"),
+           py::call_guard<py::gil_scoped_release>());
+
+  py::class_<Checkpointer>(module, "Checkpointer")
+      .def(py::init<DistributedModel&, DistributedOptimizer&>(), py::arg("model"), py::arg("optimizer"),
+           py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+      .def("resume", &Checkpointer::resume, py::call_guard<py::gil_scoped_release>())
+      .def("due", &Checkpointer::due, py::arg("step"))
+      .def("save", &Checkpointer::save, py::arg("step"), py::call_guard<py::gil_scoped_release>())
+      .def("wait", &Checkpointer::wait, py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace smp::python

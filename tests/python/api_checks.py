@@ -1,0 +1,88 @@
+"""The smp Python package's contract in one process (run under `smprun -n 1`): errors name what is wrong, and the
+parameters it returns are the engine's own tensors. Exits 0 when every check holds; prints each failure."""
+
+import sys
+import tempfile
+
+import torch
+import torch.nn.functional as F
+
+import smp
+
+failures = []
+
+
+def expect_error(what, error_type, needle, action):
+    try:
+        action()
+    except error_type as error:
+        if needle not in str(error):
+            failures.append(f"{what}: {error_type.__name__} without {needle!r}: {error}")
+        return
+    except Exception as error:  # noqa: BLE001 - the wrong type is the failure reported
+        failures.append(f"{what}: raised {type(error).__name__} ({error}), expected {error_type.__name__}")
+        return
+    failures.append(f"{what}: no error, expected {error_type.__name__}")
+
+
+def main():
+    torch.set_num_threads(1)
+    expect_error("use before init", RuntimeError, "smp.init",
+                 lambda: smp.DistributedModel(torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.zeros(1, 2)))
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as bad:
+        bad.write('{"smp": {"partitions": 2, "microbatchs": 4}}')
+        bad.flush()
+        expect_error("unknown key in a file", smp.ConfigError, "microbatchs", lambda: smp.init(bad.name))
+    expect_error("ConfigError is a ValueError", ValueError, "partitions", lambda: smp.init({"partitions": 0}))
+    expect_error("too many stages for the launch", smp.ConfigError, "2", lambda: smp.init({"partitions": 2}))
+
+    runtime = smp.init({"partitions": 1, "microbatches": 2, "global_batch_size": 4, "device": "cpu"})
+    if (runtime.rank, runtime.world_size, runtime.pp_rank, runtime.dp_rank) != (0, 1, 0, 0):
+        failures.append(f"runtime of one process: rank {runtime.rank} of {runtime.world_size}")
+
+    class NotScriptable(torch.nn.Module):
+        def forward(self, x):
+            return x.numpy()  # TorchScript has no numpy()
+
+    expect_error("a module TorchScript cannot compile", smp.ModelError, "NotScriptable",
+                 lambda: smp.DistributedModel(torch.nn.Sequential(NotScriptable()), torch.zeros(2, 3)))
+    expect_error("a model that is not a Sequential", TypeError, "nn.Sequential",
+                 lambda: smp.DistributedModel(torch.nn.Linear(3, 3), torch.zeros(2, 3)))
+    expect_error("a sample the model rejects", smp.ModelError, "0",
+                 lambda: smp.DistributedModel(torch.nn.Sequential(torch.nn.Linear(3, 3)), torch.zeros(2, 5)))
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    model = smp.DistributedModel(net, torch.zeros(2, 3))
+    names = sorted(model.named_parameters())
+    if names != sorted(name for name, _ in net.named_parameters()):
+        failures.append(f"parameter names {names} differ from the model's state_dict names")
+    if not all(torch.equal(model.named_parameters()[n], dict(net.named_parameters())[n]) for n in names):
+        failures.append("the distributed model does not start from the model's weights")
+
+    optimizer = smp.DistributedOptimizer(model, "sgd", lr=0.5)
+    inputs, targets = torch.randn(4, 3), torch.randn(4, 2)
+    before = model.named_parameters()["0.weight"].clone()
+    optimizer.zero_grad()
+    output = model.train_step(inputs, targets, F.mse_loss)
+    optimizer.step()
+    if torch.equal(model.named_parameters()["0.weight"], before):
+        failures.append("a step left the parameters as they were (named_parameters must share the engine's tensors)")
+    if not output.loss > 0:
+        failures.append(f"step loss {output.loss}")
+    expect_error("a loss that returns no tensor", smp.ModelError, "float",
+                 lambda: model.train_step(inputs, targets, lambda output, target: 1.0))
+    expect_error("a loss that raises", ZeroDivisionError, "division",
+                 lambda: model.train_step(inputs, targets, lambda output, target: 1 / 0))
+    expect_error("an unknown optimizer", smp.ConfigError, "lion", lambda: smp.DistributedOptimizer(model, "lion"))
+    expect_error("a batch that does not split into microbatches", smp.ConfigError, "batch",
+                 lambda: model.train_step(torch.randn(3, 3), torch.randn(3, 2), F.mse_loss))
+
+    for failure in failures:
+        print("FAILED:", failure, flush=True)
+    print(f"{len(failures)} failures", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""One rank of a job that trains through the smp Python package and, in the same process, the same model with plain
+PyTorch on the whole global batch; every step's loss and, at the end, every parameter this rank holds must match.
+Exits 0 only then, so `smprun -n N -- python pipeline_worker.py ...` fails when any rank differs.
+
+  --smp JSON     the config (as smp.init takes a dict)
+  --model NAME   "sequential" (blocks with nested parameter names) or "graph" (a residual and a skip across stages)
+  --steps N
+  --optimizer    "sgd" (momentum 0.9) or "adamw"; Adam turns float rounding in near-zero gradients into updates of
+                 the learning rate's size, so compare it with a looser --rtol
+  --rtol R       a parameter matches when max |smp - plain| <= 1e-5 + R * max |plain| (default 1e-4)
+"""
+
+import argparse
+import copy
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import smp
+
+
+class Block(torch.nn.Module):
+    def __init__(self, inputs, outputs):
+        super().__init__()
+        self.linear = torch.nn.Linear(inputs, outputs)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x))
+
+
+class Add(torch.nn.Module):
+    def forward(self, a, b):
+        return a + b
+
+
+WIDTH, OUTPUTS = 16, 4
+
+
+def sequential_model():
+    return torch.nn.Sequential(Block(WIDTH, 32), Block(32, 32), Block(32, 32), Block(32, 32), Block(32, 32),
+                               torch.nn.Linear(32, OUTPUTS))
+
+
+# name, module, inputs: a residual around b1 and a skip from b0 to the head's input.
+def graph_nodes():
+    return [("b0", Block(WIDTH, 32), ["x"]), ("b1", Block(32, 32), ["b0"]), ("mix", Add(), ["b1", "b0"]),
+            ("b2", Block(32, 32), ["mix"]), ("b3", Block(32, 32), ["b2"]), ("skip", Add(), ["b3", "b0"]),
+            ("head", torch.nn.Linear(32, OUTPUTS), ["skip"])]
+
+
+def graph_forward(nodes, x):
+    values = {"x": x}
+    for name, module, inputs in nodes:
+        values[name] = module(*[values[i] for i in inputs])
+    return values[nodes[-1][0]]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smp", required=True)
+    parser.add_argument("--model", choices=["sequential", "graph"], default="sequential")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    parser.add_argument("--rtol", type=float, default=1e-4)
+    args = parser.parse_args()
+    config = json.loads(args.smp)
+    torch.set_num_threads(1)
+
+    runtime = smp.init(config)
+    torch.manual_seed(config.get("seed", 0))
+    if args.model == "sequential":
+        net = sequential_model()
+        reference = copy.deepcopy(net)
+        reference_forward = reference
+        reference_parameters = dict(reference.named_parameters())
+        model_input = net
+    else:
+        nodes = graph_nodes()
+        reference_nodes = copy.deepcopy(nodes)
+        reference_forward = lambda x: graph_forward(reference_nodes, x)  # noqa: E731
+        reference_parameters = {f"{name}.{p}": t for name, module, _ in reference_nodes
+                                for p, t in module.named_parameters()}
+        model_input = smp.GraphModel("x")
+        for name, module, inputs in nodes:
+            model_input.add(name, module, inputs)
+
+    global_batch = config["global_batch_size"]
+    microbatch = global_batch // runtime.data_parallel_degree // config["microbatches"]
+    data = torch.Generator().manual_seed(7)
+    batches = [(torch.randn(global_batch, WIDTH, generator=data), torch.randn(global_batch, OUTPUTS, generator=data))
+               for _ in range(args.steps)]
+
+    model = smp.DistributedModel(model_input, batches[0][0][:microbatch])
+    if args.optimizer == "sgd":
+        optimizer = smp.DistributedOptimizer(model, "sgd", lr=0.1, momentum=0.9)
+        reference_optimizer = torch.optim.SGD(reference_parameters.values(), lr=0.1, momentum=0.9)
+    else:
+        optimizer = smp.DistributedOptimizer(model, "adamw", lr=1e-2, weight_decay=0.0)
+        reference_optimizer = torch.optim.AdamW(reference_parameters.values(), lr=1e-2, weight_decay=0.0)
+
+    failures = []
+    for step, (inputs, targets) in enumerate(batches):
+        optimizer.zero_grad()
+        output = model.train_step(inputs, targets, F.mse_loss)
+        optimizer.step()
+        reference_optimizer.zero_grad()
+        loss = F.mse_loss(reference_forward(inputs), targets)
+        loss.backward()
+        reference_optimizer.step()
+        if abs(output.loss - loss.item()) > 1e-5 * max(1.0, abs(loss.item())):
+            failures.append(f"step {step}: loss {output.loss} under smp, {loss.item()} in plain PyTorch")
+
+    parameters = model.named_parameters()
+    def difference(name):
+        return (parameters[name] - reference_parameters[name].detach()).abs().max().item()
+
+    mismatched = [name for name in parameters
+                  if difference(name) > 1e-5 + args.rtol * reference_parameters[name].detach().abs().max().item()]
+    failures += [f"parameter {name} differs by up to {difference(name):.3g}" for name in mismatched]
+    print(f"rank {runtime.rank} stages {model.stages}: {len(parameters)} parameters checked, "
+          f"{len(mismatched)} mismatches", flush=True)
+    for failure in failures:
+        print(f"rank {runtime.rank}: {failure}", flush=True)
+    return 0 if not failures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

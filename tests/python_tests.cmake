@@ -1,0 +1,23 @@
+# The Python package: each test runs a script under smprun (one intra-op thread per process, a free port picked
+# by smprun, a time limit) and passes when every rank exits 0, i.e. matched plain PyTorch training.
+if(NOT SMP_PYTHON_PACKAGE_DIR)
+  return()
+endif()
+
+function(smp_python_test name processes script)
+  add_test(NAME ${name}
+           COMMAND $<TARGET_FILE:smprun> -n ${processes} --timeout 240 --
+                   ${SMP_PYTHON_EXECUTABLE} ${CMAKE_CURRENT_FUNCTION_LIST_DIR}/python/${script} ${ARGN})
+  set_tests_properties(${name} PROPERTIES
+    TIMEOUT 300
+    LABELS python
+    ENVIRONMENT "PYTHONPATH=${SMP_PYTHON_PACKAGE_DIR};OMP_NUM_THREADS=1;PYTHONUNBUFFERED=1")
+endfunction()
+
+smp_python_test(python_api_errors_and_shared_parameters 1 api_checks.py)
+smp_python_test(python_sequential_2_stages_x_2_replicas_equals_pytorch 4 pipeline_worker.py --model sequential
+                --smp [[{"partitions": 2, "microbatches": 4, "ddp": true, "global_batch_size": 16, "seed": 3, "device": "cpu"}]])
+smp_python_test(python_graph_4_stages_with_skips_equals_pytorch 4 pipeline_worker.py --model graph
+                --smp [[{"partitions": 4, "microbatches": 4, "global_batch_size": 8, "seed": 3, "device": "cpu"}]])
+smp_python_test(python_interleaved_adamw_equals_pytorch 4 pipeline_worker.py --model graph --optimizer adamw --rtol 1e-3
+                --smp [[{"partitions": 2, "virtual_stages": 2, "pipeline": "interleaved", "microbatches": 4, "ddp": true, "global_batch_size": 16, "seed": 3, "device": "cpu"}]])
