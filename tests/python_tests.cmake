@@ -21,3 +21,13 @@ smp_python_test(python_graph_4_stages_with_skips_equals_pytorch 4 pipeline_worke
                 --smp [[{"partitions": 4, "microbatches": 4, "global_batch_size": 8, "seed": 3, "device": "cpu"}]])
 smp_python_test(python_interleaved_adamw_equals_pytorch 4 pipeline_worker.py --model graph --optimizer adamw --rtol 1e-3
                 --smp [[{"partitions": 2, "virtual_stages": 2, "pipeline": "interleaved", "microbatches": 4, "ddp": true, "global_batch_size": 16, "seed": 3, "device": "cpu"}]])
+
+# The Python example as the 2x4 job against one process (the checking script launches both).
+add_test(NAME python_example_2x4_equals_one_process
+         COMMAND ${SMP_PYTHON_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/python/example_check.py $<TARGET_FILE:smprun>
+                 ${SMP_PYTHON_EXECUTABLE} ${PROJECT_SOURCE_DIR}/examples/python/hybrid_2x4.py
+                 ${PROJECT_SOURCE_DIR}/examples/hybrid_2x4.json)
+set_tests_properties(python_example_2x4_equals_one_process PROPERTIES
+  TIMEOUT 500
+  LABELS python
+  ENVIRONMENT "PYTHONPATH=${SMP_PYTHON_PACKAGE_DIR};OMP_NUM_THREADS=1;PYTHONUNBUFFERED=1")

@@ -124,7 +124,7 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
   }
   exchange_ = "model" + std::to_string(runtime_->next_exchange()) + "/";
   if (runtime_->rank() == 0) {
-    // One stage has nothing to balance: one untimed round still checks that the model takes the sample.
+    // One stage has nothing to balance: the untimed rounds still check that the model takes the sample.
     // What a stage's activations cost depends on how many microbatches the schedule keeps in flight on its rank
     // (under 1F1B, p - rank); a rank's virtual stages share its count.
     const auto in_flight = sched::simulate(schedule, sched::StageGraph::chain(schedule.num_stages),

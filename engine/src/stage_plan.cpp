@@ -244,8 +244,11 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tens
     std::vector<double> forward_times, backward_times;
     std::int64_t activation_bytes = -1;  // the least over the rounds: the first pays for one-time allocations
     at::Tensor output;
-    // One extra, untimed round first: first calls pay for allocations and lazy initialisation.
-    for (int repeat = -1; repeat < repeats; ++repeat) {
+    // Untimed rounds first: first calls pay for allocations and lazy initialisation, and TorchScript modules (the
+    // Python package's) run their profiling executor's instrumented and then compiling calls, for the forward
+    // graph and then again for the backward graph it derives, before they run optimized code.
+    constexpr int kUntimedRounds = 3;
+    for (int repeat = -kUntimedRounds; repeat < repeats; ++repeat) {
       std::vector<at::Tensor> arguments;
       for (const auto& input : node.inputs) {
         at::Tensor leaf = values.at(input).detach();

@@ -1,0 +1,48 @@
+"""Runs examples/python/hybrid_2x4.py as the 2x4 job (8 processes) and as one process on the same global batches,
+and checks that both print the same losses (within 1e-4): pipeline and replicas change nothing but speed.
+
+  example_check.py SMPRUN PYTHON EXAMPLE CONFIG
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+STEPS = 3
+
+
+def losses(smprun, processes, python, example, config):
+    command = [smprun, "-n", str(processes), "--timeout", "200", "--", python, example, "--config", config,
+               "--steps", str(STEPS)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    found = [float(value) for value in re.findall(r"\[rank 0\] step \d+ loss ([0-9.eE+-]+)", result.stdout)]
+    if result.returncode != 0 or len(found) != STEPS:
+        print(result.stdout[-4000:], result.stderr[-4000:], sep="\n")
+        raise SystemExit(f"{processes} processes: exit status {result.returncode}, {len(found)} loss lines")
+    return found
+
+
+def main():
+    smprun, python, example, config = sys.argv[1:5]
+    with open(config) as file:
+        document = json.load(file)
+    document["smp"].update({"partitions": 1, "microbatches": 1, "ddp": False})
+    with tempfile.TemporaryDirectory() as directory:
+        single_config = os.path.join(directory, "single.json")
+        with open(single_config, "w") as file:
+            json.dump(document, file)
+        single = losses(smprun, 1, python, example, single_config)
+    hybrid = losses(smprun, 8, python, example, config)
+    print("one process:", single)
+    print("2 x 4:      ", hybrid)
+    for step, (a, b) in enumerate(zip(single, hybrid)):
+        if abs(a - b) > 1e-4 * max(1.0, abs(a)):
+            raise SystemExit(f"step {step}: loss {b} under 2 x 4, {a} in one process")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
