@@ -147,6 +147,18 @@ int run(int argc, char** argv) {
     }
     if (checkpointer.due(step)) checkpointer.save(step);
   }
+  // Validation on batches training never drew (negative step numbers), without gradients.
+  double validation = 0.0;
+  constexpr int kValidationBatches = 2;
+  for (int i = 0; i < kValidationBatches; ++i) {
+    const auto [inputs, targets] = corpus.batch(config.seed, -2 - i, global_batch, training.sequence_length);
+    validation += distributed
+                      .evaluate(runtime->replica_slice(inputs), runtime->replica_slice(targets),
+                                smp::examples::gpt_loss)
+                      .loss /
+                  kValidationBatches;
+  }
+  if (runtime->rank() == 0) std::printf("validation loss %.6f\n", validation);
   if (first_step < training.steps) checkpointer.save(training.steps - 1);
   checkpointer.wait();  // saves are written in the background: the last one must be complete before exiting
   return 0;

@@ -135,6 +135,24 @@ TEST_CASE("every named schedule over the grid validates, lowers and simulates", 
             const SimulationResult result = simulate(lowered, graph, SimulationCosts::uniform(stages));
             if (max_active > 0)
               for (int peak : result.peak_in_flight) CHECK(peak <= max_active);
+
+            // Its evaluation step: every F once with its transfers, nothing else, and it runs to the end.
+            const Schedule evaluation = forward_only(lowered);
+            REQUIRE_NOTHROW(validate(evaluation, graph));
+            int forwards = 0;
+            for (const auto& [action, count] : compute_counts(evaluation)) {
+              if (std::get<0>(action) != ActionKind::Forward) continue;
+              ++forwards;
+              CHECK(count == 1);
+            }
+            CHECK(forwards == stages * microbatches);
+            for (const auto& actions : evaluation.ranks)
+              for (const Action& action : actions)
+                CHECK((action.kind == ActionKind::Forward || action.kind == ActionKind::SendForward ||
+                       action.kind == ActionKind::RecvForward));
+            const SimulationResult forward_result = simulate(evaluation, graph, SimulationCosts::uniform(stages));
+            for (int peak : forward_result.peak_in_flight) CHECK(peak == 0);
+            CHECK(forward_result.makespan <= result.makespan);
           }
         }
       }
@@ -298,6 +316,27 @@ TEST_CASE("malformed split-backward schedules are rejected, naming the action", 
     REQUIRE_THROWS_WITH(validate(zb, StageGraph::chain(4)),
                         Contains("rank 2, action #0 " + describe(W(2, 3)) +
                                  ": weight gradient before its input gradient"));
+  }
+}
+
+TEST_CASE("a forward-only schedule admits no backward", "[validate]") {
+  const StageGraph graph = StageGraph::chain(4);
+  const Schedule training = lower_communication(make_1f1b(4, 4), graph);
+  Schedule evaluation = forward_only(training);
+  REQUIRE_NOTHROW(validate(evaluation, graph));
+  SECTION("a B") {
+    evaluation.ranks[3].push_back(Action{ActionKind::Backward, 3, 0});
+    REQUIRE_THROWS_WITH(validate(evaluation, graph), Contains("rank 3, action #") &&
+                                                         Contains("backward in a forward-only schedule"));
+  }
+  SECTION("a gradient transfer") {
+    evaluation.ranks[0].push_back(Action{ActionKind::RecvBackward, 0, 0, 1});
+    REQUIRE_THROWS_WITH(validate(evaluation, graph), Contains("gradient transfer in a forward-only schedule"));
+  }
+  SECTION("a missing forward") {
+    auto& actions = evaluation.ranks[2];
+    actions.erase(std::find(actions.begin(), actions.end(), Action{ActionKind::Forward, 2, 1}));
+    REQUIRE_THROWS_WITH(validate(evaluation, graph), Contains("missing " + describe(Action{ActionKind::Forward, 2, 1})));
   }
 }
 

@@ -215,6 +215,12 @@ TEST_CASE("the 2x4 example's losses depend only on the seed and the global batch
   REQUIRE(single.status == 0);
   const auto single_losses = step_losses(single.output);
   REQUIRE(single_losses.size() == 4);
+  // The closing validation (evaluate: forwards alone) agrees as well.
+  const std::regex validation(R"(\[rank 0\] validation loss ([0-9.eE+-]+))");
+  std::smatch hybrid_validation, single_validation;
+  REQUIRE(std::regex_search(hybrid.output, hybrid_validation, validation));
+  REQUIRE(std::regex_search(single.output, single_validation, validation));
+  CHECK(std::stod(hybrid_validation[1].str()) == Approx(std::stod(single_validation[1].str())).epsilon(1e-4));
   for (std::size_t i = 0; i < hybrid_losses.size(); ++i) {
     CHECK(hybrid_losses[i] == Approx(single_losses[i]).epsilon(1e-4));
   }

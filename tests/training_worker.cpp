@@ -314,6 +314,38 @@ int run(int argc, char** argv) {
     }
     if (runtime->rank() == 0) std::printf("step %d loss %.17g reference %.17g\n", step, output.loss, expected);
     check_parameters(step);
+
+    // Evaluation on a batch training never sees: the same loss as a forward of the single-process model, and
+    // neither the gradients nor the parameters move.
+    auto [held_out_inputs, held_out_targets] = global_batch(options, batch, 1000000 + step, config.seed);
+    std::vector<at::Tensor> gradients_before;
+    for (const auto& parameter : distributed.parameters()) {
+      gradients_before.push_back(parameter.grad().defined() ? parameter.grad().clone() : at::Tensor());
+    }
+    const auto evaluation = distributed.evaluate(runtime->replica_slice(held_out_inputs),
+                                                 runtime->replica_slice(held_out_targets), base_loss);
+    double expected_evaluation = 0.0;
+    {
+      at::NoGradGuard no_graph;
+      expected_evaluation =
+          base_loss(reference.forward(held_out_inputs.to(device)), held_out_targets.to(device)).item<double>();
+    }
+    if (std::abs(evaluation.loss - expected_evaluation) > options.atol + options.rtol * std::abs(expected_evaluation)) {
+      std::fprintf(stderr, "rank %d step %d: evaluation loss %.8f, single-process %.8f\n", runtime->rank(), step,
+                   evaluation.loss, expected_evaluation);
+      ++failures;
+    }
+    const auto parameters_now = distributed.parameters();
+    for (std::size_t i = 0; i < parameters_now.size(); ++i) {
+      const at::Tensor& gradient = parameters_now[i].grad();
+      if (gradient.defined() != gradients_before[i].defined() ||
+          (gradient.defined() && !at::equal(gradient, gradients_before[i]))) {
+        std::fprintf(stderr, "rank %d step %d: evaluation changed a gradient\n", runtime->rank(), step);
+        ++failures;
+        break;
+      }
+    }
+    check_parameters(step);
   }
 
   checkpointer.wait();

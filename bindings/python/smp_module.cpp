@@ -187,6 +187,14 @@ PYBIND11_MODULE(_smp, module) {
             return model.train_step(inputs, targets, function);
           },
           py::arg("inputs"), py::arg("targets"), py::arg("loss"))
+      .def(
+          "evaluate",
+          [](DistributedModel& model, const at::Tensor& inputs, const at::Tensor& targets, py::function loss) {
+            LossFunction function = python_loss(std::move(loss));
+            py::gil_scoped_release released;
+            return model.evaluate(inputs, targets, function);
+          },
+          py::arg("inputs"), py::arg("targets"), py::arg("loss"))
       .def("named_parameters",
            [](const DistributedModel& model) {
              py::dict parameters;

@@ -383,13 +383,12 @@ std::vector<int> DistributedModel::stages() const {
   return owned;
 }
 
-StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss) {
-  const auto start = std::chrono::steady_clock::now();
-  const Config& config = runtime_->config();
-  const int microbatches = config.microbatches;
+MicrobatchData DistributedModel::microbatch_data(const char* caller, const at::Tensor& inputs,
+                                                 const at::Tensor& targets, const LossFunction& loss) const {
+  const int microbatches = runtime_->config().microbatches;
   auto check = [&](const at::Tensor& tensor, const char* what) {
     if (!tensor.defined() || tensor.dim() == 0 || tensor.size(0) % microbatches != 0 || tensor.size(0) == 0) {
-      throw ConfigError(std::string("train_step: the replica's ") + what + " batch of " +
+      throw ConfigError(std::string(caller) + ": the replica's " + what + " batch of " +
                         (tensor.defined() && tensor.dim() > 0 ? std::to_string(tensor.size(0)) : std::string("no")) +
                         " samples does not split into " + std::to_string(microbatches) + " microbatches");
     }
@@ -397,7 +396,7 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
   check(inputs, "input");
   check(targets, "target");
   if (inputs.size(0) != targets.size(0)) {
-    throw ConfigError("train_step: " + std::to_string(inputs.size(0)) + " inputs but " +
+    throw ConfigError(std::string(caller) + ": " + std::to_string(inputs.size(0)) + " inputs but " +
                       std::to_string(targets.size(0)) + " targets");
   }
   MicrobatchData data;
@@ -405,13 +404,51 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
   data.inputs = inputs.to(device).chunk(microbatches);
   data.targets = targets.to(device).chunk(microbatches);
   data.loss = loss;
-  data.loss_scale = loss_scale_;
+  return data;
+}
 
+StageCallbacks DistributedModel::stage_callbacks() {
   StageCallbacks callbacks;
   callbacks.forward = [this](int stage, const at::Tensor& model_input, const TensorsByStage& from_producers) {
     return run_stage(stage, model_input, from_producers);
   };
   callbacks.parameters = [this](int stage) { return stages_.at(stage).parameters; };
+  return callbacks;
+}
+
+StepOutput DistributedModel::evaluate(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss) {
+  const auto start = std::chrono::steady_clock::now();
+  const MicrobatchData data = microbatch_data("evaluate", inputs, targets, loss);
+  if (!evaluator_) {
+    // The training schedule's forwards in their order: its transfers, channels and tags serve as they are.
+    sched::Schedule forward = sched::forward_only(executor_->schedule());
+    sched::validate(forward, graph_);
+    evaluator_ = std::make_unique<PipelineExecutor>(std::move(forward), graph_, runtime_->pipeline());
+  }
+  at::NoGradGuard no_graphs;
+  StepOutput output;
+  at::Tensor loss_total = at::zeros({1}, at::kDouble);
+  try {
+    const ExecutorStats stats = evaluator_->run(stage_callbacks(), data);
+    if (stats.has_loss) loss_total[0] = stats.loss_sum;
+    runtime_->world().all_reduce_sum(loss_total);  // the last stages' losses, summed over replicas
+  } catch (const comm::CommError& error) {
+    throw comm::CommError("evaluation after step " + std::to_string(step_) + ", stage-rank " +
+                          std::to_string(runtime_->pp_rank()) + ": " + error.what());
+  }
+  output.loss = loss_total[0].item<double>() / runtime_->topology().data_parallel_degree();
+  output.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return output;
+}
+
+StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss) {
+  const auto start = std::chrono::steady_clock::now();
+  const Config& config = runtime_->config();
+  MicrobatchData data = microbatch_data("train_step", inputs, targets, loss);
+  data.loss_scale = loss_scale_;
+  const c10::Device device = runtime_->device();
+
+  StageCallbacks callbacks = stage_callbacks();
   if (device.is_cuda() && !config.trace_dir.empty() && step_ == config.trace_step) {
     callbacks.synchronize = [index = device.index()] { torch::cuda::synchronize(index); };
   }

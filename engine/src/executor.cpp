@@ -86,6 +86,7 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
   std::vector<std::unique_ptr<comm::Pending>> sends;
   at::Tensor loss_sum;  // on the losses' device, so that summing them does not wait for the GPU
   int stashed = 0;
+  const bool evaluating = schedule_.forward_only;  // no graphs, nothing kept for a backward
 
   auto tag_of = [&](const sched::Action& action) {
     switch (action.kind) {
@@ -201,7 +202,7 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
         for (auto& tensor : receive(index)) {
           // A fresh leaf: backward of this stage stops here and leaves the input gradient behind.
           tensor = tensor.detach();
-          if (at::isFloatingType(tensor.scalar_type())) tensor.requires_grad_(true);
+          if (at::isFloatingType(tensor.scalar_type()) && !evaluating) tensor.requires_grad_(true);
           received.push_back(tensor);
         }
         break;
@@ -209,8 +210,20 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
       case ActionKind::Forward: {
         entry.gradient_sends_left = static_cast<int>(graph_.producers_of(stage).size());
         {
-          c10::AutoGradMode grad_mode(!checkpointed_[stage]);
+          c10::AutoGradMode grad_mode(!checkpointed_[stage] && !evaluating);
           run_forward(stage, microbatch, entry);
+        }
+        if (evaluating) {
+          // Nothing waits for a backward: the outputs live until they are sent, the rest goes now.
+          if (entry.loss.defined()) {
+            const at::Tensor loss = entry.loss.to(at::kDouble) / data.loss_scale;
+            loss_sum = loss_sum.defined() ? loss_sum + loss : loss;
+            stats.has_loss = true;
+          }
+          entry.inputs.clear();
+          entry.loss = at::Tensor();
+          if (entry.outputs.empty()) stash.erase({stage, microbatch});
+          break;
         }
         if (entry.loss.defined()) {
           const at::Tensor loss = entry.loss.detach().to(at::kDouble) / data.loss_scale;
@@ -231,7 +244,8 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
         for (const auto& output : entry.outputs.at(action.peer_stage)) payload.push_back(output.detach());
         send(action, std::move(payload));
         // Without a graph the outputs are worth nothing after sending: backward recomputes them.
-        if (!entry.outputs_ready) entry.outputs.erase(action.peer_stage);
+        if (!entry.outputs_ready || evaluating) entry.outputs.erase(action.peer_stage);
+        if (evaluating && entry.outputs.empty()) stash.erase({stage, microbatch});
         break;
       }
       case ActionKind::RecvBackward:

@@ -109,6 +109,11 @@ def main():
         optimizer.step()
         if runtime.rank == 0:
             print(f"step {step} loss {output.loss:.6f} samples/s {global_batch / output.seconds:.1f}", flush=True)
+    # Validation on batches training never drew (negative step numbers), without gradients.
+    validation = [model.evaluate(*batch(corpus, seed, -2 - i, global_batch, length), next_byte_loss).loss
+                  for i in range(2)]
+    if runtime.rank == 0:
+        print(f"validation loss {sum(validation) / len(validation):.6f}", flush=True)
 
 
 if __name__ == "__main__":

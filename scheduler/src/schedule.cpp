@@ -88,6 +88,23 @@ std::vector<int> StageGraph::producers_of(int stage) const {
   return producers;
 }
 
+Schedule forward_only(const Schedule& schedule) {
+  Schedule forward = schedule;
+  forward.name = schedule.name + "_forward";
+  forward.forward_only = true;
+  forward.split_backward = false;
+  for (auto& actions : forward.ranks) {
+    actions.erase(std::remove_if(actions.begin(), actions.end(),
+                                 [](const Action& action) {
+                                   return action.kind != ActionKind::Forward &&
+                                          action.kind != ActionKind::SendForward &&
+                                          action.kind != ActionKind::RecvForward;
+                                 }),
+                  actions.end());
+  }
+  return forward;
+}
+
 std::vector<int> Schedule::stages_of_rank(int rank) const {
   std::vector<int> stages;
   for (int stage = 0; stage < static_cast<int>(stage_to_rank.size()); ++stage)

@@ -70,7 +70,8 @@ class Simulation {
         next_action_(static_cast<std::size_t>(schedule.num_ranks), 0),
         clock_(static_cast<std::size_t>(schedule.num_ranks), 0.0),
         awaited_(static_cast<std::size_t>(schedule.num_ranks)),
-        in_flight_(static_cast<std::size_t>(schedule.num_ranks), 0) {
+        in_flight_(static_cast<std::size_t>(schedule.num_ranks), 0),
+        forward_only_(schedule.forward_only) {
     result_.busy_time.assign(static_cast<std::size_t>(schedule.num_ranks), 0.0);
     result_.peak_in_flight.assign(static_cast<std::size_t>(schedule.num_ranks), 0);
     result_.timings.resize(static_cast<std::size_t>(schedule.num_ranks));
@@ -155,6 +156,7 @@ class Simulation {
 
   void track_activations(int rank, ActionKind kind) {
     int& held = in_flight_[rank];
+    if (forward_only_) return;  // an evaluation step keeps nothing for a backward
     if (kind == ActionKind::Forward) {
       ++held;
       result_.peak_in_flight[rank] = std::max(result_.peak_in_flight[rank], held);
@@ -195,6 +197,7 @@ class Simulation {
   std::vector<double> clock_;    // per rank: when its last action ended
   std::vector<Action> awaited_;  // per rank: the receive it is parked on
   std::vector<int> in_flight_;
+  bool forward_only_;
   SimulationResult result_;
 };
 

@@ -99,12 +99,16 @@ void check_structure(const Schedule& schedule, const StageGraph& graph) {
       long long* slot = nullptr;
       if (is_compute(action.kind)) {
         if (action.peer_stage != -1) reject(rank, index, action, "compute actions take no peer stage (use -1)");
+        if (schedule.forward_only && action.kind != ActionKind::Forward)
+          reject(rank, index, action, "backward in a forward-only schedule");
         if (split && action.kind == ActionKind::Backward)
           reject(rank, index, action, "B in a split-backward schedule (use I and W)");
         if (!split && (action.kind == ActionKind::BackwardInput || action.kind == ActionKind::BackwardWeight))
           reject(rank, index, action, "I and W need split_backward");
         slot = &compute_index(action.kind, action.stage, action.microbatch);
       } else {
+        if (schedule.forward_only && action.kind != ActionKind::SendForward && action.kind != ActionKind::RecvForward)
+          reject(rank, index, action, "gradient transfer in a forward-only schedule");
         const int message = transfers.message_of(action);
         if (message < 0) {
           const bool peer_consumes = action.kind == ActionKind::SendForward || action.kind == ActionKind::RecvBackward;
@@ -120,11 +124,12 @@ void check_structure(const Schedule& schedule, const StageGraph& graph) {
     }
   }
 
-  // Every stage runs every microbatch through forward and backward exactly once.
+  // Every stage runs every microbatch through forward and backward (forward alone when forward_only) exactly once.
   for (int stage = 0; stage < num_stages; ++stage) {
     for (int microbatch = 0; microbatch < num_microbatches; ++microbatch) {
       for (ActionKind kind : {ActionKind::Forward, gradient_pass, ActionKind::BackwardWeight}) {
         if (kind == ActionKind::BackwardWeight && !split) continue;
+        if (kind != ActionKind::Forward && schedule.forward_only) continue;
         if (compute_index(kind, stage, microbatch) < 0)
           throw ScheduleError("rank " + std::to_string(schedule.stage_to_rank[stage]) + ": missing " +
                               describe(Action{kind, stage, microbatch}));

@@ -1,5 +1,5 @@
 """Runs examples/python/hybrid_2x4.py as the 2x4 job (8 processes) and as one process on the same global batches,
-and checks that both print the same losses (within 1e-4): pipeline and replicas change nothing but speed.
+and checks that both print the same losses, training and validation (within 1e-4): pipeline and replicas change nothing but speed.
 
   example_check.py SMPRUN PYTHON EXAMPLE CONFIG
 """
@@ -19,7 +19,8 @@ def losses(smprun, processes, python, example, config):
                "--steps", str(STEPS)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=240)
     found = [float(value) for value in re.findall(r"\[rank 0\] step \d+ loss ([0-9.eE+-]+)", result.stdout)]
-    if result.returncode != 0 or len(found) != STEPS:
+    found += [float(value) for value in re.findall(r"\[rank 0\] validation loss ([0-9.eE+-]+)", result.stdout)]
+    if result.returncode != 0 or len(found) != STEPS + 1:
         print(result.stdout[-4000:], result.stderr[-4000:], sep="\n")
         raise SystemExit(f"{processes} processes: exit status {result.returncode}, {len(found)} loss lines")
     return found
@@ -40,7 +41,8 @@ def main():
     print("2 x 4:      ", hybrid)
     for step, (a, b) in enumerate(zip(single, hybrid)):
         if abs(a - b) > 1e-4 * max(1.0, abs(a)):
-            raise SystemExit(f"step {step}: loss {b} under 2 x 4, {a} in one process")
+            what = f"step {step}" if step < STEPS else "validation"
+            raise SystemExit(f"{what}: loss {b} under 2 x 4, {a} in one process")
     return 0
 
 

@@ -111,6 +111,12 @@ def main():
         reference_optimizer.step()
         if abs(output.loss - loss.item()) > 1e-5 * max(1.0, abs(loss.item())):
             failures.append(f"step {step}: loss {output.loss} under smp, {loss.item()} in plain PyTorch")
+        held_out = (torch.randn(global_batch, WIDTH, generator=data), torch.randn(global_batch, OUTPUTS, generator=data))
+        evaluation = model.evaluate(*held_out, F.mse_loss).loss
+        with torch.no_grad():
+            expected = F.mse_loss(reference_forward(held_out[0]), held_out[1]).item()
+        if abs(evaluation - expected) > 1e-5 * max(1.0, abs(expected)):
+            failures.append(f"step {step}: evaluation loss {evaluation} under smp, {expected} in plain PyTorch")
 
     parameters = model.named_parameters()
     def difference(name):

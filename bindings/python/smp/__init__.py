@@ -13,6 +13,7 @@ Every process of the job runs the same script, launched by smprun (``smprun -n 8
         optimizer.zero_grad()
         out = model.train_step(inputs, targets, torch.nn.functional.cross_entropy)
         optimizer.step()
+    validation = model.evaluate(inputs, targets, torch.nn.functional.cross_entropy).loss
 
 Modules run as TorchScript (``torch.jit.script``), so each child of the Sequential (or each node of an
 ``smp.GraphModel``) must be scriptable. ``DistributedModel`` keeps its own copy of the weights of its stages: read
@@ -131,6 +132,12 @@ class DistributedModel:
         same on every rank), .skipped, .seconds."""
         rt = runtime()
         return self._model.train_step(rt.replica_slice(inputs), rt.replica_slice(targets), loss)
+
+    def evaluate(self, inputs, targets, loss):
+        """The mean loss over the global batch without gradients (validation), taken like train_step by every rank:
+        the schedule's forwards alone, keeping nothing for a backward. Returns .loss and .seconds."""
+        rt = runtime()
+        return self._model.evaluate(rt.replica_slice(inputs), rt.replica_slice(targets), loss)
 
     def named_parameters(self):
         """This rank's parameters by their names in the full model (shared with the engine: no copies)."""

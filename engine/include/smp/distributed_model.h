@@ -50,6 +50,10 @@ class DistributedModel {
   // with DistributedOptimizer::zero_grad). Every rank passes the batch; only the first stage reads `inputs`
   // and only the last reads `targets`.
   StepOutput train_step(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss);
+  // The mean loss over the global batch without gradients (validation): the training schedule's forwards alone,
+  // keeping nothing for a backward. Called like train_step, by every rank; .grad and the parameters stay as they
+  // are. Fills StepOutput's loss and seconds.
+  StepOutput evaluate(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss);
 
   // Copies this rank's parameters from a full-model file (export_checkpoint), by name: a model trained under
   // another partitioning, or for inference. CheckpointError names a missing or mis-shaped parameter.
@@ -91,6 +95,10 @@ class DistributedModel {
   };
 
   StageOutputs run_stage(int stage, const at::Tensor& model_input, const TensorsByStage& from_producers);
+  StageCallbacks stage_callbacks();
+  // The replica's batch checked and split into microbatches on the device (ConfigError naming `caller`).
+  MicrobatchData microbatch_data(const char* caller, const at::Tensor& inputs, const at::Tensor& targets,
+                                 const LossFunction& loss) const;
   void build_stages(const sched::Schedule& schedule);
   void sum_tied_gradients();
   void write_timeline(const std::vector<TimelineEvent>& events);
@@ -108,6 +116,7 @@ class DistributedModel {
   std::vector<at::Tensor> norm_parameters_;
   std::vector<TiedParameter> tied_;
   std::unique_ptr<PipelineExecutor> executor_;
+  std::unique_ptr<PipelineExecutor> evaluator_;  // forward-only, made by the first evaluate()
   std::unique_ptr<GradientReducer> reducer_;  // with data-parallel replicas only
   long long step_ = 0;  // steps run so far, for error messages
   std::string exchange_;  // prefix of this model's store keys

@@ -56,7 +56,8 @@ class PipelineExecutor {
   PipelineExecutor(sched::Schedule schedule, sched::StageGraph graph, comm::Communicator& pipeline,
                    std::vector<int> checkpointed_stages = {});
 
-  // Runs this rank's actions once. Gradients accumulate into the stage parameters' .grad, scaled so that the
+  // Runs this rank's actions once. A forward_only schedule (evaluation) builds no graphs and keeps nothing past
+  // its sends; otherwise gradients accumulate into the stage parameters' .grad, scaled so that the
   // sum over microbatches is the gradient of the mean loss over the replica's batch.
   ExecutorStats run(const StageCallbacks& stages, const MicrobatchData& data);
 

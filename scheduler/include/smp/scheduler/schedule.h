@@ -65,6 +65,7 @@ struct Schedule {
   int num_stages = 0;    // stages (num_ranks * virtual stages per rank)
   int num_microbatches = 0;
   bool split_backward = false;    // true when the schedule uses I + W instead of B
+  bool forward_only = false;      // an evaluation step: F and its transfers, no backward (see forward_only())
   std::vector<int> stage_to_rank; // stage -> pipeline rank that owns it
   std::vector<std::vector<Action>> ranks;  // per pipeline rank, in execution order
 
@@ -96,6 +97,11 @@ Schedule make_schedule(const std::string& name, int num_ranks, int num_microbatc
 // "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2"
 std::vector<std::string> schedule_names();
 
+// The forward actions of `schedule` and their transfers, in the same order on every rank, with forward_only set:
+// an evaluation step. Deadlock-free whenever `schedule` is: each forward waits for the same receives it waited
+// for there, behind fewer actions.
+Schedule forward_only(const Schedule& schedule);
+
 // Adds SEND_F/RECV_F/SEND_B/RECV_B around the compute actions of a compute-only schedule. Sends are posted
 // right after the compute that produces them and receives right before the compute that needs them; the
 // engine posts sends asynchronously and never waits on a send before its program ends, so the only blocking
@@ -104,7 +110,8 @@ Schedule lower_communication(const Schedule& compute_only, const StageGraph& gra
 
 // Throws ScheduleError naming the rank, the position and the offending action when the schedule is malformed:
 // unknown stage or rank, an action on a stage the rank does not own, a microbatch out of range, duplicates,
-// missing actions (each stage must F, and B or I+W, each microbatch exactly once), B/I before its F, W before
+// missing actions (each stage must F, and B or I+W, each microbatch exactly once; F alone when forward_only, which
+// admits no backward action or gradient transfer), B/I before its F, W before
 // its I, a receive without the matching send on the peer (or the reverse), or an order that deadlocks.
 void validate(const Schedule& schedule, const StageGraph& graph);
 
