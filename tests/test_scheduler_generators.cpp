@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -317,6 +318,71 @@ TEST_CASE("malformed split-backward schedules are rejected, naming the action", 
                         Contains("rank 2, action #0 " + describe(W(2, 3)) +
                                  ": weight gradient before its input gradient"));
   }
+}
+
+TEST_CASE("sends_delivered_by_receive lists only sends the peer took before sending what arrived", "[lowering]") {
+  auto position = [](const std::vector<Action>& actions, const Action& wanted) {
+    const auto found = std::find(actions.begin(), actions.end(), wanted);
+    REQUIRE(found != actions.end());
+    return static_cast<std::size_t>(found - actions.begin());
+  };
+  // The other end of a transfer: SEND_F(s -> t, mb) is RECV_F(t <- s, mb).
+  auto other_end = [](const Action& action) {
+    const ActionKind kinds[] = {ActionKind::SendForward, ActionKind::RecvForward, ActionKind::SendBackward,
+                                ActionKind::RecvBackward};
+    ActionKind kind = action.kind;
+    for (int i = 0; i < 4; ++i) {
+      if (kinds[i] == action.kind) kind = kinds[i ^ 1];
+    }
+    return Action{kind, action.peer_stage, action.microbatch, action.stage};
+  };
+  for (const std::string& name : schedule_names()) {
+    for (int ranks : {2, 3, 4}) {
+      for (int microbatches : {1, 4, 8}) {
+        for (int virtual_stages : {1, 2}) {
+          if (virtual_stages != 1 && !takes_virtual_stages(name)) continue;
+          INFO(name << " ranks=" << ranks << " microbatches=" << microbatches << " virtual_stages=" << virtual_stages);
+          const StageGraph graph = StageGraph::chain(ranks * virtual_stages);
+          const Schedule schedule =
+              lower_communication(make_schedule(name, ranks, microbatches, virtual_stages, 0), graph);
+          std::size_t remote_sends = 0, listed = 0;
+          for (int rank = 0; rank < ranks; ++rank) {
+            const auto& mine = schedule.ranks[rank];
+            for (const Action& action : mine) {
+              const bool sending = action.kind == ActionKind::SendForward || action.kind == ActionKind::SendBackward;
+              if (sending && schedule.stage_to_rank[action.peer_stage] != rank) ++remote_sends;
+            }
+            std::set<std::size_t> seen;
+            for (const auto& [receive, sends] : sends_delivered_by_receive(schedule, rank)) {
+              const Action& received = mine.at(receive);
+              const int peer = schedule.stage_to_rank[received.peer_stage];
+              const auto& theirs = schedule.ranks[peer];
+              for (std::size_t send : sends) {
+                ++listed;
+                CHECK(seen.insert(send).second);
+                CHECK(send < receive);
+                const Action& sent = mine.at(send);
+                CHECK(schedule.stage_to_rank[sent.peer_stage] == peer);
+                // The peer takes our message before it sends the one this receive waits for.
+                CHECK(position(theirs, other_end(sent)) < position(theirs, other_end(received)));
+              }
+            }
+          }
+          // With several microbatches, some send is proven by a later receive.
+          if (microbatches > 1) CHECK(listed > 0);
+          CHECK(listed <= remote_sends);
+        }
+      }
+    }
+  }
+  // 1F1B on two ranks: rank 0's first gradient proves its first forward's send delivered.
+  const StageGraph graph = StageGraph::chain(2);
+  const Schedule one_f_one_b = lower_communication(make_1f1b(2, 4), graph);
+  const auto delivered = sends_delivered_by_receive(one_f_one_b, 0);
+  const auto& rank0 = one_f_one_b.ranks[0];
+  const std::size_t first_gradient = position(rank0, Action{ActionKind::RecvBackward, 0, 0, 1});
+  REQUIRE(delivered.count(first_gradient) == 1);
+  CHECK(delivered.at(first_gradient) == std::vector<std::size_t>{position(rank0, Action{ActionKind::SendForward, 0, 0, 1})});
 }
 
 TEST_CASE("a forward-only schedule admits no backward", "[validate]") {

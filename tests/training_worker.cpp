@@ -302,6 +302,13 @@ int run(int argc, char** argv) {
       std::fprintf(stderr, "rank %d step %d: loss %.8f, single-process %.8f\n", runtime->rank(), step, output.loss, expected);
       ++failures;
     }
+    // The first stage's rank: its first forward's send has been taken by the time that microbatch's gradient
+    // comes back, so the executor must have let its tensors go before the step ended.
+    if (runtime->pp_rank() == 0 && config.partitions > 1 && config.microbatches > 1 &&
+        output.sends_released_early == 0) {
+      std::fprintf(stderr, "rank %d step %d: no send was released before the end of the step\n", runtime->rank(), step);
+      ++failures;
+    }
     // Every parameter of these models gets a gradient, so every bucket must go out while backward still runs.
     if (output.buckets_overlapped != output.gradient_buckets) {
       std::fprintf(stderr, "rank %d step %d: %d of %d gradient buckets were reduced during backward\n", runtime->rank(),

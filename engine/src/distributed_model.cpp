@@ -522,6 +522,7 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
   if (config.fp16 && !output.skipped && ++good_steps_ % kLossScaleGrowthInterval == 0) loss_scale_ *= 2.0;
   ++step_;
   output.peak_stashed_microbatches = stats.peak_stashed_microbatches;
+  output.sends_released_early = stats.sends_released_early;
   output.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return output;
 }

@@ -1,5 +1,7 @@
 #include "smp/executor.h"
 
+#include <algorithm>
+
 #include <chrono>
 #include <climits>
 #include <map>
@@ -72,6 +74,7 @@ PipelineExecutor::PipelineExecutor(sched::Schedule schedule, sched::StageGraph g
   }
   pipeline_.connect({channels.begin(), channels.end()});
   if (pipeline_.in_order()) receive_order_ = sched::receives_in_send_order(schedule_, pipeline_.rank());
+  delivered_by_receive_ = sched::sends_delivered_by_receive(schedule_, pipeline_.rank());
 }
 
 ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const MicrobatchData& data) {
@@ -83,7 +86,6 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
   stats.events.reserve(actions.size());
   std::map<std::pair<int, int>, Stash> stash;  // (stage, microbatch)
   std::map<int, std::vector<at::Tensor>> local_mail;  // tag -> tensors between two stages of this rank
-  std::vector<std::unique_ptr<comm::Pending>> sends;
   at::Tensor loss_sum;  // on the losses' device, so that summing them does not wait for the GPU
   int stashed = 0;
   const bool evaluating = schedule_.forward_only;  // no graphs, nothing kept for a backward
@@ -131,20 +133,50 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
     }
     return posted[index]->wait();
   };
+  // A send's tensors go as soon as it is known to be delivered: when the transport says so (NCCL's events), or
+  // when a receive proves it (the peer took it before sending what arrived). Otherwise they would live until the
+  // step's end, one sent output and one input gradient per microbatch beyond the schedule's bound on the stash.
+  std::map<std::size_t, std::unique_ptr<comm::Pending>> sends;  // by action index
+  auto release_delivered = [&](std::size_t receive_index) {
+    const auto proven = delivered_by_receive_.find(receive_index);
+    if (proven != delivered_by_receive_.end()) {
+      for (std::size_t send_index : proven->second) {
+        const auto found = sends.find(send_index);
+        if (found == sends.end()) continue;
+        found->second->wait();  // returns at once: the peer has the message
+        sends.erase(found);
+        ++stats.sends_released_early;
+      }
+    }
+    for (auto it = sends.begin(); it != sends.end();) {
+      if (!it->second->done()) {
+        ++it;
+        continue;
+      }
+      it->second->wait();  // reports a failed send
+      it = sends.erase(it);
+      ++stats.sends_released_early;
+    }
+  };
   auto receive = [&](std::size_t index) {
-    if (posted[index]) return receive_posted(index);
+    if (posted[index]) {
+      auto tensors = receive_posted(index);
+      release_delivered(index);
+      return tensors;
+    }
     auto mail = local_mail.find(tag_of(actions[index]));
     if (mail == local_mail.end()) throw sched::ScheduleError(where(actions[index]) + ": local message missing");
     auto tensors = std::move(mail->second);
     local_mail.erase(mail);
     return tensors;
   };
-  auto send = [&](const sched::Action& action, std::vector<at::Tensor> tensors) {
+  auto send = [&](std::size_t index, std::vector<at::Tensor> tensors) {
+    const sched::Action& action = actions[index];
     const int peer = schedule_.stage_to_rank[action.peer_stage];
     if (peer == me) {
       local_mail[tag_of(action)] = std::move(tensors);
     } else {
-      sends.push_back(comm::send_tensors(pipeline_, tensors, peer, tag_of(action), where(action)));
+      sends[index] = comm::send_tensors(pipeline_, tensors, peer, tag_of(action), where(action));
     }
   };
   auto run_forward = [&](int stage, int microbatch, Stash& entry) {
@@ -242,7 +274,7 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
       case ActionKind::SendForward: {
         std::vector<at::Tensor> payload;
         for (const auto& output : entry.outputs.at(action.peer_stage)) payload.push_back(output.detach());
-        send(action, std::move(payload));
+        send(index, std::move(payload));
         // Without a graph the outputs are worth nothing after sending: backward recomputes them.
         if (!entry.outputs_ready || evaluating) entry.outputs.erase(action.peer_stage);
         if (evaluating && entry.outputs.empty()) stash.erase({stage, microbatch});
@@ -289,7 +321,7 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
             grads.push_back(input.grad().defined() ? input.grad() : at::zeros_like(input));
           }
         }
-        send(action, std::move(grads));
+        send(index, std::move(grads));
         if (--entry.gradient_sends_left == 0 && entry.backward_done) stash.erase({stage, microbatch});
         break;
       }
@@ -298,7 +330,7 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
     event.end_us = now_us();
     stats.events.push_back(std::move(event));
   }
-  for (auto& pending : sends) pending->wait();
+  for (auto& [index, pending] : sends) pending->wait();
   stats.loss_sum = loss_sum.defined() ? loss_sum.item<double>() : 0.0;
   return stats;
 }

@@ -46,6 +46,7 @@ struct ExecutorStats {
   double loss_sum = 0.0;  // sum over this rank's last-stage microbatches of loss / microbatches
   bool has_loss = false;  // this rank runs the last stage
   int peak_stashed_microbatches = 0;  // (stage, microbatch) pairs holding activations at once
+  int sends_released_early = 0;       // sends found finished, and their tensors dropped, before the step's end
   std::vector<TimelineEvent> events;  // every action, in execution order
 };
 
@@ -71,6 +72,8 @@ class PipelineExecutor {
   int last_stage_;
   // In-order transports only: per peer, this rank's receives from it in the peer's send order.
   std::map<int, std::vector<std::size_t>> receive_order_;
+  // Per receive: the sends it proves delivered (sched::sends_delivered_by_receive).
+  std::map<std::size_t, std::vector<std::size_t>> delivered_by_receive_;
 };
 
 }  // namespace smp

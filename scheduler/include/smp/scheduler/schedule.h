@@ -121,6 +121,13 @@ void validate(const Schedule& schedule, const StageGraph& graph);
 // some (interleaved 1F1B with skip connections on 3 ranks) do not, and the executor then receives ahead.
 std::map<int, std::vector<std::size_t>> receives_in_send_order(const Schedule& schedule, int rank);
 
+// For each receive of `rank` from another rank (its index in schedule.ranks[rank]), the indices of earlier sends
+// of `rank` to that peer which the peer receives before it sends this message: once the receive completes, those
+// sends have certainly been delivered, whatever the transport says (Gloo cannot be asked without waiting), and
+// their tensors can go. Each send is listed under the first receive that certifies it; receives that certify
+// nothing new are absent.
+std::map<std::size_t, std::vector<std::size_t>> sends_delivered_by_receive(const Schedule& schedule, int rank);
+
 // One action per line: "rank,kind,stage,microbatch,peer_stage" after a header line; see schedule.cpp.
 void write_csv(const Schedule& schedule, std::ostream& out);
 Schedule read_csv(std::istream& in);  // throws ScheduleError naming the line
