@@ -47,6 +47,7 @@ int run(int argc, char** argv) {
   smp::DistributedOptimizer optimizer(
       distributed, std::make_unique<torch::optim::SGD>(distributed.parameters(), torch::optim::SGDOptions(1e-3)));
   std::vector<double> times;
+  int sends_posted = 0, peak_sends_held = 0;  // of the last step, on this rank
   for (int step = 0; step < warmup + measured; ++step) {
     const auto [inputs, targets] = tokens(step);
     runtime->world().barrier();  // every rank starts the step together, so the slowest stage sets the time
@@ -55,6 +56,8 @@ int run(int argc, char** argv) {
                                                smp::examples::gpt_loss);
     optimizer.step();
     if (step >= warmup) times.push_back(output.seconds);
+    sends_posted = output.sends_posted;
+    peak_sends_held = output.peak_sends_held;
   }
   // The job's step time is its slowest rank's: gather every rank's median (a sum of one-hot vectors).
   std::sort(times.begin(), times.end());
@@ -71,10 +74,11 @@ int run(int argc, char** argv) {
   runtime->world().all_reduce_sum(peaks);
   if (runtime->rank() == 0) {
     std::printf("{\"partitions\": %d, \"replicas\": %d, \"microbatches\": %d, \"schedule\": \"%s\", "
-                "\"global_batch\": %lld, \"median_step_s\": %.6f, \"samples_per_s\": %.2f, \"peak_rss_mib\": %.1f}\n",
+                "\"global_batch\": %lld, \"median_step_s\": %.6f, \"samples_per_s\": %.2f, \"peak_rss_mib\": %.1f, "
+                "\"rank0_sends_posted\": %d, \"rank0_peak_sends_held\": %d}\n",
                 config.partitions, runtime->topology().data_parallel_degree(), config.microbatches,
                 distributed.schedule().name.c_str(), static_cast<long long>(batch), job_median,
-                static_cast<double>(batch) / job_median, peaks.max().item<double>());
+                static_cast<double>(batch) / job_median, peaks.max().item<double>(), sends_posted, peak_sends_held);
   }
   return 0;
 }

@@ -61,7 +61,8 @@ print(f"throughput ratio {ratio:.3f}, ideal m/(m+p-1)*p = {ideal:.3f}, efficienc
 
 section("schedules on CPU: 2 ranks, m = 8; a traced step vs the simulator fed with that step's action times and "
         "transfer latency")
-print(f"{'schedule':<22}{'step ms':>9}{'traced ms':>11}{'sim ms':>9}{'traced/sim':>12}{'bubble':>8}{'sim':>7}{'formula':>9}{'recv wait ms':>14}{'latency ms':>12}")
+print(f"{'schedule':<22}{'step ms':>9}{'traced ms':>11}{'sim ms':>9}{'traced/sim':>12}{'bubble':>8}{'sim':>7}{'formula':>9}{'recv wait ms':>14}{'latency ms':>12}"
+      f"{'rank 0 sends held':>19}")
 schedule_cases = [("gpipe", {"pipeline": "simple"}), ("1f1b", {"pipeline": "interleaved"}),
                   ("interleaved_1f1b v=2", {"pipeline": "interleaved", "virtual_stages": 2}),
                   ("zb_h1", {"pipeline": "zero_bubble"}), ("zb_h2", {"pipeline": "zero_bubble_h2"})]
@@ -72,7 +73,10 @@ with tempfile.TemporaryDirectory() as traces:
         formula = (p - 1) / (v * m + p - 1) if name in ("gpipe", "1f1b", "interleaved_1f1b v=2") else float("nan")
         print(f"{name:<22}{r['median_step_s'] * 1e3:9.1f}{r['makespan_measured_ms']:11.1f}{r['makespan_simulated_ms']:9.1f}"
               f"{r['makespan_measured_ms'] / r['makespan_simulated_ms']:12.3f}{r['bubble_measured']:8.3f}"
-              f"{r['bubble_simulated']:7.3f}{formula:9.3f}{r['receive_wait_ms']:14.1f}{r['latency_ms']:12.2f}")
+              f"{r['bubble_simulated']:7.3f}{formula:9.3f}{r['receive_wait_ms']:14.1f}{r['latency_ms']:12.2f}"
+              f"{r['rank0_peak_sends_held']:>11d} of {r['rank0_sends_posted']:<4d}")
+print("(rank 0 sends held: the most sent tensors it kept at once; before sends were released on proven delivery, it "
+      "kept every one posted until the step's end)")
 
 section("activation checkpointing: peak resident memory of the largest process (GPipe, 2 stages, m = 8, "
         "256-token context, global batch 64)")

@@ -523,6 +523,8 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
   ++step_;
   output.peak_stashed_microbatches = stats.peak_stashed_microbatches;
   output.sends_released_early = stats.sends_released_early;
+  output.sends_posted = stats.sends_posted;
+  output.peak_sends_held = stats.peak_sends_held;
   output.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return output;
 }

@@ -177,6 +177,8 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
       local_mail[tag_of(action)] = std::move(tensors);
     } else {
       sends[index] = comm::send_tensors(pipeline_, tensors, peer, tag_of(action), where(action));
+      ++stats.sends_posted;
+      stats.peak_sends_held = std::max(stats.peak_sends_held, static_cast<int>(sends.size()));
     }
   };
   auto run_forward = [&](int stage, int microbatch, Stash& entry) {

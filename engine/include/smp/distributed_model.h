@@ -31,7 +31,9 @@ struct StepOutput {
   bool skipped = false;  // non-finite loss or gradients with "nonfinite": "skip": gradients were zeroed
   double seconds = 0.0;  // wall time of the step on this rank
   int peak_stashed_microbatches = 0;
+  int sends_posted = 0;          // to other ranks
   int sends_released_early = 0;  // sends whose tensors this rank dropped before the step's end (finished early)
+  int peak_sends_held = 0;       // the most sends whose tensors this rank held at once
   // Data parallelism: gradient buckets of this rank, and how many of them were all-reduced while backward still
   // ran (the rest waited for its end: parameters without a gradient).
   int gradient_buckets = 0;
