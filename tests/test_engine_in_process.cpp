@@ -12,12 +12,20 @@
 
 #include <c10/core/CPUAllocator.h>
 #include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+#include <torch/serialize/input-archive.h>
 
 #include "smp/config.h"
 #include "smp/graph_model.h"
 #include "smp/stage_plan.h"
+#include "optimizer_snapshot.h"
 #include "split_backward.h"
 
 namespace {
@@ -234,4 +242,101 @@ TEST_CASE("under 1F1B the stage that holds more microbatches gets fewer modules"
   const smp::StagePlan plan = smp::plan_stages(modules, config, {2, 1});
   CHECK(plan.modules_of_stage(0).size() < plan.modules_of_stage(1).size());
   CHECK_THAT(plan.report(), Catch::Matchers::Contains("x 2 held"));
+}
+
+namespace {
+
+// One optimizer step of a small linear model on fixed data.
+void optimizer_step(torch::nn::Linear& model, torch::optim::Optimizer& optimizer, int seed) {
+  at::manual_seed(seed);
+  optimizer.zero_grad();
+  model->forward(at::randn({4, 3})).pow(2).sum().backward();
+  optimizer.step();
+}
+
+// The state a fresh optimizer of the same kind holds after loading `bytes`, as one flat tensor per state field.
+template <typename Kind, typename Options>
+std::vector<at::Tensor> loaded_state(const std::string& bytes, const std::vector<at::Tensor>& parameters,
+                                     Options options, const std::function<std::vector<at::Tensor>(Kind&)>& fields) {
+  Kind fresh(parameters, options);
+  torch::serialize::InputArchive archive;
+  std::istringstream stream(bytes);
+  archive.load_from(stream);
+  fresh.load(archive);
+  return fields(fresh);
+}
+
+template <typename Kind, typename Options>
+void check_snapshot(Options options, const std::function<std::vector<at::Tensor>(Kind&)>& fields) {
+  at::manual_seed(0);
+  torch::nn::Linear model(3, 2);
+  Kind optimizer(model->parameters(), options);
+  optimizer_step(model, optimizer, 1);
+  optimizer_step(model, optimizer, 2);
+  const std::vector<at::Tensor> at_snapshot = [&] {
+    std::vector<at::Tensor> copies;
+    for (const auto& field : fields(optimizer)) copies.push_back(field.clone());
+    return copies;
+  }();
+  const auto snapshot = smp::snapshot_optimizer(optimizer);
+  optimizer_step(model, optimizer, 3);  // changes the live state in place
+  const auto restored = loaded_state<Kind, Options>(snapshot(), model->parameters(), options, fields);
+  REQUIRE(restored.size() == at_snapshot.size());
+  for (std::size_t i = 0; i < restored.size(); ++i) {
+    CHECK(at::equal(restored[i], at_snapshot[i]));
+    CHECK_FALSE(at::equal(restored[i], fields(optimizer)[i]));  // the step after the snapshot moved it
+  }
+}
+
+}  // namespace
+
+TEST_CASE("an optimizer snapshot saves the state of its moment, not what later steps make of it", "[checkpoint]") {
+  using namespace torch::optim;
+  // Each kind's state for the first parameter (the weight), flattened into tensors.
+  SECTION("AdamW") {
+    check_snapshot<AdamW, AdamWOptions>(AdamWOptions(0.1), [](AdamW& optimizer) {
+      auto& state = static_cast<AdamWParamState&>(
+          *optimizer.state().at(optimizer.param_groups()[0].params()[0].unsafeGetTensorImpl()));
+      return std::vector<at::Tensor>{state.exp_avg(), state.exp_avg_sq(), at::tensor(state.step())};
+    });
+  }
+  SECTION("SGD with momentum") {
+    check_snapshot<SGD, SGDOptions>(SGDOptions(0.1).momentum(0.9), [](SGD& optimizer) {
+      auto& state = static_cast<SGDParamState&>(
+          *optimizer.state().at(optimizer.param_groups()[0].params()[0].unsafeGetTensorImpl()));
+      return std::vector<at::Tensor>{state.momentum_buffer()};
+    });
+  }
+  SECTION("RMSprop") {
+    check_snapshot<RMSprop, RMSpropOptions>(RMSpropOptions(0.01).momentum(0.5), [](RMSprop& optimizer) {
+      auto& state = static_cast<RMSpropParamState&>(
+          *optimizer.state().at(optimizer.param_groups()[0].params()[0].unsafeGetTensorImpl()));
+      return std::vector<at::Tensor>{state.square_avg(), state.momentum_buffer()};
+    });
+  }
+  SECTION("another kind (Adagrad) is serialized at once") {
+    check_snapshot<Adagrad, AdagradOptions>(AdagradOptions(0.1), [](Adagrad& optimizer) {
+      auto& state = static_cast<AdagradParamState&>(
+          *optimizer.state().at(optimizer.param_groups()[0].params()[0].unsafeGetTensorImpl()));
+      return std::vector<at::Tensor>{state.sum(), at::tensor(state.step())};
+    });
+  }
+}
+
+TEST_CASE("profiling leaves batch norm statistics and the random number sequence as they were", "[profile]") {
+  at::manual_seed(3);
+  torch::nn::Sequential net(torch::nn::Linear(4, 6), torch::nn::BatchNorm1d(6), torch::nn::Dropout(0.5),
+                            torch::nn::Linear(6, 2));
+  const auto model = smp::GraphModel::from_sequential(net);
+  std::vector<at::Tensor> buffers_before;
+  for (const auto& buffer : net->buffers()) buffers_before.push_back(buffer.clone());
+  at::manual_seed(11);
+  smp::profile_graph(model, at::randn({8, 4}), 3);
+  const at::Tensor drawn_after_profile = at::rand({4});
+  at::manual_seed(11);
+  at::randn({8, 4});  // the sample, drawn the same way
+  CHECK(at::equal(drawn_after_profile, at::rand({4})));
+  const auto buffers_after = net->buffers();
+  REQUIRE(buffers_after.size() == buffers_before.size());
+  for (std::size_t i = 0; i < buffers_after.size(); ++i) CHECK(at::equal(buffers_after[i], buffers_before[i]));
 }

@@ -343,6 +343,36 @@ TEST_CASE("per-stage activation copies and recomputation enter each stage's memo
   }
 }
 
+TEST_CASE("a stage exactly at the memory limit is feasible to the split and to evaluate alike") {
+  // Fractional amounts whose sums round differently in the split's sliding window and in a stage's totals.
+  ModuleGraph graph;
+  const double nodes[3][3] = {{0.25, 8 * 0.1, 6 * 0.1}, {0.64, 7 * 0.1, 4 * 0.1}, {0.94, 3 * 0.1, 8 * 0.1}};
+  for (int i = 0; i < 3; ++i) {
+    GraphNode node;
+    node.name = "n" + std::to_string(i);
+    node.compute_s = nodes[i][0];
+    node.memory_bytes = nodes[i][1];
+    node.activation_bytes = nodes[i][2];
+    graph.nodes.push_back(node);
+    if (i > 0) graph.edges.push_back({i - 1, i, 1.0});
+  }
+  GraphPartitionOptions options = stages(2, 0.3);
+  options.activation_copies = {0.1, 2 * 0.1};
+  options.memory_limit_bytes = 1.24;
+  const GraphPartition optimum = optimal_partition_exhaustive(graph, options);
+  const GraphPartition ours = partition_graph(graph, options);
+  CHECK(std::isfinite(ours.bottleneck));
+  CHECK(ours.bottleneck == Approx(optimum.bottleneck).epsilon(kRelativeTolerance));
+
+  SECTION("bad per-stage values are refused by every entry point") {
+    options.activation_copies = {-5, 1};
+    CHECK_THROWS_WITH(evaluate(graph, {0, 1, 1}, options), Contains("activation_copies of stage 0"));
+    options.activation_copies = {std::numeric_limits<double>::quiet_NaN(), 1};
+    CHECK_THROWS_AS(partition_uniform(graph, options), PartitionError);
+    CHECK_THROWS_AS(partition_by_parameters(graph, options), PartitionError);
+  }
+}
+
 TEST_CASE("stages that hold more microbatches get fewer layers") {
   const int num_stages = 4;
   const ModuleGraph graph = equal_layers(20, 16 * kMiB);

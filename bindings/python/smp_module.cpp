@@ -51,6 +51,12 @@ class ScriptedModule : public torch::nn::Module {
     }
   }
 
+  // The TorchScript module has a training flag of its own (dropout, batch norm read it): keep both in step.
+  void train(bool on = true) override {
+    scripted_.train(on);
+    torch::nn::Module::train(on);
+  }
+
   at::Tensor forward(const std::vector<at::Tensor>& inputs) {
     std::vector<c10::IValue> arguments(inputs.begin(), inputs.end());
     c10::IValue output = scripted_.forward(std::move(arguments));

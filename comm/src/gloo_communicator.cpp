@@ -49,7 +49,6 @@ class GlooPending final : public Pending {
     finish_ = nullptr;
     keep_alive_.reset();
   }
-  bool done() const override { return !work_ || work_->isCompleted(); }
 
  private:
   c10::intrusive_ptr<c10d::Work> work_;

@@ -171,9 +171,6 @@ class NcclPending final : public Pending {
     completion_.reset();
     keep_alive_.reset();
   }
-  bool done() const override {
-    return !completion_ || completion_->handle->aborted || (completion_->done && completion_->done->query());
-  }
 
  private:
   std::shared_ptr<Completion> completion_;

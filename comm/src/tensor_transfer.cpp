@@ -1,7 +1,5 @@
 #include "smp/comm/tensor_transfer.h"
 
-#include <algorithm>
-
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
@@ -51,9 +49,6 @@ std::unique_ptr<Pending> send_tensors(Communicator& comm, const std::vector<at::
     void wait() override {
       for (auto& part : parts) part->wait();
       parts.clear();
-    }
-    bool done() const override {
-      return std::all_of(parts.begin(), parts.end(), [](const auto& part) { return part->done(); });
     }
   };
   auto group = std::make_unique<Group>();

@@ -1,5 +1,7 @@
 #include "smp/checkpoint.h"
 
+#include "optimizer_snapshot.h"
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -100,21 +102,18 @@ void Checkpointer::save(std::int64_t step) {
   // The snapshot is all the step waits for: copies on the CPU of what training goes on changing in place. Writing,
   // checksumming, the manifest and pruning happen on a background thread.
   std::optional<c10::impl::GenericDict> contents;
+  std::function<std::string()> optimizer_bytes;  // serialized on the writer's thread
   if (runtime.dp_rank() == 0) {
     c10::Dict<std::string, at::Tensor> parameters;
     for (const auto& [name, parameter] : model_.named_parameters()) {
       parameters.insert(name, parameter.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
     }
-    torch::serialize::OutputArchive optimizer_archive;
-    optimizer_.local().save(optimizer_archive);
-    std::ostringstream optimizer_bytes;
-    optimizer_archive.save_to(optimizer_bytes);
+    optimizer_bytes = snapshot_optimizer(optimizer_.local());
     contents.emplace(c10::StringType::get(), c10::AnyType::get());
     contents->insert("format", kPartitionFormat);
     contents->insert("step", step);
     contents->insert("pp_rank", static_cast<std::int64_t>(runtime.pp_rank()));
     contents->insert("parameters", parameters);
-    contents->insert("optimizer", bytes_tensor(optimizer_bytes.str()));
     contents->insert("rng", at::detail::getDefaultCPUGenerator().get_state());
     const c10::Device device = runtime.device();
     if (device.is_cuda()) contents->insert("cuda_rng", at::globalContext().defaultGenerator(device).get_state());
@@ -137,19 +136,22 @@ void Checkpointer::save(std::int64_t step) {
   }
   last_saved_ = step;
   pending_ = std::async(std::launch::async, [this, step, directory, key, contents = std::move(contents),
+                                             optimizer_bytes = std::move(optimizer_bytes),
                                              manifest = std::move(manifest)]() mutable {
-    write_checkpoint(step, directory, key, std::move(contents), std::move(manifest));
+    write_checkpoint(step, directory, key, std::move(contents), std::move(optimizer_bytes), std::move(manifest));
   });
 }
 
 void Checkpointer::write_checkpoint(std::int64_t step, const std::string& directory, const std::string& key,
                                     std::optional<c10::impl::GenericDict> contents,
+                                    std::function<std::string()> optimizer_bytes,
                                     std::optional<CheckpointManifest> manifest) {
   Runtime& runtime = model_.runtime();
   const Config& config = runtime.config();
   if (contents) {
     std::string report;
     try {
+      contents->insert("optimizer", bytes_tensor(optimizer_bytes()));
       std::filesystem::create_directories(directory);
       const auto bytes = torch::jit::pickle_save(*contents);
       write_file_atomically(directory + "/" + partition_file_name(runtime.pp_rank()),

@@ -416,6 +416,31 @@ StageCallbacks DistributedModel::stage_callbacks() {
   return callbacks;
 }
 
+namespace {
+
+// The modules in eval mode (dropout off, batch norm on its running statistics) for as long as it lives; each
+// gets its own mode back after, in reverse order, so that a module shared by two nodes ends as it began.
+class EvaluationMode {
+ public:
+  explicit EvaluationMode(std::vector<std::shared_ptr<torch::nn::Module>> modules) : modules_(std::move(modules)) {
+    for (const auto& module : modules_) {
+      was_training_.push_back(module->is_training());
+      module->eval();
+    }
+  }
+  ~EvaluationMode() {
+    for (std::size_t i = modules_.size(); i-- > 0;) modules_[i]->train(was_training_[i]);
+  }
+  EvaluationMode(const EvaluationMode&) = delete;
+  EvaluationMode& operator=(const EvaluationMode&) = delete;
+
+ private:
+  std::vector<std::shared_ptr<torch::nn::Module>> modules_;
+  std::vector<bool> was_training_;
+};
+
+}  // namespace
+
 StepOutput DistributedModel::evaluate(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss) {
   const auto start = std::chrono::steady_clock::now();
   const MicrobatchData data = microbatch_data("evaluate", inputs, targets, loss);
@@ -426,6 +451,11 @@ StepOutput DistributedModel::evaluate(const at::Tensor& inputs, const at::Tensor
     evaluator_ = std::make_unique<PipelineExecutor>(std::move(forward), graph_, runtime_->pipeline());
   }
   at::NoGradGuard no_graphs;
+  std::vector<std::shared_ptr<torch::nn::Module>> local_modules;
+  for (const auto& [stage, local] : stages_) {
+    for (int node : local.nodes) local_modules.push_back(model_.nodes()[node].module);
+  }
+  const EvaluationMode evaluation_mode(std::move(local_modules));
   StepOutput output;
   at::Tensor loss_total = at::zeros({1}, at::kDouble);
   try {

@@ -133,28 +133,19 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
     }
     return posted[index]->wait();
   };
-  // A send's tensors go as soon as it is known to be delivered: when the transport says so (NCCL's events), or
-  // when a receive proves it (the peer took it before sending what arrived). Otherwise they would live until the
-  // step's end, one sent output and one input gradient per microbatch beyond the schedule's bound on the stash.
+  // A send's tensors go as soon as a receive proves it delivered (the peer took it before sending what arrived);
+  // the transports cannot be asked without waiting (Gloo), or a send's header travels over Gloo (NCCL). Otherwise
+  // they would live until the step's end, one sent output and one input gradient per microbatch beyond the
+  // schedule's bound on the stash.
   std::map<std::size_t, std::unique_ptr<comm::Pending>> sends;  // by action index
   auto release_delivered = [&](std::size_t receive_index) {
     const auto proven = delivered_by_receive_.find(receive_index);
-    if (proven != delivered_by_receive_.end()) {
-      for (std::size_t send_index : proven->second) {
-        const auto found = sends.find(send_index);
-        if (found == sends.end()) continue;
-        found->second->wait();  // returns at once: the peer has the message
-        sends.erase(found);
-        ++stats.sends_released_early;
-      }
-    }
-    for (auto it = sends.begin(); it != sends.end();) {
-      if (!it->second->done()) {
-        ++it;
-        continue;
-      }
-      it->second->wait();  // reports a failed send
-      it = sends.erase(it);
+    if (proven == delivered_by_receive_.end()) return;
+    for (std::size_t send_index : proven->second) {
+      const auto found = sends.find(send_index);
+      if (found == sends.end()) continue;
+      found->second->wait();  // returns at once: the peer has the message
+      sends.erase(found);
       ++stats.sends_released_early;
     }
   };

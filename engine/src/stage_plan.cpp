@@ -13,6 +13,7 @@
 #include <optional>
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/CPUAllocator.h>
 #include <nlohmann/json.hpp>
 #include <torch/csrc/autograd/autograd.h>
@@ -126,6 +127,35 @@ std::string format_bytes(double bytes) {
   return text;
 }
 
+// Profiling runs the modules in training mode: batch norm updates its running statistics and dropout draws
+// random numbers. Both are put back when it ends, so that profiling on rank 0 changes nothing the training sees.
+class TrainingStateKept {
+ public:
+  TrainingStateKept(const GraphModel& model, const at::Tensor& sample) {
+    std::set<const void*> seen;
+    for (const auto& node : model.nodes()) {
+      for (const auto& buffer : node.module->buffers()) {
+        if (seen.insert(buffer.unsafeGetTensorImpl()).second) buffers_.emplace_back(buffer, buffer.clone());
+      }
+    }
+    generators_.push_back(at::detail::getDefaultCPUGenerator());
+    if (sample.is_cuda()) generators_.push_back(at::globalContext().defaultGenerator(sample.device()));
+    for (auto& generator : generators_) states_.push_back(generator.get_state());
+  }
+  ~TrainingStateKept() {
+    at::NoGradGuard no_graph;
+    for (auto& [buffer, saved] : buffers_) buffer.copy_(saved);
+    for (std::size_t i = 0; i < generators_.size(); ++i) generators_[i].set_state(states_[i]);
+  }
+  TrainingStateKept(const TrainingStateKept&) = delete;
+  TrainingStateKept& operator=(const TrainingStateKept&) = delete;
+
+ private:
+  std::vector<std::pair<at::Tensor, at::Tensor>> buffers_;  // (live, saved)
+  std::vector<at::Generator> generators_;
+  std::vector<at::Tensor> states_;
+};
+
 }  // namespace
 
 std::vector<int> StagePlan::modules_of_stage(int stage) const {
@@ -175,7 +205,7 @@ std::string StagePlan::report() const {
       parameter_bytes += modules[i].parameter_bytes;
       kept_bytes += modules[i].activation_bytes + modules[i].output_bytes;
     }
-    const double copies = activation_copies.empty() ? 1.0 : activation_copies.at(stage);
+    const double copies = static_cast<int>(activation_copies.size()) == num_stages ? activation_copies[stage] : 1.0;
     char numbers[200];
     std::snprintf(numbers, sizeof numbers,
                   "), params %s, activations %s per microbatch x %g held, est. fwd+bwd %.3f ms, sends %s",
@@ -223,6 +253,7 @@ StagePlan StagePlan::from_json(const std::string& text) {
 }
 
 std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tensor& sample, int repeats) {
+  const TrainingStateKept kept(model, sample);
   std::vector<ModuleProfile> profiles;
   std::map<std::string, at::Tensor> values{{model.input_name(), sample}};
   // Profiling runs on the CPU: count what each forward keeps alive for its backward.
@@ -279,7 +310,7 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tens
       forward_times.push_back(forward_s);
       backward_times.push_back(backward_s);
     }
-    // The profile must leave no trace in the training state.
+    // The profile must leave no trace in the training state (buffers and random numbers: TrainingStateKept).
     for (const auto& parameter : node.module->parameters()) {
       if (parameter.grad().defined()) parameter.mutable_grad() = at::Tensor();
     }
@@ -305,7 +336,11 @@ StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
   }
   std::vector<bool> recomputes(num_stages, false);
   for (int stage : config.checkpointed_stages) {
-    recomputes.at(stage) = true;
+    if (stage < 0 || stage >= num_stages) {
+      throw ConfigError(config.source + ": key \"activation_checkpointing\": stage " + std::to_string(stage) +
+                        " is not in [0, " + std::to_string(num_stages - 1) + "]");
+    }
+    recomputes[stage] = true;
     activation_copies[stage] = 1.0;
   }
   std::vector<int> pinned(num_modules, config.auto_partition ? -1 : config.default_partition);

@@ -63,6 +63,12 @@ CostModel::CostModel(const ModuleGraph& graph, const GraphPartitionOptions& opti
                          std::to_string(options.activation_copies.size()) + " and " +
                          std::to_string(options.recomputes.size()));
   }
+  for (std::size_t stage = 0; stage < activation_copies.size(); ++stage) {
+    if (!valid_amount(activation_copies[stage])) {
+      throw PartitionError("activation_copies of " + stage_text(static_cast<int>(stage)) +
+                           " must be finite and non-negative, got " + std::to_string(activation_copies[stage]));
+    }
+  }
   for (std::size_t stage = 0; stage < options.recomputes.size() && stage < recomputes.size(); ++stage) {
     recomputes[stage] = options.recomputes[stage] ? 1 : 0;
   }
@@ -84,7 +90,10 @@ CostModel::CostModel(const ModuleGraph& graph, const GraphPartitionOptions& opti
   if (total_compute_s > 0) per_compute_s = (1 - w) * stages / total_compute_s;
   if (options.bandwidth_bytes_per_s > 0) per_sent_byte = per_compute_s / options.bandwidth_bytes_per_s;
   if (total_memory_bytes > 0) per_memory_byte = w * stages / total_memory_bytes;
-  if (options.memory_limit_bytes > 0) memory_limit_bytes = options.memory_limit_bytes;
+  if (options.memory_limit_bytes > 0) {
+    memory_limit_bytes = options.memory_limit_bytes * (1 + 1e-9);
+    split_memory_limit_bytes = options.memory_limit_bytes * (1 + 1e-10);
+  }
 }
 
 double SentBytes::of_producer(const Adjacency& adjacency, const std::vector<int>& stage_of_node, int node) {
@@ -147,13 +156,6 @@ StageBounds validate(const ModuleGraph& graph, const Adjacency& adjacency, const
   }
   if (!valid_amount(options.bandwidth_bytes_per_s) || !valid_amount(options.memory_limit_bytes)) {
     throw PartitionError("bandwidth_bytes_per_s and memory_limit_bytes must be finite and non-negative");
-  }
-  for (std::size_t stage = 0; stage < options.activation_copies.size(); ++stage) {
-    if (!valid_amount(options.activation_copies[stage])) {
-      throw PartitionError("activation_copies of " + stage_text(static_cast<int>(stage)) +
-                           " must be finite and non-negative, got " +
-                           std::to_string(options.activation_copies[stage]));
-    }
   }
 
   const std::vector<int>& pinned = options.pinned;

@@ -65,7 +65,11 @@ struct CostModel {
            per_memory_byte * (node.memory_bytes + mean_activation_copies * node.activation_bytes);
   }
   double per_compute_s = 0, per_memory_byte = 0, per_sent_byte = 0;
-  double memory_limit_bytes = kInfinity;
+  // The limit with a little slack: sums taken in different orders (the split's sliding window, a stage's totals
+  // times its copies) differ in their last bits, and a stage exactly at the limit must be feasible to every part
+  // of the search. The split gets less slack than the judge, so that whatever it accepts the judge accepts too.
+  double memory_limit_bytes = kInfinity;        // stage_cost: the limit plus 1e-9 of it
+  double split_memory_limit_bytes = kInfinity;  // the contiguous split: the limit plus 1e-10 of it
   std::vector<double> activation_copies;  // per stage, filled in (1 each when the options give none)
   std::vector<char> recomputes;           // per stage, 0 or 1
   double mean_activation_copies = 1, mean_recomputes = 0;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <numeric>
@@ -134,7 +135,7 @@ LinearProblem linear_problem(const ModuleGraph& graph, const Adjacency& adjacenc
   std::vector<int> position_of(num_nodes);
   for (int position = 0; position < num_nodes; ++position) position_of[order[position]] = position;
   LinearProblem problem;
-  problem.memory_limit_bytes = costs.memory_limit_bytes;
+  problem.memory_limit_bytes = costs.split_memory_limit_bytes;
   problem.activation_copies = costs.activation_copies;
   problem.recomputes = costs.recomputes;
   std::vector<std::tuple<int, int, double>> consumers;  // (group, position, bytes)
@@ -220,6 +221,7 @@ GraphPartition partition_graph(const ModuleGraph& graph, const GraphPartitionOpt
       GraphPartition candidate = evaluate(
           graph, detail::refine_bottleneck(graph, adjacency, costs, options, stage_of_node_from(order, *split)),
           options);
+      if (!std::isfinite(candidate.bottleneck)) break;  // over the limit after all: not a split to return
       if (best_from_order && candidate.bottleneck >= best_from_order->bottleneck * (1 - 1e-12)) break;
       std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
         return candidate.stage_of_node[a] < candidate.stage_of_node[b];

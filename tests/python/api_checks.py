@@ -1,6 +1,7 @@
 """The smp Python package's contract in one process (run under `smprun -n 1`): errors name what is wrong, and the
 parameters it returns are the engine's own tensors. Exits 0 when every check holds; prints each failure."""
 
+import copy
 import sys
 import tempfile
 
@@ -77,6 +78,38 @@ def main():
     expect_error("an unknown optimizer", smp.ConfigError, "lion", lambda: smp.DistributedOptimizer(model, "lion"))
     expect_error("a batch that does not split into microbatches", smp.ConfigError, "batch",
                  lambda: model.train_step(torch.randn(3, 3), torch.randn(3, 2), F.mse_loss))
+
+    # A scripted module with a forward of its own (a residual) cannot be cut as a chain of its children.
+    class Residual(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(3, 3)
+            self.b = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)) + x)
+
+    expect_error("a scripted module that is not a Sequential", TypeError, "scripted Residual",
+                 lambda: smp.DistributedModel(torch.jit.script(Residual()), torch.zeros(2, 3)))
+
+    # evaluate() runs in eval mode: dropout off, batch norm on running statistics that it leaves unchanged; the
+    # next training step is in training mode again.
+    torch.manual_seed(1)
+    regularized = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5),
+                                      torch.nn.Linear(8, 2))
+    reference = copy.deepcopy(regularized).eval()
+    model = smp.DistributedModel(regularized, torch.zeros(2, 3))
+    inputs, targets = torch.randn(4, 3), torch.randn(4, 2)
+    first = model.evaluate(inputs, targets, F.mse_loss).loss
+    second = model.evaluate(inputs, targets, F.mse_loss).loss
+    with torch.no_grad():
+        expected = F.mse_loss(reference(inputs), targets).item()
+    if abs(first - expected) > 1e-6 or first != second:
+        failures.append(f"evaluate in eval mode: {first}, then {second}; eval-mode PyTorch gives {expected}")
+    torch.manual_seed(2)
+    trained = [model.train_step(inputs, targets, F.mse_loss).loss for _ in range(2)]
+    if abs(trained[0] - expected) < 1e-6 or trained[0] == trained[1]:
+        failures.append(f"train_step after evaluate is not in training mode (dropout): losses {trained}")
 
     for failure in failures:
         print("FAILED:", failure, flush=True)

@@ -55,6 +55,19 @@ def runtime():
     return _runtime
 
 
+def _is_sequential(module):
+    """An nn.Sequential, or one compiled by torch.jit.script (whose forward is the chain of its children)."""
+    if isinstance(module, torch.jit.ScriptModule):
+        return getattr(module, "original_name", None) == "Sequential"
+    return isinstance(module, torch.nn.Sequential)
+
+
+def _kind(module):
+    if isinstance(module, torch.jit.ScriptModule):
+        return f"a scripted {getattr(module, 'original_name', type(module).__name__)}"
+    return type(module).__name__
+
+
 def _load_scripted(name, module):
     if isinstance(module, torch.jit.ScriptModule):
         scripted = module
@@ -91,8 +104,8 @@ class GraphModel:
     @staticmethod
     def from_sequential(sequential, input_name="input"):
         """One node per child, named as in the Sequential, so parameter names match its state_dict."""
-        if not isinstance(sequential, (torch.nn.Sequential, torch.jit.ScriptModule)):
-            raise TypeError(f"expected a torch.nn.Sequential, got {type(sequential).__name__}")
+        if not _is_sequential(sequential):
+            raise TypeError(f"expected a torch.nn.Sequential, got {_kind(sequential)}")
         graph = GraphModel(input_name)
         previous = input_name
         for name, child in sequential.named_children():
@@ -118,11 +131,12 @@ class DistributedModel:
     def __init__(self, model, sample_input):
         if isinstance(model, GraphModel):
             graph = model
-        elif isinstance(model, (torch.nn.Sequential, torch.jit.ScriptModule)):
+        elif _is_sequential(model):
             graph = GraphModel.from_sequential(model)
         else:
-            raise TypeError(f"pass an nn.Sequential or an smp.GraphModel, got {type(model).__name__}: pipeline "
-                            "stages are cut between a model's modules")
+            # A module's own forward cannot be cut into stages: its children would run as a chain, wrongly.
+            raise TypeError(f"pass an nn.Sequential or an smp.GraphModel, got {_kind(model)}: pipeline stages are "
+                            "cut between a model's modules, so write a model with its own forward as a GraphModel")
         self._model = _smp.DistributedModel(runtime(), graph._graph, sample_input)
 
     def train_step(self, inputs, targets, loss):
@@ -135,7 +149,8 @@ class DistributedModel:
 
     def evaluate(self, inputs, targets, loss):
         """The mean loss over the global batch without gradients (validation), taken like train_step by every rank:
-        the schedule's forwards alone, keeping nothing for a backward. Returns .loss and .seconds."""
+        the schedule's forwards alone, keeping nothing for a backward, with the modules in eval mode (dropout off,
+        batch norm on its running statistics) and back in training mode after. Returns .loss and .seconds."""
         rt = runtime()
         return self._model.evaluate(rt.replica_slice(inputs), rt.replica_slice(targets), loss)
 

@@ -5,6 +5,7 @@
 // the background: training waits only for the copy of its state.
 
 #include <cstdint>
+#include <functional>
 #include <future>
 #include <optional>
 #include <string>
@@ -41,8 +42,10 @@ class Checkpointer {
   std::int64_t resume();
 
  private:
+  // `optimizer_bytes` (snapshot_optimizer) is called here, on the writer's thread.
   void write_checkpoint(std::int64_t step, const std::string& directory, const std::string& key,
-                        std::optional<c10::impl::GenericDict> contents, std::optional<CheckpointManifest> manifest);
+                        std::optional<c10::impl::GenericDict> contents, std::function<std::string()> optimizer_bytes,
+                        std::optional<CheckpointManifest> manifest);
 
   DistributedModel& model_;
   DistributedOptimizer& optimizer_;

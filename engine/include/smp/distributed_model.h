@@ -32,7 +32,7 @@ struct StepOutput {
   double seconds = 0.0;  // wall time of the step on this rank
   int peak_stashed_microbatches = 0;
   int sends_posted = 0;          // to other ranks
-  int sends_released_early = 0;  // sends whose tensors this rank dropped before the step's end (finished early)
+  int sends_released_early = 0;  // sends proven delivered, whose tensors this rank dropped before the step's end
   int peak_sends_held = 0;       // the most sends whose tensors this rank held at once
   // Data parallelism: gradient buckets of this rank, and how many of them were all-reduced while backward still
   // ran (the rest waited for its end: parameters without a gradient).
@@ -54,8 +54,9 @@ class DistributedModel {
   // and only the last reads `targets`.
   StepOutput train_step(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss);
   // The mean loss over the global batch without gradients (validation): the training schedule's forwards alone,
-  // keeping nothing for a backward. Called like train_step, by every rank; .grad and the parameters stay as they
-  // are. Fills StepOutput's loss and seconds.
+  // keeping nothing for a backward, with this rank's modules in eval mode (dropout off, batch norm on its running
+  // statistics) and back in their own mode after. Called like train_step, by every rank; .grad, the parameters
+  // and the buffers stay as they are. Fills StepOutput's loss and seconds.
   StepOutput evaluate(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss);
 
   // Copies this rank's parameters from a full-model file (export_checkpoint), by name: a model trained under

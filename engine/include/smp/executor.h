@@ -47,7 +47,7 @@ struct ExecutorStats {
   bool has_loss = false;  // this rank runs the last stage
   int peak_stashed_microbatches = 0;  // (stage, microbatch) pairs holding activations at once
   int sends_posted = 0;               // to other ranks
-  int sends_released_early = 0;       // sends found finished, and their tensors dropped, before the step's end
+  int sends_released_early = 0;       // sends proven delivered, and their tensors dropped, before the step's end
   int peak_sends_held = 0;            // the most posted sends whose tensors this rank held at once
   std::vector<TimelineEvent> events;  // every action, in execution order
 };

@@ -30,9 +30,6 @@ class Pending {
  public:
   virtual ~Pending() = default;
   virtual void wait() = 0;
-  // True when the operation has finished, so that wait() returns at once (and reports a failure, if any); never
-  // blocks. Lets a sender drop a sent tensor before the end of the step.
-  virtual bool done() const = 0;
 };
 
 class Communicator {

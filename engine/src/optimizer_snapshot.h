@@ -1,0 +1,19 @@
+#pragma once
+// A copy of an optimizer's state to be serialized later, on the checkpoint writer's thread, while training goes on
+// changing the live state in place: the save pauses the step for copying tensors, not for writing the archive.
+
+#include <functional>
+#include <string>
+
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace smp {
+
+// Returns a function that produces, when called on any thread, the bytes optimizer.save() would have written at
+// this moment (LibTorch's archive format, which Optimizer::load reads). Adam, AdamW, SGD and RMSprop state is
+// copied tensor by tensor into a twin optimizer that only ever saves; any other optimizer is serialized right here.
+std::function<std::string()> snapshot_optimizer(torch::optim::Optimizer& optimizer);
+
+}  // namespace smp
