@@ -209,7 +209,7 @@ std::int64_t Checkpointer::resume() {
     std::istringstream stream(std::string(static_cast<const char*>(optimizer_bytes.data_ptr()),
                                           static_cast<std::size_t>(optimizer_bytes.numel())));
     torch::serialize::InputArchive archive;
-    archive.load_from(stream);
+    archive.load_from(stream, runtime.device());  // saved from CPU copies (optimizer_snapshot.h)
     optimizer_.local().load(archive);
     auto generator = at::detail::getDefaultCPUGenerator();
     generator.set_state(contents.at("rng").toTensor());

@@ -13,7 +13,11 @@
 namespace smp {
 namespace {
 
-at::Tensor copy_of(const at::Tensor& tensor) { return tensor.defined() ? tensor.clone() : tensor; }
+// On the CPU: a GPU job's save must not hold a second copy of the optimizer state in device memory (a resume maps
+// the state back to the job's device).
+at::Tensor copy_of(const at::Tensor& tensor) {
+  return tensor.defined() ? tensor.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true) : tensor;
+}
 
 void copy_tensors(torch::optim::AdamParamState& state) {
   state.exp_avg(copy_of(state.exp_avg()));

@@ -12,8 +12,9 @@ class Optimizer;
 namespace smp {
 
 // Returns a function that produces, when called on any thread, the bytes optimizer.save() would have written at
-// this moment (LibTorch's archive format, which Optimizer::load reads). Adam, AdamW, SGD and RMSprop state is
-// copied tensor by tensor into a twin optimizer that only ever saves; any other optimizer is serialized right here.
+// this moment (LibTorch's archive format, which Optimizer::load reads), with the state tensors on the CPU: load
+// them with InputArchive::load_from(stream, device). Adam, AdamW, SGD and RMSprop state is copied tensor by
+// tensor into a twin optimizer that only ever saves; any other optimizer is serialized right here.
 std::function<std::string()> snapshot_optimizer(torch::optim::Optimizer& optimizer);
 
 }  // namespace smp
