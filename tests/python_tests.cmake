@@ -31,3 +31,12 @@ set_tests_properties(python_example_2x4_equals_one_process PROPERTIES
   TIMEOUT 500
   LABELS python
   ENVIRONMENT "PYTHONPATH=${SMP_PYTHON_PACKAGE_DIR};OMP_NUM_THREADS=1;PYTHONUNBUFFERED=1")
+
+# smp.Checkpointer: save every step, resume in a second job, both against plain PyTorch.
+add_test(NAME python_checkpoint_resume_equals_pytorch
+         COMMAND ${SMP_PYTHON_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/python/checkpoint_check.py $<TARGET_FILE:smprun>
+                 ${SMP_PYTHON_EXECUTABLE})
+set_tests_properties(python_checkpoint_resume_equals_pytorch PROPERTIES
+  TIMEOUT 400
+  LABELS python
+  ENVIRONMENT "PYTHONPATH=${SMP_PYTHON_PACKAGE_DIR};OMP_NUM_THREADS=1;PYTHONUNBUFFERED=1")

@@ -1,0 +1,96 @@
+"""smp.Checkpointer from Python: a 2-stage job trains 4 steps and checkpoints after each; a second job resumes from
+the newest checkpoint and trains 2 more. Both runs' final parameters must equal 6 (or 4) steps of plain PyTorch
+training on the same batches. Launches both jobs itself.
+
+  checkpoint_check.py SMPRUN PYTHON
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+import torch.nn.functional as F
+
+WORKER = """
+import json, sys, torch, torch.nn.functional as F, smp
+config, steps, out = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+torch.set_num_threads(1)
+runtime = smp.init(config)
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                          torch.nn.Linear(16, 3))
+model = smp.DistributedModel(net, torch.zeros(2, 6))
+optimizer = smp.DistributedOptimizer(model, "adamw", lr=1e-2)
+checkpointer = smp.Checkpointer(model, optimizer)
+first = checkpointer.resume()
+for step in range(first, steps):
+    data = torch.Generator().manual_seed(step)
+    inputs, targets = torch.randn(8, 6, generator=data), torch.randn(8, 3, generator=data)
+    optimizer.zero_grad()
+    model.train_step(inputs, targets, F.mse_loss)
+    optimizer.step()
+    if checkpointer.due(step):
+        checkpointer.save(step)
+checkpointer.wait()
+torch.save({name: tensor.detach().clone() for name, tensor in model.named_parameters().items()},
+           f"{out}.rank{runtime.rank}")
+print(f"rank {runtime.rank}: resumed at {first}", flush=True)
+"""
+
+
+def reference(steps):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                              torch.nn.Linear(16, 3))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    for step in range(steps):
+        data = torch.Generator().manual_seed(step)
+        inputs, targets = torch.randn(8, 6, generator=data), torch.randn(8, 3, generator=data)
+        optimizer.zero_grad()
+        F.mse_loss(net(inputs), targets).backward()
+        optimizer.step()
+    return dict(net.named_parameters())
+
+
+def run(smprun, python, worker, config, steps, out):
+    result = subprocess.run([smprun, "-n", "2", "--timeout", "120", "--", python, worker, json.dumps(config),
+                             str(steps), out], capture_output=True, text=True, timeout=180)
+    if result.returncode != 0:
+        print(result.stdout[-4000:], result.stderr[-4000:], sep="\n")
+        raise SystemExit(f"job of {steps} steps: exit status {result.returncode}")
+    return result.stdout
+
+
+def check(out, steps):
+    expected = reference(steps)
+    for rank in range(2):
+        for name, tensor in torch.load(f"{out}.rank{rank}").items():
+            difference = (tensor - expected[name].detach()).abs().max().item()
+            if difference > 1e-5 + 1e-3 * expected[name].abs().max().item():
+                raise SystemExit(f"after {steps} steps, rank {rank}: {name} differs by {difference:.3g}")
+
+
+def main():
+    smprun, python = sys.argv[1:3]
+    with tempfile.TemporaryDirectory() as directory:
+        worker = os.path.join(directory, "worker.py")
+        with open(worker, "w") as file:
+            file.write(WORKER)
+        config = {"partitions": 2, "microbatches": 2, "global_batch_size": 8, "device": "cpu",
+                  "checkpoint_dir": os.path.join(directory, "checkpoints"), "checkpoint_interval": 1}
+        out = os.path.join(directory, "parameters")
+        first = run(smprun, python, worker, config, 4, out)
+        check(out, 4)
+        resumed = run(smprun, python, worker, dict(config, resume=True), 6, out)
+        if "resumed at 4" not in resumed:
+            raise SystemExit(f"the second job did not resume at step 4:\n{resumed}")
+        check(out, 6)
+    print("trained 4 steps, resumed at step 4, trained to 6: parameters equal plain PyTorch's")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
