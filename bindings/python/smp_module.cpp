@@ -1,8 +1,9 @@
-// The Python extension smp._smp: the engine for models written in Python and compiled with TorchScript.
+// The Python extension smp._smp: the engine for models written in Python.
 //
-// Models cross as TorchScript bytes (torch.jit.save in Python, torch::jit::load here), never as Python objects:
-// that needs nothing from PyTorch's Python internals but its tensor conversion, and each rank then owns its copy
-// of the weights, as the C++ API's DistributedModel does. Tensors cross without copies.
+// A module crosses either as the Python object itself (EagerModule: its tensors, its forward called under the
+// GIL) or, when the user scripted it, as TorchScript bytes (torch.jit.save in Python, torch::jit::load here:
+// ScriptedModule, which then runs without Python). Only PyTorch's tensor conversion is needed from its Python
+// internals. Tensors cross without copies.
 
 #include <functional>
 #include <memory>
@@ -70,6 +71,57 @@ class ScriptedModule : public torch::nn::Module {
   torch::jit::Module scripted_;
 };
 
+// An eager PyTorch module: the same parameter and buffer tensors under the same names and submodules, and a
+// forward that calls the Python module under the GIL (the engine runs with the GIL released). Its autograd graph
+// is LibTorch's like any other; only backward functions written in Python take the GIL again, as in PyTorch.
+class EagerModule : public torch::nn::Module {
+ public:
+  explicit EagerModule(const py::object& module)
+      : module_(new py::object(module), [](py::object* held) {
+          py::gil_scoped_acquire gil;
+          delete held;
+        }) {
+    py::gil_scoped_acquire gil;
+    for (const auto& item : module.attr("named_parameters")(py::arg("recurse") = false)) {
+      const auto pair = item.cast<py::tuple>();
+      const auto tensor = pair[1].cast<at::Tensor>();
+      register_parameter(pair[0].cast<std::string>(), tensor, tensor.requires_grad());
+    }
+    for (const auto& item : module.attr("named_buffers")(py::arg("recurse") = false)) {
+      const auto pair = item.cast<py::tuple>();
+      register_buffer(pair[0].cast<std::string>(), pair[1].cast<at::Tensor>());
+    }
+    for (const auto& item : module.attr("named_children")()) {
+      const auto pair = item.cast<py::tuple>();
+      register_module(pair[0].cast<std::string>(), std::make_shared<EagerModule>(pair[1]));
+    }
+  }
+
+  void train(bool on = true) override {
+    {
+      py::gil_scoped_acquire gil;
+      module_->attr("train")(on);
+    }
+    torch::nn::Module::train(on);
+  }
+
+  at::Tensor forward(const std::vector<at::Tensor>& inputs) {
+    py::gil_scoped_acquire gil;
+    py::tuple arguments(inputs.size());
+    for (std::size_t i = 0; i < inputs.size(); ++i) arguments[i] = py::cast(inputs[i]);
+    py::object output = (*module_)(*arguments);
+    try {
+      return output.cast<at::Tensor>();
+    } catch (const py::cast_error&) {
+      throw ModelError("a module returned " + std::string(py::str(py::type::of(output))) +
+                       "; pipeline stages pass one tensor");
+    }
+  }
+
+ private:
+  std::shared_ptr<py::object> module_;
+};
+
 std::shared_ptr<ScriptedModule> load_scripted(const py::bytes& serialized) {
   std::istringstream stream(std::string(serialized), std::ios::binary);
   torch::jit::Module module = torch::jit::load(stream);
@@ -77,7 +129,8 @@ std::shared_ptr<ScriptedModule> load_scripted(const py::bytes& serialized) {
   return std::make_shared<ScriptedModule>(std::move(module));
 }
 
-GraphModel::Forward forward_of(const std::shared_ptr<ScriptedModule>& module) {
+template <typename Module>
+GraphModel::Forward forward_of(const std::shared_ptr<Module>& module) {
   return [module](const std::vector<at::Tensor>& inputs) { return module->forward(inputs); };
 }
 
@@ -133,6 +186,9 @@ PYBIND11_MODULE(_smp, module) {
 
   py::class_<ScriptedModule, std::shared_ptr<ScriptedModule>>(module, "ScriptedModule");
   module.def("load_scripted", &load_scripted, py::arg("serialized"));
+  py::class_<EagerModule, std::shared_ptr<EagerModule>>(module, "EagerModule");
+  module.def("wrap_eager", [](const py::object& module) { return std::make_shared<EagerModule>(module); },
+             py::arg("module"));
 
   py::class_<GraphModel>(module, "GraphModel")
       .def(py::init<std::string>(), py::arg("input_name") = "input")
@@ -141,6 +197,13 @@ PYBIND11_MODULE(_smp, module) {
           [](GraphModel& graph, const std::string& name, const std::shared_ptr<ScriptedModule>& scripted,
              std::vector<std::string> inputs) -> GraphModel& {
             return graph.add(name, scripted, forward_of(scripted), std::move(inputs));
+          },
+          py::arg("name"), py::arg("module"), py::arg("inputs"), py::return_value_policy::reference_internal)
+      .def(
+          "add",
+          [](GraphModel& graph, const std::string& name, const std::shared_ptr<EagerModule>& eager,
+             std::vector<std::string> inputs) -> GraphModel& {
+            return graph.add(name, eager, forward_of(eager), std::move(inputs));
           },
           py::arg("name"), py::arg("module"), py::arg("inputs"), py::return_value_policy::reference_internal)
       .def_property_readonly("input_name", &GraphModel::input_name)

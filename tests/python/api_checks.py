@@ -41,12 +41,34 @@ def main():
     if (runtime.rank, runtime.world_size, runtime.pp_rank, runtime.dp_rank) != (0, 1, 0, 0):
         failures.append(f"runtime of one process: rank {runtime.rank} of {runtime.world_size}")
 
-    class NotScriptable(torch.nn.Module):
+    class Broken(torch.nn.Module):
         def forward(self, x):
-            return x.numpy()  # TorchScript has no numpy()
+            raise KeyError("no such table")
 
-    expect_error("a module TorchScript cannot compile", smp.ModelError, "NotScriptable",
-                 lambda: smp.DistributedModel(torch.nn.Sequential(NotScriptable()), torch.zeros(2, 3)))
+    expect_error("a module whose Python forward raises", smp.ModelError, 'module "0"',
+                 lambda: smp.DistributedModel(torch.nn.Sequential(Broken()), torch.zeros(2, 3)))
+
+    # Eager modules may use what TorchScript cannot (here a Python dict and a lambda); they train in place.
+    class PythonOnly(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 3)
+            self.activations = {"tanh": torch.tanh, "square": lambda t: t * t}
+
+        def forward(self, x):
+            return self.activations["tanh"](self.linear(x))
+
+    python_only = torch.nn.Sequential(PythonOnly(), torch.nn.Linear(3, 2))
+    eager_model = smp.DistributedModel(python_only, torch.zeros(2, 3))
+    eager_optimizer = smp.DistributedOptimizer(eager_model, "sgd", lr=0.5)
+    weight_before = python_only[0].linear.weight.detach().clone()
+    eager_optimizer.zero_grad()
+    eager_model.train_step(torch.randn(4, 3), torch.randn(4, 2), F.mse_loss)
+    eager_optimizer.step()
+    if torch.equal(python_only[0].linear.weight.detach(), weight_before):
+        failures.append("an eager module's own parameters did not change after a step")
+    if "0.linear.weight" not in eager_model.named_parameters():
+        failures.append(f"eager parameter names: {sorted(eager_model.named_parameters())}")
     expect_error("a model that is not a Sequential", TypeError, "nn.Sequential",
                  lambda: smp.DistributedModel(torch.nn.Linear(3, 3), torch.zeros(2, 3)))
     expect_error("a sample the model rejects", smp.ModelError, "0",

@@ -8,6 +8,7 @@ Exits 0 only then, so `smprun -n N -- python pipeline_worker.py ...` fails when 
   --optimizer    "sgd" (momentum 0.9) or "adamw"; Adam turns float rounding in near-zero gradients into updates of
                  the learning rate's size, so compare it with a looser --rtol
   --rtol R       a parameter matches when max |smp - plain| <= 1e-5 + R * max |plain| (default 1e-4)
+  --script       hand smp the modules compiled with torch.jit.script (TorchScript) instead of as they are
 """
 
 import argparse
@@ -64,6 +65,7 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     parser.add_argument("--rtol", type=float, default=1e-4)
+    parser.add_argument("--script", action="store_true")
     args = parser.parse_args()
     config = json.loads(args.smp)
     torch.set_num_threads(1)
@@ -75,7 +77,7 @@ def main():
         reference = copy.deepcopy(net)
         reference_forward = reference
         reference_parameters = dict(reference.named_parameters())
-        model_input = net
+        model_input = torch.jit.script(net) if args.script else net
     else:
         nodes = graph_nodes()
         reference_nodes = copy.deepcopy(nodes)
@@ -84,7 +86,7 @@ def main():
                                 for p, t in module.named_parameters()}
         model_input = smp.GraphModel("x")
         for name, module, inputs in nodes:
-            model_input.add(name, module, inputs)
+            model_input.add(name, torch.jit.script(module) if args.script else module, inputs)
 
     global_batch = config["global_batch_size"]
     microbatch = global_batch // runtime.data_parallel_degree // config["microbatches"]

@@ -15,9 +15,10 @@ Every process of the job runs the same script, launched by smprun (``smprun -n 8
         optimizer.step()
     validation = model.evaluate(inputs, targets, torch.nn.functional.cross_entropy).loss
 
-Modules run as TorchScript (``torch.jit.script``), so each child of the Sequential (or each node of an
-``smp.GraphModel``) must be scriptable. ``DistributedModel`` keeps its own copy of the weights of its stages: read
-them with ``model.named_parameters()``, named as in the original model's ``state_dict()``.
+Modules run as they are, in Python (the engine calls each stage module's forward); a module compiled with
+``torch.jit.script`` runs as TorchScript, without Python. The engine trains the model's own parameter tensors:
+``model.named_parameters()`` returns this rank's, named as in the model's ``state_dict()`` (a scripted module is
+copied, so there they are the copy's).
 """
 
 import io
@@ -68,20 +69,16 @@ def _kind(module):
     return type(module).__name__
 
 
-def _load_scripted(name, module):
+def _engine_module(name, module):
+    """A module as the engine takes it: a scripted one as TorchScript (it then runs without Python), any other
+    nn.Module as itself (its forward is called from the engine, in Python)."""
     if isinstance(module, torch.jit.ScriptModule):
-        scripted = module
-    elif isinstance(module, torch.nn.Module):
-        try:
-            scripted = torch.jit.script(module)
-        except Exception as error:  # TorchScript raises several types; say which module and why
-            raise ModelError(f"module '{name}' ({type(module).__name__}) cannot be compiled with torch.jit.script: "
-                             f"{error}") from error
-    else:
-        raise TypeError(f"module '{name}': expected a torch.nn.Module, got {type(module).__name__}")
-    buffer = io.BytesIO()
-    torch.jit.save(scripted, buffer)
-    return _smp.load_scripted(buffer.getvalue())
+        buffer = io.BytesIO()
+        torch.jit.save(module, buffer)
+        return _smp.load_scripted(buffer.getvalue())
+    if isinstance(module, torch.nn.Module):
+        return _smp.wrap_eager(module)
+    raise TypeError(f"module '{name}': expected a torch.nn.Module, got {type(module).__name__}")
 
 
 class GraphModel:
@@ -98,7 +95,7 @@ class GraphModel:
         self._graph = _smp.GraphModel(input_name)
 
     def add(self, name, module, inputs):
-        self._graph.add(name, _load_scripted(name, module), list(inputs))
+        self._graph.add(name, _engine_module(name, module), list(inputs))
         return self
 
     @staticmethod
