@@ -202,16 +202,26 @@ TEST_CASE("profiling counts what a module's forward keeps for backward", "[profi
   CHECK_THAT(plan.report(), Catch::Matchers::Contains("activations 3.0 KiB per microbatch"));
 }
 
-TEST_CASE("a memory limit counts activations times the microbatches in flight", "[profile]") {
-  // Two equal modules whose parameters fit one stage but whose activations for 4 microbatches do not.
-  std::vector<smp::ModuleProfile> modules(2);
-  for (int i = 0; i < 2; ++i) {
+namespace {
+
+// A chain of `count` equal modules of 1 ms forward and 1 ms backward.
+std::vector<smp::ModuleProfile> equal_chain(int count, std::int64_t parameter_bytes, std::int64_t activation_bytes) {
+  std::vector<smp::ModuleProfile> modules(count);
+  for (int i = 0; i < count; ++i) {
     modules[i].name = "m" + std::to_string(i);
     modules[i].forward_s = modules[i].backward_s = 1e-3;
-    modules[i].parameter_bytes = 1 << 20;
-    modules[i].activation_bytes = 4 << 20;
+    modules[i].parameter_bytes = parameter_bytes;
+    modules[i].activation_bytes = activation_bytes;
+    if (i > 0) modules[i].producers = {i - 1};
   }
-  modules[1].producers = {0};
+  return modules;
+}
+
+}  // namespace
+
+TEST_CASE("a memory limit counts activations times the microbatches in flight", "[profile]") {
+  // Two equal modules whose parameters fit one stage but whose activations for 4 microbatches do not.
+  const auto modules = equal_chain(2, 1 << 20, 4 << 20);
   smp::Config config = smp::Config::from_json_text(R"({"partitions": 2, "memory_limit_mb": 16})", "test");
   CHECK_NOTHROW(smp::plan_stages(modules, config, {1, 1}));   // 4 + 4 MiB per module and stage
   CHECK_THROWS_WITH(smp::plan_stages(modules, config, {4, 4}),  // 4 + 16 MiB
@@ -230,14 +240,7 @@ TEST_CASE("a memory limit counts activations times the microbatches in flight", 
 
 TEST_CASE("under 1F1B the stage that holds more microbatches gets fewer modules", "[profile]") {
   // Eight equal modules whose activations dominate their memory; memory balancing alone decides.
-  std::vector<smp::ModuleProfile> modules(8);
-  for (int i = 0; i < 8; ++i) {
-    modules[i].name = "m" + std::to_string(i);
-    modules[i].forward_s = modules[i].backward_s = 1e-3;
-    modules[i].parameter_bytes = 1 << 10;
-    modules[i].activation_bytes = 4 << 20;
-    if (i > 0) modules[i].producers = {i - 1};
-  }
+  const auto modules = equal_chain(8, 1 << 10, 4 << 20);
   const smp::Config config = smp::Config::from_json_text(R"({"partitions": 2, "memory_weight": 1.0})", "test");
   const smp::StagePlan plan = smp::plan_stages(modules, config, {2, 1});
   CHECK(plan.modules_of_stage(0).size() < plan.modules_of_stage(1).size());

@@ -71,16 +71,22 @@ class ScriptedModule : public torch::nn::Module {
   torch::jit::Module scripted_;
 };
 
+// A Python object that the engine may drop while the GIL is released (a step, a checkpoint thread): the deleter
+// takes the GIL.
+std::shared_ptr<py::object> held_under_gil(py::object object) {
+  return std::shared_ptr<py::object>(new py::object(std::move(object)), [](py::object* held) {
+    py::gil_scoped_acquire gil;
+    delete held;
+  });
+}
+
 // An eager PyTorch module: the same parameter and buffer tensors under the same names and submodules, and a
 // forward that calls the Python module under the GIL (the engine runs with the GIL released). Its autograd graph
 // is LibTorch's like any other; only backward functions written in Python take the GIL again, as in PyTorch.
 class EagerModule : public torch::nn::Module {
  public:
   explicit EagerModule(const py::object& module)
-      : module_(new py::object(module), [](py::object* held) {
-          py::gil_scoped_acquire gil;
-          delete held;
-        }) {
+      : module_(held_under_gil(module)) {
     py::gil_scoped_acquire gil;
     for (const auto& item : module.attr("named_parameters")(py::arg("recurse") = false)) {
       const auto pair = item.cast<py::tuple>();
@@ -136,11 +142,7 @@ GraphModel::Forward forward_of(const std::shared_ptr<Module>& module) {
 
 // A Python loss function, called from the engine with the GIL released around the step.
 LossFunction python_loss(py::function loss) {
-  // The engine may drop its last copy with the GIL released: the deleter takes it.
-  std::shared_ptr<py::function> holder(new py::function(std::move(loss)), [](py::function* function) {
-    py::gil_scoped_acquire gil;
-    delete function;
-  });
+  auto holder = held_under_gil(std::move(loss));
   return [holder](const at::Tensor& output, const at::Tensor& target) {
     py::gil_scoped_acquire gil;
     py::object result = (*holder)(output, target);
@@ -151,6 +153,15 @@ LossFunction python_loss(py::function loss) {
                        ", not a tensor");
     }
   };
+}
+
+// train_step or evaluate with a Python loss, the GIL released for the step (the loss takes it back).
+template <StepOutput (DistributedModel::*step)(const at::Tensor&, const at::Tensor&, const LossFunction&)>
+StepOutput with_python_loss(DistributedModel& model, const at::Tensor& inputs, const at::Tensor& targets,
+                            py::function loss) {
+  const LossFunction function = python_loss(std::move(loss));
+  py::gil_scoped_release released;
+  return (model.*step)(inputs, targets, function);
 }
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(DistributedModel& model, const std::string& kind, double lr,
@@ -248,22 +259,10 @@ PYBIND11_MODULE(_smp, module) {
   py::class_<DistributedModel>(module, "DistributedModel")
       .def(py::init<std::shared_ptr<Runtime>, GraphModel, const at::Tensor&>(), py::arg("runtime"),
            py::arg("model"), py::arg("sample_input"), py::call_guard<py::gil_scoped_release>())
-      .def(
-          "train_step",
-          [](DistributedModel& model, const at::Tensor& inputs, const at::Tensor& targets, py::function loss) {
-            LossFunction function = python_loss(std::move(loss));
-            py::gil_scoped_release released;
-            return model.train_step(inputs, targets, function);
-          },
-          py::arg("inputs"), py::arg("targets"), py::arg("loss"))
-      .def(
-          "evaluate",
-          [](DistributedModel& model, const at::Tensor& inputs, const at::Tensor& targets, py::function loss) {
-            LossFunction function = python_loss(std::move(loss));
-            py::gil_scoped_release released;
-            return model.evaluate(inputs, targets, function);
-          },
-          py::arg("inputs"), py::arg("targets"), py::arg("loss"))
+      .def("train_step", with_python_loss<&DistributedModel::train_step>, py::arg("inputs"), py::arg("targets"),
+           py::arg("loss"))
+      .def("evaluate", with_python_loss<&DistributedModel::evaluate>, py::arg("inputs"), py::arg("targets"),
+           py::arg("loss"))
       .def("named_parameters",
            [](const DistributedModel& model) {
              py::dict parameters;

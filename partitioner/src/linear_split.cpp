@@ -70,26 +70,26 @@ class FenwickTree {
 class CountSets {
  public:
   CountSets(int num_sets, int num_stages)
-      : words_((num_stages + 63) / 64), bits_(static_cast<std::size_t>(num_sets) * words_) {}
+      : words_((num_stages + 63) / 64), num_stages_(num_stages), bits_(static_cast<std::size_t>(num_sets) * words_) {}
   int words() const { return words_; }
   std::uint64_t* operator[](int set) { return bits_.data() + static_cast<std::size_t>(set) * words_; }
   const std::uint64_t* operator[](int set) const { return bits_.data() + static_cast<std::size_t>(set) * words_; }
   bool has(int set, int count) const { return (*this)[set][(count - 1) / 64] >> ((count - 1) % 64) & 1; }
   void clear(int set) { std::fill_n((*this)[set], words_, 0); }
   void insert(int set, int count) { (*this)[set][(count - 1) / 64] |= std::uint64_t{1} << ((count - 1) % 64); }
-  // into |= the counts of `from` plus one that are in `keep` (so within the k stages); `only_count`, when positive,
+  // into |= the counts of `from` plus one, those that stay within the k stages; `only_count`, when positive,
   // keeps that count alone.
-  void add_successors(std::uint64_t* into, const std::uint64_t* from, const std::uint64_t* keep,
-                      int only_count = 0) const {
+  void add_successors(std::uint64_t* into, const std::uint64_t* from, int only_count = 0) const {
     for (int w = 0; w < words_; ++w) {
-      std::uint64_t shifted = (from[w] << 1 | (w > 0 ? from[w - 1] >> 63 : 0)) & keep[w];
+      std::uint64_t shifted = from[w] << 1 | (w > 0 ? from[w - 1] >> 63 : 0);
+      if (w == words_ - 1 && num_stages_ % 64 != 0) shifted &= (std::uint64_t{1} << (num_stages_ % 64)) - 1;
       if (only_count > 0) shifted &= (only_count - 1) / 64 == w ? std::uint64_t{1} << ((only_count - 1) % 64) : 0;
       into[w] |= shifted;
     }
   }
 
  private:
-  int words_;
+  int words_, num_stages_;
   std::vector<std::uint64_t> bits_;
 };
 
@@ -123,10 +123,10 @@ class SegmentSearch {
                        factors.recomputes * term(problem.recompute_cost, u);
         factors.cost_prefix[u + 1] = factors.cost_prefix[u] + node_cost[u];
       }
-      factors.node_costs = FenwickTree(node_cost);
+      if (classes_.size() == 1) factors.node_costs = FenwickTree(node_cost);  // feasible_for_one_class's descent
       total_cost_ = std::max(total_cost_, factors.cost_prefix.back() + total_send_cost);
       factors.first_start_by_memory.assign(num_positions_ + 1, 0);
-      factors.first_start.assign(num_positions_ + 1, 0);
+      if (classes_.size() == 1) factors.first_start.assign(num_positions_ + 1, 0);
       auto memory_at = [&](int u) { return problem.memory_bytes[u] + factors.copies * term(problem.activation_bytes, u); };
       double memory = 0;
       for (int start = 0, end = 1; end <= num_positions_; ++end) {
@@ -145,6 +145,7 @@ class SegmentSearch {
                                      ? previous
                                      : pin_changed_before_[position];
     }
+    if (classes_.size() > 1) return;  // the sparse table serves feasible_for_one_class only
     int levels = 1;
     while ((1 << levels) <= num_positions_ + 1) ++levels;
     for (int level = 0; level < levels; ++level) table_.emplace_back(num_positions_ + 1, num_stages);
@@ -171,24 +172,22 @@ class SegmentSearch {
   }
 
  private:
-  // reach |= the counts ending at a start in [low, high], plus one, that are in `keep` (only `only_count` when
-  // positive).
-  void union_of_starts(int low, int high, std::uint64_t* reach, const std::uint64_t* keep, int only_count) {
+  // reach |= the counts ending at a start in [low, high], plus one (only `only_count` when positive).
+  void union_of_starts(int low, int high, std::uint64_t* reach, int only_count) {
     if (low > high) return;
     int level = 0;
     while ((2 << level) <= high - low + 1) ++level;
     const std::uint64_t* left = table_[level][low];
     const std::uint64_t* right = table_[level][high - (1 << level) + 1];
     for (int w = 0; w < counts_.words(); ++w) merged_[w] = left[w] | right[w];
-    counts_.add_successors(reach, merged_.data(), keep, only_count);
-    if (low == 0 && only_count <= 1 && (keep[0] & 1)) reach[0] |= 1;  // a first segment from position 0
+    counts_.add_successors(reach, merged_.data(), only_count);
+    if (low == 0 && only_count <= 1) reach[0] |= 1;  // a first segment from position 0
   }
 
   // All stages cost alike: per segment end, one descent finds the earliest start within the bottleneck, and one
   // sparse-table query unites the counts over the allowed starts.
   bool feasible_for_one_class(double bottleneck) {
     FactorClass& factors = classes_.front();
-    const std::uint64_t* keep = stages_of_class_[0];
     FenwickTree sends(send_cost_);
     for (int end = 1; end <= num_positions_; ++end) {
       for (const LinearProblem::Send& send : sends_ending_at_[end - 1]) sends.add(send.producer, -send.cost);
@@ -202,9 +201,9 @@ class SegmentSearch {
       counts_.clear(end);
       std::uint64_t* reach = counts_[end];
       const int first = factors.first_start[end], last_pinned = last_pinned_before_[end];
-      union_of_starts(std::max(first, last_pinned + 1), end - 1, reach, keep, 0);
+      union_of_starts(std::max(first, last_pinned + 1), end - 1, reach, 0);
       if (last_pinned >= 0) {
-        union_of_starts(std::max(first, pin_changed_before_[end] + 1), last_pinned, reach, keep,
+        union_of_starts(std::max(first, pin_changed_before_[end] + 1), last_pinned, reach,
                         problem_.pinned[last_pinned] + 1);
       }
       record_in_table(end);
@@ -273,8 +272,6 @@ class SegmentSearch {
       if (same == classes_.end()) same = classes_.insert(classes_.end(), factors);
       class_of_stage_[stage] = static_cast<int>(same - classes_.begin());
     }
-    stages_of_class_ = CountSets(static_cast<int>(classes_.size()), num_stages_);
-    for (int stage = 0; stage < num_stages_; ++stage) stages_of_class_.insert(class_of_stage_[stage], stage + 1);
   }
 
   // table_[level][i] = union of counts_ over [i, i + 2^level), filled as soon as its last position is known.
@@ -304,7 +301,6 @@ class SegmentSearch {
   const int num_positions_, num_stages_;
   std::vector<FactorClass> classes_;
   std::vector<int> class_of_stage_;
-  CountSets stages_of_class_{0, 1};                  // per class: the segment counts t whose stage t - 1 it holds
   std::vector<int> latest_end_;                      // scratch of feasible_per_stage
   double total_cost_ = 0;
   std::vector<double> send_cost_;  // per position: all its sends, before any consumer is reached

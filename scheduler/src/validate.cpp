@@ -230,47 +230,40 @@ std::map<int, std::vector<std::size_t>> receives_in_send_order(const Schedule& s
 }
 
 std::map<std::size_t, std::vector<std::size_t>> sends_delivered_by_receive(const Schedule& schedule, int rank) {
-  // A transfer as both ends name it: SEND_F(s -> t, mb) is RECV_F(t <- s, mb).
-  using Transfer = std::tuple<bool, int, int, int>;  // forward, from stage, to stage, microbatch
-  auto transfer_of = [](const Action& action) {
-    const bool forward = action.kind == ActionKind::SendForward || action.kind == ActionKind::RecvForward;
-    const bool sending = action.kind == ActionKind::SendForward || action.kind == ActionKind::SendBackward;
-    return sending ? Transfer{forward, action.stage, action.peer_stage, action.microbatch}
-                   : Transfer{forward, action.peer_stage, action.stage, action.microbatch};
+  auto is_transfer_with_peer = [&](const Action& action, bool peer_is_me) {
+    return action.peer_stage >= 0 && (schedule.stage_to_rank.at(action.peer_stage) == rank) == peer_is_me;
   };
-  auto is_transfer = [](const Action& action) {
-    return action.kind == ActionKind::SendForward || action.kind == ActionKind::SendBackward ||
-           action.kind == ActionKind::RecvForward || action.kind == ActionKind::RecvBackward;
-  };
-  auto sends = [](const Action& action) {
-    return action.kind == ActionKind::SendForward || action.kind == ActionKind::SendBackward;
-  };
-  // Where each transfer sits on every rank: the peer runs its list in order, so a receive it passed before a send
-  // means our message arrived before that send left.
-  std::map<Transfer, std::size_t> position_on_peer;
+  // Where the other end of each of our transfers sits on its rank: the peer runs its list in order, so a receive it
+  // passed before a send means our message arrived before that send left.
+  using Key = std::tuple<ActionKind, int, int, int>;
+  auto key_of = [](const Action& action) { return Key{action.kind, action.stage, action.microbatch, action.peer_stage}; };
+  std::map<Key, std::size_t> position_on_peer;
   for (int peer = 0; peer < schedule.num_ranks; ++peer) {
     if (peer == rank) continue;
     const auto& actions = schedule.ranks.at(static_cast<std::size_t>(peer));
     for (std::size_t i = 0; i < actions.size(); ++i) {
-      if (is_transfer(actions[i]) && schedule.stage_to_rank.at(actions[i].peer_stage) == rank) {
-        position_on_peer[transfer_of(actions[i])] = i;
-      }
+      if (is_transfer_with_peer(actions[i], true)) position_on_peer[key_of(actions[i])] = i;
     }
   }
+  auto position_of_other_end = [&](const Action& action) {
+    const auto found = position_on_peer.find(key_of(detail::matching_transfer(action)));
+    return found == position_on_peer.end() ? -1 : static_cast<long long>(found->second);  // -1: validate() reports it
+  };
   // Each send is listed once, under the first receive of this rank (in its order) that certifies it.
   const auto& mine = schedule.ranks.at(static_cast<std::size_t>(rank));
   std::map<std::size_t, std::vector<std::size_t>> delivered;
   for (std::size_t send = 0; send < mine.size(); ++send) {
-    if (!is_transfer(mine[send]) || !sends(mine[send])) continue;
+    if (!is_transfer_with_peer(mine[send], false) || !detail::is_send(mine[send].kind)) continue;
     const int peer = schedule.stage_to_rank.at(mine[send].peer_stage);
-    if (peer == rank) continue;
-    const auto received_at = position_on_peer.find(transfer_of(mine[send]));
-    if (received_at == position_on_peer.end()) continue;  // validate() reports unmatched transfers
+    const long long received_at = position_of_other_end(mine[send]);
+    if (received_at < 0) continue;
     for (std::size_t receive = send + 1; receive < mine.size(); ++receive) {
       const Action& action = mine[receive];
-      if (!is_transfer(action) || sends(action) || schedule.stage_to_rank.at(action.peer_stage) != peer) continue;
-      const auto sent_at = position_on_peer.find(transfer_of(action));
-      if (sent_at != position_on_peer.end() && received_at->second < sent_at->second) {
+      if (!is_transfer_with_peer(action, false) || detail::is_send(action.kind) ||
+          schedule.stage_to_rank.at(action.peer_stage) != peer) {
+        continue;
+      }
+      if (received_at < position_of_other_end(action)) {
         delivered[receive].push_back(send);
         break;
       }
