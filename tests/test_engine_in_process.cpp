@@ -22,8 +22,17 @@
 #include <torch/optim/sgd.h>
 #include <torch/serialize/input-archive.h>
 
+#include <unistd.h>
+
+#include <cstdlib>
+
+#include "smp/checkpoint.h"
+#include "smp/comm/launch_info.h"
 #include "smp/config.h"
+#include "smp/distributed_model.h"
+#include "smp/distributed_optimizer.h"
 #include "smp/graph_model.h"
+#include "smp/runtime.h"
 #include "smp/stage_plan.h"
 #include "optimizer_snapshot.h"
 #include "split_backward.h"
@@ -342,4 +351,68 @@ TEST_CASE("profiling leaves batch norm statistics and the random number sequence
   const auto buffers_after = net->buffers();
   REQUIRE(buffers_after.size() == buffers_before.size());
   for (std::size_t i = 0; i < buffers_after.size(); ++i) CHECK(at::equal(buffers_after[i], buffers_before[i]));
+}
+
+namespace {
+
+// Optimizer state of another serialization than LibTorch's (as the Python package's torch.optim one is).
+class RecordedOptimizerState final : public smp::OptimizerCheckpointState {
+ public:
+  std::string saved = "state of step 0";
+  std::string loaded;
+  std::function<std::string()> snapshot() override {
+    return [bytes = saved] { return bytes; };
+  }
+  void load(const std::string& bytes, c10::Device) override { loaded = bytes; }
+  std::string format() const override { return "recorded"; }
+};
+
+struct OneProcessJob {
+  std::shared_ptr<smp::Runtime> runtime;
+  std::unique_ptr<smp::DistributedModel> model;
+};
+
+OneProcessJob one_process_job(const std::string& checkpoint_dir, bool resume) {
+  const auto config = smp::Config::from_json_text(R"({"device": "cpu", "checkpoint_dir": ")" + checkpoint_dir +
+                                                      R"(", "resume": )" + (resume ? "true" : "false") + "}",
+                                                  "test config");
+  OneProcessJob job;
+  job.runtime = smp::Runtime::init(config, smp::comm::LaunchInfo{});
+  at::manual_seed(5);
+  torch::nn::Sequential net(torch::nn::Linear(3, 4), torch::nn::Tanh(), torch::nn::Linear(4, 2));
+  job.model = std::make_unique<smp::DistributedModel>(job.runtime, net, at::zeros({2, 3}));
+  return job;
+}
+
+}  // namespace
+
+TEST_CASE("a checkpoint keeps optimizer state of any serialization, and refuses to load it into another", "[checkpoint]") {
+  char directory_template[] = "/tmp/smp_optimizer_format_XXXXXX";
+  REQUIRE(::mkdtemp(directory_template) != nullptr);
+  const std::string directory = directory_template;
+  {
+    auto job = one_process_job(directory, false);
+    smp::Checkpointer checkpointer(*job.model, std::make_unique<RecordedOptimizerState>());
+    checkpointer.save(0);
+    checkpointer.wait();
+  }
+  SECTION("the same kind gets its bytes back") {
+    auto job = one_process_job(directory, true);
+    auto state = std::make_unique<RecordedOptimizerState>();
+    auto* recorded = state.get();
+    smp::Checkpointer checkpointer(*job.model, std::move(state));
+    CHECK(checkpointer.resume() == 1);
+    CHECK(recorded->loaded == "state of step 0");
+  }
+  SECTION("a LibTorch optimizer is told who wrote the state") {
+    auto job = one_process_job(directory, true);
+    smp::DistributedOptimizer optimizer(*job.model, std::make_unique<torch::optim::SGD>(
+                                                        job.model->parameters(), torch::optim::SGDOptions(0.1)));
+    smp::Checkpointer checkpointer(*job.model, optimizer);
+    CHECK_THROWS_WITH(checkpointer.resume(), Catch::Contains("written by a recorded optimizer") &&
+                                                 Catch::Contains("reads libtorch state") &&
+                                                 Catch::Contains("partition-0000.pt"));
+  }
+  // Not std::filesystem::remove_all: libtorch.so's copy of it crashes in programs linked with LibTorch.
+  CHECK(std::system(("rm -rf " + directory).c_str()) == 0);
 }

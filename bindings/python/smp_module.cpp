@@ -19,15 +19,11 @@
 #include <torch/csrc/jit/serialization/import.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/nn/module.h>
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/sgd.h>
 
 #include "smp/checkpoint.h"
 #include "smp/comm/communicator.h"
 #include "smp/config.h"
 #include "smp/distributed_model.h"
-#include "smp/distributed_optimizer.h"
 #include "smp/errors.h"
 #include "smp/graph_model.h"
 #include "smp/runtime.h"
@@ -164,29 +160,46 @@ StepOutput with_python_loss(DistributedModel& model, const at::Tensor& inputs, c
   return (model.*step)(inputs, targets, function);
 }
 
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(DistributedModel& model, const std::string& kind, double lr,
-                                                        double weight_decay, double momentum,
-                                                        std::pair<double, double> betas, double eps) {
-  const auto parameters = model.parameters();
-  if (kind == "adamw") {
-    return std::make_unique<torch::optim::AdamW>(
-        parameters, torch::optim::AdamWOptions(lr).weight_decay(weight_decay).betas({betas.first, betas.second}).eps(eps));
+// A torch.optim optimizer's checkpoint state, serialized by the package's Python (torch.save of its state_dict,
+// and the LR scheduler's) during the save's pause; the writer thread only writes the bytes, never touching Python.
+class PythonOptimizerState final : public OptimizerCheckpointState {
+ public:
+  PythonOptimizerState(py::function snapshot, py::function load)
+      : snapshot_(held_under_gil(std::move(snapshot))), load_(held_under_gil(std::move(load))) {}
+
+  std::function<std::string()> snapshot() override {
+    auto bytes = std::make_shared<std::string>();
+    {
+      py::gil_scoped_acquire gil;
+      try {
+        *bytes = (*snapshot_)().cast<std::string>();
+      } catch (const py::error_already_set& error) {
+        throw CheckpointError(std::string("saving the optimizer state: ") + error.what());
+      }
+    }
+    return [bytes] { return *bytes; };
   }
-  if (kind == "adam") {
-    return std::make_unique<torch::optim::Adam>(
-        parameters, torch::optim::AdamOptions(lr).weight_decay(weight_decay).betas({betas.first, betas.second}).eps(eps));
+
+  // The device is torch.optim's business: load_state_dict moves each state tensor to its parameter's.
+  void load(const std::string& bytes, c10::Device /*device*/) override {
+    py::gil_scoped_acquire gil;
+    try {
+      (*load_)(py::bytes(bytes));
+    } catch (const py::error_already_set& error) {
+      throw CheckpointError(error.what());
+    }
   }
-  if (kind == "sgd") {
-    return std::make_unique<torch::optim::SGD>(
-        parameters, torch::optim::SGDOptions(lr).weight_decay(weight_decay).momentum(momentum));
-  }
-  throw ConfigError("optimizer \"" + kind + "\": expected \"adamw\", \"adam\" or \"sgd\"");
-}
+
+  std::string format() const override { return "torch.optim"; }
+
+ private:
+  std::shared_ptr<py::object> snapshot_, load_;
+};
 
 }  // namespace
 
 PYBIND11_MODULE(_smp, module) {
-  module.doc() = "smp's engine for TorchScript models (use the smp package, not this module)";
+  module.doc() = "smp's engine for PyTorch models (use the smp package, not this module)";
 
   // Python classes for the errors each layer raises, so that callers can tell a bad config from a dead peer.
   py::register_exception<ConfigError>(module, "ConfigError", PyExc_ValueError);
@@ -275,24 +288,17 @@ PYBIND11_MODULE(_smp, module) {
       .def_property_readonly("stages", &DistributedModel::stages)
       .def_property_readonly("stage_of_module", [](const DistributedModel& model) { return model.plan().stage_of_module; })
       .def("partition_report", [](const DistributedModel& model) { return model.plan().report(); })
-      .def_property_readonly("loss_scale", &DistributedModel::loss_scale);
-
-  py::class_<DistributedOptimizer>(module, "DistributedOptimizer")
-      .def(py::init([](DistributedModel& model, const std::string& kind, double lr, double weight_decay,
-                       double momentum, std::pair<double, double> betas, double eps) {
-             return std::make_unique<DistributedOptimizer>(
-                 model, make_optimizer(model, kind, lr, weight_decay, momentum, betas, eps));
-           }),
-           py::arg("model"), py::arg("kind"), py::arg("lr"), py::arg("weight_decay"), py::arg("momentum"),
-           py::arg("betas"), py::arg("eps"), py::keep_alive<1, 2>())
-      .def("zero_grad", &DistributedOptimizer::zero_grad)
-      .def("step", &DistributedOptimizer::step, py::call_guard<py::gil_scoped_release>())
-      .def("clip_grad_norm", &DistributedOptimizer::clip_grad_norm, py::arg("max_norm"),
+      .def_property_readonly("loss_scale", &DistributedModel::loss_scale)
+      .def_property_readonly("last_step_skipped", &DistributedModel::last_step_skipped)
+      .def("clip_grad_norm", &DistributedModel::clip_grad_norm, py::arg("max_norm"),
            py::call_guard<py::gil_scoped_release>());
 
   py::class_<Checkpointer>(module, "Checkpointer")
-      .def(py::init<DistributedModel&, DistributedOptimizer&>(), py::arg("model"), py::arg("optimizer"),
-           py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+      .def(py::init([](DistributedModel& model, py::function snapshot, py::function load) {
+             return std::make_unique<Checkpointer>(
+                 model, std::make_unique<PythonOptimizerState>(std::move(snapshot), std::move(load)));
+           }),
+           py::arg("model"), py::arg("snapshot_optimizer"), py::arg("load_optimizer"), py::keep_alive<1, 2>())
       .def("resume", &Checkpointer::resume, py::call_guard<py::gil_scoped_release>())
       .def("due", &Checkpointer::due, py::arg("step"))
       .def("save", &Checkpointer::save, py::arg("step"), py::call_guard<py::gil_scoped_release>())

@@ -67,10 +67,30 @@ c10::impl::GenericDict load_partition_file(const std::string& path, const Checkp
   return dict;
 }
 
+// A LibTorch optimizer's state in LibTorch's archive format (Optimizer::save / load).
+class LibTorchOptimizerState final : public OptimizerCheckpointState {
+ public:
+  explicit LibTorchOptimizerState(torch::optim::Optimizer& optimizer) : optimizer_(optimizer) {}
+  std::function<std::string()> snapshot() override { return snapshot_optimizer(optimizer_); }
+  void load(const std::string& bytes, c10::Device device) override {
+    std::istringstream stream(bytes);
+    torch::serialize::InputArchive archive;
+    archive.load_from(stream, device);  // saved from CPU copies (optimizer_snapshot.h)
+    optimizer_.load(archive);
+  }
+  std::string format() const override { return "libtorch"; }
+
+ private:
+  torch::optim::Optimizer& optimizer_;
+};
+
 }  // namespace
 
 Checkpointer::Checkpointer(DistributedModel& model, DistributedOptimizer& optimizer)
-    : model_(model), optimizer_(optimizer) {}
+    : Checkpointer(model, std::make_unique<LibTorchOptimizerState>(optimizer.local())) {}
+
+Checkpointer::Checkpointer(DistributedModel& model, std::unique_ptr<OptimizerCheckpointState> optimizer_state)
+    : model_(model), optimizer_state_(std::move(optimizer_state)) {}
 
 bool Checkpointer::enabled() const { return !model_.runtime().config().checkpoint_dir.empty(); }
 
@@ -108,9 +128,10 @@ void Checkpointer::save(std::int64_t step) {
     for (const auto& [name, parameter] : model_.named_parameters()) {
       parameters.insert(name, parameter.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
     }
-    optimizer_bytes = snapshot_optimizer(optimizer_.local());
+    optimizer_bytes = optimizer_state_->snapshot();
     contents.emplace(c10::StringType::get(), c10::AnyType::get());
     contents->insert("format", kPartitionFormat);
+    contents->insert("optimizer_format", optimizer_state_->format());
     contents->insert("step", step);
     contents->insert("pp_rank", static_cast<std::int64_t>(runtime.pp_rank()));
     contents->insert("parameters", parameters);
@@ -203,14 +224,20 @@ std::int64_t Checkpointer::resume() {
   const auto& file = manifest.files.at(static_cast<std::size_t>(runtime.pp_rank()));
   const std::string path = directory + "/" + file.name;
   auto contents = load_partition_file(path, file);
+  // Checkpoints written before the format was recorded all came from LibTorch optimizers.
+  const std::string saved_format =
+      contents.contains("optimizer_format") ? contents.at("optimizer_format").toStringRef() : "libtorch";
+  if (saved_format != optimizer_state_->format()) {
+    throw CheckpointError(path + ": its optimizer state was written by a " + saved_format +
+                          " optimizer, but this job's optimizer reads " + optimizer_state_->format() +
+                          " state (a checkpoint of the C++ API resumes in C++, one of the Python package in Python)");
+  }
   model_.load_named_parameters(contents.at("parameters").toGenericDict(), path);
   try {
     const at::Tensor optimizer_bytes = contents.at("optimizer").toTensor();
-    std::istringstream stream(std::string(static_cast<const char*>(optimizer_bytes.data_ptr()),
-                                          static_cast<std::size_t>(optimizer_bytes.numel())));
-    torch::serialize::InputArchive archive;
-    archive.load_from(stream, runtime.device());  // saved from CPU copies (optimizer_snapshot.h)
-    optimizer_.local().load(archive);
+    optimizer_state_->load(std::string(static_cast<const char*>(optimizer_bytes.data_ptr()),
+                                       static_cast<std::size_t>(optimizer_bytes.numel())),
+                           runtime.device());
     auto generator = at::detail::getDefaultCPUGenerator();
     generator.set_state(contents.at("rng").toTensor());
     // A GPU job's dropout and other random kernels continue their sequence too (CPU jobs have no such state).

@@ -371,6 +371,24 @@ void DistributedModel::restore_loss_scale(double scale, long long steps_since_ch
   good_steps_ = steps_since_change;
 }
 
+double DistributedModel::clip_grad_norm(double max_norm) {
+  // On the parameters' device: the pipeline group reduces it there (NCCL on a GPU).
+  at::Tensor squares = at::zeros({1}, at::TensorOptions(at::kDouble).device(runtime_->device()));
+  for (const auto& parameter : norm_parameters_) {
+    if (parameter.grad().defined()) squares += parameter.grad().to(at::kDouble).pow(2).sum();
+  }
+  // Replicas hold identical averaged gradients, so the pipeline group alone sees the whole model.
+  runtime_->pipeline().all_reduce_sum(squares);
+  const double norm = std::sqrt(squares.item<double>());
+  const double scale = max_norm / (norm + 1e-6);
+  if (scale < 1.0) {
+    for (const auto& [name, parameter] : named_parameters_) {
+      if (parameter.grad().defined()) parameter.grad().mul_(scale);
+    }
+  }
+  return norm;
+}
+
 std::vector<at::Tensor> DistributedModel::parameters() const {
   std::vector<at::Tensor> tensors;
   for (const auto& [name, tensor] : named_parameters_) tensors.push_back(tensor);

@@ -98,7 +98,8 @@ def main():
 
     microbatch = global_batch // runtime.data_parallel_degree // runtime.config.microbatches
     model = smp.DistributedModel(net, batch(corpus, seed, -1, microbatch, length)[0])
-    optimizer = smp.DistributedOptimizer(model, "adamw", lr=training.get("learning_rate", 3e-3), weight_decay=0.0)
+    optimizer = smp.DistributedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=training.get("learning_rate", 3e-3), weight_decay=0.0))
     clip = training.get("clip_grad_norm", 0.0)
     for step in range(steps):
         inputs, targets = batch(corpus, seed, step, global_batch, length)

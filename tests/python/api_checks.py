@@ -60,7 +60,7 @@ def main():
 
     python_only = torch.nn.Sequential(PythonOnly(), torch.nn.Linear(3, 2))
     eager_model = smp.DistributedModel(python_only, torch.zeros(2, 3))
-    eager_optimizer = smp.DistributedOptimizer(eager_model, "sgd", lr=0.5)
+    eager_optimizer = smp.DistributedOptimizer(torch.optim.SGD(eager_model.parameters(), lr=0.5))
     weight_before = python_only[0].linear.weight.detach().clone()
     eager_optimizer.zero_grad()
     eager_model.train_step(torch.randn(4, 3), torch.randn(4, 2), F.mse_loss)
@@ -83,7 +83,7 @@ def main():
     if not all(torch.equal(model.named_parameters()[n], dict(net.named_parameters())[n]) for n in names):
         failures.append("the distributed model does not start from the model's weights")
 
-    optimizer = smp.DistributedOptimizer(model, "sgd", lr=0.5)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
     inputs, targets = torch.randn(4, 3), torch.randn(4, 2)
     before = model.named_parameters()["0.weight"].clone()
     optimizer.zero_grad()
@@ -97,7 +97,14 @@ def main():
                  lambda: model.train_step(inputs, targets, lambda output, target: 1.0))
     expect_error("a loss that raises", ZeroDivisionError, "division",
                  lambda: model.train_step(inputs, targets, lambda output, target: 1 / 0))
-    expect_error("an unknown optimizer", smp.ConfigError, "lion", lambda: smp.DistributedOptimizer(model, "lion"))
+    expect_error("the optimizer of an older API", TypeError, "torch.optim",
+                 lambda: smp.DistributedOptimizer(model, "adamw"))
+    expect_error("an optimizer over tensors no DistributedModel trains", ValueError, "model.parameters()",
+                 lambda: smp.DistributedOptimizer(torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1)))
+    expect_error("an optimizer over a model's tensors and others", ValueError, "1 tensor",
+                 lambda: smp.DistributedOptimizer(torch.optim.SGD(model.parameters() + [torch.zeros(2, requires_grad=True)], lr=0.1)))
+    expect_error("an optimizer that leaves out a parameter", ValueError, "2.bias",
+                 lambda: smp.DistributedOptimizer(torch.optim.SGD(model.parameters()[:-1], lr=0.1)))
     expect_error("a batch that does not split into microbatches", smp.ConfigError, "batch",
                  lambda: model.train_step(torch.randn(3, 3), torch.randn(3, 2), F.mse_loss))
 

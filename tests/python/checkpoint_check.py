@@ -1,6 +1,7 @@
-"""smp.Checkpointer from Python: a 2-stage job trains 4 steps and checkpoints after each; a second job resumes from
-the newest checkpoint and trains 2 more. Both runs' final parameters must equal 6 (or 4) steps of plain PyTorch
-training on the same batches. Launches both jobs itself.
+"""smp.Checkpointer from Python: a 2-stage job trains 4 steps (torch.optim.AdamW under a LambdaLR warm-up) and
+checkpoints after each; a second job resumes from the newest checkpoint (optimizer and scheduler state) and trains 2
+more. Both runs' final parameters must equal 6 (or 4) steps of plain PyTorch training on the same batches, so the
+learning rate must continue where it was. Launches both jobs itself.
 
   checkpoint_check.py SMPRUN PYTHON
 """
@@ -23,8 +24,9 @@ torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
                           torch.nn.Linear(16, 3))
 model = smp.DistributedModel(net, torch.zeros(2, 6))
-optimizer = smp.DistributedOptimizer(model, "adamw", lr=1e-2)
-checkpointer = smp.Checkpointer(model, optimizer)
+optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda step: 1.0 / (step + 1))
+checkpointer = smp.Checkpointer(model, optimizer, lr_scheduler=scheduler)
 first = checkpointer.resume()
 for step in range(first, steps):
     data = torch.Generator().manual_seed(step)
@@ -32,6 +34,7 @@ for step in range(first, steps):
     optimizer.zero_grad()
     model.train_step(inputs, targets, F.mse_loss)
     optimizer.step()
+    scheduler.step()
     if checkpointer.due(step):
         checkpointer.save(step)
 checkpointer.wait()
@@ -46,12 +49,14 @@ def reference(steps):
     net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
                               torch.nn.Linear(16, 3))
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
     for step in range(steps):
         data = torch.Generator().manual_seed(step)
         inputs, targets = torch.randn(8, 6, generator=data), torch.randn(8, 3, generator=data)
         optimizer.zero_grad()
         F.mse_loss(net(inputs), targets).backward()
         optimizer.step()
+        scheduler.step()
     return dict(net.named_parameters())
 
 

@@ -5,10 +5,13 @@ Exits 0 only then, so `smprun -n N -- python pipeline_worker.py ...` fails when 
   --smp JSON     the config (as smp.init takes a dict)
   --model NAME   "sequential" (blocks with nested parameter names) or "graph" (a residual and a skip across stages)
   --steps N
-  --optimizer    "sgd" (momentum 0.9) or "adamw"; Adam turns float rounding in near-zero gradients into updates of
-                 the learning rate's size, so compare it with a looser --rtol
+  --optimizer    "sgd" (torch.optim.SGD, momentum 0.9) or "adamw" (torch.optim.AdamW with two parameter groups,
+                 weight decay on matrices only, and a LambdaLR warm-up); Adam turns float rounding in near-zero
+                 gradients into updates of the learning rate's size, so compare it with a looser --rtol
   --rtol R       a parameter matches when max |smp - plain| <= 1e-5 + R * max |plain| (default 1e-4)
   --script       hand smp the modules compiled with torch.jit.script (TorchScript) instead of as they are
+  --nan-step K   the loss is NaN at step K (run with "nonfinite": "skip"): smp must drop that step, and
+                 DistributedOptimizer.step() must not move the weights (momentum would), as plain PyTorch skipping it
 """
 
 import argparse
@@ -66,6 +69,7 @@ def main():
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     parser.add_argument("--rtol", type=float, default=1e-4)
     parser.add_argument("--script", action="store_true")
+    parser.add_argument("--nan-step", type=int, default=-1)
     args = parser.parse_args()
     config = json.loads(args.smp)
     torch.set_num_threads(1)
@@ -95,22 +99,39 @@ def main():
                for _ in range(args.steps)]
 
     model = smp.DistributedModel(model_input, batches[0][0][:microbatch])
+    schedulers = []
     if args.optimizer == "sgd":
-        optimizer = smp.DistributedOptimizer(model, "sgd", lr=0.1, momentum=0.9)
+        optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
         reference_optimizer = torch.optim.SGD(reference_parameters.values(), lr=0.1, momentum=0.9)
     else:
-        optimizer = smp.DistributedOptimizer(model, "adamw", lr=1e-2, weight_decay=0.0)
-        reference_optimizer = torch.optim.AdamW(reference_parameters.values(), lr=1e-2, weight_decay=0.0)
+        def adamw(named):
+            # Parameter groups with options of their own: no weight decay on biases.
+            groups = [{"params": [p for p in named.values() if p.dim() >= 2], "weight_decay": 0.05},
+                      {"params": [p for p in named.values() if p.dim() < 2], "weight_decay": 0.0}]
+            return torch.optim.AdamW(groups, lr=1e-2)
+
+        optimizer = smp.DistributedOptimizer(adamw(model.named_parameters()))
+        reference_optimizer = adamw(reference_parameters)
+        warm_up = lambda step: min(1.0, (step + 1) / 2)  # noqa: E731
+        schedulers = [torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, warm_up),
+                      torch.optim.lr_scheduler.LambdaLR(reference_optimizer, warm_up)]
 
     failures = []
     for step, (inputs, targets) in enumerate(batches):
         optimizer.zero_grad()
+        if step == args.nan_step:
+            output = model.train_step(inputs, targets, lambda out, target: F.mse_loss(out, target) * float("nan"))
+            if not output.skipped or optimizer.step():
+                failures.append(f"step {step}: a NaN loss was not dropped (skipped {output.skipped})")
+            continue
         output = model.train_step(inputs, targets, F.mse_loss)
         optimizer.step()
         reference_optimizer.zero_grad()
         loss = F.mse_loss(reference_forward(inputs), targets)
         loss.backward()
         reference_optimizer.step()
+        for scheduler in schedulers:
+            scheduler.step()
         if abs(output.loss - loss.item()) > 1e-5 * max(1.0, abs(loss.item())):
             failures.append(f"step {step}: loss {output.loss} under smp, {loss.item()} in plain PyTorch")
         held_out = (torch.randn(global_batch, WIDTH, generator=data), torch.randn(global_batch, OUTPUTS, generator=data))

@@ -8,7 +8,7 @@ Every process of the job runs the same script, launched by smprun (``smprun -n 8
     torch.manual_seed(0)                          # every rank builds the same weights
     net = torch.nn.Sequential(...)                # stages are cut between its children
     model = smp.DistributedModel(net, sample)     # sample: one microbatch; rank 0 profiles and partitions
-    optimizer = smp.DistributedOptimizer(model, "adamw", lr=3e-4)
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4))
     for inputs, targets in batches:               # the global batch, the same on every rank
         optimizer.zero_grad()
         out = model.train_step(inputs, targets, torch.nn.functional.cross_entropy)
@@ -24,6 +24,7 @@ copied, so there they are the copy's).
 import io
 import json
 import os
+import weakref
 
 import torch  # loads LibTorch before the extension that links it
 
@@ -34,6 +35,7 @@ __all__ = ["init", "runtime", "GraphModel", "DistributedModel", "DistributedOpti
            "ConfigError", "ModelError", "NonFiniteError", "CheckpointError", "CommError"]
 
 _runtime = None
+_models = weakref.WeakSet()  # this process's DistributedModels, for DistributedOptimizer to find its own
 
 
 def init(config):
@@ -135,6 +137,7 @@ class DistributedModel:
             raise TypeError(f"pass an nn.Sequential or an smp.GraphModel, got {_kind(model)}: pipeline stages are "
                             "cut between a model's modules, so write a model with its own forward as a GraphModel")
         self._model = _smp.DistributedModel(runtime(), graph._graph, sample_input)
+        _models.add(self)
 
     def train_step(self, inputs, targets, loss):
         """One step on the global batch (the same tensors on every rank; each replica takes its share): splits it
@@ -155,6 +158,10 @@ class DistributedModel:
         """This rank's parameters by their names in the full model (shared with the engine: no copies)."""
         return self._model.named_parameters()
 
+    def parameters(self):
+        """This rank's parameters, the tensors the engine trains: build the optimizer over these."""
+        return list(self._model.named_parameters().values())
+
     def load_parameters(self, full_model_file):
         self._model.load_parameters(os.fspath(full_model_file))
 
@@ -171,36 +178,107 @@ class DistributedModel:
         return self._model.partition_report()
 
 
+def _owner_of(optimizer):
+    """The DistributedModel whose parameters the optimizer holds."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for model in list(_models):
+        if held & {id(p) for p in model.parameters()}:
+            return model
+    raise ValueError("the optimizer holds no parameter of a DistributedModel of this process: build it over "
+                     "model.parameters() (for a scripted module the engine trains a copy, so the original "
+                     "module's parameters are not the ones it trains)")
+
+
 class DistributedOptimizer:
-    """An optimizer over this rank's parameters ("adamw", "adam" or "sgd"; `weight_decay` defaults to PyTorch's:
-    0.01 for AdamW, 0 otherwise), plus the global gradient norm across stages."""
+    """A torch.optim optimizer over this rank's parameters, built over ``model.parameters()`` (parameter groups
+    with options of their own are fine)::
 
-    def __init__(self, model, kind="adamw", lr=1e-3, weight_decay=None, momentum=0.0, betas=(0.9, 0.999),
-                 eps=1e-8):
-        if weight_decay is None:
-            weight_decay = 0.01 if kind == "adamw" else 0.0
-        self._model = model
-        self._optimizer = _smp.DistributedOptimizer(model._model, kind, float(lr), float(weight_decay),
-                                                    float(momentum), tuple(float(b) for b in betas), float(eps))
+        optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, warmup)   # schedulers take the inner one
 
-    def zero_grad(self):
-        self._optimizer.zero_grad()
+    ``step()`` steps it unless the engine dropped the step (an fp16 overflow, or a non-finite gradient under
+    "nonfinite": "skip"); ``clip_grad_norm`` clips to the whole model's gradient norm, over all stages.
+    """
+
+    def __init__(self, optimizer, model=None):
+        if isinstance(optimizer, DistributedModel):
+            raise TypeError("DistributedOptimizer takes a torch.optim optimizer: "
+                            "smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=...))")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"expected a torch.optim.Optimizer built over model.parameters(), got "
+                            f"{type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self._model = model if model is not None else _owner_of(optimizer)
+        named = self._model.named_parameters()
+        ours = {id(p) for p in named.values()}
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        foreign = sum(1 for p in held if id(p) not in ours)
+        if foreign:
+            raise ValueError(f"the optimizer holds {foreign} tensor(s) that are not this rank's DistributedModel "
+                             "parameters: build it over model.parameters()")
+        held_ids = {id(p) for p in held}
+        missing = [name for name, p in named.items() if p.requires_grad and id(p) not in held_ids]
+        if missing:
+            shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+            raise ValueError(f"the optimizer leaves out {len(missing)} trainable parameter(s) of this rank ({shown}): "
+                             "build it over model.parameters(), or set requires_grad=False on what stays frozen")
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self):
-        self._optimizer.step()
+        """Steps the optimizer, unless the engine dropped this step: even zero gradients would move the weights
+        through momentum. Returns whether it stepped."""
+        if self._model._model.last_step_skipped:
+            return False
+        self.optimizer.step()
+        return True
 
     def clip_grad_norm(self, max_norm):
-        """Scales the gradients so that their 2-norm over the whole model is at most max_norm; returns the norm."""
-        return self._optimizer.clip_grad_norm(float(max_norm))
+        """Scales the gradients so that their 2-norm over the whole model is at most max_norm; returns the norm
+        before clipping. Every rank calls it."""
+        return self._model._model.clip_grad_norm(float(max_norm))
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state):
+        self.optimizer.load_state_dict(state)
 
 
 class Checkpointer:
     """Checkpoints as the config's checkpoint_dir / checkpoint_interval say: resume() continues from the newest
     complete one (when the config says "resume": true) and returns the step to start at; save(step) writes in the
-    background; wait() before exiting."""
+    background; wait() before exiting. Saves the parameters, the optimizer's state_dict, the LR scheduler's when
+    one is given, the RNG state and the fp16 loss scale."""
 
-    def __init__(self, model, optimizer):
-        self._checkpointer = _smp.Checkpointer(model._model, optimizer._optimizer)
+    def __init__(self, model, optimizer, lr_scheduler=None):
+        if not isinstance(optimizer, DistributedOptimizer):
+            raise TypeError(f"expected an smp.DistributedOptimizer, got {type(optimizer).__name__}")
+        inner = optimizer.optimizer
+
+        def snapshot():
+            # Serialized now, in the save's pause, so that the writer thread never needs Python.
+            state = {"optimizer": inner.state_dict()}
+            if lr_scheduler is not None:
+                state["lr_scheduler"] = lr_scheduler.state_dict()
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            return buffer.getvalue()
+
+        def load(data):
+            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            inner.load_state_dict(state["optimizer"])
+            if lr_scheduler is not None:
+                if "lr_scheduler" not in state:
+                    raise CheckpointError("the checkpoint was saved without an LR scheduler, but one was given")
+                lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+        self._checkpointer = _smp.Checkpointer(model._model, snapshot, load)
 
     def resume(self):
         return self._checkpointer.resume()

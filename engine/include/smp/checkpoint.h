@@ -7,10 +7,12 @@
 #include <cstdint>
 #include <functional>
 #include <future>
+#include <memory>
 #include <optional>
 #include <string>
 
 #include <ATen/core/Dict.h>
+#include <c10/core/Device.h>
 
 #include "smp/checkpoint_manifest.h"
 
@@ -19,10 +21,26 @@
 
 namespace smp {
 
+// What a checkpoint keeps of the optimizer (and whatever else trains along with it). The Checkpointer makes the
+// one of a DistributedOptimizer itself; the Python package passes one for torch.optim optimizers.
+class OptimizerCheckpointState {
+ public:
+  virtual ~OptimizerCheckpointState() = default;
+  // Called during the save's pause, while nothing changes the state. The function returned runs later on the
+  // checkpoint writer's thread, while training goes on, and returns the serialized state as it was at the call.
+  virtual std::function<std::string()> snapshot() = 0;
+  // Restores what a snapshot serialized, onto `device`; throws on bytes that do not fit.
+  virtual void load(const std::string& bytes, c10::Device device) = 0;
+  // The serialization's name, kept in the partition file: a checkpoint written in one format is refused by a job
+  // whose optimizer reads another, with a message saying so.
+  virtual std::string format() const = 0;
+};
+
 class Checkpointer {
  public:
   // Uses the config's checkpoint_dir, checkpoint_interval, checkpoints_kept and resume.
   Checkpointer(DistributedModel& model, DistributedOptimizer& optimizer);
+  Checkpointer(DistributedModel& model, std::unique_ptr<OptimizerCheckpointState> optimizer_state);
 
   bool enabled() const;
   // True when step (0-based, just completed) is a multiple-of-interval save point.
@@ -48,7 +66,7 @@ class Checkpointer {
                         std::optional<CheckpointManifest> manifest);
 
   DistributedModel& model_;
-  DistributedOptimizer& optimizer_;
+  std::unique_ptr<OptimizerCheckpointState> optimizer_state_;
   std::int64_t last_saved_ = -1;
   std::future<void> pending_;  // the save being written
 };

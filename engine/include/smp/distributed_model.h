@@ -82,6 +82,9 @@ class DistributedModel {
   // The parameters that count toward the whole model's gradient norm here: a tied parameter counts only on the
   // rank of its first node, though every holder keeps (and updates) an identical copy.
   const std::vector<at::Tensor>& norm_parameters() const { return norm_parameters_; }
+  // Scales this rank's gradients so that their 2-norm over the whole model (all stages) is at most max_norm, as
+  // torch::nn::utils::clip_grad_norm_ does on one process; returns the norm before clipping. Every rank calls it.
+  double clip_grad_norm(double max_norm);
   const StagePlan& plan() const { return plan_; }
   int stage() const { return runtime_->pp_rank(); }  // this rank's pipeline position
   std::vector<int> stages() const;  // the model stages this rank runs (several with virtual stages)

@@ -17,8 +17,7 @@ class DistributedOptimizer {
 
   void zero_grad();
   void step();
-  // Scales gradients so that the 2-norm over the whole model (all stages) is at most max_norm, as
-  // torch::nn::utils::clip_grad_norm_ does on one process; returns the norm before clipping.
+  // DistributedModel::clip_grad_norm: the global gradient norm over all stages, clipped to max_norm.
   double clip_grad_norm(double max_norm);
 
   torch::optim::Optimizer& local() { return *optimizer_; }
