@@ -431,6 +431,16 @@ StageCallbacks DistributedModel::stage_callbacks() {
     return run_stage(stage, model_input, from_producers);
   };
   callbacks.parameters = [this](int stage) { return stages_.at(stage).parameters; };
+  callbacks.buffers = [this](int stage) {
+    std::vector<at::Tensor> buffers;
+    std::set<const void*> seen;  // a module shared by two nodes counts once
+    for (int node : stages_.at(stage).nodes) {
+      for (const auto& buffer : model_.nodes()[node].module->buffers()) {
+        if (seen.insert(buffer.unsafeGetTensorImpl()).second) buffers.push_back(buffer);
+      }
+    }
+    return buffers;
+  };
   return callbacks;
 }
 

@@ -8,10 +8,12 @@
 #include <set>
 
 #include <ATen/ATen.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include "smp/comm/tensor_transfer.h"
+#include "random_state.h"
 #include "split_backward.h"
 
 namespace smp {
@@ -42,6 +44,7 @@ struct Stash {
   TensorsByStage inputs;        // by producer: leaves whose gradients are sent back
   TensorsByStage outputs;       // by consumer: graph roots for backward (empty while a checkpointed stage waits)
   bool outputs_ready = false;   // false after a checkpointed forward, until backward recomputes
+  RandomState before_forward;   // checkpointed: what the forward drew from, so the recompute draws the same (dropout)
   at::Tensor loss;              // last stage only
   TensorsByStage output_grads;  // by consumer
   TensorsByStage input_grads;   // by producer, from I when backward is split
@@ -187,8 +190,23 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
   // The roots of this stage's backward and the gradients flowing into them.
   auto backward_roots = [&](int stage, int microbatch, Stash& entry) {
     if (!entry.outputs_ready) {  // checkpointed: rebuild the graph first
-      c10::AutoGradMode enable_grad(true);
-      run_forward(stage, microbatch, entry);
+      // With the forward's random numbers, so that dropout keeps the units it kept; then the random sequence and
+      // the buffers (batch norm's running statistics) go on as if there had been no recompute.
+      const RandomState now = RandomState::capture(pipeline_.device());
+      std::vector<std::pair<at::Tensor, at::Tensor>> buffers;  // (live, as the forward left it)
+      if (stages.buffers) {
+        for (const auto& buffer : stages.buffers(stage)) buffers.emplace_back(buffer, buffer.clone());
+      }
+      entry.before_forward.restore();
+      {
+        c10::AutoGradMode enable_grad(true);
+        run_forward(stage, microbatch, entry);
+      }
+      now.restore();
+      // Below autograd's version counting, as batch norm's own kernel updates them: the recomputed graph saved
+      // these tensors and would refuse a backward through them after a counted in-place write.
+      at::AutoDispatchBelowADInplaceOrView untracked;
+      for (auto& [live, saved] : buffers) live.copy_(saved);
     }
     std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> roots;
     if (entry.loss.defined()) {
@@ -234,6 +252,8 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
       }
       case ActionKind::Forward: {
         entry.gradient_sends_left = static_cast<int>(graph_.producers_of(stage).size());
+        const bool recomputed_later = checkpointed_[stage] && !evaluating;
+        if (recomputed_later) entry.before_forward = RandomState::capture(pipeline_.device());
         {
           c10::AutoGradMode grad_mode(!checkpointed_[stage] && !evaluating);
           run_forward(stage, microbatch, entry);

@@ -25,6 +25,7 @@
 #include "smp/errors.h"
 #include "smp/graph_model.h"
 #include "smp/partitioner/graph_partition.h"
+#include "random_state.h"
 
 namespace smp {
 namespace {
@@ -138,22 +139,19 @@ class TrainingStateKept {
         if (seen.insert(buffer.unsafeGetTensorImpl()).second) buffers_.emplace_back(buffer, buffer.clone());
       }
     }
-    generators_.push_back(at::detail::getDefaultCPUGenerator());
-    if (sample.is_cuda()) generators_.push_back(at::globalContext().defaultGenerator(sample.device()));
-    for (auto& generator : generators_) states_.push_back(generator.get_state());
+    random_ = RandomState::capture(sample.device());
   }
   ~TrainingStateKept() {
     at::NoGradGuard no_graph;
     for (auto& [buffer, saved] : buffers_) buffer.copy_(saved);
-    for (std::size_t i = 0; i < generators_.size(); ++i) generators_[i].set_state(states_[i]);
+    random_.restore();
   }
   TrainingStateKept(const TrainingStateKept&) = delete;
   TrainingStateKept& operator=(const TrainingStateKept&) = delete;
 
  private:
   std::vector<std::pair<at::Tensor, at::Tensor>> buffers_;  // (live, saved)
-  std::vector<at::Generator> generators_;
-  std::vector<at::Tensor> states_;
+  RandomState random_;
 };
 
 }  // namespace

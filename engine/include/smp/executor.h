@@ -30,6 +30,9 @@ struct StageCallbacks {
   // input for this microbatch.
   std::function<StageOutputs(int stage, const at::Tensor& model_input, const TensorsByStage& from_producers)> forward;
   std::function<std::vector<at::Tensor>(int stage)> parameters;  // what W (weight gradients) differentiates
+  // The stage's buffers (batch norm's running statistics): a checkpointed stage's recompute puts them back as the
+  // forward left them, so that they are updated once per microbatch, as without checkpointing.
+  std::function<std::vector<at::Tensor>(int stage)> buffers;
   // When set, called at the end of every action, so that its timeline event spans the device's work and not only
   // the host's (GPU kernels run asynchronously); used on the traced step only.
   std::function<void()> synchronize;
