@@ -247,6 +247,20 @@ TEST_CASE("a memory limit counts activations times the microbatches in flight", 
   CHECK(smp::StagePlan::from_json(plan.to_json()).activation_copies == plan.activation_copies);
 }
 
+TEST_CASE("with virtual stages the memory limit holds for a rank's stages together", "[profile]") {
+  // Four equal modules on 2 ranks x 2 virtual stages, one each: 4 MiB of parameters and optimizer state and 4 MiB
+  // of activations per stage, so 16 MiB per rank.
+  const auto modules = equal_chain(4, 1 << 20, 4 << 20);
+  const auto config = [](int limit_mb) {
+    return smp::Config::from_json_text(
+        R"({"partitions": 2, "virtual_stages": 2, "memory_limit_mb": )" + std::to_string(limit_mb) + "}", "test");
+  };
+  CHECK_NOTHROW(smp::plan_stages(modules, config(16), {1, 1, 1, 1}));
+  CHECK_THROWS_WITH(smp::plan_stages(modules, config(12), {1, 1, 1, 1}),
+                    Catch::Matchers::Contains("memory") && Catch::Matchers::Contains("per rank") &&
+                        Catch::Matchers::Contains("gets 6 MiB"));
+}
+
 TEST_CASE("under 1F1B the stage that holds more microbatches gets fewer modules", "[profile]") {
   // Eight equal modules whose activations dominate their memory; memory balancing alone decides.
   const auto modules = equal_chain(8, 1 << 10, 4 << 20);

@@ -376,7 +376,10 @@ StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
   part::GraphPartitionOptions options;
   options.num_stages = num_stages;
   options.memory_weight = config.memory_weight;
-  options.memory_limit_bytes = config.memory_limit_mb * 1024.0 * 1024.0;
+  // The limit is a device's, i.e. a rank's; with virtual stages a rank holds several stages, each of which gets
+  // an equal share (the simulator splits the rank's in-flight activations evenly among them too). Sound, though
+  // a split that gave one of a rank's stages more than the others could fit where this finds nothing.
+  options.memory_limit_bytes = config.memory_limit_mb * 1024.0 * 1024.0 / config.virtual_stages;
   options.bandwidth_bytes_per_s = config.link_bandwidth_gbps * 1e9;
   options.pinned = pinned;
   options.activation_copies = activation_copies;
@@ -385,7 +388,14 @@ StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
   try {
     plan.stage_of_module = part::partition_graph(graph, options).stage_of_node;
   } catch (const part::PartitionError& error) {
-    throw ConfigError(config.source + ": cannot partition the model: " + error.what());
+    std::string share;
+    if (config.memory_limit_mb > 0 && config.virtual_stages > 1) {
+      char megabytes[32];
+      std::snprintf(megabytes, sizeof megabytes, "%.6g", config.memory_limit_mb / config.virtual_stages);
+      share = " (memory_limit_mb is per rank: each of a rank's " + std::to_string(config.virtual_stages) +
+              " virtual stages gets " + megabytes + " MiB)";
+    }
+    throw ConfigError(config.source + ": cannot partition the model: " + error.what() + share);
   }
   plan.modules = std::move(modules);
   plan.num_stages = num_stages;

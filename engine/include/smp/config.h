@@ -57,7 +57,7 @@ struct Config {
   // Weight of memory balancing against compute balancing in the partition objective (0: compute only,
   // 1: memory only); SMP's default is 0.2 with optimize "speed" and 0.8 with "memory".
   double memory_weight = 0.2;
-  double memory_limit_mb = 0;        // per stage, for the partition search (parameters, gradients, Adam state)
+  double memory_limit_mb = 0;        // per rank, for the partition search (parameters, gradients, Adam state)
   double link_bandwidth_gbps = 10;   // GB/s between stages, to weigh what a cut sends against compute
   std::uint64_t seed = 0;
   int global_batch_size = 0;     // 0: not fixed in the config (train_step checks every batch it gets)
