@@ -73,6 +73,12 @@ TEST_CASE("config: schedules, virtual stages, checkpointing, trace", "[config]")
   CHECK_THROWS_WITH(parse(R"({"pipeline": "simple", "virtual_stages": 2})"), Contains("key \"virtual_stages\": needs \"pipeline\": \"interleaved\""));
   CHECK_THROWS_WITH(parse(R"({"partitions": 2, "activation_checkpointing": [2]})"), Contains("stage 2 is not in [0, 1]"));
   CHECK_THROWS_WITH(parse(R"({"activation_checkpointing": "yes"})"), Contains("key \"activation_checkpointing\""));
+  // Module names and stage indices in one list: stages recompute whole, modules one by one.
+  const Config mixed = parse(R"({"partitions": 2, "activation_checkpointing": [1, "block3", "head"]})");
+  CHECK(mixed.checkpointed_stages == std::vector<int>{1});
+  CHECK(mixed.checkpointed_modules == std::vector<std::string>{"block3", "head"});
+  CHECK_THROWS_WITH(parse(R"({"activation_checkpointing": [1.5]})"), Contains("1.5 is neither a stage index nor a module name"));
+  CHECK_THROWS_WITH(parse(R"({"activation_checkpointing": [""]})"), Contains("is neither a stage index nor a module name"));
   CHECK_THROWS_WITH(parse(R"({"virtual_stages": 0})"), Contains("key \"virtual_stages\""));
   CHECK(parse(R"({"active_microbatches": 3})").active_microbatches == 3);
   CHECK_THROWS_WITH(parse(R"({"pipeline": "simple", "active_microbatches": 3})"), Contains("key \"active_microbatches\": has no effect"));

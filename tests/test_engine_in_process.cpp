@@ -247,6 +247,31 @@ TEST_CASE("a memory limit counts activations times the microbatches in flight", 
   CHECK(smp::StagePlan::from_json(plan.to_json()).activation_copies == plan.activation_copies);
 }
 
+TEST_CASE("a checkpointed module counts no saved activations and its forward twice", "[profile]") {
+  // As in the test above: 4 microbatches' activations of a module do not fit 16 MiB; checkpointed, they are gone.
+  const auto modules = equal_chain(2, 1 << 20, 4 << 20);
+  const auto config = [](const std::string& checkpointed) {
+    return smp::Config::from_json_text(
+        R"({"partitions": 2, "memory_limit_mb": 16, "activation_checkpointing": [)" + checkpointed + "]}", "test");
+  };
+  CHECK_THROWS_WITH(smp::plan_stages(modules, config(R"("m0")"), {4, 4}), Catch::Matchers::Contains("memory"));
+  CHECK_NOTHROW(smp::plan_stages(modules, config(R"("m0", "m1")"), {4, 4}));
+  CHECK_THROWS_WITH(smp::plan_stages(modules, config(R"("m2")"), {4, 4}),
+                    Catch::Matchers::Contains("no module \"m2\" in the model (its modules: m0, m1)"));
+
+  // Seven equal modules on 2 stages, time alone: without checkpointing 3 + 4 and 4 + 3 tie; the modules that run
+  // their forward again make their side the smaller one.
+  const auto seven = equal_chain(7, 1 << 10, 1 << 10);
+  const auto stage_sizes = [&](const std::string& checkpointed) {
+    const smp::StagePlan plan = smp::plan_stages(
+        seven, smp::Config::from_json_text(R"({"partitions": 2, "memory_weight": 0, "link_bandwidth_gbps": 0,
+                                              "activation_checkpointing": [)" + checkpointed + "]}", "test"));
+    return std::pair{plan.modules_of_stage(0).size(), plan.modules_of_stage(1).size()};
+  };
+  CHECK(stage_sizes(R"("m0", "m1", "m2")") == std::pair<std::size_t, std::size_t>{3, 4});
+  CHECK(stage_sizes(R"("m4", "m5", "m6")") == std::pair<std::size_t, std::size_t>{4, 3});
+}
+
 TEST_CASE("with virtual stages the memory limit holds for a rank's stages together", "[profile]") {
   // Four equal modules on 2 ranks x 2 virtual stages, one each: 4 MiB of parameters and optimizer state and 4 MiB
   // of activations per stage, so 16 MiB per rank.
@@ -431,34 +456,70 @@ TEST_CASE("a checkpoint keeps optimizer state of any serialization, and refuses 
   CHECK(std::system(("rm -rf " + directory).c_str()) == 0);
 }
 
+namespace {
+
+// Gradients, buffers, the loss and the next random number after one step of a model with dropout and batch norm
+// (two of its blocks nested Sequentials) under `extra_keys`.
+std::vector<at::Tensor> state_after_a_step(const std::string& extra_keys) {
+  const auto config = smp::Config::from_json_text(R"({"device": "cpu", "microbatches": 2)" + extra_keys + "}",
+                                                  "test config");
+  auto runtime = smp::Runtime::init(config, smp::comm::LaunchInfo{});
+  at::manual_seed(9);
+  smp::GraphModel net("x");
+  std::vector<at::Tensor> buffers;
+  std::string previous = "x";
+  for (const auto& [name, in] : {std::pair{"0", int64_t{3}}, std::pair{"1", int64_t{16}}}) {
+    torch::nn::Sequential block(torch::nn::Linear(in, 16), torch::nn::BatchNorm1d(16), torch::nn::Dropout(0.5),
+                                torch::nn::Tanh());
+    for (const auto& buffer : block->buffers()) buffers.push_back(buffer);
+    net.add(name, block.ptr(), [block](const std::vector<at::Tensor>& x) mutable { return block->forward(x[0]); },
+            {previous});
+    previous = name;
+  }
+  net.add("2", torch::nn::Linear(16, 2), {previous});
+  smp::DistributedModel model(runtime, net, at::zeros({2, 3}));
+  at::manual_seed(10);
+  const at::Tensor inputs = at::randn({4, 3}), targets = at::randn({4, 2});
+  const auto loss = [](const at::Tensor& output, const at::Tensor& target) {
+    return at::mse_loss(output.to(at::kFloat), target);
+  };
+  const double first_loss = model.train_step(inputs, targets, loss).loss;
+  std::vector<at::Tensor> state;
+  for (const auto& parameter : model.parameters()) state.push_back(parameter.grad().clone());
+  for (const auto& buffer : buffers) state.push_back(buffer.clone());
+  // The recompute must also leave the random sequence where a run without it would be.
+  state.push_back(at::tensor({first_loss, at::rand({1}).item<double>()}, at::kDouble));
+  return state;
+}
+
+void check_same_state(const std::vector<at::Tensor>& expected, const std::vector<at::Tensor>& actual) {
+  REQUIRE(expected.size() == actual.size());
+  for (std::size_t i = 0; i < expected.size(); ++i) {
+    INFO("tensor " << i);
+    CHECK(at::equal(expected[i], actual[i]));
+  }
+}
+
+}  // namespace
+
 TEST_CASE("a checkpointed stage recomputes with the forward's random numbers and leaves batch norm's statistics "
           "as one forward does", "[checkpoint][recompute]") {
-  auto gradients_after_a_step = [](bool checkpointing) {
-    const auto config = smp::Config::from_json_text(
-        std::string(R"({"device": "cpu", "microbatches": 2, "activation_checkpointing": )") +
-            (checkpointing ? "true" : "false") + "}",
-        "test config");
-    auto runtime = smp::Runtime::init(config, smp::comm::LaunchInfo{});
-    at::manual_seed(9);
-    torch::nn::Sequential net(torch::nn::Linear(3, 16), torch::nn::BatchNorm1d(16), torch::nn::Dropout(0.5),
-                              torch::nn::Tanh(), torch::nn::Linear(16, 2));
-    smp::DistributedModel model(runtime, net, at::zeros({2, 3}));
-    at::manual_seed(10);
-    const at::Tensor inputs = at::randn({4, 3}), targets = at::randn({4, 2});
-    const auto loss = [](const at::Tensor& output, const at::Tensor& target) { return at::mse_loss(output, target); };
-    const double first_loss = model.train_step(inputs, targets, loss).loss;
-    std::vector<at::Tensor> gradients;
-    for (const auto& parameter : model.parameters()) gradients.push_back(parameter.grad().clone());
-    for (const auto& buffer : net->buffers()) gradients.push_back(buffer.clone());
-    // The recompute must also leave the random sequence where a run without it would be.
-    gradients.push_back(at::tensor({first_loss, at::rand({1}).item<double>()}, at::kDouble));
-    return gradients;
-  };
-  const auto plain = gradients_after_a_step(false);
-  const auto recomputed = gradients_after_a_step(true);
-  REQUIRE(plain.size() == recomputed.size());
-  for (std::size_t i = 0; i < plain.size(); ++i) {
-    INFO("tensor " << i);
-    CHECK(at::equal(plain[i], recomputed[i]));
+  check_same_state(state_after_a_step(""), state_after_a_step(R"(, "activation_checkpointing": true)"));
+}
+
+TEST_CASE("checkpointed modules give the gradients of plain training bit for bit", "[checkpoint][recompute]") {
+  SECTION("float32: dropout and batch norm inside a checkpointed module") {
+    check_same_state(state_after_a_step(""), state_after_a_step(R"(, "activation_checkpointing": ["0", "2"])"));
+  }
+  SECTION("bf16: the recompute runs under the forward's autocast") {
+    check_same_state(state_after_a_step(R"(, "bf16": true)"),
+                     state_after_a_step(R"(, "bf16": true, "activation_checkpointing": ["1"])"));
+  }
+  SECTION("a checkpointed module inside a checkpointed stage") {
+    check_same_state(state_after_a_step(""), state_after_a_step(R"(, "activation_checkpointing": [0, "1"])"));
+  }
+  SECTION("a module name that selects nothing is refused, naming the modules") {
+    CHECK_THROWS_WITH(state_after_a_step(R"(, "activation_checkpointing": ["block"])"),
+                      Catch::Matchers::Contains("no module \"block\"") && Catch::Matchers::Contains("0, 1, 2"));
   }
 }

@@ -80,6 +80,11 @@ TEST_CASE("graphs with skips across stages, branches and tied weights train like
       {"nested Sequentials expanded for 4 stages", "nested", 4, 1, 4, "interleaved", ""},
       {"nested Sequentials expanded for 8 stages", "nested", 4, 1, 4, "interleaved", R"(, "virtual_stages": 2)"},
       {"tied", "tied", 3, 1, 3, "zero_bubble_h2", R"(, "activation_checkpointing": [0])"},
+      // Single modules checkpointed: under the split backward (I, W) with replicas reducing gradients by hooks, a
+      // tied weight, and the children of an expanded Sequential selected by its name.
+      {"checkpointed modules", "residual", 2, 2, 4, "zero_bubble", R"(, "activation_checkpointing": ["a", "c", "out"])"},
+      {"checkpointed modules", "tied", 3, 1, 3, "interleaved", R"(, "activation_checkpointing": ["first", "tied"])"},
+      {"checkpointed modules", "nested", 4, 1, 4, "zero_bubble_h2", R"(, "activation_checkpointing": ["encoder"])"},
       // Pinned by hand: the skip's source and its consumer two stages apart.
       {"residual", "residual", 4, 1, 4, "interleaved", R"(, "auto_partition": false, "default_partition": 3,
           "partition_overrides": {"in": 0, "a": 1, "b": 2})"},

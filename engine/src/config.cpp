@@ -216,14 +216,20 @@ Config Config::from_json_text(const std::string& text, const std::string& source
         for (int stage = 0; stage < stages; ++stage) config.checkpointed_stages.push_back(stage);
       }
     } else if (value.is_array()) {
-      for (const auto& stage : value) {
-        if (!stage.is_number_integer() || stage.get<long long>() < 0 || stage.get<long long>() >= stages) {
-          read.fail("activation_checkpointing", "stage " + stage.dump() + " is not in [0, " + std::to_string(stages - 1) + "]");
+      for (const auto& item : value) {
+        if (item.is_string() && !item.get<std::string>().empty()) {
+          config.checkpointed_modules.push_back(item.get<std::string>());
+          continue;
         }
-        config.checkpointed_stages.push_back(stage.get<int>());
+        if (!item.is_number_integer() || item.get<long long>() < 0 || item.get<long long>() >= stages) {
+          read.fail("activation_checkpointing", item.is_number_integer()
+                        ? "stage " + item.dump() + " is not in [0, " + std::to_string(stages - 1) + "]"
+                        : item.dump() + " is neither a stage index nor a module name");
+        }
+        config.checkpointed_stages.push_back(item.get<int>());
       }
     } else {
-      read.fail("activation_checkpointing", "expected true, false, or a list of stage indices");
+      read.fail("activation_checkpointing", "expected true, false, or a list of stage indices and module names");
     }
   }
   if (read.has("trace_dir")) config.trace_dir = read.string("trace_dir");

@@ -20,35 +20,14 @@
 #include "smp/log.h"
 #include "smp/timeline.h"
 #include "smp/scheduler/simulator.h"
+#include "autocast_scope.h"
+#include "activation_checkpoint.h"
 
 namespace smp {
 namespace {
 
 // Runs what is inside under autocast for `device`, restoring the previous state after (LibTorch has no public
 // RAII guard for it).
-class AutocastScope {
- public:
-  AutocastScope(at::DeviceType device, at::ScalarType dtype)
-      : device_(device),
-        was_enabled_(at::autocast::is_autocast_enabled(device)),
-        previous_dtype_(at::autocast::get_autocast_dtype(device)) {
-    at::autocast::set_autocast_enabled(device_, true);
-    at::autocast::set_autocast_dtype(device_, dtype);
-    at::autocast::increment_nesting();
-  }
-  ~AutocastScope() {
-    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    at::autocast::set_autocast_enabled(device_, was_enabled_);
-    at::autocast::set_autocast_dtype(device_, previous_dtype_);
-  }
-  AutocastScope(const AutocastScope&) = delete;
-  AutocastScope& operator=(const AutocastScope&) = delete;
-
- private:
-  at::DeviceType device_;
-  bool was_enabled_;
-  at::ScalarType previous_dtype_;
-};
 
 // Dynamic loss scaling for fp16 (the usual schedule): start high, halve on an overflow (and skip that step),
 // double after this many steps without one.
@@ -157,6 +136,9 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
 void DistributedModel::build_stages(const sched::Schedule& schedule) {
   const Config& config = runtime_->config();
   const auto& nodes = model_.nodes();
+  std::vector<std::string> names;
+  for (const auto& node : nodes) names.push_back(node.name);
+  checkpointed_nodes_ = checkpointed_modules(names, config);
   const auto stage_of = [&](const std::string& tensor) { return plan_.stage_of_module.at(model_.index_of(tensor)); };
   graph_.consumers.assign(static_cast<std::size_t>(config.num_stages()), {});
   for (std::size_t i = 0; i < nodes.size(); ++i) {
@@ -255,16 +237,18 @@ StageOutputs DistributedModel::run_stage(int stage, const at::Tensor& model_inpu
   }
   const auto& nodes = model_.nodes();
   const Config& config = runtime_->config();
+  std::optional<AutocastSetting> precision;
+  if (config.bf16 || config.fp16) precision = AutocastSetting{model_input.device().type(), config.bf16 ? at::kBFloat16 : at::kHalf};
   std::optional<AutocastScope> autocast;
-  if (config.bf16 || config.fp16) {
-    autocast.emplace(model_input.device().type(), config.bf16 ? at::kBFloat16 : at::kHalf);
-  }
+  if (precision) autocast.emplace(*precision);
   for (int index : stages_.at(stage).nodes) {
     const auto& node = nodes[index];
     std::vector<at::Tensor> arguments;
     for (const auto& input : node.inputs) arguments.push_back(values.at(input));
     try {
-      values[node.name] = node.forward(arguments);
+      values[node.name] = checkpointed_nodes_[index]
+                              ? checkpointed_forward(node, arguments, precision, runtime_->device())
+                              : node.forward(arguments);
     } catch (const std::exception& error) {  // LibTorch's, or TorchScript's interpreter's
       // A model that does not fit its data fails inside LibTorch; say where, without the C++ backtrace.
       std::string shapes;

@@ -8,12 +8,11 @@
 #include <set>
 
 #include <ATen/ATen.h>
-#include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include "smp/comm/tensor_transfer.h"
-#include "random_state.h"
+#include "activation_checkpoint.h"
 #include "split_backward.h"
 
 namespace smp {
@@ -190,23 +189,11 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
   // The roots of this stage's backward and the gradients flowing into them.
   auto backward_roots = [&](int stage, int microbatch, Stash& entry) {
     if (!entry.outputs_ready) {  // checkpointed: rebuild the graph first
-      // With the forward's random numbers, so that dropout keeps the units it kept; then the random sequence and
-      // the buffers (batch norm's running statistics) go on as if there had been no recompute.
-      const RandomState now = RandomState::capture(pipeline_.device());
-      std::vector<std::pair<at::Tensor, at::Tensor>> buffers;  // (live, as the forward left it)
-      if (stages.buffers) {
-        for (const auto& buffer : stages.buffers(stage)) buffers.emplace_back(buffer, buffer.clone());
-      }
-      entry.before_forward.restore();
-      {
-        c10::AutoGradMode enable_grad(true);
-        run_forward(stage, microbatch, entry);
-      }
-      now.restore();
-      // Below autograd's version counting, as batch norm's own kernel updates them: the recomputed graph saved
-      // these tensors and would refuse a backward through them after a counted in-place write.
-      at::AutoDispatchBelowADInplaceOrView untracked;
-      for (auto& [live, saved] : buffers) live.copy_(saved);
+      const RecomputeScope same_as_first_run(entry.before_forward,
+                                             stages.buffers ? stages.buffers(stage) : std::vector<at::Tensor>{},
+                                             pipeline_.device());
+      c10::AutoGradMode enable_grad(true);
+      run_forward(stage, microbatch, entry);
     }
     std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> roots;
     if (entry.loss.defined()) {

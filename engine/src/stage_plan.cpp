@@ -322,6 +322,24 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tens
   return profiles;
 }
 
+std::vector<bool> checkpointed_modules(const std::vector<std::string>& module_names, const Config& config) {
+  std::vector<bool> selected(module_names.size(), false);
+  for (const auto& wanted : config.checkpointed_modules) {
+    bool found = false;
+    for (std::size_t i = 0; i < module_names.size(); ++i) {
+      const std::string& name = module_names[i];
+      if (name == wanted || name.rfind(wanted + ".", 0) == 0) selected[i] = found = true;
+    }
+    if (!found) {
+      std::string names;
+      for (const auto& name : module_names) names += (names.empty() ? "" : ", ") + name;
+      throw ConfigError(config.source + ": key \"activation_checkpointing\": no module \"" + wanted +
+                        "\" in the model (its modules: " + names + ")");
+    }
+  }
+  return selected;
+}
+
 StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
                       std::vector<double> activation_copies) {
   const int num_modules = static_cast<int>(modules.size());
@@ -357,14 +375,21 @@ StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
   // forward keeps for backward (its saved tensors and its output, which the next module saves) times the
   // microbatches each stage holds at once. A checkpointed stage keeps only its inputs between forward and backward
   // (not counted) and holds one microbatch's activations while it recomputes, for which it runs forward again.
+  // A checkpointed module keeps its inputs (its producers' outputs, counted there) and its output, and runs its
+  // forward again in backward.
+  std::vector<std::string> names;
+  for (const auto& module : modules) names.push_back(module.name);
+  const std::vector<bool> recomputed_modules = checkpointed_modules(names, config);
   part::ModuleGraph graph;
-  for (const auto& module : modules) {
+  for (std::size_t i = 0; i < modules.size(); ++i) {
+    const auto& module = modules[i];
     part::GraphNode node;
     node.name = module.name;
-    node.compute_s = module.forward_s + module.backward_s;
+    node.compute_s = module.forward_s + module.backward_s + (recomputed_modules[i] ? module.forward_s : 0.0);
     node.memory_bytes = 4.0 * static_cast<double>(module.parameter_bytes);
     node.parameter_bytes = static_cast<double>(module.parameter_bytes);
-    node.activation_bytes = static_cast<double>(module.activation_bytes + module.output_bytes);
+    node.activation_bytes =
+        static_cast<double>((recomputed_modules[i] ? 0 : module.activation_bytes) + module.output_bytes);
     node.recompute_s = module.forward_s;
     graph.nodes.push_back(node);
   }

@@ -33,6 +33,9 @@ struct Config {
   int active_microbatches = 0;   // cap on microbatches in flight per rank; 0 = the schedule's natural bound
   // Stages that drop their activations after forward and recompute them in backward (empty: none).
   std::vector<int> checkpointed_stages;
+  // Modules checkpointed one by one (keeping only their inputs; backward recomputes each): node names, a name also
+  // covering the children "<name>.<child>" a Sequential node was expanded into.
+  std::vector<std::string> checkpointed_modules;
   std::string trace_dir;         // when set, the timeline of step trace_step is written here
   int trace_step = 1;
   std::string checkpoint_dir;    // empty: no checkpoints

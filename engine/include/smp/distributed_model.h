@@ -117,6 +117,7 @@ class DistributedModel {
   StagePlan plan_;
   sched::StageGraph graph_;
   std::map<int, LocalStage> stages_;  // by stage index
+  std::vector<bool> checkpointed_nodes_;  // by node: activation checkpointing of that module alone
   // Tensor names that stage `first` sends to stage `second`, in node order.
   std::map<std::pair<int, int>, std::vector<std::string>> transfers_;
   std::vector<std::pair<std::string, at::Tensor>> named_parameters_;

@@ -46,12 +46,18 @@ struct StagePlan {
 // node that fails on the sample.
 std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tensor& sample, int repeats = 3);
 
+// Which of the modules (their names, in model order) config.checkpointed_modules selects: a name selects that
+// module and the children "<name>.<child>" a Sequential node was expanded into. Throws ConfigError naming a name
+// that selects nothing.
+std::vector<bool> checkpointed_modules(const std::vector<std::string>& module_names, const Config& config);
+
 // Splits a profiled graph into config.num_stages() stages, each stage only feeding later ones: balanced by
 // forward + backward time mixed with memory by memory_weight when auto_partition is true, else every module on
 // default_partition; partition_overrides pin modules in both modes. Throws ConfigError naming the modules when
 // the request cannot be met.
 // `activation_copies` (per stage; empty: 1 each): the microbatches whose activations a stage holds at once under
-// the job's schedule. Stages in config.checkpointed_stages count one copy and their forward time twice.
+// the job's schedule. Stages in config.checkpointed_stages count one copy and their forward time twice; modules in
+// config.checkpointed_modules count their output alone as activations and their forward time twice.
 StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
                       std::vector<double> activation_copies = {});
 

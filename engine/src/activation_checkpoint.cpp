@@ -1,0 +1,152 @@
+#include "activation_checkpoint.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/nn/module.h>
+
+namespace smp {
+
+RecomputeScope::RecomputeScope(const RandomState& first_run, const std::vector<at::Tensor>& buffers,
+                               c10::Device device)
+    : before_(RandomState::capture(device)) {
+  for (const auto& buffer : buffers) buffers_.emplace_back(buffer, buffer.clone());
+  first_run.restore();
+}
+
+RecomputeScope::~RecomputeScope() {
+  before_.restore();
+  // Below autograd's version counting, as batch norm's own kernel updates them: the recomputed graph saved these
+  // tensors and would refuse a backward through them after a counted in-place write.
+  at::AutoDispatchBelowADInplaceOrView untracked;
+  for (auto& [live, saved] : buffers_) live.copy_(saved);
+}
+
+namespace {
+
+using torch::autograd::variable_list;
+
+// The gradient function of a checkpointed module's output. Its next edges are the module's inputs, then its
+// parameters, so that their gradients flow on (and accumulate) exactly as without checkpointing.
+class RecomputeBackward final : public torch::autograd::Node {
+ public:
+  RecomputeBackward(GraphModel::Forward forward, const std::vector<at::Tensor>& inputs,
+                    std::vector<at::Tensor> parameters, std::vector<at::Tensor> buffers, RandomState random,
+                    std::optional<AutocastSetting> autocast, c10::Device device)
+      : forward_(std::move(forward)),
+        parameters_(std::move(parameters)),
+        buffers_(std::move(buffers)),
+        random_(std::move(random)),
+        autocast_(autocast),
+        device_(device) {
+    for (const auto& input : inputs) {
+      inputs_.push_back(input.detach());
+      input_requires_grad_.push_back(input.requires_grad());
+      input_versions_.push_back(input._version());
+    }
+  }
+
+  std::string name() const override { return "smp::RecomputeBackward"; }
+
+  variable_list apply(variable_list&& output_grads) override {
+    // Fresh leaves for the inputs, so that the recomputed graph ends here and not in the outer graph.
+    std::vector<at::Tensor> inputs;
+    for (std::size_t i = 0; i < inputs_.size(); ++i) {
+      // Recomputing from an input changed since would differentiate another function: refuse, as autograd does.
+      TORCH_CHECK(inputs_[i]._version() == input_versions_[i], "a checkpointed module's input ", i,
+                  " was modified in place after its forward; its backward cannot recompute it");
+      at::Tensor leaf = inputs_[i].detach();
+      if (input_requires_grad_[i]) leaf.requires_grad_(true);
+      inputs.push_back(leaf);
+    }
+    at::Tensor output;
+    {
+      const RecomputeScope same_as_first_run(random_, buffers_, device_);
+      c10::AutoGradMode grad(true);
+      std::optional<AutocastScope> scope;
+      if (autocast_) scope.emplace(*autocast_);
+      output = forward_(inputs);
+    }
+    // Gradients for what this backward pass asks of us (the zero-bubble input pass wants the inputs' alone, its
+    // weight pass the parameters'), in the order of the next edges; undefined elsewhere.
+    variable_list wrt;
+    std::vector<std::size_t> slot;
+    for (std::size_t i = 0; i < inputs.size(); ++i) {
+      if (inputs[i].requires_grad() && task_should_compute_output(i)) {
+        wrt.push_back(inputs[i]);
+        slot.push_back(i);
+      }
+    }
+    for (std::size_t i = 0; i < parameters_.size(); ++i) {
+      if (parameters_[i].requires_grad() && task_should_compute_output(inputs.size() + i)) {
+        wrt.push_back(parameters_[i]);
+        slot.push_back(inputs.size() + i);
+      }
+    }
+    variable_list grads(inputs.size() + parameters_.size());
+    if (!wrt.empty() && output.requires_grad() && output_grads.at(0).defined()) {
+      const auto computed = torch::autograd::grad({output}, wrt, {output_grads[0]}, /*retain_graph=*/false,
+                                                  /*create_graph=*/false, /*allow_unused=*/true);
+      for (std::size_t k = 0; k < computed.size(); ++k) grads[slot[k]] = computed[k];
+    }
+    return grads;
+  }
+
+ private:
+  GraphModel::Forward forward_;
+  std::vector<at::Tensor> inputs_;  // detached: the one thing a checkpoint keeps
+  std::vector<bool> input_requires_grad_;
+  std::vector<uint32_t> input_versions_;
+  std::vector<at::Tensor> parameters_;
+  std::vector<at::Tensor> buffers_;
+  RandomState random_;
+  std::optional<AutocastSetting> autocast_;
+  c10::Device device_;
+};
+
+}  // namespace
+
+at::Tensor checkpointed_forward(const GraphModel::Node& node, const std::vector<at::Tensor>& inputs,
+                                std::optional<AutocastSetting> autocast, c10::Device device) {
+  const GraphModel::Forward& forward = node.forward;
+  const std::vector<at::Tensor> parameters = node.module->parameters();
+  const auto needs_grad = [](const at::Tensor& tensor) { return tensor.defined() && tensor.requires_grad(); };
+  if (!c10::GradMode::is_enabled() ||
+      (std::none_of(inputs.begin(), inputs.end(), needs_grad) &&
+       std::none_of(parameters.begin(), parameters.end(), needs_grad))) {
+    return forward(inputs);
+  }
+  RandomState random = RandomState::capture(device);
+  at::Tensor output;
+  {
+    c10::AutoGradMode no_graph(false);
+    output = forward(inputs);
+  }
+  // The output gets our gradient function; one that aliases an input or a parameter (an identity module, a view)
+  // would hand it to that tensor too, so it becomes a tensor of its own first.
+  const bool aliases = output.is_view() || std::any_of(inputs.begin(), inputs.end(), [&](const at::Tensor& input) {
+                         return input.defined() && input.is_alias_of(output);
+                       }) || std::any_of(parameters.begin(), parameters.end(), [&](const at::Tensor& parameter) {
+                         return parameter.is_alias_of(output);
+                       });
+  if (aliases) {
+    c10::AutoGradMode no_graph(false);
+    output = output.clone();
+  }
+  if (!at::isFloatingType(output.scalar_type()) && !at::isComplexType(output.scalar_type())) return output;
+  auto gradient_function = std::shared_ptr<RecomputeBackward>(
+      new RecomputeBackward(forward, inputs, parameters, node.module->buffers(), std::move(random), autocast, device),
+      torch::autograd::deleteNode);
+  gradient_function->set_next_edges(torch::autograd::collect_next_edges(inputs, parameters));
+  torch::autograd::create_gradient_edge(output, gradient_function);
+  return output;
+}
+
+}  // namespace smp
