@@ -26,6 +26,17 @@ smp_python_test(python_torchscript_graph_interleaved_equals_pytorch 4 pipeline_w
 smp_python_test(python_interleaved_adamw_equals_pytorch 4 pipeline_worker.py --model graph --optimizer adamw --rtol 1e-3
                 --smp [[{"partitions": 2, "virtual_stages": 2, "pipeline": "interleaved", "microbatches": 4, "ddp": true, "global_batch_size": 16, "seed": 3, "device": "cpu"}]])
 
+# On a GPU (the device machine's `ctest -L gpu`): one process, its stages on the GPU, against plain PyTorch on the
+# CPU. Without a GPU the script exits 77 and ctest reports it skipped.
+add_test(NAME python_gpu_pipeline_equals_pytorch
+         COMMAND ${SMP_PYTHON_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/python/pipeline_worker.py --model graph --optimizer adamw
+                 --rtol 1e-3 --smp [[{"partitions": 1, "microbatches": 4, "global_batch_size": 8, "seed": 3, "device": "cuda", "activation_checkpointing": ["b1"]}]])
+set_tests_properties(python_gpu_pipeline_equals_pytorch PROPERTIES
+  TIMEOUT 300
+  LABELS "python;gpu"
+  SKIP_RETURN_CODE 77
+  ENVIRONMENT "PYTHONPATH=${SMP_PYTHON_PACKAGE_DIR};OMP_NUM_THREADS=1;PYTHONUNBUFFERED=1")
+
 # The Python example as the 2x4 job against one process (the checking script launches both).
 add_test(NAME python_example_2x4_equals_one_process
          COMMAND ${SMP_PYTHON_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/python/example_check.py $<TARGET_FILE:smprun>

@@ -1,6 +1,7 @@
 """One rank of a job that trains through the smp Python package and, in the same process, the same model with plain
 PyTorch on the whole global batch; every step's loss and, at the end, every parameter this rank holds must match.
-Exits 0 only then, so `smprun -n N -- python pipeline_worker.py ...` fails when any rank differs.
+Exits 0 only then, so `smprun -n N -- python pipeline_worker.py ...` fails when any rank differs. With
+"device": "cuda" smp trains on the GPU against plain PyTorch on the CPU; without a GPU that exits 77 (skipped).
 
   --smp JSON     the config (as smp.init takes a dict)
   --model NAME   "sequential" (blocks with nested parameter names) or "graph" (a residual and a skip across stages)
@@ -73,6 +74,9 @@ def main():
     args = parser.parse_args()
     config = json.loads(args.smp)
     torch.set_num_threads(1)
+    if config.get("device") == "cuda" and not torch.cuda.is_available():
+        print("skipped: the config asks for a GPU and torch sees none", flush=True)
+        return 77
 
     runtime = smp.init(config)
     torch.manual_seed(config.get("seed", 0))
@@ -143,7 +147,7 @@ def main():
 
     parameters = model.named_parameters()
     def difference(name):
-        return (parameters[name] - reference_parameters[name].detach()).abs().max().item()
+        return (parameters[name].detach().cpu() - reference_parameters[name].detach()).abs().max().item()
 
     mismatched = [name for name in parameters
                   if difference(name) > 1e-5 + args.rtol * reference_parameters[name].detach().abs().max().item()]
