@@ -180,6 +180,26 @@ TEST_CASE("bf16 and fp16 training match float32 within tolerance", "[training][m
   }
 }
 
+TEST_CASE("gradients accumulate over train_steps as in plain training", "[training][multiprocess]") {
+  // Two train_steps on a batch's halves before the optimizer step: what a step does to its gradients (the replicas'
+  // mean, a tied weight's sum over its holders, the fp16 unscale) must touch that step's gradients alone.
+  const EquivalenceCase cases[] = {
+      {"tied weights with replicas", "tied", 3, 2, 2, "interleaved", ""},
+      {"fp16", "gpt", 2, 1, 2, "zero_bubble", R"(, "fp16": true)"},
+  };
+  for (const auto& c : cases) {
+    DYNAMIC_SECTION(c.label) {
+      const auto config = write_config("accumulate_" + std::to_string(&c - cases),
+                                       smp_config(c.pp, c.dp, c.microbatches, c.pipeline, "cluster",
+                                                  c.dp * c.microbatches * 2, 60, c.extra_keys));
+      const auto result = run_worker(c.pp * c.dp, config,
+                                     std::string("--model ") + c.model + " --accumulate 1 --steps 3 --clip 0.5" +
+                                         (std::string(c.model) == "gpt" ? " --rtol 0.02" : ""));
+      check_clean_run(result, c.pp * c.dp);
+    }
+  }
+}
+
 TEST_CASE("fp16 overflow skips the step and lowers the loss scale", "[training][multiprocess][precision]") {
   const auto config = write_config("fp16_overflow", smp_config(2, 1, 2, "interleaved", "cluster", 4, 60, R"(, "fp16": true)"));
   const auto result = run_worker(2, config, "--model gpt --steps 3 --spike-step 1 --rtol 0.02");

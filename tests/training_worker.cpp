@@ -43,6 +43,7 @@ struct Options {
   std::set<int> spike_steps;  // the loss of these steps is multiplied by 1e30: finite, but fp16 gradients overflow
   int input_width = 8;  // a width the model does not take gives a shape error
   bool vary_length = false;  // gpt: the sequence length changes from step to step
+  bool accumulate = false;   // each step is two train_steps on the batch's halves, gradients accumulated between
   std::string load_full;  // a full-model file (smp_checkpoint export) to load instead of training
   int expect_step = -1;   // with load_full: the file holds the state after this step
   double rtol = 1e-4;
@@ -199,6 +200,7 @@ Options parse(int argc, char** argv) {
     else if (flag == "--spike-step") options.spike_steps.insert(std::stoi(value));
     else if (flag == "--input-width") options.input_width = std::stoi(value);
     else if (flag == "--vary-length") options.vary_length = value == "1";
+    else if (flag == "--accumulate") options.accumulate = value == "1";
     else if (flag == "--load-full") options.load_full = value;
     else if (flag == "--expect-step") options.expect_step = std::stoi(value);
     else throw std::runtime_error("training_worker: unknown flag " + flag);
@@ -239,8 +241,18 @@ int run(int argc, char** argv) {
     inputs = inputs.to(device);
     targets = targets.to(device);
     reference_optimizer->zero_grad();
-    const auto reference_loss = loss(reference.forward(inputs), targets);
-    reference_loss.backward();
+    at::Tensor reference_loss;
+    if (options.accumulate) {  // the halves' gradients summed in .grad, as smp's two train_steps leave them
+      const int64_t half = inputs.size(0) / 2;
+      const auto first = loss(reference.forward(inputs.narrow(0, 0, half)), targets.narrow(0, 0, half));
+      first.backward();
+      const auto second = loss(reference.forward(inputs.narrow(0, half, half)), targets.narrow(0, half, half));
+      second.backward();
+      reference_loss = (first.detach() + second.detach()) / 2;
+    } else {
+      reference_loss = loss(reference.forward(inputs), targets);
+      reference_loss.backward();
+    }
     double reference_norm = 0.0;
     if (options.clip > 0) reference_norm = torch::nn::utils::clip_grad_norm_(parameters_of(reference), options.clip);
     // smp drops these steps ("nonfinite": "skip", or an fp16 overflow); so does the reference.
@@ -286,7 +298,18 @@ int run(int argc, char** argv) {
     if (step == options.nan_step) inputs = at::full_like(inputs, std::nan(""));
     optimizer.zero_grad();
     current_step = step;
-    const auto output = distributed.train_step(runtime->replica_slice(inputs), runtime->replica_slice(targets), loss);
+    smp::StepOutput output;
+    if (options.accumulate) {
+      // Two train_steps without zero_grad between: the second adds its gradients to the first's.
+      const int64_t half = batch / 2;
+      const auto first = distributed.train_step(runtime->replica_slice(inputs.narrow(0, 0, half)),
+                                                runtime->replica_slice(targets.narrow(0, 0, half)), loss);
+      output = distributed.train_step(runtime->replica_slice(inputs.narrow(0, half, half)),
+                                      runtime->replica_slice(targets.narrow(0, half, half)), loss);
+      output.loss = (first.loss + output.loss) / 2;
+    } else {
+      output = distributed.train_step(runtime->replica_slice(inputs), runtime->replica_slice(targets), loss);
+    }
     double norm = 0.0;
     if (options.clip > 0) norm = optimizer.clip_grad_norm(options.clip);
     optimizer.step();

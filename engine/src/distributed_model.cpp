@@ -495,6 +495,15 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
     callbacks.synchronize = [index = device.index()] { torch::cuda::synchronize(index); };
   }
 
+  // Gradients left by earlier steps (accumulation over several train_steps) are set aside: what a step does to
+  // its gradients (the replicas' mean, a tied weight's sum over its holders, the fp16 unscale, the finite check,
+  // a dropped step's zeroing) must touch this step's alone. They are added back at the end.
+  std::vector<at::Tensor> earlier_gradients;
+  for (auto& [name, parameter] : named_parameters_) {
+    earlier_gradients.push_back(parameter.grad());
+    if (parameter.grad().defined()) parameter.mutable_grad() = at::Tensor();
+  }
+
   ExecutorStats stats;
   StepOutput output;
   at::Tensor loss_total;
@@ -562,6 +571,11 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
     output.skipped = true;
   }
   if (config.fp16 && !output.skipped && ++good_steps_ % kLossScaleGrowthInterval == 0) loss_scale_ *= 2.0;
+  for (std::size_t i = 0; i < named_parameters_.size(); ++i) {
+    if (!earlier_gradients[i].defined()) continue;
+    at::Tensor& gradient = named_parameters_[i].second.mutable_grad();
+    gradient = gradient.defined() ? earlier_gradients[i].add_(gradient) : earlier_gradients[i];
+  }
   ++step_;
   output.peak_stashed_microbatches = stats.peak_stashed_microbatches;
   output.sends_released_early = stats.sends_released_early;
