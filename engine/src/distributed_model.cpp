@@ -483,6 +483,38 @@ StepOutput DistributedModel::evaluate(const at::Tensor& inputs, const at::Tensor
   return output;
 }
 
+namespace {
+
+// The gradients in .grad before a step, taken out of the parameters for the step's length. add_this_step() puts
+// them back with the step's gradients added; a step that fails (an exception) leaves them as they were.
+class EarlierGradients {
+ public:
+  explicit EarlierGradients(const std::vector<std::pair<std::string, at::Tensor>>& parameters) {
+    for (const auto& [name, parameter] : parameters) {
+      held_.emplace_back(parameter, parameter.grad());
+      if (parameter.grad().defined()) held_.back().first.mutable_grad() = at::Tensor();
+    }
+  }
+  void add_this_step() {
+    for (auto& [parameter, earlier] : held_) {
+      if (!earlier.defined()) continue;
+      at::Tensor& gradient = parameter.mutable_grad();
+      gradient = gradient.defined() ? earlier.add_(gradient) : earlier;
+    }
+    held_.clear();
+  }
+  ~EarlierGradients() {
+    for (auto& [parameter, earlier] : held_) parameter.mutable_grad() = earlier;
+  }
+  EarlierGradients(const EarlierGradients&) = delete;
+  EarlierGradients& operator=(const EarlierGradients&) = delete;
+
+ private:
+  std::vector<std::pair<at::Tensor, at::Tensor>> held_;  // (parameter, its gradient before the step)
+};
+
+}  // namespace
+
 StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss) {
   const auto start = std::chrono::steady_clock::now();
   const Config& config = runtime_->config();
@@ -497,12 +529,8 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
 
   // Gradients left by earlier steps (accumulation over several train_steps) are set aside: what a step does to
   // its gradients (the replicas' mean, a tied weight's sum over its holders, the fp16 unscale, the finite check,
-  // a dropped step's zeroing) must touch this step's alone. They are added back at the end.
-  std::vector<at::Tensor> earlier_gradients;
-  for (auto& [name, parameter] : named_parameters_) {
-    earlier_gradients.push_back(parameter.grad());
-    if (parameter.grad().defined()) parameter.mutable_grad() = at::Tensor();
-  }
+  // a dropped step's zeroing) must touch this step's alone.
+  EarlierGradients earlier(named_parameters_);
 
   ExecutorStats stats;
   StepOutput output;
@@ -571,11 +599,7 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
     output.skipped = true;
   }
   if (config.fp16 && !output.skipped && ++good_steps_ % kLossScaleGrowthInterval == 0) loss_scale_ *= 2.0;
-  for (std::size_t i = 0; i < named_parameters_.size(); ++i) {
-    if (!earlier_gradients[i].defined()) continue;
-    at::Tensor& gradient = named_parameters_[i].second.mutable_grad();
-    gradient = gradient.defined() ? earlier_gradients[i].add_(gradient) : earlier_gradients[i];
-  }
+  earlier.add_this_step();
   ++step_;
   output.peak_stashed_microbatches = stats.peak_stashed_microbatches;
   output.sends_released_early = stats.sends_released_early;

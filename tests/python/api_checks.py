@@ -95,8 +95,16 @@ def main():
         failures.append(f"step loss {output.loss}")
     expect_error("a loss that returns no tensor", smp.ModelError, "float",
                  lambda: model.train_step(inputs, targets, lambda output, target: 1.0))
+    optimizer.zero_grad()
+    model.train_step(inputs, targets, F.mse_loss)
+    gradients_before = [p.grad.clone() for p in model.parameters()]
     expect_error("a loss that raises", ZeroDivisionError, "division",
                  lambda: model.train_step(inputs, targets, lambda output, target: 1 / 0))
+    if not all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), gradients_before)):
+        failures.append("a step that failed changed the gradients earlier steps left")
+    model.train_step(inputs, targets, F.mse_loss)  # accumulates: twice the same batch, twice the gradient
+    if not all(torch.allclose(p.grad, 2 * g, rtol=1e-5, atol=1e-7) for p, g in zip(model.parameters(), gradients_before)):
+        failures.append("a second train_step without zero_grad did not add its gradients to the first's")
     expect_error("the optimizer of an older API", TypeError, "torch.optim",
                  lambda: smp.DistributedOptimizer(model, "adamw"))
     expect_error("an optimizer over tensors no DistributedModel trains", ValueError, "model.parameters()",
