@@ -183,7 +183,8 @@ std::vector<int> stage_of_node_from(const std::vector<int>& order, const std::ve
           *std::min_element(problem.activation_copies.begin(), problem.activation_copies.end());
       double total_bytes = 0;
       for (const GraphNode& node : graph.nodes) total_bytes += node.memory_bytes + fewest_copies * node.activation_bytes;
-      // Exact on chains; on other graphs the search may miss a split that exists, so it says what it found.
+      // Exact on chains and on small graphs; on larger DAGs the search may miss a split that exists, so it says
+      // what it found.
       throw PartitionError("found no split of the " + std::to_string(graph.nodes.size()) + " modules into " +
                            std::to_string(options.num_stages) + " stages that keeps every stage within the memory "
                            "limit of " + std::to_string(options.memory_limit_bytes) + " bytes (the modules need " +
@@ -230,7 +231,19 @@ GraphPartition partition_graph(const ModuleGraph& graph, const GraphPartitionOpt
     }
     if (best_from_order && (!best || best_from_order->bottleneck < best->bottleneck)) best = std::move(best_from_order);
   }
-  if (!best) throw_no_split(graph, options, linear_problem(graph, adjacency, costs, options, orders.front(), {}));
+  if (!best) {
+    // A tight limit can leave splits that no contiguous cut of the tried orders reaches. On small graphs the
+    // exhaustive search settles it: it finds one, or proves there is none.
+    constexpr int kExhaustiveFallbackNodes = 12;
+    if (static_cast<int>(graph.nodes.size()) <= kExhaustiveFallbackNodes) {
+      try {
+        return optimal_partition_exhaustive(graph, options);
+      } catch (const PartitionError&) {
+        // None exists: say why, as below.
+      }
+    }
+    throw_no_split(graph, options, linear_problem(graph, adjacency, costs, options, orders.front(), {}));
+  }
   return std::move(*best);
 }
 

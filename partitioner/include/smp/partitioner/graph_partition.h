@@ -77,7 +77,8 @@ GraphPartition evaluate(const ModuleGraph& graph, const std::vector<int>& stage_
 // order), refines it by moving nodes across stage boundaries while the bottleneck drops, and repeats on the order
 // of the refined stages while that helps. Exact on chains (a chain's sends are priced exactly), a heuristic on
 // DAGs: the split estimates where an output's consumers will land. Deterministic: the same input gives the same
-// partition on every rank. Honours pins and the memory limit.
+// partition on every rank. Honours pins and the memory limit; when no tried order yields a split within the limit,
+// a graph of at most 12 nodes gets the exhaustive search's answer (exact), a larger one the error.
 // Throws PartitionError, naming nodes by name, for: an edge that is not from < to, more stages than nodes, a pin out
 // of range, pins against the edges (a node pinned to an earlier stage than a node it depends on), a node over the
 // memory limit alone, and a memory limit or pins that no split meets.
