@@ -19,6 +19,8 @@ smp_python_test(python_sequential_2_stages_x_2_replicas_equals_pytorch 4 pipelin
                 --smp [[{"partitions": 2, "microbatches": 4, "ddp": true, "global_batch_size": 16, "seed": 3, "device": "cpu", "nonfinite": "skip"}]])
 smp_python_test(python_graph_4_stages_with_skips_equals_pytorch 4 pipeline_worker.py --model graph
                 --smp [[{"partitions": 4, "microbatches": 4, "global_batch_size": 8, "seed": 3, "device": "cpu", "activation_checkpointing": ["b1", "skip"]}]])
+smp_python_test(python_traced_model_equals_pytorch 4 pipeline_worker.py --model traced --optimizer adamw --rtol 1e-3
+                --smp [[{"partitions": 2, "microbatches": 4, "ddp": true, "global_batch_size": 16, "seed": 3, "device": "cpu", "activation_checkpointing": ["blocks.1"]}]])
 smp_python_test(python_torchscript_sequential_equals_pytorch 2 pipeline_worker.py --model sequential --script
                 --smp [[{"partitions": 2, "microbatches": 4, "global_batch_size": 8, "seed": 3, "device": "cpu"}]])
 smp_python_test(python_torchscript_graph_interleaved_equals_pytorch 4 pipeline_worker.py --model graph --script

@@ -523,3 +523,16 @@ TEST_CASE("checkpointed modules give the gradients of plain training bit for bit
                       Catch::Matchers::Contains("no module \"block\"") && Catch::Matchers::Contains("0, 1, 2"));
   }
 }
+
+TEST_CASE("graph nodes may be named by module paths, unless one path extends another", "[graph]") {
+  smp::GraphModel graph("x");
+  graph.add("blocks.0", torch::nn::Linear(2, 2), {"x"});
+  graph.add("blocks.1", torch::nn::Linear(2, 2), {"blocks.0"});
+  std::vector<std::string> names;
+  for (const auto& [name, parameter] : graph.named_parameters()) names.push_back(name);
+  CHECK(names == std::vector<std::string>{"blocks.0.weight", "blocks.0.bias", "blocks.1.weight", "blocks.1.bias"});
+  CHECK_THROWS_WITH(graph.add("blocks", torch::nn::Linear(2, 2), {"x"}),
+                    Catch::Matchers::Contains("\"blocks\" is a prefix of node \"blocks.0\""));
+  CHECK_THROWS_WITH(graph.add("blocks.1.inner", torch::nn::Linear(2, 2), {"x"}),
+                    Catch::Matchers::Contains("\"blocks.1.inner\" extends node \"blocks.1\""));
+}

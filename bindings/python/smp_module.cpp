@@ -77,12 +77,13 @@ std::shared_ptr<py::object> held_under_gil(py::object object) {
 }
 
 // An eager PyTorch module: the same parameter and buffer tensors under the same names and submodules, and a
-// forward that calls the Python module under the GIL (the engine runs with the GIL released). Its autograd graph
-// is LibTorch's like any other; only backward functions written in Python take the GIL again, as in PyTorch.
+// forward that calls the Python module under the GIL (the engine runs with the GIL released), or `call` when given
+// (a traced model's node: the module with the arguments its call site passes). Its autograd graph is LibTorch's
+// like any other; only backward functions written in Python take the GIL again, as in PyTorch.
 class EagerModule : public torch::nn::Module {
  public:
-  explicit EagerModule(const py::object& module)
-      : module_(held_under_gil(module)) {
+  explicit EagerModule(const py::object& module, const py::object& call = py::none())
+      : module_(held_under_gil(module)), call_(held_under_gil(call.is_none() ? module : call)) {
     py::gil_scoped_acquire gil;
     for (const auto& item : module.attr("named_parameters")(py::arg("recurse") = false)) {
       const auto pair = item.cast<py::tuple>();
@@ -111,7 +112,7 @@ class EagerModule : public torch::nn::Module {
     py::gil_scoped_acquire gil;
     py::tuple arguments(inputs.size());
     for (std::size_t i = 0; i < inputs.size(); ++i) arguments[i] = py::cast(inputs[i]);
-    py::object output = (*module_)(*arguments);
+    py::object output = (*call_)(*arguments);
     try {
       return output.cast<at::Tensor>();
     } catch (const py::cast_error&) {
@@ -122,6 +123,7 @@ class EagerModule : public torch::nn::Module {
 
  private:
   std::shared_ptr<py::object> module_;
+  std::shared_ptr<py::object> call_;
 };
 
 std::shared_ptr<ScriptedModule> load_scripted(const py::bytes& serialized) {
@@ -211,8 +213,10 @@ PYBIND11_MODULE(_smp, module) {
   py::class_<ScriptedModule, std::shared_ptr<ScriptedModule>>(module, "ScriptedModule");
   module.def("load_scripted", &load_scripted, py::arg("serialized"));
   py::class_<EagerModule, std::shared_ptr<EagerModule>>(module, "EagerModule");
-  module.def("wrap_eager", [](const py::object& module) { return std::make_shared<EagerModule>(module); },
-             py::arg("module"));
+  module.def(
+      "wrap_eager",
+      [](const py::object& module, const py::object& call) { return std::make_shared<EagerModule>(module, call); },
+      py::arg("module"), py::arg("call") = py::none());
 
   py::class_<GraphModel>(module, "GraphModel")
       .def(py::init<std::string>(), py::arg("input_name") = "input")

@@ -30,8 +30,18 @@ GraphModel::Forward GraphModel::any_forward(torch::nn::AnyModule module, const s
 
 GraphModel& GraphModel::add(const std::string& name, std::shared_ptr<torch::nn::Module> module, Forward forward,
                             std::vector<std::string> inputs) {
-  if (name.find('.') != std::string::npos) {
-    throw ConfigError("GraphModel: node name \"" + name + "\" contains '.', which separates parameter names");
+  // Parameter names are "<node>.<parameter>": a dotted name (a module's path, "blocks.0") is fine unless one node's
+  // name is a path prefix of another's, where "a" + "b.w" and "a.b" + "w" would both be "a.b.w".
+  for (std::size_t dot = name.find('.'); dot != std::string::npos; dot = name.find('.', dot + 1)) {
+    if (index_.count(name.substr(0, dot))) {
+      throw ConfigError("GraphModel: node name \"" + name + "\" extends node \"" + name.substr(0, dot) +
+                        "\"; their parameter names could collide");
+    }
+  }
+  const auto after = index_.lower_bound(name + ".");
+  if (after != index_.end() && after->first.rfind(name + ".", 0) == 0) {
+    throw ConfigError("GraphModel: node name \"" + name + "\" is a prefix of node \"" + after->first +
+                      "\"; their parameter names could collide");
   }
   return add_node({name, std::move(module), std::move(forward), std::move(inputs)});
 }

@@ -52,6 +52,23 @@ class Head(torch.nn.Module):
         return self.project(self.norm(x))
 
 
+class GPT(torch.nn.Module):
+    """An ordinary PyTorch model with a forward of its own: smp traces it (torch.fx) and cuts stages between embed,
+    the blocks and head."""
+
+    def __init__(self, vocab_size: int, context: int, width: int, heads: int, layers: int):
+        super().__init__()
+        self.embed = Embedding(vocab_size, context, width)
+        self.blocks = torch.nn.ModuleList([Block(width, heads, context) for _ in range(layers)])
+        self.head = Head(width, vocab_size)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 def next_byte_loss(logits, targets):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
@@ -91,10 +108,7 @@ def main():
 
     torch.manual_seed(seed)
     vocab, context, width = model_options.get("vocab_size", 256), model_options.get("context", 64), model_options.get("d_model", 64)
-    layers = [Embedding(vocab, context, width)]
-    layers += [Block(width, model_options.get("heads", 4), context) for _ in range(model_options.get("layers", 6))]
-    layers.append(Head(width, vocab))
-    net = torch.nn.Sequential(*layers)
+    net = GPT(vocab, context, width, model_options.get("heads", 4), model_options.get("layers", 6))
 
     microbatch = global_batch // runtime.data_parallel_degree // runtime.config.microbatches
     model = smp.DistributedModel(net, batch(corpus, seed, -1, microbatch, length)[0])

@@ -69,7 +69,51 @@ def main():
         failures.append("an eager module's own parameters did not change after a step")
     if "0.linear.weight" not in eager_model.named_parameters():
         failures.append(f"eager parameter names: {sorted(eager_model.named_parameters())}")
-    expect_error("a model that is not a Sequential", TypeError, "nn.Sequential",
+    expect_error("not a module", TypeError, "torch.nn.Module", lambda: smp.DistributedModel(len, torch.zeros(2, 3)))
+
+    # Models with a forward of their own are traced with torch.fx; what cannot be cut into stages is refused.
+    class Branching(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.a(x) if x.sum() > 0 else x  # control flow on a tensor's value
+
+    class TwoInputs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(3, 3)
+
+        def forward(self, x, y):
+            return self.a(x) + y
+
+    class Pair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.a(x), x
+
+    class UsesBoth(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pair = Pair()
+
+        def forward(self, x):
+            out, skip = self.pair(x)
+            return out + skip
+
+    expect_error("a forward torch.fx cannot trace", smp.ModelError, "cannot trace Branching's forward",
+                 lambda: smp.DistributedModel(Branching(), torch.zeros(2, 3)))
+    expect_error("a forward of two inputs", smp.ModelError, "takes 2 inputs",
+                 lambda: smp.DistributedModel(TwoInputs(), torch.zeros(2, 3)))
+    expect_error("a forward returning a tuple", smp.ModelError, "returns tuple",
+                 lambda: smp.DistributedModel(Pair(), torch.zeros(2, 3)))
+    expect_error("two elements of a child's tuple", smp.ModelError, "child 'pair'",
+                 lambda: smp.DistributedModel(UsesBoth(), torch.zeros(2, 3)))
+    expect_error("a parameter of the model itself", smp.ModelError, "uses the parameter 'weight' directly",
                  lambda: smp.DistributedModel(torch.nn.Linear(3, 3), torch.zeros(2, 3)))
     expect_error("a sample the model rejects", smp.ModelError, "0",
                  lambda: smp.DistributedModel(torch.nn.Sequential(torch.nn.Linear(3, 3)), torch.zeros(2, 5)))

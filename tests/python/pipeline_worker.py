@@ -4,7 +4,8 @@ Exits 0 only then, so `smprun -n N -- python pipeline_worker.py ...` fails when 
 "device": "cuda" smp trains on the GPU against plain PyTorch on the CPU; without a GPU that exits 77 (skipped).
 
   --smp JSON     the config (as smp.init takes a dict)
-  --model NAME   "sequential" (blocks with nested parameter names) or "graph" (a residual and a skip across stages)
+  --model NAME   "sequential" (blocks with nested parameter names), "graph" (a residual and a skip across stages)
+                 or "traced" (a model with a forward of its own, which smp traces with torch.fx)
   --steps N
   --optimizer    "sgd" (torch.optim.SGD, momentum 0.9) or "adamw" (torch.optim.AdamW with two parameter groups,
                  weight decay on matrices only, and a LambdaLR warm-up); Adam turns float rounding in near-zero
@@ -55,6 +56,41 @@ def graph_nodes():
             ("head", torch.nn.Linear(32, OUTPUTS), ["skip"])]
 
 
+class WithAuxiliary(torch.nn.Module):
+    """Returns (output, auxiliary), as nn.MultiheadAttention returns (output, weights); the model uses [0]."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        y = torch.tanh(self.linear(x))
+        return y, y.sum()
+
+
+class TracedModel(torch.nn.Module):
+    """A forward of its own: residuals written inline, a ModuleList, shape arithmetic, a buffer of the model, a
+    child returning a tuple, and a skip from the first block to the head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(WIDTH, 32)
+        self.blocks = torch.nn.ModuleList([Block(32, 32) for _ in range(3)])
+        self.mixer = WithAuxiliary(32)
+        self.head = torch.nn.Linear(32, OUTPUTS)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 32))
+
+    def forward(self, x):
+        h = self.embed(x)
+        first = h
+        for block in self.blocks:
+            h = h + block(h)
+        h = self.mixer(h)[0] * self.scale
+        batch = h.size(0)
+        h = (h.reshape(batch, 4, 8) * 0.5).reshape(batch, -1)
+        return self.head(h + first)
+
+
 def graph_forward(nodes, x):
     values = {"x": x}
     for name, module, inputs in nodes:
@@ -65,7 +101,7 @@ def graph_forward(nodes, x):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--smp", required=True)
-    parser.add_argument("--model", choices=["sequential", "graph"], default="sequential")
+    parser.add_argument("--model", choices=["sequential", "graph", "traced"], default="sequential")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     parser.add_argument("--rtol", type=float, default=1e-4)
@@ -86,6 +122,12 @@ def main():
         reference_forward = reference
         reference_parameters = dict(reference.named_parameters())
         model_input = torch.jit.script(net) if args.script else net
+    elif args.model == "traced":
+        net = TracedModel()
+        reference = copy.deepcopy(net)
+        reference_forward = reference
+        reference_parameters = dict(reference.named_parameters())
+        model_input = net
     else:
         nodes = graph_nodes()
         reference_nodes = copy.deepcopy(nodes)

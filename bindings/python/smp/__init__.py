@@ -6,7 +6,7 @@ Every process of the job runs the same script, launched by smprun (``smprun -n 8
 
     smp.init("config.json")                       # partitions, microbatches, pipeline, ddp, ...
     torch.manual_seed(0)                          # every rank builds the same weights
-    net = torch.nn.Sequential(...)                # stages are cut between its children
+    net = MyModel()                               # any nn.Module: stages are cut between its children
     model = smp.DistributedModel(net, sample)     # sample: one microbatch; rank 0 profiles and partitions
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4))
     for inputs, targets in batches:               # the global batch, the same on every rank
@@ -23,6 +23,7 @@ copied, so there they are the copy's).
 
 import io
 import json
+import operator
 import os
 import weakref
 
@@ -71,15 +72,15 @@ def _kind(module):
     return type(module).__name__
 
 
-def _engine_module(name, module):
+def _engine_module(name, module, call=None):
     """A module as the engine takes it: a scripted one as TorchScript (it then runs without Python), any other
-    nn.Module as itself (its forward is called from the engine, in Python)."""
+    nn.Module as itself (its forward, or `call`, is called from the engine, in Python)."""
     if isinstance(module, torch.jit.ScriptModule):
         buffer = io.BytesIO()
         torch.jit.save(module, buffer)
         return _smp.load_scripted(buffer.getvalue())
     if isinstance(module, torch.nn.Module):
-        return _smp.wrap_eager(module)
+        return _smp.wrap_eager(module, call)
     raise TypeError(f"module '{name}': expected a torch.nn.Module, got {type(module).__name__}")
 
 
@@ -100,6 +101,11 @@ class GraphModel:
         self._graph.add(name, _engine_module(name, module), list(inputs))
         return self
 
+    def _add_call(self, name, module, call, inputs):
+        """A node that trains `module`'s parameters but runs `call(*inputs)` (a traced call site)."""
+        self._graph.add(name, _engine_module(name, module, call), list(inputs))
+        return self
+
     @staticmethod
     def from_sequential(sequential, input_name="input"):
         """One node per child, named as in the Sequential, so parameter names match its state_dict."""
@@ -114,6 +120,14 @@ class GraphModel:
             raise ModelError("the Sequential has no modules")
         return graph
 
+    @staticmethod
+    def from_module(model, sample_input):
+        """A model with a forward of its own, traced with torch.fx: one node per call of a child module (the
+        elements of a ModuleList or ModuleDict child count as children), named by its path in the model so that
+        parameter names match its state_dict, and one node per tensor-valued operation between them. See
+        _traced_graph for what cannot be traced."""
+        return _traced_graph(model, sample_input)
+
     def node_names(self):
         return self._graph.node_names()
 
@@ -122,8 +136,200 @@ class GraphModel:
         return self._graph.forward(input)
 
 
+def _leaf_paths(model):
+    """Paths of the modules a traced model is cut between: its children, the elements of ModuleList and ModuleDict
+    children (recursively) standing in for those containers, which cannot be called."""
+    paths = set()
+
+    def visit(prefix, module):
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+                visit(path + ".", child)
+            else:
+                paths.add(path)
+
+    visit("", model)
+    return paths
+
+
+class _Operation(torch.nn.Module):
+    """A traced operation between modules, as a module without parameters: runs `evaluate` on its inputs."""
+
+    def __init__(self, evaluate, text):
+        super().__init__()
+        self._evaluate = evaluate
+        self._text = text
+
+    def forward(self, *tensors):
+        return self._evaluate(*tensors)
+
+    def extra_repr(self):
+        return self._text
+
+
+def _traced_graph(model, sample_input):
+    """Traces `model` with torch.fx, its children (see _leaf_paths) kept whole. Every value the forward computes
+    becomes a node when it is a tensor that depends on the input; other values (shapes, sizes, constants, the
+    model's buffers) are computed again inside each node that uses them. Refused, with the reason: a forward that
+    torch.fx cannot trace (control flow on tensor values), more than one input, an output that is not one tensor,
+    a parameter of the model itself used in its forward (it belongs in a child module), and a child whose output
+    is a tuple of which more than one element is used."""
+    import torch.fx as fx
+
+    name = type(model).__name__
+    leaves = _leaf_paths(model)
+
+    class Tracer(fx.Tracer):
+        # Also torch.nn's own modules (fx's default), for a forward that reaches into a child's submodules.
+        def is_leaf_module(self, module, path):
+            return path in leaves or super().is_leaf_module(module, path)
+
+    try:
+        graph = Tracer().trace(model)
+    except Exception as error:  # noqa: BLE001 - torch.fx raises many kinds
+        raise ModelError(f"cannot trace {name}'s forward with torch.fx ({type(error).__name__}: {error}); write the "
+                         "model as an smp.GraphModel") from error
+    traced = fx.GraphModule(model, graph)
+    traced.graph.eliminate_dead_code()
+    nodes = list(traced.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    if len(placeholders) != 1:
+        raise ModelError(f"{name}'s forward takes {len(placeholders)} inputs; smp passes one tensor per microbatch")
+
+    # What each value is on the sample, to know tensors from the rest: in eval mode and without gradients, so that
+    # no batch norm statistic or random number is spent.
+    values = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, node):
+            values[node] = super().run_node(node)
+            return values[node]
+
+    modes = [m.training for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            Recorder(traced).run(sample_input)
+    except Exception as error:  # noqa: BLE001
+        raise ModelError(f"{name} fails on the sample input {tuple(sample_input.shape)}: {error}") from error
+    finally:
+        for module, mode in zip(model.modules(), modes):
+            module.training = mode
+
+    def attribute(target):
+        value = traced
+        for part in target.split("."):
+            value = getattr(value, part)
+        return value
+
+    # Materialized values: the input and the nodes below. Everything else is recomputed where it is used.
+    source_name = {placeholders[0]: placeholders[0].name}
+    element = {}  # a getitem on a child's tuple output -> (the child's node, the index)
+    for node in nodes:
+        if node.op == "get_attr" and isinstance(attribute(node.target), torch.nn.Parameter):
+            raise ModelError(f"{name}'s forward uses the parameter '{node.target}' directly; put it in a child "
+                             "module (called from the forward) so that a pipeline stage holds and trains it")
+
+    def sources_of(node, found, seen):
+        """The materialized values `node` depends on, through values recomputed in place."""
+        for argument in node.all_input_nodes:
+            if argument in seen:
+                continue
+            seen.add(argument)
+            if argument in source_name:
+                found.append(argument)
+            else:
+                sources_of(argument, found, seen)
+        return found
+
+    def evaluator(node, sources):
+        """Computes `node` from the materialized `sources` (in order), recomputing what lies between."""
+        def evaluate(*tensors):
+            env = dict(zip(sources, tensors))
+            device = tensors[0].device if tensors else None
+
+            def value_of(n):
+                if n in env:
+                    return env[n]
+                if n.op == "get_attr":  # a buffer or constant of the model: on the inputs' device
+                    result = attribute(n.target)
+                    if isinstance(result, torch.Tensor) and device is not None:
+                        result = result.to(device)
+                else:
+                    args = fx.node.map_arg(n.args, value_of)
+                    kwargs = fx.node.map_arg(n.kwargs, value_of)
+                    if n.op == "call_function":
+                        result = n.target(*args, **kwargs)
+                    elif n.op == "call_method":
+                        result = getattr(args[0], n.target)(*args[1:], **kwargs)
+                    elif n.op == "call_module":
+                        result = attribute(n.target)(*args, **kwargs)
+                        if n in element:
+                            result = result[element[n]]
+                    else:
+                        raise ModelError(f"unexpected traced operation {n.op} {n.target}")
+                env[n] = result
+                return result
+
+            return value_of(node)
+        return evaluate
+
+    result = GraphModel(placeholders[0].name)
+    used_names = set()
+    output = None
+    for node in nodes:
+        if node.op == "output":
+            output = node.args[0]
+            continue
+        if node.op in ("placeholder", "get_attr"):
+            continue
+        value = values[node]
+        if node.op == "call_module":
+            if not isinstance(value, torch.Tensor):
+                # A child returning a tuple: fine when its users take one element of it (nn.MultiheadAttention's
+                # output, weights).
+                indexes = {user.args[1] for user in node.users
+                           if user.op == "call_function" and user.target is operator.getitem}
+                if len(indexes) != 1 or len(node.users) != sum(1 for _ in node.users if _.target is operator.getitem):
+                    raise ModelError(f"child '{node.target}' of {name} returns {type(value).__name__}; a pipeline "
+                                     "stage passes tensors, so only one element of it may be used")
+                element[node] = indexes.pop()
+                for user in node.users:
+                    source_name[user] = None  # resolved to the child's node below
+            module = attribute(node.target)
+            node_name = node.target if node.target not in used_names else f"{node.target}_{node.name}"
+        elif isinstance(value, torch.Tensor) and node not in source_name:
+            module, node_name = None, node.name
+        else:
+            continue
+        sources = sources_of(node, [], set())
+        if not sources and module is None:  # a constant: recomputed where it is used
+            continue
+        evaluate = evaluator(node, sources)
+        inputs = [source_name[s] for s in sources]
+        if module is None:
+            result.add(node_name, _Operation(evaluate, node.format_node()), inputs)
+        else:
+            result._add_call(node_name, module, evaluate, inputs)
+        used_names.add(node_name)
+        source_name[node] = node_name
+        for user in list(node.users) if node in element else []:
+            source_name[user] = node_name
+    if not isinstance(output, fx.Node) or not isinstance(values.get(output), torch.Tensor):
+        raise ModelError(f"{name}'s forward returns {type(values.get(output, output)).__name__}; smp needs one tensor "
+                         "(the loss function's first argument)")
+    if source_name.get(output) != result.node_names()[-1]:
+        # The model's output must be the graph's last node.
+        sources = sources_of(output, [], set()) if output not in source_name else [output]
+        result.add("output", _Operation(evaluator(output, sources), "output"),
+                   [source_name[s] for s in sources])
+    return result
+
+
 class DistributedModel:
-    """This rank's stages of `model` (an nn.Sequential or an smp.GraphModel). Every rank passes the same model and
+    """This rank's stages of `model` (an nn.Sequential, an smp.GraphModel, or any nn.Module with a forward of its
+    own, traced: GraphModel.from_module). Every rank passes the same model and
     one microbatch of input as `sample_input`: rank 0 profiles the modules on it and all ranks adopt its partition.
     """
 
@@ -132,10 +338,14 @@ class DistributedModel:
             graph = model
         elif _is_sequential(model):
             graph = GraphModel.from_sequential(model)
+        elif isinstance(model, torch.jit.ScriptModule):
+            # TorchScript keeps no Python forward to trace: its children would run as a chain, wrongly.
+            raise TypeError(f"pass an nn.Sequential or an smp.GraphModel, got {_kind(model)}: script its children, "
+                            "not the model, or pass the model unscripted (smp traces its forward)")
+        elif isinstance(model, torch.nn.Module):
+            graph = GraphModel.from_module(model, sample_input)
         else:
-            # A module's own forward cannot be cut into stages: its children would run as a chain, wrongly.
-            raise TypeError(f"pass an nn.Sequential or an smp.GraphModel, got {_kind(model)}: pipeline stages are "
-                            "cut between a model's modules, so write a model with its own forward as a GraphModel")
+            raise TypeError(f"expected a torch.nn.Module or an smp.GraphModel, got {type(model).__name__}")
         self._model = _smp.DistributedModel(runtime(), graph._graph, sample_input)
         _models.add(self)
 
