@@ -127,7 +127,11 @@ configure() {
     -DSMP_BUILD_PYTHON="$1" -DPython3_EXECUTABLE="$(command -v "$python")" \
     "${extra_args[@]}" >&2 || die "configure failed (see above)"
 }
-configure "${SMP_GPU_PYTHON_PACKAGE:-ON}"
+case ${SMP_GPU_PYTHON_PACKAGE:-ON} in
+  ON | on | On | 1 | TRUE | true | YES | yes) python_package=ON ;;
+  *) python_package=OFF ;;
+esac
+configure "$python_package"
 if [ "${SMP_GPU_CONFIGURE_ONLY:-0}" = 1 ]; then
   say "configured $build (SMP_GPU_CONFIGURE_ONLY=1: not building)"
   exit 0
@@ -136,14 +140,24 @@ fi
 targets=()
 (($#)) && targets=(--target "$@")
 say "building ${*:-all} with $(nproc) jobs"
-if ! logged build_gpu.txt cmake --build "$build" --parallel "$(nproc)" "${targets[@]}"; then
-  # The C++ GPU tests must still run when only the Python package fails to build here: say so, build without it.
-  [ "${SMP_GPU_PYTHON_PACKAGE:-ON}" = ON ] || die "build failed (see above)"
-  say "build FAILED with the Python package; building without it (its failure is in build_gpu.txt)"
-  [ -n "$out" ] && cp "$out/build_gpu.txt" "$out/build_gpu_python.txt"
-  configure OFF
-  logged build_gpu.txt cmake --build "$build" --parallel "$(nproc)" "${targets[@]}" || die "build failed (see above)"
+build_log=$(mktemp)
+if ! cmake --build "$build" --parallel "$(nproc)" "${targets[@]}" 2>&1 | tee "$build_log"; then
+  [ -n "$out" ] && cp "$build_log" "$out/build_gpu.txt"
+  # The C++ GPU tests must still run when only the Python package fails to build here (ninja names every failed
+  # object after FAILED:); any other failure is the build's.
+  if [ "$python_package" = ON ] && grep -q '^FAILED: .*bindings/' "$build_log" &&
+     ! grep '^FAILED:' "$build_log" | grep -qv 'bindings/'; then
+    say "the Python package FAILED to build here; building the rest without it (its log: build_gpu_python.txt)"
+    [ -n "$out" ] && cp "$build_log" "$out/build_gpu_python.txt"
+    configure OFF
+    logged build_gpu.txt cmake --build "$build" --parallel "$(nproc)" "${targets[@]}" || die "build failed (see above)"
+  else
+    die "build failed (see above)"
+  fi
+elif [ -n "$out" ]; then
+  cp "$build_log" "$out/build_gpu.txt"
 fi
+rm -f "$build_log"
 
 # --- tests and benchmark: both run even when the other fails; the exit status is the first failure ----------
 status=0

@@ -518,6 +518,43 @@ TEST_CASE("checkpointed modules give the gradients of plain training bit for bit
   SECTION("a checkpointed module inside a checkpointed stage") {
     check_same_state(state_after_a_step(""), state_after_a_step(R"(, "activation_checkpointing": [0, "1"])"));
   }
+  SECTION("a parameter registered twice in the module, and a hook on a parameter, count once") {
+    const auto gradients = [](const std::string& extra_keys) {
+      const auto config = smp::Config::from_json_text(
+          R"({"device": "cpu", "microbatches": 2)" + extra_keys + "}", "test config");
+      auto runtime = smp::Runtime::init(config, smp::comm::LaunchInfo{});
+      at::manual_seed(4);
+      torch::nn::Linear shared(4, 4);
+      torch::nn::Sequential twice(shared, torch::nn::Tanh(), shared);  // one weight, registered under 0 and 2
+      smp::GraphModel graph("x");
+      graph.add("in", torch::nn::Linear(3, 4), {"x"});
+      graph.add("twice", twice.ptr(), [twice](const std::vector<at::Tensor>& x) mutable { return twice->forward(x[0]); },
+                {"in"});
+      graph.add("out", torch::nn::Linear(4, 2), {"twice"});
+      smp::DistributedModel model(runtime, graph, at::zeros({2, 3}));
+      shared->weight.register_hook([](const at::Tensor& gradient) { return gradient * 0.5; });
+      at::manual_seed(5);
+      const auto loss = [](const at::Tensor& output, const at::Tensor& target) { return at::mse_loss(output, target); };
+      model.train_step(at::randn({4, 3}), at::randn({4, 2}), loss);
+      std::vector<at::Tensor> result;
+      for (const auto& parameter : model.parameters()) result.push_back(parameter.grad().clone());
+      return result;
+    };
+    check_same_state(gradients(""), gradients(R"(, "activation_checkpointing": ["twice"])"));
+  }
+  SECTION("a module that writes into its input is refused, naming it") {
+    const auto config = smp::Config::from_json_text(
+        R"({"device": "cpu", "microbatches": 2, "activation_checkpointing": ["relu"]})", "test config");
+    auto runtime = smp::Runtime::init(config, smp::comm::LaunchInfo{});
+    smp::GraphModel graph("x");
+    graph.add("in", torch::nn::Linear(3, 4), {"x"});
+    graph.add("relu", torch::nn::ReLU(torch::nn::ReLUOptions().inplace(true)), {"in"});
+    graph.add("out", torch::nn::Linear(4, 2), {"relu"});
+    smp::DistributedModel model(runtime, graph, at::zeros({2, 3}));
+    const auto loss = [](const at::Tensor& output, const at::Tensor& target) { return at::mse_loss(output, target); };
+    CHECK_THROWS_WITH(model.train_step(at::randn({4, 3}), at::randn({4, 2}), loss),
+                      Catch::Matchers::Contains("module \"relu\" modifies its input 0 in place"));
+  }
   SECTION("a module name that selects nothing is refused, naming the modules") {
     CHECK_THROWS_WITH(state_after_a_step(R"(, "activation_checkpointing": ["block"])"),
                       Catch::Matchers::Contains("no module \"block\"") && Catch::Matchers::Contains("0, 1, 2"));

@@ -109,6 +109,20 @@ TEST_CASE("payloads matched in order, as NCCL matches them, still train like sin
   check_clean_run(result, 3);
 }
 
+TEST_CASE("a stage may write into what it received, as in-place ReLUs do", "[training][multiprocess][graph]") {
+  // Stages 1 and 2 begin with an in-place ReLU.
+  const std::string pins = R"(, "auto_partition": false, "partition_overrides": {"0": 0, "1": 1, "2": 1, "3": 2, "4": 3})";
+  const auto config = write_config("inplace", smp_config(4, 1, 4, "zero_bubble", "cluster", 8, 60, pins));
+  check_clean_run(run_worker(4, config, "--model inplace --steps 3"), 4);
+
+  // Checkpointed, such a stage would recompute from the overwritten values: refused, naming it.
+  const auto checkpointed = write_config("inplace_checkpointed", smp_config(4, 1, 4, "interleaved", "cluster", 8, 60,
+                                                                         pins + R"(, "activation_checkpointing": [1])"));
+  const auto refused = run_worker(4, checkpointed, "--model inplace --steps 1");
+  CHECK(refused.status != 0);
+  CHECK_THAT(refused.output, Contains("stage 1 modifies what it receives from stage 0 in place"));
+}
+
 TEST_CASE("impossible partitions are refused naming the modules", "[training][multiprocess][graph]") {
   const auto too_many = write_config("too_many_stages", smp_config(8, 1, 2, "interleaved", "cluster", 4, 30,
                                                                    R"(, "virtual_stages": 2)"));

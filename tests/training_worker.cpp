@@ -140,6 +140,13 @@ smp::GraphModel make_model(const Options& options) {
     graph.add("out", torch::nn::Linear(32, kMlpOut), {"decoder"});
     return graph;
   }
+  if (options.model == "inplace") {
+    // In-place ReLUs, as CNNs use them: cut before one, a stage writes into the tensor it received.
+    torch::nn::Sequential inplace(torch::nn::Linear(kMlpIn, 32), torch::nn::ReLU(torch::nn::ReLUOptions().inplace(true)),
+                                  torch::nn::Linear(32, 32), torch::nn::ReLU(torch::nn::ReLUOptions().inplace(true)),
+                                  torch::nn::Linear(32, kMlpOut));
+    return smp::GraphModel::from_sequential(inplace);
+  }
   torch::nn::Sequential mlp;
   mlp->push_back(torch::nn::Linear(kMlpIn, 32));
   for (int layer = 0; layer < 3; ++layer) {

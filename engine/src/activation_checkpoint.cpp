@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 
@@ -10,7 +11,11 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
+
+#include "smp/errors.h"
 
 namespace smp {
 
@@ -33,14 +38,42 @@ namespace {
 
 using torch::autograd::variable_list;
 
+// While it lives, the parameters' tensor hooks are set aside: an inner pass that only computes their gradients
+// (torch::autograd::grad runs the hooks of what it captures) must not run hooks that the outer pass, accumulating
+// those gradients, runs again.
+class ParameterHooksSetAside {
+ public:
+  explicit ParameterHooksSetAside(const std::vector<at::Tensor>& parameters) {
+    for (const auto& parameter : parameters) {
+      auto accumulator = torch::autograd::impl::try_get_grad_accumulator(parameter);
+      if (!accumulator || accumulator->tensor_pre_hooks().empty()) continue;
+      set_aside_.emplace_back(accumulator, std::move(accumulator->tensor_pre_hooks()));
+      accumulator->tensor_pre_hooks().clear();
+    }
+  }
+  ~ParameterHooksSetAside() {
+    for (auto& [accumulator, hooks] : set_aside_) accumulator->tensor_pre_hooks() = std::move(hooks);
+  }
+  ParameterHooksSetAside(const ParameterHooksSetAside&) = delete;
+  ParameterHooksSetAside& operator=(const ParameterHooksSetAside&) = delete;
+
+ private:
+  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>,
+                        std::vector<std::unique_ptr<torch::autograd::FunctionPreHook>>>>
+      set_aside_;
+};
+
 // The gradient function of a checkpointed module's output. Its next edges are the module's inputs, then its
 // parameters, so that their gradients flow on (and accumulate) exactly as without checkpointing.
 class RecomputeBackward final : public torch::autograd::Node {
  public:
-  RecomputeBackward(GraphModel::Forward forward, const std::vector<at::Tensor>& inputs,
-                    std::vector<at::Tensor> parameters, std::vector<at::Tensor> buffers, RandomState random,
-                    std::optional<AutocastSetting> autocast, c10::Device device)
-      : forward_(std::move(forward)),
+  RecomputeBackward(std::string name, GraphModel::Forward forward, const std::vector<at::Tensor>& inputs,
+                    std::vector<uint32_t> input_versions, std::vector<at::Tensor> parameters,
+                    std::vector<at::Tensor> buffers, RandomState random, std::optional<AutocastSetting> autocast,
+                    c10::Device device)
+      : name_(std::move(name)),
+        forward_(std::move(forward)),
+        input_versions_(std::move(input_versions)),
         parameters_(std::move(parameters)),
         buffers_(std::move(buffers)),
         random_(std::move(random)),
@@ -49,7 +82,6 @@ class RecomputeBackward final : public torch::autograd::Node {
     for (const auto& input : inputs) {
       inputs_.push_back(input.detach());
       input_requires_grad_.push_back(input.requires_grad());
-      input_versions_.push_back(input._version());
     }
   }
 
@@ -60,8 +92,10 @@ class RecomputeBackward final : public torch::autograd::Node {
     std::vector<at::Tensor> inputs;
     for (std::size_t i = 0; i < inputs_.size(); ++i) {
       // Recomputing from an input changed since would differentiate another function: refuse, as autograd does.
-      TORCH_CHECK(inputs_[i]._version() == input_versions_[i], "a checkpointed module's input ", i,
-                  " was modified in place after its forward; its backward cannot recompute it");
+      if (inputs_[i]._version() != input_versions_[i]) {
+        throw ModelError("checkpointed module \"" + name_ + "\": its input " + std::to_string(i) +
+                         " was modified in place after its forward, so its backward cannot recompute it");
+      }
       at::Tensor leaf = inputs_[i].detach();
       if (input_requires_grad_[i]) leaf.requires_grad_(true);
       inputs.push_back(leaf);
@@ -74,25 +108,29 @@ class RecomputeBackward final : public torch::autograd::Node {
       if (autocast_) scope.emplace(*autocast_);
       output = forward_(inputs);
     }
-    // Gradients for what this backward pass asks of us (the zero-bubble input pass wants the inputs' alone, its
-    // weight pass the parameters'), in the order of the next edges; undefined elsewhere.
-    variable_list wrt;
+    // What this backward pass asks of us (the zero-bubble input pass wants the inputs' gradients alone, its weight
+    // pass the parameters'), in the order of the next edges; undefined elsewhere. The outer pass accumulates the
+    // parameters' gradients, running their hooks (the user's, the gradient reducer's) once.
+    variable_list wanted;
     std::vector<std::size_t> slot;
+    std::vector<at::Tensor> wanted_parameters;
     for (std::size_t i = 0; i < inputs.size(); ++i) {
       if (inputs[i].requires_grad() && task_should_compute_output(i)) {
-        wrt.push_back(inputs[i]);
+        wanted.push_back(inputs[i]);
         slot.push_back(i);
       }
     }
     for (std::size_t i = 0; i < parameters_.size(); ++i) {
       if (parameters_[i].requires_grad() && task_should_compute_output(inputs.size() + i)) {
-        wrt.push_back(parameters_[i]);
+        wanted.push_back(parameters_[i]);
+        wanted_parameters.push_back(parameters_[i]);
         slot.push_back(inputs.size() + i);
       }
     }
     variable_list grads(inputs.size() + parameters_.size());
-    if (!wrt.empty() && output.requires_grad() && output_grads.at(0).defined()) {
-      const auto computed = torch::autograd::grad({output}, wrt, {output_grads[0]}, /*retain_graph=*/false,
+    if (!wanted.empty() && output.requires_grad() && output_grads.at(0).defined()) {
+      const ParameterHooksSetAside once(wanted_parameters);
+      const auto computed = torch::autograd::grad({output}, wanted, {output_grads[0]}, /*retain_graph=*/false,
                                                   /*create_graph=*/false, /*allow_unused=*/true);
       for (std::size_t k = 0; k < computed.size(); ++k) grads[slot[k]] = computed[k];
     }
@@ -100,10 +138,11 @@ class RecomputeBackward final : public torch::autograd::Node {
   }
 
  private:
+  std::string name_;
   GraphModel::Forward forward_;
-  std::vector<at::Tensor> inputs_;  // detached: the one thing a checkpoint keeps
+  std::vector<uint32_t> input_versions_;  // as the first run found them
+  std::vector<at::Tensor> inputs_;        // detached: the one thing a checkpoint keeps
   std::vector<bool> input_requires_grad_;
-  std::vector<uint32_t> input_versions_;
   std::vector<at::Tensor> parameters_;
   std::vector<at::Tensor> buffers_;
   RandomState random_;
@@ -116,7 +155,14 @@ class RecomputeBackward final : public torch::autograd::Node {
 at::Tensor checkpointed_forward(const GraphModel::Node& node, const std::vector<at::Tensor>& inputs,
                                 std::optional<AutocastSetting> autocast, c10::Device device) {
   const GraphModel::Forward& forward = node.forward;
-  const std::vector<at::Tensor> parameters = node.module->parameters();
+  // Each tensor once: a parameter registered in two submodules must get its gradient once.
+  std::vector<at::Tensor> parameters;
+  {
+    std::set<const void*> seen;
+    for (const auto& parameter : node.module->parameters()) {
+      if (seen.insert(parameter.unsafeGetTensorImpl()).second) parameters.push_back(parameter);
+    }
+  }
   const auto needs_grad = [](const at::Tensor& tensor) { return tensor.defined() && tensor.requires_grad(); };
   if (!c10::GradMode::is_enabled() ||
       (std::none_of(inputs.begin(), inputs.end(), needs_grad) &&
@@ -124,10 +170,21 @@ at::Tensor checkpointed_forward(const GraphModel::Node& node, const std::vector<
     return forward(inputs);
   }
   RandomState random = RandomState::capture(device);
+  std::vector<uint32_t> versions;
+  for (const auto& input : inputs) versions.push_back(input.defined() ? input._version() : 0);
   at::Tensor output;
   {
     c10::AutoGradMode no_graph(false);
     output = forward(inputs);
+  }
+  // Without a graph nothing stops a module from writing into its input (ReLU(inplace=true) first), which would
+  // change the producer's output and what the recompute starts from.
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    if (inputs[i].defined() && inputs[i]._version() != versions[i]) {
+      throw ModelError("module \"" + node.name + "\" modifies its input " + std::to_string(i) +
+                       " in place (an in-place first operation?), so it cannot be checkpointed; make that "
+                       "operation out of place or leave the module out of \"activation_checkpointing\"");
+    }
   }
   // The output gets our gradient function; one that aliases an input or a parameter (an identity module, a view)
   // would hand it to that tensor too, so it becomes a tensor of its own first.
@@ -142,7 +199,8 @@ at::Tensor checkpointed_forward(const GraphModel::Node& node, const std::vector<
   }
   if (!at::isFloatingType(output.scalar_type()) && !at::isComplexType(output.scalar_type())) return output;
   auto gradient_function = std::shared_ptr<RecomputeBackward>(
-      new RecomputeBackward(forward, inputs, parameters, node.module->buffers(), std::move(random), autocast, device),
+      new RecomputeBackward(node.name, forward, inputs, std::move(versions), parameters, node.module->buffers(),
+                            std::move(random), autocast, device),
       torch::autograd::deleteNode);
   gradient_function->set_next_edges(torch::autograd::collect_next_edges(inputs, parameters));
   torch::autograd::create_gradient_edge(output, gradient_function);

@@ -230,7 +230,9 @@ std::int64_t Checkpointer::resume() {
   if (saved_format != optimizer_state_->format()) {
     throw CheckpointError(path + ": its optimizer state was written by a " + saved_format +
                           " optimizer, but this job's optimizer reads " + optimizer_state_->format() +
-                          " state (a checkpoint of the C++ API resumes in C++, one of the Python package in Python)");
+                          " state (C++ jobs write libtorch state, Python jobs torch.optim state since the Python "
+                          "package took torch.optim optimizers; resume with the kind of job that saved it, or load "
+                          "the parameters alone: smp_checkpoint export, then load_parameters)");
   }
   model_.load_named_parameters(contents.at("parameters").toGenericDict(), path);
   try {

@@ -233,7 +233,7 @@ StageOutputs DistributedModel::run_stage(int stage, const at::Tensor& model_inpu
   std::map<std::string, at::Tensor> values{{model_.input_name(), model_input}};
   for (const auto& [producer, tensors] : from_producers) {
     const auto& names = transfers_.at({producer, stage});
-    for (std::size_t i = 0; i < names.size(); ++i) values[names[i]] = tensors.at(i);
+    for (std::size_t i = 0; i < names.size(); ++i) values[names[i]] = GraphModel::writable_input(tensors.at(i));
   }
   const auto& nodes = model_.nodes();
   const Config& config = runtime_->config();
@@ -527,6 +527,8 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
     callbacks.synchronize = [index = device.index()] { torch::cuda::synchronize(index); };
   }
 
+  // Until the step has succeeded, it counts as dropped: an optimizer step after a step that threw is not taken.
+  last_step_skipped_ = true;
   // Gradients left by earlier steps (accumulation over several train_steps) are set aside: what a step does to
   // its gradients (the replicas' mean, a tied weight's sum over its holders, the fp16 unscale, the finite check,
   // a dropped step's zeroing) must touch this step's alone.

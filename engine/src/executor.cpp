@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include "smp/comm/tensor_transfer.h"
+#include "smp/errors.h"
 #include "activation_checkpoint.h"
 #include "split_backward.h"
 
@@ -240,10 +241,31 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
       case ActionKind::Forward: {
         entry.gradient_sends_left = static_cast<int>(graph_.producers_of(stage).size());
         const bool recomputed_later = checkpointed_[stage] && !evaluating;
-        if (recomputed_later) entry.before_forward = RandomState::capture(pipeline_.device());
+        std::vector<uint32_t> input_versions;
+        if (recomputed_later) {
+          entry.before_forward = RandomState::capture(pipeline_.device());
+          for (const auto& [producer, tensors] : entry.inputs) {
+            for (const auto& tensor : tensors) input_versions.push_back(tensor._version());
+          }
+        }
         {
           c10::AutoGradMode grad_mode(!checkpointed_[stage] && !evaluating);
           run_forward(stage, microbatch, entry);
+        }
+        if (recomputed_later) {
+          // Without a graph nothing stops the stage's first module from writing into what it received, and the
+          // recompute would then start from the changed values.
+          std::size_t next = 0;
+          for (const auto& [producer, tensors] : entry.inputs) {
+            for (const auto& tensor : tensors) {
+              if (tensor._version() != input_versions[next++]) {
+                throw ModelError("stage " + std::to_string(stage) + " modifies what it receives from stage " +
+                                 std::to_string(producer) + " in place (an in-place first operation?), so it cannot "
+                                 "be checkpointed; make that operation out of place or leave the stage out of "
+                                 "\"activation_checkpointing\"");
+              }
+            }
+          }
         }
         if (evaluating) {
           // Nothing waits for a backward: the outputs live until they are sent, the rest goes now.

@@ -4,6 +4,7 @@
 #include <set>
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 
 #include "smp/config.h"
 
@@ -26,6 +27,13 @@ GraphModel::Forward GraphModel::any_forward(torch::nn::AnyModule module, const s
       default: return shared->forward<at::Tensor>(in[0], in[1], in[2]);
     }
   };
+}
+
+at::Tensor GraphModel::writable_input(const at::Tensor& tensor) {
+  if (!tensor.defined() || !tensor.is_leaf() || !tensor.requires_grad() || !c10::GradMode::is_enabled()) return tensor;
+  // Autograd does not count _unsafe_view as a view: in-place writes to it are fine, and its gradient (reshaped to
+  // the same shape) goes to the leaf.
+  return at::_unsafe_view(tensor, tensor.sizes());
 }
 
 GraphModel& GraphModel::add(const std::string& name, std::shared_ptr<torch::nn::Module> module, Forward forward,

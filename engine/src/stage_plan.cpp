@@ -280,9 +280,10 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tens
     for (int repeat = -kUntimedRounds; repeat < repeats; ++repeat) {
       std::vector<at::Tensor> arguments;
       for (const auto& input : node.inputs) {
-        at::Tensor leaf = values.at(input).detach();
+        // A copy: a module that writes into its input must not change what the next round and the next module see.
+        at::Tensor leaf = values.at(input).detach().clone();
         if (at::isFloatingType(leaf.scalar_type())) leaf.requires_grad_(true);
-        arguments.push_back(leaf);
+        arguments.push_back(GraphModel::writable_input(leaf));
       }
       auto start = std::chrono::steady_clock::now();
       double forward_s = 0, backward_s = 0;
@@ -375,18 +376,23 @@ StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
   // forward keeps for backward (its saved tensors and its output, which the next module saves) times the
   // microbatches each stage holds at once. A checkpointed stage keeps only its inputs between forward and backward
   // (not counted) and holds one microbatch's activations while it recomputes, for which it runs forward again.
-  // A checkpointed module keeps its inputs (its producers' outputs, counted there) and its output, and runs its
-  // forward again in backward.
+  // A checkpointed module keeps its inputs (its producers' outputs, counted there) and its output, holds one
+  // microbatch's activations while it recomputes, and runs its forward again in backward: twice under the
+  // zero-bubble schedules (for the input gradients, then for the weight gradients).
   std::vector<std::string> names;
   for (const auto& module : modules) names.push_back(module.name);
   const std::vector<bool> recomputed_modules = checkpointed_modules(names, config);
+  const double module_recomputes =
+      config.pipeline == PipelineKind::ZeroBubble || config.pipeline == PipelineKind::ZeroBubbleH2 ? 2.0 : 1.0;
   part::ModuleGraph graph;
   for (std::size_t i = 0; i < modules.size(); ++i) {
     const auto& module = modules[i];
     part::GraphNode node;
     node.name = module.name;
-    node.compute_s = module.forward_s + module.backward_s + (recomputed_modules[i] ? module.forward_s : 0.0);
-    node.memory_bytes = 4.0 * static_cast<double>(module.parameter_bytes);
+    node.compute_s =
+        module.forward_s + module.backward_s + (recomputed_modules[i] ? module_recomputes * module.forward_s : 0.0);
+    node.memory_bytes = 4.0 * static_cast<double>(module.parameter_bytes) +
+                        (recomputed_modules[i] ? static_cast<double>(module.activation_bytes) : 0.0);
     node.parameter_bytes = static_cast<double>(module.parameter_bytes);
     node.activation_bytes =
         static_cast<double>((recomputed_modules[i] ? 0 : module.activation_bytes) + module.output_bytes);

@@ -66,6 +66,10 @@ class GraphModel {
 
   // The whole graph in one process, as plain LibTorch would run it: the reference the pipeline must match.
   at::Tensor forward(const at::Tensor& input) const;
+  // A tensor a stage received (a leaf that takes a gradient) as a node may take it: under grad mode a non-leaf
+  // alias of the same memory, so that a module may write into its input in place (ReLU(inplace=true)) as it may in
+  // single-process training, where that input is another module's output. Anything else as it is.
+  static at::Tensor writable_input(const at::Tensor& tensor);
 
   // Every parameter once, named "<node>.<parameter>" after the first node (in node order) that holds it: a
   // parameter shared by several nodes (tied) has one name, the same on every rank.
