@@ -526,8 +526,10 @@ TEST_CASE("errors name the modules involved") {
     options.memory_limit_bytes = 15;  // four modules of 10 bytes on two stages
     CHECK_THROWS_WITH(partition_graph(named_chain({"a", "b", "c", "d"}), options), Contains("memory limit"));
   }
-  SECTION("the exhaustive search refuses large graphs") {
+  SECTION("the exhaustive search refuses large graphs, and gives up past its budget") {
     CHECK_THROWS_AS(optimal_partition_exhaustive(uniform_chain(17), stages(2)), PartitionError);
+    CHECK_THROWS_WITH(optimal_partition_exhaustive(uniform_chain(12), stages(4), 10), Contains("gave up after 10"));
+    CHECK_NOTHROW(optimal_partition_exhaustive(uniform_chain(12), stages(4), 1'000'000));
   }
 }
 

@@ -233,13 +233,15 @@ GraphPartition partition_graph(const ModuleGraph& graph, const GraphPartitionOpt
   }
   if (!best) {
     // A tight limit can leave splits that no contiguous cut of the tried orders reaches. On small graphs the
-    // exhaustive search settles it: it finds one, or proves there is none.
+    // exhaustive search settles it: it finds one, or proves there is none (within a bounded effort: about a
+    // second at worst).
     constexpr int kExhaustiveFallbackNodes = 12;
+    constexpr std::uint64_t kExhaustiveFallbackPlacements = 20'000'000;
     if (static_cast<int>(graph.nodes.size()) <= kExhaustiveFallbackNodes) {
       try {
-        return optimal_partition_exhaustive(graph, options);
+        return optimal_partition_exhaustive(graph, options, kExhaustiveFallbackPlacements);
       } catch (const PartitionError&) {
-        // None exists: say why, as below.
+        // None exists, or the search gave up: say what was found, as below.
       }
     }
     throw_no_split(graph, options, linear_problem(graph, adjacency, costs, options, orders.front(), {}));
@@ -264,7 +266,8 @@ GraphPartition partition_by_parameters(const ModuleGraph& graph, const GraphPart
   return evaluate(graph, *detail::split_min_bottleneck(problem, options.num_stages), options);
 }
 
-GraphPartition optimal_partition_exhaustive(const ModuleGraph& graph, const GraphPartitionOptions& options) {
+GraphPartition optimal_partition_exhaustive(const ModuleGraph& graph, const GraphPartitionOptions& options,
+                                            std::uint64_t max_placements) {
   constexpr int kMaxNodes = 16;
   const Adjacency adjacency(graph);
   const StageBounds bounds = detail::validate(graph, adjacency, options);
@@ -284,7 +287,11 @@ GraphPartition optimal_partition_exhaustive(const ModuleGraph& graph, const Grap
   std::vector<int> nodes_on_stage(num_stages, 0);
   int empty_stages = num_stages;
   double best = detail::kInfinity;
+  std::uint64_t placements = 0;
   std::function<void(int)> place = [&](int node) {
+    if (max_placements > 0 && ++placements > max_placements) {
+      throw PartitionError("the exhaustive search gave up after " + std::to_string(max_placements) + " placements");
+    }
     if (node == num_nodes) {
       if (empty_stages > 0) return;
       const double bottleneck = meter.bottleneck(stage_of_node);

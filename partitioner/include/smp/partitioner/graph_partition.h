@@ -3,6 +3,7 @@
 // edges the tensors between them, and the search assigns every node a stage such that tensors only flow forward.
 // Plain C++ (no LibTorch); METIS supplies a cut-aware node order.
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -92,7 +93,9 @@ GraphPartition partition_by_parameters(const ModuleGraph& graph, const GraphPart
 
 // The optimum over every acyclic assignment (stage monotone along edges, every stage non-empty, pins and memory
 // limit honoured), by branch and bound; the yardstick for small DAGs. Throws PartitionError above 16 nodes.
-GraphPartition optimal_partition_exhaustive(const ModuleGraph& graph, const GraphPartitionOptions& options);
+// `max_placements` bounds the work (node placements tried; 0: none): past it, PartitionError saying it gave up.
+GraphPartition optimal_partition_exhaustive(const ModuleGraph& graph, const GraphPartitionOptions& options,
+                                            std::uint64_t max_placements = 0);
 
 // Throws PartitionError (naming nodes by name) unless every node is placed once on a stage in [0, num_stages),
 // every edge goes to the same or a later stage, and no stage is empty.
