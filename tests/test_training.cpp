@@ -214,6 +214,12 @@ TEST_CASE("gradients accumulate over train_steps as in plain training", "[traini
   }
 }
 
+TEST_CASE("frozen and unused parameters keep their values under replicas and weight decay",
+          "[training][multiprocess]") {
+  const auto config = write_config("frozen", smp_config(2, 2, 2, "interleaved", "cluster", 8));
+  check_clean_run(run_worker(4, config, "--model frozen --optimizer adamw --steps 3 --rtol 1e-3"), 4);
+}
+
 TEST_CASE("fp16 overflow skips the step and lowers the loss scale", "[training][multiprocess][precision]") {
   const auto config = write_config("fp16_overflow", smp_config(2, 1, 2, "interleaved", "cluster", 4, 60, R"(, "fp16": true)"));
   const auto result = run_worker(2, config, "--model gpt --steps 3 --spike-step 1 --rtol 0.02");

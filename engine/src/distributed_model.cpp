@@ -184,11 +184,14 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
     for (int node : local.nodes) nodes[node].module->to(device);
   }
 
-  if (runtime_->topology().data_parallel_degree() > 1 && !named_parameters_.empty()) {
+  if (runtime_->topology().data_parallel_degree() > 1 &&
+      std::any_of(named_parameters_.begin(), named_parameters_.end(),
+                  [](const auto& named) { return named.second.requires_grad(); })) {
     // A parameter's gradient is final after one backward pass per microbatch and local stage that uses it.
     std::vector<at::Tensor> parameters;
     std::vector<int> accumulations;
     for (const auto& [name, parameter] : named_parameters_) {
+      if (!parameter.requires_grad()) continue;  // frozen: no gradient to average, and none to invent
       int users = 0;
       for (const auto& [stage, local] : stages_) {
         users += std::any_of(local.parameters.begin(), local.parameters.end(),
@@ -214,7 +217,8 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
     const at::Tensor parameter = nodes[tie.nodes.front()].module->named_parameters()[tie.parameter.substr(
         tie.parameter.find('.') + 1)];
     if (first_holder != runtime_->pp_rank()) counted_elsewhere.insert(parameter.unsafeGetTensorImpl());
-    if (holder_ranks.size() < 2 || !holder_ranks.count(runtime_->pp_rank())) continue;
+    // Frozen copies need no sum (every rank sees the same requires_grad, so all skip the group alike).
+    if (holder_ranks.size() < 2 || !holder_ranks.count(runtime_->pp_rank()) || !parameter.requires_grad()) continue;
     std::vector<int> members;
     // Under this model's prefix: a second model of the same job must not meet this group's rendezvous keys.
     std::string name = exchange_ + "tied/" + tie.parameter + "/";

@@ -84,11 +84,17 @@ void GradientReducer::accumulated(std::size_t parameter) {
 
 void GradientReducer::post(Bucket& bucket) {
   std::vector<at::Tensor> pieces;
+  // After the gradients, one count per member: how many replicas had a gradient for it. None anywhere (a parameter
+  // the step did not use) leaves .grad undefined, as a backward pass does, so that the optimizer skips it.
+  std::vector<float> has_gradient;
   for (std::size_t member : bucket.members) {
     at::Tensor& parameter = parameters_[member];
+    has_gradient.push_back(parameter.grad().defined() ? 1.0f : 0.0f);
     if (!parameter.grad().defined()) parameter.mutable_grad() = at::zeros_like(parameter);
     pieces.push_back(parameter.grad().reshape({-1}));
   }
+  const at::Tensor& first = parameters_[bucket.members.front()];
+  pieces.push_back(at::tensor(has_gradient).to(first.device(), first.scalar_type()));
   bucket.flat = at::cat(pieces);
   bucket.reduction = replicas_.iall_reduce_sum(bucket.flat);
 }
@@ -101,12 +107,21 @@ int GradientReducer::finish() {
   const double replicas = static_cast<double>(replicas_.size());
   for (auto& bucket : buckets_) {
     bucket.reduction->wait();
+    const auto members = static_cast<std::int64_t>(bucket.members.size());
+    const at::Tensor with_gradient =
+        bucket.flat.narrow(0, bucket.flat.numel() - members, members).to(at::kCPU, at::kFloat).contiguous();
+    const float* replicas_with_gradient = with_gradient.data_ptr<float>();
     bucket.flat.div_(replicas);
     std::int64_t offset = 0;
-    for (std::size_t member : bucket.members) {
-      at::Tensor grad = parameters_[member].grad();
+    for (std::size_t index = 0; index < bucket.members.size(); ++index) {
+      at::Tensor& parameter = parameters_[bucket.members[index]];
+      at::Tensor grad = parameter.grad();
       const std::int64_t count = grad.numel();
-      grad.copy_(bucket.flat.narrow(0, offset, count).view_as(grad));
+      if (replicas_with_gradient[index] == 0.0f) {
+        parameter.mutable_grad() = at::Tensor();
+      } else {
+        grad.copy_(bucket.flat.narrow(0, offset, count).view_as(grad));
+      }
       offset += count;
     }
     bucket.flat = at::Tensor();
