@@ -278,8 +278,24 @@ StageOutputs DistributedModel::run_stage(int stage, const at::Tensor& model_inpu
 
 void DistributedModel::sum_tied_gradients() {
   for (auto& tied : tied_) {
-    if (!tied.parameter.grad().defined()) tied.parameter.mutable_grad() = at::zeros_like(tied.parameter);
-    tied.holders->all_reduce_sum(tied.parameter.mutable_grad());
+    // The copies' gradients and, last, how many holders had one: none leaves .grad undefined (the optimizer then
+    // skips the parameter, as in plain training).
+    const at::Tensor& parameter = tied.parameter;
+    const bool has_gradient = parameter.grad().defined();
+    const at::Tensor gradient =
+        has_gradient ? parameter.grad().reshape({-1}) : at::zeros({parameter.numel()}, parameter.options());
+    at::Tensor flat = at::cat({gradient, at::full({1}, has_gradient ? 1.0 : 0.0, parameter.options())});
+    tied.holders->all_reduce_sum(flat);
+    if (flat[-1].item<double>() == 0.0) {
+      tied.parameter.mutable_grad() = at::Tensor();
+      continue;
+    }
+    const at::Tensor summed = flat.narrow(0, 0, parameter.numel()).view_as(parameter);
+    if (has_gradient) {
+      tied.parameter.mutable_grad().copy_(summed);
+    } else {
+      tied.parameter.mutable_grad() = summed.clone();
+    }
   }
 }
 
