@@ -573,3 +573,41 @@ TEST_CASE("graph nodes may be named by module paths, unless one path extends ano
   CHECK_THROWS_WITH(graph.add("blocks.1.inner", torch::nn::Linear(2, 2), {"x"}),
                     Catch::Matchers::Contains("\"blocks.1.inner\" extends node \"blocks.1\""));
 }
+
+namespace {
+
+class AddOneInPlaceImpl : public torch::nn::Module {
+ public:
+  at::Tensor forward(const at::Tensor& x) { return x.add_(1.0); }
+};
+TORCH_MODULE(AddOneInPlace);
+
+}  // namespace
+
+TEST_CASE("a stage writing into a tensor its producer saved is refused as in plain PyTorch", "[graph]") {
+  // Two stages on one rank hand tensors over in memory: the second writes into the first's tanh output, which
+  // tanh's backward reads. Plain PyTorch refuses that backward; so must the pipeline.
+  const auto config = smp::Config::from_json_text(
+      R"({"device": "cpu", "microbatches": 2, "virtual_stages": 2, "auto_partition": false,
+          "partition_overrides": {"a": 0, "shift": 1}})", "test config");
+  auto runtime = smp::Runtime::init(config, smp::comm::LaunchInfo{});
+  torch::nn::Sequential block(torch::nn::Linear(3, 3), torch::nn::Tanh());
+  smp::GraphModel graph("x");
+  graph.add("a", block.ptr(), [block](const std::vector<at::Tensor>& x) mutable { return block->forward(x[0]); }, {"x"});
+  graph.add("shift", AddOneInPlace(), {"a"});
+  smp::DistributedModel model(runtime, graph, at::zeros({2, 3}));
+  const auto loss = [](const at::Tensor& output, const at::Tensor& target) { return at::mse_loss(output, target); };
+  CHECK_THROWS_WITH(model.train_step(at::randn({4, 3}), at::randn({4, 3}), loss),
+                    Catch::Matchers::Contains("modified by an inplace operation"));
+}
+
+TEST_CASE("freezing a parameter after the model was built is refused, naming it", "[graph]") {
+  const auto config = smp::Config::from_json_text(R"({"device": "cpu"})", "test config");
+  auto runtime = smp::Runtime::init(config, smp::comm::LaunchInfo{});
+  torch::nn::Sequential net(torch::nn::Linear(3, 2));
+  smp::DistributedModel model(runtime, net, at::zeros({2, 3}));
+  net[0]->as<torch::nn::Linear>()->bias.requires_grad_(false);
+  const auto loss = [](const at::Tensor& output, const at::Tensor& target) { return at::mse_loss(output, target); };
+  CHECK_THROWS_WITH(model.train_step(at::randn({2, 3}), at::randn({2, 2}), loss),
+                    Catch::Matchers::Contains("parameter 0.bias was frozen after the DistributedModel was built"));
+}

@@ -175,7 +175,10 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
     }
   }
   for (const auto& [name, parameter] : model_.named_parameters()) {
-    if (local_tensors.count(parameter.unsafeGetTensorImpl())) named_parameters_.emplace_back(name, parameter);
+    if (local_tensors.count(parameter.unsafeGetTensorImpl())) {
+      named_parameters_.emplace_back(name, parameter);
+      trainable_at_build_.push_back(parameter.requires_grad());
+    }
   }
   // Only this rank's modules go to its device (Module::to keeps the parameter tensors, so what was collected above
   // stays valid); the others stay where the caller built them.
@@ -549,6 +552,14 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
 
   // Until the step has succeeded, it counts as dropped: an optimizer step after a step that threw is not taken.
   last_step_skipped_ = true;
+  // Which parameters are averaged over replicas and summed over tied copies was fixed when the model was built.
+  for (std::size_t i = 0; i < named_parameters_.size(); ++i) {
+    if (named_parameters_[i].second.requires_grad() != trainable_at_build_[i]) {
+      throw ModelError("parameter " + named_parameters_[i].first + " was " +
+                       (trainable_at_build_[i] ? "frozen" : "unfrozen") +
+                       " after the DistributedModel was built; set requires_grad before building it");
+    }
+  }
   // Gradients left by earlier steps (accumulation over several train_steps) are set aside: what a step does to
   // its gradients (the replicas' mean, a tied weight's sum over its holders, the fp16 unscale, the finite check,
   // a dropped step's zeroing) must touch this step's alone.

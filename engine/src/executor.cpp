@@ -242,11 +242,13 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
         entry.gradient_sends_left = static_cast<int>(graph_.producers_of(stage).size());
         const bool recomputed_later = checkpointed_[stage] && !evaluating;
         std::vector<uint32_t> input_versions;
+        const at::Tensor& model_input = data.inputs.at(microbatch);
         if (recomputed_later) {
           entry.before_forward = RandomState::capture(pipeline_.device());
           for (const auto& [producer, tensors] : entry.inputs) {
             for (const auto& tensor : tensors) input_versions.push_back(tensor._version());
           }
+          input_versions.push_back(model_input.defined() ? model_input._version() : 0);
         }
         {
           c10::AutoGradMode grad_mode(!checkpointed_[stage] && !evaluating);
@@ -255,17 +257,20 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
         if (recomputed_later) {
           // Without a graph nothing stops the stage's first module from writing into what it received, and the
           // recompute would then start from the changed values.
+          const auto refuse = [&](const std::string& what) {
+            throw ModelError("stage " + std::to_string(stage) + " modifies " + what + " in place (an in-place "
+                             "first operation?), so it cannot be checkpointed; make that operation out of place or "
+                             "leave the stage out of \"activation_checkpointing\"");
+          };
           std::size_t next = 0;
           for (const auto& [producer, tensors] : entry.inputs) {
             for (const auto& tensor : tensors) {
               if (tensor._version() != input_versions[next++]) {
-                throw ModelError("stage " + std::to_string(stage) + " modifies what it receives from stage " +
-                                 std::to_string(producer) + " in place (an in-place first operation?), so it cannot "
-                                 "be checkpointed; make that operation out of place or leave the stage out of "
-                                 "\"activation_checkpointing\"");
+                refuse("what it receives from stage " + std::to_string(producer));
               }
             }
           }
+          if (model_input.defined() && model_input._version() != input_versions[next]) refuse("the model input");
         }
         if (evaluating) {
           // Nothing waits for a backward: the outputs live until they are sent, the rest goes now.

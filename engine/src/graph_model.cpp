@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include "smp/config.h"
 
@@ -32,8 +33,12 @@ GraphModel::Forward GraphModel::any_forward(torch::nn::AnyModule module, const s
 at::Tensor GraphModel::writable_input(const at::Tensor& tensor) {
   if (!tensor.defined() || !tensor.is_leaf() || !tensor.requires_grad() || !c10::GradMode::is_enabled()) return tensor;
   // Autograd does not count _unsafe_view as a view: in-place writes to it are fine, and its gradient (reshaped to
-  // the same shape) goes to the leaf.
-  return at::_unsafe_view(tensor, tensor.sizes());
+  // the same shape) goes to the leaf. It shares the leaf's version counter, which a stage on the same rank shares
+  // with the producer's output: a write the producer's backward would read back is then refused by autograd, as
+  // in plain PyTorch, instead of passing unnoticed.
+  at::Tensor alias = at::_unsafe_view(tensor, tensor.sizes());
+  torch::autograd::impl::set_version_counter(alias, torch::autograd::impl::version_counter(tensor));
+  return alias;
 }
 
 GraphModel& GraphModel::add(const std::string& name, std::shared_ptr<torch::nn::Module> module, Forward forward,

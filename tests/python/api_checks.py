@@ -115,6 +115,44 @@ def main():
                  lambda: smp.DistributedModel(UsesBoth(), torch.zeros(2, 3)))
     expect_error("a parameter of the model itself", smp.ModelError, "uses the parameter 'weight' directly",
                  lambda: smp.DistributedModel(torch.nn.Linear(3, 3), torch.zeros(2, 3)))
+
+    class Scaled(torch.nn.Module):
+        def forward(self, a, s: float = 1.0):
+            return a * s
+
+    class CallsScripted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(3, 3)
+            self.scaled = torch.jit.script(Scaled())
+
+        def forward(self, x):
+            return self.scaled(self.a(x), 3.0)
+
+    expect_error("a scripted child called with a constant", smp.ModelError, "scripted child 'scaled'",
+                 lambda: smp.DistributedModel(CallsScripted(), torch.zeros(2, 3)))
+
+    # Traced graphs compute what the model computes, in-place operations included.
+    class InPlace(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(3, 4)
+            self.b = torch.nn.Linear(4, 4)
+            self.relu = torch.nn.ReLU(inplace=True)
+
+        def forward(self, x):
+            h = self.a(x) * 1.0
+            g = self.b(h)
+            h.add_(1.0)        # result unused: what reads h after it must see the change
+            z = self.relu(g)   # a child writing into its input
+            return h.sum(-1, keepdim=True) + z + g
+
+    torch.manual_seed(5)
+    in_place = InPlace()
+    sample = torch.randn(2, 3)
+    traced = smp.GraphModel.from_module(in_place, sample)
+    if not torch.allclose(traced.forward(sample), in_place(sample)):
+        failures.append("a traced model with in-place operations computes something else than the model")
     expect_error("a sample the model rejects", smp.ModelError, "0",
                  lambda: smp.DistributedModel(torch.nn.Sequential(torch.nn.Linear(3, 3)), torch.zeros(2, 5)))
 

@@ -70,7 +70,8 @@ class WithAuxiliary(torch.nn.Module):
 
 class TracedModel(torch.nn.Module):
     """A forward of its own: residuals written inline, a ModuleList, shape arithmetic, a buffer of the model, a
-    child returning a tuple, and a skip from the first block to the head."""
+    child returning a tuple, a skip from the first block to the head, in-place operations, and a child's weight
+    used again in the forward (tied)."""
 
     def __init__(self):
         super().__init__()
@@ -82,13 +83,16 @@ class TracedModel(torch.nn.Module):
 
     def forward(self, x):
         h = self.embed(x)
-        first = h
+        first = h * 1.0
         for block in self.blocks:
             h = h + block(h)
         h = self.mixer(h)[0] * self.scale
+        h.mul_(0.5)  # in place, its result unused: later readers of h must see it
         batch = h.size(0)
         h = (h.reshape(batch, 4, 8) * 0.5).reshape(batch, -1)
-        return self.head(h + first)
+        first.add_(0.1)  # in place on a value made stages earlier
+        tied = F.linear(h, self.embed.weight.t())  # the embedding's weight again, as a tied LM head uses it
+        return self.head(h + first) + tied[:, :OUTPUTS]
 
 
 def graph_forward(nodes, x):

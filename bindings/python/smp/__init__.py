@@ -168,6 +168,58 @@ class _Operation(torch.nn.Module):
         return self._text
 
 
+def _device_of(module):
+    """Where a module's tensors live (None for none): for a node that reads no other node's output."""
+    if module is None:
+        return None
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        return tensor.device
+    return None
+
+
+_OUT_OF_PLACE = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+                 operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv, operator.imod: operator.mod,
+                 operator.ipow: operator.pow, operator.imatmul: operator.matmul, operator.iand: operator.and_,
+                 operator.ior: operator.or_, operator.ixor: operator.xor, operator.ilshift: operator.lshift,
+                 operator.irshift: operator.rshift}
+
+
+def _rewrite_in_place(traced, attribute, name):
+    """In-place operations as data flow: an operation that writes into a value (x.add_(y), x += y, F.relu(x,
+    inplace=True), a child such as nn.ReLU(inplace=True)) becomes the producer of that value for every operation
+    after it, and, where it can, runs out of place. Plain PyTorch sees the change through the shared tensor; pipeline
+    stages see only the edges of the graph, so without this a reader on another stage, or a result nobody reads
+    (removed as dead code), would miss the write."""
+    import torch.fx as fx
+
+    order = {node: index for index, node in enumerate(traced.graph.nodes)}
+    for node in list(traced.graph.nodes):
+        writes = False
+        if node.op == "call_method" and node.target.endswith("_") and not node.target.endswith("__"):
+            writes = True
+            out_of_place = node.target[:-1]
+            if hasattr(torch.Tensor, out_of_place):
+                node.target = out_of_place
+        elif node.op == "call_function" and node.target in _OUT_OF_PLACE:
+            writes = True
+            node.target = _OUT_OF_PLACE[node.target]
+        elif node.op == "call_function" and node.kwargs.get("inplace") is True:
+            writes = True
+            node.kwargs = dict(node.kwargs, inplace=False)
+        elif node.op == "call_function" and node.target is operator.setitem:
+            raise ModelError(f"{name}'s forward assigns into a tensor ({node.format_node()}); write it out of place "
+                             "(torch.where, index_put, torch.cat) so that it can be cut into stages")
+        elif node.op == "call_module" and getattr(attribute(node.target), "inplace", False) is True:
+            writes = True  # runs as it is: in place on its input, as in plain PyTorch
+        if not writes or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        written = node.args[0]
+        for reader in list(written.users):
+            if reader is not node and order[reader] > order[node]:
+                reader.replace_input_with(written, node)
+    traced.recompile()
+
+
 def _traced_graph(model, sample_input):
     """Traces `model` with torch.fx, its children (see _leaf_paths) kept whole. Every value the forward computes
     becomes a node when it is a tensor that depends on the input; other values (shapes, sizes, constants, the
@@ -191,6 +243,14 @@ def _traced_graph(model, sample_input):
         raise ModelError(f"cannot trace {name}'s forward with torch.fx ({type(error).__name__}: {error}); write the "
                          "model as an smp.GraphModel") from error
     traced = fx.GraphModule(model, graph)
+
+    def attribute(target):
+        value = traced
+        for part in target.split("."):
+            value = getattr(value, part)
+        return value
+
+    _rewrite_in_place(traced, attribute, name)
     traced.graph.eliminate_dead_code()
     nodes = list(traced.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -217,19 +277,30 @@ def _traced_graph(model, sample_input):
         for module, mode in zip(model.modules(), modes):
             module.training = mode
 
-    def attribute(target):
-        value = traced
-        for part in target.split("."):
-            value = getattr(value, part)
-        return value
-
     # Materialized values: the input and the nodes below. Everything else is recomputed where it is used.
     source_name = {placeholders[0]: placeholders[0].name}
     element = {}  # a getitem on a child's tuple output -> (the child's node, the index)
+    owner = {}  # a parameter read in the forward -> the child holding it (a tied LM head reads the embedding's)
     for node in nodes:
         if node.op == "get_attr" and isinstance(attribute(node.target), torch.nn.Parameter):
-            raise ModelError(f"{name}'s forward uses the parameter '{node.target}' directly; put it in a child "
-                             "module (called from the forward) so that a pipeline stage holds and trains it")
+            holders = [path for path in leaves if node.target.startswith(path + ".")]
+            if not holders:
+                raise ModelError(f"{name}'s forward uses the parameter '{node.target}' directly; put it in a child "
+                                 "module (called from the forward) so that a pipeline stage holds and trains it")
+            owner[node] = holders[0]
+
+    def owners_of(node):
+        """The children whose parameters `node` reads directly, through values recomputed in place."""
+        found, stack, seen = set(), list(node.all_input_nodes), set()
+        while stack:
+            argument = stack.pop()
+            if argument in seen or argument in source_name:
+                continue
+            seen.add(argument)
+            if argument in owner:
+                found.add(owner[argument])
+            stack.extend(argument.all_input_nodes)
+        return found
 
     def sources_of(node, found, seen):
         """The materialized values `node` depends on, through values recomputed in place."""
@@ -243,11 +314,11 @@ def _traced_graph(model, sample_input):
                 sources_of(argument, found, seen)
         return found
 
-    def evaluator(node, sources):
+    def evaluator(node, sources, module=None):
         """Computes `node` from the materialized `sources` (in order), recomputing what lies between."""
         def evaluate(*tensors):
             env = dict(zip(sources, tensors))
-            device = tensors[0].device if tensors else None
+            device = tensors[0].device if tensors else _device_of(module)
 
             def value_of(n):
                 if n in env:
@@ -275,8 +346,18 @@ def _traced_graph(model, sample_input):
             return value_of(node)
         return evaluate
 
-    result = GraphModel(placeholders[0].name)
-    used_names = set()
+    input_name = placeholders[0].name if placeholders[0].name not in leaves else "input"
+    source_name[placeholders[0]] = input_name
+    result = GraphModel(input_name)
+    used_names = {input_name}
+
+    def unique(candidate):
+        # Not a child's path (nor a path prefix or extension of one), not taken.
+        while candidate in used_names or any(candidate == path or path.startswith(candidate + ".") or
+                                             candidate.startswith(path + ".") for path in leaves if path != candidate):
+            candidate += "_"
+        return candidate
+
     output = None
     for node in nodes:
         if node.op == "output":
@@ -298,18 +379,34 @@ def _traced_graph(model, sample_input):
                 for user in node.users:
                     source_name[user] = None  # resolved to the child's node below
             module = attribute(node.target)
-            node_name = node.target if node.target not in used_names else f"{node.target}_{node.name}"
+            node_name = node.target if node.target not in used_names else unique(f"{node.target}_{node.name}")
+            if owners_of(node) - {node.target}:
+                raise ModelError(f"child '{node.target}' of {name} is passed parameters of "
+                                 f"{', '.join(sorted(owners_of(node) - {node.target}))}; a pipeline stage trains a "
+                                 "child's own parameters only")
         elif isinstance(value, torch.Tensor) and node not in source_name:
-            module, node_name = None, node.name
+            holders = owners_of(node)
+            if len(holders) > 1:
+                raise ModelError(f"'{node.format_node()}' in {name}'s forward reads parameters of several children "
+                                 f"({', '.join(sorted(holders))}); one operation may use one child's parameters")
+            module = attribute(holders.pop()) if holders else None
+            node_name = unique(node.name)
         else:
             continue
         sources = sources_of(node, [], set())
         if not sources and module is None:  # a constant: recomputed where it is used
             continue
-        evaluate = evaluator(node, sources)
+        evaluate = evaluator(node, sources, module)
         inputs = [source_name[s] for s in sources]
         if module is None:
             result.add(node_name, _Operation(evaluate, node.format_node()), inputs)
+        elif isinstance(module, torch.jit.ScriptModule):
+            # TorchScript runs on the node's inputs alone: a call site with anything more cannot be kept.
+            if node.op != "call_module" or node.kwargs or list(node.args) != sources or node in element:
+                raise ModelError(f"scripted child '{node.target}' of {name} is called with more than its tensor "
+                                 "inputs (constants, keywords, one element of its output, or another child's "
+                                 "parameters); pass it unscripted, or script it without those")
+            result.add(node_name, module, inputs)
         else:
             result._add_call(node_name, module, evaluate, inputs)
         used_names.add(node_name)
@@ -319,10 +416,13 @@ def _traced_graph(model, sample_input):
     if not isinstance(output, fx.Node) or not isinstance(values.get(output), torch.Tensor):
         raise ModelError(f"{name}'s forward returns {type(values.get(output, output)).__name__}; smp needs one tensor "
                          "(the loss function's first argument)")
+    if not result.node_names():
+        raise ModelError(f"{name}'s forward computes nothing from its input with a module; there is nothing to cut "
+                         "into stages")
     if source_name.get(output) != result.node_names()[-1]:
         # The model's output must be the graph's last node.
         sources = sources_of(output, [], set()) if output not in source_name else [output]
-        result.add("output", _Operation(evaluator(output, sources), "output"),
+        result.add(unique("output"), _Operation(evaluator(output, sources), "output"),
                    [source_name[s] for s in sources])
     return result
 

@@ -122,6 +122,7 @@ class DistributedModel {
   std::map<std::pair<int, int>, std::vector<std::string>> transfers_;
   std::vector<std::pair<std::string, at::Tensor>> named_parameters_;
   std::vector<at::Tensor> norm_parameters_;
+  std::vector<bool> trainable_at_build_;  // requires_grad of named_parameters_ when the reducer and ties were made
   std::vector<TiedParameter> tied_;
   std::unique_ptr<PipelineExecutor> executor_;
   std::unique_ptr<PipelineExecutor> evaluator_;  // forward-only, made by the first evaluate()
