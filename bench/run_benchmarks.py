@@ -87,9 +87,9 @@ recomputed = bench_pipeline({"partitions": 2, "microbatches": 8, "pipeline": "si
 blocks = [f"block{i}" for i in range(0, long_context["layers"], 2)]
 every_other = bench_pipeline({"partitions": 2, "microbatches": 8, "pipeline": "simple",
                               "activation_checkpointing": blocks}, 2, model=long_context, global_batch=64)
-print(f"{'without:':<34}{plain['peak_rss_mib']:.1f} MiB, step {plain['median_step_s'] * 1e3:.1f} ms")
+print(f"{'without:':<40}{plain['peak_rss_mib']:.1f} MiB, step {plain['median_step_s'] * 1e3:.1f} ms")
 for label, r in [("whole stages", recomputed), (f"modules {'/'.join(blocks)}", every_other)]:
-    print(f"{label + ':':<34}{r['peak_rss_mib']:.1f} MiB, step {r['median_step_s'] * 1e3:.1f} ms "
+    print(f"{label + ':':<40}{r['peak_rss_mib']:.1f} MiB, step {r['median_step_s'] * 1e3:.1f} ms "
           f"(saves {plain['peak_rss_mib'] - r['peak_rss_mib']:.1f} MiB, costs "
           f"{r['median_step_s'] / plain['median_step_s'] - 1:.1%} time)")
 
