@@ -107,8 +107,24 @@ def main():
 
     expect_error("a forward torch.fx cannot trace", smp.ModelError, "cannot trace Branching's forward",
                  lambda: smp.DistributedModel(Branching(), torch.zeros(2, 3)))
-    expect_error("a forward of two inputs", smp.ModelError, "takes 2 inputs",
+    expect_error("a forward of two inputs", smp.ModelError, "takes 2 inputs without defaults",
                  lambda: smp.DistributedModel(TwoInputs(), torch.zeros(2, 3)))
+
+    class WithDefaults(torch.nn.Module):  # as Hugging Face models take optional masks
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(3, 3)
+
+        def forward(self, x, mask=None, scale: float = 2.0):
+            y = self.a(x)
+            if mask is not None:
+                y = y * mask
+            return y * scale
+
+    with_defaults = WithDefaults()
+    sample = torch.randn(2, 3)
+    if not torch.allclose(smp.GraphModel.from_module(with_defaults, sample).forward(sample), with_defaults(sample)):
+        failures.append("a forward with defaulted parameters traces to something else than the model")
     expect_error("a forward returning a tuple", smp.ModelError, "returns tuple",
                  lambda: smp.DistributedModel(Pair(), torch.zeros(2, 3)))
     expect_error("two elements of a child's tuple", smp.ModelError, "child 'pair'",

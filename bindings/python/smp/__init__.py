@@ -21,6 +21,7 @@ Modules run as they are, in Python (the engine calls each stage module's forward
 copied, so there they are the copy's).
 """
 
+import inspect
 import io
 import json
 import operator
@@ -237,8 +238,17 @@ def _traced_graph(model, sample_input):
         def is_leaf_module(self, module, path):
             return path in leaves or super().is_leaf_module(module, path)
 
+    # One input: the first parameter without a default. The others keep their defaults (an attention mask left
+    # None, a flag), baked into the trace as torch.fx's concrete arguments.
+    parameters = [p for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in parameters if p.default is inspect.Parameter.empty]
+    if len(required) != 1:
+        raise ModelError(f"{name}'s forward takes {len(required)} inputs without defaults; smp passes one tensor per "
+                         "microbatch")
+    concrete = {p.name: p.default for p in parameters if p is not required[0]}
     try:
-        graph = Tracer().trace(model)
+        graph = Tracer().trace(model, concrete_args=concrete or None)
     except Exception as error:  # noqa: BLE001 - torch.fx raises many kinds
         raise ModelError(f"cannot trace {name}'s forward with torch.fx ({type(error).__name__}: {error}); write the "
                          "model as an smp.GraphModel") from error
@@ -253,9 +263,8 @@ def _traced_graph(model, sample_input):
     _rewrite_in_place(traced, attribute, name)
     traced.graph.eliminate_dead_code()
     nodes = list(traced.graph.nodes)
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    if len(placeholders) != 1:
-        raise ModelError(f"{name}'s forward takes {len(placeholders)} inputs; smp passes one tensor per microbatch")
+    # The input, first; the other placeholders hold the defaults of the other parameters.
+    placeholders = [n for n in nodes if n.op == "placeholder" and n.target == required[0].name]
 
     # What each value is on the sample, to know tensors from the rest: in eval mode and without gradients, so that
     # no batch norm statistic or random number is spent.
@@ -323,7 +332,9 @@ def _traced_graph(model, sample_input):
             def value_of(n):
                 if n in env:
                     return env[n]
-                if n.op == "get_attr":  # a buffer or constant of the model: on the inputs' device
+                if n.op == "placeholder":  # a parameter of the forward left at its default
+                    result = n.args[0] if n.args else None
+                elif n.op == "get_attr":  # a buffer or constant of the model: on the inputs' device
                     result = attribute(n.target)
                     if isinstance(result, torch.Tensor) and device is not None:
                         result = result.to(device)
