@@ -160,6 +160,7 @@ def main():
             h = self.a(x) * 1.0
             g = self.b(h)
             h.add_(1.0)        # result unused: what reads h after it must see the change
+            torch.tanh_(h)     # a torch function writing in place
             z = self.relu(g)   # a child writing into its input
             return h.sum(-1, keepdim=True) + z + g
 

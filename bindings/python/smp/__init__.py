@@ -26,6 +26,7 @@ import io
 import json
 import operator
 import os
+import re
 import weakref
 
 import torch  # loads LibTorch before the extension that links it
@@ -212,6 +213,8 @@ def _rewrite_in_place(traced, attribute, name):
                              "(torch.where, index_put, torch.cat) so that it can be cut into stages")
         elif node.op == "call_module" and getattr(attribute(node.target), "inplace", False) is True:
             writes = True  # runs as it is: in place on its input, as in plain PyTorch
+        elif node.op == "call_function" and re.fullmatch(r"[a-z].*[a-z0-9]_", getattr(node.target, "__name__", "")):
+            writes = True  # torch.relu_(x) and the like: in place as well
         if not writes or not node.args or not isinstance(node.args[0], fx.Node):
             continue
         written = node.args[0]
