@@ -21,6 +21,8 @@ smp_python_test(python_graph_4_stages_with_skips_equals_pytorch 4 pipeline_worke
                 --smp [[{"partitions": 4, "microbatches": 4, "global_batch_size": 8, "seed": 3, "device": "cpu", "activation_checkpointing": ["b1", "skip"]}]])
 smp_python_test(python_traced_model_equals_pytorch 4 pipeline_worker.py --model traced --optimizer adamw --rtol 1e-3
                 --smp [[{"partitions": 2, "microbatches": 4, "ddp": true, "global_batch_size": 16, "seed": 3, "device": "cpu", "activation_checkpointing": ["blocks.1"]}]])
+smp_python_test(python_traced_bf16_matches_float32 2 pipeline_worker.py --model traced --rtol 0.03
+                --smp [[{"partitions": 2, "microbatches": 4, "global_batch_size": 8, "seed": 3, "device": "cpu", "bf16": true}]])
 smp_python_test(python_torchscript_sequential_equals_pytorch 2 pipeline_worker.py --model sequential --script
                 --smp [[{"partitions": 2, "microbatches": 4, "global_batch_size": 8, "seed": 3, "device": "cpu"}]])
 smp_python_test(python_torchscript_graph_interleaved_equals_pytorch 4 pipeline_worker.py --model graph --script
