@@ -297,6 +297,24 @@ PYBIND11_MODULE(_smp, module) {
       .def("clip_grad_norm", &DistributedModel::clip_grad_norm, py::arg("max_norm"),
            py::call_guard<py::gil_scoped_release>());
 
+  module.def("export_checkpoint", &export_checkpoint, py::arg("checkpoint_directory"), py::arg("output_file"),
+             py::call_guard<py::gil_scoped_release>());
+  module.def(
+      "read_full_model",
+      [](const std::string& file) {
+        py::dict parameters;
+        for (const auto& entry : read_full_model(file)) parameters[py::str(entry.key())] = entry.value();
+        return parameters;
+      },
+      py::arg("full_model_file"));
+  module.def(
+      "latest_checkpoint",
+      [](const std::string& root) -> py::object {
+        const auto found = find_latest_checkpoint(root);
+        return found ? py::object(py::str(found->directory)) : py::object(py::none());
+      },
+      py::arg("root"));
+
   py::class_<Checkpointer>(module, "Checkpointer")
       .def(py::init([](DistributedModel& model, py::function snapshot, py::function load) {
              return std::make_unique<Checkpointer>(

@@ -261,6 +261,25 @@ std::int64_t Checkpointer::resume() {
   return manifest.step + 1;
 }
 
+c10::Dict<std::string, at::Tensor> read_full_model(const std::string& full_model_file) {
+  std::vector<char> bytes = read_bytes(full_model_file);
+  c10::IValue value;
+  try {
+    value = torch::jit::pickle_load(bytes);
+  } catch (const std::exception& error) {
+    throw CheckpointError(full_model_file + ": unreadable: " + comm::brief_message(error));
+  }
+  if (!value.isGenericDict() || !value.toGenericDict().contains("parameters") ||
+      !value.toGenericDict().at("parameters").isGenericDict()) {
+    throw CheckpointError(full_model_file + ": not an smp model file");
+  }
+  c10::Dict<std::string, at::Tensor> parameters;
+  for (const auto& entry : value.toGenericDict().at("parameters").toGenericDict()) {
+    parameters.insert(entry.key().toStringRef(), entry.value().toTensor());
+  }
+  return parameters;
+}
+
 void export_checkpoint(const std::string& checkpoint_directory, const std::string& output_file) {
   const auto manifest = verify_checkpoint(checkpoint_directory);
   c10::Dict<std::string, at::Tensor> parameters;

@@ -1,5 +1,7 @@
 #include "smp/distributed_model.h"
 
+#include "smp/checkpoint.h"
+
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -348,19 +350,7 @@ void DistributedModel::load_named_parameters(const c10::impl::GenericDict& param
 }
 
 void DistributedModel::load_parameters(const std::string& full_model_file) {
-  std::ifstream in(full_model_file, std::ios::binary);
-  if (!in) throw CheckpointError(full_model_file + ": cannot open");
-  const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  c10::IValue value;
-  try {
-    value = torch::jit::pickle_load(bytes);
-  } catch (const std::exception& error) {
-    throw CheckpointError(full_model_file + ": unreadable: " + comm::brief_message(error));
-  }
-  if (!value.isGenericDict() || !value.toGenericDict().contains("parameters")) {
-    throw CheckpointError(full_model_file + ": not an smp model file");
-  }
-  load_named_parameters(value.toGenericDict().at("parameters").toGenericDict(), full_model_file);
+  load_named_parameters(c10::impl::toGenericDict(read_full_model(full_model_file)), full_model_file);
 }
 
 bool DistributedModel::local_gradients_finite() const {

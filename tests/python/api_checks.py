@@ -70,6 +70,13 @@ def main():
     if "0.linear.weight" not in eager_model.named_parameters():
         failures.append(f"eager parameter names: {sorted(eager_model.named_parameters())}")
     expect_error("not a module", TypeError, "torch.nn.Module", lambda: smp.DistributedModel(len, torch.zeros(2, 3)))
+    with tempfile.NamedTemporaryFile("wb", suffix=".pt") as not_a_model:
+        not_a_model.write(b"not a model")
+        not_a_model.flush()
+        expect_error("a file that is no smp model", smp.CheckpointError, "unreadable",
+                     lambda: smp.load_full_model(not_a_model.name))
+    if smp.latest_checkpoint(tempfile.gettempdir() + "/no-such-smp-checkpoints") is not None:
+        failures.append("latest_checkpoint of a missing directory is not None")
 
     # Models with a forward of their own are traced with torch.fx; what cannot be cut into stages is refused.
     class Branching(torch.nn.Module):

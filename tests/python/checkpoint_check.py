@@ -93,7 +93,24 @@ def main():
         if "resumed at 4" not in resumed:
             raise SystemExit(f"the second job did not resume at step 4:\n{resumed}")
         check(out, 6)
-    print("trained 4 steps, resumed at step 4, trained to 6: parameters equal plain PyTorch's")
+        # The trained model back in plain PyTorch: the newest checkpoint exported and loaded into a fresh net.
+        import smp
+        newest = smp.latest_checkpoint(config["checkpoint_dir"])
+        if newest is None or not newest.endswith("step-00000005"):
+            raise SystemExit(f"newest checkpoint: {newest}")
+        smp.export_checkpoint(newest, os.path.join(directory, "model.pt"))
+        torch.manual_seed(1)
+        net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                                  torch.nn.Linear(16, 3))
+        missing, unexpected = net.load_state_dict(smp.load_full_model(os.path.join(directory, "model.pt")),
+                                                  strict=False)
+        if missing or unexpected:
+            raise SystemExit(f"exported model: missing {missing}, unexpected {unexpected}")
+        expected = reference(6)
+        for name, tensor in net.named_parameters():
+            if not torch.allclose(tensor, expected[name].detach(), rtol=1e-3, atol=1e-5):
+                raise SystemExit(f"exported model: {name} differs from 6 steps of plain PyTorch")
+    print("trained 4 steps, resumed at step 4, trained to 6, exported: parameters equal plain PyTorch's")
     return 0
 
 

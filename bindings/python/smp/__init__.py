@@ -35,6 +35,7 @@ from . import _smp
 from ._smp import CheckpointError, CommError, ConfigError, ModelError, NonFiniteError
 
 __all__ = ["init", "runtime", "GraphModel", "DistributedModel", "DistributedOptimizer", "Checkpointer",
+           "latest_checkpoint", "export_checkpoint", "load_full_model",
            "ConfigError", "ModelError", "NonFiniteError", "CheckpointError", "CommError"]
 
 _runtime = None
@@ -615,3 +616,21 @@ class Checkpointer:
 
     def wait(self):
         self._checkpointer.wait()
+
+
+def latest_checkpoint(root):
+    """The newest complete checkpoint directory under `root` (the config's checkpoint_dir), or None."""
+    return _smp.latest_checkpoint(os.fspath(root))
+
+
+def export_checkpoint(checkpoint_directory, output_file):
+    """Merges a complete checkpoint's partitions into one full-model file (parameters by name), as
+    `smp_checkpoint export` does: for inference, or for a job with another partitioning
+    (DistributedModel.load_parameters)."""
+    _smp.export_checkpoint(os.fspath(checkpoint_directory), os.fspath(output_file))
+
+
+def load_full_model(full_model_file):
+    """The parameters of a full-model file by their names in the model: load them into the plain PyTorch model
+    with `model.load_state_dict(smp.load_full_model(path), strict=False)` (buffers are not in the file)."""
+    return _smp.read_full_model(os.fspath(full_model_file))

@@ -74,5 +74,7 @@ class Checkpointer {
 // Merges a complete checkpoint into one full-model file (parameters by name) for inference or for loading into
 // a different partitioning with DistributedModel::load_parameters.
 void export_checkpoint(const std::string& checkpoint_directory, const std::string& output_file);
+// The parameters of a full-model file (export_checkpoint), by name. CheckpointError when it is not one.
+c10::Dict<std::string, at::Tensor> read_full_model(const std::string& full_model_file);
 
 }  // namespace smp
