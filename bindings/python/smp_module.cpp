@@ -133,9 +133,12 @@ std::shared_ptr<ScriptedModule> load_scripted(const py::bytes& serialized) {
   return std::make_shared<ScriptedModule>(std::move(module));
 }
 
+// GraphModel.add for a module of either kind: the node runs the module's forward on its inputs.
 template <typename Module>
-GraphModel::Forward forward_of(const std::shared_ptr<Module>& module) {
-  return [module](const std::vector<at::Tensor>& inputs) { return module->forward(inputs); };
+GraphModel& add_node(GraphModel& graph, const std::string& name, const std::shared_ptr<Module>& module,
+                     std::vector<std::string> inputs) {
+  GraphModel::Forward forward = [module](const std::vector<at::Tensor>& values) { return module->forward(values); };
+  return graph.add(name, module, std::move(forward), std::move(inputs));
 }
 
 // A Python loss function, called from the engine with the GIL released around the step.
@@ -220,20 +223,10 @@ PYBIND11_MODULE(_smp, module) {
 
   py::class_<GraphModel>(module, "GraphModel")
       .def(py::init<std::string>(), py::arg("input_name") = "input")
-      .def(
-          "add",
-          [](GraphModel& graph, const std::string& name, const std::shared_ptr<ScriptedModule>& scripted,
-             std::vector<std::string> inputs) -> GraphModel& {
-            return graph.add(name, scripted, forward_of(scripted), std::move(inputs));
-          },
-          py::arg("name"), py::arg("module"), py::arg("inputs"), py::return_value_policy::reference_internal)
-      .def(
-          "add",
-          [](GraphModel& graph, const std::string& name, const std::shared_ptr<EagerModule>& eager,
-             std::vector<std::string> inputs) -> GraphModel& {
-            return graph.add(name, eager, forward_of(eager), std::move(inputs));
-          },
-          py::arg("name"), py::arg("module"), py::arg("inputs"), py::return_value_policy::reference_internal)
+      .def("add", &add_node<ScriptedModule>, py::arg("name"), py::arg("module"), py::arg("inputs"),
+           py::return_value_policy::reference_internal)
+      .def("add", &add_node<EagerModule>, py::arg("name"), py::arg("module"), py::arg("inputs"),
+           py::return_value_policy::reference_internal)
       .def_property_readonly("input_name", &GraphModel::input_name)
       .def("node_names",
            [](const GraphModel& graph) {
