@@ -11,13 +11,11 @@
 #include <set>
 
 #include <ATen/ATen.h>
-#include <ATen/autocast_mode.h>
 #include <torch/cuda.h>
 
 #include <cmath>
 
 #include <c10/util/StringUtil.h>
-#include <torch/csrc/jit/serialization/pickle.h>
 
 #include "smp/log.h"
 #include "smp/timeline.h"
