@@ -84,6 +84,48 @@ TEST_CASE("checkpoint: manifest round trip and strict parsing", "[checkpoint]") 
   CHECK_THROWS_WITH(CheckpointManifest::parse(edit([](auto& d) { d["files"][0]["crc32"] = -1; }), "m"), Contains("files entry"));
 }
 
+TEST_CASE("checkpoint: sharded optimizer state needs one shard file per pipeline rank and later replica",
+          "[checkpoint]") {
+  auto manifest = sample_manifest(4);
+  manifest.replicas = 3;
+  manifest.optimizer_shards = 3;
+  manifest.files = {{"partition-0000.pt", 0, 10, 1}, {"partition-0001.pt", 1, 20, 2}};
+  for (int pp = 0; pp < 2; ++pp) {
+    for (int dp = 1; dp < 3; ++dp) manifest.files.push_back({optimizer_shard_file_name(pp, dp), pp, 5, 3, dp});
+  }
+  const auto back = CheckpointManifest::parse(manifest.to_json(), "m.json");
+  CHECK(back.optimizer_shards == 3);
+  REQUIRE(back.files.size() == 6);
+  CHECK(back.files[5].name == "optimizer-0001-0002.pt");
+  CHECK(back.files[5].dp_rank == 2);
+  CHECK(back.files[0].dp_rank == -1);
+
+  auto edit = [&](const std::function<void(nlohmann::json&)>& change) {
+    auto document = nlohmann::json::parse(manifest.to_json());
+    change(document);
+    return document.dump();
+  };
+  CHECK_THROWS_WITH(CheckpointManifest::parse(edit([](auto& d) { d["files"].erase(5); }), "m"),
+                    Contains("no optimizer shard file for pipeline rank 1 replica 2"));
+  CHECK_THROWS_WITH(CheckpointManifest::parse(edit([](auto& d) { d["files"][5]["dp_rank"] = 1; }), "m"),
+                    Contains("repeated pp_rank 1 and dp_rank 1"));
+  CHECK_THROWS_WITH(CheckpointManifest::parse(edit([](auto& d) { d["files"][5]["dp_rank"] = 3; }), "m"),
+                    Contains("dp_rank 3, outside [1, 2]"));
+  CHECK_THROWS_WITH(CheckpointManifest::parse(edit([](auto& d) { d["files"][5]["dp_rank"] = 0; }), "m"),
+                    Contains("dp_rank 0, outside"));
+  CHECK_THROWS_WITH(CheckpointManifest::parse(edit([](auto& d) { d["optimizer_shards"] = 2; }), "m"),
+                    Contains("must equal replicas (3)"));
+  // Unsharded: a shard file has no place.
+  CHECK_THROWS_WITH(CheckpointManifest::parse(edit([](auto& d) { d["optimizer_shards"] = 1; }), "m"),
+                    Contains("not sharded"));
+  // Manifests from before sharding have no optimizer_shards: the partition files hold all the state.
+  manifest.files.resize(2);
+  CHECK(CheckpointManifest::parse(edit([](auto& d) {
+          d.erase("optimizer_shards");
+          d["replicas"] = 3;
+        }), "m").optimizer_shards == 1);
+}
+
 TEST_CASE("checkpoint: the newest complete checkpoint wins; damaged ones are skipped with a reason", "[checkpoint]") {
   const auto root = fresh_root("latest");
   CHECK_FALSE(find_latest_checkpoint(root).has_value());

@@ -128,6 +128,42 @@ TEST_CASE("a checkpoint loads into another number of replicas and exports for an
   check_clean_run(loaded, 3);
 }
 
+TEST_CASE("sharded optimizer state is saved per replica and resumes into the same sharding only",
+          "[faults][checkpoint][zero]") {
+  const auto dir = fresh_directory("zero");
+  const std::string sharded = R"(, "shard_optimizer_state": true)";
+  const auto config = write_config("zero", smp_config(2, 2, 2, "interleaved", "cluster", 8, 30, checkpoint_keys(dir, 2) + sharded));
+  const auto saved = run_command(worker(config, "--steps 2"), 120);
+  INFO(saved.output);
+  REQUIRE(saved.status == 0);
+  const std::string checkpoint = dir + "/step-00000001";
+  for (const char* file : {"partition-0000.pt", "partition-0001.pt", "optimizer-0000-0001.pt", "optimizer-0001-0001.pt"}) {
+    CHECK(std::filesystem::exists(checkpoint + "/" + file));
+  }
+
+  // Resumed with the same sharding, each replica gets its own Adam moments back: the parameters equal plain
+  // training's after steps 2 to 4 (with a replica's state lost or swapped they would not).
+  const auto resume = write_config("zero_resume", smp_config(2, 2, 2, "interleaved", "cluster", 8, 30,
+                                                             checkpoint_keys(dir, 0) + sharded + R"(, "resume": true)"));
+  const auto resumed = run_command(worker(resume, "--steps 5"), 120);
+  check_clean_run(resumed, 4);
+  CHECK(step_losses(resumed.output).size() == 3);
+
+  // Without sharding the shards do not fit: refused, naming both layouts.
+  const auto unsharded = write_config("zero_unsharded", smp_config(2, 2, 2, "interleaved", "cluster", 8, 30,
+                                                                   checkpoint_keys(dir, 0) + R"(, "resume": true)"));
+  const auto refused = run_command(worker(unsharded, "--steps 5"), 120);
+  INFO(refused.output);
+  CHECK(refused.status != 0);
+  CHECK_THAT(refused.output, Contains("its optimizer state is sharded over 2 replicas (shard_optimizer_state), but "
+                                      "this job's is not sharded"));
+
+  // The parameters alone still export (the shard files hold none).
+  const auto exported = run_command(std::string(SMP_CHECKPOINT_PATH) + " export " + checkpoint + " " + dir + "/full.pt", 60);
+  INFO(exported.output);
+  CHECK(exported.status == 0);
+}
+
 TEST_CASE("corrupt and truncated checkpoints are refused with a clear error", "[faults][checkpoint]") {
   const auto dir = fresh_directory("corrupt");
   const auto config = write_config("corrupt", smp_config(2, 2, 2, "interleaved", "cluster", 8, 30, checkpoint_keys(dir, 1)));

@@ -220,6 +220,39 @@ TEST_CASE("frozen and unused parameters keep their values under replicas and wei
   check_clean_run(run_worker(4, config, "--model frozen --optimizer adamw --steps 3 --rtol 1e-3"), 4);
 }
 
+TEST_CASE("sharded optimizer state trains like single-process training", "[training][multiprocess][zero]") {
+  // Each replica keeps state for, and updates, only its share of the parameters, then they exchange the updates:
+  // the parameters must still equal plain training with momentum and Adam state, clipping, tied weights, frozen
+  // parameters, fp16 and replica counts that do not divide the parameters evenly. The worker checks that the
+  // replicas' optimizers hold every trainable parameter exactly once between them.
+  struct Case {
+    const char* label;
+    int pp, dp;
+    const char* flags;
+    const char* extra_keys;
+  };
+  const Case cases[] = {
+      {"SGD with momentum", 2, 2, "--model mlp --clip 0.5", ""},
+      {"AdamW on a transformer", 2, 2, "--model gpt --optimizer adamw --clip 1.0 --rtol 1e-3", ""},
+      {"three replicas", 1, 3, "--model mlp --optimizer adamw --rtol 1e-3", ""},
+      {"tied weights", 3, 2, "--model tied --clip 0.5", ""},
+      {"frozen and unused parameters", 2, 2, "--model frozen --optimizer adamw --rtol 1e-3", ""},
+      {"fp16 with an overflowed step", 2, 2, "--model gpt --spike-step 1 --rtol 0.02", R"(, "fp16": true)"},
+  };
+  for (const auto& c : cases) {
+    DYNAMIC_SECTION(c.label) {
+      const int microbatches = 2;
+      const auto config = write_config("zero_" + std::to_string(&c - cases),
+                                       smp_config(c.pp, c.dp, microbatches, "interleaved", "cluster",
+                                                  c.dp * microbatches * 2, 60,
+                                                  std::string(R"(, "shard_optimizer_state": true)") + c.extra_keys));
+      const auto result = run_worker(c.pp * c.dp, config, std::string(c.flags) + " --steps 3");
+      check_clean_run(result, c.pp * c.dp);
+      CHECK_THAT(result.output, Contains("optimizer holds"));
+    }
+  }
+}
+
 TEST_CASE("fp16 overflow skips the step and lowers the loss scale", "[training][multiprocess][precision]") {
   const auto config = write_config("fp16_overflow", smp_config(2, 1, 2, "interleaved", "cluster", 4, 60, R"(, "fp16": true)"));
   const auto result = run_worker(2, config, "--model gpt --steps 3 --spike-step 1 --rtol 0.02");

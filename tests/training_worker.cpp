@@ -403,6 +403,23 @@ int run(int argc, char** argv) {
     check_parameters(step);
   }
 
+  // shard_optimizer_state: each trainable parameter is in exactly one replica's optimizer.
+  if (distributed.optimizer_state_shards() > 1) {
+    std::int64_t held = 0, trainable = 0;  // frozen ones stay in every replica's optimizer, which ignores them
+    for (const auto& group : optimizer.local().param_groups()) {
+      for (const auto& parameter : group.params()) held += parameter.requires_grad();
+    }
+    for (const auto& parameter : distributed.parameters()) trainable += parameter.requires_grad();
+    at::Tensor total = at::full({1}, held, at::TensorOptions(at::kLong).device(device));
+    runtime->data_parallel().all_reduce_sum(total);
+    std::printf("rank %d optimizer holds %lld of %lld parameters\n", runtime->rank(), static_cast<long long>(held),
+                static_cast<long long>(trainable));
+    if (total.item<std::int64_t>() != trainable) {
+      std::fprintf(stderr, "rank %d: the replicas' optimizers hold %lld parameters, not the %lld trainable ones\n",
+                   runtime->rank(), static_cast<long long>(total.item<std::int64_t>()), static_cast<long long>(trainable));
+      ++failures;
+    }
+  }
   checkpointer.wait();
   if (options.steps == 0 || first_step >= options.steps) check_parameters(options.expect_step);
   std::printf("rank %d stage %d: %zu parameters checked, %d mismatches\n", runtime->rank(), distributed.stage(),

@@ -48,6 +48,7 @@ void fsync_directory(const std::string& directory) {
   }
 }
 
+// A partition file, or an optimizer shard file (CheckpointFile::dp_rank >= 0, which holds no parameters).
 c10::impl::GenericDict load_partition_file(const std::string& path, const CheckpointFile& expected) {
   const auto bytes = read_bytes(path);
   if (bytes.size() != expected.size || crc32(bytes.data(), bytes.size()) != expected.crc32) {
@@ -61,7 +62,8 @@ c10::impl::GenericDict load_partition_file(const std::string& path, const Checkp
   }
   if (!value.isGenericDict()) throw CheckpointError(path + ": not an smp partition file");
   auto dict = value.toGenericDict();
-  if (!dict.contains("format") || dict.at("format").toInt() != kPartitionFormat || !dict.contains("parameters")) {
+  const char* payload = expected.dp_rank >= 0 ? "optimizer" : "parameters";
+  if (!dict.contains("format") || dict.at("format").toInt() != kPartitionFormat || !dict.contains(payload)) {
     throw CheckpointError(path + ": not an smp partition file of format " + std::to_string(kPartitionFormat));
   }
   return dict;
@@ -123,6 +125,16 @@ void Checkpointer::save(std::int64_t step) {
   // checksumming, the manifest and pruning happen on a background thread.
   std::optional<c10::impl::GenericDict> contents;
   std::function<std::string()> optimizer_bytes;  // serialized on the writer's thread
+  const int shards = model_.optimizer_state_shards();
+  if (runtime.dp_rank() > 0 && shards > 1) {  // this replica's share of the optimizer state, nothing else
+    optimizer_bytes = optimizer_state_->snapshot();
+    contents.emplace(c10::StringType::get(), c10::AnyType::get());
+    contents->insert("format", kPartitionFormat);
+    contents->insert("optimizer_format", optimizer_state_->format());
+    contents->insert("step", step);
+    contents->insert("pp_rank", static_cast<std::int64_t>(runtime.pp_rank()));
+    contents->insert("dp_rank", static_cast<std::int64_t>(runtime.dp_rank()));
+  }
   if (runtime.dp_rank() == 0) {
     c10::Dict<std::string, at::Tensor> parameters;
     for (const auto& [name, parameter] : model_.named_parameters()) {
@@ -148,6 +160,7 @@ void Checkpointer::save(std::int64_t step) {
     manifest->partitions = config.partitions;
     manifest->virtual_stages = config.virtual_stages;
     manifest->replicas = runtime.topology().data_parallel_degree();
+    manifest->optimizer_shards = shards;
     manifest->schedule = model_.schedule().name;
     for (const auto& module : model_.plan().modules) manifest->module_names.push_back(module.name);
     manifest->stage_of_module = model_.plan().stage_of_module;
@@ -169,19 +182,24 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
                                     std::optional<CheckpointManifest> manifest) {
   Runtime& runtime = model_.runtime();
   const Config& config = runtime.config();
+  // Every writer reports "size crc" (or "error ...") under its file's key; rank 0 collects them for the manifest.
+  const auto report_key = [&](int pp_rank, int dp_rank) {
+    return key + std::to_string(pp_rank) + (dp_rank > 0 ? "/" + std::to_string(dp_rank) : std::string());
+  };
   if (contents) {
+    const std::string file_name = runtime.dp_rank() == 0 ? partition_file_name(runtime.pp_rank())
+                                                         : optimizer_shard_file_name(runtime.pp_rank(), runtime.dp_rank());
     std::string report;
     try {
       contents->insert("optimizer", bytes_tensor(optimizer_bytes()));
       std::filesystem::create_directories(directory);
       const auto bytes = torch::jit::pickle_save(*contents);
-      write_file_atomically(directory + "/" + partition_file_name(runtime.pp_rank()),
-                            std::string_view(bytes.data(), bytes.size()));
+      write_file_atomically(directory + "/" + file_name, std::string_view(bytes.data(), bytes.size()));
       report = std::to_string(bytes.size()) + " " + std::to_string(crc32(bytes.data(), bytes.size()));
     } catch (const std::exception& error) {
       report = "error " + comm::brief_message(error);
     }
-    runtime.publish(key + std::to_string(runtime.pp_rank()), report);
+    runtime.publish(report_key(runtime.pp_rank(), runtime.dp_rank()), report);
     if (report.rfind("error ", 0) == 0) {
       throw CheckpointError("rank " + std::to_string(runtime.rank()) + " could not save step " + std::to_string(step) +
                             ": " + report.substr(6));
@@ -190,24 +208,27 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
   if (!manifest) return;
 
   for (int pp = 0; pp < config.partitions; ++pp) {
-    const int writer = runtime.topology().rank_of({pp, 0});
-    std::string report;
-    try {
-      report = runtime.fetch(key + std::to_string(pp));
-    } catch (const comm::CommError& error) {
-      throw CheckpointError("step " + std::to_string(step) + ": rank " + std::to_string(writer) +
-                            " did not report its partition file; the checkpoint is left incomplete (" + error.what() + ")");
+    for (int dp = 0; dp < manifest->optimizer_shards; ++dp) {
+      const int writer = runtime.topology().rank_of({pp, dp});
+      std::string report;
+      try {
+        report = runtime.fetch(report_key(pp, dp));
+      } catch (const comm::CommError& error) {
+        throw CheckpointError("step " + std::to_string(step) + ": rank " + std::to_string(writer) +
+                              " did not report its checkpoint file; the checkpoint is left incomplete (" + error.what() + ")");
+      }
+      if (report.rfind("error ", 0) == 0) {
+        throw CheckpointError("step " + std::to_string(step) + ": rank " + std::to_string(writer) + " failed to save: " +
+                              report.substr(6));
+      }
+      CheckpointFile file;
+      file.name = dp == 0 ? partition_file_name(pp) : optimizer_shard_file_name(pp, dp);
+      file.pp_rank = pp;
+      file.dp_rank = dp == 0 ? -1 : dp;
+      std::istringstream fields(report);
+      fields >> file.size >> file.crc32;
+      manifest->files.push_back(file);
     }
-    if (report.rfind("error ", 0) == 0) {
-      throw CheckpointError("step " + std::to_string(step) + ": rank " + std::to_string(writer) + " failed to save: " +
-                            report.substr(6));
-    }
-    CheckpointFile file;
-    file.name = partition_file_name(pp);
-    file.pp_rank = pp;
-    std::istringstream fields(report);
-    fields >> file.size >> file.crc32;
-    manifest->files.push_back(file);
   }
   write_file_atomically(directory + "/manifest.json", manifest->to_json());
   fsync_directory(directory);
@@ -221,14 +242,39 @@ std::int64_t Checkpointer::resume() {
   if (!origin) return 0;
   Runtime& runtime = model_.runtime();
   const auto& [directory, manifest] = *origin;
-  const auto& file = manifest.files.at(static_cast<std::size_t>(runtime.pp_rank()));
+  const int shards = model_.optimizer_state_shards();
+  if (manifest.optimizer_shards != shards) {
+    const auto describe = [](int count) {
+      return count > 1 ? "sharded over " + std::to_string(count) + " replicas" : std::string("not sharded");
+    };
+    throw CheckpointError(directory + ": its optimizer state is " + describe(manifest.optimizer_shards) +
+                          " (shard_optimizer_state), but this job's is " + describe(shards) +
+                          "; resume with the same \"shard_optimizer_state\" and number of replicas, or load the "
+                          "parameters alone (smp_checkpoint export, then load_parameters)");
+  }
+  const auto file_of = [&](int dp_rank) -> const CheckpointFile& {
+    for (const auto& file : manifest.files) {
+      if (file.pp_rank == runtime.pp_rank() && file.dp_rank == dp_rank) return file;
+    }
+    throw CheckpointError(directory + ": the manifest lists no file for this rank");  // parse() rules this out
+  };
+  const auto& file = file_of(-1);
   const std::string path = directory + "/" + file.name;
   auto contents = load_partition_file(path, file);
+  // With sharded state, a later replica's share of the optimizer state is in a file of its own.
+  std::string optimizer_path = path;
+  auto optimizer_contents = contents;
+  if (shards > 1 && runtime.dp_rank() > 0) {
+    const auto& shard = file_of(runtime.dp_rank());
+    optimizer_path = directory + "/" + shard.name;
+    optimizer_contents = load_partition_file(optimizer_path, shard);
+  }
   // Checkpoints written before the format was recorded all came from LibTorch optimizers.
-  const std::string saved_format =
-      contents.contains("optimizer_format") ? contents.at("optimizer_format").toStringRef() : "libtorch";
+  const std::string saved_format = optimizer_contents.contains("optimizer_format")
+                                       ? optimizer_contents.at("optimizer_format").toStringRef()
+                                       : "libtorch";
   if (saved_format != optimizer_state_->format()) {
-    throw CheckpointError(path + ": its optimizer state was written by a " + saved_format +
+    throw CheckpointError(optimizer_path + ": its optimizer state was written by a " + saved_format +
                           " optimizer, but this job's optimizer reads " + optimizer_state_->format() +
                           " state (C++ jobs write libtorch state, Python jobs torch.optim state since the Python "
                           "package took torch.optim optimizers; resume with the kind of job that saved it, or load "
@@ -236,7 +282,7 @@ std::int64_t Checkpointer::resume() {
   }
   model_.load_named_parameters(contents.at("parameters").toGenericDict(), path);
   try {
-    const at::Tensor optimizer_bytes = contents.at("optimizer").toTensor();
+    const at::Tensor optimizer_bytes = optimizer_contents.at("optimizer").toTensor();
     optimizer_state_->load(std::string(static_cast<const char*>(optimizer_bytes.data_ptr()),
                                        static_cast<std::size_t>(optimizer_bytes.numel())),
                            runtime.device());
@@ -253,7 +299,7 @@ std::int64_t Checkpointer::resume() {
                                 contents.at("steps_since_scale_change").toInt());
     }
   } catch (const std::exception& error) {
-    throw CheckpointError(path + ": optimizer state does not fit this optimizer: " + comm::brief_message(error));
+    throw CheckpointError(optimizer_path + ": optimizer state does not fit this optimizer: " + comm::brief_message(error));
   }
   last_saved_ = manifest.step;
   model_.resume_at(manifest.step + 1);
@@ -284,6 +330,7 @@ void export_checkpoint(const std::string& checkpoint_directory, const std::strin
   const auto manifest = verify_checkpoint(checkpoint_directory);
   c10::Dict<std::string, at::Tensor> parameters;
   for (const auto& file : manifest.files) {
+    if (file.dp_rank >= 0) continue;  // an optimizer shard: no parameters
     auto contents = load_partition_file(checkpoint_directory + "/" + file.name, file);
     for (const auto& entry : contents.at("parameters").toGenericDict()) {
       parameters.insert(entry.key().toStringRef(), entry.value().toTensor());

@@ -88,16 +88,25 @@ std::string partition_file_name(int pp_rank) {
   return name;
 }
 
+std::string optimizer_shard_file_name(int pp_rank, int dp_rank) {
+  char name[40];
+  std::snprintf(name, sizeof name, "optimizer-%04d-%04d.pt", pp_rank, dp_rank);
+  return name;
+}
+
 std::string CheckpointManifest::to_json() const {
   json files_json = json::array();
   for (const auto& file : files) {
-    files_json.push_back({{"name", file.name}, {"pp_rank", file.pp_rank}, {"size", file.size}, {"crc32", file.crc32}});
+    json entry = {{"name", file.name}, {"pp_rank", file.pp_rank}, {"size", file.size}, {"crc32", file.crc32}};
+    if (file.dp_rank >= 0) entry["dp_rank"] = file.dp_rank;
+    files_json.push_back(entry);
   }
   return json({{"format_version", kFormatVersion},
                {"step", step},
                {"partitions", partitions},
                {"virtual_stages", virtual_stages},
                {"replicas", replicas},
+               {"optimizer_shards", optimizer_shards},
                {"schedule", schedule},
                {"module_names", module_names},
                {"stage_of_module", stage_of_module},
@@ -136,7 +145,15 @@ CheckpointManifest CheckpointManifest::parse(const std::string& text, const std:
   manifest.partitions = field("partitions", is_count, "a count").get<int>();
   manifest.virtual_stages = field("virtual_stages", is_count, "a count").get<int>();
   manifest.replicas = field("replicas", is_count, "a count").get<int>();
-  if (manifest.partitions < 1 || manifest.virtual_stages < 1 || manifest.replicas < 1) throw fail("counts must be positive");
+  // Absent in checkpoints written before the optimizer state could be sharded.
+  if (document.contains("optimizer_shards")) manifest.optimizer_shards = field("optimizer_shards", is_count, "a count").get<int>();
+  if (manifest.partitions < 1 || manifest.virtual_stages < 1 || manifest.replicas < 1 || manifest.optimizer_shards < 1) {
+    throw fail("counts must be positive");
+  }
+  if (manifest.optimizer_shards > 1 && manifest.optimizer_shards != manifest.replicas) {
+    throw fail("optimizer_shards (" + std::to_string(manifest.optimizer_shards) + ") must equal replicas (" +
+               std::to_string(manifest.replicas) + ") when above 1");
+  }
   manifest.schedule = field("schedule", [](const json& v) { return v.is_string(); }, "a string").get<std::string>();
   manifest.model_signature = field("model_signature", [](const json& v) { return v.is_string(); }, "a string").get<std::string>();
   manifest.config_json = field("config", [](const json& v) { return v.is_string(); }, "a string").get<std::string>();
@@ -155,12 +172,15 @@ CheckpointManifest CheckpointManifest::parse(const std::string& text, const std:
     manifest.stage_of_module.push_back(stages[i].get<int>());
   }
   const json& files = field("files", [](const json& v) { return v.is_array(); }, "a list");
-  std::vector<bool> covered(static_cast<std::size_t>(manifest.partitions), false);
+  // covered[pp][dp]: dp 0 stands for the partition file, dp >= 1 for that replica's optimizer shard.
+  std::vector<std::vector<bool>> covered(static_cast<std::size_t>(manifest.partitions),
+                                         std::vector<bool>(static_cast<std::size_t>(manifest.optimizer_shards), false));
   for (const auto& file : files) {
     if (!file.is_object() || !file.contains("name") || !file["name"].is_string() || !file.contains("pp_rank") ||
         !file["pp_rank"].is_number_integer() || !file.contains("size") || !file["size"].is_number_unsigned() ||
-        !file.contains("crc32") || !file["crc32"].is_number_unsigned() || file["crc32"].get<std::uint64_t>() > 0xFFFFFFFFu) {
-      throw fail("a files entry must have name, pp_rank, size and crc32");
+        !file.contains("crc32") || !file["crc32"].is_number_unsigned() || file["crc32"].get<std::uint64_t>() > 0xFFFFFFFFu ||
+        (file.contains("dp_rank") && !file["dp_rank"].is_number_integer())) {
+      throw fail("a files entry must have name, pp_rank, size and crc32 (and an integer dp_rank, if any)");
     }
     // Range-checked before narrowing: 4294967297 must not wrap to a valid rank.
     const long long pp_rank = file["pp_rank"].get<long long>();
@@ -168,17 +188,33 @@ CheckpointManifest CheckpointManifest::parse(const std::string& text, const std:
       throw fail("file " + file["name"].get<std::string>() + " has pp_rank " + std::to_string(pp_rank) +
                  ", outside [0, " + std::to_string(manifest.partitions - 1) + "]");
     }
-    CheckpointFile entry{file["name"].get<std::string>(), static_cast<int>(pp_rank), file["size"].get<std::uint64_t>(),
-                         static_cast<std::uint32_t>(file["crc32"].get<std::uint64_t>())};
-    if (!safe_file_name(entry.name)) throw fail("unsafe file name \"" + entry.name + "\"");
-    if (entry.pp_rank < 0 || entry.pp_rank >= manifest.partitions || covered[entry.pp_rank]) {
-      throw fail("file " + entry.name + " has a missing or repeated pp_rank " + std::to_string(entry.pp_rank));
+    const bool shard = file.contains("dp_rank");
+    const long long dp_rank = shard ? file["dp_rank"].get<long long>() : 0;
+    if (shard && (dp_rank < 1 || dp_rank >= manifest.optimizer_shards)) {
+      throw fail("file " + file["name"].get<std::string>() + " has dp_rank " + std::to_string(dp_rank) +
+                 (manifest.optimizer_shards > 1
+                      ? ", outside [1, " + std::to_string(manifest.optimizer_shards - 1) + "]"
+                      : ", but the optimizer state is not sharded"));
     }
-    covered[entry.pp_rank] = true;
+    CheckpointFile entry{file["name"].get<std::string>(), static_cast<int>(pp_rank), file["size"].get<std::uint64_t>(),
+                         static_cast<std::uint32_t>(file["crc32"].get<std::uint64_t>()),
+                         shard ? static_cast<int>(dp_rank) : -1};
+    if (!safe_file_name(entry.name)) throw fail("unsafe file name \"" + entry.name + "\"");
+    if (covered[entry.pp_rank][static_cast<std::size_t>(dp_rank)]) {
+      throw fail("file " + entry.name + " has a repeated pp_rank " + std::to_string(entry.pp_rank) +
+                 (shard ? " and dp_rank " + std::to_string(dp_rank) : std::string()));
+    }
+    covered[entry.pp_rank][static_cast<std::size_t>(dp_rank)] = true;
     manifest.files.push_back(entry);
   }
   for (int rank = 0; rank < manifest.partitions; ++rank) {
-    if (!covered[rank]) throw fail("no file for pipeline rank " + std::to_string(rank));
+    if (!covered[rank][0]) throw fail("no file for pipeline rank " + std::to_string(rank));
+    for (int replica = 1; replica < manifest.optimizer_shards; ++replica) {
+      if (!covered[rank][replica]) {
+        throw fail("no optimizer shard file for pipeline rank " + std::to_string(rank) + " replica " +
+                   std::to_string(replica));
+      }
+    }
   }
   return manifest;
 }

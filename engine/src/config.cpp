@@ -21,7 +21,7 @@ const std::vector<std::string>& known_keys() {
       "memory_weight", "seed", "global_batch_size", "comm_timeout_s", "log_level", "virtual_stages", "schedule_file",
       "activation_checkpointing", "trace_dir", "trace_step", "checkpoint_dir", "checkpoint_interval",
       "checkpoints_kept", "resume", "nonfinite", "memory_limit_mb", "link_bandwidth_gbps", "bf16", "fp16",
-      "device", "backend", "ddp_dist_backend"};
+      "device", "backend", "ddp_dist_backend", "shard_optimizer_state"};
   return keys;
 }
 
@@ -259,6 +259,7 @@ Config Config::from_json_text(const std::string& text, const std::string& source
   }
   if (read.has("nonfinite")) config.skip_nonfinite_steps = read.choice("nonfinite", {"stop", "skip"}) == "skip";
   if (read.has("ddp")) config.ddp = read.boolean("ddp");
+  if (read.has("shard_optimizer_state")) config.shard_optimizer_state = read.boolean("shard_optimizer_state");
   if (read.has("placement_strategy")) {
     const std::string text = read.string("placement_strategy");
     if (text != "cluster" && text != "spread" && !is_placement_order(text)) {
@@ -356,7 +357,7 @@ std::string Config::describe() const {
   std::ostringstream text;
   text << "partitions=" << partitions << " microbatches=" << microbatches << " schedule="
        << (schedule_file.empty() ? schedule_name() : "file:" + schedule_file) << " virtual_stages=" << virtual_stages
-       << " ddp=" << (ddp ? "true" : "false")
+       << " ddp=" << (ddp ? "true" : "false") << (shard_optimizer_state ? " shard_optimizer_state=true" : "")
        << " placement=" << placement_strategy << " active_microbatches=" << active_microbatches
        << " auto_partition=" << (auto_partition ? "true" : "false") << " seed=" << seed << " device=" << device
        << " backend=" << backend;

@@ -115,7 +115,8 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
       const double stages_on_rank = static_cast<double>(schedule.stages_of_rank(rank).size());
       copies[stage] = std::max(1.0, std::ceil(in_flight.at(rank) / stages_on_rank));
     }
-    plan_ = plan_stages(profile_graph(model_, sample_input, config.num_stages() > 1 ? 3 : 0), config, copies);
+    plan_ = plan_stages(profile_graph(model_, sample_input, config.num_stages() > 1 ? 3 : 0), config, copies,
+                        optimizer_state_shards());
     runtime_->publish(exchange_ + "stage_plan", plan_.to_json());
   } else {
     plan_ = StagePlan::from_json(runtime_->fetch(exchange_ + "stage_plan"));
@@ -206,6 +207,9 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
     // PyTorch DDP's default bucket size: large enough that per-call latency does not dominate, small enough that
     // the first bucket is ready early in the last backward pass.
     constexpr std::int64_t kBucketBytes = 25 << 20;
+    if (config.shard_optimizer_state) {
+      shards_ = std::make_unique<OptimizerShards>(parameters, runtime_->data_parallel(), kBucketBytes);
+    }
     reducer_ = std::make_unique<GradientReducer>(std::move(parameters), std::move(accumulations),
                                                  runtime_->data_parallel(), kBucketBytes);
   }
@@ -382,6 +386,29 @@ double DistributedModel::clip_grad_norm(double max_norm) {
     }
   }
   return norm;
+}
+
+void DistributedModel::zero_grad(bool set_to_none) {
+  for (const auto& [name, parameter] : named_parameters_) {
+    at::Tensor& gradient = parameter.mutable_grad();
+    if (!gradient.defined()) continue;
+    if (set_to_none) {
+      gradient.reset();
+    } else {
+      gradient = gradient.detach();  // as torch.optim does: a gradient with history would keep its graph
+      gradient.zero_();
+    }
+  }
+}
+
+int DistributedModel::optimizer_state_shards() const {
+  // From the config, not from shards_: a rank without trainable parameters has none, yet its checkpoint files
+  // must follow the same layout as every other rank's.
+  return runtime_->config().shard_optimizer_state ? runtime_->topology().data_parallel_degree() : 1;
+}
+
+void DistributedModel::share_updated_parameters() {
+  if (shards_) shards_->share_updates();
 }
 
 std::vector<at::Tensor> DistributedModel::parameters() const {

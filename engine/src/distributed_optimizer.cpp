@@ -11,13 +11,30 @@ DistributedOptimizer::DistributedOptimizer(DistributedModel& model, std::unique_
                       " parameters but this rank's stage has " + std::to_string(model_.parameters().size()) +
                       "; build it over model.parameters()");
   }
+  if (model_.optimizer_state_shards() > 1) {
+    // Its state is kept per parameter from the first step on: dropping the others now means none is ever made.
+    if (!optimizer_->state().empty()) {
+      throw ConfigError("DistributedOptimizer: with \"shard_optimizer_state\" the optimizer must not have stepped "
+                        "yet (it already holds state for every parameter); wrap it right after building it");
+    }
+    // Groups keep their places (possibly empty), so that checkpoints of the state line up group by group.
+    for (auto& group : optimizer_->param_groups()) {
+      std::vector<at::Tensor> kept;
+      for (const auto& parameter : group.params()) {
+        if (model_.updates_parameter(parameter)) kept.push_back(parameter);
+      }
+      group.params() = std::move(kept);
+    }
+  }
 }
 
-void DistributedOptimizer::zero_grad() { optimizer_->zero_grad(); }
+void DistributedOptimizer::zero_grad() { model_.zero_grad(); }
 
 void DistributedOptimizer::step() {
   // A skipped step must not move the weights: even zero gradients would, through momentum.
-  if (!model_.last_step_skipped()) optimizer_->step();
+  if (model_.last_step_skipped()) return;
+  optimizer_->step();
+  model_.share_updated_parameters();
 }
 
 double DistributedOptimizer::clip_grad_norm(double max_norm) { return model_.clip_grad_norm(max_norm); }

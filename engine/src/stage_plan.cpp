@@ -342,7 +342,8 @@ std::vector<bool> checkpointed_modules(const std::vector<std::string>& module_na
 }
 
 StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
-                      std::vector<double> activation_copies) {
+                      std::vector<double> activation_copies, int optimizer_state_shards) {
+  if (optimizer_state_shards < 1) throw std::invalid_argument("plan_stages: optimizer_state_shards must be positive");
   const int num_modules = static_cast<int>(modules.size());
   const int num_stages = config.num_stages();
   if (activation_copies.empty()) activation_copies.assign(num_stages, 1.0);
@@ -372,7 +373,8 @@ StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
     pinned[found - modules.begin()] = stage;
   }
   // The partition search sees the profile as a DAG: compute time, memory per node, and the bytes of every tensor
-  // between nodes. Memory: parameters, gradients and two optimizer moments (4x the parameter bytes), and what the
+  // between nodes. Memory: parameters, gradients and two optimizer moments (4x the parameter bytes; the moments
+  // divided among the replicas when they shard the optimizer state), and what the
   // forward keeps for backward (its saved tensors and its output, which the next module saves) times the
   // microbatches each stage holds at once. A checkpointed stage keeps only its inputs between forward and backward
   // (not counted) and holds one microbatch's activations while it recomputes, for which it runs forward again.
@@ -391,7 +393,7 @@ StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
     node.name = module.name;
     node.compute_s =
         module.forward_s + module.backward_s + (recomputed_modules[i] ? module_recomputes * module.forward_s : 0.0);
-    node.memory_bytes = 4.0 * static_cast<double>(module.parameter_bytes) +
+    node.memory_bytes = (2.0 + 2.0 / optimizer_state_shards) * static_cast<double>(module.parameter_bytes) +
                         (recomputed_modules[i] ? static_cast<double>(module.activation_bytes) : 0.0);
     node.parameter_bytes = static_cast<double>(module.parameter_bytes);
     node.activation_bytes =

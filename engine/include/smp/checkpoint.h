@@ -1,6 +1,7 @@
 #pragma once
 // Checkpoints that survive crashes: one file per pipeline rank, written by the first data-parallel replica of
-// that rank (temporary file, fsync, rename), then a manifest with a checksum per file written last by rank 0.
+// that rank (temporary file, fsync, rename), plus, when the optimizer state is sharded, one file per later replica
+// with its share of that state; then a manifest with a checksum per file written last by rank 0.
 // Resume picks the newest complete checkpoint; a crash mid-save leaves the previous one valid. Saves are written in
 // the background: training waits only for the copy of its state.
 

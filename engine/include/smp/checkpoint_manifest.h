@@ -23,6 +23,9 @@ struct CheckpointFile {
   int pp_rank = 0;
   std::uint64_t size = 0;
   std::uint32_t crc32 = 0;
+  // -1: the pipeline rank's partition file (parameters, RNG, and the optimizer state of replica 0, or of all
+  // replicas when it is not sharded). Else the optimizer state shard of that replica (1 .. optimizer_shards - 1).
+  int dp_rank = -1;
 };
 
 struct CheckpointManifest {
@@ -30,7 +33,10 @@ struct CheckpointManifest {
   std::int64_t step = 0;             // the last completed step; training resumes at step + 1
   int partitions = 0;
   int virtual_stages = 1;
-  int replicas = 0;                  // when saved; any number may load it
+  int replicas = 0;                  // when saved; any number may load it unless the optimizer state is sharded
+  // The replicas the optimizer state was sharded over (shard_optimizer_state); 1: the partition files hold it all.
+  // Only a job sharding over as many replicas can resume it.
+  int optimizer_shards = 1;
   std::string schedule;              // generator name, for the record
   std::vector<std::string> module_names;
   std::vector<int> stage_of_module;  // the partition
@@ -41,7 +47,8 @@ struct CheckpointManifest {
 
   std::string to_json() const;
   // Strict: wrong types, missing keys, unknown versions, unsafe file names, or files that do not cover every
-  // pipeline rank exactly once are CheckpointErrors naming `source`.
+  // pipeline rank (and, with sharded optimizer state, every replica after the first) exactly once are
+  // CheckpointErrors naming `source`.
   static CheckpointManifest parse(const std::string& text, const std::string& source);
 };
 
@@ -51,6 +58,7 @@ std::pair<std::uint32_t, std::uint64_t> crc32_of_file(const std::string& path);
 
 std::string checkpoint_directory_name(std::int64_t step);  // "step-00000042"
 std::string partition_file_name(int pp_rank);               // "partition-0003.pt"
+std::string optimizer_shard_file_name(int pp_rank, int dp_rank);  // "optimizer-0003-0001.pt"
 
 // Reads and checks one checkpoint directory: the manifest parses and every file matches its size and checksum.
 CheckpointManifest verify_checkpoint(const std::string& directory);

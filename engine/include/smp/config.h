@@ -27,6 +27,9 @@ struct Config {
   int microbatches = 1;          // per data-parallel replica and step
   PipelineKind pipeline = PipelineKind::Interleaved;
   bool ddp = false;              // data parallelism over world_size / partitions replicas
+  // ZeRO stage 1, as SMP's key: each replica keeps (and updates) the optimizer state of its share of the
+  // parameters only, then sends the updated parameters to the other replicas. No effect with one replica.
+  bool shard_optimizer_state = false;
   std::string placement_strategy = "cluster";  // "cluster", "spread", or an order of the letters D and P (T)
   int virtual_stages = 1;        // model chunks per pipeline rank (interleaved 1F1B)
   std::string schedule_file;     // a CSV schedule (scheduler/src/csv.cpp) to run instead of a generated one

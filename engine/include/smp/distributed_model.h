@@ -21,6 +21,7 @@
 #include "smp/executor.h"
 #include "smp/gradient_reducer.h"
 #include "smp/graph_model.h"
+#include "smp/optimizer_shards.h"
 #include "smp/runtime.h"
 #include "smp/stage_plan.h"
 
@@ -85,6 +86,15 @@ class DistributedModel {
   // Scales this rank's gradients so that their 2-norm over the whole model (all stages) is at most max_norm, as
   // torch::nn::utils::clip_grad_norm_ does on one process; returns the norm before clipping. Every rank calls it.
   double clip_grad_norm(double max_norm);
+  // Clears the gradients of all of this rank's parameters (set_to_none: undefined, else zeros), also those a
+  // sharded optimizer does not hold. The optimizers' zero_grad calls it.
+  void zero_grad(bool set_to_none = true);
+  // "shard_optimizer_state": how many replicas this rank's optimizer state is split over (1: not sharded), and
+  // whether this replica's optimizer keeps state for and updates `parameter`. The optimizers hold only those.
+  int optimizer_state_shards() const;
+  bool updates_parameter(const at::Tensor& parameter) const { return !shards_ || shards_->owns(parameter); }
+  // After the optimizer step, on every rank: each replica takes the parameters other replicas updated.
+  void share_updated_parameters();
   const StagePlan& plan() const { return plan_; }
   int stage() const { return runtime_->pp_rank(); }  // this rank's pipeline position
   std::vector<int> stages() const;  // the model stages this rank runs (several with virtual stages)
@@ -127,6 +137,7 @@ class DistributedModel {
   std::unique_ptr<PipelineExecutor> executor_;
   std::unique_ptr<PipelineExecutor> evaluator_;  // forward-only, made by the first evaluate()
   std::unique_ptr<GradientReducer> reducer_;  // with data-parallel replicas only
+  std::unique_ptr<OptimizerShards> shards_;   // with replicas and shard_optimizer_state only
   long long step_ = 0;  // steps run so far, for error messages
   std::string exchange_;  // prefix of this model's store keys
   std::optional<FoundCheckpoint> resumed_from_;

@@ -1,6 +1,8 @@
 #pragma once
 // smp::DistributedOptimizer: any torch::optim optimizer over this rank's stage parameters, plus what needs the
-// whole model: the global gradient norm across pipeline stages.
+// whole model: the global gradient norm across pipeline stages, and, with "shard_optimizer_state", the share of
+// the parameters this replica updates (the optimizer is left holding only those) and the exchange of the
+// updated parameters after each step.
 
 #include <memory>
 
@@ -12,10 +14,10 @@ namespace smp {
 
 class DistributedOptimizer {
  public:
-  // `optimizer` must have been built over model.parameters().
+  // `optimizer` must have been built over model.parameters(), and not have stepped yet when the state is sharded.
   DistributedOptimizer(DistributedModel& model, std::unique_ptr<torch::optim::Optimizer> optimizer);
 
-  void zero_grad();
+  void zero_grad();  // every parameter's gradient (DistributedModel::zero_grad)
   void step();
   // DistributedModel::clip_grad_norm: the global gradient norm over all stages, clipped to max_norm.
   double clip_grad_norm(double max_norm);

@@ -58,7 +58,9 @@ std::vector<bool> checkpointed_modules(const std::vector<std::string>& module_na
 // `activation_copies` (per stage; empty: 1 each): the microbatches whose activations a stage holds at once under
 // the job's schedule. Stages in config.checkpointed_stages count one copy and their forward time twice; modules in
 // config.checkpointed_modules count their output alone as activations and their forward time twice.
+// `optimizer_state_shards`: the replicas the optimizer state is split over (shard_optimizer_state), each rank
+// holding that share of the two moments.
 StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
-                      std::vector<double> activation_copies = {});
+                      std::vector<double> activation_copies = {}, int optimizer_state_shards = 1);
 
 }  // namespace smp
