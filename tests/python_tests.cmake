@@ -27,6 +27,8 @@ smp_python_test(python_torchscript_sequential_equals_pytorch 2 pipeline_worker.p
                 --smp [[{"partitions": 2, "microbatches": 4, "global_batch_size": 8, "seed": 3, "device": "cpu"}]])
 smp_python_test(python_torchscript_graph_interleaved_equals_pytorch 4 pipeline_worker.py --model graph --script
                 --smp [[{"partitions": 2, "virtual_stages": 2, "pipeline": "interleaved", "microbatches": 4, "ddp": true, "global_batch_size": 16, "seed": 3, "device": "cpu"}]])
+smp_python_test(python_sharded_optimizer_state_equals_pytorch 4 pipeline_worker.py --model graph --optimizer adamw --rtol 1e-3
+                --smp [[{"partitions": 2, "microbatches": 4, "ddp": true, "global_batch_size": 16, "seed": 3, "device": "cpu", "shard_optimizer_state": true}]])
 smp_python_test(python_interleaved_adamw_equals_pytorch 4 pipeline_worker.py --model graph --optimizer adamw --rtol 1e-3
                 --smp [[{"partitions": 2, "virtual_stages": 2, "pipeline": "interleaved", "microbatches": 4, "ddp": true, "global_batch_size": 16, "seed": 3, "device": "cpu"}]])
 
@@ -56,6 +58,14 @@ add_test(NAME python_checkpoint_resume_equals_pytorch
          COMMAND ${SMP_PYTHON_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/python/checkpoint_check.py $<TARGET_FILE:smprun>
                  ${SMP_PYTHON_EXECUTABLE})
 set_tests_properties(python_checkpoint_resume_equals_pytorch PROPERTIES
+  TIMEOUT 400
+  LABELS python
+  ENVIRONMENT "PYTHONPATH=${SMP_PYTHON_PACKAGE_DIR};OMP_NUM_THREADS=1;PYTHONUNBUFFERED=1")
+# The same with two replicas sharding the optimizer state: a shard file per replica, each loaded by its owner.
+add_test(NAME python_sharded_checkpoint_resume_equals_pytorch
+         COMMAND ${SMP_PYTHON_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/python/checkpoint_check.py $<TARGET_FILE:smprun>
+                 ${SMP_PYTHON_EXECUTABLE} --sharded)
+set_tests_properties(python_sharded_checkpoint_resume_equals_pytorch PROPERTIES
   TIMEOUT 400
   LABELS python
   ENVIRONMENT "PYTHONPATH=${SMP_PYTHON_PACKAGE_DIR};OMP_NUM_THREADS=1;PYTHONUNBUFFERED=1")

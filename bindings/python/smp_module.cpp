@@ -288,6 +288,11 @@ PYBIND11_MODULE(_smp, module) {
       .def_property_readonly("loss_scale", &DistributedModel::loss_scale)
       .def_property_readonly("last_step_skipped", &DistributedModel::last_step_skipped)
       .def("clip_grad_norm", &DistributedModel::clip_grad_norm, py::arg("max_norm"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("zero_grad", &DistributedModel::zero_grad, py::arg("set_to_none") = true)
+      .def_property_readonly("optimizer_state_shards", &DistributedModel::optimizer_state_shards)
+      .def("updates_parameter", &DistributedModel::updates_parameter, py::arg("parameter"))
+      .def("share_updated_parameters", &DistributedModel::share_updated_parameters,
            py::call_guard<py::gil_scoped_release>());
 
   module.def("export_checkpoint", &export_checkpoint, py::arg("checkpoint_directory"), py::arg("output_file"),

@@ -1,9 +1,10 @@
 """smp.Checkpointer from Python: a 2-stage job trains 4 steps (torch.optim.AdamW under a LambdaLR warm-up) and
 checkpoints after each; a second job resumes from the newest checkpoint (optimizer and scheduler state) and trains 2
 more. Both runs' final parameters must equal 6 (or 4) steps of plain PyTorch training on the same batches, so the
-learning rate must continue where it was. Launches both jobs itself.
+learning rate must continue where it was. Launches both jobs itself. With --sharded, the jobs have two replicas
+that shard the optimizer state ("shard_optimizer_state"): each replica must get its own share of the Adam moments back.
 
-  checkpoint_check.py SMPRUN PYTHON
+  checkpoint_check.py SMPRUN PYTHON [--sharded]
 """
 
 import json
@@ -60,8 +61,8 @@ def reference(steps):
     return dict(net.named_parameters())
 
 
-def run(smprun, python, worker, config, steps, out):
-    result = subprocess.run([smprun, "-n", "2", "--timeout", "120", "--", python, worker, json.dumps(config),
+def run(smprun, python, worker, config, steps, out, processes):
+    result = subprocess.run([smprun, "-n", str(processes), "--timeout", "120", "--", python, worker, json.dumps(config),
                              str(steps), out], capture_output=True, text=True, timeout=180)
     if result.returncode != 0:
         print(result.stdout[-4000:], result.stderr[-4000:], sep="\n")
@@ -69,9 +70,9 @@ def run(smprun, python, worker, config, steps, out):
     return result.stdout
 
 
-def check(out, steps):
+def check(out, steps, processes):
     expected = reference(steps)
-    for rank in range(2):
+    for rank in range(processes):
         for name, tensor in torch.load(f"{out}.rank{rank}").items():
             difference = (tensor - expected[name].detach()).abs().max().item()
             if difference > 1e-5 + 1e-3 * expected[name].abs().max().item():
@@ -80,19 +81,23 @@ def check(out, steps):
 
 def main():
     smprun, python = sys.argv[1:3]
+    sharded = "--sharded" in sys.argv[3:]
+    processes = 4 if sharded else 2
     with tempfile.TemporaryDirectory() as directory:
         worker = os.path.join(directory, "worker.py")
         with open(worker, "w") as file:
             file.write(WORKER)
         config = {"partitions": 2, "microbatches": 2, "global_batch_size": 8, "device": "cpu",
                   "checkpoint_dir": os.path.join(directory, "checkpoints"), "checkpoint_interval": 1}
+        if sharded:
+            config.update(ddp=True, shard_optimizer_state=True)
         out = os.path.join(directory, "parameters")
-        first = run(smprun, python, worker, config, 4, out)
-        check(out, 4)
-        resumed = run(smprun, python, worker, dict(config, resume=True), 6, out)
+        first = run(smprun, python, worker, config, 4, out, processes)
+        check(out, 4, processes)
+        resumed = run(smprun, python, worker, dict(config, resume=True), 6, out, processes)
         if "resumed at 4" not in resumed:
             raise SystemExit(f"the second job did not resume at step 4:\n{resumed}")
-        check(out, 6)
+        check(out, 6, processes)
         # The trained model back in plain PyTorch: the newest checkpoint exported and loaded into a fresh net.
         import smp
         newest = smp.latest_checkpoint(config["checkpoint_dir"])

@@ -195,6 +195,10 @@ def main():
             failures.append(f"step {step}: evaluation loss {evaluation} under smp, {expected} in plain PyTorch")
 
     parameters = model.named_parameters()
+    if config.get("shard_optimizer_state") and runtime.data_parallel_degree > 1:
+        held = sum(len(group["params"]) for group in optimizer.param_groups)
+        if not 0 < held < len(parameters):
+            failures.append(f"the sharded optimizer holds {held} of this rank's {len(parameters)} parameters")
     def difference(name):
         return (parameters[name].detach().cpu() - reference_parameters[name].detach()).abs().max().item()
 

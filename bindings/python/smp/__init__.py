@@ -522,7 +522,10 @@ class DistributedOptimizer:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, warmup)   # schedulers take the inner one
 
     ``step()`` steps it unless the engine dropped the step (an fp16 overflow, or a non-finite gradient under
-    "nonfinite": "skip"); ``clip_grad_norm`` clips to the whole model's gradient norm, over all stages.
+    "nonfinite": "skip"); ``clip_grad_norm`` clips to the whole model's gradient norm, over all stages. With
+    "shard_optimizer_state" in the config, the optimizer is left holding only the parameters this replica updates
+    (so its state is a 1/replicas share), and ``step()`` then exchanges the updated parameters with the other
+    replicas.
     """
 
     def __init__(self, optimizer, model=None):
@@ -547,13 +550,24 @@ class DistributedOptimizer:
             shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
             raise ValueError(f"the optimizer leaves out {len(missing)} trainable parameter(s) of this rank ({shown}): "
                              "build it over model.parameters(), or set requires_grad=False on what stays frozen")
+        engine = self._model._model
+        if engine.optimizer_state_shards > 1:
+            # "shard_optimizer_state": this replica's optimizer keeps only the parameters it updates (the others'
+            # updates arrive after each step), so it never makes state for the rest.
+            if len(optimizer.state) > 0:
+                raise ValueError("with \"shard_optimizer_state\" the optimizer must not have stepped yet (it already "
+                                 "holds state for every parameter): wrap it right after building it")
+            for group in optimizer.param_groups:  # groups keep their places, possibly empty, for checkpoints
+                group["params"] = [p for p in group["params"] if engine.updates_parameter(p)]
 
     @property
     def param_groups(self):
         return self.optimizer.param_groups
 
     def zero_grad(self, set_to_none=True):
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        """Clears the gradients of all of this rank's parameters (with sharded optimizer state, also those this
+        replica's optimizer does not hold)."""
+        self._model._model.zero_grad(set_to_none)
 
     def step(self):
         """Steps the optimizer, unless the engine dropped this step: even zero gradients would move the weights
@@ -561,6 +575,7 @@ class DistributedOptimizer:
         if self._model._model.last_step_skipped:
             return False
         self.optimizer.step()
+        self._model._model.share_updated_parameters()
         return True
 
     def clip_grad_norm(self, max_norm):
