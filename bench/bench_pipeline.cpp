@@ -1,16 +1,19 @@
 // Pipeline efficiency on CPU: the same GPT-style model and global batch trained by `partitions` processes
 // (one stage each) and by one process. scripts/bench.sh runs both and prints the ratio against the ideal
-// m/(m+p-1)*p. Prints one JSON line (rank 0) with the median step time over the measured steps.
+// m/(m+p-1)*p. Prints one JSON line (rank 0) with the median step time over the measured steps (train_step alone,
+// and with the optimizer step: "iteration").
 
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
+#include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
 #include "common/gpt.h"
@@ -24,11 +27,13 @@ namespace {
 int run(int argc, char** argv) {
   std::string config_path;
   int warmup = 2, measured = 10;
+  std::string optimizer_name = "sgd";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--config") config_path = argv[i + 1];
     else if (flag == "--warmup") warmup = std::stoi(argv[i + 1]);
     else if (flag == "--steps") measured = std::stoi(argv[i + 1]);
+    else if (flag == "--optimizer") optimizer_name = argv[i + 1];
     else throw smp::ConfigError("bench_pipeline: unknown flag " + flag);
   }
   const auto config = smp::Config::from_file(config_path);
@@ -44,41 +49,66 @@ int run(int argc, char** argv) {
   };
   const int64_t microbatch = batch / runtime->topology().data_parallel_degree() / config.microbatches;
   smp::DistributedModel distributed(runtime, model, tokens(0).first.narrow(0, 0, microbatch));
-  smp::DistributedOptimizer optimizer(
-      distributed, std::make_unique<torch::optim::SGD>(distributed.parameters(), torch::optim::SGDOptions(1e-3)));
-  std::vector<double> times;
+  std::unique_ptr<torch::optim::Optimizer> local_optimizer;
+  if (optimizer_name == "adamw") {
+    local_optimizer = std::make_unique<torch::optim::AdamW>(distributed.parameters(), torch::optim::AdamWOptions(1e-4));
+  } else if (optimizer_name == "sgd") {
+    local_optimizer = std::make_unique<torch::optim::SGD>(distributed.parameters(), torch::optim::SGDOptions(1e-3));
+  } else {
+    throw smp::ConfigError("bench_pipeline: --optimizer must be sgd or adamw, got " + optimizer_name);
+  }
+  smp::DistributedOptimizer optimizer(distributed, std::move(local_optimizer));
+  std::vector<double> times, iteration_times;  // train_step alone; with the optimizer step
   int sends_posted = 0, peak_sends_held = 0;  // of the last step, on this rank
   for (int step = 0; step < warmup + measured; ++step) {
     const auto [inputs, targets] = tokens(step);
     runtime->world().barrier();  // every rank starts the step together, so the slowest stage sets the time
+    const auto start = std::chrono::steady_clock::now();
     optimizer.zero_grad();
     const auto output = distributed.train_step(runtime->replica_slice(inputs), runtime->replica_slice(targets),
                                                smp::examples::gpt_loss);
-    optimizer.step();
-    if (step >= warmup) times.push_back(output.seconds);
+    optimizer.step();  // with sharded optimizer state, the exchange of the updated parameters too
+    if (step >= warmup) {
+      times.push_back(output.seconds);
+      iteration_times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
     sends_posted = output.sends_posted;
     peak_sends_held = output.peak_sends_held;
   }
   // The job's step time is its slowest rank's: gather every rank's median (a sum of one-hot vectors).
-  std::sort(times.begin(), times.end());
-  const double median = times[times.size() / 2];
-  at::Tensor all_medians = at::zeros({runtime->world_size()}, at::kDouble);
-  all_medians[runtime->rank()] = median;
-  runtime->world().all_reduce_sum(all_medians);
-  const double job_median = all_medians.max().item<double>();
+  const auto job_median_of = [&](std::vector<double> values) {
+    std::sort(values.begin(), values.end());
+    at::Tensor all_medians = at::zeros({runtime->world_size()}, at::kDouble);
+    all_medians[runtime->rank()] = values[values.size() / 2];
+    runtime->world().all_reduce_sum(all_medians);
+    return all_medians.max().item<double>();
+  };
+  const double job_median = job_median_of(times), job_iteration_median = job_median_of(iteration_times);
   // Peak resident memory of the largest process: what activation checkpointing is meant to lower.
   struct rusage usage {};
   getrusage(RUSAGE_SELF, &usage);
   at::Tensor peaks = at::zeros({runtime->world_size()}, at::kDouble);
   peaks[runtime->rank()] = static_cast<double>(usage.ru_maxrss) / 1024.0;
   runtime->world().all_reduce_sum(peaks);
+  // The optimizer state this rank holds (AdamW's two moments; SGD without momentum has none): what
+  // shard_optimizer_state divides among the replicas. The largest rank's.
+  double state_bytes = 0;
+  for (const auto& [key, state] : optimizer.local().state()) {
+    if (const auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(state.get())) {
+      state_bytes += static_cast<double>(adamw->exp_avg().nbytes() + adamw->exp_avg_sq().nbytes());
+    }
+  }
+  at::Tensor states = at::zeros({runtime->world_size()}, at::kDouble);
+  states[runtime->rank()] = state_bytes / (1 << 20);
+  runtime->world().all_reduce_sum(states);
   if (runtime->rank() == 0) {
     std::printf("{\"partitions\": %d, \"replicas\": %d, \"microbatches\": %d, \"schedule\": \"%s\", "
-                "\"global_batch\": %lld, \"median_step_s\": %.6f, \"samples_per_s\": %.2f, \"peak_rss_mib\": %.1f, "
-                "\"rank0_sends_posted\": %d, \"rank0_peak_sends_held\": %d}\n",
+                "\"global_batch\": %lld, \"median_step_s\": %.6f, \"median_iteration_s\": %.6f, \"samples_per_s\": %.2f, \"peak_rss_mib\": %.1f, "
+                "\"optimizer_state_mib\": %.1f, \"rank0_sends_posted\": %d, \"rank0_peak_sends_held\": %d}\n",
                 config.partitions, runtime->topology().data_parallel_degree(), config.microbatches,
-                distributed.schedule().name.c_str(), static_cast<long long>(batch), job_median,
-                static_cast<double>(batch) / job_median, peaks.max().item<double>(), sends_posted, peak_sends_held);
+                distributed.schedule().name.c_str(), static_cast<long long>(batch), job_median, job_iteration_median,
+                static_cast<double>(batch) / job_median, peaks.max().item<double>(), states.max().item<double>(),
+                sends_posted, peak_sends_held);
   }
   return 0;
 }

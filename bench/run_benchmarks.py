@@ -25,14 +25,14 @@ def run(command, timeout=600):
     return result
 
 
-def bench_pipeline(smp_keys, processes, trace_dir=None, model=MODEL, global_batch=32):
+def bench_pipeline(smp_keys, processes, trace_dir=None, model=MODEL, global_batch=32, optimizer="sgd"):
     keys = dict(smp_keys, seed=1, global_batch_size=global_batch)
     if trace_dir:
         keys.update(trace_dir=trace_dir, trace_step=STEPS - 1)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as config:
         json.dump({"smp": keys, "model": model}, config)
     result = run([f"{BIN}/smprun", "-n", str(processes), "--no-prefix", "--", f"{BIN}/bench_pipeline",
-                  "--config", config.name, "--steps", str(STEPS)])
+                  "--config", config.name, "--steps", str(STEPS), "--optimizer", optimizer])
     os.unlink(config.name)
     line = next(l for l in result.stdout.splitlines() if l.startswith("{"))
     measured = json.loads(line)
@@ -92,6 +92,21 @@ for label, r in [("whole stages", recomputed), (f"modules {'/'.join(blocks)}", e
     print(f"{label + ':':<40}{r['peak_rss_mib']:.1f} MiB, step {r['median_step_s'] * 1e3:.1f} ms "
           f"(saves {plain['peak_rss_mib'] - r['peak_rss_mib']:.1f} MiB, costs "
           f"{r['median_step_s'] / plain['median_step_s'] - 1:.1%} time)")
+
+section("optimizer state sharding (ZeRO-1): GPT d_model 512, 8 blocks, AdamW; 2 stages x 2 replicas, m = 2; the "
+        "largest rank")
+big = dict(MODEL, d_model=512, heads=8)
+whole = bench_pipeline({"partitions": 2, "ddp": True, "microbatches": 2}, 4, model=big, global_batch=8,
+                       optimizer="adamw")
+sharded = bench_pipeline({"partitions": 2, "ddp": True, "microbatches": 2, "shard_optimizer_state": True}, 4,
+                         model=big, global_batch=8, optimizer="adamw")
+for label, r in [("whole state on each replica:", whole), ("shard_optimizer_state:", sharded)]:
+    print(f"{label:<30}optimizer state {r['optimizer_state_mib']:7.1f} MiB, peak RSS {r['peak_rss_mib']:7.1f} MiB, "
+          f"train_step {r['median_step_s'] * 1e3:.1f} ms, with the optimizer step {r['median_iteration_s'] * 1e3:.1f} ms")
+print(f"state {sharded['optimizer_state_mib'] / whole['optimizer_state_mib']:.3f} of unsharded (ideal 1/2), peak RSS "
+      f"{whole['peak_rss_mib'] - sharded['peak_rss_mib']:.1f} MiB lower, iteration time "
+      f"{sharded['median_iteration_s'] / whole['median_iteration_s'] - 1:+.1%} (each replica updates half the "
+      f"parameters, then one broadcast of them)")
 
 section("simulator: equal costs T_F = T_I = T_W = 1 (T_B = 2), zero latency")
 def simulate(*args):
