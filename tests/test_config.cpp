@@ -18,6 +18,7 @@ TEST_CASE("config: defaults and SMP keys", "[config]") {
   CHECK(defaults.microbatches == 1);
   CHECK(defaults.pipeline == smp::PipelineKind::Interleaved);
   CHECK_FALSE(defaults.ddp);
+  CHECK_FALSE(defaults.shard_optimizer_state);
   CHECK(defaults.memory_weight == 0.2);
   CHECK(parse(R"({"optimize": "memory"})").memory_weight == 0.8);
 
@@ -40,6 +41,7 @@ TEST_CASE("config: defaults and SMP keys", "[config]") {
   CHECK(config.partition_overrides.at("block3") == 1);
 
   CHECK(parse(R"({"pipeline_parallel_degree": 3})").partitions == 3);
+  CHECK(parse(R"({"ddp": true, "shard_optimizer_state": true})").shard_optimizer_state);
 }
 
 TEST_CASE("config: device and backend", "[config]") {
@@ -103,6 +105,8 @@ TEST_CASE("config: every bad value is a one-line error naming the key", "[config
   CHECK_THROWS_WITH(parse(R"({"microbatches": 99999999999999999999})"), Contains("key \"microbatches\""));
   CHECK_THROWS_WITH(parse(R"({"pipeline": "1f1b"})"), Contains("key \"pipeline\": expected one of \"simple\", \"interleaved\""));
   CHECK_THROWS_WITH(parse(R"({"ddp": 1})"), Contains("key \"ddp\": expected true or false"));
+  CHECK_THROWS_WITH(parse(R"({"shard_optimizer_state": "yes"})"), Contains("key \"shard_optimizer_state\": expected true or false"));
+  CHECK_THROWS_WITH(parse(R"({"shard_optimiser_state": true})"), Contains("did you mean \"shard_optimizer_state\""));
   CHECK_THROWS_WITH(parse(R"({"placement_strategy": "DD"})"), Contains("key \"placement_strategy\""));
   CHECK_THROWS_WITH(parse(R"({"memory_weight": 1.5})"), Contains("key \"memory_weight\": must be in [0, 1]"));
   CHECK_THROWS_WITH(parse(R"({"optimize": "fast"})"), Contains("key \"optimize\""));

@@ -32,6 +32,7 @@
 #include "smp/distributed_model.h"
 #include "smp/distributed_optimizer.h"
 #include "smp/graph_model.h"
+#include "smp/optimizer_shards.h"
 #include "smp/runtime.h"
 #include "smp/stage_plan.h"
 #include "optimizer_snapshot.h"
@@ -610,4 +611,19 @@ TEST_CASE("freezing a parameter after the model was built is refused, naming it"
   const auto loss = [](const at::Tensor& output, const at::Tensor& target) { return at::mse_loss(output, target); };
   CHECK_THROWS_WITH(model.train_step(at::randn({2, 3}), at::randn({2, 2}), loss),
                     Catch::Matchers::Contains("parameter 0.bias was frozen after the DistributedModel was built"));
+}
+
+TEST_CASE("optimizer shards: whole parameters, balanced by bytes, the same on every replica", "[zero]") {
+  // Largest first to the lightest replica (ties to the lower one): 100 | 60 + 20 + 10 | 50 + 30 + 5.
+  const std::vector<std::int64_t> bytes = {10, 100, 30, 50, 20, 60, 5};
+  const auto owners = smp::assign_shard_owners(bytes, 3);
+  CHECK(owners == std::vector<int>{1, 0, 2, 2, 1, 1, 2});
+  std::vector<std::int64_t> load(3, 0);
+  for (std::size_t i = 0; i < bytes.size(); ++i) load[owners[i]] += bytes[i];
+  CHECK(load == std::vector<std::int64_t>{100, 90, 85});
+  CHECK(smp::assign_shard_owners(bytes, 1) == std::vector<int>(bytes.size(), 0));
+  // More replicas than parameters: some replicas own nothing (their optimizer holds no parameter).
+  CHECK(smp::assign_shard_owners({8, 8}, 4) == std::vector<int>{0, 1});
+  CHECK(smp::assign_shard_owners({}, 2).empty());
+  CHECK_THROWS(smp::assign_shard_owners(bytes, 0));
 }
