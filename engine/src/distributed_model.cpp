@@ -11,7 +11,7 @@
 #include <set>
 
 #include <ATen/ATen.h>
-#include <torch/cuda.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <cmath>
 
@@ -562,7 +562,12 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
 
   StageCallbacks callbacks = stage_callbacks();
   if (device.is_cuda() && !config.trace_dir.empty() && step_ == config.trace_step) {
-    callbacks.synchronize = [index = device.index()] { torch::cuda::synchronize(index); };
+    // The compute stream alone, never the whole device: that would also wait for NCCL sends still queued on their
+    // channels' streams for a receiver, which may itself be waiting here for one of ours (no timeout can end that).
+    callbacks.synchronize = [device] {
+      const c10::impl::VirtualGuardImpl guard(device.type());
+      guard.synchronizeStream(guard.getStream(device));
+    };
   }
 
   // Until the step has succeeded, it counts as dropped: an optimizer step after a step that threw is not taken.
