@@ -511,6 +511,9 @@ StepOutput DistributedModel::evaluate(const at::Tensor& inputs, const at::Tensor
   try {
     const ExecutorStats stats = evaluator_->run(stage_callbacks(), data);
     if (stats.has_loss) loss_total[0] = stats.loss_sum;
+    output.sends_posted = stats.sends_posted;
+    output.sends_released_early = stats.sends_released_early;
+    output.peak_sends_held = stats.peak_sends_held;
     runtime_->world().all_reduce_sum(loss_total);  // the last stages' losses, summed over replicas
   } catch (const comm::CommError& error) {
     throw comm::CommError("evaluation after step " + std::to_string(step_) + ", stage-rank " +

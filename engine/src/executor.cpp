@@ -78,6 +78,29 @@ PipelineExecutor::PipelineExecutor(sched::Schedule schedule, sched::StageGraph g
   pipeline_.connect({channels.begin(), channels.end()});
   if (pipeline_.in_order()) receive_order_ = sched::receives_in_send_order(schedule_, pipeline_.rank());
   delivered_by_receive_ = sched::sends_delivered_by_receive(schedule_, pipeline_.rank());
+
+  // A forward-only schedule has no backward whose receives would prove this rank's sends delivered, so it would
+  // hold every microbatch's sent outputs to the end. Waiting for the oldest send instead cannot deadlock when
+  // messages only go to later ranks and each receiver takes this rank's messages in the order they were sent: by
+  // induction from the last rank, which never waits on a send, every receiver reaches each receive using messages
+  // that were posted before it.
+  if (schedule_.forward_only) {
+    const int me = pipeline_.rank();
+    std::map<int, std::vector<std::pair<int, int>>> sent, taken;  // peer -> (producer stage, microbatch) in order
+    bool upward = true;
+    for (int rank = 0; rank < schedule_.num_ranks; ++rank) {
+      for (const auto& action : schedule_.ranks[rank]) {
+        const int peer = schedule_.stage_to_rank[action.peer_stage];
+        if (action.kind == ActionKind::SendForward && peer != rank) {
+          upward = upward && peer > rank;
+          if (rank == me) sent[peer].emplace_back(action.stage, action.microbatch);
+        } else if (action.kind == ActionKind::RecvForward && peer == me && rank != me) {
+          taken[rank].emplace_back(action.peer_stage, action.microbatch);
+        }
+      }
+    }
+    wait_for_oldest_send_ = upward && sent == taken;
+  }
 }
 
 ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const MicrobatchData& data) {
@@ -170,6 +193,13 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
     if (peer == me) {
       local_mail[tag_of(action)] = std::move(tensors);
     } else {
+      // Evaluation: one send in flight while the next output is computed, the older ones waited for.
+      constexpr std::size_t kEvaluationSendsHeld = 2;
+      while (wait_for_oldest_send_ && sends.size() >= kEvaluationSendsHeld) {
+        sends.begin()->second->wait();
+        sends.erase(sends.begin());
+        ++stats.sends_released_early;
+      }
       sends[index] = comm::send_tensors(pipeline_, tensors, peer, tag_of(action), where(action));
       ++stats.sends_posted;
       stats.peak_sends_held = std::max(stats.peak_sends_held, static_cast<int>(sends.size()));

@@ -57,7 +57,7 @@ class DistributedModel {
   // The mean loss over the global batch without gradients (validation): the training schedule's forwards alone,
   // keeping nothing for a backward, with this rank's modules in eval mode (dropout off, batch norm on its running
   // statistics) and back in their own mode after. Called like train_step, by every rank; .grad, the parameters
-  // and the buffers stay as they are. Fills StepOutput's loss and seconds.
+  // and the buffers stay as they are. Fills StepOutput's loss, seconds and send counts.
   StepOutput evaluate(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss);
 
   // Copies this rank's parameters from a full-model file (export_checkpoint), by name: a model trained under

@@ -79,6 +79,8 @@ class PipelineExecutor {
   std::map<int, std::vector<std::size_t>> receive_order_;
   // Per receive: the sends it proves delivered (sched::sends_delivered_by_receive).
   std::map<std::size_t, std::vector<std::size_t>> delivered_by_receive_;
+  // Evaluation: this rank may wait for its oldest send instead of holding every one until the step's end.
+  bool wait_for_oldest_send_ = false;
 };
 
 }  // namespace smp
