@@ -158,10 +158,19 @@ TEST_CASE("sharded optimizer state is saved per replica and resumes into the sam
   CHECK_THAT(refused.output, Contains("its optimizer state is sharded over 2 replicas (shard_optimizer_state), but "
                                       "this job's is not sharded"));
 
-  // The parameters alone still export (the shard files hold none).
+  const auto verified = run_command(std::string(SMP_CHECKPOINT_PATH) + " verify " + checkpoint, 60);
+  CHECK_THAT(verified.output, Contains("optimizer state sharded over 2 replicas"));
+
+  // The parameters alone still export (the shard files hold none) and load into three stages as they were after
+  // step 1.
   const auto exported = run_command(std::string(SMP_CHECKPOINT_PATH) + " export " + checkpoint + " " + dir + "/full.pt", 60);
   INFO(exported.output);
-  CHECK(exported.status == 0);
+  REQUIRE(exported.status == 0);
+  const auto three_stages = write_config("zero_pp3", smp_config(3, 1, 2, "interleaved", "cluster", 8, 30));
+  check_clean_run(run_command(std::string(SMPRUN_PATH) + " -n 3 -- " + WORKER_PATH + " --config " + three_stages +
+                                  " --optimizer adamw --steps 0 --load-full " + dir + "/full.pt --expect-step 1",
+                              120),
+                  3);
 }
 
 TEST_CASE("corrupt and truncated checkpoints are refused with a clear error", "[faults][checkpoint]") {

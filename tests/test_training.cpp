@@ -238,6 +238,10 @@ TEST_CASE("sharded optimizer state trains like single-process training", "[train
       {"tied weights", 3, 2, "--model tied --clip 0.5", ""},
       {"frozen and unused parameters", 2, 2, "--model frozen --optimizer adamw --rtol 1e-3", ""},
       {"fp16 with an overflowed step", 2, 2, "--model gpt --spike-step 1 --rtol 0.02", R"(, "fp16": true)"},
+      {"bf16", 2, 2, "--model gpt --rtol 0.02", R"(, "bf16": true)"},
+      {"virtual stages", 2, 2, "--model gpt --optimizer adamw --rtol 1e-3", R"(, "virtual_stages": 2)"},
+      {"gradient accumulation", 2, 2, "--model tied --accumulate 1 --clip 0.5", ""},
+      {"a dropped non-finite step", 2, 2, "--model mlp --nan-step 1", R"(, "nonfinite": "skip")"},
   };
   for (const auto& c : cases) {
     DYNAMIC_SECTION(c.label) {

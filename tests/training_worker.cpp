@@ -413,20 +413,28 @@ int run(int argc, char** argv) {
 
   // shard_optimizer_state: each trainable parameter is in exactly one replica's optimizer.
   if (distributed.optimizer_state_shards() > 1) {
-    std::int64_t held = 0, trainable = 0;  // frozen ones stay in every replica's optimizer, which ignores them
+    const auto parameters = distributed.parameters();
+    at::Tensor holders = at::zeros({static_cast<std::int64_t>(parameters.size())}, at::TensorOptions(at::kLong).device(device));
+    std::int64_t held = 0;
     for (const auto& group : optimizer.local().param_groups()) {
-      for (const auto& parameter : group.params()) held += parameter.requires_grad();
+      for (const auto& parameter : group.params()) {
+        for (std::size_t i = 0; i < parameters.size(); ++i) {
+          if (parameters[i].is_same(parameter) && parameter.requires_grad()) holders[static_cast<std::int64_t>(i)] += 1, ++held;
+        }
+      }
     }
-    for (const auto& parameter : distributed.parameters()) trainable += parameter.requires_grad();
-    at::Tensor total = at::full({1}, held, at::TensorOptions(at::kLong).device(device));
-    runtime->data_parallel().all_reduce_sum(total);
-    std::printf("rank %d optimizer holds %lld of %lld parameters\n", runtime->rank(), static_cast<long long>(held),
-                static_cast<long long>(trainable));
-    if (total.item<std::int64_t>() != trainable) {
-      std::fprintf(stderr, "rank %d: the replicas' optimizers hold %lld parameters, not the %lld trainable ones\n",
-                   runtime->rank(), static_cast<long long>(total.item<std::int64_t>()), static_cast<long long>(trainable));
-      ++failures;
+    runtime->data_parallel().all_reduce_sum(holders);
+    holders = holders.cpu();
+    for (std::size_t i = 0; i < parameters.size(); ++i) {
+      const std::int64_t count = holders[static_cast<std::int64_t>(i)].item<std::int64_t>();
+      if (parameters[i].requires_grad() && count != 1) {
+        std::fprintf(stderr, "rank %d: parameter %s is in %lld replicas' optimizers, not exactly one\n", runtime->rank(),
+                     distributed.named_parameters()[i].first.c_str(), static_cast<long long>(count));
+        ++failures;
+      }
     }
+    std::printf("rank %d optimizer holds %lld of %zu parameters\n", runtime->rank(), static_cast<long long>(held),
+                parameters.size());
   }
   checkpointer.wait();
   if (options.steps == 0 || first_step >= options.steps) check_parameters(options.expect_step);

@@ -1,5 +1,7 @@
 #include "smp/distributed_optimizer.h"
 
+#include <torch/optim/lbfgs.h>
+
 namespace smp {
 
 DistributedOptimizer::DistributedOptimizer(DistributedModel& model, std::unique_ptr<torch::optim::Optimizer> optimizer)
@@ -16,6 +18,10 @@ DistributedOptimizer::DistributedOptimizer(DistributedModel& model, std::unique_
     if (!optimizer_->state().empty()) {
       throw ConfigError("DistributedOptimizer: with \"shard_optimizer_state\" the optimizer must not have stepped "
                         "yet (it already holds state for every parameter); wrap it right after building it");
+    }
+    if (dynamic_cast<torch::optim::LBFGS*>(optimizer_.get()) != nullptr) {
+      throw ConfigError("DistributedOptimizer: LBFGS cannot have its state sharded (it needs every parameter and a "
+                        "closure); leave \"shard_optimizer_state\" off");
     }
     // Groups keep their places (possibly empty), so that checkpoints of the state line up group by group.
     for (auto& group : optimizer_->param_groups()) {

@@ -374,7 +374,8 @@ StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
   }
   // The partition search sees the profile as a DAG: compute time, memory per node, and the bytes of every tensor
   // between nodes. Memory: parameters, gradients and two optimizer moments (4x the parameter bytes; the moments
-  // divided among the replicas when they shard the optimizer state), and what the
+  // divided among the replicas when they shard the optimizer state, assuming an even split, though replicas own
+  // whole parameters), and what the
   // forward keeps for backward (its saved tensors and its output, which the next module saves) times the
   // microbatches each stage holds at once. A checkpointed stage keeps only its inputs between forward and backward
   // (not counted) and holds one microbatch's activations while it recomputes, for which it runs forward again.

@@ -14,6 +14,13 @@
 
 namespace {
 
+// Such a checkpoint resumes only into a job sharding over as many replicas: say so where it is listed.
+std::string sharding(const smp::CheckpointManifest& manifest) {
+  if (manifest.optimizer_shards <= 1) return "";
+  return ", optimizer state sharded over " + std::to_string(manifest.optimizer_shards) +
+         " replicas (resumes only with \"shard_optimizer_state\" and as many replicas)";
+}
+
 int run(int argc, char** argv) {
   const std::string usage = "usage: smp_checkpoint list ROOT | verify DIR | export DIR FILE";
   if (argc < 3) throw std::runtime_error(usage);
@@ -27,8 +34,8 @@ int run(int argc, char** argv) {
     for (const auto& directory : directories) {
       try {
         const auto manifest = smp::verify_checkpoint(directory.string());
-        std::printf("%s: complete, step %lld, %d partitions\n", directory.c_str(), static_cast<long long>(manifest.step),
-                    manifest.partitions);
+        std::printf("%s: complete, step %lld, %d partitions%s\n", directory.c_str(),
+                    static_cast<long long>(manifest.step), manifest.partitions, sharding(manifest).c_str());
       } catch (const smp::CheckpointError& error) {
         std::printf("%s: incomplete: %s\n", directory.c_str(), error.what());
       }
@@ -37,8 +44,9 @@ int run(int argc, char** argv) {
   }
   if (command == "verify" && argc == 3) {
     const auto manifest = smp::verify_checkpoint(argv[2]);
-    std::printf("%s: complete, step %lld, %d partitions x %d virtual stages, saved by %d replicas\n", argv[2],
-                static_cast<long long>(manifest.step), manifest.partitions, manifest.virtual_stages, manifest.replicas);
+    std::printf("%s: complete, step %lld, %d partitions x %d virtual stages, saved by %d replicas%s\n", argv[2],
+                static_cast<long long>(manifest.step), manifest.partitions, manifest.virtual_stages, manifest.replicas,
+                sharding(manifest).c_str());
     return 0;
   }
   if (command == "export" && argc == 4) {

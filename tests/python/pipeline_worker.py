@@ -112,6 +112,7 @@ def main():
     parser.add_argument("--rtol", type=float, default=1e-4)
     parser.add_argument("--script", action="store_true")
     parser.add_argument("--nan-step", type=int, default=-1)
+    parser.add_argument("--clip", type=float, default=0.0)
     args = parser.parse_args()
     config = json.loads(args.smp)
     torch.set_num_threads(1)
@@ -151,6 +152,20 @@ def main():
 
     model = smp.DistributedModel(model_input, batches[0][0][:microbatch])
     schedulers = []
+    failures = []
+    sharded = config.get("shard_optimizer_state") and runtime.data_parallel_degree > 1
+    if sharded:
+        # What sharding cannot take is refused, naming why.
+        stepped = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        stepped.state[model.parameters()[0]]["momentum_buffer"] = torch.zeros(1)
+        for label, make, needle in [("a stepped optimizer", lambda: stepped, "must not have stepped yet"),
+                                    ("LBFGS", lambda: torch.optim.LBFGS(model.parameters()), "LBFGS")]:
+            try:
+                smp.DistributedOptimizer(make())
+                failures.append(f"{label} was accepted with sharded optimizer state")
+            except ValueError as error:
+                if needle not in str(error):
+                    failures.append(f"{label}: unexpected message {error}")
     if args.optimizer == "sgd":
         optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
         reference_optimizer = torch.optim.SGD(reference_parameters.values(), lr=0.1, momentum=0.9)
@@ -169,19 +184,33 @@ def main():
 
     # Losses match to float rounding in float32; under bf16/fp16 autocast to the parameters' tolerance.
     loss_tolerance = args.rtol if config.get("bf16") or config.get("fp16") else 1e-5
-    failures = []
     for step, (inputs, targets) in enumerate(batches):
-        optimizer.zero_grad()
+        inner_calls = sharded and step % 2 == 1
+        if not inner_calls:
+            optimizer.zero_grad()
         if step == args.nan_step:
             output = model.train_step(inputs, targets, lambda out, target: F.mse_loss(out, target) * float("nan"))
             if not output.skipped or optimizer.step():
                 failures.append(f"step {step}: a NaN loss was not dropped (skipped {output.skipped})")
             continue
-        output = model.train_step(inputs, targets, F.mse_loss)
-        optimizer.step()
+        if inner_calls:
+            # Loops that call the inner optimizer directly (as LR schedulers hold it) must train the same: its
+            # zero_grad clears every gradient, its step shares the updates.
+            optimizer.optimizer.zero_grad()
+            output = model.train_step(inputs, targets, F.mse_loss)
+            if args.clip:
+                optimizer.clip_grad_norm(args.clip)
+            optimizer.optimizer.step()
+        else:
+            output = model.train_step(inputs, targets, F.mse_loss)
+            if args.clip:
+                optimizer.clip_grad_norm(args.clip)
+            optimizer.step()
         reference_optimizer.zero_grad()
         loss = F.mse_loss(reference_forward(inputs), targets)
         loss.backward()
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(list(reference_parameters.values()), args.clip)
         reference_optimizer.step()
         for scheduler in schedulers:
             scheduler.step()
@@ -195,10 +224,21 @@ def main():
             failures.append(f"step {step}: evaluation loss {evaluation} under smp, {expected} in plain PyTorch")
 
     parameters = model.named_parameters()
-    if config.get("shard_optimizer_state") and runtime.data_parallel_degree > 1:
-        held = sum(len(group["params"]) for group in optimizer.param_groups)
-        if not 0 < held < len(parameters):
-            failures.append(f"the sharded optimizer holds {held} of this rank's {len(parameters)} parameters")
+    if sharded:
+        trainable = sum(1 for p in parameters.values() if p.requires_grad)
+        held = sum(1 for group in optimizer.param_groups for p in group["params"] if p.requires_grad)
+        if held >= trainable:
+            failures.append(f"the sharded optimizer holds {held} of this rank's {trainable} trainable parameters")
+        # A replica's share loads into that replica only: another's would fit by shape and train on wrong moments.
+        state = optimizer.state_dict()
+        state["smp_optimizer_shard"] = dict(state["smp_optimizer_shard"], replica=1 - runtime.dp_rank)
+        try:
+            optimizer.load_state_dict(state)
+            failures.append("another replica's optimizer state_dict was accepted")
+        except ValueError as error:
+            if "replica" not in str(error):
+                failures.append(f"loading another replica's state: unexpected message {error}")
+        optimizer.load_state_dict(optimizer.state_dict())
     def difference(name):
         return (parameters[name].detach().cpu() - reference_parameters[name].detach()).abs().max().item()
 

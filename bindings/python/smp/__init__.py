@@ -557,8 +557,18 @@ class DistributedOptimizer:
             if len(optimizer.state) > 0:
                 raise ValueError("with \"shard_optimizer_state\" the optimizer must not have stepped yet (it already "
                                  "holds state for every parameter): wrap it right after building it")
+            if isinstance(optimizer, torch.optim.LBFGS):
+                raise ValueError("torch.optim.LBFGS cannot have its state sharded (it keeps its own list of all the "
+                                 "parameters and needs a closure): leave \"shard_optimizer_state\" off")
             for group in optimizer.param_groups:  # groups keep their places, possibly empty, for checkpoints
                 group["params"] = [p for p in group["params"] if engine.updates_parameter(p)]
+            # The inner optimizer is handed out (LR schedulers take it, and loops call it directly): its own step
+            # must still share the updates, and its zero_grad clear the gradients it no longer holds.
+            optimizer.register_step_post_hook(lambda *_: engine.share_updated_parameters())
+            optimizer.zero_grad = lambda set_to_none=True: engine.zero_grad(set_to_none)
+            self._shard = {"replica": runtime().dp_rank, "replicas": engine.optimizer_state_shards}
+        else:
+            self._shard = None
 
     @property
     def param_groups(self):
@@ -574,8 +584,7 @@ class DistributedOptimizer:
         through momentum. Returns whether it stepped."""
         if self._model._model.last_step_skipped:
             return False
-        self.optimizer.step()
-        self._model._model.share_updated_parameters()
+        self.optimizer.step()  # with sharded state, its hook shares the updates
         return True
 
     def clip_grad_norm(self, max_norm):
@@ -584,9 +593,24 @@ class DistributedOptimizer:
         return self._model._model.clip_grad_norm(float(max_norm))
 
     def state_dict(self):
-        return self.optimizer.state_dict()
+        """The optimizer's state_dict; with sharded state, this replica's share, marked with the replica it
+        belongs to."""
+        state = self.optimizer.state_dict()
+        if self._shard is not None:
+            state["smp_optimizer_shard"] = dict(self._shard)
+        return state
 
     def load_state_dict(self, state):
+        """Loads a state_dict of state_dict(); a sharded one only into the replica that saved it (the shapes of
+        another replica's share may well fit, and silently train on the wrong moments)."""
+        saved = state.get("smp_optimizer_shard")
+        if saved != self._shard:
+            def describe(shard):
+                return (f"replica {shard['replica']}'s share of state sharded over {shard['replicas']} replicas"
+                        if shard else "unsharded state")
+            raise ValueError(f"this optimizer state_dict holds {describe(saved)}, but this optimizer takes "
+                             f"{describe(self._shard)}")
+        state = {key: value for key, value in state.items() if key != "smp_optimizer_shard"}
         self.optimizer.load_state_dict(state)
 
 

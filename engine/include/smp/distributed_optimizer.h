@@ -22,6 +22,9 @@ class DistributedOptimizer {
   // DistributedModel::clip_grad_norm: the global gradient norm over all stages, clipped to max_norm.
   double clip_grad_norm(double max_norm);
 
+  // The wrapped optimizer, for its options and state. With sharded state it holds only this replica's parameters:
+  // step and zero_grad must then go through this class (its own step would not share the updates, its own zero_grad
+  // would leave the other parameters' gradients to pile up).
   torch::optim::Optimizer& local() { return *optimizer_; }
 
  private:
