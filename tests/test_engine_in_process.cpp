@@ -677,3 +677,13 @@ TEST_CASE("optimizer shards: every replica ends with each owner's values, across
     }
   }
 }
+
+TEST_CASE("device choice: GPUs bound per process through CUDA_VISIBLE_DEVICES are told from one shared GPU",
+          "[runtime]") {
+  CHECK(smp::gpus_assigned_per_process({"0", "1", "2", "3"}));
+  CHECK(smp::gpus_assigned_per_process({"GPU-8a1f", "GPU-77c2"}));  // UUIDs, as some launchers write them
+  CHECK_FALSE(smp::gpus_assigned_per_process({"0", "0"}));          // one GPU, shared
+  CHECK_FALSE(smp::gpus_assigned_per_process({"0", ""}));           // a process that sees every GPU
+  CHECK_FALSE(smp::gpus_assigned_per_process({"0,1", "2,3"}));      // several each: LOCAL_RANK picks among them
+  CHECK_FALSE(smp::gpus_assigned_per_process({"0"}));               // one process: nothing to tell apart
+}

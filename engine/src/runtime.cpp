@@ -1,7 +1,10 @@
 #include "smp/runtime.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdlib>
+#include <set>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -28,10 +31,25 @@ bool nccl_for_gpus(const Config& config) {
   return config.backend == "nccl" || (config.backend == "auto" && comm::nccl_available());
 }
 
+std::string visible_devices() {
+  const char* value = std::getenv("CUDA_VISIBLE_DEVICES");
+  return value == nullptr ? "" : value;
+}
+
+// Whether this process sees one GPU that may be its own, though its host runs several processes: only the other
+// processes' CUDA_VISIBLE_DEVICES can tell (gpus_assigned_per_process), after the rendezvous.
+bool may_have_own_gpu(const Config& config, const comm::LaunchInfo& launch) {
+  const std::string visible = visible_devices();
+  return config.device != "cpu" && launch.local_world_size > 1 && !visible.empty() &&
+         visible.find(',') == std::string::npos && torch::cuda::device_count() == 1;
+}
+
 // "auto" takes a GPU when every process of this host can have its own (hosts are assumed alike), else the CPU.
 // NCCL needs one GPU per process; Gloo can share one among the processes of a host (tests on a one-GPU machine).
-c10::Device choose_device(const Config& config, const comm::LaunchInfo& launch) {
+// `own_gpu`: the launcher gave each process of this host a GPU of its own, the only one it sees.
+c10::Device choose_device(const Config& config, const comm::LaunchInfo& launch, bool own_gpu) {
   if (config.device == "cpu") return c10::Device(c10::kCPU);
+  if (own_gpu) return c10::Device(c10::kCUDA, 0);
   const int gpus = static_cast<int>(torch::cuda::device_count());
   if (config.device == "auto") {
     if (gpus == 0 || gpus < launch.local_world_size) return c10::Device(c10::kCPU);
@@ -58,6 +76,15 @@ std::string join(const std::vector<int>& ranks) {
 
 }  // namespace
 
+bool gpus_assigned_per_process(const std::vector<std::string>& visible_devices) {
+  if (visible_devices.size() < 2) return false;
+  std::set<std::string> seen;
+  for (const auto& value : visible_devices) {
+    if (value.empty() || value.find(',') != std::string::npos || !seen.insert(value).second) return false;
+  }
+  return true;
+}
+
 std::shared_ptr<Runtime> Runtime::init(const Config& config) {
   return init(config, comm::LaunchInfo::from_environment());
 }
@@ -71,11 +98,11 @@ Runtime::Runtime(const Config& config, const comm::LaunchInfo& launch)
       launch_(launch),
       topology_(config, launch.world_size),
       coordinates_(topology_.coordinates_of(launch.rank)),
-      device_(choose_device(config, launch)),
+      // Decided after the rendezvous when only the other processes can tell (may_have_own_gpu); every other
+      // device error comes before any communication.
+      device_(may_have_own_gpu(config, launch) ? c10::Device(c10::kCPU) : choose_device(config, launch, false)),
       nccl_(device_.is_cuda() && nccl_for_gpus(config)) {
   log::configure(launch_.rank, config_.log_level);
-  // Through the device-generic interface: this file builds against a CPU-only LibTorch too.
-  if (device_.is_cuda()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(device_);
   // c10d logs a C++ backtrace with every warning (e.g. a store connection closed by a peer that failed); our
   // errors already name the peer, so LibTorch's own warnings show only when debugging.
   if (!log::enabled("debug")) FLAGS_caffe2_log_level = 2;
@@ -107,6 +134,23 @@ Runtime::Runtime(const Config& config, const comm::LaunchInfo& launch)
                             "): " + comm::brief_message(error));
     }
     check_job_identity(where);
+    // Every process says what CUDA_VISIBLE_DEVICES shows it; a host's processes are assumed to have consecutive
+    // ranks (as smprun, torchrun and Slurm's default block distribution give them), checked by the host name.
+    char host[256] = {};
+    gethostname(host, sizeof host - 1);
+    publish("visible_devices/" + std::to_string(launch_.rank), std::string(host) + "\n" + visible_devices());
+    if (may_have_own_gpu(config_, launch_)) {
+      std::vector<std::string> visible;
+      const int first = launch_.rank - launch_.local_rank;
+      for (int rank = first; rank < first + launch_.local_world_size && rank < launch_.world_size; ++rank) {
+        const std::string entry = fetch("visible_devices/" + std::to_string(rank));
+        const auto newline = entry.find('\n');
+        // A process of another host in this range: the ranks are not grouped by host, so nothing can be told.
+        visible.push_back(entry.substr(0, newline) == host ? entry.substr(newline + 1) : "");
+      }
+      device_ = choose_device(config_, launch_, gpus_assigned_per_process(visible));
+      nccl_ = device_.is_cuda() && nccl_for_gpus(config_);
+    }
     // Every rank must move stage tensors the same way; hosts with different GPU counts could choose differently.
     const std::string transport = nccl_ ? "NCCL" : "Gloo";
     if (launch_.rank == 0) {
@@ -117,6 +161,8 @@ Runtime::Runtime(const Config& config, const comm::LaunchInfo& launch)
                         " (hosts with different GPU counts?); set \"device\" and \"backend\" explicitly");
     }
   }
+  // Through the device-generic interface: this file builds against a CPU-only LibTorch too.
+  if (device_.is_cuda()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(device_);
   // Gloo listens where the peers can reach this host: loopback for one-host jobs, else the address that routes
   // to rank 0 (GLOO_SOCKET_IFNAME, when set, overrides both).
   bind_host_ = launch_.world_size == 1 || launch_.master_is_loopback()

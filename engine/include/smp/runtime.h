@@ -4,6 +4,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
@@ -18,6 +19,12 @@ class Store;
 }
 
 namespace smp {
+
+// Whether the processes of one host each see a GPU of their own, as a launcher that binds GPUs through
+// CUDA_VISIBLE_DEVICES arranges (Slurm's --gpus-per-task=1): `visible_devices` holds the variable of each of the
+// host's processes ("" when unset), and this is true when every one names a single device and no two the same.
+// Processes that all see the same single GPU share it instead.
+bool gpus_assigned_per_process(const std::vector<std::string>& visible_devices);
 
 class Runtime {
  public:
