@@ -187,6 +187,35 @@ _OUT_OF_PLACE = {operator.iadd: operator.add, operator.isub: operator.sub, opera
                  operator.irshift: operator.rshift}
 
 
+# Operations whose result shares its first argument's memory (always or possibly: reshape, contiguous), so that a
+# write into one is seen through the other.
+_VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "transpose", "swapaxes", "t", "permute", "movedim",
+                 "narrow", "select", "squeeze", "unsqueeze", "expand", "expand_as", "flatten", "unflatten", "unfold",
+                 "split", "split_with_sizes", "tensor_split", "chunk", "unbind", "diagonal", "as_strided",
+                 "__getitem__", "contiguous", "detach", "real", "imag"}
+_VIEW_FUNCTIONS = {torch.transpose, torch.swapaxes, torch.reshape, torch.narrow, torch.select, torch.squeeze,
+                   torch.unsqueeze, torch.flatten, torch.split, torch.tensor_split, torch.chunk, torch.unbind,
+                   torch.permute, torch.t, torch.movedim, torch.diagonal, torch.detach, torch.real, torch.imag}
+
+
+def _view_base(node):
+    """The value `node` is a view of, or None."""
+    import torch.fx as fx
+
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    base = node.args[0]
+    if node.op == "call_method" and node.target in _VIEW_METHODS:
+        return base
+    if node.op == "call_function" and node.target in _VIEW_FUNCTIONS:
+        return base
+    # Indexing a tensor gives a view; an integer index into what a child returned may be picking from its tuple.
+    if node.op == "call_function" and node.target is operator.getitem and (
+            base.op != "call_module" or not isinstance(node.args[1], int)):
+        return base
+    return None
+
+
 def _rewrite_in_place(traced, attribute, name):
     """In-place operations as data flow: an operation that writes into a value (x.add_(y), x += y, F.relu(x,
     inplace=True), a child such as nn.ReLU(inplace=True)) becomes the producer of that value for every operation
@@ -219,6 +248,26 @@ def _rewrite_in_place(traced, attribute, name):
         if not writes or not node.args or not isinstance(node.args[0], fx.Node):
             continue
         written = node.args[0]
+        # Values sharing memory with the one written (what it is a view of, and views of those taken before the
+        # write) would see the write in plain PyTorch, but not as graph edges: refused when read afterwards.
+        aliases, base = set(), written
+        while _view_base(base) is not None:
+            base = _view_base(base)
+            aliases.add(base)
+        frontier = [written, *aliases]
+        while frontier:
+            value = frontier.pop()
+            for user in value.users:
+                if user is not node and user not in aliases and user is not written and _view_base(user) is value \
+                        and order[user] < order[node]:
+                    aliases.add(user)
+                    frontier.append(user)
+        for alias in aliases:
+            late = [reader for reader in alias.users if order[reader] > order[node]]
+            if late:
+                raise ModelError(f"{name}'s forward writes in place into {written.name} ({node.format_node()}), which "
+                                 f"shares memory with {alias.name}, read afterwards by {late[0].name}; write it out of "
+                                 "place so that it can be cut into stages")
         for reader in list(written.users):
             if reader is not node and order[reader] > order[node]:
                 reader.replace_input_with(written, node)
