@@ -126,26 +126,23 @@ void Checkpointer::save(std::int64_t step) {
   std::optional<c10::impl::GenericDict> contents;
   std::function<std::string()> optimizer_bytes;  // serialized on the writer's thread
   const int shards = model_.optimizer_state_shards();
-  if (runtime.dp_rank() > 0 && shards > 1) {  // this replica's share of the optimizer state, nothing else
+  // The first replica writes the partition file; with sharded optimizer state, each other replica a file with its
+  // share of that state and nothing else.
+  if (runtime.dp_rank() == 0 || shards > 1) {
     optimizer_bytes = optimizer_state_->snapshot();
     contents.emplace(c10::StringType::get(), c10::AnyType::get());
     contents->insert("format", kPartitionFormat);
     contents->insert("optimizer_format", optimizer_state_->format());
     contents->insert("step", step);
     contents->insert("pp_rank", static_cast<std::int64_t>(runtime.pp_rank()));
-    contents->insert("dp_rank", static_cast<std::int64_t>(runtime.dp_rank()));
   }
-  if (runtime.dp_rank() == 0) {
+  if (runtime.dp_rank() > 0 && shards > 1) {
+    contents->insert("dp_rank", static_cast<std::int64_t>(runtime.dp_rank()));
+  } else if (runtime.dp_rank() == 0) {
     c10::Dict<std::string, at::Tensor> parameters;
     for (const auto& [name, parameter] : model_.named_parameters()) {
       parameters.insert(name, parameter.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
     }
-    optimizer_bytes = optimizer_state_->snapshot();
-    contents.emplace(c10::StringType::get(), c10::AnyType::get());
-    contents->insert("format", kPartitionFormat);
-    contents->insert("optimizer_format", optimizer_state_->format());
-    contents->insert("step", step);
-    contents->insert("pp_rank", static_cast<std::int64_t>(runtime.pp_rank()));
     contents->insert("parameters", parameters);
     contents->insert("rng", at::detail::getDefaultCPUGenerator().get_state());
     const c10::Device device = runtime.device();
