@@ -179,45 +179,37 @@ def main():
         failures.append("a traced model with in-place operations computes something else than the model")
     # A write through a view changes the tensor it views (and a write into a tensor, its views): plain PyTorch sees
     # it through the shared memory, stages would not; refused when the other one is read after the write.
-    class WritesThroughView(torch.nn.Module):
-        def __init__(self):
+    class Writes(torch.nn.Module):
+        def __init__(self, body, second_width=4):
             super().__init__()
             self.a = torch.nn.Linear(3, 4)
-            self.b = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(second_width, 4)
+            self.body = body
 
         def forward(self, x):
-            h = self.a(x)
-            h.view(-1).mul_(2.0)
-            return self.b(h)
+            return self.body(self, x)
 
-    class WritesUnderView(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = torch.nn.Linear(3, 4)
-            self.b = torch.nn.Linear(2, 4)
+    def through_view(self, x):
+        h = self.a(x)
+        h.view(-1).mul_(2.0)
+        return self.b(h)
 
-        def forward(self, x):
-            h = self.a(x)
-            first = h[:, :2]
-            h.mul_(2.0)
-            return self.b(first)
+    def under_view(self, x):
+        h = self.a(x)
+        first = h[:, :2]
+        h.mul_(2.0)
+        return self.b(first)
 
-    class WritesIntoItsOwnView(torch.nn.Module):  # the base is not read again: fine
-        def __init__(self):
-            super().__init__()
-            self.a = torch.nn.Linear(3, 4)
-            self.b = torch.nn.Linear(4, 4)
-
-        def forward(self, x):
-            h = self.a(x).view(-1, 4)
-            h.mul_(2.0)
-            return self.b(h)
+    def into_own_view(self, x):  # the base is not read again: fine
+        h = self.a(x).view(-1, 4)
+        h.mul_(2.0)
+        return self.b(h)
 
     expect_error("a write through a view", smp.ModelError, "shares memory with a",
-                 lambda: smp.GraphModel.from_module(WritesThroughView(), torch.randn(2, 3)))
+                 lambda: smp.GraphModel.from_module(Writes(through_view), torch.randn(2, 3)))
     expect_error("a write under a view", smp.ModelError, "shares memory with getitem",
-                 lambda: smp.GraphModel.from_module(WritesUnderView(), torch.randn(2, 3)))
-    own_view = WritesIntoItsOwnView()
+                 lambda: smp.GraphModel.from_module(Writes(under_view, second_width=2), torch.randn(2, 3)))
+    own_view = Writes(into_own_view)
     sample = torch.randn(2, 3)
     if not torch.allclose(smp.GraphModel.from_module(own_view, sample).forward(sample), own_view(sample)):
         failures.append("a traced model writing into its own view computes something else than the model")
