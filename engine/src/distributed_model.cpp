@@ -124,6 +124,10 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
   if (config.resume) adopt_checkpoint_partition();
   if (runtime_->rank() == 0) {
     log::info(plan_.report());
+    if (config.shard_optimizer_state && runtime_->topology().data_parallel_degree() == 1) {
+      log::warn("\"shard_optimizer_state\" has no effect with one data-parallel replica: the optimizer keeps all "
+                "of its state");
+    }
     if (!config.trace_dir.empty()) {
       std::filesystem::create_directories(config.trace_dir);
       write_file_atomically(config.trace_dir + "/partition.json", plan_.to_json());
