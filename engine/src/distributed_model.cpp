@@ -225,8 +225,7 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
     std::set<int> holder_ranks;
     for (int node : tie.nodes) holder_ranks.insert(schedule.stage_to_rank[plan_.stage_of_module[node]]);
     const int first_holder = schedule.stage_to_rank[plan_.stage_of_module[tie.nodes.front()]];
-    const at::Tensor parameter = nodes[tie.nodes.front()].module->named_parameters()[tie.parameter.substr(
-        tie.parameter.find('.') + 1)];
+    const at::Tensor& parameter = tie.tensor;
     if (first_holder != runtime_->pp_rank()) counted_elsewhere.insert(parameter.unsafeGetTensorImpl());
     // Frozen copies need no sum (every rank sees the same requires_grad, so all skip the group alike).
     if (holder_ranks.size() < 2 || !holder_ranks.count(runtime_->pp_rank()) || !parameter.requires_grad()) continue;

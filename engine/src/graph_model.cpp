@@ -179,6 +179,7 @@ std::vector<GraphModel::Tie> GraphModel::ties() const {
       auto [entry, created] = by_tensor.try_emplace(key);
       if (created) {
         entry->second.parameter = nodes_[i].name + "." + parameter.key();
+        entry->second.tensor = parameter.value();
         order.push_back(key);
       }
       if (entry->second.nodes.empty() || entry->second.nodes.back() != static_cast<int>(i)) {

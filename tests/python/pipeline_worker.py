@@ -71,13 +71,14 @@ class WithAuxiliary(torch.nn.Module):
 
 class TracedModel(torch.nn.Module):
     """A forward of its own: residuals written inline, a ModuleList, shape arithmetic, a buffer of the model, a
-    child returning a tuple, a skip from the first block to the head, in-place operations, and a child's weight
-    used again in the forward (tied)."""
+    child returning a tuple, a skip from the first block to the head, in-place operations, a child's weight used
+    again in the forward (tied), and one block called twice (shared weights, typically on two stages)."""
 
     def __init__(self):
         super().__init__()
         self.embed = torch.nn.Linear(WIDTH, 32)
         self.blocks = torch.nn.ModuleList([Block(32, 32) for _ in range(3)])
+        self.blocks[2] = self.blocks[0]
         self.mixer = WithAuxiliary(32)
         self.head = torch.nn.Linear(32, OUTPUTS)
         self.register_buffer("scale", torch.linspace(0.5, 1.5, 32))

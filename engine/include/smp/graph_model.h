@@ -76,7 +76,8 @@ class GraphModel {
   std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
   // Groups of node indices that share a parameter, with that parameter's name (for ties across stages).
   struct Tie {
-    std::string parameter;
+    std::string parameter;  // its name (named_parameters)
+    at::Tensor tensor;      // the parameter itself
     std::vector<int> nodes;
   };
   std::vector<Tie> ties() const;
