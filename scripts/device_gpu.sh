@@ -113,7 +113,9 @@ torch_prefix=$(tail -n 1 <<<"$torch_info")
 # Two CUDA runtimes in one process (ours from nvcc's toolkit, libtorch's from the wheel) would fail in odd ways;
 # Torch's CMake config accepts any toolkit from 12 on, so check the major versions here.
 torch_cuda=$(head -n 1 <<<"$torch_info" | awk '{print $3}')
-nvcc_cuda=$(nvcc --version | grep -o 'release [0-9.]*' | awk '{print $2}')
+[ "$torch_cuda" != None ] || die "$python's torch is a CPU-only build: the GPU build needs torch's CUDA build"
+nvcc_cuda=$(nvcc --version | grep -o 'release [0-9.]*' | awk '{print $2}' || true)
+[ -n "$nvcc_cuda" ] || die "cannot read the CUDA version from \`nvcc --version\`"
 [ "${torch_cuda%%.*}" = "${nvcc_cuda%%.*}" ] ||
   die "nvcc is CUDA $nvcc_cuda but torch was built for CUDA $torch_cuda: put a CUDA ${torch_cuda%%.*} toolkit first on PATH"
 [ -d "$torch_prefix" ] || die "torch's cmake prefix \"$torch_prefix\" is not a directory"

@@ -80,10 +80,12 @@ PipelineExecutor::PipelineExecutor(sched::Schedule schedule, sched::StageGraph g
   delivered_by_receive_ = sched::sends_delivered_by_receive(schedule_, pipeline_.rank());
 
   // A forward-only schedule has no backward whose receives would prove this rank's sends delivered, so it would
-  // hold every microbatch's sent outputs to the end. Waiting for the oldest send instead cannot deadlock when
-  // messages only go to later ranks and each receiver takes this rank's messages in the order they were sent: by
-  // induction from the last rank, which never waits on a send, every receiver reaches each receive using messages
-  // that were posted before it.
+  // hold every microbatch's sent outputs to the end. Waiting for the oldest send instead (which returns once the
+  // receiver reaches that receive) cannot deadlock when messages only go to later ranks, this rank sends to one
+  // rank only, and that rank takes them in the order they were sent. A cycle of waits would need a rank R waiting
+  // for a message this rank has not posted while this rank waits for R to take an older one; R takes them in order,
+  // so it took that one already. Waits on sends alone only go up the ranks, so they cannot close a cycle either.
+  // (With sends to two ranks, this rank could wait on one that waits, through a third, on its send to the other.)
   if (schedule_.forward_only) {
     const int me = pipeline_.rank();
     std::map<int, std::vector<std::pair<int, int>>> sent, taken;  // peer -> (producer stage, microbatch) in order
@@ -99,7 +101,7 @@ PipelineExecutor::PipelineExecutor(sched::Schedule schedule, sched::StageGraph g
         }
       }
     }
-    wait_for_oldest_send_ = upward && sent == taken;
+    wait_for_oldest_send_ = upward && sent.size() == 1 && sent == taken;
   }
 }
 
@@ -237,7 +239,9 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
       for (std::size_t i = 0; i < outputs.size(); ++i) {
         if (!outputs[i].requires_grad()) continue;
         roots.first.push_back(outputs[i]);
-        roots.second.push_back(grads.at(i));
+        // Transfers travel on the group's device: an output a module left elsewhere (a CPU tensor in a GPU job)
+        // gets its gradient back there.
+        roots.second.push_back(grads.at(i).to(outputs[i].device()));
       }
     }
     return roots;

@@ -139,16 +139,21 @@ Runtime::Runtime(const Config& config, const comm::LaunchInfo& launch)
     char host[256] = {};
     gethostname(host, sizeof host - 1);
     publish("visible_devices/" + std::to_string(launch_.rank), std::string(host) + "\n" + visible_devices());
-    if (may_have_own_gpu(config_, launch_)) {
+    const int first = launch_.rank - launch_.local_rank;
+    // A range that runs past the world (a launcher that gave no per-host count, so local_world_size is the world's)
+    // cannot be this host's processes: the device is then chosen as without the exchange, alike on every host.
+    if (may_have_own_gpu(config_, launch_) && first + launch_.local_world_size <= launch_.world_size) {
       std::vector<std::string> visible;
-      const int first = launch_.rank - launch_.local_rank;
-      for (int rank = first; rank < first + launch_.local_world_size && rank < launch_.world_size; ++rank) {
+      for (int rank = first; rank < first + launch_.local_world_size; ++rank) {
         const std::string entry = fetch("visible_devices/" + std::to_string(rank));
         const auto newline = entry.find('\n');
         // A process of another host in this range: the ranks are not grouped by host, so nothing can be told.
         visible.push_back(entry.substr(0, newline) == host ? entry.substr(newline + 1) : "");
       }
       device_ = choose_device(config_, launch_, gpus_assigned_per_process(visible));
+      nccl_ = device_.is_cuda() && nccl_for_gpus(config_);
+    } else if (may_have_own_gpu(config_, launch_)) {
+      device_ = choose_device(config_, launch_, false);
       nccl_ = device_.is_cuda() && nccl_for_gpus(config_);
     }
     // Every rank must move stage tensors the same way; hosts with different GPU counts could choose differently.
