@@ -205,14 +205,33 @@ def main():
         h.mul_(2.0)
         return self.b(h)
 
+    def index_of_child_output(self, x):  # an integer index of a child's tensor output is a view too
+        h = self.a(x)
+        first = h[0]
+        h.mul_(2.0)
+        return self.b(first)
+
+    def copies_and_shapes(self, x):  # copies, tuples of separate tensors and shape reads share nothing written
+        h = self.a(x)
+        y = h.transpose(0, 1).contiguous()  # a copy
+        y.mul_(2.0)
+        values, indexes = h.max(1)
+        values.mul_(2.0)
+        flat = h.flatten()
+        flat.mul_(0.5)  # writes into h itself...
+        return self.b(y.t() + indexes.unsqueeze(1).float() + values.unsqueeze(1) + h.size(0))  # ...h read for shape only
+
     expect_error("a write through a view", smp.ModelError, "shares memory with a",
                  lambda: smp.GraphModel.from_module(Writes(through_view), torch.randn(2, 3)))
     expect_error("a write under a view", smp.ModelError, "shares memory with getitem",
                  lambda: smp.GraphModel.from_module(Writes(under_view, second_width=2), torch.randn(2, 3)))
-    own_view = Writes(into_own_view)
-    sample = torch.randn(2, 3)
-    if not torch.allclose(smp.GraphModel.from_module(own_view, sample).forward(sample), own_view(sample)):
-        failures.append("a traced model writing into its own view computes something else than the model")
+    expect_error("a write under an integer index of a child's output", smp.ModelError, "shares memory with getitem",
+                 lambda: smp.GraphModel.from_module(Writes(index_of_child_output), torch.randn(2, 3)))
+    for body in (into_own_view, copies_and_shapes):
+        model = Writes(body)
+        sample = torch.randn(2, 3)
+        if not torch.allclose(smp.GraphModel.from_module(model, sample).forward(sample), model(sample)):
+            failures.append(f"a traced model ({body.__name__}) computes something else than the model")
     expect_error("a sample the model rejects", smp.ModelError, "0",
                  lambda: smp.DistributedModel(torch.nn.Sequential(torch.nn.Linear(3, 3)), torch.zeros(2, 5)))
 

@@ -187,36 +187,59 @@ _OUT_OF_PLACE = {operator.iadd: operator.add, operator.isub: operator.sub, opera
                  operator.irshift: operator.rshift}
 
 
-# Operations whose result shares its first argument's memory (always or possibly: reshape, contiguous), so that a
-# write into one is seen through the other.
-_VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "transpose", "swapaxes", "t", "permute", "movedim",
-                 "narrow", "select", "squeeze", "unsqueeze", "expand", "expand_as", "flatten", "unflatten", "unfold",
-                 "split", "split_with_sizes", "tensor_split", "chunk", "unbind", "diagonal", "as_strided",
-                 "__getitem__", "contiguous", "detach", "real", "imag"}
-_VIEW_FUNCTIONS = {torch.transpose, torch.swapaxes, torch.reshape, torch.narrow, torch.select, torch.squeeze,
-                   torch.unsqueeze, torch.flatten, torch.split, torch.tensor_split, torch.chunk, torch.unbind,
-                   torch.permute, torch.t, torch.movedim, torch.diagonal, torch.detach, torch.real, torch.imag}
+# Reads of a value's metadata alone, which a write into its memory does not change.
+_METADATA_METHODS = {"size", "dim", "numel", "nelement", "element_size", "stride", "is_contiguous", "get_device"}
+_METADATA_ATTRIBUTES = {"shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad"}
 
 
-def _view_base(node):
-    """The value `node` is a view of, or None."""
+def _reads_metadata_only(node):
+    if node.op == "call_method":
+        return node.target in _METADATA_METHODS
+    return node.op == "call_function" and node.target is getattr and len(node.args) > 1 and \
+        node.args[1] in _METADATA_ATTRIBUTES
+
+
+def _run_on_sample(model, traced, sample_input, name):
+    """Every node's value on the sample, in eval mode and without gradients, so that no batch norm statistic or
+    random number is spent; buffers a forward writes into are put back."""
     import torch.fx as fx
 
-    if not node.args or not isinstance(node.args[0], fx.Node):
-        return None
-    base = node.args[0]
-    if node.op == "call_method" and node.target in _VIEW_METHODS:
-        return base
-    if node.op == "call_function" and node.target in _VIEW_FUNCTIONS:
-        return base
-    # Indexing a tensor gives a view; an integer index into what a child returned may be picking from its tuple.
-    if node.op == "call_function" and node.target is operator.getitem and (
-            base.op != "call_module" or not isinstance(node.args[1], int)):
-        return base
-    return None
+    values = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, node):
+            values[node] = super().run_node(node)
+            return values[node]
+
+    modes = [m.training for m in model.modules()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            Recorder(traced).run(sample_input)
+    except Exception as error:  # noqa: BLE001
+        raise ModelError(f"{name} fails on the sample input {tuple(sample_input.shape)}: {error}") from error
+    finally:
+        for module, mode in zip(model.modules(), modes):
+            module.training = mode
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+    return values
 
 
-def _rewrite_in_place(traced, attribute, name):
+def _storages(values):
+    """The memory each tensor value lives in (an address), None for other values."""
+    found = {}
+    for node, value in values.items():
+        try:
+            found[node] = value.untyped_storage().data_ptr() if isinstance(value, torch.Tensor) else None
+        except (RuntimeError, NotImplementedError):  # no storage (e.g. sparse)
+            found[node] = None
+    return found
+
+
+def _rewrite_in_place(traced, attribute, name, storage):
     """In-place operations as data flow: an operation that writes into a value (x.add_(y), x += y, F.relu(x,
     inplace=True), a child such as nn.ReLU(inplace=True)) becomes the producer of that value for every operation
     after it, and, where it can, runs out of place. Plain PyTorch sees the change through the shared tensor; pipeline
@@ -248,22 +271,15 @@ def _rewrite_in_place(traced, attribute, name):
         if not writes or not node.args or not isinstance(node.args[0], fx.Node):
             continue
         written = node.args[0]
-        # Values sharing memory with the one written (what it is a view of, and views of those taken before the
-        # write) would see the write in plain PyTorch, but not as graph edges: refused when read afterwards.
-        aliases, base = set(), written
-        while _view_base(base) is not None:
-            base = _view_base(base)
-            aliases.add(base)
-        frontier = [written, *aliases]
-        while frontier:
-            value = frontier.pop()
-            for user in value.users:
-                if user is not node and user not in aliases and user is not written and _view_base(user) is value \
-                        and order[user] < order[node]:
-                    aliases.add(user)
-                    frontier.append(user)
+        # Values sharing memory with the one written (what it is a view of, views of it taken before the write),
+        # as the sample run showed, would see the write in plain PyTorch but not as graph edges: refused when read
+        # afterwards for more than their shape.
+        memory = storage.get(written)  # 0 for empty tensors, which share nothing
+        aliases = [other for other in order if memory and other is not written and other is not node
+                   and order[other] < order[node] and storage.get(other) == memory]
         for alias in aliases:
-            late = [reader for reader in alias.users if order[reader] > order[node]]
+            late = [reader for reader in alias.users
+                    if order[reader] > order[node] and not _reads_metadata_only(reader)]
             if late:
                 raise ModelError(f"{name}'s forward writes in place into {written.name} ({node.format_node()}), which "
                                  f"shares memory with {alias.name}, read afterwards by {late[0].name}; write it out of "
@@ -313,31 +329,17 @@ def _traced_graph(model, sample_input):
             value = getattr(value, part)
         return value
 
-    _rewrite_in_place(traced, attribute, name)
+    # Which values share memory, from a run of the forward as written (in place where it writes in place; on a copy
+    # of the sample, which it may write into).
+    storage = _storages(_run_on_sample(model, traced, sample_input.clone(), name))
+    _rewrite_in_place(traced, attribute, name, storage)
     traced.graph.eliminate_dead_code()
     nodes = list(traced.graph.nodes)
     # The input, first; the other placeholders hold the defaults of the other parameters.
     placeholders = [n for n in nodes if n.op == "placeholder" and n.target == required[0].name]
 
-    # What each value is on the sample, to know tensors from the rest: in eval mode and without gradients, so that
-    # no batch norm statistic or random number is spent.
-    values = {}
-
-    class Recorder(fx.Interpreter):
-        def run_node(self, node):
-            values[node] = super().run_node(node)
-            return values[node]
-
-    modes = [m.training for m in model.modules()]
-    model.eval()
-    try:
-        with torch.no_grad():
-            Recorder(traced).run(sample_input)
-    except Exception as error:  # noqa: BLE001
-        raise ModelError(f"{name} fails on the sample input {tuple(sample_input.shape)}: {error}") from error
-    finally:
-        for module, mode in zip(model.modules(), modes):
-            module.training = mode
+    # What each value is on the sample, to know tensors from the rest.
+    values = _run_on_sample(model, traced, sample_input, name)
 
     # Materialized values: the input and the nodes below. Everything else is recomputed where it is used.
     source_name = {placeholders[0]: placeholders[0].name}
