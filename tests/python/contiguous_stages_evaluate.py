@@ -12,21 +12,12 @@ import torch.nn.functional as F
 
 import smp
 
-SCHEDULE = """# smp schedule name=contiguous ranks=3 stages=6 microbatches=1 split_backward=0 stage_to_rank=0;0;1;1;2;2
-rank,action,stage,microbatch,peer_stage
-0,F,0,0,-1
-0,F,1,0,-1
-0,B,1,0,-1
-0,B,0,0,-1
-1,F,2,0,-1
-1,F,3,0,-1
-1,B,3,0,-1
-1,B,2,0,-1
-2,F,4,0,-1
-2,F,5,0,-1
-2,B,5,0,-1
-2,B,4,0,-1
-"""
+# Compute actions only (the transfers are inserted when it is loaded): each rank runs its two stages forward, then
+# backward.
+SCHEDULE = "# smp schedule name=contiguous ranks=3 stages=6 microbatches=1 split_backward=0 stage_to_rank=0;0;1;1;2;2\n" \
+    "rank,action,stage,microbatch,peer_stage\n" + "".join(
+        f"{rank},{action},{stage},0,-1\n" for rank in range(3)
+        for action, stage in [("F", 2 * rank), ("F", 2 * rank + 1), ("B", 2 * rank + 1), ("B", 2 * rank)])
 
 
 class Join(torch.nn.Module):
