@@ -29,7 +29,8 @@ smp_python_test(python_torchscript_graph_interleaved_equals_pytorch 4 pipeline_w
                 --smp [[{"partitions": 2, "virtual_stages": 2, "pipeline": "interleaved", "microbatches": 4, "ddp": true, "global_batch_size": 16, "seed": 3, "device": "cpu"}]])
 smp_python_test(python_sharded_optimizer_state_equals_pytorch 4 pipeline_worker.py --model graph --optimizer adamw --rtol 1e-3 --clip 0.5 --steps 4
                 --smp [[{"partitions": 2, "microbatches": 4, "ddp": true, "global_batch_size": 16, "seed": 3, "device": "cpu", "shard_optimizer_state": true}]])
-smp_python_test(python_evaluate_contiguous_stages_with_skips 3 contiguous_stages_evaluate.py)
+smp_python_test(python_schedule_file_contiguous_stages_with_skips 3 schedule_file_evaluate.py contiguous)
+smp_python_test(python_schedule_file_explicit_transfers_with_skips 4 schedule_file_evaluate.py explicit)
 smp_python_test(python_interleaved_adamw_equals_pytorch 4 pipeline_worker.py --model graph --optimizer adamw --rtol 1e-3
                 --smp [[{"partitions": 2, "virtual_stages": 2, "pipeline": "interleaved", "microbatches": 4, "ddp": true, "global_batch_size": 16, "seed": 3, "device": "cpu"}]])
 

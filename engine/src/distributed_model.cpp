@@ -106,7 +106,15 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
     // One stage has nothing to balance: the untimed rounds still check that the model takes the sample.
     // What a stage's activations cost depends on how many microbatches the schedule keeps in flight on its rank
     // (under 1F1B, p - rank); a rank's virtual stages share its count.
-    const auto in_flight = sched::simulate(schedule, sched::StageGraph::chain(schedule.num_stages),
+    // On its compute actions alone: a schedule file's own transfers may follow skips the chain does not have (the
+    // model's stage graph is only known once the plan exists).
+    sched::Schedule compute = schedule;
+    for (auto& actions : compute.ranks) {
+      actions.erase(std::remove_if(actions.begin(), actions.end(),
+                                   [](const sched::Action& action) { return !sched::is_compute(action.kind); }),
+                    actions.end());
+    }
+    const auto in_flight = sched::simulate(compute, sched::StageGraph::chain(schedule.num_stages),
                                            sched::SimulationCosts::uniform(schedule.num_stages))
                                .peak_in_flight;
     std::vector<double> copies(static_cast<std::size_t>(schedule.num_stages), 1.0);
