@@ -40,7 +40,7 @@ std::string visible_devices() {
 // processes' CUDA_VISIBLE_DEVICES can tell (gpus_assigned_per_process), after the rendezvous.
 bool may_have_own_gpu(const Config& config, const comm::LaunchInfo& launch) {
   const std::string visible = visible_devices();
-  return config.device != "cpu" && launch.local_world_size > 1 && !visible.empty() &&
+  return config.device != "cpu" && launch.world_size > 1 && launch.local_world_size > 1 && !visible.empty() &&
          visible.find(',') == std::string::npos && torch::cuda::device_count() == 1;
 }
 
@@ -218,7 +218,8 @@ std::string Runtime::fetch(const std::string& key) {
     const auto bytes = store_->get("smp/" + key);
     return std::string(bytes.begin(), bytes.end());
   } catch (const std::exception& error) {
-    throw comm::CommError("rank " + std::to_string(rank()) + " waited for \"" + key + "\" from rank 0: " +
+    // Rank 0 publishes most keys; "visible_devices/N" comes from rank N.
+    throw comm::CommError("rank " + std::to_string(rank()) + " waited for \"" + key + "\" in the rendezvous store: " +
                           comm::brief_message(error));
   }
 }
