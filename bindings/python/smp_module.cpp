@@ -136,9 +136,9 @@ std::shared_ptr<ScriptedModule> load_scripted(const py::bytes& serialized) {
 // GraphModel.add for a module of either kind: the node runs the module's forward on its inputs.
 template <typename Module>
 GraphModel& add_node(GraphModel& graph, const std::string& name, const std::shared_ptr<Module>& module,
-                     std::vector<std::string> inputs) {
+                     std::vector<std::string> inputs, std::string parameter_prefix) {
   GraphModel::Forward forward = [module](const std::vector<at::Tensor>& values) { return module->forward(values); };
-  return graph.add(name, module, std::move(forward), std::move(inputs));
+  return graph.add(name, module, std::move(forward), std::move(inputs), std::move(parameter_prefix));
 }
 
 // A Python loss function, called from the engine with the GIL released around the step.
@@ -224,9 +224,9 @@ PYBIND11_MODULE(_smp, module) {
   py::class_<GraphModel>(module, "GraphModel")
       .def(py::init<std::string>(), py::arg("input_name") = "input")
       .def("add", &add_node<ScriptedModule>, py::arg("name"), py::arg("module"), py::arg("inputs"),
-           py::return_value_policy::reference_internal)
+           py::arg("parameter_prefix") = "", py::return_value_policy::reference_internal)
       .def("add", &add_node<EagerModule>, py::arg("name"), py::arg("module"), py::arg("inputs"),
-           py::return_value_policy::reference_internal)
+           py::arg("parameter_prefix") = "", py::return_value_policy::reference_internal)
       .def_property_readonly("input_name", &GraphModel::input_name)
       .def("node_names",
            [](const GraphModel& graph) {

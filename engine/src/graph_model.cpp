@@ -42,7 +42,7 @@ at::Tensor GraphModel::writable_input(const at::Tensor& tensor) {
 }
 
 GraphModel& GraphModel::add(const std::string& name, std::shared_ptr<torch::nn::Module> module, Forward forward,
-                            std::vector<std::string> inputs) {
+                            std::vector<std::string> inputs, std::string parameter_prefix) {
   // Parameter names are "<node>.<parameter>": a dotted name (a module's path, "blocks.0") is fine unless one node's
   // name is a path prefix of another's, where "a" + "b.w" and "a.b" + "w" would both be "a.b.w".
   for (std::size_t dot = name.find('.'); dot != std::string::npos; dot = name.find('.', dot + 1)) {
@@ -56,7 +56,7 @@ GraphModel& GraphModel::add(const std::string& name, std::shared_ptr<torch::nn::
     throw ConfigError("GraphModel: node name \"" + name + "\" is a prefix of node \"" + after->first +
                       "\"; their parameter names could collide");
   }
-  return add_node({name, std::move(module), std::move(forward), std::move(inputs)});
+  return add_node({name, std::move(module), std::move(forward), std::move(inputs), std::move(parameter_prefix)});
 }
 
 GraphModel& GraphModel::add_node(Node node) {
@@ -101,8 +101,11 @@ GraphModel GraphModel::expanded(const std::string& node) const {
     std::string previous = copy.inputs.front();
     std::size_t index = 0;
     for (const auto& child : *sequential) {
-      const std::string name = node + "." + children[index++].key();
-      result.add_node({name, child.ptr(), any_forward(child, name, 1), {previous}});
+      const std::string& key = children[index++].key();
+      const std::string name = node + "." + key;
+      // A child's parameters keep the names they had under the Sequential's node.
+      result.add_node({name, child.ptr(), any_forward(child, name, 1), {previous},
+                       copy.parameter_prefix.empty() ? std::string() : copy.parameter_prefix + "." + key});
       previous = name;
     }
     last_child = previous;
@@ -163,7 +166,7 @@ std::vector<std::pair<std::string, at::Tensor>> GraphModel::named_parameters() c
   for (const auto& node : nodes_) {
     for (const auto& parameter : node.module->named_parameters()) {
       if (seen.insert(parameter.value().unsafeGetTensorImpl()).second) {
-        named.emplace_back(node.name + "." + parameter.key(), parameter.value());
+        named.emplace_back(node.prefix() + "." + parameter.key(), parameter.value());
       }
     }
   }
@@ -178,7 +181,7 @@ std::vector<GraphModel::Tie> GraphModel::ties() const {
       const void* key = parameter.value().unsafeGetTensorImpl();
       auto [entry, created] = by_tensor.try_emplace(key);
       if (created) {
-        entry->second.parameter = nodes_[i].name + "." + parameter.key();
+        entry->second.parameter = nodes_[i].prefix() + "." + parameter.key();
         entry->second.tensor = parameter.value();
         order.push_back(key);
       }

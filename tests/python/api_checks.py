@@ -232,6 +232,20 @@ def main():
         sample = torch.randn(2, 3)
         if not torch.allclose(smp.GraphModel.from_module(model, sample).forward(sample), model(sample)):
             failures.append(f"a traced model ({body.__name__}) computes something else than the model")
+    # An operation that reads a child's weight before the child runs: the weight keeps the child's name, as in the
+    # model's state_dict (what export and load_state_dict go by).
+    class ReadsBeforeCall(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(3, 4)
+            self.head = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(self.a(x) * self.head.weight.sum())
+
+    early = smp.DistributedModel(ReadsBeforeCall(), torch.randn(2, 3))
+    if sorted(early.named_parameters()) != sorted(name for name, _ in ReadsBeforeCall().named_parameters()):
+        failures.append(f"parameters named {sorted(early.named_parameters())}, not as in the model's state_dict")
     expect_error("a sample the model rejects", smp.ModelError, "0",
                  lambda: smp.DistributedModel(torch.nn.Sequential(torch.nn.Linear(3, 3)), torch.zeros(2, 5)))
 

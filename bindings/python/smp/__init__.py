@@ -104,9 +104,10 @@ class GraphModel:
         self._graph.add(name, _engine_module(name, module), list(inputs))
         return self
 
-    def _add_call(self, name, module, call, inputs):
-        """A node that trains `module`'s parameters but runs `call(*inputs)` (a traced call site)."""
-        self._graph.add(name, _engine_module(name, module, call), list(inputs))
+    def _add_call(self, name, module, call, inputs, parameter_prefix=""):
+        """A node that trains `module`'s parameters but runs `call(*inputs)` (a traced call site); its parameters
+        are named after `parameter_prefix` (a child's path) when given."""
+        self._graph.add(name, _engine_module(name, module, call), list(inputs), parameter_prefix)
         return self
 
     @staticmethod
@@ -445,6 +446,7 @@ def _traced_graph(model, sample_input):
                 for user in node.users:
                     source_name[user] = None  # resolved to the child's node below
             module = attribute(node.target)
+            holder = node.target
             node_name = node.target if node.target not in used_names else unique(f"{node.target}_{node.name}")
             if owners_of(node) - {node.target}:
                 raise ModelError(f"child '{node.target}' of {name} is passed parameters of "
@@ -455,7 +457,8 @@ def _traced_graph(model, sample_input):
             if len(holders) > 1:
                 raise ModelError(f"'{node.format_node()}' in {name}'s forward reads parameters of several children "
                                  f"({', '.join(sorted(holders))}); one operation may use one child's parameters")
-            module = attribute(holders.pop()) if holders else None
+            holder = holders.pop() if holders else None
+            module = attribute(holder) if holder else None
             node_name = unique(node.name)
         else:
             continue
@@ -474,7 +477,9 @@ def _traced_graph(model, sample_input):
                                  "parameters); pass it unscripted, or script it without those")
             result.add(node_name, module, inputs)
         else:
-            result._add_call(node_name, module, evaluate, inputs)
+            # Named after the child whichever node holds them first (an operation reading the child's weight before
+            # the child's call, a second call): the names of the model's state_dict.
+            result._add_call(node_name, module, evaluate, inputs, parameter_prefix=holder)
         used_names.add(node_name)
         source_name[node] = node_name
         for user in list(node.users) if node in element else []:

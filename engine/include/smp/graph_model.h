@@ -35,6 +35,10 @@ class GraphModel {
     std::shared_ptr<torch::nn::Module> module;
     Forward forward;
     std::vector<std::string> inputs;  // tensor names: the model input or earlier nodes
+    // Its module's parameters are named "<prefix>.<parameter>": the node's name unless set (a traced call site that
+    // uses a child's parameters, or calls a child again, names them after the child's path).
+    std::string parameter_prefix;
+    const std::string& prefix() const { return parameter_prefix.empty() ? name : parameter_prefix; }
   };
 
   explicit GraphModel(std::string input_name = "input");
@@ -47,7 +51,7 @@ class GraphModel {
   }
   // Adds a node with an explicit forward function over the module (any signature the function adapts).
   GraphModel& add(const std::string& name, std::shared_ptr<torch::nn::Module> module, Forward forward,
-                  std::vector<std::string> inputs);
+                  std::vector<std::string> inputs, std::string parameter_prefix = {});
 
   static GraphModel from_sequential(const torch::nn::Sequential& model, std::string input_name = "input");
 
@@ -71,7 +75,7 @@ class GraphModel {
   // single-process training, where that input is another module's output. Anything else as it is.
   static at::Tensor writable_input(const at::Tensor& tensor);
 
-  // Every parameter once, named "<node>.<parameter>" after the first node (in node order) that holds it: a
+  // Every parameter once, named "<prefix>.<parameter>" after the first node (in node order) that holds it: a
   // parameter shared by several nodes (tied) has one name, the same on every rank.
   std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
   // Groups of node indices that share a parameter, with that parameter's name (for ties across stages).
