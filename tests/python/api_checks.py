@@ -234,17 +234,11 @@ def main():
             failures.append(f"a traced model ({body.__name__}) computes something else than the model")
     # An operation that reads a child's weight before the child runs: the weight keeps the child's name, as in the
     # model's state_dict (what export and load_state_dict go by).
-    class ReadsBeforeCall(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = torch.nn.Linear(3, 4)
-            self.head = torch.nn.Linear(4, 2)
+    def reads_before_call(self, x):
+        return self.b(self.a(x) * self.b.weight.sum())
 
-        def forward(self, x):
-            return self.head(self.a(x) * self.head.weight.sum())
-
-    early = smp.DistributedModel(ReadsBeforeCall(), torch.randn(2, 3))
-    if sorted(early.named_parameters()) != sorted(name for name, _ in ReadsBeforeCall().named_parameters()):
+    early = smp.DistributedModel(Writes(reads_before_call), torch.randn(2, 3))
+    if sorted(early.named_parameters()) != sorted(name for name, _ in Writes(reads_before_call).named_parameters()):
         failures.append(f"parameters named {sorted(early.named_parameters())}, not as in the model's state_dict")
     expect_error("a sample the model rejects", smp.ModelError, "0",
                  lambda: smp.DistributedModel(torch.nn.Sequential(torch.nn.Linear(3, 3)), torch.zeros(2, 5)))
