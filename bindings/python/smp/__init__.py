@@ -330,17 +330,15 @@ def _traced_graph(model, sample_input):
             value = getattr(value, part)
         return value
 
-    # Which values share memory, from a run of the forward as written (in place where it writes in place; on a copy
-    # of the sample, which it may write into).
-    storage = _storages(_run_on_sample(model, traced, sample_input.clone(), name))
-    _rewrite_in_place(traced, attribute, name, storage)
+    # One run of the forward as written (in place where it writes in place; on a copy of the sample, which it may
+    # write into) tells which values share memory, and which values are tensors: rewriting in-place operations out
+    # of place changes neither kind.
+    values = _run_on_sample(model, traced, sample_input.clone(), name)
+    _rewrite_in_place(traced, attribute, name, _storages(values))
     traced.graph.eliminate_dead_code()
     nodes = list(traced.graph.nodes)
     # The input, first; the other placeholders hold the defaults of the other parameters.
     placeholders = [n for n in nodes if n.op == "placeholder" and n.target == required[0].name]
-
-    # What each value is on the sample, to know tensors from the rest.
-    values = _run_on_sample(model, traced, sample_input, name)
 
     # Materialized values: the input and the nodes below. Everything else is recomputed where it is used.
     source_name = {placeholders[0]: placeholders[0].name}
