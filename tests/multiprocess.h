@@ -3,12 +3,14 @@
 
 #include <catch2/catch.hpp>
 
+#include <ftw.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <array>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <regex>
 #include <sstream>
@@ -16,6 +18,39 @@
 #include <vector>
 
 namespace smp_test {
+
+namespace detail {
+
+inline std::string& scratch_directory_path() {
+  static std::string path;
+  return path;
+}
+
+inline int remove_entry(const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); }
+
+// std::filesystem::remove_all is avoided: it has crashed in programs linked with LibTorch.
+inline void remove_scratch_directory() {
+  if (std::getenv("SMP_KEEP_TEST_FILES") == nullptr) ::nftw(scratch_directory_path().c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+}  // namespace detail
+
+// One directory per test process for configs, checkpoints, logs and traces; it goes when the process exits
+// (SMP_KEEP_TEST_FILES=1 keeps it for a look after a failure). Nothing is left behind in /tmp, and two test
+// processes never share a file.
+inline const std::string& scratch_directory() {
+  std::string& path = detail::scratch_directory_path();
+  if (path.empty()) {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/smp_test_XXXXXX";
+    REQUIRE(::mkdtemp(pattern.data()) != nullptr);
+    path = pattern;
+    std::atexit(detail::remove_scratch_directory);
+  }
+  return path;
+}
+
+inline std::string scratch_path(const std::string& name) { return scratch_directory() + "/" + name; }
 
 
 struct Result {
@@ -40,7 +75,7 @@ inline Result run_command(const std::string& command, int timeout_s) {
 }
 
 inline std::string write_config(const std::string& name, const std::string& json) {
-  const std::string path = "/tmp/smp_test_" + std::to_string(getpid()) + "_" + name + ".json";
+  const std::string path = scratch_path(name + ".json");
   std::ofstream(path) << json;
   return path;
 }

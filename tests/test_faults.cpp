@@ -15,8 +15,8 @@ using namespace smp_test;
 namespace {
 
 std::string fresh_directory(const std::string& name) {
-  const std::string path = "/tmp/smp_test_" + std::to_string(getpid()) + "_" + name;
-  std::filesystem::remove_all(path);
+  const std::string path = scratch_path(name);
+  REQUIRE(run_command("rm -rf " + path, 30).status == 0);
   return path;
 }
 
@@ -251,7 +251,7 @@ TEST_CASE("a second job on the same port fails clearly and leaves the first alon
   const auto config = write_config("same_port", smp_config(2, 1, 2, "interleaved", "cluster", 4, 20));
   const std::string job = std::string(SMPRUN_PATH) + " -n 2 --master-port " + std::to_string(port) + " -- " +
                           WORKER_PATH + " --config " + config;
-  const std::string first_log = "/tmp/smp_test_" + std::to_string(getpid()) + "_first_job.log";
+  const std::string first_log = scratch_path("first_job.log");
   const std::string first = "OMP_NUM_THREADS=1 timeout -k 5 120 " + job + " --optimizer adamw --steps 800 > " + first_log + " 2>&1";
   FILE* first_job = popen(first.c_str(), "r");
   REQUIRE(first_job != nullptr);

@@ -102,7 +102,7 @@ TEST_CASE("a pipeline of four stages in one process on one GPU trains like singl
 }
 
 TEST_CASE("the traced step on the GPU times each action to completion", "[gpu][timeline]") {
-  const std::string dir = "/tmp/smp_test_" + std::to_string(getpid()) + "_gpu_trace";
+  const std::string dir = scratch_path("gpu_trace");
   const auto config = write_config("gpu_trace", gpu_config(1, 1, 4, "interleaved", 8,
                                                            R"(, "virtual_stages": 4, "trace_dir": ")" + dir + R"(")"));
   const auto result = run_worker(1, config, "--model gpt --steps 3");
@@ -125,7 +125,7 @@ TEST_CASE("pipelines across processes sharing the GPU over Gloo train like singl
 }
 
 TEST_CASE("a GPU job resumes from its checkpoint and trains on like single-GPU training", "[gpu][checkpoint]") {
-  const std::string dir = "/tmp/smp_test_" + std::to_string(getpid()) + "_gpu_checkpoints";
+  const std::string dir = scratch_path("gpu_checkpoints");
   const std::string keys = R"(, "virtual_stages": 2, "checkpoint_dir": ")" + dir + R"(", "checkpoint_interval": 2)";
   const auto config = write_config("gpu_checkpoint", gpu_config(1, 1, 2, "interleaved", 8, keys));
   check_clean_run(run_worker(1, config, "--model gpt --optimizer adamw --steps 2 --rtol 1e-3"), 1);

@@ -144,7 +144,7 @@ TEST_CASE("impossible partitions are refused naming the modules", "[training][mu
 }
 
 TEST_CASE("a schedule loaded from a CSV file runs", "[training][multiprocess][schedules]") {
-  const std::string csv = "/tmp/smp_test_" + std::to_string(getpid()) + "_schedule.csv";
+  const std::string csv = scratch_path("schedule.csv");
   const auto dumped = run_command(std::string(SMP_SCHEDULE_PATH) + " --schedule zb_h1 --ranks 2 --microbatches 4 --csv " + csv, 30);
   INFO(dumped.output);
   REQUIRE(dumped.status == 0);
@@ -160,7 +160,7 @@ TEST_CASE("a schedule loaded from a CSV file runs", "[training][multiprocess][sc
 }
 
 TEST_CASE("the example writes a timeline", "[training][example][timeline]") {
-  const std::string dir = "/tmp/smp_test_" + std::to_string(getpid()) + "_trace";
+  const std::string dir = scratch_path("trace");
   const auto result = run_command(std::string(SMPRUN_PATH) + " -n 8 -- " + EXAMPLE_PATH + " --config " +
                                       EXAMPLE_CONFIG + " --steps 2 --trace " + dir,
                                   300);
