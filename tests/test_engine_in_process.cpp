@@ -408,7 +408,11 @@ class RecordedOptimizerState final : public smp::OptimizerCheckpointState {
   std::function<std::string()> snapshot() override {
     return [bytes = saved] { return bytes; };
   }
-  void load(const std::string& bytes, c10::Device) override { loaded = bytes; }
+  void load(const smp::SavedOptimizerState& saved, c10::Device) override {
+    REQUIRE(saved.share_count == 1);
+    REQUIRE(saved.shares.size() == 1);
+    loaded = saved.shares.front();
+  }
   std::string format() const override { return "recorded"; }
 };
 

@@ -128,12 +128,20 @@ TEST_CASE("a checkpoint loads into another number of replicas and exports for an
   check_clean_run(loaded, 3);
 }
 
-TEST_CASE("sharded optimizer state is saved per replica and resumes into the same sharding only",
+TEST_CASE("sharded optimizer state is saved per replica and resumes into any number of replicas",
           "[faults][checkpoint][zero]") {
   const auto dir = fresh_directory("zero");
   const std::string sharded = R"(, "shard_optimizer_state": true)";
-  const auto config = write_config("zero", smp_config(2, 2, 2, "interleaved", "cluster", 8, 30, checkpoint_keys(dir, 2) + sharded));
-  const auto saved = run_command(worker(config, "--steps 2"), 120);
+  // A global batch of 12 splits into 1, 2 or 3 replicas x 2 microbatches: the same training whatever the count.
+  const auto job = [&](const std::string& name, int replicas, const std::string& keys) {
+    return write_config(name, smp_config(2, replicas, 2, "interleaved", "cluster", 12, 30, keys));
+  };
+  const auto run = [&](int replicas, const std::string& config, int steps) {
+    return run_command(std::string(SMPRUN_PATH) + " -n " + std::to_string(2 * replicas) + " -- " + WORKER_PATH +
+                           " --config " + config + " --optimizer adamw --steps " + std::to_string(steps),
+                       120);
+  };
+  const auto saved = run(2, job("zero", 2, checkpoint_keys(dir, 2) + sharded), 2);
   INFO(saved.output);
   REQUIRE(saved.status == 0);
   const std::string checkpoint = dir + "/step-00000001";
@@ -141,22 +149,34 @@ TEST_CASE("sharded optimizer state is saved per replica and resumes into the sam
     CHECK(std::filesystem::exists(checkpoint + "/" + file));
   }
 
-  // Resumed with the same sharding, each replica gets its own Adam moments back: the parameters equal plain
-  // training's after steps 2 to 4 (with a replica's state lost or swapped they would not).
-  const auto resume = write_config("zero_resume", smp_config(2, 2, 2, "interleaved", "cluster", 8, 30,
-                                                             checkpoint_keys(dir, 0) + sharded + R"(, "resume": true)"));
-  const auto resumed = run_command(worker(resume, "--steps 5"), 120);
-  check_clean_run(resumed, 4);
-  CHECK(step_losses(resumed.output).size() == 3);
-
-  // Without sharding the shards do not fit: refused, naming both layouts.
-  const auto unsharded = write_config("zero_unsharded", smp_config(2, 2, 2, "interleaved", "cluster", 8, 30,
-                                                                   checkpoint_keys(dir, 0) + R"(, "resume": true)"));
-  const auto refused = run_command(worker(unsharded, "--steps 5"), 120);
-  INFO(refused.output);
-  CHECK(refused.status != 0);
-  CHECK_THAT(refused.output, Contains("its optimizer state is sharded over 2 replicas (shard_optimizer_state), but "
-                                      "this job's is not sharded"));
+  // Resumed, each replica must hold exactly the Adam moments of the parameters it now updates: the parameters then
+  // equal plain training's after steps 2 to 4 (with a share lost, swapped or given to the wrong replica they would
+  // not). The same sharding reads one share per replica; another count, or none, reads them all and keeps its own.
+  const std::string resume = checkpoint_keys(dir, 0) + R"(, "resume": true)";
+  SECTION("the same sharding") {
+    const auto resumed = run(2, job("zero_resume", 2, resume + sharded), 5);
+    check_clean_run(resumed, 4);
+    CHECK(step_losses(resumed.output).size() == 3);
+  }
+  SECTION("sharded over 3 replicas") {
+    const auto resumed = run(3, job("zero_resume_3", 3, resume + sharded), 5);
+    check_clean_run(resumed, 6);
+    CHECK_THAT(resumed.output, Contains("its optimizer state is sharded over 2 replicas, this job's sharded over 3"));
+  }
+  SECTION("not sharded, 2 replicas") {
+    check_clean_run(run(2, job("zero_unsharded", 2, resume), 5), 4);
+  }
+  SECTION("one replica") {
+    const auto resumed = run(1, job("zero_one_replica", 1, resume), 5);
+    check_clean_run(resumed, 2);
+    CHECK_THAT(resumed.output, Contains("every replica reads all 2 share(s) and keeps its own"));
+  }
+  SECTION("from unsharded state into shards") {
+    const auto plain_dir = fresh_directory("zero_from_plain");
+    REQUIRE(run(1, job("zero_plain", 1, checkpoint_keys(plain_dir, 2)), 2).status == 0);
+    check_clean_run(run(2, job("zero_plain_resume", 2, checkpoint_keys(plain_dir, 0) + R"(, "resume": true)" + sharded), 5),
+                    4);
+  }
 
   const auto verified = run_command(std::string(SMP_CHECKPOINT_PATH) + " verify " + checkpoint, 60);
   CHECK_THAT(verified.output, Contains("optimizer state sharded over 2 replicas"));
@@ -166,7 +186,7 @@ TEST_CASE("sharded optimizer state is saved per replica and resumes into the sam
   const auto exported = run_command(std::string(SMP_CHECKPOINT_PATH) + " export " + checkpoint + " " + dir + "/full.pt", 60);
   INFO(exported.output);
   REQUIRE(exported.status == 0);
-  const auto three_stages = write_config("zero_pp3", smp_config(3, 1, 2, "interleaved", "cluster", 8, 30));
+  const auto three_stages = write_config("zero_pp3", smp_config(3, 1, 2, "interleaved", "cluster", 12, 30));
   check_clean_run(run_command(std::string(SMPRUN_PATH) + " -n 3 -- " + WORKER_PATH + " --config " + three_stages +
                                   " --optimizer adamw --steps 0 --load-full " + dir + "/full.pt --expect-step 1",
                               120),

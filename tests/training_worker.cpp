@@ -438,6 +438,20 @@ int run(int argc, char** argv) {
     std::printf("rank %d optimizer holds %lld of %zu parameters\n", runtime->rank(), static_cast<long long>(held),
                 parameters.size());
   }
+  // Whatever the sharding a checkpoint was saved with, an optimizer keeps state only for what it updates.
+  {
+    std::set<const void*> in_groups;
+    for (const auto& group : optimizer.local().param_groups()) {
+      for (const auto& parameter : group.params()) in_groups.insert(parameter.unsafeGetTensorImpl());
+    }
+    std::size_t stray = 0;
+    for (const auto& [key, state] : optimizer.local().state()) stray += !in_groups.count(key);
+    if (stray > 0) {
+      std::fprintf(stderr, "rank %d: the optimizer keeps state for %zu parameters it does not update\n", runtime->rank(),
+                   stray);
+      ++failures;
+    }
+  }
   checkpointer.wait();
   if (options.steps == 0 || first_step >= options.steps) check_parameters(options.expect_step);
   std::printf("rank %d stage %d: %zu parameters checked, %d mismatches\n", runtime->rank(), distributed.stage(),

@@ -186,10 +186,12 @@ class PythonOptimizerState final : public OptimizerCheckpointState {
   }
 
   // The device is torch.optim's business: load_state_dict moves each state tensor to its parameter's.
-  void load(const std::string& bytes, c10::Device /*device*/) override {
+  void load(const SavedOptimizerState& saved, c10::Device /*device*/) override {
     py::gil_scoped_acquire gil;
     try {
-      (*load_)(py::bytes(bytes));
+      py::list shares;
+      for (const auto& share : saved.shares) shares.append(py::bytes(share));
+      (*load_)(saved.share_count, saved.first_share, shares);
     } catch (const py::error_already_set& error) {
       throw CheckpointError(error.what());
     }
@@ -292,6 +294,17 @@ PYBIND11_MODULE(_smp, module) {
       .def("zero_grad", &DistributedModel::zero_grad, py::arg("set_to_none") = true)
       .def_property_readonly("optimizer_state_shards", &DistributedModel::optimizer_state_shards)
       .def("updates_parameter", &DistributedModel::updates_parameter, py::arg("parameter"))
+      .def(
+          "optimizer_shard_owners",
+          [](const DistributedModel& model, int replicas) {
+            // (parameter, replica) pairs: the tensors are the model's own Python objects, so callers match by `is`.
+            py::list owners;
+            const auto parameters = model.parameters();
+            const auto replica = model.optimizer_shard_owners(replicas);
+            for (std::size_t i = 0; i < parameters.size(); ++i) owners.append(py::make_tuple(parameters[i], replica[i]));
+            return owners;
+          },
+          py::arg("replicas"))
       .def("share_updated_parameters", &DistributedModel::share_updated_parameters,
            py::call_guard<py::gil_scoped_release>());
 

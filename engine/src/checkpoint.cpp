@@ -8,6 +8,8 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <unordered_map>
+#include <unordered_set>
 
 #include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
@@ -72,24 +74,68 @@ c10::impl::GenericDict load_partition_file(const std::string& path, const Checkp
 // A LibTorch optimizer's state in LibTorch's archive format (Optimizer::save / load).
 class LibTorchOptimizerState final : public OptimizerCheckpointState {
  public:
-  explicit LibTorchOptimizerState(torch::optim::Optimizer& optimizer) : optimizer_(optimizer) {}
-  std::function<std::string()> snapshot() override { return snapshot_optimizer(optimizer_); }
-  void load(const std::string& bytes, c10::Device device) override {
-    std::istringstream stream(bytes);
-    torch::serialize::InputArchive archive;
-    archive.load_from(stream, device);  // saved from CPU copies (optimizer_snapshot.h)
-    optimizer_.load(archive);
+  explicit LibTorchOptimizerState(DistributedOptimizer& optimizer) : optimizer_(optimizer) {}
+  std::function<std::string()> snapshot() override { return snapshot_optimizer(optimizer_.local()); }
+
+  // Optimizer::load matches saved state to the groups' parameters by position, and adds to the state it has. So
+  // each share loads while the groups hold exactly the parameters of the replica that saved it; then the groups
+  // get this replica's parameters back and the state of those another replica now updates goes.
+  void load(const SavedOptimizerState& saved, c10::Device device) override {
+    torch::optim::Optimizer& optimizer = optimizer_.local();
+    auto& groups = optimizer.param_groups();
+    const auto& built = optimizer_.built_param_groups();
+    std::vector<std::vector<at::Tensor>> held;
+    for (const auto& group : groups) held.push_back(group.params());
+    std::unordered_map<const void*, int> owner;
+    {
+      const std::vector<at::Tensor> parameters = optimizer_.model().parameters();
+      const std::vector<int> owners = optimizer_.model().optimizer_shard_owners(saved.share_count);
+      for (std::size_t i = 0; i < parameters.size(); ++i) owner[parameters[i].unsafeGetTensorImpl()] = owners[i];
+    }
+    const auto restore_groups = [&] {
+      for (std::size_t g = 0; g < groups.size() && g < held.size(); ++g) groups[g].params() = held[g];
+    };
+    try {
+      for (std::size_t i = 0; i < saved.shares.size(); ++i) {
+        const int share = saved.first_share + static_cast<int>(i);
+        for (std::size_t g = 0; g < groups.size() && g < built.size(); ++g) {
+          std::vector<at::Tensor> saved_with;
+          for (const auto& parameter : built[g]) {
+            const auto found = owner.find(parameter.unsafeGetTensorImpl());
+            if (found == owner.end() || found->second == -1 || found->second == share) saved_with.push_back(parameter);
+          }
+          groups[g].params() = std::move(saved_with);
+        }
+        std::istringstream stream(saved.shares[i]);
+        torch::serialize::InputArchive archive;
+        archive.load_from(stream, device);  // saved from CPU copies (optimizer_snapshot.h)
+        optimizer.load(archive);
+      }
+    } catch (...) {
+      restore_groups();
+      throw;
+    }
+    restore_groups();
+    std::unordered_set<const void*> kept;
+    for (const auto& group : held) {
+      for (const auto& parameter : group) kept.insert(parameter.unsafeGetTensorImpl());
+    }
+    std::vector<void*> dropped;
+    for (const auto& [key, state] : optimizer.state()) {
+      if (!kept.count(key)) dropped.push_back(key);
+    }
+    for (void* key : dropped) optimizer.state().erase(key);
   }
   std::string format() const override { return "libtorch"; }
 
  private:
-  torch::optim::Optimizer& optimizer_;
+  DistributedOptimizer& optimizer_;
 };
 
 }  // namespace
 
 Checkpointer::Checkpointer(DistributedModel& model, DistributedOptimizer& optimizer)
-    : Checkpointer(model, std::make_unique<LibTorchOptimizerState>(optimizer.local())) {}
+    : Checkpointer(model, std::make_unique<LibTorchOptimizerState>(optimizer)) {}
 
 Checkpointer::Checkpointer(DistributedModel& model, std::unique_ptr<OptimizerCheckpointState> optimizer_state)
     : model_(model), optimizer_state_(std::move(optimizer_state)) {}
@@ -240,15 +286,6 @@ std::int64_t Checkpointer::resume() {
   Runtime& runtime = model_.runtime();
   const auto& [directory, manifest] = *origin;
   const int shards = model_.optimizer_state_shards();
-  if (manifest.optimizer_shards != shards) {
-    const auto describe = [](int count) {
-      return count > 1 ? "sharded over " + std::to_string(count) + " replicas" : std::string("not sharded");
-    };
-    throw CheckpointError(directory + ": its optimizer state is " + describe(manifest.optimizer_shards) +
-                          " (shard_optimizer_state), but this job's is " + describe(shards) +
-                          "; resume with the same \"shard_optimizer_state\" and number of replicas, or load the "
-                          "parameters alone (smp_checkpoint export, then load_parameters)");
-  }
   const auto file_of = [&](int dp_rank) -> const CheckpointFile& {
     for (const auto& file : manifest.files) {
       if (file.pp_rank == runtime.pp_rank() && file.dp_rank == dp_rank) return file;
@@ -258,31 +295,52 @@ std::int64_t Checkpointer::resume() {
   const auto& file = file_of(-1);
   const std::string path = directory + "/" + file.name;
   auto contents = load_partition_file(path, file);
-  // With sharded state, a later replica's share of the optimizer state is in a file of its own.
-  std::string optimizer_path = path;
-  auto optimizer_contents = contents;
-  if (shards > 1 && runtime.dp_rank() > 0) {
-    const auto& shard = file_of(runtime.dp_rank());
-    optimizer_path = directory + "/" + shard.name;
-    optimizer_contents = load_partition_file(optimizer_path, shard);
-  }
-  // Checkpoints written before the format was recorded all came from LibTorch optimizers.
-  const std::string saved_format = optimizer_contents.contains("optimizer_format")
-                                       ? optimizer_contents.at("optimizer_format").toStringRef()
-                                       : "libtorch";
-  if (saved_format != optimizer_state_->format()) {
-    throw CheckpointError(optimizer_path + ": its optimizer state was written by a " + saved_format +
-                          " optimizer, but this job's optimizer reads " + optimizer_state_->format() +
-                          " state (C++ jobs write libtorch state, Python jobs torch.optim state since the Python "
-                          "package took torch.optim optimizers; resume with the kind of job that saved it, or load "
-                          "the parameters alone: smp_checkpoint export, then load_parameters)");
+  // The optimizer state: replica 0's share (or all of it, unsharded) is in the partition file, a later replica's
+  // in a file of its own. Sharded as this job shards it, each replica reads its own share; sharded otherwise (or
+  // not at all), each reads every share and keeps what it now updates.
+  SavedOptimizerState saved;
+  saved.share_count = manifest.optimizer_shards;
+  std::string optimizer_paths;
+  const auto add_share = [&](int share) {
+    std::string share_path = path;
+    auto share_contents = contents;
+    if (share > 0) {
+      const auto& shard = file_of(share);
+      share_path = directory + "/" + shard.name;
+      share_contents = load_partition_file(share_path, shard);
+    }
+    // Checkpoints written before the format was recorded all came from LibTorch optimizers.
+    const std::string saved_format = share_contents.contains("optimizer_format")
+                                         ? share_contents.at("optimizer_format").toStringRef()
+                                         : "libtorch";
+    if (saved_format != optimizer_state_->format()) {
+      throw CheckpointError(share_path + ": its optimizer state was written by a " + saved_format +
+                            " optimizer, but this job's optimizer reads " + optimizer_state_->format() +
+                            " state (C++ jobs write libtorch state, Python jobs torch.optim state since the Python "
+                            "package took torch.optim optimizers; resume with the kind of job that saved it, or load "
+                            "the parameters alone: smp_checkpoint export, then load_parameters)");
+    }
+    const at::Tensor bytes = share_contents.at("optimizer").toTensor();
+    saved.shares.emplace_back(static_cast<const char*>(bytes.data_ptr()), static_cast<std::size_t>(bytes.numel()));
+    optimizer_paths += (optimizer_paths.empty() ? "" : ", ") + share_path;
+  };
+  if (saved.share_count == shards && shards > 1) {
+    saved.first_share = runtime.dp_rank();
+    add_share(saved.first_share);
+  } else {
+    if (saved.share_count != shards && runtime.rank() == 0) {
+      const auto describe = [](int count) {
+        return count > 1 ? "sharded over " + std::to_string(count) + " replicas" : std::string("not sharded");
+      };
+      log::info(directory + ": its optimizer state is " + describe(saved.share_count) + ", this job's " +
+                describe(shards) + ": every replica reads all " + std::to_string(saved.share_count) +
+                " share(s) and keeps its own");
+    }
+    for (int share = 0; share < saved.share_count; ++share) add_share(share);
   }
   model_.load_named_parameters(contents.at("parameters").toGenericDict(), path);
   try {
-    const at::Tensor optimizer_bytes = optimizer_contents.at("optimizer").toTensor();
-    optimizer_state_->load(std::string(static_cast<const char*>(optimizer_bytes.data_ptr()),
-                                       static_cast<std::size_t>(optimizer_bytes.numel())),
-                           runtime.device());
+    optimizer_state_->load(saved, runtime.device());
     auto generator = at::detail::getDefaultCPUGenerator();
     generator.set_state(contents.at("rng").toTensor());
     // A GPU job's dropout and other random kernels continue their sequence too (CPU jobs have no such state).
@@ -296,7 +354,7 @@ std::int64_t Checkpointer::resume() {
                                 contents.at("steps_since_scale_change").toInt());
     }
   } catch (const std::exception& error) {
-    throw CheckpointError(optimizer_path + ": optimizer state does not fit this optimizer: " + comm::brief_message(error));
+    throw CheckpointError(optimizer_paths + ": optimizer state does not fit this optimizer: " + comm::brief_message(error));
   }
   last_saved_ = manifest.step;
   model_.resume_at(manifest.step + 1);

@@ -418,6 +418,21 @@ int DistributedModel::optimizer_state_shards() const {
   return runtime_->config().shard_optimizer_state ? runtime_->topology().data_parallel_degree() : 1;
 }
 
+std::vector<int> DistributedModel::optimizer_shard_owners(int replicas) const {
+  // The same parameters, in the same order, as OptimizerShards is given in the constructor.
+  std::vector<std::int64_t> bytes;
+  std::vector<std::size_t> trainable;
+  for (std::size_t i = 0; i < named_parameters_.size(); ++i) {
+    if (!trainable_at_build_[i]) continue;
+    bytes.push_back(static_cast<std::int64_t>(named_parameters_[i].second.nbytes()));
+    trainable.push_back(i);
+  }
+  const std::vector<int> owner_of_trainable = assign_shard_owners(bytes, replicas);
+  std::vector<int> owners(named_parameters_.size(), -1);
+  for (std::size_t k = 0; k < trainable.size(); ++k) owners[trainable[k]] = owner_of_trainable[k];
+  return owners;
+}
+
 void DistributedModel::share_updated_parameters() {
   if (shards_) shards_->share_updates();
 }

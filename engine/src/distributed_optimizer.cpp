@@ -7,7 +7,10 @@ namespace smp {
 DistributedOptimizer::DistributedOptimizer(DistributedModel& model, std::unique_ptr<torch::optim::Optimizer> optimizer)
     : model_(model), optimizer_(std::move(optimizer)) {
   std::size_t count = 0;
-  for (const auto& group : optimizer_->param_groups()) count += group.params().size();
+  for (const auto& group : optimizer_->param_groups()) {
+    count += group.params().size();
+    built_param_groups_.push_back(group.params());
+  }
   if (count != model_.parameters().size()) {
     throw ConfigError("DistributedOptimizer: the optimizer holds " + std::to_string(count) +
                       " parameters but this rank's stage has " + std::to_string(model_.parameters().size()) +

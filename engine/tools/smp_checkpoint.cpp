@@ -14,11 +14,10 @@
 
 namespace {
 
-// Such a checkpoint resumes only into a job sharding over as many replicas: say so where it is listed.
+// Its optimizer state is spread over several files: say so where it is listed.
 std::string sharding(const smp::CheckpointManifest& manifest) {
   if (manifest.optimizer_shards <= 1) return "";
-  return ", optimizer state sharded over " + std::to_string(manifest.optimizer_shards) +
-         " replicas (resumes only with \"shard_optimizer_state\" and as many replicas)";
+  return ", optimizer state sharded over " + std::to_string(manifest.optimizer_shards) + " replicas";
 }
 
 int run(int argc, char** argv) {

@@ -1,8 +1,10 @@
 """smp.Checkpointer from Python: a 2-stage job trains 4 steps (torch.optim.AdamW under a LambdaLR warm-up) and
 checkpoints after each; a second job resumes from the newest checkpoint (optimizer and scheduler state) and trains 2
 more. Both runs' final parameters must equal 6 (or 4) steps of plain PyTorch training on the same batches, so the
-learning rate must continue where it was. Launches both jobs itself. With --sharded, the jobs have two replicas
-that shard the optimizer state ("shard_optimizer_state"): each replica must get its own share of the Adam moments back.
+learning rate must continue where it was. Launches both jobs itself. With --sharded, the first job has two replicas
+that shard the optimizer state ("shard_optimizer_state"); the second, one replica, trains one step from it (reading both
+shares), and a third, sharded over two replicas again, resumes from that one's unsharded checkpoint: each time every
+replica must hold exactly the Adam moments of the parameters it updates.
 
   checkpoint_check.py SMPRUN PYTHON [--sharded]
 """
@@ -29,6 +31,10 @@ optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda step: 1.0 / (step + 1))
 checkpointer = smp.Checkpointer(model, optimizer, lr_scheduler=scheduler)
 first = checkpointer.resume()
+held = {id(p) for group in optimizer.optimizer.param_groups for p in group["params"]}
+stray = [p for p in optimizer.optimizer.state if id(p) not in held]
+if stray:
+    raise SystemExit(f"rank {runtime.rank}: the optimizer keeps state for {len(stray)} parameters it does not update")
 for step in range(first, steps):
     data = torch.Generator().manual_seed(step)
     inputs, targets = torch.randn(8, 6, generator=data), torch.randn(8, 3, generator=data)
@@ -94,9 +100,19 @@ def main():
         out = os.path.join(directory, "parameters")
         first = run(smprun, python, worker, config, 4, out, processes)
         check(out, 4, processes)
-        resumed = run(smprun, python, worker, dict(config, resume=True), 6, out, processes)
-        if "resumed at 4" not in resumed:
-            raise SystemExit(f"the second job did not resume at step 4:\n{resumed}")
+        if sharded:
+            one_replica = {key: value for key, value in config.items() if key not in ("ddp", "shard_optimizer_state")}
+            resumed = run(smprun, python, worker, dict(one_replica, resume=True), 5, out, 2)
+            if "resumed at 4" not in resumed:
+                raise SystemExit(f"the one-replica job did not resume at step 4:\n{resumed}")
+            check(out, 5, 2)
+            resumed = run(smprun, python, worker, dict(config, resume=True), 6, out, processes)
+            if "resumed at 5" not in resumed:
+                raise SystemExit(f"the sharded job did not resume at step 5:\n{resumed}")
+        else:
+            resumed = run(smprun, python, worker, dict(config, resume=True), 6, out, processes)
+            if "resumed at 4" not in resumed:
+                raise SystemExit(f"the second job did not resume at step 4:\n{resumed}")
         check(out, 6, processes)
         # The trained model back in plain PyTorch: the newest checkpoint exported and loaded into a fresh net.
         import smp
@@ -115,7 +131,8 @@ def main():
         for name, tensor in net.named_parameters():
             if not torch.allclose(tensor, expected[name].detach(), rtol=1e-3, atol=1e-5):
                 raise SystemExit(f"exported model: {name} differs from 6 steps of plain PyTorch")
-    print("trained 4 steps, resumed at step 4, trained to 6, exported: parameters equal plain PyTorch's")
+    print("trained 4 steps, resumed" + (" into one replica, then into two shards again" if sharded else "") +
+          ", trained to 6, exported: parameters equal plain PyTorch's")
     return 0
 
 

@@ -21,6 +21,7 @@ Modules run as they are, in Python (the engine calls each stage module's forward
 copied, so there they are the copy's).
 """
 
+import collections
 import inspect
 import io
 import json
@@ -605,6 +606,7 @@ class DistributedOptimizer:
             raise ValueError(f"the optimizer leaves out {len(missing)} trainable parameter(s) of this rank ({shown}): "
                              "build it over model.parameters(), or set requires_grad=False on what stays frozen")
         engine = self._model._model
+        self._built_groups = [list(group["params"]) for group in optimizer.param_groups]
         if engine.optimizer_state_shards > 1:
             # "shard_optimizer_state": this replica's optimizer keeps only the parameters it updates (the others'
             # updates arrive after each step), so it never makes state for the rest.
@@ -667,6 +669,30 @@ class DistributedOptimizer:
         state = {key: value for key, value in state.items() if key != "smp_optimizer_shard"}
         self.optimizer.load_state_dict(state)
 
+    def _load_shares(self, share_count, first_share, states):
+        """Loads state_dicts saved as shares (states[i]: replica first_share + i's, with the state sharded over
+        share_count replicas; 1: not sharded), whatever this optimizer's sharding: a checkpoint resumes into another
+        number of replicas, or with sharding switched on or off."""
+        # load_state_dict matches saved state to the groups' parameters by position: each share loads while the
+        # groups hold exactly the parameters of the replica that saved it; the groups then get this replica's back,
+        # and the state of those another replica now updates goes.
+        inner = self.optimizer
+        owner = {id(p): replica for p, replica in self._model._model.optimizer_shard_owners(share_count)}
+        held = [list(group["params"]) for group in inner.param_groups]
+        merged = {}
+        try:
+            for index, state in enumerate(states):
+                share = first_share + index
+                for group, built in zip(inner.param_groups, self._built_groups):
+                    group["params"] = [p for p in built if owner.get(id(p), -1) in (-1, share)]
+                inner.load_state_dict(state)
+                merged.update(inner.state)
+        finally:
+            for group, params in zip(inner.param_groups, held):
+                group["params"] = params
+        kept = {id(p) for params in held for p in params}
+        inner.state = collections.defaultdict(dict, {p: s for p, s in merged.items() if id(p) in kept})
+
 
 class Checkpointer:
     """Checkpoints as the config's checkpoint_dir / checkpoint_interval say: resume() continues from the newest
@@ -688,13 +714,14 @@ class Checkpointer:
             torch.save(state, buffer)
             return buffer.getvalue()
 
-        def load(data):
-            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-            inner.load_state_dict(state["optimizer"])
+        def load(share_count, first_share, shares):
+            states = [torch.load(io.BytesIO(data), map_location="cpu", weights_only=True) for data in shares]
+            optimizer._load_shares(share_count, first_share, [state["optimizer"] for state in states])
             if lr_scheduler is not None:
-                if "lr_scheduler" not in state:
+                # Every share holds the same scheduler state: it follows the step count alone.
+                if "lr_scheduler" not in states[0]:
                     raise CheckpointError("the checkpoint was saved without an LR scheduler, but one was given")
-                lr_scheduler.load_state_dict(state["lr_scheduler"])
+                lr_scheduler.load_state_dict(states[0]["lr_scheduler"])
 
         self._checkpointer = _smp.Checkpointer(model._model, snapshot, load)
 

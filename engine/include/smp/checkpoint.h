@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Dict.h>
 #include <c10/core/Device.h>
@@ -22,6 +23,16 @@
 
 namespace smp {
 
+// Optimizer state as a checkpoint holds it: `shares[i]` is what the optimizer of replica `first_share + i` saved
+// when the state was sharded over `share_count` replicas ("shard_optimizer_state"; 1: not sharded, one share with
+// every parameter). Replica r's share is the parameters DistributedModel::optimizer_shard_owners(share_count)
+// gives r, plus the frozen ones.
+struct SavedOptimizerState {
+  int share_count = 1;
+  int first_share = 0;
+  std::vector<std::string> shares;
+};
+
 // What a checkpoint keeps of the optimizer (and whatever else trains along with it). The Checkpointer makes the
 // one of a DistributedOptimizer itself; the Python package passes one for torch.optim optimizers.
 class OptimizerCheckpointState {
@@ -30,8 +41,9 @@ class OptimizerCheckpointState {
   // Called during the save's pause, while nothing changes the state. The function returned runs later on the
   // checkpoint writer's thread, while training goes on, and returns the serialized state as it was at the call.
   virtual std::function<std::string()> snapshot() = 0;
-  // Restores what a snapshot serialized, onto `device`; throws on bytes that do not fit.
-  virtual void load(const std::string& bytes, c10::Device device) = 0;
+  // Restores the state of the parameters this replica's optimizer holds from the shares, whatever the sharding they
+  // were saved with, onto `device`; throws on bytes that do not fit.
+  virtual void load(const SavedOptimizerState& saved, c10::Device device) = 0;
   // The serialization's name, kept in the partition file: a checkpoint written in one format is refused by a job
   // whose optimizer reads another, with a message saying so.
   virtual std::string format() const = 0;

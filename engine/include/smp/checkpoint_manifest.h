@@ -33,9 +33,9 @@ struct CheckpointManifest {
   std::int64_t step = 0;             // the last completed step; training resumes at step + 1
   int partitions = 0;
   int virtual_stages = 1;
-  int replicas = 0;                  // when saved; any number may load it unless the optimizer state is sharded
+  int replicas = 0;                  // when saved; any number may load it
   // The replicas the optimizer state was sharded over (shard_optimizer_state); 1: the partition files hold it all.
-  // Only a job sharding over as many replicas can resume it.
+  // Any job may resume it: one sharded otherwise (or not at all) reads every share and keeps its own.
   int optimizer_shards = 1;
   std::string schedule;              // generator name, for the record
   std::vector<std::string> module_names;

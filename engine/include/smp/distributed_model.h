@@ -93,6 +93,10 @@ class DistributedModel {
   // whether this replica's optimizer keeps state for and updates `parameter`. The optimizers hold only those.
   int optimizer_state_shards() const;
   bool updates_parameter(const at::Tensor& parameter) const { return !shards_ || shards_->owns(parameter); }
+  // The replica whose optimizer would hold each parameter (aligned with parameters()) were the state sharded over
+  // `replicas`; -1 for a parameter frozen when the model was built, which every replica's optimizer holds. What a
+  // checkpoint sharded over another number of replicas needs to tell whose state each share file holds.
+  std::vector<int> optimizer_shard_owners(int replicas) const;
   // After the optimizer step, on every rank: each replica takes the parameters other replicas updated.
   void share_updated_parameters();
   const StagePlan& plan() const { return plan_; }

@@ -5,6 +5,7 @@
 // updated parameters after each step.
 
 #include <memory>
+#include <vector>
 
 #include <torch/optim/optimizer.h>
 
@@ -26,10 +27,14 @@ class DistributedOptimizer {
   // step and zero_grad must then go through this class (its own step would not share the updates, its own zero_grad
   // would leave the other parameters' gradients to pile up).
   torch::optim::Optimizer& local() { return *optimizer_; }
+  DistributedModel& model() { return model_; }
+  // Each group's parameters as the optimizer was built with them, before sharding kept this replica's share.
+  const std::vector<std::vector<at::Tensor>>& built_param_groups() const { return built_param_groups_; }
 
  private:
   DistributedModel& model_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::vector<std::vector<at::Tensor>> built_param_groups_;
 };
 
 }  // namespace smp
