@@ -189,9 +189,12 @@ class PythonOptimizerState final : public OptimizerCheckpointState {
   void load(const SavedOptimizerState& saved, c10::Device /*device*/) override {
     py::gil_scoped_acquire gil;
     try {
-      py::list shares;
-      for (const auto& share : saved.shares) shares.append(py::bytes(share));
-      (*load_)(saved.share_count, saved.first_share, shares);
+      // Python reads the shares one at a time, as the LibTorch optimizers' load does.
+      const py::cpp_function read([&saved](int share) {
+        const SavedOptimizerShare read = saved.read(share);
+        return py::make_tuple(read.path, py::bytes(read.bytes), read.parameters);
+      });
+      (*load_)(saved.share_count, saved.first_share, saved.shares_to_read, read);
     } catch (const py::error_already_set& error) {
       throw CheckpointError(error.what());
     }
@@ -294,17 +297,7 @@ PYBIND11_MODULE(_smp, module) {
       .def("zero_grad", &DistributedModel::zero_grad, py::arg("set_to_none") = true)
       .def_property_readonly("optimizer_state_shards", &DistributedModel::optimizer_state_shards)
       .def("updates_parameter", &DistributedModel::updates_parameter, py::arg("parameter"))
-      .def(
-          "optimizer_shard_owners",
-          [](const DistributedModel& model, int replicas) {
-            // (parameter, replica) pairs: the tensors are the model's own Python objects, so callers match by `is`.
-            py::list owners;
-            const auto parameters = model.parameters();
-            const auto replica = model.optimizer_shard_owners(replicas);
-            for (std::size_t i = 0; i < parameters.size(); ++i) owners.append(py::make_tuple(parameters[i], replica[i]));
-            return owners;
-          },
-          py::arg("replicas"))
+
       .def("share_updated_parameters", &DistributedModel::share_updated_parameters,
            py::call_guard<py::gil_scoped_release>());
 

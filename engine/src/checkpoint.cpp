@@ -71,6 +71,17 @@ c10::impl::GenericDict load_partition_file(const std::string& path, const Checkp
   return dict;
 }
 
+// The parameters whose state replica `share` of `shares` keeps: its share of the trainable ones (all of them when
+// not sharded) and every frozen one, as DistributedOptimizer and smp.DistributedOptimizer filter their groups.
+std::vector<std::string> optimizer_parameter_names(const DistributedModel& model, int shares, int share) {
+  const std::vector<int> owners = model.optimizer_shard_owners(shares);
+  std::vector<std::string> names;
+  for (std::size_t i = 0; i < owners.size(); ++i) {
+    if (owners[i] == -1 || owners[i] == share) names.push_back(model.named_parameters()[i].first);
+  }
+  return names;
+}
+
 // A LibTorch optimizer's state in LibTorch's archive format (Optimizer::save / load).
 class LibTorchOptimizerState final : public OptimizerCheckpointState {
  public:
@@ -78,53 +89,63 @@ class LibTorchOptimizerState final : public OptimizerCheckpointState {
   std::function<std::string()> snapshot() override { return snapshot_optimizer(optimizer_.local()); }
 
   // Optimizer::load matches saved state to the groups' parameters by position, and adds to the state it has. So
-  // each share loads while the groups hold exactly the parameters of the replica that saved it; then the groups
-  // get this replica's parameters back and the state of those another replica now updates goes.
+  // each share loads while the groups hold exactly the parameters its replica's optimizer held; then the groups
+  // get this replica's parameters back, and the state of those another replica now updates goes at once.
   void load(const SavedOptimizerState& saved, c10::Device device) override {
     torch::optim::Optimizer& optimizer = optimizer_.local();
     auto& groups = optimizer.param_groups();
     const auto& built = optimizer_.built_param_groups();
+    if (groups.size() != built.size()) {
+      throw CheckpointError("the optimizer has " + std::to_string(groups.size()) + " parameter groups but had " +
+                            std::to_string(built.size()) + " when DistributedOptimizer wrapped it (groups added "
+                            "later are not in its checkpoints)");
+    }
+    std::unordered_map<std::string, const void*> by_name;
+    for (const auto& [name, parameter] : optimizer_.model().named_parameters()) {
+      by_name.emplace(name, parameter.unsafeGetTensorImpl());
+    }
     std::vector<std::vector<at::Tensor>> held;
-    for (const auto& group : groups) held.push_back(group.params());
-    std::unordered_map<const void*, int> owner;
-    {
-      const std::vector<at::Tensor> parameters = optimizer_.model().parameters();
-      const std::vector<int> owners = optimizer_.model().optimizer_shard_owners(saved.share_count);
-      for (std::size_t i = 0; i < parameters.size(); ++i) owner[parameters[i].unsafeGetTensorImpl()] = owners[i];
+    std::unordered_set<const void*> kept;
+    for (const auto& group : groups) {
+      held.push_back(group.params());
+      for (const auto& parameter : group.params()) kept.insert(parameter.unsafeGetTensorImpl());
     }
     const auto restore_groups = [&] {
-      for (std::size_t g = 0; g < groups.size() && g < held.size(); ++g) groups[g].params() = held[g];
+      for (std::size_t g = 0; g < groups.size(); ++g) groups[g].params() = held[g];
     };
-    try {
-      for (std::size_t i = 0; i < saved.shares.size(); ++i) {
-        const int share = saved.first_share + static_cast<int>(i);
-        for (std::size_t g = 0; g < groups.size() && g < built.size(); ++g) {
-          std::vector<at::Tensor> saved_with;
-          for (const auto& parameter : built[g]) {
-            const auto found = owner.find(parameter.unsafeGetTensorImpl());
-            if (found == owner.end() || found->second == -1 || found->second == share) saved_with.push_back(parameter);
-          }
-          groups[g].params() = std::move(saved_with);
+    for (int share = saved.first_share; share < saved.first_share + saved.shares_to_read; ++share) {
+      SavedOptimizerShare current = saved.read(share);
+      try {
+        std::unordered_set<const void*> saved_with;
+        for (const auto& name : current.parameters) {
+          const auto found = by_name.find(name);
+          if (found != by_name.end()) saved_with.insert(found->second);
         }
-        std::istringstream stream(saved.shares[i]);
+        for (std::size_t g = 0; g < groups.size(); ++g) {
+          std::vector<at::Tensor> params;
+          for (const auto& parameter : built[g]) {
+            if (saved_with.count(parameter.unsafeGetTensorImpl())) params.push_back(parameter);
+          }
+          groups[g].params() = std::move(params);
+        }
+        std::istringstream stream(current.bytes);
+        current.bytes.clear();
         torch::serialize::InputArchive archive;
         archive.load_from(stream, device);  // saved from CPU copies (optimizer_snapshot.h)
         optimizer.load(archive);
+      } catch (const std::exception& error) {
+        restore_groups();
+        optimizer.state().clear();  // no half-loaded state: it would train on some replicas' moments only
+        throw CheckpointError(current.path + ": optimizer state does not fit this optimizer: " +
+                              comm::brief_message(error));
       }
-    } catch (...) {
       restore_groups();
-      throw;
+      std::vector<void*> dropped;
+      for (const auto& [key, state] : optimizer.state()) {
+        if (!kept.count(key)) dropped.push_back(key);
+      }
+      for (void* key : dropped) optimizer.state().erase(key);
     }
-    restore_groups();
-    std::unordered_set<const void*> kept;
-    for (const auto& group : held) {
-      for (const auto& parameter : group) kept.insert(parameter.unsafeGetTensorImpl());
-    }
-    std::vector<void*> dropped;
-    for (const auto& [key, state] : optimizer.state()) {
-      if (!kept.count(key)) dropped.push_back(key);
-    }
-    for (void* key : dropped) optimizer.state().erase(key);
   }
   std::string format() const override { return "libtorch"; }
 
@@ -179,6 +200,12 @@ void Checkpointer::save(std::int64_t step) {
     contents.emplace(c10::StringType::get(), c10::AnyType::get());
     contents->insert("format", kPartitionFormat);
     contents->insert("optimizer_format", optimizer_state_->format());
+    // Which parameters this optimizer holds, by name: a resume under another sharding loads the state by them.
+    c10::List<std::string> held;
+    for (const auto& name : optimizer_parameter_names(model_, shards, shards > 1 ? runtime.dp_rank() : 0)) {
+      held.push_back(name);
+    }
+    contents->insert("optimizer_parameters", held);
     contents->insert("step", step);
     contents->insert("pp_rank", static_cast<std::int64_t>(runtime.pp_rank()));
   }
@@ -300,34 +327,10 @@ std::int64_t Checkpointer::resume() {
   // not at all), each reads every share and keeps what it now updates.
   SavedOptimizerState saved;
   saved.share_count = manifest.optimizer_shards;
-  std::string optimizer_paths;
-  const auto add_share = [&](int share) {
-    std::string share_path = path;
-    auto share_contents = contents;
-    if (share > 0) {
-      const auto& shard = file_of(share);
-      share_path = directory + "/" + shard.name;
-      share_contents = load_partition_file(share_path, shard);
-    }
-    // Checkpoints written before the format was recorded all came from LibTorch optimizers.
-    const std::string saved_format = share_contents.contains("optimizer_format")
-                                         ? share_contents.at("optimizer_format").toStringRef()
-                                         : "libtorch";
-    if (saved_format != optimizer_state_->format()) {
-      throw CheckpointError(share_path + ": its optimizer state was written by a " + saved_format +
-                            " optimizer, but this job's optimizer reads " + optimizer_state_->format() +
-                            " state (C++ jobs write libtorch state, Python jobs torch.optim state since the Python "
-                            "package took torch.optim optimizers; resume with the kind of job that saved it, or load "
-                            "the parameters alone: smp_checkpoint export, then load_parameters)");
-    }
-    const at::Tensor bytes = share_contents.at("optimizer").toTensor();
-    saved.shares.emplace_back(static_cast<const char*>(bytes.data_ptr()), static_cast<std::size_t>(bytes.numel()));
-    optimizer_paths += (optimizer_paths.empty() ? "" : ", ") + share_path;
-  };
   if (saved.share_count == shards && shards > 1) {
     saved.first_share = runtime.dp_rank();
-    add_share(saved.first_share);
   } else {
+    saved.shares_to_read = saved.share_count;
     if (saved.share_count != shards && runtime.rank() == 0) {
       const auto describe = [](int count) {
         return count > 1 ? "sharded over " + std::to_string(count) + " replicas" : std::string("not sharded");
@@ -336,11 +339,43 @@ std::int64_t Checkpointer::resume() {
                 describe(shards) + ": every replica reads all " + std::to_string(saved.share_count) +
                 " share(s) and keeps its own");
     }
-    for (int share = 0; share < saved.share_count; ++share) add_share(share);
   }
+  saved.read = [&](int share) {
+    SavedOptimizerShare read;
+    read.path = path;
+    auto share_contents = contents;
+    if (share > 0) {
+      const auto& shard = file_of(share);
+      read.path = directory + "/" + shard.name;
+      share_contents = load_partition_file(read.path, shard);
+    }
+    // Checkpoints written before the format was recorded all came from LibTorch optimizers.
+    const std::string saved_format = share_contents.contains("optimizer_format")
+                                         ? share_contents.at("optimizer_format").toStringRef()
+                                         : "libtorch";
+    if (saved_format != optimizer_state_->format()) {
+      throw CheckpointError(read.path + ": its optimizer state was written by a " + saved_format +
+                            " optimizer, but this job's optimizer reads " + optimizer_state_->format() +
+                            " state (C++ jobs write libtorch state, Python jobs torch.optim state since the Python "
+                            "package took torch.optim optimizers; resume with the kind of job that saved it, or load "
+                            "the parameters alone: smp_checkpoint export, then load_parameters)");
+    }
+    if (share_contents.contains("optimizer_parameters")) {
+      for (const auto& name : share_contents.at("optimizer_parameters").toListRef()) {
+        read.parameters.push_back(name.toStringRef());
+      }
+    } else {
+      // Written before the names were recorded: the owners as the saving job computed them, which holds while the
+      // same parameters are trainable.
+      read.parameters = optimizer_parameter_names(model_, saved.share_count, share);
+    }
+    const at::Tensor bytes = share_contents.at("optimizer").toTensor();
+    read.bytes.assign(static_cast<const char*>(bytes.data_ptr()), static_cast<std::size_t>(bytes.numel()));
+    return read;
+  };
   model_.load_named_parameters(contents.at("parameters").toGenericDict(), path);
+  optimizer_state_->load(saved, runtime.device());
   try {
-    optimizer_state_->load(saved, runtime.device());
     auto generator = at::detail::getDefaultCPUGenerator();
     generator.set_state(contents.at("rng").toTensor());
     // A GPU job's dropout and other random kernels continue their sequence too (CPU jobs have no such state).
@@ -354,7 +389,7 @@ std::int64_t Checkpointer::resume() {
                                 contents.at("steps_since_scale_change").toInt());
     }
   } catch (const std::exception& error) {
-    throw CheckpointError(optimizer_paths + ": optimizer state does not fit this optimizer: " + comm::brief_message(error));
+    throw CheckpointError(path + ": its random state or loss scale does not load: " + comm::brief_message(error));
   }
   last_saved_ = manifest.step;
   model_.resume_at(manifest.step + 1);

@@ -617,7 +617,10 @@ class DistributedOptimizer:
                 raise ValueError("torch.optim.LBFGS cannot have its state sharded (it keeps its own list of all the "
                                  "parameters and needs a closure): leave \"shard_optimizer_state\" off")
             for group in optimizer.param_groups:  # groups keep their places, possibly empty, for checkpoints
-                group["params"] = [p for p in group["params"] if engine.updates_parameter(p)]
+                kept = [engine.updates_parameter(p) for p in group["params"]]
+                for key in ("params", "param_names"):  # names (torch.optim over named_parameters()) stay aligned
+                    if key in group:
+                        group[key] = [item for item, keep in zip(group[key], kept) if keep]
             # The inner optimizer is handed out (LR schedulers take it, and loops call it directly): its own step
             # must still share the updates, and its zero_grad clear the gradients it no longer holds.
             optimizer.register_step_post_hook(lambda *_: engine.share_updated_parameters())
@@ -669,29 +672,46 @@ class DistributedOptimizer:
         state = {key: value for key, value in state.items() if key != "smp_optimizer_shard"}
         self.optimizer.load_state_dict(state)
 
-    def _load_shares(self, share_count, first_share, states):
-        """Loads state_dicts saved as shares (states[i]: replica first_share + i's, with the state sharded over
-        share_count replicas; 1: not sharded), whatever this optimizer's sharding: a checkpoint resumes into another
-        number of replicas, or with sharding switched on or off."""
+    def _load_shares(self, first_share, shares_to_read, read, on_first=None):
+        """Loads optimizer state saved as shares, whatever this optimizer's sharding: a checkpoint resumes into
+        another number of replicas, or with sharding switched on or off. read(share) gives (path, state_dict, names
+        of the parameters the saving replica's optimizer held); on_first(state_dict) sees the first one read."""
         # load_state_dict matches saved state to the groups' parameters by position: each share loads while the
         # groups hold exactly the parameters of the replica that saved it; the groups then get this replica's back,
-        # and the state of those another replica now updates goes.
+        # and the state of those another replica now updates goes at once.
         inner = self.optimizer
-        owner = {id(p): replica for p, replica in self._model._model.optimizer_shard_owners(share_count)}
-        held = [list(group["params"]) for group in inner.param_groups]
+        if len(inner.param_groups) != len(self._built_groups):
+            raise CheckpointError(f"the optimizer has {len(inner.param_groups)} parameter groups but had "
+                                  f"{len(self._built_groups)} when DistributedOptimizer wrapped it (groups added later "
+                                  "are not in its checkpoints)")
+        by_name = self._model.named_parameters()
+        held = [{key: group[key] for key in ("params", "param_names") if key in group} for group in inner.param_groups]
+        kept = {id(p) for group in held for p in group["params"]}
         merged = {}
-        try:
-            for index, state in enumerate(states):
-                share = first_share + index
+
+        def restore_groups():
+            for group, saved in zip(inner.param_groups, held):
+                group.pop("param_names", None)
+                group.update(saved)
+
+        for share in range(first_share, first_share + shares_to_read):
+            path, state, names = read(share)
+            state = torch.load(io.BytesIO(state), map_location="cpu", weights_only=True)
+            if on_first is not None and share == first_share:
+                on_first(state)
+            saved_with = {id(by_name[name]) for name in names if name in by_name}
+            try:
                 for group, built in zip(inner.param_groups, self._built_groups):
-                    group["params"] = [p for p in built if owner.get(id(p), -1) in (-1, share)]
-                inner.load_state_dict(state)
-                merged.update(inner.state)
-        finally:
-            for group, params in zip(inner.param_groups, held):
-                group["params"] = params
-        kept = {id(p) for params in held for p in params}
-        inner.state = collections.defaultdict(dict, {p: s for p, s in merged.items() if id(p) in kept})
+                    group["params"] = [p for p in built if id(p) in saved_with]
+                    group.pop("param_names", None)  # torch.optim checks them against the saved ones otherwise
+                inner.load_state_dict(state["optimizer"])
+            except Exception as error:
+                restore_groups()
+                inner.state = collections.defaultdict(dict)  # no half-loaded state
+                raise CheckpointError(f"{path}: optimizer state does not fit this optimizer: {error}") from error
+            merged.update({p: s for p, s in inner.state.items() if id(p) in kept})
+            restore_groups()
+        inner.state = collections.defaultdict(dict, merged)
 
 
 class Checkpointer:
@@ -714,14 +734,15 @@ class Checkpointer:
             torch.save(state, buffer)
             return buffer.getvalue()
 
-        def load(share_count, first_share, shares):
-            states = [torch.load(io.BytesIO(data), map_location="cpu", weights_only=True) for data in shares]
-            optimizer._load_shares(share_count, first_share, [state["optimizer"] for state in states])
-            if lr_scheduler is not None:
+        def load(share_count, first_share, shares_to_read, read):
+            def scheduler_state(state):
                 # Every share holds the same scheduler state: it follows the step count alone.
-                if "lr_scheduler" not in states[0]:
-                    raise CheckpointError("the checkpoint was saved without an LR scheduler, but one was given")
-                lr_scheduler.load_state_dict(states[0]["lr_scheduler"])
+                if lr_scheduler is not None:
+                    if "lr_scheduler" not in state:
+                        raise CheckpointError("the checkpoint was saved without an LR scheduler, but one was given")
+                    lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+            optimizer._load_shares(first_share, shares_to_read, read, on_first=scheduler_state)
 
         self._checkpointer = _smp.Checkpointer(model._model, snapshot, load)
 

@@ -23,14 +23,22 @@
 
 namespace smp {
 
-// Optimizer state as a checkpoint holds it: `shares[i]` is what the optimizer of replica `first_share + i` saved
-// when the state was sharded over `share_count` replicas ("shard_optimizer_state"; 1: not sharded, one share with
-// every parameter). Replica r's share is the parameters DistributedModel::optimizer_shard_owners(share_count)
-// gives r, plus the frozen ones.
+// One replica's optimizer state in a checkpoint: what its optimizer's snapshot() serialized, and the names of the
+// parameters that optimizer held (with sharded state its share; else all of this rank's).
+struct SavedOptimizerShare {
+  std::string path;  // the file it came from, for errors
+  std::string bytes;
+  std::vector<std::string> parameters;
+};
+
+// Optimizer state as a checkpoint holds it, sharded over `share_count` replicas ("shard_optimizer_state"; 1: not
+// sharded). A load reads shares `first_share` .. `first_share + shares_to_read - 1` one at a time through `read`,
+// so that no more than one share beyond this replica's own is in memory at once.
 struct SavedOptimizerState {
   int share_count = 1;
   int first_share = 0;
-  std::vector<std::string> shares;
+  int shares_to_read = 1;
+  std::function<SavedOptimizerShare(int share)> read;
 };
 
 // What a checkpoint keeps of the optimizer (and whatever else trains along with it). The Checkpointer makes the
