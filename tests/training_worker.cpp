@@ -15,6 +15,7 @@
 
 #include <csignal>
 #include <map>
+#include <algorithm>
 #include <set>
 #include <tuple>
 
@@ -252,6 +253,7 @@ int run(int argc, char** argv) {
     const auto value = base_loss(output, target);
     return options.spike_steps.count(current_step) ? value * 1e30 : value;
   };
+  at::Tensor reference_output;  // of the last reference step's whole batch (not under --accumulate)
   auto reference_step = [&](int step) {
     current_step = step;
     auto [inputs, targets] = global_batch(options, batch, step, config.seed);
@@ -268,7 +270,9 @@ int run(int argc, char** argv) {
       second.backward();
       reference_loss = (first.detach() + second.detach()) / 2;
     } else {
-      reference_loss = loss(reference.forward(inputs), targets);
+      const at::Tensor output = reference.forward(inputs);
+      reference_output = output.detach();
+      reference_loss = loss(output, targets);
       reference_loss.backward();
     }
     double reference_norm = 0.0;
@@ -312,6 +316,32 @@ int run(int argc, char** argv) {
       }
     }
   };
+  // keep_outputs: the rank that runs the last stage gets its replica's outputs, in order; the others get none.
+  const auto stages_here = distributed.stages();
+  const bool runs_last_stage =
+      std::find(stages_here.begin(), stages_here.end(), config.num_stages() - 1) != stages_here.end();
+  auto check_outputs = [&](const std::string& when, const at::Tensor& outputs, const at::Tensor& expected) {
+    if (!runs_last_stage) {
+      if (outputs.defined()) {
+        std::fprintf(stderr, "rank %d %s: outputs on a rank without the last stage\n", runtime->rank(), when.c_str());
+        ++failures;
+      }
+      return;
+    }
+    if (!outputs.defined() || outputs.sizes() != expected.sizes()) {
+      std::fprintf(stderr, "rank %d %s: outputs %s, single-process %s\n", runtime->rank(), when.c_str(),
+                   outputs.defined() ? c10::str(outputs.sizes()).c_str() : "missing", c10::str(expected.sizes()).c_str());
+      ++failures;
+      return;
+    }
+    const double difference = (outputs.to(at::kDouble) - expected.to(outputs.device(), at::kDouble)).abs().max().item<double>();
+    const double scale = expected.abs().max().item<double>();
+    if (difference > options.atol + options.rtol * scale) {
+      std::fprintf(stderr, "rank %d %s: outputs differ by %.3g (scale %.3g)\n", runtime->rank(), when.c_str(), difference,
+                   scale);
+      ++failures;
+    }
+  };
   for (int step = first_step; step < options.steps; ++step) {
     if (runtime->rank() == options.fail_rank && step == options.fail_step) {
       throw std::runtime_error("injected failure on rank " + std::to_string(runtime->rank()) + " at step " +
@@ -333,7 +363,8 @@ int run(int argc, char** argv) {
                                       runtime->replica_slice(targets.narrow(0, half, half)), loss);
       output.loss = (first.loss + output.loss) / 2;
     } else {
-      output = distributed.train_step(runtime->replica_slice(inputs), runtime->replica_slice(targets), loss);
+      output = distributed.train_step(runtime->replica_slice(inputs), runtime->replica_slice(targets), loss,
+                                      /*keep_outputs=*/true);
     }
     double norm = 0.0;
     if (options.clip > 0) norm = optimizer.clip_grad_norm(options.clip);
@@ -367,6 +398,9 @@ int run(int argc, char** argv) {
       std::fprintf(stderr, "rank %d step %d: grad norm %.8f, single-process %.8f\n", runtime->rank(), step, norm, reference_norm);
       ++failures;
     }
+    if (!options.accumulate && step != options.nan_step) {
+      check_outputs("step " + std::to_string(step), output.outputs, runtime->replica_slice(reference_output));
+    }
     if (runtime->rank() == 0) std::printf("step %d loss %.17g reference %.17g\n", step, output.loss, expected);
     check_parameters(step);
 
@@ -378,10 +412,13 @@ int run(int argc, char** argv) {
       gradients_before.push_back(parameter.grad().defined() ? parameter.grad().clone() : at::Tensor());
     }
     const auto evaluation = distributed.evaluate(runtime->replica_slice(held_out_inputs),
-                                                 runtime->replica_slice(held_out_targets), base_loss);
+                                                 runtime->replica_slice(held_out_targets), base_loss,
+                                                 /*keep_outputs=*/true);
     double expected_evaluation = 0.0;
     {
       at::NoGradGuard no_graph;
+      check_outputs("evaluation after step " + std::to_string(step), evaluation.outputs,
+                    reference.forward(runtime->replica_slice(held_out_inputs).to(device)));
       expected_evaluation =
           base_loss(reference.forward(held_out_inputs.to(device)), held_out_targets.to(device)).item<double>();
     }

@@ -157,12 +157,12 @@ LossFunction python_loss(py::function loss) {
 }
 
 // train_step or evaluate with a Python loss, the GIL released for the step (the loss takes it back).
-template <StepOutput (DistributedModel::*step)(const at::Tensor&, const at::Tensor&, const LossFunction&)>
+template <StepOutput (DistributedModel::*step)(const at::Tensor&, const at::Tensor&, const LossFunction&, bool)>
 StepOutput with_python_loss(DistributedModel& model, const at::Tensor& inputs, const at::Tensor& targets,
-                            py::function loss) {
+                            py::function loss, bool keep_outputs) {
   const LossFunction function = python_loss(std::move(loss));
   py::gil_scoped_release released;
-  return (model.*step)(inputs, targets, function);
+  return (model.*step)(inputs, targets, function, keep_outputs);
 }
 
 // A torch.optim optimizer's checkpoint state, serialized by the package's Python (torch.save of its state_dict,
@@ -269,15 +269,18 @@ PYBIND11_MODULE(_smp, module) {
       .def_readonly("skipped", &StepOutput::skipped)
       .def_readonly("seconds", &StepOutput::seconds)
       .def_readonly("gradient_buckets", &StepOutput::gradient_buckets)
-      .def_readonly("buckets_overlapped", &StepOutput::buckets_overlapped);
+      .def_readonly("buckets_overlapped", &StepOutput::buckets_overlapped)
+      .def_property_readonly("outputs", [](const StepOutput& output) -> py::object {
+        return output.outputs.defined() ? py::cast(output.outputs) : py::none();
+      });
 
   py::class_<DistributedModel>(module, "DistributedModel")
       .def(py::init<std::shared_ptr<Runtime>, GraphModel, const at::Tensor&>(), py::arg("runtime"),
            py::arg("model"), py::arg("sample_input"), py::call_guard<py::gil_scoped_release>())
       .def("train_step", with_python_loss<&DistributedModel::train_step>, py::arg("inputs"), py::arg("targets"),
-           py::arg("loss"))
+           py::arg("loss"), py::arg("keep_outputs") = false)
       .def("evaluate", with_python_loss<&DistributedModel::evaluate>, py::arg("inputs"), py::arg("targets"),
-           py::arg("loss"))
+           py::arg("loss"), py::arg("keep_outputs") = false)
       .def("named_parameters",
            [](const DistributedModel& model) {
              py::dict parameters;

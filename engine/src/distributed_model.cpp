@@ -517,9 +517,21 @@ class EvaluationMode {
 
 }  // namespace
 
-StepOutput DistributedModel::evaluate(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss) {
+namespace {
+
+// The microbatches' outputs, in order, as one tensor of the replica's batch (split along the first dimension).
+at::Tensor replica_outputs(const std::vector<at::Tensor>& outputs) {
+  if (outputs.empty()) return at::Tensor();
+  return outputs.front().dim() == 0 ? at::stack(outputs) : at::cat(outputs);
+}
+
+}  // namespace
+
+StepOutput DistributedModel::evaluate(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss,
+                                     bool keep_outputs) {
   const auto start = std::chrono::steady_clock::now();
-  const MicrobatchData data = microbatch_data("evaluate", inputs, targets, loss);
+  MicrobatchData data = microbatch_data("evaluate", inputs, targets, loss);
+  data.keep_outputs = keep_outputs;
   if (!evaluator_) {
     // The training schedule's forwards in their order: its transfers, channels and tags serve as they are.
     sched::Schedule forward = sched::forward_only(executor_->schedule());
@@ -538,6 +550,7 @@ StepOutput DistributedModel::evaluate(const at::Tensor& inputs, const at::Tensor
     const ExecutorStats stats = evaluator_->run(stage_callbacks(), data);
     if (stats.has_loss) loss_total[0] = stats.loss_sum;
     output.sends_posted = stats.sends_posted;
+    output.outputs = replica_outputs(stats.outputs);
     output.sends_released_early = stats.sends_released_early;
     output.peak_sends_held = stats.peak_sends_held;
     runtime_->world().all_reduce_sum(loss_total);  // the last stages' losses, summed over replicas
@@ -582,10 +595,12 @@ class EarlierGradients {
 
 }  // namespace
 
-StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss) {
+StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss,
+                                       bool keep_outputs) {
   const auto start = std::chrono::steady_clock::now();
   const Config& config = runtime_->config();
   MicrobatchData data = microbatch_data("train_step", inputs, targets, loss);
+  data.keep_outputs = keep_outputs;
   data.loss_scale = loss_scale_;
   const c10::Device device = runtime_->device();
 
@@ -685,6 +700,7 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
   ++step_;
   output.peak_stashed_microbatches = stats.peak_stashed_microbatches;
   output.sends_released_early = stats.sends_released_early;
+  output.outputs = replica_outputs(stats.outputs);
   output.sends_posted = stats.sends_posted;
   output.peak_sends_held = stats.peak_sends_held;
   output.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

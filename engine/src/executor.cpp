@@ -207,7 +207,9 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
       stats.peak_sends_held = std::max(stats.peak_sends_held, static_cast<int>(sends.size()));
     }
   };
-  auto run_forward = [&](int stage, int microbatch, Stash& entry) {
+  if (data.keep_outputs && schedule_.stage_to_rank[last_stage_] == me) stats.outputs.resize(microbatches);
+  // recompute: the backward of a checkpointed stage running its forward again, whose output was kept already.
+  auto run_forward = [&](int stage, int microbatch, Stash& entry, bool recompute) {
     auto produced = stages.forward(stage, data.inputs.at(microbatch), entry.inputs);
     entry.outputs = std::move(produced.to_consumers);
     entry.outputs_ready = true;
@@ -215,6 +217,7 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
       if (!produced.model_output.defined()) {
         throw sched::ScheduleError("the last stage (" + std::to_string(stage) + ") did not produce the model's output");
       }
+      if (data.keep_outputs && !recompute) stats.outputs.at(microbatch) = produced.model_output.detach();
       entry.loss = data.loss(produced.model_output, data.targets.at(microbatch)) *
                    (data.loss_scale / static_cast<double>(microbatches));
     }
@@ -226,7 +229,7 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
                                              stages.buffers ? stages.buffers(stage) : std::vector<at::Tensor>{},
                                              pipeline_.device());
       c10::AutoGradMode enable_grad(true);
-      run_forward(stage, microbatch, entry);
+      run_forward(stage, microbatch, entry, /*recompute=*/true);
     }
     std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> roots;
     if (entry.loss.defined()) {
@@ -286,7 +289,7 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
         }
         {
           c10::AutoGradMode grad_mode(!checkpointed_[stage] && !evaluating);
-          run_forward(stage, microbatch, entry);
+          run_forward(stage, microbatch, entry, /*recompute=*/false);
         }
         if (recomputed_later) {
           // Without a graph nothing stops the stage's first module from writing into what it received, and the

@@ -185,6 +185,18 @@ def main():
 
     # Losses match to float rounding in float32; under bf16/fp16 autocast to the parameters' tolerance.
     loss_tolerance = args.rtol if config.get("bf16") or config.get("fp16") else 1e-5
+    runs_last_stage = runtime.config.num_stages() - 1 in model.stages
+
+    def check_outputs(when, outputs, expected):
+        # keep_outputs: the replica's outputs on the rank running the last stage, none elsewhere.
+        if not runs_last_stage:
+            if outputs is not None:
+                failures.append(f"{when}: outputs on a rank without the last stage")
+        elif outputs is None or outputs.shape != expected.shape:
+            failures.append(f"{when}: outputs {None if outputs is None else tuple(outputs.shape)}, "
+                            f"plain PyTorch {tuple(expected.shape)}")
+        elif (outputs.cpu().double() - expected.double()).abs().max() > 1e-5 + args.rtol * expected.abs().max():
+            failures.append(f"{when}: outputs differ from plain PyTorch's")
     for step, (inputs, targets) in enumerate(batches):
         inner_calls = sharded and step % 2 == 1
         if not inner_calls:
@@ -203,12 +215,15 @@ def main():
                 optimizer.clip_grad_norm(args.clip)
             optimizer.optimizer.step()
         else:
-            output = model.train_step(inputs, targets, F.mse_loss)
+            output = model.train_step(inputs, targets, F.mse_loss, keep_outputs=True)
             if args.clip:
                 optimizer.clip_grad_norm(args.clip)
             optimizer.step()
         reference_optimizer.zero_grad()
-        loss = F.mse_loss(reference_forward(inputs), targets)
+        reference_output = reference_forward(inputs)
+        if not inner_calls:
+            check_outputs(f"step {step}", output.outputs, runtime.replica_slice(reference_output.detach()))
+        loss = F.mse_loss(reference_output, targets)
         loss.backward()
         if args.clip:
             torch.nn.utils.clip_grad_norm_(list(reference_parameters.values()), args.clip)
@@ -218,9 +233,12 @@ def main():
         if abs(output.loss - loss.item()) > loss_tolerance * max(1.0, abs(loss.item())):
             failures.append(f"step {step}: loss {output.loss} under smp, {loss.item()} in plain PyTorch")
         held_out = (torch.randn(global_batch, WIDTH, generator=data), torch.randn(global_batch, OUTPUTS, generator=data))
-        evaluation = model.evaluate(*held_out, F.mse_loss).loss
+        evaluated = model.evaluate(*held_out, F.mse_loss, keep_outputs=True)
+        evaluation = evaluated.loss
         with torch.no_grad():
-            expected = F.mse_loss(reference_forward(held_out[0]), held_out[1]).item()
+            expected_outputs = reference_forward(held_out[0])
+            expected = F.mse_loss(expected_outputs, held_out[1]).item()
+        check_outputs(f"evaluation after step {step}", evaluated.outputs, runtime.replica_slice(expected_outputs))
         if abs(evaluation - expected) > loss_tolerance * max(1.0, abs(expected)):
             failures.append(f"step {step}: evaluation loss {evaluation} under smp, {expected} in plain PyTorch")
 

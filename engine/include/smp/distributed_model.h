@@ -39,6 +39,9 @@ struct StepOutput {
   // ran (the rest waited for its end: parameters without a gradient).
   int gradient_buckets = 0;
   int buckets_overlapped = 0;
+  // With keep_outputs, on the rank that runs the last stage: the model's outputs for this replica's share of the
+  // batch, in its order (the microbatches' outputs concatenated), detached; undefined on every other rank.
+  at::Tensor outputs;
 };
 
 class DistributedModel {
@@ -52,13 +55,16 @@ class DistributedModel {
   // One step on this replica's share of the global batch (Runtime::replica_slice): split into microbatches,
   // run the pipeline schedule, average gradients over replicas. Gradients accumulate into .grad (clear them
   // with DistributedOptimizer::zero_grad). Every rank passes the batch; only the first stage reads `inputs`
-  // and only the last reads `targets`.
-  StepOutput train_step(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss);
+  // and only the last reads `targets`. keep_outputs: StepOutput::outputs holds the model's outputs (for metrics such
+  // as accuracy; they stay in memory until the caller drops them).
+  StepOutput train_step(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss,
+                        bool keep_outputs = false);
   // The mean loss over the global batch without gradients (validation): the training schedule's forwards alone,
   // keeping nothing for a backward, with this rank's modules in eval mode (dropout off, batch norm on its running
   // statistics) and back in their own mode after. Called like train_step, by every rank; .grad, the parameters
-  // and the buffers stay as they are. Fills StepOutput's loss, seconds and send counts.
-  StepOutput evaluate(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss);
+  // and the buffers stay as they are. Fills StepOutput's loss, seconds, send counts and, with keep_outputs, outputs.
+  StepOutput evaluate(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss,
+                      bool keep_outputs = false);
 
   // Copies this rank's parameters from a full-model file (export_checkpoint), by name: a model trained under
   // another partitioning, or for inference. CheckpointError names a missing or mis-shaped parameter.

@@ -43,6 +43,7 @@ struct MicrobatchData {
   std::vector<at::Tensor> targets;  // last-stage targets, one per microbatch
   LossFunction loss;
   double loss_scale = 1.0;  // fp16: backward starts from loss * scale; the reported loss is unscaled
+  bool keep_outputs = false;  // ExecutorStats::outputs
 };
 
 struct ExecutorStats {
@@ -53,6 +54,8 @@ struct ExecutorStats {
   int sends_released_early = 0;       // sends proven delivered, and their tensors dropped, before the step's end
   int peak_sends_held = 0;            // the most posted sends whose tensors this rank held at once
   std::vector<TimelineEvent> events;  // every action, in execution order
+  // keep_outputs, on the last stage's rank: the model's output of each microbatch, detached, by microbatch.
+  std::vector<at::Tensor> outputs;
 };
 
 class PipelineExecutor {
