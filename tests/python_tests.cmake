@@ -16,6 +16,7 @@ endfunction()
 
 smp_python_test(python_api_errors_and_shared_parameters 1 api_checks.py)
 smp_python_test(python_sequential_2_stages_x_2_replicas_equals_pytorch 4 pipeline_worker.py --model sequential --nan-step 1
+                --replica-share
                 --smp [[{"partitions": 2, "microbatches": 4, "ddp": true, "global_batch_size": 16, "seed": 3, "device": "cpu", "nonfinite": "skip"}]])
 smp_python_test(python_graph_4_stages_with_skips_equals_pytorch 4 pipeline_worker.py --model graph
                 --smp [[{"partitions": 4, "microbatches": 4, "global_batch_size": 8, "seed": 3, "device": "cpu", "activation_checkpointing": ["b1", "skip"]}]])

@@ -13,6 +13,8 @@ Exits 0 only then, so `smprun -n N -- python pipeline_worker.py ...` fails when 
   --rtol R       a parameter matches when max |smp - plain| <= 1e-5 + R * max |plain| (default 1e-4); under bf16 or
                  fp16 (against float32 PyTorch) losses must match within R too
   --script       hand smp the modules compiled with torch.jit.script (TorchScript) instead of as they are
+  --replica-share  each replica hands smp only its own share of every batch (replica_share=True), as a job
+                 whose replicas load their own data does
   --nan-step K   the loss is NaN at step K (run with "nonfinite": "skip"): smp must drop that step, and
                  DistributedOptimizer.step() must not move the weights (momentum would), as plain PyTorch skipping it
 """
@@ -114,6 +116,7 @@ def main():
     parser.add_argument("--script", action="store_true")
     parser.add_argument("--nan-step", type=int, default=-1)
     parser.add_argument("--clip", type=float, default=0.0)
+    parser.add_argument("--replica-share", action="store_true")
     args = parser.parse_args()
     config = json.loads(args.smp)
     torch.set_num_threads(1)
@@ -187,6 +190,14 @@ def main():
     loss_tolerance = args.rtol if config.get("bf16") or config.get("fp16") else 1e-5
     runs_last_stage = runtime.config.num_stages() - 1 in model.stages
 
+    def own_share(*tensors):
+        # What a replica loading only its own data would have: its block of the global batch, by dp_rank.
+        if not args.replica_share:
+            return tensors + ({},)
+        share = tensors[0].shape[0] // runtime.data_parallel_degree
+        return tuple(t[runtime.dp_rank * share:(runtime.dp_rank + 1) * share] for t in tensors) + \
+            ({"replica_share": True},)
+
     def check_outputs(when, outputs, expected):
         # keep_outputs: the replica's outputs on the rank running the last stage, none elsewhere.
         if not runs_last_stage:
@@ -215,7 +226,8 @@ def main():
                 optimizer.clip_grad_norm(args.clip)
             optimizer.optimizer.step()
         else:
-            output = model.train_step(inputs, targets, F.mse_loss, keep_outputs=True)
+            *batch, share = own_share(inputs, targets)
+            output = model.train_step(*batch, F.mse_loss, keep_outputs=True, **share)
             if args.clip:
                 optimizer.clip_grad_norm(args.clip)
             optimizer.step()
@@ -233,7 +245,8 @@ def main():
         if abs(output.loss - loss.item()) > loss_tolerance * max(1.0, abs(loss.item())):
             failures.append(f"step {step}: loss {output.loss} under smp, {loss.item()} in plain PyTorch")
         held_out = (torch.randn(global_batch, WIDTH, generator=data), torch.randn(global_batch, OUTPUTS, generator=data))
-        evaluated = model.evaluate(*held_out, F.mse_loss, keep_outputs=True)
+        *batch, share = own_share(*held_out)
+        evaluated = model.evaluate(*batch, F.mse_loss, keep_outputs=True, **share)
         evaluation = evaluated.loss
         with torch.no_grad():
             expected_outputs = reference_forward(held_out[0])

@@ -497,6 +497,13 @@ def _traced_graph(model, sample_input):
     return result
 
 
+def _replica_share(inputs, targets, already_shared):
+    if already_shared:
+        return inputs, targets
+    rt = runtime()
+    return rt.replica_slice(inputs), rt.replica_slice(targets)
+
+
 class DistributedModel:
     """This rank's stages of `model` (an nn.Sequential, an smp.GraphModel, or any nn.Module with a forward of its
     own, traced: GraphModel.from_module). Every rank passes the same model and
@@ -519,23 +526,23 @@ class DistributedModel:
         self._model = _smp.DistributedModel(runtime(), graph._graph, sample_input)
         _models.add(self)
 
-    def train_step(self, inputs, targets, loss, keep_outputs=False):
+    def train_step(self, inputs, targets, loss, keep_outputs=False, replica_share=False):
         """One step on the global batch (the same tensors on every rank; each replica takes its share): splits it
         into microbatches, runs the pipeline schedule, averages gradients over replicas. `loss(output, target)`
         returns the mean loss of a microbatch. Returns the step's output: .loss (the global batch's mean loss, the
         same on every rank), .skipped, .seconds, and with keep_outputs=True .outputs: on the rank that runs the
         last stage, the model's outputs for this replica's share of the batch (runtime().replica_slice of it), in
-        order and detached, for metrics such as accuracy; None on the other ranks."""
-        rt = runtime()
-        return self._model.train_step(rt.replica_slice(inputs), rt.replica_slice(targets), loss, keep_outputs)
+        order and detached, for metrics such as accuracy; None on the other ranks.
+        replica_share=True: inputs and targets are already this replica's share (runtime().dp_rank's part of the
+        global batch, every replica's the same size), so that each replica loads only its own data."""
+        return self._model.train_step(*_replica_share(inputs, targets, replica_share), loss, keep_outputs)
 
-    def evaluate(self, inputs, targets, loss, keep_outputs=False):
+    def evaluate(self, inputs, targets, loss, keep_outputs=False, replica_share=False):
         """The mean loss over the global batch without gradients (validation), taken like train_step by every rank:
         the schedule's forwards alone, keeping nothing for a backward, with the modules in eval mode (dropout off,
         batch norm on its running statistics) and back in training mode after. Returns .loss and .seconds, and
-        .outputs as train_step does with keep_outputs=True."""
-        rt = runtime()
-        return self._model.evaluate(rt.replica_slice(inputs), rt.replica_slice(targets), loss, keep_outputs)
+        .outputs as train_step does with keep_outputs=True; replica_share as in train_step."""
+        return self._model.evaluate(*_replica_share(inputs, targets, replica_share), loss, keep_outputs)
 
     def named_parameters(self):
         """This rank's parameters by their names in the full model (shared with the engine: no copies)."""
