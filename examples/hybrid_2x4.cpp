@@ -147,18 +147,28 @@ int run(int argc, char** argv) {
     }
     if (checkpointer.due(step)) checkpointer.save(step);
   }
-  // Validation on batches training never drew (negative step numbers), without gradients.
+  // Validation on batches training never drew (negative step numbers), without gradients. The logits come back on
+  // the rank running the last stage, for its replica's share: each such rank counts its correct next-byte
+  // guesses, and one all-reduce over every rank sums them.
   double validation = 0.0;
+  at::Tensor guesses = at::zeros({2}, at::kDouble);  // right, all
   constexpr int kValidationBatches = 2;
   for (int i = 0; i < kValidationBatches; ++i) {
     const auto [inputs, targets] = corpus.batch(config.seed, -2 - i, global_batch, training.sequence_length);
-    validation += distributed
-                      .evaluate(runtime->replica_slice(inputs), runtime->replica_slice(targets),
-                                smp::examples::gpt_loss)
-                      .loss /
-                  kValidationBatches;
+    const at::Tensor replica_targets = runtime->replica_slice(targets);
+    const smp::StepOutput evaluation = distributed.evaluate(runtime->replica_slice(inputs), replica_targets,
+                                                            smp::examples::gpt_loss, /*keep_outputs=*/true);
+    validation += evaluation.loss / kValidationBatches;
+    if (evaluation.outputs.defined()) {
+      guesses[0] += evaluation.outputs.argmax(-1).cpu().eq(replica_targets).sum().item<double>();
+      guesses[1] += static_cast<double>(replica_targets.numel());
+    }
   }
-  if (runtime->rank() == 0) std::printf("validation loss %.6f\n", validation);
+  runtime->world().all_reduce_sum(guesses);
+  if (runtime->rank() == 0) {
+    std::printf("validation loss %.6f\n", validation);
+    std::printf("validation next-byte accuracy %.6f\n", guesses[0].item<double>() / guesses[1].item<double>());
+  }
   if (first_step < training.steps) checkpointer.save(training.steps - 1);
   checkpointer.wait();  // saves are written in the background: the last one must be complete before exiting
   return 0;

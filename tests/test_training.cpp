@@ -303,6 +303,14 @@ TEST_CASE("the 2x4 example's losses depend only on the seed and the global batch
   REQUIRE(std::regex_search(hybrid.output, hybrid_validation, validation));
   REQUIRE(std::regex_search(single.output, single_validation, validation));
   CHECK(std::stod(hybrid_validation[1].str()) == Approx(std::stod(single_validation[1].str())).epsilon(1e-4));
+  // And its accuracy, counted from the outputs that come back on the last stages' ranks (one guess that flips
+  // between near-equal logits moves it by 1 / 4096).
+  const std::regex accuracy(R"(\[rank 0\] validation next-byte accuracy ([0-9.eE+-]+))");
+  std::smatch hybrid_accuracy, single_accuracy;
+  REQUIRE(std::regex_search(hybrid.output, hybrid_accuracy, accuracy));
+  REQUIRE(std::regex_search(single.output, single_accuracy, accuracy));
+  CHECK(std::stod(hybrid_accuracy[1].str()) == Approx(std::stod(single_accuracy[1].str())).margin(2e-3));
+  CHECK(std::stod(single_accuracy[1].str()) > 0.0);
   for (std::size_t i = 0; i < hybrid_losses.size(); ++i) {
     CHECK(hybrid_losses[i] == Approx(single_losses[i]).epsilon(1e-4));
   }

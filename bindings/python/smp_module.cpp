@@ -262,7 +262,16 @@ PYBIND11_MODULE(_smp, module) {
                              [](const Runtime& runtime) { return runtime.topology().data_parallel_degree(); })
       .def_property_readonly("device", [](const Runtime& runtime) { return runtime.device().str(); })
       .def_property_readonly("config", &Runtime::config, py::return_value_policy::reference_internal)
-      .def("replica_slice", &Runtime::replica_slice, py::arg("global_batch"));
+      .def("replica_slice", &Runtime::replica_slice, py::arg("global_batch"))
+      // Sums a CPU tensor in place over every rank of the job (each calls it): for metrics, e.g. counts that only
+      // the ranks running the last stage have.
+      .def(
+          "all_reduce_sum",
+          [](Runtime& runtime, const at::Tensor& tensor) {
+            if (!tensor.device().is_cpu()) throw ConfigError("all_reduce_sum takes a CPU tensor");
+            runtime.world().all_reduce_sum(tensor);
+          },
+          py::arg("tensor"), py::call_guard<py::gil_scoped_release>());
 
   py::class_<StepOutput>(module, "StepOutput")
       .def_readonly("loss", &StepOutput::loss)

@@ -124,11 +124,23 @@ def main():
         optimizer.step()
         if runtime.rank == 0:
             print(f"step {step} loss {output.loss:.6f} samples/s {global_batch / output.seconds:.1f}", flush=True)
-    # Validation on batches training never drew (negative step numbers), without gradients.
-    validation = [model.evaluate(*batch(corpus, seed, -2 - i, global_batch, length), next_byte_loss).loss
-                  for i in range(2)]
+    # Validation on batches training never drew (negative step numbers), without gradients. The logits come back on
+    # the rank running the last stage, for its replica's share: each such rank counts its correct next-byte guesses,
+    # and one all-reduce over every rank sums them.
+    validation = []
+    guesses = torch.zeros(2, dtype=torch.float64)  # right, all
+    for i in range(2):
+        inputs, targets = batch(corpus, seed, -2 - i, global_batch, length)
+        evaluation = model.evaluate(inputs, targets, next_byte_loss, keep_outputs=True)
+        validation.append(evaluation.loss)
+        if evaluation.outputs is not None:
+            replica_targets = runtime.replica_slice(targets)
+            guesses += torch.tensor([(evaluation.outputs.argmax(-1).cpu() == replica_targets).sum().item(),
+                                     replica_targets.numel()], dtype=torch.float64)
+    runtime.all_reduce_sum(guesses)
     if runtime.rank == 0:
         print(f"validation loss {sum(validation) / len(validation):.6f}", flush=True)
+        print(f"validation next-byte accuracy {guesses[0].item() / guesses[1].item():.6f}", flush=True)
 
 
 if __name__ == "__main__":
