@@ -622,6 +622,42 @@ TEST_CASE("freezing a parameter after the model was built is refused, naming it"
                     Catch::Matchers::Contains("parameter 0.bias was frozen after the DistributedModel was built"));
 }
 
+TEST_CASE("kept outputs are the model's, in batch order; 0-dim outputs give one value per microbatch", "[outputs]") {
+  // Two virtual stages on one rank, the second checkpointed: its recompute in backward must not add outputs.
+  const auto config = smp::Config::from_json_text(
+      R"({"device": "cpu", "microbatches": 3, "virtual_stages": 2, "pipeline": "interleaved", "auto_partition": false,
+          "partition_overrides": {"0": 0, "1": 1, "2": 1}, "activation_checkpointing": [1]})", "test config");
+  auto runtime = smp::Runtime::init(config, smp::comm::LaunchInfo{});
+  at::manual_seed(3);
+  torch::nn::Sequential net(torch::nn::Linear(3, 4), torch::nn::Tanh(), torch::nn::Linear(4, 2));
+  smp::DistributedModel model(runtime, net, at::zeros({2, 3}));
+  const auto loss = [](const at::Tensor& output, const at::Tensor& target) { return at::mse_loss(output, target); };
+  const at::Tensor inputs = at::randn({6, 3}), targets = at::randn({6, 2});
+  at::Tensor expected;
+  {
+    at::NoGradGuard no_graph;
+    expected = net->forward(inputs);
+  }
+  const auto trained = model.train_step(inputs, targets, loss, /*keep_outputs=*/true);
+  REQUIRE(trained.outputs.defined());
+  CHECK(trained.outputs.sizes() == expected.sizes());
+  CHECK(at::allclose(trained.outputs, expected, 1e-5, 1e-6));
+  CHECK_FALSE(model.evaluate(inputs, targets, loss).outputs.defined());
+
+  smp::GraphModel summed("x");
+  torch::nn::Linear linear(3, 2);
+  summed.add("linear", linear.ptr(), [linear](const std::vector<at::Tensor>& x) mutable { return linear->forward(x[0]); }, {"x"});
+  summed.add("sum", std::make_shared<torch::nn::Module>(), [](const std::vector<at::Tensor>& x) { return x[0].sum(); },
+             {"linear"});
+  const auto one_stage = smp::Config::from_json_text(R"({"device": "cpu", "microbatches": 3})", "test config");
+  smp::DistributedModel scalar_model(smp::Runtime::init(one_stage, smp::comm::LaunchInfo{}), summed, at::zeros({2, 3}));
+  const auto scalar_loss = [](const at::Tensor& output, const at::Tensor&) { return output * output; };
+  const auto evaluation = scalar_model.evaluate(inputs, targets, scalar_loss, /*keep_outputs=*/true);
+  REQUIRE(evaluation.outputs.defined());
+  at::NoGradGuard no_graph;
+  CHECK(at::allclose(evaluation.outputs, linear->forward(inputs).reshape({3, 2, 2}).sum({1, 2}), 1e-5, 1e-6));
+}
+
 TEST_CASE("optimizer shards: whole parameters, balanced by bytes, the same on every replica", "[zero]") {
   // Largest first to the lightest replica (ties to the lower one): 100 | 60 + 20 + 10 | 50 + 30 + 5.
   const std::vector<std::int64_t> bytes = {10, 100, 30, 50, 20, 60, 5};

@@ -268,8 +268,14 @@ PYBIND11_MODULE(_smp, module) {
       .def(
           "all_reduce_sum",
           [](Runtime& runtime, const at::Tensor& tensor) {
-            if (!tensor.device().is_cpu()) throw ConfigError("all_reduce_sum takes a CPU tensor");
-            runtime.world().all_reduce_sum(tensor);
+            if (!tensor.device().is_cpu() || tensor.scalar_type() == at::kBool || tensor.is_complex()) {
+              throw ConfigError("all_reduce_sum takes a real, non-bool CPU tensor, got " + tensor.toString() +
+                                " on " + tensor.device().str());
+            }
+            // The transports sum data_ptr() over numel(): a strided view goes through a dense copy.
+            const at::Tensor dense = tensor.contiguous();
+            runtime.world().all_reduce_sum(dense);
+            if (!dense.is_same(tensor)) tensor.copy_(dense);
           },
           py::arg("tensor"), py::call_guard<py::gil_scoped_release>());
 

@@ -517,16 +517,6 @@ class EvaluationMode {
 
 }  // namespace
 
-namespace {
-
-// The microbatches' outputs, in order, as one tensor of the replica's batch (split along the first dimension).
-at::Tensor replica_outputs(const std::vector<at::Tensor>& outputs) {
-  if (outputs.empty()) return at::Tensor();
-  return outputs.front().dim() == 0 ? at::stack(outputs) : at::cat(outputs);
-}
-
-}  // namespace
-
 StepOutput DistributedModel::evaluate(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss,
                                      bool keep_outputs) {
   const auto start = std::chrono::steady_clock::now();
@@ -550,7 +540,7 @@ StepOutput DistributedModel::evaluate(const at::Tensor& inputs, const at::Tensor
     const ExecutorStats stats = evaluator_->run(stage_callbacks(), data);
     if (stats.has_loss) loss_total[0] = stats.loss_sum;
     output.sends_posted = stats.sends_posted;
-    output.outputs = replica_outputs(stats.outputs);
+    output.outputs = stats.outputs;
     output.sends_released_early = stats.sends_released_early;
     output.peak_sends_held = stats.peak_sends_held;
     runtime_->world().all_reduce_sum(loss_total);  // the last stages' losses, summed over replicas
@@ -700,7 +690,7 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
   ++step_;
   output.peak_stashed_microbatches = stats.peak_stashed_microbatches;
   output.sends_released_early = stats.sends_released_early;
-  output.outputs = replica_outputs(stats.outputs);
+  output.outputs = stats.outputs;
   output.sends_posted = stats.sends_posted;
   output.peak_sends_held = stats.peak_sends_held;
   output.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

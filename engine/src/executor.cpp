@@ -207,7 +207,30 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
       stats.peak_sends_held = std::max(stats.peak_sends_held, static_cast<int>(sends.size()));
     }
   };
-  if (data.keep_outputs && schedule_.stage_to_rank[last_stage_] == me) stats.outputs.resize(microbatches);
+  // Kept outputs go straight into one tensor for the replica's batch, allocated when the first arrives: no list of
+  // them to concatenate (which would hold them twice at the end).
+  const bool keep_outputs = data.keep_outputs && schedule_.stage_to_rank[last_stage_] == me;
+  auto keep_output = [&](int microbatch, const at::Tensor& output) {
+    const at::Tensor value = output.detach();
+    if (value.dim() == 0) {
+      if (!stats.outputs.defined()) stats.outputs = at::empty({microbatches}, value.options());
+      stats.outputs[microbatch].copy_(value);
+      return;
+    }
+    const int64_t rows = value.size(0);
+    if (!stats.outputs.defined()) {
+      std::vector<int64_t> sizes = value.sizes().vec();
+      sizes[0] = rows * microbatches;
+      stats.outputs = at::empty(sizes, value.options());
+    }
+    if (stats.outputs.dim() != value.dim() || stats.outputs.size(0) != rows * microbatches ||
+        stats.outputs.sizes().slice(1) != value.sizes().slice(1)) {
+      throw ModelError("the model's outputs differ in shape between microbatches (" +
+                       c10::str(stats.outputs.sizes()) + " for all, " + c10::str(value.sizes()) + " for microbatch " +
+                       std::to_string(microbatch) + "), so keep_outputs cannot join them");
+    }
+    stats.outputs.narrow(0, rows * microbatch, rows).copy_(value);
+  };
   // recompute: the backward of a checkpointed stage running its forward again, whose output was kept already.
   auto run_forward = [&](int stage, int microbatch, Stash& entry, bool recompute) {
     auto produced = stages.forward(stage, data.inputs.at(microbatch), entry.inputs);
@@ -217,7 +240,7 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
       if (!produced.model_output.defined()) {
         throw sched::ScheduleError("the last stage (" + std::to_string(stage) + ") did not produce the model's output");
       }
-      if (data.keep_outputs && !recompute) stats.outputs.at(microbatch) = produced.model_output.detach();
+      if (keep_outputs && !recompute) keep_output(microbatch, produced.model_output);
       entry.loss = data.loss(produced.model_output, data.targets.at(microbatch)) *
                    (data.loss_scale / static_cast<double>(microbatches));
     }

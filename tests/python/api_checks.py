@@ -69,6 +69,23 @@ def main():
         failures.append("an eager module's own parameters did not change after a step")
     if "0.linear.weight" not in eager_model.named_parameters():
         failures.append(f"eager parameter names: {sorted(eager_model.named_parameters())}")
+    # keep_outputs: one process runs the last stage, so the outputs are the model's for the whole batch, in order.
+    batch = torch.randn(4, 3)
+    kept = eager_model.evaluate(batch, torch.randn(4, 2), F.mse_loss, keep_outputs=True).outputs
+    with torch.no_grad():
+        if kept is None or not torch.allclose(kept, python_only(batch), atol=1e-6):
+            failures.append(f"evaluate(keep_outputs=True) gave {kept}")
+    if eager_model.evaluate(batch, torch.randn(4, 2), F.mse_loss).outputs is not None:
+        failures.append("evaluate without keep_outputs kept outputs")
+    expect_error("a replica share that is not the global batch / replicas", smp.ConfigError, "global_batch_size of 4",
+                 lambda: eager_model.train_step(torch.randn(2, 3), torch.randn(2, 2), F.mse_loss, replica_share=True))
+    # all_reduce_sum: in place, also into a strided view (summed through a dense copy); bool is refused.
+    counts = torch.arange(6, dtype=torch.float64).reshape(2, 3)
+    runtime.all_reduce_sum(counts[:, ::2])
+    if not torch.equal(counts, torch.arange(6, dtype=torch.float64).reshape(2, 3)):
+        failures.append(f"all_reduce_sum over one rank changed a strided view: {counts}")
+    expect_error("all_reduce_sum of bools", smp.ConfigError, "non-bool",
+                 lambda: runtime.all_reduce_sum(torch.ones(2, dtype=torch.bool)))
     expect_error("not a module", TypeError, "torch.nn.Module", lambda: smp.DistributedModel(len, torch.zeros(2, 3)))
     with tempfile.NamedTemporaryFile("wb", suffix=".pt") as not_a_model:
         not_a_model.write(b"not a model")

@@ -498,10 +498,16 @@ def _traced_graph(model, sample_input):
 
 
 def _replica_share(inputs, targets, already_shared):
-    if already_shared:
-        return inputs, targets
     rt = runtime()
-    return rt.replica_slice(inputs), rt.replica_slice(targets)
+    if not already_shared:
+        return rt.replica_slice(inputs), rt.replica_slice(targets)
+    # Replicas count equally in the mean over the global batch, so their shares must be the same size: checked
+    # against global_batch_size when the config fixes it.
+    fixed = rt.config.global_batch_size
+    if fixed and inputs.shape[0] * rt.data_parallel_degree != fixed:
+        raise ConfigError(f"replica_share: a share of {inputs.shape[0]} samples x {rt.data_parallel_degree} replicas "
+                          f"is not the config's global_batch_size of {fixed}")
+    return inputs, targets
 
 
 class DistributedModel:
@@ -534,7 +540,9 @@ class DistributedModel:
         last stage, the model's outputs for this replica's share of the batch (runtime().replica_slice of it), in
         order and detached, for metrics such as accuracy; None on the other ranks.
         replica_share=True: inputs and targets are already this replica's share (runtime().dp_rank's part of the
-        global batch, every replica's the same size), so that each replica loads only its own data."""
+        global batch, every replica's the same size), so that each replica loads only its own data; .outputs then
+        follow the tensors passed in. Outputs are joined along their first dimension (the batch's); a model whose
+        output is a 0-dim tensor gives one value per microbatch."""
         return self._model.train_step(*_replica_share(inputs, targets, replica_share), loss, keep_outputs)
 
     def evaluate(self, inputs, targets, loss, keep_outputs=False, replica_share=False):

@@ -40,7 +40,10 @@ struct StepOutput {
   int gradient_buckets = 0;
   int buckets_overlapped = 0;
   // With keep_outputs, on the rank that runs the last stage: the model's outputs for this replica's share of the
-  // batch, in its order (the microbatches' outputs concatenated), detached; undefined on every other rank.
+  // batch, in its order, detached, on the stage's device (float32 under bf16/fp16), undefined on every other rank.
+  // The microbatches' outputs are joined along their first dimension, which must be the batch's; a model whose
+  // output per microbatch is a 0-dim tensor gets one value per microbatch. A step dropped for non-finite values
+  // keeps its outputs too.
   at::Tensor outputs;
 };
 

@@ -54,8 +54,9 @@ struct ExecutorStats {
   int sends_released_early = 0;       // sends proven delivered, and their tensors dropped, before the step's end
   int peak_sends_held = 0;            // the most posted sends whose tensors this rank held at once
   std::vector<TimelineEvent> events;  // every action, in execution order
-  // keep_outputs, on the last stage's rank: the model's output of each microbatch, detached, by microbatch.
-  std::vector<at::Tensor> outputs;
+  // keep_outputs, on the last stage's rank: the microbatches' outputs, detached, in order in one tensor (each
+  // microbatch's split along the first dimension; a 0-dim output per microbatch gives one value per microbatch).
+  at::Tensor outputs;
 };
 
 class PipelineExecutor {
