@@ -687,7 +687,9 @@ TEST_CASE("optimizer shards: every replica ends with each owner's values, across
           at::zeros({3, 4}), at::zeros({5}), at::zeros({2, 2}, at::kHalf), at::zeros({0}), at::zeros({7}),
           at::zeros({6}, at::kHalf), at::zeros({4, 4})};
       for (auto& parameter : parameters) parameter.requires_grad_(true);
-      smp::OptimizerShards shards(parameters, *group, /*bucket_bytes=*/40);
+      std::vector<std::int64_t> bytes;
+      for (const auto& parameter : parameters) bytes.push_back(static_cast<std::int64_t>(parameter.nbytes()));
+      smp::OptimizerShards shards(parameters, smp::assign_shard_owners(bytes, 2), *group, /*bucket_bytes=*/40);
       // What an optimizer step would do: each replica writes its own parameters only (owner's rank + 1 + index).
       {
         at::NoGradGuard no_graph;

@@ -220,7 +220,11 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
     // the first bucket is ready early in the last backward pass.
     constexpr std::int64_t kBucketBytes = 25 << 20;
     if (config.shard_optimizer_state) {
-      shards_ = std::make_unique<OptimizerShards>(parameters, runtime_->data_parallel(), kBucketBytes);
+      std::vector<int> owners;
+      for (int owner : optimizer_shard_owners(runtime_->topology().data_parallel_degree())) {
+        if (owner >= 0) owners.push_back(owner);  // the trainable ones, in the order of `parameters`
+      }
+      shards_ = std::make_unique<OptimizerShards>(parameters, owners, runtime_->data_parallel(), kBucketBytes);
     }
     reducer_ = std::make_unique<GradientReducer>(std::move(parameters), std::move(accumulations),
                                                  runtime_->data_parallel(), kBucketBytes);
@@ -419,7 +423,8 @@ int DistributedModel::optimizer_state_shards() const {
 }
 
 std::vector<int> DistributedModel::optimizer_shard_owners(int replicas) const {
-  // The same parameters, in the same order, as OptimizerShards is given in the constructor.
+  // The trainable parameters as the constructor found them, so that the owners stay those of the optimizer's
+  // groups even if requires_grad changes later.
   std::vector<std::int64_t> bytes;
   std::vector<std::size_t> trainable;
   for (std::size_t i = 0; i < named_parameters_.size(); ++i) {

@@ -23,12 +23,11 @@ std::vector<int> assign_shard_owners(const std::vector<std::int64_t>& bytes, int
   return owner;
 }
 
-OptimizerShards::OptimizerShards(const std::vector<at::Tensor>& parameters, comm::Communicator& replicas,
-                                 std::int64_t bucket_bytes)
+OptimizerShards::OptimizerShards(const std::vector<at::Tensor>& parameters, const std::vector<int>& owner,
+                                 comm::Communicator& replicas, std::int64_t bucket_bytes)
     : replicas_(replicas) {
   std::vector<std::int64_t> bytes;
   for (const auto& parameter : parameters) bytes.push_back(static_cast<std::int64_t>(parameter.nbytes()));
-  const std::vector<int> owner = assign_shard_owners(bytes, replicas.size());
   // Buckets in parameter order per owner, so that every replica posts the same broadcasts in the same order.
   for (int replica = 0; replica < replicas.size(); ++replica) {
     Bucket* open = nullptr;

@@ -22,8 +22,10 @@ std::vector<int> assign_shard_owners(const std::vector<std::int64_t>& bytes, int
 
 class OptimizerShards {
  public:
-  // `parameters`: this rank's trainable parameters, in the same order on every replica.
-  OptimizerShards(const std::vector<at::Tensor>& parameters, comm::Communicator& replicas, std::int64_t bucket_bytes);
+  // `parameters`: this rank's trainable parameters, in the same order on every replica; `owner`: the replica that
+  // updates each (DistributedModel::optimizer_shard_owners, which checkpoints use too).
+  OptimizerShards(const std::vector<at::Tensor>& parameters, const std::vector<int>& owner, comm::Communicator& replicas,
+                  std::int64_t bucket_bytes);
 
   int replicas() const { return replicas_.size(); }
   // Whether this replica updates `parameter`. Frozen parameters (not given) count as owned everywhere: an
