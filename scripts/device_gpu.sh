@@ -13,6 +13,11 @@
 #                              should its build fail, the rest is built and tested without it)
 #   SMP_GPU_BENCH_TIMEOUT=S    seconds bench_gpu may run (default 540)
 #   SMP_GPU_CONFIGURE_ONLY=1   stop after configuring (checks that every dependency resolves)
+#   SMP_GPU_PREBUILT=DIR       do not build here: run the GPU tests and benchmark from DIR, a build directory made on
+#                              the development machine (x86-64, against the same CUDA build of torch; carry
+#                              DIR/bin, DIR/tests/test_gpu and DIR/CMakeCache.txt). Saves the device machine's time:
+#                              the call is the tests and the benchmark. The Python GPU test needs a build here.
+#   SMP_GPU_TEST_TIMEOUT=S     seconds the prebuilt test_gpu may run (default 540)
 # One device `run` call may last 600 s: a fresh machine's full build plus tests plus benchmark does not fit in one.
 # Split it, the build directory surviving between calls while the machine stays warm: SMP_GPU_SKIP_TESTS=1
 # SMP_GPU_SKIP_BENCH=1 (configure and build), then SMP_GPU_SKIP_BENCH=1 (tests), then SMP_GPU_SKIP_TESTS=1 (bench).
@@ -126,8 +131,22 @@ say "torch $(head -n 1 <<<"$torch_info"), cmake prefix $torch_prefix"
 # over /usr where both have a package). CMAKE_LIBRARY_ARCHITECTURE makes them look in <prefix>/lib/x86_64-linux-gnu
 # (libmetis.so, libz.so, the spdlog and fmt config files) even with a compiler that reports no multiarch directory;
 # the *_DIR variables pin each config package to the prefix outright.
+prebuilt=${SMP_GPU_PREBUILT:-}
 extra_args=()
 [ -n "${SMP_GPU_CMAKE_ARGS:-}" ] && read -r -a extra_args <<<"$SMP_GPU_CMAKE_ARGS"
+# The GPU machine's compiler finds libstdc++.a but no libstdc++.so development link, so g++ links libstdc++
+# statically: the Python extension then carries a copy of its own beside the interpreter's libstdc++.so.6, and
+# crashed in std::ostream (seen 2026-11-23; the C++ programs happened to run). Offer the linker the shared library
+# under the name it looks for, ahead of the compiler's own directories.
+stdcxx_dev=$("$cxx" -print-file-name=libstdc++.so)
+if [ "$stdcxx_dev" = libstdc++.so ] || [ ! -e "$stdcxx_dev" ]; then
+  stdcxx_shared=$(ldconfig -p | awk '/libstdc\+\+\.so\.6 .*x86-64/ { print $NF; exit }')
+  [ -n "$stdcxx_shared" ] || die "the compiler has no libstdc++.so and ldconfig knows no libstdc++.so.6"
+  mkdir -p "$root/stdcxx"
+  ln -sfn "$stdcxx_shared" "$root/stdcxx/libstdc++.so"
+  say "no libstdc++.so for the linker (only the static library): linking $stdcxx_shared"
+  for kind in EXE SHARED MODULE; do extra_args+=("-DCMAKE_${kind}_LINKER_FLAGS=-L$root/stdcxx"); done
+fi
 # The Python package too when this python has its headers (CMake skips it with a message otherwise).
 configure() {
   say "configuring $build (Python package: $1)"
@@ -142,6 +161,29 @@ case ${SMP_GPU_PYTHON_PACKAGE:-ON} in
   ON | on | On | 1 | TRUE | true | YES | yes) python_package=ON ;;
   *) python_package=OFF ;;
 esac
+if [ -n "$prebuilt" ]; then
+  build=$prebuilt
+  [ -x "$build/tests/test_gpu" ] && [ -x "$build/bin/bench_gpu" ] ||
+    die "SMP_GPU_PREBUILT=$build: $build/tests/test_gpu or $build/bin/bench_gpu missing (carry them)"
+  # The binaries look for torch, NCCL and CUDA's runtime where the development machine has them: point the loader
+  # at this python's copies instead (same torch version, so the same libraries).
+  torch_lib=$torch_prefix/../../lib
+  site=$torch_prefix/../../..
+  for dir in "$torch_lib" "$site/nvidia/nccl/lib" "$site/nvidia/cu13/lib" "$site/nvidia/cuda_runtime/lib"; do
+    [ -d "$dir" ] && LD_LIBRARY_PATH=$(cd "$dir" && pwd):$LD_LIBRARY_PATH
+  done
+  export LD_LIBRARY_PATH
+  # Tests name programs and configs by the absolute paths of the development machine's checkout.
+  source_dir=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$build/CMakeCache.txt" 2>/dev/null || true)
+  if [ -n "$source_dir" ] && [ ! -e "$source_dir" ]; then
+    mkdir -p "$(dirname "$source_dir")" && ln -s "$repo" "$source_dir" || die "cannot link $source_dir to $repo"
+  elif [ -n "$source_dir" ] && [ "$(cd "$source_dir" && pwd -P)" != "$(pwd -P)" ]; then
+    die "$source_dir exists here and is not this checkout: the prebuilt tests would run another tree's files"
+  fi
+  missing=$(ldd "$build/tests/test_gpu" "$build/bin/bench_gpu" "$build/bin/training_worker" 2>&1 | grep 'not found' | sort -u || true)
+  [ -z "$missing" ] || die "prebuilt binaries miss libraries here: $missing"
+  say "prebuilt $build (sources at ${source_dir:-?}); not building"
+else
 configure "$python_package"
 if [ "${SMP_GPU_CONFIGURE_ONLY:-0}" = 1 ]; then
   say "configured $build (SMP_GPU_CONFIGURE_ONLY=1: not building)"
@@ -169,6 +211,13 @@ elif [ -n "$out" ]; then
   cp "$build_log" "$out/build_gpu.txt"
 fi
 rm -f "$build_log"
+# What the libstdc++ link above is for: a program or module with a static copy of libstdc++ beside the shared one.
+for built in "$build"/bin/* "$build"/tests/test_gpu "$build"/python/smp/_smp*.so; do
+  readelf -h "$built" >/dev/null 2>&1 || continue  # absent, or not an ELF file
+  readelf -d "$built" | grep -q 'NEEDED.*libstdc++[.]so' ||
+    die "$built links libstdc++ statically: beside LibTorch's shared one it would crash"
+done
+fi
 
 # --- tests and benchmark: both run even when the other fails; the exit status is the first failure ----------
 status=0
@@ -177,8 +226,14 @@ if [ "${SMP_GPU_SKIP_TESTS:-0}" = 1 ]; then
 else
   say "ctest -L gpu"
   ctest_log=$(mktemp)
-  OMP_NUM_THREADS=1 ctest --test-dir "$build" -L gpu --output-on-failure --timeout 600 --no-tests=error 2>&1 |
-    tee "$ctest_log" || status=$?
+  if [ -n "$prebuilt" ]; then  # no CTest files travel: the test program itself (exit 77 is its skip)
+    (cd "$build/tests" && OMP_NUM_THREADS=1 timeout -k 10 "${SMP_GPU_TEST_TIMEOUT:-540}" ./test_gpu --durations yes) 2>&1 |
+      tee "$ctest_log" || status=$?
+    ((status != 77)) || { echo "test_gpu (Skipped)" >>"$ctest_log"; status=0; }
+  else
+    OMP_NUM_THREADS=1 ctest --test-dir "$build" -L gpu --output-on-failure --timeout 600 --no-tests=error 2>&1 |
+      tee "$ctest_log" || status=$?
+  fi
   [ -n "$out" ] && cp "$ctest_log" "$out/ctest_gpu.txt"
   if ((status != 0)); then
     say "gpu tests FAILED (status $status)"

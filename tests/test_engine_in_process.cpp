@@ -2,7 +2,7 @@
 // the gradients of one plain backward, and W must run only the weight nodes whenever I reached them all.
 // Profiling: what each module's forward keeps alive for backward.
 
-#include <catch2/catch.hpp>
+#include "catch_torch.h"
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>

@@ -3,7 +3,7 @@
 // One GPU means NCCL runs one rank per process; multi-process jobs here share the GPU over Gloo.
 
 #define CATCH_CONFIG_RUNNER
-#include <catch2/catch.hpp>
+#include "catch_torch.h"
 
 #include <cstdio>
 #include <regex>
@@ -114,9 +114,11 @@ TEST_CASE("the traced step on the GPU times each action to completion", "[gpu][t
 TEST_CASE("pipelines across processes sharing the GPU over Gloo train like single-GPU training", "[gpu][pipeline]") {
   SECTION("2 stages, 1F1B") {
     const auto config = write_config("gpu_gloo_2", gpu_config(2, 1, 4, "interleaved", 8, R"(, "backend": "gloo")"));
-    // AdamW turns rounding noise in near-zero gradients into steps of the learning rate's size: the CPU tests of
-    // GPT with AdamW allow 1e-3 too.
-    check_clean_run(run_worker(2, config, "--model gpt --optimizer adamw --steps 3 --rtol 1e-3"), 2);
+    // SGD: what differs from one process here is the transport. AdamW normalizes gradients, so rounding noise in a
+    // gradient that is zero in exact arithmetic (attention's key bias: softmax ignores a shift shared by all keys)
+    // becomes a step of up to the learning rate, which microbatches' other GPU kernels round differently; this
+    // failed at 2.7e-4 against 2.6e-4 allowed on an H100.
+    check_clean_run(run_worker(2, config, "--model gpt --steps 3 --rtol 1e-4"), 2);
   }
   SECTION("2 stages x 2 replicas, zero bubble") {
     const auto config = write_config("gpu_gloo_2x2", gpu_config(2, 2, 2, "zero_bubble", 8, R"(, "backend": "gloo")"));
