@@ -134,19 +134,13 @@ say "torch $(head -n 1 <<<"$torch_info"), cmake prefix $torch_prefix"
 prebuilt=${SMP_GPU_PREBUILT:-}
 extra_args=()
 [ -n "${SMP_GPU_CMAKE_ARGS:-}" ] && read -r -a extra_args <<<"$SMP_GPU_CMAKE_ARGS"
-# The GPU machine's compiler finds libstdc++.a but no libstdc++.so development link, so g++ links libstdc++
-# statically: the Python extension then carries a copy of its own beside the interpreter's libstdc++.so.6, and
-# crashed in std::ostream (seen 2026-11-23; the C++ programs happened to run). Offer the linker the shared library
-# under the name it looks for, ahead of the compiler's own directories.
+# CMake would take the first g++ on PATH: on the GPU machine that is /opt/gcc/bin/g++, which links libstdc++
+# statically. The Python extension then carried its own copy beside the interpreter's libstdc++.so.6 and crashed in
+# std::ostream (seen 2026-11-23; the C++ programs happened to run). Build with the `c++` checked above, whose
+# libstdc++ must be the shared library that LibTorch and Python load.
 stdcxx_dev=$("$cxx" -print-file-name=libstdc++.so)
-if [ "$stdcxx_dev" = libstdc++.so ] || [ ! -e "$stdcxx_dev" ]; then
-  stdcxx_shared=$(ldconfig -p | awk '/libstdc\+\+\.so\.6 .*x86-64/ { print $NF; exit }')
-  [ -n "$stdcxx_shared" ] || die "the compiler has no libstdc++.so and ldconfig knows no libstdc++.so.6"
-  mkdir -p "$root/stdcxx"
-  ln -sfn "$stdcxx_shared" "$root/stdcxx/libstdc++.so"
-  say "no libstdc++.so for the linker (only the static library): linking $stdcxx_shared"
-  for kind in EXE SHARED MODULE; do extra_args+=("-DCMAKE_${kind}_LINKER_FLAGS=-L$root/stdcxx"); done
-fi
+[ -e "$stdcxx_dev" ] || die "$cxx has no shared libstdc++ (libstdc++.so): programs would carry a static copy"
+extra_args+=("-DCMAKE_CXX_COMPILER=$cxx")
 # The Python package too when this python has its headers (CMake skips it with a message otherwise).
 configure() {
   say "configuring $build (Python package: $1)"
