@@ -46,16 +46,39 @@ smp::Config config_of(const std::string& keys) {
   return smp::Config::from_json_text(R"({"device": "cuda", "seed": 3)" + keys + "}", "bench_gpu");
 }
 
+// Medians of two steps timed in alternation, so that the GPU's clocks and temperature drifting over the run
+// weigh on both alike (timed one after the other, the second ran up to 3% apart from run to run).
+std::pair<double, double> alternating_median_seconds(int warmup, int measured, const std::function<void()>& first,
+                                                     const std::function<void()>& second) {
+  std::vector<double> first_times, second_times;
+  auto timed = [](const std::function<void()>& step) {
+    torch::cuda::synchronize();
+    const auto start = std::chrono::steady_clock::now();
+    step();
+    torch::cuda::synchronize();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  for (int i = 0; i < warmup + measured; ++i) {
+    const double a = timed(first), b = timed(second);
+    if (i < warmup) continue;
+    first_times.push_back(a);
+    second_times.push_back(b);
+  }
+  std::sort(first_times.begin(), first_times.end());
+  std::sort(second_times.begin(), second_times.end());
+  return {first_times[first_times.size() / 2], second_times[second_times.size() / 2]};
+}
+
 // Plain LibTorch's step for a GraphModel: forward through every node, loss, backward, SGD.
-double plain_step_seconds(smp::GraphModel& model, const at::Tensor& inputs, const at::Tensor& targets,
-                          const smp::LossFunction& loss, int microbatches, bool bf16, int warmup, int measured) {
+std::function<void()> plain_step(smp::GraphModel& model, const at::Tensor& inputs, const at::Tensor& targets,
+                                 const smp::LossFunction& loss, int microbatches, bool bf16) {
   for (const auto& node : model.nodes()) node.module->to(kGpu);
   std::vector<at::Tensor> parameters;
   for (const auto& [name, parameter] : model.named_parameters()) parameters.push_back(parameter);
-  torch::optim::SGD optimizer(parameters, torch::optim::SGDOptions(1e-4));
+  auto optimizer = std::make_shared<torch::optim::SGD>(parameters, torch::optim::SGDOptions(1e-4));
   const auto input_chunks = inputs.to(kGpu).chunk(microbatches), target_chunks = targets.to(kGpu).chunk(microbatches);
-  return median_seconds(warmup, measured, [&] {
-    optimizer.zero_grad();
+  return [&model, optimizer, input_chunks, target_chunks, loss, microbatches, bf16] {
+    optimizer->zero_grad();
     double total = 0.0;
     for (int i = 0; i < microbatches; ++i) {
       at::Tensor output;
@@ -74,24 +97,32 @@ double plain_step_seconds(smp::GraphModel& model, const at::Tensor& inputs, cons
       value.backward();
       total += value.item<double>();
     }
-    optimizer.step();
+    optimizer->step();
     (void)total;
-  });
+  };
 }
 
-double smp_step_seconds(const std::shared_ptr<smp::Runtime>& runtime, smp::GraphModel model, const at::Tensor& inputs,
-                        const at::Tensor& targets, const smp::LossFunction& loss, int warmup, int measured,
-                        int* actions = nullptr) {
+struct SmpTraining {
+  std::unique_ptr<smp::DistributedModel> model;
+  std::unique_ptr<smp::DistributedOptimizer> optimizer;
+};
+
+// smp's step; the model and its optimizer live as long as the step does.
+std::function<void()> smp_step(const std::shared_ptr<smp::Runtime>& runtime, smp::GraphModel model,
+                               const at::Tensor& inputs, const at::Tensor& targets, const smp::LossFunction& loss,
+                               int* actions = nullptr) {
   const int64_t microbatch = inputs.size(0) / runtime->config().microbatches;
-  smp::DistributedModel distributed(runtime, std::move(model), inputs.narrow(0, 0, microbatch));
-  smp::DistributedOptimizer optimizer(
-      distributed, std::make_unique<torch::optim::SGD>(distributed.parameters(), torch::optim::SGDOptions(1e-4)));
-  if (actions) *actions = static_cast<int>(distributed.schedule().ranks[0].size());
-  return median_seconds(warmup, measured, [&] {
-    optimizer.zero_grad();
-    distributed.train_step(inputs, targets, loss);
-    optimizer.step();
-  });
+  auto training = std::make_shared<SmpTraining>();
+  training->model = std::make_unique<smp::DistributedModel>(runtime, std::move(model), inputs.narrow(0, 0, microbatch));
+  training->optimizer = std::make_unique<smp::DistributedOptimizer>(
+      *training->model,
+      std::make_unique<torch::optim::SGD>(training->model->parameters(), torch::optim::SGDOptions(1e-4)));
+  if (actions) *actions = static_cast<int>(training->model->schedule().ranks[0].size());
+  return [training, inputs, targets, loss] {
+    training->optimizer->zero_grad();
+    training->model->train_step(inputs, targets, loss);
+    training->optimizer->step();
+  };
 }
 
 void engine_overhead() {
@@ -109,9 +140,10 @@ void engine_overhead() {
   };
   auto runtime = smp::Runtime::init(config_of(R"(, "microbatches": 8, "virtual_stages": 8)"));
   int actions = 0;
-  const double smp_s = smp_step_seconds(runtime, build(), inputs, targets, loss, 5, 30, &actions);
   auto plain_model = build();
-  const double plain_s = plain_step_seconds(plain_model, inputs, targets, loss, microbatches, false, 5, 30);
+  const auto [smp_s, plain_s] =
+      alternating_median_seconds(5, 30, smp_step(runtime, build(), inputs, targets, loss, &actions),
+                                 plain_step(plain_model, inputs, targets, loss, microbatches, false));
   std::printf("{\"bench\": \"engine_overhead\", \"stages\": %d, \"microbatches\": %d, \"actions_per_step\": %d, "
               "\"smp_step_ms\": %.3f, \"plain_step_ms\": %.3f, \"overhead_us_per_action\": %.1f}\n",
               stages, microbatches, actions, smp_s * 1e3, plain_s * 1e3, (smp_s - plain_s) / actions * 1e6);
@@ -143,9 +175,10 @@ void gpt_stage(bool bf16) {
                            options.d_model;
   const std::string precision = bf16 ? R"(, "bf16": true)" : "";
   auto runtime = smp::Runtime::init(config_of(R"(, "microbatches": 1)" + precision));
-  const double smp_s = smp_step_seconds(runtime, build(), inputs, targets, smp::examples::gpt_loss, 3, 10);
   auto plain_model = build();
-  const double plain_s = plain_step_seconds(plain_model, inputs, targets, smp::examples::gpt_loss, 1, bf16, 3, 10);
+  const auto [smp_s, plain_s] =
+      alternating_median_seconds(3, 15, smp_step(runtime, build(), inputs, targets, smp::examples::gpt_loss),
+                                 plain_step(plain_model, inputs, targets, smp::examples::gpt_loss, 1, bf16));
   std::printf("{\"bench\": \"gpt_stage\", \"precision\": \"%s\", \"parameters\": %lld, \"tokens\": %.0f, "
               "\"smp_step_ms\": %.2f, \"plain_step_ms\": %.2f, \"smp_tflops\": %.1f, \"plain_tflops\": %.1f, "
               "\"ratio\": %.3f}\n",

@@ -46,7 +46,7 @@ smp_multiprocess_test(test_faults)
 # GPU tests (label gpu): one program with its own Catch2 main, which exits 77 where no CUDA device is visible;
 # ctest lists it as skipped. scripts/device_gpu.sh runs them on a GPU machine.
 add_executable(test_gpu ${CMAKE_CURRENT_LIST_DIR}/test_gpu.cpp)
-target_link_libraries(test_gpu PRIVATE Catch2::Catch2 smp::comm)
+target_link_libraries(test_gpu PRIVATE Catch2::Catch2 smp::comm smp::engine)
 target_compile_options(test_gpu PRIVATE -Wall -Wextra)
 target_compile_definitions(test_gpu PRIVATE
   SMPRUN_PATH="$<TARGET_FILE:smprun>"

@@ -123,7 +123,9 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
       const double stages_on_rank = static_cast<double>(schedule.stages_of_rank(rank).size());
       copies[stage] = std::max(1.0, std::ceil(in_flight.at(rank) / stages_on_rank));
     }
-    plan_ = plan_stages(profile_graph(model_, sample_input, config.num_stages() > 1 ? 3 : 0), config, copies,
+    // Profiled on this job's device (module by module, see profile_graph).
+    plan_ = plan_stages(profile_graph(model_, sample_input.to(runtime_->device()), config.num_stages() > 1 ? 3 : 0),
+                        config, copies,
                         optimizer_state_shards());
     runtime_->publish(exchange_ + "stage_plan", plan_.to_json());
   } else {

@@ -14,6 +14,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/DeviceAccelerator.h>
 #include <c10/core/CPUAllocator.h>
 #include <nlohmann/json.hpp>
 #include <torch/csrc/autograd/autograd.h>
@@ -250,14 +251,42 @@ StagePlan StagePlan::from_json(const std::string& text) {
   return plan;
 }
 
+namespace {
+
+// Where a module's parameters and buffers live, to put it back there after profiling it elsewhere (the first
+// tensor's device: a module split over devices is not one the engine can place anyway).
+std::optional<c10::Device> device_of(torch::nn::Module& module) {
+  for (const auto& parameter : module.parameters()) return parameter.device();
+  for (const auto& buffer : module.buffers()) return buffer.device();
+  return std::nullopt;
+}
+
+// What the device's caching allocator holds for live tensors: on a GPU, what a forward keeps for its backward.
+std::int64_t device_allocated_bytes(c10::Device device) {
+  const auto stats = at::accelerator::getDeviceStats(device.index());
+  return stats.allocated_bytes[static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current;
+}
+
+}  // namespace
+
 std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tensor& sample, int repeats) {
+  // On the sample's device: a GPU job's modules are timed on its GPU, where their relative costs differ from the
+  // CPU's (and a large model's sample runs there far faster). Each module goes there for its own rounds and back
+  // after, so that a model larger than the device is profiled one module at a time.
+  const c10::Device device = sample.device();
+  const bool on_accelerator = !sample.is_cpu();
+  auto settle = [&] {  // time what ran, not what was queued
+    if (on_accelerator) at::accelerator::synchronizeDevice(device.index());
+  };
   const TrainingStateKept kept(model, sample);
   std::vector<ModuleProfile> profiles;
   std::map<std::string, at::Tensor> values{{model.input_name(), sample}};
-  // Profiling runs on the CPU: count what each forward keeps alive for its backward.
+  // What each forward keeps alive for its backward: CPU tensors through a counting allocator, a GPU's from its
+  // caching allocator's statistics.
   std::optional<CountingCpuAllocator::Installed> counting;
   if (sample.is_cpu()) counting.emplace();
   const auto& meter = CountingCpuAllocator::instance();
+  auto live_bytes = [&] { return on_accelerator ? device_allocated_bytes(device) : meter.live_bytes(); };
   std::set<const void*> counted;  // a tied parameter's bytes count once, at its first node
   for (const auto& node : model.nodes()) {
     ModuleProfile profile;
@@ -270,6 +299,8 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tens
         profile.parameter_bytes += parameter.numel() * static_cast<std::int64_t>(parameter.element_size());
       }
     }
+    const std::optional<c10::Device> home = device_of(*node.module);
+    if (home && *home != device) node.module->to(device);
     std::vector<double> forward_times, backward_times;
     std::int64_t activation_bytes = -1;  // the least over the rounds: the first pays for one-time allocations
     at::Tensor output;
@@ -285,19 +316,22 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tens
         if (at::isFloatingType(leaf.scalar_type())) leaf.requires_grad_(true);
         arguments.push_back(GraphModel::writable_input(leaf));
       }
+      settle();
       auto start = std::chrono::steady_clock::now();
       double forward_s = 0, backward_s = 0;
       try {
-        const std::int64_t before = meter.live_bytes();
+        const std::int64_t before = live_bytes();
         at::Tensor produced = node.forward(arguments);
+        settle();
         forward_s = seconds_since(start);
-        const std::int64_t kept = meter.live_bytes() - before -
+        const std::int64_t kept = live_bytes() - before -
                                   produced.numel() * static_cast<std::int64_t>(produced.element_size());
         activation_bytes = activation_bytes < 0 ? std::max<std::int64_t>(kept, 0)
                                                 : std::min(activation_bytes, std::max<std::int64_t>(kept, 0));
         output = produced;
         start = std::chrono::steady_clock::now();
         if (output.requires_grad()) torch::autograd::backward({output}, {at::ones_like(output)});
+        settle();
         backward_s = seconds_since(start);
       } catch (const std::exception& error) {  // LibTorch's, or TorchScript's interpreter's
         std::string shapes;
@@ -316,10 +350,14 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tens
     profile.forward_s = median(forward_times);
     profile.backward_s = median(backward_times);
     profile.output_bytes = output.numel() * static_cast<std::int64_t>(output.element_size());
-    profile.activation_bytes = counting ? std::max<std::int64_t>(activation_bytes, 0) : 0;
+    profile.activation_bytes = std::max<std::int64_t>(activation_bytes, 0);
     profiles.push_back(profile);
     values[node.name] = output.detach();
+    if (home && *home != device) node.module->to(*home);
   }
+  values.clear();
+  // The cached blocks go back to the device: processes sharing a GPU (over Gloo) need them more than rank 0 does.
+  if (on_accelerator) at::accelerator::emptyCache();
   return profiles;
 }
 
