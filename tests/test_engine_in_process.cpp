@@ -30,6 +30,7 @@
 
 #include <cstdlib>
 
+#include "profiled_model.h"
 #include "smp/checkpoint.h"
 #include "smp/comm/communicator.h"
 #include "smp/comm/launch_info.h"
@@ -192,13 +193,7 @@ TEST_CASE("split backward: a gradient accumulates once per W, onto what earlier 
 
 TEST_CASE("profiling counts what a module's forward keeps for backward", "[profile]") {
   constexpr int64_t kBatch = 8, kWidth = 32;
-  smp::GraphModel model("x");
-  // A linear layer saves its input (the previous module's output) and its weight: nothing new beyond its output.
-  model.add("linear", torch::nn::Linear(16, kWidth), {"x"});
-  // GELU saves its input, the inner linear's output: kBatch x kWidth floats kept besides the module's output.
-  torch::nn::Sequential linear_gelu(torch::nn::Linear(kWidth, kWidth), torch::nn::GELU());
-  model.add("linear_gelu", linear_gelu.ptr(),
-            [linear_gelu](const std::vector<at::Tensor>& in) mutable { return linear_gelu->forward(in[0]); }, {"linear"});
+  const smp::GraphModel model = smp_test::linear_then_gelu(kWidth);
   c10::Allocator* before = c10::GetCPUAllocator();
   const auto profiles = smp::profile_graph(model, at::randn({kBatch, 16}), 1);
   CHECK(c10::GetCPUAllocator() == before);  // the counting allocator is gone again

@@ -12,13 +12,9 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/cuda.h>
 
-#include <torch/nn/modules/activation.h>
-#include <torch/nn/modules/container/sequential.h>
-#include <torch/nn/modules/linear.h>
-
 #include "multiprocess.h"
+#include "profiled_model.h"
 #include "smp/comm/communicator.h"
-#include "smp/graph_model.h"
 #include "smp/stage_plan.h"
 
 using Catch::Matchers::Contains;
@@ -194,13 +190,9 @@ TEST_CASE("the 2x4 example's model trains on the GPU with the CPU's losses", "[g
 
 TEST_CASE("the profiler measures each module on the GPU and leaves it where it was", "[gpu][profile]") {
   constexpr int64_t kBatch = 8, kWidth = 32;
-  smp::GraphModel model("x");
-  model.add("linear", torch::nn::Linear(16, kWidth), {"x"});
-  // GELU keeps its input, the inner linear's output, for backward: kBatch x kWidth floats (1 KiB, a whole number of
-  // the caching allocator's 512-byte blocks).
-  torch::nn::Sequential linear_gelu(torch::nn::Linear(kWidth, kWidth), torch::nn::GELU());
-  model.add("linear_gelu", linear_gelu.ptr(),
-            [linear_gelu](const std::vector<at::Tensor>& in) mutable { return linear_gelu->forward(in[0]); }, {"linear"});
+  // The second module keeps kBatch x kWidth floats for backward: 1 KiB, a whole number of the caching allocator's
+  // 512-byte blocks.
+  smp::GraphModel model = linear_then_gelu(kWidth);
   std::vector<at::Tensor> before;
   for (const auto& [name, parameter] : model.named_parameters()) before.push_back(parameter.detach().clone());
 
