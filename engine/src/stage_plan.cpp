@@ -261,6 +261,25 @@ std::optional<c10::Device> device_of(torch::nn::Module& module) {
   return std::nullopt;
 }
 
+// A module on `device` for as long as this lives, then back where it was, also when its profile throws (a caller
+// that catches the ModelError keeps its model as it was).
+class ModuleVisit {
+ public:
+  ModuleVisit(torch::nn::Module& module, c10::Device device) : module_(module), home_(device_of(module)) {
+    if (home_ && *home_ != device) module_.to(device);
+    else home_.reset();  // already there (or nothing to move)
+  }
+  ~ModuleVisit() {
+    if (home_) module_.to(*home_);
+  }
+  ModuleVisit(const ModuleVisit&) = delete;
+  ModuleVisit& operator=(const ModuleVisit&) = delete;
+
+ private:
+  torch::nn::Module& module_;
+  std::optional<c10::Device> home_;
+};
+
 // What the device's caching allocator holds for live tensors: on a GPU, what a forward keeps for its backward.
 std::int64_t device_allocated_bytes(c10::Device device) {
   const auto stats = at::accelerator::getDeviceStats(device.index());
@@ -299,8 +318,7 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tens
         profile.parameter_bytes += parameter.numel() * static_cast<std::int64_t>(parameter.element_size());
       }
     }
-    const std::optional<c10::Device> home = device_of(*node.module);
-    if (home && *home != device) node.module->to(device);
+    const ModuleVisit visit(*node.module, device);
     std::vector<double> forward_times, backward_times;
     std::int64_t activation_bytes = -1;  // the least over the rounds: the first pays for one-time allocations
     at::Tensor output;
@@ -353,7 +371,6 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tens
     profile.activation_bytes = std::max<std::int64_t>(activation_bytes, 0);
     profiles.push_back(profile);
     values[node.name] = output.detach();
-    if (home && *home != device) node.module->to(*home);
   }
   values.clear();
   // The cached blocks go back to the device: processes sharing a GPU (over Gloo) need them more than rank 0 does.
