@@ -18,8 +18,9 @@
 #                              DIR/bin, DIR/tests/test_gpu and DIR/CMakeCache.txt). Saves the device machine's time:
 #                              the call is the tests and the benchmark. The Python GPU test needs a build here.
 #   SMP_GPU_TEST_TIMEOUT=S     seconds the prebuilt test_gpu may run (default 540)
-# One device `run` call may last 600 s: a fresh machine's full build plus tests plus benchmark does not fit in one.
-# Split it, the build directory surviving between calls while the machine stays warm: SMP_GPU_SKIP_TESTS=1
+# One device `run` call may last 600 s. On the H100 machine (16 cores) a fresh machine's whole run fits in one: the
+# build about 70 s, the tests about 80 s, the benchmark about 70 s (2026-11-23). Where it would not, split it; the
+# build directory survives between calls while the machine stays warm (30 s after a call): SMP_GPU_SKIP_TESTS=1
 # SMP_GPU_SKIP_BENCH=1 (configure and build), then SMP_GPU_SKIP_BENCH=1 (tests), then SMP_GPU_SKIP_TESTS=1 (bench).
 #   SMP_GPU_DEPS_ROOT=DIR      where the .debs are unpacked (default /tmp/smp-deps)
 #   OUT                        when set, logs go there: build_gpu.txt, ctest_gpu.txt, bench_gpu.txt
@@ -140,7 +141,7 @@ extra_args=()
 # libstdc++ must be the shared library that LibTorch and Python load.
 stdcxx_dev=$("$cxx" -print-file-name=libstdc++.so)
 [ -e "$stdcxx_dev" ] || die "$cxx has no shared libstdc++ (libstdc++.so): programs would carry a static copy"
-extra_args+=("-DCMAKE_CXX_COMPILER=$cxx")
+extra_args=("-DCMAKE_CXX_COMPILER=$cxx" "${extra_args[@]}")  # first: SMP_GPU_CMAKE_ARGS may name another
 # The Python package too when this python has its headers (CMake skips it with a message otherwise).
 configure() {
   say "configuring $build (Python package: $1)"
@@ -174,6 +175,9 @@ if [ -n "$prebuilt" ]; then
   elif [ -n "$source_dir" ] && [ "$(cd "$source_dir" && pwd -P)" != "$(pwd -P)" ]; then
     die "$source_dir exists here and is not this checkout: the prebuilt tests would run another tree's files"
   fi
+  for program in tests/test_gpu bin/bench_gpu bin/training_worker bin/smprun bin/hybrid_2x4; do
+    [ -x "$build/$program" ] || die "SMP_GPU_PREBUILT=$build: $build/$program missing (carry $build/bin too)"
+  done
   missing=$(ldd "$build/tests/test_gpu" "$build/bin/bench_gpu" "$build/bin/training_worker" 2>&1 | grep 'not found' | sort -u || true)
   [ -z "$missing" ] || die "prebuilt binaries miss libraries here: $missing"
   say "prebuilt $build (sources at ${source_dir:-?}); not building"
@@ -206,9 +210,11 @@ elif [ -n "$out" ]; then
 fi
 rm -f "$build_log"
 # What the libstdc++ link above is for: a program or module with a static copy of libstdc++ beside the shared one.
+command -v readelf >/dev/null || die "readelf not found: cannot check how the programs link libstdc++"
 for built in "$build"/bin/* "$build"/tests/test_gpu "$build"/python/smp/_smp*.so; do
   readelf -h "$built" >/dev/null 2>&1 || continue  # absent, or not an ELF file
-  readelf -d "$built" | grep -q 'NEEDED.*libstdc++[.]so' ||
+  dynamic=$(readelf -d "$built")  # whole, not piped into grep -q: pipefail would see readelf's SIGPIPE
+  grep -q 'NEEDED.*libstdc++[.]so' <<<"$dynamic" ||
     die "$built links libstdc++ statically: beside LibTorch's shared one it would crash"
 done
 fi

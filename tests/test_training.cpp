@@ -194,6 +194,14 @@ TEST_CASE("bf16 and fp16 training match float32 within tolerance", "[training][m
   }
 }
 
+TEST_CASE("fp16 with a pipeline rank that holds no gradient", "[training][multiprocess][precision]") {
+  // Stage 0 is the frozen layer and a Tanh: its rank has nothing to unscale (multi-tensor ops refuse empty lists).
+  const auto config = write_config(
+      "fp16_no_gradients", smp_config(2, 1, 2, "interleaved", "cluster", 8, 60, R"(, "fp16": true,
+          "auto_partition": false, "partition_overrides": {"0": 0, "1": 0, "2": 1, "3": 1, "4": 1, "5": 1, "6": 1})"));
+  check_clean_run(run_worker(2, config, "--model frozen --steps 3 --rtol 0.02"), 2);
+}
+
 TEST_CASE("gradients accumulate over train_steps as in plain training", "[training][multiprocess]") {
   // Two train_steps on a batch's halves before the optimizer step: what a step does to its gradients (the replicas'
   // mean, a tied weight's sum over its holders, the fp16 unscale) must touch that step's gradients alone.

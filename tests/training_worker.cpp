@@ -196,7 +196,7 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Options& options, 
   if (options.optimizer == "adamw") {
     // eps 1e-6, not 1e-8: AdamW divides by the gradient's running magnitude, so a gradient that is zero in exact
     // arithmetic (attention's key bias) turns rounding noise into steps near the learning rate, whose sign the
-    // microbatching decides; eps bounds those steps well below the comparison's tolerance.
+    // microbatching decides (on a GPU, 2.7e-4 against the 2.6e-4 that rtol 1e-3 allowed); eps bounds those steps.
     return std::make_unique<torch::optim::AdamW>(parameters, torch::optim::AdamWOptions(1e-2).eps(1e-6));
   }
   return std::make_unique<torch::optim::SGD>(parameters, torch::optim::SGDOptions(0.1).momentum(0.9));

@@ -373,13 +373,14 @@ void DistributedModel::load_parameters(const std::string& full_model_file) {
 }
 
 bool DistributedModel::local_gradients_finite() const {
-  // One multi-tensor reduction per device and dtype class, and one wait for the result: a kernel and a host sync
-  // per parameter cost a GPT stage milliseconds per step on a GPU. The sum of the L1 norms is finite exactly when
-  // every element is (a NaN or an infinity carries through |x| and every sum). Reduced-precision gradients are
-  // summed in float32 so that large but finite ones cannot overflow the sum.
+  // One multi-tensor reduction per device and dtype class, and one host wait per such group (one in practice): a
+  // kernel and a host sync per parameter cost a GPT stage milliseconds per step on a GPU. The sum of the L1 norms is
+  // finite when every element is, and a NaN or an infinity carries through |x| and every sum. Half-precision
+  // gradients are summed in float32 and the norms in double; a float32 tensor whose |x| sum passes 3.4e38 would
+  // read as non-finite, far beyond anything a step that trains can produce.
   struct Group {
     c10::Device device;
-    bool is_double;
+    std::optional<at::ScalarType> accumulate;  // float32 for half precision; otherwise the gradients' own type
     std::vector<at::Tensor> gradients;
   };
   std::vector<Group> groups;
@@ -387,19 +388,21 @@ bool DistributedModel::local_gradients_finite() const {
     const at::Tensor& gradient = parameter.grad();
     if (!gradient.defined()) continue;
     const at::Tensor values = gradient.is_sparse() ? gradient._values() : gradient;
-    const bool is_double = values.scalar_type() == at::kDouble;
+    const at::ScalarType type = values.scalar_type();
+    const std::optional<at::ScalarType> accumulate =
+        type == at::kHalf || type == at::kBFloat16 ? std::optional(at::kFloat) : std::nullopt;
     auto group = std::find_if(groups.begin(), groups.end(), [&](const Group& g) {
-      return g.device == values.device() && g.is_double == is_double;
+      return g.device == values.device() && g.accumulate == accumulate;
     });
-    if (group == groups.end()) group = groups.insert(groups.end(), Group{values.device(), is_double, {}});
+    if (group == groups.end()) group = groups.insert(groups.end(), Group{values.device(), accumulate, {}});
     group->gradients.push_back(values);
   }
-  at::Tensor total = at::zeros({}, at::kDouble);
+  double total = 0.0;
   for (const auto& group : groups) {
-    const auto norms = at::_foreach_norm(group.gradients, 1, group.is_double ? std::nullopt : std::optional(at::kFloat));
-    total += at::stack(norms).sum().to(at::kDouble).cpu();
+    const auto norms = at::_foreach_norm(group.gradients, 1, group.accumulate);
+    total += at::stack(norms).to(at::kDouble).sum().item<double>();
   }
-  return std::isfinite(total.item<double>());
+  return std::isfinite(total);
 }
 
 void DistributedModel::resume_at(long long step) { step_ = step; }
@@ -666,7 +669,9 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
       for (auto& [name, parameter] : named_parameters_) {
         if (parameter.grad().defined()) gradients.push_back(parameter.grad());
       }
-      at::_foreach_div_(gradients, loss_scale_);  // one multi-tensor kernel, not one per parameter
+      // One multi-tensor kernel, not one per parameter; foreach ops refuse an empty list (a stage without
+      // parameters, or with all of them frozen).
+      if (!gradients.empty()) at::_foreach_div_(gradients, loss_scale_);
     }
     // One world all-reduce: slot 0 sums the last stages' losses (every rank learns the mean over replicas),
     // slot 1 + r is set by rank r when its gradients are not finite.

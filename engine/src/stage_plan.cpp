@@ -25,6 +25,7 @@
 #include "smp/config.h"
 #include "smp/errors.h"
 #include "smp/graph_model.h"
+#include "smp/log.h"
 #include "smp/partitioner/graph_partition.h"
 #include "random_state.h"
 
@@ -143,9 +144,15 @@ class TrainingStateKept {
     random_ = RandomState::capture(sample.device());
   }
   ~TrainingStateKept() {
-    at::NoGradGuard no_graph;
-    for (auto& [buffer, saved] : buffers_) buffer.copy_(saved);
-    random_.restore();
+    // Also while a profile's error unwinds, when a device may refuse further work (a CUDA device-side assert):
+    // that error is the one to report, not this one, and a destructor must not throw.
+    try {
+      at::NoGradGuard no_graph;
+      for (auto& [buffer, saved] : buffers_) buffer.copy_(saved);
+      random_.restore();
+    } catch (const std::exception& error) {
+      log::warn(std::string("profiling could not restore the model's buffers and random state: ") + error.what());
+    }
   }
   TrainingStateKept(const TrainingStateKept&) = delete;
   TrainingStateKept& operator=(const TrainingStateKept&) = delete;
@@ -270,7 +277,12 @@ class ModuleVisit {
     else home_.reset();  // already there (or nothing to move)
   }
   ~ModuleVisit() {
-    if (home_) module_.to(*home_);
+    if (!home_) return;
+    try {  // as in ~TrainingStateKept: the profile's own error, if any, is the one to report
+      module_.to(*home_);
+    } catch (const std::exception& error) {
+      log::warn("profiling could not move a module back to " + home_->str() + ": " + error.what());
+    }
   }
   ModuleVisit(const ModuleVisit&) = delete;
   ModuleVisit& operator=(const ModuleVisit&) = delete;
@@ -300,6 +312,11 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tens
   const TrainingStateKept kept(model, sample);
   std::vector<ModuleProfile> profiles;
   std::map<std::string, at::Tensor> values{{model.input_name(), sample}};
+  // Each output is dropped after its last reader: on a GPU only the outputs still to be read stay there.
+  std::map<std::string, std::size_t> last_reader;
+  for (std::size_t i = 0; i < model.nodes().size(); ++i) {
+    for (const auto& input : model.nodes()[i].inputs) last_reader[input] = i;
+  }
   // What each forward keeps alive for its backward: CPU tensors through a counting allocator, a GPU's from its
   // caching allocator's statistics.
   std::optional<CountingCpuAllocator::Installed> counting;
@@ -307,7 +324,8 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tens
   const auto& meter = CountingCpuAllocator::instance();
   auto live_bytes = [&] { return on_accelerator ? device_allocated_bytes(device) : meter.live_bytes(); };
   std::set<const void*> counted;  // a tied parameter's bytes count once, at its first node
-  for (const auto& node : model.nodes()) {
+  for (std::size_t index = 0; index < model.nodes().size(); ++index) {
+    const auto& node = model.nodes()[index];
     ModuleProfile profile;
     profile.name = node.name;
     for (const auto& input : node.inputs) {
@@ -371,6 +389,9 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tens
     profile.activation_bytes = std::max<std::int64_t>(activation_bytes, 0);
     profiles.push_back(profile);
     values[node.name] = output.detach();
+    for (const auto& input : node.inputs) {
+      if (last_reader.at(input) == index) values.erase(input);
+    }
   }
   values.clear();
   // The cached blocks go back to the device: processes sharing a GPU (over Gloo) need them more than rank 0 does.
