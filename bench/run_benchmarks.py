@@ -142,6 +142,12 @@ with tempfile.TemporaryDirectory() as checkpoints:
           f"a save pauses the step by {r['step_pause_s']:.3f} s (the copy of the state; the rest is written in the "
           f"background)")
 
+section("engine overhead: 8 one-layer stages in one process, 8 microbatches, against plain LibTorch (CPU)")
+result = run([f"{BIN}/bench_engine"])
+r = json.loads(next(l for l in result.stdout.splitlines() if l.startswith("{")))
+print(f"{r['overhead_us_per_action']:.1f} us per schedule action ({r['actions_per_step']} actions a step; "
+      f"smp {r['smp_step_ms']:.3f} ms, plain {r['plain_step_ms']:.3f} ms a step, medians of alternating steps)")
+
 section("partitioner: ours vs the optimum (exact DP on chains, exhaustive on small DAGs) and the baselines")
 result = run([f"{BIN}/bench_partition"], timeout=900)
 lines = result.stdout.strip().splitlines()
