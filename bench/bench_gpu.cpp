@@ -37,45 +37,10 @@ double median_seconds(int warmup, int measured, const std::function<void()>& ste
   return times[times.size() / 2];
 }
 
-smp::Config config_of(const std::string& keys) {
-  return smp::Config::from_json_text(R"({"device": "cuda", "seed": 3)" + keys + "}", "bench_gpu");
-}
-
 void gpt_stage(bool bf16) {
-  smp::examples::GptOptions options;
-  options.vocab_size = 8192;
-  options.context = 1024;
-  options.d_model = 1024;
-  options.heads = 16;
-  options.layers = 8;
-  const int64_t batch = 8;
-  auto build = [&] {
-    at::manual_seed(3);
-    return smp::examples::make_gpt(options);
-  };
-  auto generator = at::make_generator<at::CPUGeneratorImpl>(7);
-  const auto tokens = at::randint(options.vocab_size, {batch, options.context + 1}, generator, at::kLong);
-  const at::Tensor inputs = tokens.narrow(1, 0, options.context).contiguous();
-  const at::Tensor targets = tokens.narrow(1, 1, options.context).contiguous();
-  // Matrix products: 6 x parameters x tokens (forward + backward), plus attention's two T x T products per layer.
-  int64_t parameters = 0;
-  for (const auto& [name, parameter] : build().named_parameters()) parameters += parameter.numel();
-  const double tokens_per_step = static_cast<double>(batch * options.context);
-  const double flops = 6.0 * static_cast<double>(parameters) * tokens_per_step +
-                       3.0 * 4.0 * options.layers * batch * static_cast<double>(options.context) * options.context *
-                           options.d_model;
-  const std::string precision = bf16 ? R"(, "bf16": true)" : "";
-  auto runtime = smp::Runtime::init(config_of(R"(, "microbatches": 1)" + precision));
-  auto plain_model = build();
-  const auto [smp_s, plain_s] = smp_bench::alternating_median_seconds(
-      3, 15, smp_bench::smp_step(runtime, build(), inputs, targets, smp::examples::gpt_loss),
-      smp_bench::plain_step(plain_model, inputs, targets, smp::examples::gpt_loss, 1, bf16, kGpu), kGpu);
-  std::printf("{\"bench\": \"gpt_stage\", \"precision\": \"%s\", \"parameters\": %lld, \"tokens\": %.0f, "
-              "\"smp_step_ms\": %.2f, \"plain_step_ms\": %.2f, \"smp_tflops\": %.1f, \"plain_tflops\": %.1f, "
-              "\"ratio\": %.3f}\n",
-              bf16 ? "bf16" : "fp32", static_cast<long long>(parameters), tokens_per_step, smp_s * 1e3, plain_s * 1e3,
-              flops / smp_s / 1e12, flops / plain_s / 1e12, plain_s / smp_s);
-  std::fflush(stdout);
+  // vocabulary 8192, context 1024, d_model 1024, 16 heads, 8 layers: 110M parameters
+  const smp::examples::GptOptions options{8192, 1024, 1024, 16, 8};
+  smp_bench::print_gpt_stage(kGpu, options, /*batch=*/8, bf16, /*warmup=*/3, /*measured=*/15);
 }
 
 void nccl_transfer() {

@@ -142,11 +142,15 @@ with tempfile.TemporaryDirectory() as checkpoints:
           f"a save pauses the step by {r['step_pause_s']:.3f} s (the copy of the state; the rest is written in the "
           f"background)")
 
-section("engine overhead: 8 one-layer stages in one process, 8 microbatches, against plain LibTorch (CPU)")
+section("the engine against plain LibTorch on the CPU: overhead per action (8 one-layer stages, 8 microbatches) and a GPT stage")
 result = run([f"{BIN}/bench_engine"])
-r = json.loads(next(l for l in result.stdout.splitlines() if l.startswith("{")))
+lines = [json.loads(l) for l in result.stdout.splitlines() if l.startswith("{")]
+r = next(l for l in lines if l["bench"] == "engine_overhead")
 print(f"{r['overhead_us_per_action']:.1f} us per schedule action ({r['actions_per_step']} actions a step; "
       f"smp {r['smp_step_ms']:.3f} ms, plain {r['plain_step_ms']:.3f} ms a step, medians of alternating steps)")
+r = next(l for l in lines if l["bench"] == "gpt_stage")
+print(f"a GPT stage ({r['parameters'] / 1e6:.1f}M parameters, {r['tokens']:.0f} tokens, one stage, one microbatch): "
+      f"smp {r['smp_step_ms']:.1f} ms, plain {r['plain_step_ms']:.1f} ms a step, ratio {r['ratio']:.3f}")
 
 section("partitioner: ours vs the optimum (exact DP on chains, exhaustive on small DAGs) and the baselines")
 result = run([f"{BIN}/bench_partition"], timeout=900)

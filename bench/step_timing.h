@@ -1,6 +1,6 @@
 #pragma once
 // What the benchmarks that compare smp with plain LibTorch on one process share: the two steps, timed in
-// alternation, and the engine-overhead measurement (bench_gpu on a GPU, bench_engine on the CPU).
+// alternation, the engine-overhead measurement and a GPT stage's speed (bench_gpu on a GPU, bench_engine on the CPU).
 
 #include <algorithm>
 #include <chrono>
@@ -12,12 +12,14 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/autocast_mode.h>
 #include <torch/cuda.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
+#include "common/gpt.h"
 #include "smp/distributed_model.h"
 #include "smp/distributed_optimizer.h"
 #include "smp/runtime.h"
@@ -130,6 +132,41 @@ inline void print_engine_overhead(c10::Device device) {
   std::printf("{\"bench\": \"engine_overhead\", \"device\": \"%s\", \"stages\": %d, \"microbatches\": %d, \"actions_per_step\": %d, "
               "\"smp_step_ms\": %.3f, \"plain_step_ms\": %.3f, \"overhead_us_per_action\": %.1f}\n",
               device.is_cuda() ? "cuda" : "cpu", stages, microbatches, actions, smp_s * 1e3, plain_s * 1e3, (smp_s - plain_s) / actions * 1e6);
+  std::fflush(stdout);
+}
+
+// Prints a GPT-style stage's speed under smp (one stage, one microbatch) against the same model in plain LibTorch,
+// as achieved TFLOP/s and their ratio.
+inline void print_gpt_stage(c10::Device device, const smp::examples::GptOptions& options, int64_t batch, bool bf16,
+                            int warmup, int measured) {
+  auto build = [&] {
+    at::manual_seed(3);
+    return smp::examples::make_gpt(options);
+  };
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(7);
+  const auto tokens = at::randint(options.vocab_size, {batch, options.context + 1}, generator, at::kLong);
+  const at::Tensor inputs = tokens.narrow(1, 0, options.context).contiguous();
+  const at::Tensor targets = tokens.narrow(1, 1, options.context).contiguous();
+  // Matrix products: 6 x parameters x tokens (forward + backward), plus attention's two T x T products per layer.
+  int64_t parameters = 0;
+  for (const auto& [name, parameter] : build().named_parameters()) parameters += parameter.numel();
+  const double tokens_per_step = static_cast<double>(batch * options.context);
+  const double flops = 6.0 * static_cast<double>(parameters) * tokens_per_step +
+                       3.0 * 4.0 * options.layers * batch * static_cast<double>(options.context) * options.context *
+                           options.d_model;
+  const std::string device_name = device.is_cuda() ? "cuda" : "cpu";
+  auto runtime = smp::Runtime::init(smp::Config::from_json_text(
+      R"({"device": ")" + device_name + R"(", "seed": 3, "microbatches": 1)" + (bf16 ? R"(, "bf16": true})" : "}"),
+      "gpt stage"));
+  auto plain_model = build();
+  const auto [smp_s, plain_s] = alternating_median_seconds(
+      warmup, measured, smp_step(runtime, build(), inputs, targets, smp::examples::gpt_loss),
+      plain_step(plain_model, inputs, targets, smp::examples::gpt_loss, 1, bf16, device), device);
+  std::printf("{\"bench\": \"gpt_stage\", \"device\": \"%s\", \"precision\": \"%s\", \"parameters\": %lld, "
+              "\"tokens\": %.0f, \"smp_step_ms\": %.2f, \"plain_step_ms\": %.2f, \"smp_tflops\": %.3f, "
+              "\"plain_tflops\": %.3f, \"ratio\": %.3f}\n",
+              device_name.c_str(), bf16 ? "bf16" : "fp32", static_cast<long long>(parameters), tokens_per_step,
+              smp_s * 1e3, plain_s * 1e3, flops / smp_s / 1e12, flops / plain_s / 1e12, plain_s / smp_s);
   std::fflush(stdout);
 }
 
