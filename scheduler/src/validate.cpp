@@ -230,41 +230,56 @@ std::map<int, std::vector<std::size_t>> receives_in_send_order(const Schedule& s
 }
 
 std::map<std::size_t, std::vector<std::size_t>> sends_delivered_by_receive(const Schedule& schedule, int rank) {
-  auto is_transfer_with_peer = [&](const Action& action, bool peer_is_me) {
-    return action.peer_stage >= 0 && (schedule.stage_to_rank.at(action.peer_stage) == rank) == peer_is_me;
+  const int ranks = schedule.num_ranks;
+  auto remote = [&](int on, const Action& action) {
+    return action.peer_stage >= 0 && schedule.stage_to_rank.at(action.peer_stage) != on;
   };
-  // Where the other end of each of our transfers sits on its rank: the peer runs its list in order, so a receive it
-  // passed before a send means our message arrived before that send left.
   using Key = std::tuple<ActionKind, int, int, int>;
   auto key_of = [](const Action& action) { return Key{action.kind, action.stage, action.microbatch, action.peer_stage}; };
-  std::map<Key, std::size_t> position_on_peer;
-  for (int peer = 0; peer < schedule.num_ranks; ++peer) {
-    if (peer == rank) continue;
-    const auto& actions = schedule.ranks.at(static_cast<std::size_t>(peer));
-    for (std::size_t i = 0; i < actions.size(); ++i) {
-      if (is_transfer_with_peer(actions[i], true)) position_on_peer[key_of(actions[i])] = i;
+  // Vector clocks over the order the executors impose: each rank runs its list in order (a receive completes before
+  // the rank's next action), and a message is sent before it is received. After an event, clock[q] is the last
+  // action of rank q that completed before it. A receive of ours whose clock has reached the peer's receive of one
+  // of our sends proves that send delivered, also when the proof came round through other ranks: in an interleaved
+  // evaluation nothing comes back from rank 1, but rank p-1's messages to rank 0 follow what rank 1 took.
+  std::vector<std::vector<long long>> clock(static_cast<std::size_t>(ranks), std::vector<long long>(ranks, -1));
+  std::vector<std::size_t> next(static_cast<std::size_t>(ranks), 0);
+  std::map<Key, std::vector<long long>> in_flight;           // a message sent, not yet received -> its send's clock
+  std::map<std::size_t, std::vector<long long>> my_receives;  // index of a receive of ours -> its clock
+  std::map<Key, long long> taken_at;                          // our message (its send's key) -> where the peer takes it
+  for (bool progressed = true; progressed;) {
+    progressed = false;
+    for (int r = 0; r < ranks; ++r) {
+      const auto& actions = schedule.ranks[static_cast<std::size_t>(r)];
+      auto& now = clock[static_cast<std::size_t>(r)];
+      for (auto& at = next[static_cast<std::size_t>(r)]; at < actions.size(); ++at, progressed = true) {
+        const Action& action = actions[at];
+        const bool receiving = remote(r, action) && !detail::is_send(action.kind);
+        if (receiving) {
+          const Key sent_as = key_of(detail::matching_transfer(action));
+          const auto message = in_flight.find(sent_as);
+          if (message == in_flight.end()) break;  // its sender has not got there yet
+          for (int q = 0; q < ranks; ++q) now[q] = std::max(now[q], message->second[q]);
+          in_flight.erase(message);
+          if (schedule.stage_to_rank.at(action.peer_stage) == rank) taken_at[sent_as] = static_cast<long long>(at);
+        }
+        now[r] = static_cast<long long>(at);
+        if (remote(r, action) && detail::is_send(action.kind)) in_flight[key_of(action)] = now;
+        if (receiving && r == rank) my_receives[at] = now;
+      }
     }
   }
-  auto position_of_other_end = [&](const Action& action) {
-    const auto found = position_on_peer.find(key_of(detail::matching_transfer(action)));
-    return found == position_on_peer.end() ? -1 : static_cast<long long>(found->second);  // -1: validate() reports it
-  };
+  // A schedule that deadlocks stops the clocks early: its sends stay unproven (validate() reports it).
   // Each send is listed once, under the first receive of this rank (in its order) that certifies it.
   const auto& mine = schedule.ranks.at(static_cast<std::size_t>(rank));
   std::map<std::size_t, std::vector<std::size_t>> delivered;
   for (std::size_t send = 0; send < mine.size(); ++send) {
-    if (!is_transfer_with_peer(mine[send], false) || !detail::is_send(mine[send].kind)) continue;
+    if (!remote(rank, mine[send]) || !detail::is_send(mine[send].kind)) continue;
+    const auto taken = taken_at.find(key_of(mine[send]));
+    if (taken == taken_at.end()) continue;
     const int peer = schedule.stage_to_rank.at(mine[send].peer_stage);
-    const long long received_at = position_of_other_end(mine[send]);
-    if (received_at < 0) continue;
-    for (std::size_t receive = send + 1; receive < mine.size(); ++receive) {
-      const Action& action = mine[receive];
-      if (!is_transfer_with_peer(action, false) || detail::is_send(action.kind) ||
-          schedule.stage_to_rank.at(action.peer_stage) != peer) {
-        continue;
-      }
-      if (received_at < position_of_other_end(action)) {
-        delivered[receive].push_back(send);
+    for (auto receive = my_receives.upper_bound(send); receive != my_receives.end(); ++receive) {
+      if (receive->second[peer] >= taken->second) {
+        delivered[receive->first].push_back(send);
         break;
       }
     }

@@ -122,10 +122,10 @@ void validate(const Schedule& schedule, const StageGraph& graph);
 std::map<int, std::vector<std::size_t>> receives_in_send_order(const Schedule& schedule, int rank);
 
 // For each receive of `rank` from another rank (its index in schedule.ranks[rank]), the indices of earlier sends
-// of `rank` to that peer which the peer receives before it sends this message: once the receive completes, those
-// sends have certainly been delivered, whatever the transport says (Gloo cannot be asked without waiting), and
-// their tensors can go. Each send is listed under the first receive that certifies it; receives that certify
-// nothing new are absent.
+// of `rank` (to any rank) whose receiver took them before this message was sent, directly or through other ranks'
+// messages: once the receive completes, those sends have certainly been delivered, whatever the transport says
+// (Gloo cannot be asked without waiting), and their tensors can go. Each send is listed under the first receive
+// that certifies it; receives that certify nothing new are absent.
 std::map<std::size_t, std::vector<std::size_t>> sends_delivered_by_receive(const Schedule& schedule, int rank);
 
 // One action per line: "rank,kind,stage,microbatch,peer_stage" after a header line; see schedule.cpp.
