@@ -405,6 +405,30 @@ bool DistributedModel::local_gradients_finite() const {
   return std::isfinite(total);
 }
 
+bool DistributedModel::unscale_gradients_checking_finite() {
+  // fp16: one pass over the gradients both divides them by the loss scale and finds non-finite values (the fused
+  // kernel PyTorch's GradScaler uses), one host sync per device. The scale is a power of two (it only ever doubles
+  // or halves), so multiplying by its inverse equals dividing by it.
+  std::vector<std::pair<c10::Device, std::vector<at::Tensor>>> by_device;
+  for (const auto& [name, parameter] : named_parameters_) {
+    const at::Tensor& gradient = parameter.grad();
+    if (!gradient.defined()) continue;
+    const at::Tensor values = gradient.is_sparse() ? gradient._values() : gradient;
+    auto group = std::find_if(by_device.begin(), by_device.end(),
+                              [&](const auto& entry) { return entry.first == values.device(); });
+    if (group == by_device.end()) group = by_device.insert(by_device.end(), {values.device(), {}});
+    group->second.push_back(values);
+  }
+  bool finite = true;
+  for (auto& [device, gradients] : by_device) {
+    at::Tensor found = at::zeros({1}, at::TensorOptions(at::kFloat).device(device));
+    const at::Tensor inverse = at::full({1}, 1.0 / loss_scale_, found.options());
+    at::_amp_foreach_non_finite_check_and_unscale_(gradients, found, inverse);
+    finite = finite && found.item<float>() == 0.0f;
+  }
+  return finite;
+}
+
 void DistributedModel::resume_at(long long step) { step_ = step; }
 
 void DistributedModel::restore_loss_scale(double scale, long long steps_since_change) {
@@ -664,20 +688,12 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
       output.buckets_overlapped = reducer_->finish();
     }
     sum_tied_gradients();
-    if (loss_scale_ != 1.0) {
-      std::vector<at::Tensor> gradients;
-      for (auto& [name, parameter] : named_parameters_) {
-        if (parameter.grad().defined()) gradients.push_back(parameter.grad());
-      }
-      // One multi-tensor kernel, not one per parameter; foreach ops refuse an empty list (a stage without
-      // parameters, or with all of them frozen).
-      if (!gradients.empty()) at::_foreach_div_(gradients, loss_scale_);
-    }
+    const bool gradients_finite = loss_scale_ != 1.0 ? unscale_gradients_checking_finite() : local_gradients_finite();
     // One world all-reduce: slot 0 sums the last stages' losses (every rank learns the mean over replicas),
     // slot 1 + r is set by rank r when its gradients are not finite.
     loss_total = at::zeros({1 + runtime_->world_size()}, at::kDouble);
     loss_total[0] = stats.has_loss ? stats.loss_sum : 0.0;
-    if (!local_gradients_finite()) loss_total[1 + runtime_->rank()] = 1.0;
+    if (!gradients_finite) loss_total[1 + runtime_->rank()] = 1.0;
     runtime_->world().all_reduce_sum(loss_total);
     if (!config.trace_dir.empty() && step_ == config.trace_step) write_timeline(stats.events);
   } catch (const comm::CommError& error) {

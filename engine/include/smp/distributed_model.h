@@ -134,6 +134,7 @@ class DistributedModel {
   void write_timeline(const std::vector<TimelineEvent>& events);
   void adopt_checkpoint_partition();
   bool local_gradients_finite() const;
+  bool unscale_gradients_checking_finite();
 
   std::shared_ptr<Runtime> runtime_;
   GraphModel model_;
