@@ -606,6 +606,31 @@ TEST_CASE("a stage writing into a tensor its producer saved is refused as in pla
                     Catch::Matchers::Contains("modified by an inplace operation"));
 }
 
+TEST_CASE("fp16 gradients come out unscaled whatever the loss scale, above or below 1", "[precision]") {
+  // Above 1 the fused unscale-and-check kernel runs; at or below 1 the gradients are divided and then checked.
+  const auto config = smp::Config::from_json_text(R"({"device": "cpu", "fp16": true, "microbatches": 2})", "test config");
+  auto runtime = smp::Runtime::init(config, smp::comm::LaunchInfo{});
+  const auto loss = [](const at::Tensor& output, const at::Tensor& target) { return at::mse_loss(output, target); };
+  at::manual_seed(5);
+  const at::Tensor inputs = at::randn({4, 3}), targets = at::randn({4, 2});
+  std::vector<std::vector<at::Tensor>> gradients;
+  for (const double scale : {65536.0, 1.0, 0.25}) {
+    at::manual_seed(3);
+    torch::nn::Sequential net(torch::nn::Linear(3, 4), torch::nn::Tanh(), torch::nn::Linear(4, 2));
+    smp::DistributedModel model(runtime, net, at::zeros({2, 3}));
+    model.restore_loss_scale(scale, 0);
+    REQUIRE_FALSE(model.train_step(inputs, targets, loss).skipped);
+    gradients.emplace_back();
+    for (const auto& parameter : model.parameters()) gradients.back().push_back(parameter.grad().clone());
+  }
+  for (std::size_t run = 1; run < gradients.size(); ++run) {
+    for (std::size_t i = 0; i < gradients[0].size(); ++i) {
+      INFO("run " << run << ", parameter " << i);
+      CHECK(at::allclose(gradients[run][i], gradients[0][i], 1e-2, 1e-4));
+    }
+  }
+}
+
 TEST_CASE("freezing a parameter after the model was built is refused, naming it", "[graph]") {
   const auto config = smp::Config::from_json_text(R"({"device": "cpu"})", "test config");
   auto runtime = smp::Runtime::init(config, smp::comm::LaunchInfo{});

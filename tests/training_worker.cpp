@@ -431,7 +431,7 @@ int run(int argc, char** argv) {
       expected_evaluation =
           base_loss(reference.forward(held_out_inputs.to(device)), held_out_targets.to(device)).item<double>();
     }
-    // Nothing proves an evaluation's sends delivered, but with one stage per rank of a chain (the first rank sends
+    // With one stage per rank nothing proves an evaluation's sends delivered, but on a chain (the first rank sends
     // to the second alone; skips would add more receivers) the first rank waits for older sends rather than
     // keeping every microbatch's outputs to the end.
     const bool chain = options.model != "residual" && options.model != "long_residual" && options.model != "branch";

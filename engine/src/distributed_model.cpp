@@ -372,59 +372,64 @@ void DistributedModel::load_parameters(const std::string& full_model_file) {
   load_named_parameters(c10::impl::toGenericDict(read_full_model(full_model_file)), full_model_file);
 }
 
-bool DistributedModel::local_gradients_finite() const {
-  // One multi-tensor reduction per device and dtype class, and one host wait per such group (one in practice): a
-  // kernel and a host sync per parameter cost a GPT stage milliseconds per step on a GPU. The sum of the L1 norms is
-  // finite when every element is, and a NaN or an infinity carries through |x| and every sum. Half-precision
-  // gradients are summed in float32 and the norms in double; a float32 tensor whose |x| sum passes 3.4e38 would
-  // read as non-finite, far beyond anything a step that trains can produce.
-  struct Group {
-    c10::Device device;
-    std::optional<at::ScalarType> accumulate;  // float32 for half precision; otherwise the gradients' own type
-    std::vector<at::Tensor> gradients;
-  };
-  std::vector<Group> groups;
-  for (const auto& [name, parameter] : named_parameters_) {
+namespace {
+
+// The gradients that .grad holds (a sparse one's values), grouped by device and dtype: the units of multi-tensor ops.
+std::vector<std::vector<at::Tensor>> gradients_by_device_and_dtype(
+    const std::vector<std::pair<std::string, at::Tensor>>& parameters) {
+  std::vector<std::vector<at::Tensor>> groups;
+  for (const auto& [name, parameter] : parameters) {
     const at::Tensor& gradient = parameter.grad();
     if (!gradient.defined()) continue;
     const at::Tensor values = gradient.is_sparse() ? gradient._values() : gradient;
-    const at::ScalarType type = values.scalar_type();
-    const std::optional<at::ScalarType> accumulate =
-        type == at::kHalf || type == at::kBFloat16 ? std::optional(at::kFloat) : std::nullopt;
-    auto group = std::find_if(groups.begin(), groups.end(), [&](const Group& g) {
-      return g.device == values.device() && g.accumulate == accumulate;
+    auto group = std::find_if(groups.begin(), groups.end(), [&](const std::vector<at::Tensor>& g) {
+      return g.front().device() == values.device() && g.front().scalar_type() == values.scalar_type();
     });
-    if (group == groups.end()) group = groups.insert(groups.end(), Group{values.device(), accumulate, {}});
-    group->gradients.push_back(values);
+    if (group == groups.end()) group = groups.insert(groups.end(), std::vector<at::Tensor>{});
+    group->push_back(values);
   }
-  double total = 0.0;
-  for (const auto& group : groups) {
-    const auto norms = at::_foreach_norm(group.gradients, 1, group.accumulate);
-    total += at::stack(norms).to(at::kDouble).sum().item<double>();
+  return groups;
+}
+
+// Whether every element of these same-device, same-dtype tensors is finite: one multi-tensor reduction and one host
+// wait, where a kernel and a host sync per parameter cost a GPT stage milliseconds per step on a GPU. The sum of the
+// L1 norms is finite when every element is (a NaN or an infinity carries through |x| and every sum); half-precision
+// values are summed in float32 and the norms in double. A float32 tensor whose |x| sum passes 3.4e38 would read as
+// non-finite, far beyond anything a step that trains can produce.
+bool all_finite(const std::vector<at::Tensor>& tensors) {
+  const at::ScalarType type = tensors.front().scalar_type();
+  const std::optional<at::ScalarType> accumulate =
+      type == at::kHalf || type == at::kBFloat16 ? std::optional(at::kFloat) : std::nullopt;
+  return std::isfinite(at::stack(at::_foreach_norm(tensors, 1, accumulate)).to(at::kDouble).sum().item<double>());
+}
+
+}  // namespace
+
+bool DistributedModel::local_gradients_finite() const {
+  for (const auto& group : gradients_by_device_and_dtype(named_parameters_)) {
+    if (!all_finite(group)) return false;
   }
-  return std::isfinite(total);
+  return true;
 }
 
 bool DistributedModel::unscale_gradients_checking_finite() {
   // fp16: one pass over the gradients both divides them by the loss scale and finds non-finite values (the fused
-  // kernel PyTorch's GradScaler uses), one host sync per device. The scale is a power of two (it only ever doubles
-  // or halves), so multiplying by its inverse equals dividing by it.
-  std::vector<std::pair<c10::Device, std::vector<at::Tensor>>> by_device;
-  for (const auto& [name, parameter] : named_parameters_) {
-    const at::Tensor& gradient = parameter.grad();
-    if (!gradient.defined()) continue;
-    const at::Tensor values = gradient.is_sparse() ? gradient._values() : gradient;
-    auto group = std::find_if(by_device.begin(), by_device.end(),
-                              [&](const auto& entry) { return entry.first == values.device(); });
-    if (group == by_device.end()) group = by_device.insert(by_device.end(), {values.device(), {}});
-    group->second.push_back(values);
-  }
+  // kernel of PyTorch's GradScaler), one host sync per group. It checks its input: dividing by a scale above 1
+  // cannot overflow, and the scale is a power of two (it only ever doubles or halves), so multiplying by its inverse
+  // equals dividing. A scale below 1 (many overflows in a row), or a dtype the kernel lacks on the GPU (bfloat16),
+  // divides first and checks the result.
   bool finite = true;
-  for (auto& [device, gradients] : by_device) {
-    at::Tensor found = at::zeros({1}, at::TensorOptions(at::kFloat).device(device));
-    const at::Tensor inverse = at::full({1}, 1.0 / loss_scale_, found.options());
-    at::_amp_foreach_non_finite_check_and_unscale_(gradients, found, inverse);
-    finite = finite && found.item<float>() == 0.0f;
+  for (auto& gradients : gradients_by_device_and_dtype(named_parameters_)) {
+    const at::ScalarType type = gradients.front().scalar_type();
+    if (loss_scale_ > 1.0 && (type == at::kFloat || type == at::kDouble || type == at::kHalf)) {
+      at::Tensor found = at::zeros({1}, at::TensorOptions(at::kFloat).device(gradients.front().device()));
+      const at::Tensor inverse = at::full({1}, 1.0 / loss_scale_, found.options());
+      at::_amp_foreach_non_finite_check_and_unscale_(gradients, found, inverse);
+      finite = finite && found.item<float>() == 0.0f;
+    } else {
+      at::_foreach_div_(gradients, loss_scale_);
+      finite = finite && all_finite(gradients);
+    }
   }
   return finite;
 }

@@ -79,8 +79,9 @@ PipelineExecutor::PipelineExecutor(sched::Schedule schedule, sched::StageGraph g
   if (pipeline_.in_order()) receive_order_ = sched::receives_in_send_order(schedule_, pipeline_.rank());
   delivered_by_receive_ = sched::sends_delivered_by_receive(schedule_, pipeline_.rank());
 
-  // A forward-only schedule has no backward whose receives would prove this rank's sends delivered, so it would
-  // hold every microbatch's sent outputs to the end. Waiting for the oldest send instead (which returns once the
+  // A forward-only schedule has no backward whose receives would prove this rank's sends delivered; with one stage
+  // per rank nothing comes back at all (with virtual stages the activations come back round, see
+  // sends_delivered_by_receive), so it would hold every microbatch's sent outputs to the end. Waiting for the oldest send instead (which returns once the
   // receiver reaches that receive) cannot deadlock when messages only go to later ranks, this rank sends to one
   // rank only, and that rank takes them in the order they were sent. A cycle of waits would need a rank R waiting
   // for a message this rank has not posted while this rank waits for R to take an older one; R takes them in order,

@@ -244,7 +244,7 @@ std::map<std::size_t, std::vector<std::size_t>> sends_delivered_by_receive(const
   std::vector<std::vector<long long>> clock(static_cast<std::size_t>(ranks), std::vector<long long>(ranks, -1));
   std::vector<std::size_t> next(static_cast<std::size_t>(ranks), 0);
   std::map<Key, std::vector<long long>> in_flight;           // a message sent, not yet received -> its send's clock
-  std::map<std::size_t, std::vector<long long>> my_receives;  // index of a receive of ours -> its clock
+  std::vector<std::pair<std::size_t, std::vector<long long>>> my_receives;  // (index, clock), in our order
   std::map<Key, long long> taken_at;                          // our message (its send's key) -> where the peer takes it
   for (bool progressed = true; progressed;) {
     progressed = false;
@@ -264,7 +264,7 @@ std::map<std::size_t, std::vector<std::size_t>> sends_delivered_by_receive(const
         }
         now[r] = static_cast<long long>(at);
         if (remote(r, action) && detail::is_send(action.kind)) in_flight[key_of(action)] = now;
-        if (receiving && r == rank) my_receives[at] = now;
+        if (receiving && r == rank) my_receives.emplace_back(at, now);
       }
     }
   }
@@ -277,12 +277,14 @@ std::map<std::size_t, std::vector<std::size_t>> sends_delivered_by_receive(const
     const auto taken = taken_at.find(key_of(mine[send]));
     if (taken == taken_at.end()) continue;
     const int peer = schedule.stage_to_rank.at(mine[send].peer_stage);
-    for (auto receive = my_receives.upper_bound(send); receive != my_receives.end(); ++receive) {
-      if (receive->second[peer] >= taken->second) {
-        delivered[receive->first].push_back(send);
-        break;
-      }
-    }
+    // Our clocks only grow along our list, so the first receive after the send that has seen the peer take it is
+    // found by bisection.
+    const auto after_send = std::partition_point(my_receives.begin(), my_receives.end(),
+                                                 [&](const auto& receive) { return receive.first <= send; });
+    const auto proof = std::partition_point(after_send, my_receives.end(), [&](const auto& receive) {
+      return receive.second[static_cast<std::size_t>(peer)] < taken->second;
+    });
+    if (proof != my_receives.end()) delivered[proof->first].push_back(send);
   }
   return delivered;
 }
