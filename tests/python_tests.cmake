@@ -46,6 +46,15 @@ set_tests_properties(python_gpu_pipeline_equals_pytorch PROPERTIES
   SKIP_RETURN_CODE 77
   ENVIRONMENT "PYTHONPATH=${SMP_PYTHON_PACKAGE_DIR};OMP_NUM_THREADS=1;PYTHONUNBUFFERED=1")
 
+# Jobs that all-reduce a Python tensor as their last act end cleanly (the checking script launches them).
+add_test(NAME python_all_reduce_then_exit
+         COMMAND ${SMP_PYTHON_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/python/exit_check.py $<TARGET_FILE:smprun>
+                 ${SMP_PYTHON_EXECUTABLE})
+set_tests_properties(python_all_reduce_then_exit PROPERTIES
+  TIMEOUT 300
+  LABELS python
+  ENVIRONMENT "PYTHONPATH=${SMP_PYTHON_PACKAGE_DIR};OMP_NUM_THREADS=1;PYTHONUNBUFFERED=1")
+
 # The Python example as the 2x4 job against one process (the checking script launches both).
 add_test(NAME python_example_2x4_equals_one_process
          COMMAND ${SMP_PYTHON_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/python/example_check.py $<TARGET_FILE:smprun>

@@ -272,10 +272,14 @@ PYBIND11_MODULE(_smp, module) {
               throw ConfigError("all_reduce_sum takes a real, non-bool CPU tensor, got " + tensor.toString() +
                                 " on " + tensor.device().str());
             }
-            // The transports sum data_ptr() over numel(): a strided view goes through a dense copy.
-            const at::Tensor dense = tensor.contiguous();
-            runtime.world().all_reduce_sum(dense);
-            if (!dense.is_same(tensor)) tensor.copy_(dense);
+            // Always through a copy of our own, never the caller's tensor: Gloo's work object keeps what it reduced
+            // and is destroyed later on a Gloo thread, and dropping a tensor that Python also holds takes the GIL
+            // there. At interpreter exit that thread then died inside a destructor, aborting the process
+            // ("terminate called without an active exception", 9 of 20 two-process runs that exit right after).
+            // The copy is also dense, as the transports need (they sum data_ptr() over numel()).
+            const at::Tensor owned = tensor.clone(at::MemoryFormat::Contiguous);
+            runtime.world().all_reduce_sum(owned);
+            tensor.copy_(owned);
           },
           py::arg("tensor"), py::call_guard<py::gil_scoped_release>());
 
