@@ -81,11 +81,11 @@ PipelineExecutor::PipelineExecutor(sched::Schedule schedule, sched::StageGraph g
 
   // A forward-only schedule has no backward whose receives would prove this rank's sends delivered; with one stage
   // per rank nothing comes back at all (with virtual stages the activations come back round, see
-  // sends_delivered_by_receive), so it would hold every microbatch's sent outputs to the end. Waiting for the oldest send instead (which returns once the
-  // receiver reaches that receive) cannot deadlock when messages only go to later ranks, this rank sends to one
-  // rank only, and that rank takes them in the order they were sent. A cycle of waits would need a rank R waiting
-  // for a message this rank has not posted while this rank waits for R to take an older one; R takes them in order,
-  // so it took that one already. Waits on sends alone only go up the ranks, so they cannot close a cycle either.
+  // sends_delivered_by_receive), so it would hold every microbatch's sent outputs to the end. Waiting for the oldest
+  // send instead (which returns once the receiver reaches that receive) cannot deadlock when messages only go to
+  // later ranks, this rank sends to one rank only, and that rank takes them in the order they were sent. A cycle of
+  // waits would need a rank R waiting for a message this rank has not posted while this rank waits for R to take an
+  // older one; R takes them in order, so it took that one already. Waits on sends alone only go up the ranks, so they cannot close a cycle either.
   // (With sends to two ranks, this rank could wait on one that waits, through a third, on its send to the other.)
   if (schedule_.forward_only) {
     const int me = pipeline_.rank();
@@ -212,12 +212,8 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
   // them to concatenate (which would hold them twice at the end).
   const bool keep_outputs = data.keep_outputs && schedule_.stage_to_rank[last_stage_] == me;
   auto keep_output = [&](int microbatch, const at::Tensor& output) {
-    const at::Tensor value = output.detach();
-    if (value.dim() == 0) {
-      if (!stats.outputs.defined()) stats.outputs = at::empty({microbatches}, value.options());
-      stats.outputs[microbatch].copy_(value);
-      return;
-    }
+    // A 0-dim output (a per-microbatch metric) is one row.
+    const at::Tensor value = output.dim() == 0 ? output.detach().reshape({1}) : output.detach();
     const int64_t rows = value.size(0);
     if (!stats.outputs.defined()) {
       std::vector<int64_t> sizes = value.sizes().vec();

@@ -26,8 +26,6 @@ std::vector<int> assign_shard_owners(const std::vector<std::int64_t>& bytes, int
 OptimizerShards::OptimizerShards(const std::vector<at::Tensor>& parameters, const std::vector<int>& owner,
                                  comm::Communicator& replicas, std::int64_t bucket_bytes)
     : replicas_(replicas) {
-  std::vector<std::int64_t> bytes;
-  for (const auto& parameter : parameters) bytes.push_back(static_cast<std::int64_t>(parameter.nbytes()));
   // Buckets in parameter order per owner, so that every replica posts the same broadcasts in the same order.
   for (int replica = 0; replica < replicas.size(); ++replica) {
     Bucket* open = nullptr;
@@ -39,7 +37,7 @@ OptimizerShards::OptimizerShards(const std::vector<at::Tensor>& parameters, cons
       if (parameter.numel() == 0) continue;  // nothing to share
       const bool fits = open != nullptr && open->parameters.front().scalar_type() == parameter.scalar_type() &&
                         open->parameters.front().device() == parameter.device() &&
-                        open_bytes + bytes[i] <= bucket_bytes;
+                        open_bytes + static_cast<std::int64_t>(parameter.nbytes()) <= bucket_bytes;
       if (!fits) {
         buckets_.push_back({replica, {}, 0});
         open = &buckets_.back();
@@ -47,7 +45,7 @@ OptimizerShards::OptimizerShards(const std::vector<at::Tensor>& parameters, cons
       }
       open->parameters.push_back(parameter);
       open->elements += parameter.numel();
-      open_bytes += bytes[i];
+      open_bytes += static_cast<std::int64_t>(parameter.nbytes());
     }
   }
 }
