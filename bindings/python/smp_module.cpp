@@ -7,6 +7,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -136,17 +137,26 @@ std::shared_ptr<ScriptedModule> load_scripted(const py::bytes& serialized) {
 // GraphModel.add for a module of either kind: the node runs the module's forward on its inputs.
 template <typename Module>
 GraphModel& add_node(GraphModel& graph, const std::string& name, const std::shared_ptr<Module>& module,
-                     std::vector<std::string> inputs, std::string parameter_prefix) {
+                     std::vector<std::string> inputs, std::string parameter_prefix, bool names_from_root) {
   GraphModel::Forward forward = [module](const std::vector<at::Tensor>& values) { return module->forward(values); };
-  return graph.add(name, module, std::move(forward), std::move(inputs), std::move(parameter_prefix));
+  return graph.add(name, module, std::move(forward), std::move(inputs), std::move(parameter_prefix), names_from_root);
 }
 
-// A Python loss function, called from the engine with the GIL released around the step.
-LossFunction python_loss(py::function loss) {
+// None crosses as an undefined tensor, and back.
+using OptionalTensors = std::vector<std::optional<at::Tensor>>;
+ModelInputs defined_or_not(const OptionalTensors& tensors) {
+  ModelInputs result;
+  for (const auto& tensor : tensors) result.push_back(tensor.value_or(at::Tensor()));
+  return result;
+}
+
+// A Python loss function `loss(outputs, target)` (the model's outputs as a list; target None when the step has none),
+// called from the engine with the GIL released around the step.
+OutputsLossFunction python_loss(py::function loss) {
   auto holder = held_under_gil(std::move(loss));
-  return [holder](const at::Tensor& output, const at::Tensor& target) {
+  return [holder](const std::vector<at::Tensor>& outputs, const at::Tensor& target) {
     py::gil_scoped_acquire gil;
-    py::object result = (*holder)(output, target);
+    py::object result = (*holder)(outputs, target.defined() ? py::cast(target) : py::none());
     try {
       return result.cast<at::Tensor>();
     } catch (const py::cast_error&) {
@@ -157,12 +167,13 @@ LossFunction python_loss(py::function loss) {
 }
 
 // train_step or evaluate with a Python loss, the GIL released for the step (the loss takes it back).
-template <StepOutput (DistributedModel::*step)(const at::Tensor&, const at::Tensor&, const LossFunction&, bool)>
-StepOutput with_python_loss(DistributedModel& model, const at::Tensor& inputs, const at::Tensor& targets,
-                            py::function loss, bool keep_outputs) {
-  const LossFunction function = python_loss(std::move(loss));
+template <StepOutput (DistributedModel::*step)(const ModelInputs&, const at::Tensor&, const OutputsLossFunction&, bool)>
+StepOutput with_python_loss(DistributedModel& model, const OptionalTensors& inputs,
+                            const std::optional<at::Tensor>& targets, py::function loss, bool keep_outputs) {
+  const OutputsLossFunction function = python_loss(std::move(loss));
+  const ModelInputs model_inputs = defined_or_not(inputs);
   py::gil_scoped_release released;
-  return (model.*step)(inputs, targets, function, keep_outputs);
+  return (model.*step)(model_inputs, targets.value_or(at::Tensor()), function, keep_outputs);
 }
 
 // A torch.optim optimizer's checkpoint state, serialized by the package's Python (torch.save of its state_dict,
@@ -227,19 +238,26 @@ PYBIND11_MODULE(_smp, module) {
       py::arg("module"), py::arg("call") = py::none());
 
   py::class_<GraphModel>(module, "GraphModel")
-      .def(py::init<std::string>(), py::arg("input_name") = "input")
+      .def(py::init<std::vector<std::string>>(), py::arg("input_names"))
       .def("add", &add_node<ScriptedModule>, py::arg("name"), py::arg("module"), py::arg("inputs"),
-           py::arg("parameter_prefix") = "", py::return_value_policy::reference_internal)
+           py::arg("parameter_prefix") = "", py::arg("names_from_root") = false,
+           py::return_value_policy::reference_internal)
       .def("add", &add_node<EagerModule>, py::arg("name"), py::arg("module"), py::arg("inputs"),
-           py::arg("parameter_prefix") = "", py::return_value_policy::reference_internal)
-      .def_property_readonly("input_name", &GraphModel::input_name)
+           py::arg("parameter_prefix") = "", py::arg("names_from_root") = false,
+           py::return_value_policy::reference_internal)
+      .def("set_outputs", &GraphModel::set_outputs, py::arg("outputs"))
+      .def_property_readonly("input_names", &GraphModel::input_names)
+      .def_property_readonly("output_names", &GraphModel::output_names)
       .def("node_names",
            [](const GraphModel& graph) {
              std::vector<std::string> names;
              for (const auto& node : graph.nodes()) names.push_back(node.name);
              return names;
            })
-      .def("forward", &GraphModel::forward, py::arg("input"), py::call_guard<py::gil_scoped_release>());
+      .def(
+          "forward",
+          [](const GraphModel& graph, const OptionalTensors& inputs) { return graph.forward(defined_or_not(inputs)); },
+          py::arg("inputs"), py::call_guard<py::gil_scoped_release>());
 
   py::class_<Config>(module, "Config")
       .def_static("from_file", &Config::from_file, py::arg("path"))
@@ -249,6 +267,7 @@ PYBIND11_MODULE(_smp, module) {
       .def_readonly("global_batch_size", &Config::global_batch_size)
       .def_readonly("seed", &Config::seed)
       .def_readonly("source", &Config::source)
+      .def_readonly("partition_overrides", &Config::partition_overrides)
       .def("num_stages", &Config::num_stages);
 
   py::class_<Runtime, std::shared_ptr<Runtime>>(module, "Runtime")
@@ -289,13 +308,15 @@ PYBIND11_MODULE(_smp, module) {
       .def_readonly("seconds", &StepOutput::seconds)
       .def_readonly("gradient_buckets", &StepOutput::gradient_buckets)
       .def_readonly("buckets_overlapped", &StepOutput::buckets_overlapped)
-      .def_property_readonly("outputs", [](const StepOutput& output) -> py::object {
-        return output.outputs.defined() ? py::cast(output.outputs) : py::none();
+      .def_property_readonly("all_outputs", [](const StepOutput& output) -> py::object {
+        return output.all_outputs.empty() ? py::none() : py::cast(output.all_outputs);
       });
 
   py::class_<DistributedModel>(module, "DistributedModel")
-      .def(py::init<std::shared_ptr<Runtime>, GraphModel, const at::Tensor&>(), py::arg("runtime"),
-           py::arg("model"), py::arg("sample_input"), py::call_guard<py::gil_scoped_release>())
+      .def(py::init([](std::shared_ptr<Runtime> runtime, GraphModel model, const OptionalTensors& sample) {
+             return std::make_unique<DistributedModel>(std::move(runtime), std::move(model), defined_or_not(sample));
+           }),
+           py::arg("runtime"), py::arg("model"), py::arg("sample"), py::call_guard<py::gil_scoped_release>())
       .def("train_step", with_python_loss<&DistributedModel::train_step>, py::arg("inputs"), py::arg("targets"),
            py::arg("loss"), py::arg("keep_outputs") = false)
       .def("evaluate", with_python_loss<&DistributedModel::evaluate>, py::arg("inputs"), py::arg("targets"),
@@ -323,6 +344,12 @@ PYBIND11_MODULE(_smp, module) {
       .def("share_updated_parameters", &DistributedModel::share_updated_parameters,
            py::call_guard<py::gil_scoped_release>());
 
+  module.def(
+      "batched_inputs",
+      [](const OptionalTensors& inputs, const std::optional<at::Tensor>& targets) {
+        return DistributedModel::batched_inputs(defined_or_not(inputs), targets.value_or(at::Tensor()));
+      },
+      py::arg("inputs"), py::arg("targets"));
   module.def("export_checkpoint", &export_checkpoint, py::arg("checkpoint_directory"), py::arg("output_file"),
              py::call_guard<py::gil_scoped_release>());
   module.def(

@@ -83,12 +83,19 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, const torch
     : DistributedModel(std::move(runtime), GraphModel::from_sequential(model), sample_input) {}
 
 DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const at::Tensor& sample_input)
+    : DistributedModel(std::move(runtime), std::move(model), ModelInputs{sample_input}) {}
+
+DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const ModelInputs& sample)
     : runtime_(std::move(runtime)),
       // More stages than nodes: cut finer along the module tree first.
       model_(model.expanded_to(static_cast<std::size_t>(runtime_->config().num_stages()))) {
   const Config& config = runtime_->config();
   if (config.fp16) loss_scale_ = kInitialLossScale;
   if (model_.nodes().empty()) throw ConfigError("the model has no modules; nothing to train");
+  if (sample.size() != model_.input_names().size()) {
+    throw ModelError("the sample has " + std::to_string(sample.size()) + " inputs, the model takes " +
+                     std::to_string(model_.input_names().size()));
+  }
   auto schedule = make_schedule(config);
   {
     std::string shapes;
@@ -124,7 +131,9 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
       copies[stage] = std::max(1.0, std::ceil(in_flight.at(rank) / stages_on_rank));
     }
     // Profiled on this job's device (module by module, see profile_graph).
-    plan_ = plan_stages(profile_graph(model_, sample_input.to(runtime_->device()), config.num_stages() > 1 ? 3 : 0),
+    ModelInputs on_device;
+    for (const auto& input : sample) on_device.push_back(input.defined() ? input.to(runtime_->device()) : input);
+    plan_ = plan_stages(profile_graph(model_, on_device, config.num_stages() > 1 ? 3 : 0),
                         config, copies,
                         optimizer_state_shards());
     runtime_->publish(exchange_ + "stage_plan", plan_.to_json());
@@ -159,12 +168,20 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
   for (std::size_t i = 0; i < nodes.size(); ++i) {
     const int consumer = plan_.stage_of_module[i];
     for (const auto& input : nodes[i].inputs) {
-      if (input == model_.input_name()) continue;  // every rank has the batch
+      if (model_.input_index(input) >= 0) continue;  // every rank has the batch
       const int producer = stage_of(input);
       if (producer == consumer) continue;
       auto& names = transfers_[{producer, consumer}];
       if (std::find(names.begin(), names.end(), input) == names.end()) names.push_back(input);
     }
+  }
+  // The loss reads every model output on the last stage: an output made earlier travels there like a skip.
+  const int last_stage = config.num_stages() - 1;
+  for (const auto& output : model_.output_names()) {
+    const int producer = stage_of(output);
+    if (producer == last_stage) continue;
+    auto& names = transfers_[{producer, last_stage}];
+    if (std::find(names.begin(), names.end(), output) == names.end()) names.push_back(output);
   }
   for (auto& [stages, names] : transfers_) {
     std::sort(names.begin(), names.end(), [&](const std::string& a, const std::string& b) {
@@ -257,8 +274,10 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
   }
 }
 
-StageOutputs DistributedModel::run_stage(int stage, const at::Tensor& model_input, const TensorsByStage& from_producers) {
-  std::map<std::string, at::Tensor> values{{model_.input_name(), model_input}};
+StageOutputs DistributedModel::run_stage(int stage, const ModelInputs& model_inputs,
+                                         const TensorsByStage& from_producers) {
+  std::map<std::string, at::Tensor> values;
+  for (std::size_t i = 0; i < model_inputs.size(); ++i) values[model_.input_names()[i]] = model_inputs[i];
   for (const auto& [producer, tensors] : from_producers) {
     const auto& names = transfers_.at({producer, stage});
     for (std::size_t i = 0; i < names.size(); ++i) values[names[i]] = GraphModel::writable_input(tensors.at(i));
@@ -266,7 +285,9 @@ StageOutputs DistributedModel::run_stage(int stage, const at::Tensor& model_inpu
   const auto& nodes = model_.nodes();
   const Config& config = runtime_->config();
   std::optional<AutocastSetting> precision;
-  if (config.bf16 || config.fp16) precision = AutocastSetting{model_input.device().type(), config.bf16 ? at::kBFloat16 : at::kHalf};
+  if (config.bf16 || config.fp16) {
+    precision = AutocastSetting{runtime_->device().type(), config.bf16 ? at::kBFloat16 : at::kHalf};
+  }
   std::optional<AutocastScope> autocast;
   if (precision) autocast.emplace(*precision);
   for (int index : stages_.at(stage).nodes) {
@@ -280,7 +301,9 @@ StageOutputs DistributedModel::run_stage(int stage, const at::Tensor& model_inpu
     } catch (const std::exception& error) {  // LibTorch's, or TorchScript's interpreter's
       // A model that does not fit its data fails inside LibTorch; say where, without the C++ backtrace.
       std::string shapes;
-      for (const auto& argument : arguments) shapes += (shapes.empty() ? "" : ", ") + c10::str(argument.sizes());
+      for (const auto& argument : arguments) {
+        shapes += (shapes.empty() ? "" : ", ") + (argument.defined() ? c10::str(argument.sizes()) : std::string("None"));
+      }
       throw ModelError("step " + std::to_string(step_) + ", stage " + std::to_string(stage) + ", module \"" + node.name +
                        "\" (input " + shapes + "): " + comm::brief_message(error));
     }
@@ -291,10 +314,11 @@ StageOutputs DistributedModel::run_stage(int stage, const at::Tensor& model_inpu
     for (const auto& name : transfers_.at({stage, consumer})) sent.push_back(values.at(name));
   }
   if (stage == graph_.num_stages() - 1) {
-    outputs.model_output = values.at(nodes.back().name);
-    // The loss is computed in float32 whatever precision the stages ran in.
-    if (autocast && at::isFloatingType(outputs.model_output.scalar_type())) {
-      outputs.model_output = outputs.model_output.to(at::kFloat);
+    for (const auto& name : model_.output_names()) {
+      at::Tensor output = values.at(name);
+      // The loss is computed in float32 whatever precision the stages ran in.
+      if (autocast && at::isFloatingType(output.scalar_type())) output = output.to(at::kFloat);
+      outputs.model_outputs.push_back(std::move(output));
     }
   }
   return outputs;
@@ -511,8 +535,77 @@ std::vector<int> DistributedModel::stages() const {
   return owned;
 }
 
-MicrobatchData DistributedModel::microbatch_data(const char* caller, const at::Tensor& inputs,
-                                                 const at::Tensor& targets, const LossFunction& loss) const {
+std::vector<bool> DistributedModel::batched_inputs(const ModelInputs& inputs, const at::Tensor& targets) {
+  std::optional<std::int64_t> batch;
+  if (targets.defined() && targets.dim() > 0) batch = targets.size(0);
+  for (const auto& input : inputs) {
+    if (!batch && input.defined() && input.dim() > 0) batch = input.size(0);
+  }
+  std::vector<bool> batched;
+  for (const auto& input : inputs) batched.push_back(batch && input.defined() && input.dim() > 0 && input.size(0) == *batch);
+  return batched;
+}
+
+MicrobatchData DistributedModel::microbatch_data(const char* caller, const ModelInputs& inputs,
+                                                 const at::Tensor& targets, const OutputsLossFunction& loss) const {
+  const int microbatches = runtime_->config().microbatches;
+  const auto& names = model_.input_names();
+  if (inputs.size() != names.size()) {
+    throw ConfigError(std::string(caller) + ": " + std::to_string(inputs.size()) + " inputs for a model of " +
+                      std::to_string(names.size()));
+  }
+  const std::vector<bool> batched = batched_inputs(inputs, targets);
+  std::optional<std::int64_t> batch;
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    if (batched[i]) batch = inputs[i].size(0);
+  }
+  if (targets.defined() && targets.dim() > 0) batch = targets.size(0);
+  if (!batch || *batch == 0 || *batch % microbatches != 0) {
+    throw ConfigError(std::string(caller) + ": the replica's batch of " +
+                      (batch ? std::to_string(*batch) : std::string("no")) + " samples does not split into " +
+                      std::to_string(microbatches) + " microbatches");
+  }
+  if (targets.defined() && targets.dim() > 0 && std::none_of(batched.begin(), batched.end(), [](bool b) { return b; })) {
+    std::string sizes;
+    for (const auto& input : inputs) sizes += (sizes.empty() ? "" : ", ") + (input.defined() ? c10::str(input.sizes()) : "None");
+    throw ConfigError(std::string(caller) + ": " + std::to_string(*batch) + " targets, but no input has a first "
+                      "dimension of that size (inputs " + sizes + ")");
+  }
+  MicrobatchData data;
+  const c10::Device device = runtime_->device();
+  data.inputs.assign(static_cast<std::size_t>(microbatches), ModelInputs(inputs.size()));
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    const at::Tensor on_device = inputs[i].defined() ? inputs[i].to(device) : inputs[i];
+    if (!batched[i]) {
+      for (auto& microbatch : data.inputs) microbatch[i] = on_device;
+      continue;
+    }
+    const auto chunks = on_device.chunk(microbatches);
+    for (int m = 0; m < microbatches; ++m) data.inputs[m][i] = chunks[m];
+  }
+  if (targets.defined()) data.targets = (targets.dim() > 0 ? targets.to(device).chunk(microbatches)
+                                                           : std::vector<at::Tensor>(microbatches, targets.to(device)));
+  data.loss = loss;
+  return data;
+}
+
+ModelInputs DistributedModel::inputs_by_name(const char* caller, const std::map<std::string, at::Tensor>& inputs) const {
+  ModelInputs ordered;
+  for (const auto& name : model_.input_names()) {
+    const auto found = inputs.find(name);
+    if (found == inputs.end()) throw ConfigError(std::string(caller) + ": no input \"" + name + "\" (the model's input)");
+    ordered.push_back(found->second);
+  }
+  for (const auto& [name, tensor] : inputs) {
+    if (model_.input_index(name) < 0) {
+      throw ConfigError(std::string(caller) + ": input \"" + name + "\" is not one of the model's inputs");
+    }
+  }
+  return ordered;
+}
+
+void DistributedModel::check_single_input(const char* caller, const at::Tensor& inputs, const at::Tensor& targets) const {
+  // One input and its targets: both are the batch, sample for sample.
   const int microbatches = runtime_->config().microbatches;
   auto check = [&](const at::Tensor& tensor, const char* what) {
     if (!tensor.defined() || tensor.dim() == 0 || tensor.size(0) % microbatches != 0 || tensor.size(0) == 0) {
@@ -527,18 +620,16 @@ MicrobatchData DistributedModel::microbatch_data(const char* caller, const at::T
     throw ConfigError(std::string(caller) + ": " + std::to_string(inputs.size(0)) + " inputs but " +
                       std::to_string(targets.size(0)) + " targets");
   }
-  MicrobatchData data;
-  const c10::Device device = runtime_->device();
-  data.inputs = inputs.to(device).chunk(microbatches);
-  data.targets = targets.to(device).chunk(microbatches);
-  data.loss = loss;
-  return data;
+}
+
+OutputsLossFunction DistributedModel::of_first_output(const LossFunction& loss) {
+  return [loss](const std::vector<at::Tensor>& outputs, const at::Tensor& target) { return loss(outputs.front(), target); };
 }
 
 StageCallbacks DistributedModel::stage_callbacks() {
   StageCallbacks callbacks;
-  callbacks.forward = [this](int stage, const at::Tensor& model_input, const TensorsByStage& from_producers) {
-    return run_stage(stage, model_input, from_producers);
+  callbacks.forward = [this](int stage, const ModelInputs& model_inputs, const TensorsByStage& from_producers) {
+    return run_stage(stage, model_inputs, from_producers);
   };
   callbacks.parameters = [this](int stage) { return stages_.at(stage).parameters; };
   callbacks.buffers = [this](int stage) {
@@ -581,6 +672,22 @@ class EvaluationMode {
 
 StepOutput DistributedModel::evaluate(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss,
                                      bool keep_outputs) {
+  check_single_input("evaluate", inputs, targets);
+  return evaluate(ModelInputs{inputs}, targets, of_first_output(loss), keep_outputs);
+}
+
+StepOutput DistributedModel::evaluate(const std::map<std::string, at::Tensor>& inputs, const at::Tensor& targets,
+                                     const OutputsLossFunction& loss, bool keep_outputs) {
+  return evaluate(inputs_by_name("evaluate", inputs), targets, loss, keep_outputs);
+}
+
+StepOutput DistributedModel::train_step(const std::map<std::string, at::Tensor>& inputs, const at::Tensor& targets,
+                                       const OutputsLossFunction& loss, bool keep_outputs) {
+  return train_step(inputs_by_name("train_step", inputs), targets, loss, keep_outputs);
+}
+
+StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tensor& targets,
+                                     const OutputsLossFunction& loss, bool keep_outputs) {
   const auto start = std::chrono::steady_clock::now();
   MicrobatchData data = microbatch_data("evaluate", inputs, targets, loss);
   data.keep_outputs = keep_outputs;
@@ -602,7 +709,8 @@ StepOutput DistributedModel::evaluate(const at::Tensor& inputs, const at::Tensor
     const ExecutorStats stats = evaluator_->run(stage_callbacks(), data);
     if (stats.has_loss) loss_total[0] = stats.loss_sum;
     output.sends_posted = stats.sends_posted;
-    output.outputs = stats.outputs;
+    output.all_outputs = stats.outputs;
+    if (!stats.outputs.empty()) output.outputs = stats.outputs.front();
     output.sends_released_early = stats.sends_released_early;
     output.peak_sends_held = stats.peak_sends_held;
     runtime_->world().all_reduce_sum(loss_total);  // the last stages' losses, summed over replicas
@@ -649,6 +757,12 @@ class EarlierGradients {
 
 StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss,
                                        bool keep_outputs) {
+  check_single_input("train_step", inputs, targets);
+  return train_step(ModelInputs{inputs}, targets, of_first_output(loss), keep_outputs);
+}
+
+StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Tensor& targets,
+                                       const OutputsLossFunction& loss, bool keep_outputs) {
   const auto start = std::chrono::steady_clock::now();
   const Config& config = runtime_->config();
   MicrobatchData data = microbatch_data("train_step", inputs, targets, loss);
@@ -748,7 +862,8 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
   ++step_;
   output.peak_stashed_microbatches = stats.peak_stashed_microbatches;
   output.sends_released_early = stats.sends_released_early;
-  output.outputs = stats.outputs;
+  output.all_outputs = stats.outputs;
+  if (!stats.outputs.empty()) output.outputs = stats.outputs.front();
   output.sends_posted = stats.sends_posted;
   output.peak_sends_held = stats.peak_sends_held;
   output.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -211,22 +211,24 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
   // Kept outputs go straight into one tensor for the replica's batch, allocated when the first arrives: no list of
   // them to concatenate (which would hold them twice at the end).
   const bool keep_outputs = data.keep_outputs && schedule_.stage_to_rank[last_stage_] == me;
-  auto keep_output = [&](int microbatch, const at::Tensor& output) {
+  auto keep_output = [&](int microbatch, std::size_t which, const at::Tensor& output) {
+    if (stats.outputs.size() <= which) stats.outputs.resize(which + 1);
+    at::Tensor& kept = stats.outputs[which];
     // A 0-dim output (a per-microbatch metric) is one row.
     const at::Tensor value = output.dim() == 0 ? output.detach().reshape({1}) : output.detach();
     const int64_t rows = value.size(0);
-    if (!stats.outputs.defined()) {
+    if (!kept.defined()) {
       std::vector<int64_t> sizes = value.sizes().vec();
       sizes[0] = rows * microbatches;
-      stats.outputs = at::empty(sizes, value.options());
+      kept = at::empty(sizes, value.options());
     }
-    if (stats.outputs.dim() != value.dim() || stats.outputs.size(0) != rows * microbatches ||
-        stats.outputs.sizes().slice(1) != value.sizes().slice(1)) {
-      throw ModelError("the model's outputs differ in shape between microbatches (" +
-                       c10::str(stats.outputs.sizes()) + " for all, " + c10::str(value.sizes()) + " for microbatch " +
+    if (kept.dim() != value.dim() || kept.size(0) != rows * microbatches ||
+        kept.sizes().slice(1) != value.sizes().slice(1)) {
+      throw ModelError("the model's output " + std::to_string(which) + " differs in shape between microbatches (" +
+                       c10::str(kept.sizes()) + " for all, " + c10::str(value.sizes()) + " for microbatch " +
                        std::to_string(microbatch) + "), so keep_outputs cannot join them");
     }
-    stats.outputs.narrow(0, rows * microbatch, rows).copy_(value);
+    kept.narrow(0, rows * microbatch, rows).copy_(value);
   };
   // recompute: the backward of a checkpointed stage running its forward again, whose output was kept already.
   auto run_forward = [&](int stage, int microbatch, Stash& entry, bool recompute) {
@@ -234,12 +236,16 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
     entry.outputs = std::move(produced.to_consumers);
     entry.outputs_ready = true;
     if (stage == last_stage_) {
-      if (!produced.model_output.defined()) {
+      if (produced.model_outputs.empty()) {
         throw sched::ScheduleError("the last stage (" + std::to_string(stage) + ") did not produce the model's output");
       }
-      if (keep_outputs && !recompute) keep_output(microbatch, produced.model_output);
-      entry.loss = data.loss(produced.model_output, data.targets.at(microbatch)) *
-                   (data.loss_scale / static_cast<double>(microbatches));
+      if (keep_outputs && !recompute) {
+        for (std::size_t i = 0; i < produced.model_outputs.size(); ++i) {
+          keep_output(microbatch, i, produced.model_outputs[i]);
+        }
+      }
+      const at::Tensor target = data.targets.empty() ? at::Tensor() : data.targets.at(microbatch);
+      entry.loss = data.loss(produced.model_outputs, target) * (data.loss_scale / static_cast<double>(microbatches));
     }
   };
   // The roots of this stage's backward and the gradients flowing into them.
@@ -299,13 +305,13 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
         entry.gradient_sends_left = static_cast<int>(graph_.producers_of(stage).size());
         const bool recomputed_later = checkpointed_[stage] && !evaluating;
         std::vector<uint32_t> input_versions;
-        const at::Tensor& model_input = data.inputs.at(microbatch);
+        const ModelInputs& model_inputs = data.inputs.at(microbatch);
         if (recomputed_later) {
           entry.before_forward = RandomState::capture(pipeline_.device());
           for (const auto& [producer, tensors] : entry.inputs) {
             for (const auto& tensor : tensors) input_versions.push_back(tensor._version());
           }
-          input_versions.push_back(model_input.defined() ? model_input._version() : 0);
+          for (const auto& input : model_inputs) input_versions.push_back(input.defined() ? input._version() : 0);
         }
         {
           c10::AutoGradMode grad_mode(!checkpointed_[stage] && !evaluating);
@@ -327,7 +333,10 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
               }
             }
           }
-          if (model_input.defined() && model_input._version() != input_versions[next]) refuse("the model input");
+          for (const auto& input : model_inputs) {
+            if (input.defined() && input._version() != input_versions[next]) refuse("a model input");
+            ++next;
+          }
         }
         if (evaluating) {
           // Nothing waits for a backward: the outputs live until they are sent, the rest goes now.

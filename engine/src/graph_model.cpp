@@ -1,5 +1,6 @@
 #include "smp/graph_model.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <set>
 
@@ -11,8 +12,37 @@
 
 namespace smp {
 
-GraphModel::GraphModel(std::string input_name) : input_name_(std::move(input_name)) {
-  if (input_name_.empty()) throw ConfigError("GraphModel: the model input needs a name");
+GraphModel::GraphModel(std::string input_name) : GraphModel(std::vector<std::string>{std::move(input_name)}) {}
+
+GraphModel::GraphModel(std::vector<std::string> input_names) : input_names_(std::move(input_names)) {
+  if (input_names_.empty()) throw ConfigError("GraphModel: the model needs at least one input");
+  std::set<std::string> seen;
+  for (const auto& name : input_names_) {
+    if (name.empty() || !seen.insert(name).second) {
+      throw ConfigError("GraphModel: model input name \"" + name + "\" is empty or given twice");
+    }
+  }
+}
+
+int GraphModel::input_index(const std::string& name) const {
+  const auto found = std::find(input_names_.begin(), input_names_.end(), name);
+  return found == input_names_.end() ? -1 : static_cast<int>(found - input_names_.begin());
+}
+
+void GraphModel::set_outputs(std::vector<std::string> outputs) {
+  if (outputs.empty()) throw ConfigError("GraphModel: set_outputs needs at least one node");
+  for (const auto& output : outputs) {
+    if (!index_.count(output)) {
+      throw ConfigError("GraphModel: output \"" + output + "\" is not a node of the model");
+    }
+  }
+  output_names_ = std::move(outputs);
+}
+
+std::vector<std::string> GraphModel::output_names() const {
+  if (!output_names_.empty()) return output_names_;
+  if (nodes_.empty()) return {};
+  return {nodes_.back().name};
 }
 
 GraphModel::Forward GraphModel::any_forward(torch::nn::AnyModule module, const std::string& name, std::size_t arity) {
@@ -42,7 +72,7 @@ at::Tensor GraphModel::writable_input(const at::Tensor& tensor) {
 }
 
 GraphModel& GraphModel::add(const std::string& name, std::shared_ptr<torch::nn::Module> module, Forward forward,
-                            std::vector<std::string> inputs, std::string parameter_prefix) {
+                            std::vector<std::string> inputs, std::string parameter_prefix, bool names_from_root) {
   // Parameter names are "<node>.<parameter>": a dotted name (a module's path, "blocks.0") is fine unless one node's
   // name is a path prefix of another's, where "a" + "b.w" and "a.b" + "w" would both be "a.b.w".
   for (std::size_t dot = name.find('.'); dot != std::string::npos; dot = name.find('.', dot + 1)) {
@@ -56,17 +86,18 @@ GraphModel& GraphModel::add(const std::string& name, std::shared_ptr<torch::nn::
     throw ConfigError("GraphModel: node name \"" + name + "\" is a prefix of node \"" + after->first +
                       "\"; their parameter names could collide");
   }
-  return add_node({name, std::move(module), std::move(forward), std::move(inputs), std::move(parameter_prefix)});
+  return add_node({name, std::move(module), std::move(forward), std::move(inputs), std::move(parameter_prefix),
+                   names_from_root});
 }
 
 GraphModel& GraphModel::add_node(Node node) {
-  if (node.name.empty() || node.name == input_name_ || index_.count(node.name)) {
-    throw ConfigError("GraphModel: node name \"" + node.name + "\" is empty, taken, or the input's name");
+  if (node.name.empty() || input_index(node.name) >= 0 || index_.count(node.name)) {
+    throw ConfigError("GraphModel: node name \"" + node.name + "\" is empty, taken, or a model input's name");
   }
   for (const auto& input : node.inputs) {
-    if (input != input_name_ && !index_.count(input)) {
+    if (input_index(input) < 0 && !index_.count(input)) {
       throw ConfigError("GraphModel node \"" + node.name + "\" reads \"" + input +
-                        "\", which is neither the model input nor an earlier node");
+                        "\", which is neither a model input nor an earlier node");
     }
   }
   index_[node.name] = static_cast<int>(nodes_.size());
@@ -85,7 +116,7 @@ GraphModel GraphModel::expanded(const std::string& node) const {
     throw ConfigError("GraphModel: node \"" + node + "\" is not a Sequential of two or more modules with one input");
   }
   auto* sequential = dynamic_cast<torch::nn::SequentialImpl*>(nodes_[target].module.get());
-  GraphModel result(input_name_);
+  GraphModel result(input_names_);
   std::string last_child;
   for (std::size_t i = 0; i < nodes_.size(); ++i) {
     Node copy = nodes_[i];
@@ -105,11 +136,13 @@ GraphModel GraphModel::expanded(const std::string& node) const {
       const std::string name = node + "." + key;
       // A child's parameters keep the names they had under the Sequential's node.
       result.add_node({name, child.ptr(), any_forward(child, name, 1), {previous},
-                       copy.parameter_prefix.empty() ? std::string() : copy.parameter_prefix + "." + key});
+                       copy.parameter_prefix.empty() ? std::string() : copy.parameter_prefix + "." + key,
+                       copy.names_from_root});
       previous = name;
     }
     last_child = previous;
   }
+  for (const auto& output : output_names_) result.output_names_.push_back(output == node ? last_child : output);
   return result;
 }
 
@@ -133,7 +166,7 @@ GraphModel GraphModel::expanded_to(std::size_t nodes) const {
 GraphModel GraphModel::from_sequential(const torch::nn::Sequential& model, std::string input_name) {
   GraphModel graph(std::move(input_name));
   const auto children = model->named_children();
-  std::string previous = graph.input_name_;
+  std::string previous = graph.input_name();
   std::size_t index = 0;
   for (const auto& module : *model) {
     const std::string& name = children[index++].key();
@@ -150,14 +183,28 @@ int GraphModel::index_of(const std::string& node) const {
 }
 
 at::Tensor GraphModel::forward(const at::Tensor& input) const {
+  if (input_names_.size() != 1) {
+    throw ConfigError("GraphModel::forward: the model takes " + std::to_string(input_names_.size()) + " inputs");
+  }
+  return forward(std::vector<at::Tensor>{input}).front();
+}
+
+std::vector<at::Tensor> GraphModel::forward(const std::vector<at::Tensor>& inputs) const {
   if (nodes_.empty()) throw ConfigError("GraphModel: no nodes");
-  std::map<std::string, at::Tensor> values{{input_name_, input}};
+  if (inputs.size() != input_names_.size()) {
+    throw ConfigError("GraphModel::forward: " + std::to_string(inputs.size()) + " inputs for a model of " +
+                      std::to_string(input_names_.size()));
+  }
+  std::map<std::string, at::Tensor> values;
+  for (std::size_t i = 0; i < inputs.size(); ++i) values[input_names_[i]] = inputs[i];
   for (const auto& node : nodes_) {
     std::vector<at::Tensor> arguments;
     for (const auto& name : node.inputs) arguments.push_back(values.at(name));
     values[node.name] = node.forward(arguments);
   }
-  return values.at(nodes_.back().name);
+  std::vector<at::Tensor> outputs;
+  for (const auto& name : output_names()) outputs.push_back(values.at(name));
+  return outputs;
 }
 
 std::vector<std::pair<std::string, at::Tensor>> GraphModel::named_parameters() const {
@@ -166,7 +213,7 @@ std::vector<std::pair<std::string, at::Tensor>> GraphModel::named_parameters() c
   for (const auto& node : nodes_) {
     for (const auto& parameter : node.module->named_parameters()) {
       if (seen.insert(parameter.value().unsafeGetTensorImpl()).second) {
-        named.emplace_back(node.prefix() + "." + parameter.key(), parameter.value());
+        named.emplace_back(node.parameter_name(parameter.key()), parameter.value());
       }
     }
   }
@@ -181,7 +228,7 @@ std::vector<GraphModel::Tie> GraphModel::ties() const {
       const void* key = parameter.value().unsafeGetTensorImpl();
       auto [entry, created] = by_tensor.try_emplace(key);
       if (created) {
-        entry->second.parameter = nodes_[i].prefix() + "." + parameter.key();
+        entry->second.parameter = nodes_[i].parameter_name(parameter.key());
         entry->second.tensor = parameter.value();
         order.push_back(key);
       }

@@ -134,14 +134,14 @@ std::string format_bytes(double bytes) {
 // random numbers. Both are put back when it ends, so that profiling on rank 0 changes nothing the training sees.
 class TrainingStateKept {
  public:
-  TrainingStateKept(const GraphModel& model, const at::Tensor& sample) {
+  TrainingStateKept(const GraphModel& model, c10::Device device) {
     std::set<const void*> seen;
     for (const auto& node : model.nodes()) {
       for (const auto& buffer : node.module->buffers()) {
         if (seen.insert(buffer.unsafeGetTensorImpl()).second) buffers_.emplace_back(buffer, buffer.clone());
       }
     }
-    random_ = RandomState::capture(sample.device());
+    random_ = RandomState::capture(device);
   }
   ~TrainingStateKept() {
     // Also while a profile's error unwinds, when a device may refuse further work (a CUDA device-side assert):
@@ -301,17 +301,29 @@ std::int64_t device_allocated_bytes(c10::Device device) {
 }  // namespace
 
 std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tensor& sample, int repeats) {
+  return profile_graph(model, std::vector<at::Tensor>{sample}, repeats);
+}
+
+std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vector<at::Tensor>& sample, int repeats) {
+  if (sample.size() != model.input_names().size()) {
+    throw ModelError("the sample has " + std::to_string(sample.size()) + " inputs, the model takes " +
+                     std::to_string(model.input_names().size()));
+  }
   // On the sample's device: a GPU job's modules are timed on its GPU, where their relative costs differ from the
   // CPU's (and a large model's sample runs there far faster). Each module goes there for its own rounds and back
   // after, so that a model larger than the device is profiled one module at a time.
-  const c10::Device device = sample.device();
-  const bool on_accelerator = !sample.is_cpu();
+  c10::Device device(c10::kCPU);
+  for (const auto& input : sample) {
+    if (input.defined()) device = input.device();
+  }
+  const bool on_accelerator = !device.is_cpu();
   auto settle = [&] {  // time what ran, not what was queued
     if (on_accelerator) at::accelerator::synchronizeDevice(device.index());
   };
-  const TrainingStateKept kept(model, sample);
+  const TrainingStateKept kept(model, device);
   std::vector<ModuleProfile> profiles;
-  std::map<std::string, at::Tensor> values{{model.input_name(), sample}};
+  std::map<std::string, at::Tensor> values;
+  for (std::size_t i = 0; i < sample.size(); ++i) values[model.input_names()[i]] = sample[i];
   // Each output is dropped after its last reader: on a GPU only the outputs still to be read stay there.
   std::map<std::string, std::size_t> last_reader;
   for (std::size_t i = 0; i < model.nodes().size(); ++i) {
@@ -320,7 +332,7 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tens
   // What each forward keeps alive for its backward: CPU tensors through a counting allocator, a GPU's from its
   // caching allocator's statistics.
   std::optional<CountingCpuAllocator::Installed> counting;
-  if (sample.is_cpu()) counting.emplace();
+  if (!on_accelerator) counting.emplace();
   const auto& meter = CountingCpuAllocator::instance();
   auto live_bytes = [&] { return on_accelerator ? device_allocated_bytes(device) : meter.live_bytes(); };
   std::set<const void*> counted;  // a tied parameter's bytes count once, at its first node
@@ -329,7 +341,7 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tens
     ModuleProfile profile;
     profile.name = node.name;
     for (const auto& input : node.inputs) {
-      if (input != model.input_name()) profile.producers.push_back(model.index_of(input));
+      if (model.input_index(input) < 0) profile.producers.push_back(model.index_of(input));
     }
     for (const auto& parameter : node.module->parameters()) {
       if (counted.insert(parameter.unsafeGetTensorImpl()).second) {
@@ -348,8 +360,9 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tens
       std::vector<at::Tensor> arguments;
       for (const auto& input : node.inputs) {
         // A copy: a module that writes into its input must not change what the next round and the next module see.
-        at::Tensor leaf = values.at(input).detach().clone();
-        if (at::isFloatingType(leaf.scalar_type())) leaf.requires_grad_(true);
+        const at::Tensor& value = values.at(input);
+        at::Tensor leaf = value.defined() ? value.detach().clone() : value;
+        if (leaf.defined() && at::isFloatingType(leaf.scalar_type())) leaf.requires_grad_(true);
         arguments.push_back(GraphModel::writable_input(leaf));
       }
       settle();

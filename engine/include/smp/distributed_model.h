@@ -43,8 +43,10 @@ struct StepOutput {
   // batch, in its order, detached, on the stage's device (float32 under bf16/fp16), undefined on every other rank.
   // The microbatches' outputs are joined along their first dimension, which must be the batch's; a model whose
   // output per microbatch is a 0-dim tensor gets one value per microbatch. A step dropped for non-finite values
-  // keeps its outputs too.
+  // keeps its outputs too. `outputs` is the model's first output, `all_outputs` every one
+  // (GraphModel::output_names order; empty on the other ranks).
   at::Tensor outputs;
+  std::vector<at::Tensor> all_outputs;
 };
 
 class DistributedModel {
@@ -53,6 +55,8 @@ class DistributedModel {
   // single-process training would have. `sample_input` is one microbatch of model input: rank 0 profiles the
   // modules on it and publishes the partition, so that all ranks agree.
   DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const at::Tensor& sample_input);
+  // A model of several inputs: `sample` holds one microbatch of each, in GraphModel::input_names() order.
+  DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const ModelInputs& sample);
   DistributedModel(std::shared_ptr<Runtime> runtime, const torch::nn::Sequential& model, const at::Tensor& sample_input);
 
   // One step on this replica's share of the global batch (Runtime::replica_slice): split into microbatches,
@@ -68,6 +72,23 @@ class DistributedModel {
   // and the buffers stay as they are. Fills StepOutput's loss, seconds, send counts and, with keep_outputs, outputs.
   StepOutput evaluate(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss,
                       bool keep_outputs = false);
+  // The general forms, for models of several inputs or outputs. `inputs` in GraphModel::input_names() order: a
+  // tensor whose first dimension is the batch's (that of `targets`, or without targets of the first input with a
+  // dimension) is split into microbatches; any other (undefined, 0-dim, or another first dimension: a position
+  // table of one row, a flag) goes to every microbatch as it is. `targets` may be undefined (a loss the model
+  // computes itself); `loss` gets the model's outputs in GraphModel::output_names() order.
+  StepOutput train_step(const ModelInputs& inputs, const at::Tensor& targets, const OutputsLossFunction& loss,
+                        bool keep_outputs = false);
+  StepOutput evaluate(const ModelInputs& inputs, const at::Tensor& targets, const OutputsLossFunction& loss,
+                      bool keep_outputs = false);
+  // The same with the inputs by name; every model input must be there, and nothing else.
+  StepOutput train_step(const std::map<std::string, at::Tensor>& inputs, const at::Tensor& targets,
+                        const OutputsLossFunction& loss, bool keep_outputs = false);
+  StepOutput evaluate(const std::map<std::string, at::Tensor>& inputs, const at::Tensor& targets,
+                      const OutputsLossFunction& loss, bool keep_outputs = false);
+  // Which of a step's inputs are split into microbatches (the rest goes to every microbatch), by the rule above.
+  static std::vector<bool> batched_inputs(const ModelInputs& inputs, const at::Tensor& targets);
+  const GraphModel& model() const { return model_; }
 
   // Copies this rank's parameters from a full-model file (export_checkpoint), by name: a model trained under
   // another partitioning, or for inference. CheckpointError names a missing or mis-shaped parameter.
@@ -124,11 +145,14 @@ class DistributedModel {
     std::shared_ptr<comm::Communicator> holders;  // this replica's ranks that hold a copy
   };
 
-  StageOutputs run_stage(int stage, const at::Tensor& model_input, const TensorsByStage& from_producers);
+  StageOutputs run_stage(int stage, const ModelInputs& model_inputs, const TensorsByStage& from_producers);
   StageCallbacks stage_callbacks();
   // The replica's batch checked and split into microbatches on the device (ConfigError naming `caller`).
-  MicrobatchData microbatch_data(const char* caller, const at::Tensor& inputs, const at::Tensor& targets,
-                                 const LossFunction& loss) const;
+  MicrobatchData microbatch_data(const char* caller, const ModelInputs& inputs, const at::Tensor& targets,
+                                 const OutputsLossFunction& loss) const;
+  ModelInputs inputs_by_name(const char* caller, const std::map<std::string, at::Tensor>& inputs) const;
+  static OutputsLossFunction of_first_output(const LossFunction& loss);
+  void check_single_input(const char* caller, const at::Tensor& inputs, const at::Tensor& targets) const;
   void build_stages(const sched::Schedule& schedule);
   void sum_tied_gradients();
   void write_timeline(const std::vector<TimelineEvent>& events);

@@ -16,19 +16,25 @@
 namespace smp {
 
 using LossFunction = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
+// The general form, for models with several outputs (GraphModel::output_names, in that order) or a loss computed by
+// the model itself: `target` is undefined when the step has no targets.
+using OutputsLossFunction = std::function<at::Tensor(const std::vector<at::Tensor>& outputs, const at::Tensor& target)>;
+
+// One microbatch of the model's inputs, in GraphModel::input_names() order.
+using ModelInputs = std::vector<at::Tensor>;
 
 // Tensors exchanged between stages, keyed by the stage at the other end.
 using TensorsByStage = std::map<int, std::vector<at::Tensor>>;
 
 struct StageOutputs {
   TensorsByStage to_consumers;  // what each consumer stage receives
-  at::Tensor model_output;      // set by the stage that holds the model's output (the last stage)
+  std::vector<at::Tensor> model_outputs;  // set by the stage that holds the model's outputs (the last stage)
 };
 
 struct StageCallbacks {
-  // Runs `stage` on the tensors received from each producer stage and, where the stage reads it, the model's
-  // input for this microbatch.
-  std::function<StageOutputs(int stage, const at::Tensor& model_input, const TensorsByStage& from_producers)> forward;
+  // Runs `stage` on the tensors received from each producer stage and, where the stage reads them, the model's
+  // inputs for this microbatch.
+  std::function<StageOutputs(int stage, const ModelInputs& model_inputs, const TensorsByStage& from_producers)> forward;
   std::function<std::vector<at::Tensor>(int stage)> parameters;  // what W (weight gradients) differentiates
   // The stage's buffers (batch norm's running statistics): a checkpointed stage's recompute puts them back as the
   // forward left them, so that they are updated once per microbatch, as without checkpointing.
@@ -39,9 +45,9 @@ struct StageCallbacks {
 };
 
 struct MicrobatchData {
-  std::vector<at::Tensor> inputs;   // first-stage inputs, one per microbatch
-  std::vector<at::Tensor> targets;  // last-stage targets, one per microbatch
-  LossFunction loss;
+  std::vector<ModelInputs> inputs;  // the model's inputs, one set per microbatch
+  std::vector<at::Tensor> targets;  // last-stage targets, one per microbatch, or none (the loss gets undefined)
+  OutputsLossFunction loss;
   double loss_scale = 1.0;  // fp16: backward starts from loss * scale; the reported loss is unscaled
   bool keep_outputs = false;  // ExecutorStats::outputs
 };
@@ -54,9 +60,9 @@ struct ExecutorStats {
   int sends_released_early = 0;       // sends proven delivered, and their tensors dropped, before the step's end
   int peak_sends_held = 0;            // the most posted sends whose tensors this rank held at once
   std::vector<TimelineEvent> events;  // every action, in execution order
-  // keep_outputs, on the last stage's rank: the microbatches' outputs, detached, in order in one tensor (each
-  // microbatch's split along the first dimension; a 0-dim output per microbatch gives one value per microbatch).
-  at::Tensor outputs;
+  // keep_outputs, on the last stage's rank: per model output, the microbatches' values, detached, in order in one
+  // tensor (joined along the first dimension; a 0-dim output per microbatch gives one value per microbatch).
+  std::vector<at::Tensor> outputs;
 };
 
 class PipelineExecutor {

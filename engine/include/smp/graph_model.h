@@ -10,7 +10,9 @@
 //   graph.add("head", Head(...), {"mix"});            // the last node is the model's output
 //
 // Node names double as the names of their output tensors; every node reads named tensors produced earlier
-// (or the model input), so the nodes are always in a topological order.
+// (or a model input), so the nodes are always in a topological order. A model may take several named inputs
+// (GraphModel({"input_ids", "attention_mask"})) and return several tensors (set_outputs); by default it takes one
+// input and its last node is its output.
 
 #include <functional>
 #include <map>
@@ -38,10 +40,15 @@ class GraphModel {
     // Its module's parameters are named "<prefix>.<parameter>": the node's name unless set (a traced call site that
     // uses a child's parameters, or calls a child again, names them after the child's path).
     std::string parameter_prefix;
+    // The module mirrors the whole model's tree (a captured node holding parameters from anywhere in the model):
+    // its parameters' own paths are their names.
+    bool names_from_root = false;
     const std::string& prefix() const { return parameter_prefix.empty() ? name : parameter_prefix; }
+    std::string parameter_name(const std::string& key) const { return names_from_root ? key : prefix() + "." + key; }
   };
 
   explicit GraphModel(std::string input_name = "input");
+  explicit GraphModel(std::vector<std::string> input_names);
 
   // Adds a module whose forward takes one tensor per name in `inputs` (1 to 3) and returns one tensor.
   template <typename ModuleHolder>
@@ -51,7 +58,12 @@ class GraphModel {
   }
   // Adds a node with an explicit forward function over the module (any signature the function adapts).
   GraphModel& add(const std::string& name, std::shared_ptr<torch::nn::Module> module, Forward forward,
-                  std::vector<std::string> inputs, std::string parameter_prefix = {});
+                  std::vector<std::string> inputs, std::string parameter_prefix = {}, bool names_from_root = false);
+  // The model's outputs: tensors of nodes (not model inputs), in the order the loss function receives them.
+  // Throws ConfigError for a name that is no node.
+  void set_outputs(std::vector<std::string> outputs);
+  // The outputs set, or the last node.
+  std::vector<std::string> output_names() const;
 
   static GraphModel from_sequential(const torch::nn::Sequential& model, std::string input_name = "input");
 
@@ -64,12 +76,16 @@ class GraphModel {
   // is left to expand: granularity follows the module tree.
   GraphModel expanded_to(std::size_t nodes) const;
 
-  const std::string& input_name() const { return input_name_; }
+  const std::string& input_name() const { return input_names_.front(); }  // the first input
+  const std::vector<std::string>& input_names() const { return input_names_; }
+  int input_index(const std::string& name) const;  // -1 when `name` is no model input
   const std::vector<Node>& nodes() const { return nodes_; }
   int index_of(const std::string& node) const;  // -1 when absent
 
-  // The whole graph in one process, as plain LibTorch would run it: the reference the pipeline must match.
+  // The whole graph in one process, as plain LibTorch would run it: the reference the pipeline must match. The
+  // first form is for a model of one input, and returns its first output.
   at::Tensor forward(const at::Tensor& input) const;
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& inputs) const;  // inputs in input_names() order
   // A tensor a stage received (a leaf that takes a gradient) as a node may take it: under grad mode a non-leaf
   // alias of the same memory, so that a module may write into its input in place (ReLU(inplace=true)) as it may in
   // single-process training, where that input is another module's output. Anything else as it is.
@@ -91,7 +107,8 @@ class GraphModel {
   // Adds without the '.' check: expanded children are named "<node>.<child>" on purpose.
   GraphModel& add_node(Node node);
 
-  std::string input_name_;
+  std::vector<std::string> input_names_;
+  std::vector<std::string> output_names_;  // empty: the last node
   std::vector<Node> nodes_;
   std::map<std::string, int> index_;
 };

@@ -44,6 +44,8 @@ struct StagePlan {
 // (median of `repeats` after a warm-up; 0 when repeats is 0), parameter bytes (a tied parameter counts at its
 // first node), output bytes, and the bytes its forward keeps for backward. Runs on the sample's device: each module
 // goes there for its own measurement and back after. Throws ModelError naming the node that fails on the sample.
+std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vector<at::Tensor>& sample,
+                                         int repeats = 3);  // one tensor per model input
 std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tensor& sample, int repeats = 3);
 
 // Which of the modules (their names, in model order) config.checkpointed_modules selects: a name selects that

@@ -1,0 +1,525 @@
+"""A whole model captured with torch.export (non-strict) and cut into engine nodes along its module tree.
+
+The exported program is one graph of ATen operations, each tagged with the module calls it ran inside
+(``nn_module_stack``). The graph is grouped into *units*: module paths at whatever depth balance needs (whole
+transformer blocks when there are many per stage, their attention and MLP halves, or finer, when there are few).
+Each value a unit computes that something outside it reads becomes a node of the engine's graph, computed by a small
+generated ``fx.GraphModule`` from the node's sources (other nodes' values and the model's inputs). Values that depend
+on no parameter (attention masks, rotary tables, position ids: functions of the inputs and buffers alone) are
+recomputed inside every node that reads them, so they never cross stages. Operations of a module that was cut
+finer (the glue between its children: a residual add, a model-level position embedding, a class token) belong to the
+node of the value they feed, or become nodes of their own when several nodes read them.
+
+Parameters keep the names of the model's ``state_dict``: each node's module mirrors the model's tree for the
+parameters and buffers it reads (``names_from_root``), so a parameter read by nodes on several stages (a tied LM
+head, a model-level embedding) is one tied parameter, and one read directly by the model's own forward lives on the
+stage of the node that reads it.
+"""
+
+import collections
+import inspect
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from ._smp import ModelError
+
+_aten = torch.ops.aten
+
+# Operations whose behaviour follows the module's training flag, baked into the export by the mode it ran in: the
+# argument index of that flag.
+_TRAINING_FLAG = {
+    _aten.dropout.default: 2,
+    _aten.feature_dropout.default: 2,
+    _aten.alpha_dropout.default: 2,
+    _aten.feature_alpha_dropout.default: 2,
+    _aten.batch_norm.default: 5,
+    _aten.instance_norm.default: 5,
+}
+# Checks export leaves in the graph: they fail under autocast (dtype checks) and check nothing the engine needs.
+_ASSERTS = {_aten._assert_tensor_metadata.default, _aten._assert_scalar.default,
+            _aten.sym_constrain_range_for_size.default}
+
+
+class CaptureError(Exception):
+    pass
+
+
+def _is_op(node):
+    return node.op == "call_function"
+
+
+def _mutates_first_argument(node):
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
+
+
+def _functional_variant(op):
+    """aten.add_.Tensor -> aten.add.Tensor, or None."""
+    schema = getattr(op, "_schema", None)
+    if schema is None or not schema.name.endswith("_"):
+        return None
+    packet = getattr(_aten, schema.name.split("::")[1][:-1], None)
+    if packet is None:
+        return None
+    return getattr(packet, op._overloadname, None)
+
+
+def _is_random(node):
+    return _is_op(node) and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
+def _module_paths(node):
+    stack = node.meta.get("nn_module_stack") or {}
+    return [path for path, _ in stack.values()]
+
+
+class _Holder(torch.nn.Module):
+    """The parameters and buffers of one node under their paths in the model (attributes set by fx.GraphModule)."""
+
+
+def _set_path(root, path, value):
+    *parents, leaf = path.split(".")
+    module = root
+    for part in parents:
+        if not hasattr(module, part) or not isinstance(getattr(module, part), torch.nn.Module):
+            module.add_module(part, torch.nn.Module())
+        module = getattr(module, part)
+    if isinstance(value, torch.nn.Parameter):
+        module.register_parameter(leaf, value)
+    elif isinstance(value, torch.nn.Module):
+        module.add_module(leaf, value)
+    elif isinstance(value, torch.Tensor):
+        module.register_buffer(leaf, value)
+    else:
+        setattr(module, leaf, value)
+
+
+def _attribute(root, path):
+    value = root
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+class CapturedNode(torch.nn.Module):
+    """One engine node: its parameters and buffers under their model paths, and the generated code that computes the
+    node's value from its sources. The code is made per (training mode, device): dropout and batch norm follow the
+    mode (the export baked in the one it ran in), buffer updates happen in training only, and tensors the forward
+    creates (arange, masks) go to the device the node runs on."""
+
+    def __init__(self, graph, attributes, name, captured_device):
+        super().__init__()
+        for path, value in attributes.items():
+            _set_path(self, path, value)
+        # Not submodules: the engine would see their attributes twice.
+        object.__setattr__(self, "_graph", graph)
+        object.__setattr__(self, "_variants", {})
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_captured_device", captured_device)
+
+    def _device(self, sources):
+        for tensor in list(sources) + list(self.parameters()) + list(self.buffers()):
+            if isinstance(tensor, torch.Tensor):
+                return tensor.device
+        return self._captured_device
+
+    def _variant(self, training, device):
+        key = (training, device)
+        code = self._variants.get(key)
+        if code is None:
+            graph = fx.Graph()
+            values = {}
+            for node in self._graph.nodes:
+                if not training and _is_op(node) and _mutates_first_argument(node) and \
+                        node.args[0].op == "get_attr" and not node.users:
+                    continue  # a buffer update (batch norm's count of batches): training only
+                copy = graph.node_copy(node, lambda n: values[n])
+                if _is_op(copy):
+                    if copy.target in _TRAINING_FLAG:
+                        args = list(copy.args)
+                        index = _TRAINING_FLAG[copy.target]
+                        if index < len(args):
+                            args[index] = training and args[index]
+                            copy.args = tuple(args)
+                    if "device" in copy.kwargs and copy.kwargs["device"] is not None:
+                        copy.kwargs = dict(copy.kwargs, device=device)
+                values[node] = copy
+            code = fx.GraphModule(self, graph)
+            self._variants[key] = code
+        return code
+
+    def forward(self, *sources):
+        return self._variant(self.training, self._device(sources))(*sources)
+
+    def extra_repr(self):
+        return self._name
+
+
+def _signature_kinds(exported):
+    """Placeholder name -> (kind, target) from the export's graph signature."""
+    kinds = {}
+    for spec in exported.graph_signature.input_specs:
+        kinds[spec.arg.name] = (spec.kind.name, spec.target, getattr(spec.arg, "value", None))
+    return kinds
+
+
+class _Units:
+    """Groups the operations by module path: a unit is a module whose operations (its children's included, unless a
+    child is a unit of its own) run together on one stage."""
+
+    def __init__(self, model, ops):
+        self.model = model
+        self.ops = ops
+        self.parameter_count = collections.Counter()
+        for path, parameter in model.named_parameters():
+            parts = path.split(".")
+            for depth in range(len(parts)):
+                self.parameter_count[".".join(parts[:depth])] += parameter.numel()
+        self.used = set()  # module paths some operation ran inside, and their containers (never called themselves)
+        for op in ops:
+            for path in _module_paths(op):
+                parts = path.split(".")
+                self.used.update(".".join(parts[:depth]) for depth in range(1, len(parts) + 1))
+        self.units = set()
+        self._expand("")
+
+    def children(self, path):
+        module = self.model.get_submodule(path) if path else self.model
+        return [f"{path}.{name}" if path else name for name, _ in module.named_children()
+                if (f"{path}.{name}" if path else name) in self.used]
+
+    def expandable(self, path):
+        return bool(self.children(path))
+
+    def _expand(self, path):
+        self.units.discard(path)
+        for child in self.children(path):
+            module = self.model.get_submodule(child)
+            # A container is never called: its elements stand in for it.
+            if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+                self._expand(child)
+            else:
+                self.units.add(child)
+
+    def expand(self, path):
+        self._expand(path)
+
+    def refine(self, stages, pinned_paths=()):
+        """Cuts the heaviest units (by parameters) finer until each holds at most a quarter of a stage's share, so
+        that the partitioner can balance; and down to every pinned path."""
+        for path in pinned_paths:
+            for unit in sorted(self.units):
+                if path.startswith(unit + ".") and path != unit:
+                    self.expand(unit)
+                    return self.refine(stages, pinned_paths)
+        total = max(self.parameter_count[""], 1)
+        limit = total / (4.0 * max(stages, 1))
+        while True:
+            candidates = [u for u in self.units if self.expandable(u)]
+            if not candidates or len(self.units) > 64 * max(stages, 1):
+                return
+            heaviest = max(candidates, key=lambda u: (self.parameter_count[u], u))
+            if self.parameter_count[heaviest] <= limit:
+                return
+            self.expand(heaviest)
+
+    def unit_of(self, op):
+        for path in reversed(_module_paths(op)):
+            if path in self.units:
+                return path
+        return None
+
+
+def export_model(model, args, kwargs):
+    try:
+        return torch.export.export(model, args, kwargs, strict=False)
+    except Exception as error:  # noqa: BLE001 - export raises many kinds
+        raise CaptureError(f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}") \
+            from error
+
+
+def capture(model, args, kwargs, stages, pinned_paths, graph_factory):
+    """Exports `model` on the sample (args, kwargs) and builds the engine's graph: returns (graph, input leaves,
+    output spec), where the input leaves say for each leaf of the flattened (args, kwargs) the engine input name it
+    feeds (None for leaves baked into the capture), and the output spec how the model's outputs are rebuilt from
+    the engine's output tensors."""
+    name = type(model).__name__
+    buffers_before = [(b, b.detach().clone()) for b in model.buffers()]
+    exported = export_model(model, args, kwargs)
+    with torch.no_grad():
+        for buffer, saved in buffers_before:
+            buffer.copy_(saved)
+    graph = exported.graph_module.graph
+    kinds = _signature_kinds(exported)
+    for spec in exported.graph_signature.output_specs:
+        if spec.kind.name not in ("USER_OUTPUT",):
+            raise ModelError(f"{name}'s forward {spec.kind.name.lower().replace('_', ' ')} "
+                             f"({spec.target or spec.arg}); smp cannot cut it into stages")
+
+    # The model's own tensors, by their paths: the same objects the engine then trains. A tensor under several
+    # paths (a tied LM head) goes by its first, as in the model's named_parameters().
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    first_path = {}
+    for path, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        first_path.setdefault(id(tensor), path)
+    attributes = {}  # placeholder or get_attr node -> (path, object)
+    user_inputs = []
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            kind, target, value = kinds[node.name]
+            if kind == "PARAMETER":
+                attributes[node] = (first_path[id(parameters[target])], parameters[target])
+            elif kind == "BUFFER":
+                attributes[node] = (first_path.get(id(buffers[target]), target), buffers[target])
+            elif kind == "CONSTANT_TENSOR":
+                attributes[node] = ("_smp_constants." + target.replace(".", "_"), exported.constants[target])
+            elif kind == "USER_INPUT":
+                user_inputs.append(node)
+            else:
+                raise ModelError(f"{name}'s forward takes a {kind.lower()} ({target}); smp cannot cut it into stages")
+        elif node.op == "get_attr":
+            attributes[node] = (node.target, _attribute(exported.graph_module, node.target))
+
+    # Flattened (args, kwargs) leaves, in the export's order: tensors become engine inputs, the rest stays as captured.
+    leaves, _ = pytree.tree_flatten((args, kwargs))
+    if len(leaves) != len(user_inputs):
+        raise ModelError(f"{name}: the export has {len(user_inputs)} inputs for {len(leaves)} sample values")
+    input_names = {}
+    leaf_inputs = []
+    for leaf, node in zip(leaves, user_inputs):
+        if isinstance(leaf, torch.Tensor):
+            input_names[node] = node.name
+            leaf_inputs.append(node.name)
+        else:
+            attributes[node] = (None, leaf)  # baked in: the value the sample had
+            leaf_inputs.append(None)
+
+    for node in list(graph.nodes):
+        if _is_op(node) and node.target in _ASSERTS and not node.users:
+            graph.erase_node(node)
+    order = {node: i for i, node in enumerate(graph.nodes)}
+
+    # Values that depend on no parameter and draw no random numbers are recomputed wherever they are read.
+    dynamic = set()
+    for node in graph.nodes:
+        if node.op == "placeholder" and isinstance(attributes.get(node, (None, None))[1], torch.nn.Parameter):
+            dynamic.add(node)
+        elif _is_op(node) and (_is_random(node) or any(a in dynamic for a in node.all_input_nodes)):
+            dynamic.add(node)
+    extra_inputs = _in_place_writes(graph, order, attributes, dynamic, name)
+    for node in reversed(list(graph.nodes)):
+        if _is_op(node) and not node.users and not _mutates_first_argument(node) and not _is_random(node):
+            graph.erase_node(node)
+    ops = [node for node in graph.nodes if _is_op(node)]
+    # Buffer updates with no reader: part of their module's unit.
+    side_effects = [op for op in ops if not op.users and _mutates_first_argument(op)]
+
+    output_node = next(node for node in graph.nodes if node.op == "output")
+    output_leaves = list(output_node.args[0])
+    for leaf in output_leaves:
+        if isinstance(leaf, fx.Node) and leaf not in dynamic:
+            raise ModelError(f"{name}'s forward returns {leaf.name}, which depends on no parameter; smp needs outputs "
+                             "computed by the model's modules")
+
+    units = _Units(model, ops)
+    units.refine(stages, pinned_paths)
+    while True:
+        plan = _plan_nodes(graph, ops, dynamic, units, output_leaves, side_effects)
+        split = [unit for unit, values in plan.items() if unit is not None and isinstance(unit, str) and
+                 len(values) > 1 and units.expandable(unit)]
+        if not split:
+            break
+        for unit in split:
+            units.expand(unit)
+
+    engine = graph_factory([input_names[n] for n in user_inputs if n in input_names])
+    captured_device = next((t.device for t in parameters.values()), torch.device("cpu"))
+    value_name = dict(input_names)
+    taken = set(value_name.values())
+    for home, values in plan.items():
+        for index, value in enumerate(values):
+            if isinstance(home, str):
+                base = home
+            else:  # glue: named inside the module whose forward it belongs to
+                paths = _module_paths(value)
+                base = f"{paths[-1]}.{value.name}" if paths and paths[-1] else value.name
+            candidate = base if index == 0 else f"{base}#{index}"
+            while candidate in taken or any(candidate.startswith(t + ".") or t.startswith(candidate + ".")
+                                            for t in taken):
+                candidate += "_"
+            taken.add(candidate)
+            value_name[value] = candidate
+    # In graph order, so that every node reads values made before it.
+    materialized = sorted(value_name.keys() - set(input_names), key=lambda n: order[n])
+    home_of_value = {value: home for home, values in plan.items() for value in values}
+    for value in materialized:
+        home = home_of_value[value]
+        extra = [op for op in side_effects if units.unit_of(op) == home] if plan[home][0] is value else []
+        node_graph, sources, node_attributes = _node_graph(value, extra, value_name, attributes, order, extra_inputs)
+        module = CapturedNode(node_graph, node_attributes, value_name[value], captured_device)
+        engine._add_call(value_name[value], module, module, [value_name[s] for s in sources], names_from_root=True)
+    outputs = []
+    for leaf in output_leaves:
+        if isinstance(leaf, fx.Node):
+            outputs.append(value_name[leaf])
+    if not outputs:
+        raise ModelError(f"{name}'s forward returns no tensor")
+    engine._graph.set_outputs(outputs)
+    output_spec = (exported.call_spec.out_spec,
+                   [None if isinstance(leaf, fx.Node) else leaf for leaf in output_leaves])
+    return engine, leaf_inputs, output_spec
+
+
+def _in_place_writes(graph, order, attributes, dynamic, name):
+    """In-place writes as data flow. A write into a value computed from parameters runs out of place, and whatever
+    reads that value afterwards reads the write's result: plain PyTorch sees the change through the shared tensor,
+    pipeline stages only through edges (a reader on another stage, or a value sent before the write). A write into
+    a value of no parameter (a mask, shifted labels: recomputed where read) stays in place, and whatever reads that
+    memory afterwards, through the value or a view sharing it, runs after the write in the same node (returned: node
+    -> writes it must follow). Writes into buffers (batch norm's statistics) stay: they update the model's own."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def memory(node):
+        value = node.meta.get("val")
+        try:
+            return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
+        except (RuntimeError, NotImplementedError, AttributeError):
+            return None
+
+    storage = {node: memory(node) for node in graph.nodes}
+    extra_inputs = collections.defaultdict(list)
+    for node in list(graph.nodes):
+        if not _is_op(node) or not _mutates_first_argument(node):
+            continue
+        written = node.args[0]
+        if written in attributes:
+            continue
+        shared = storage.get(written)
+        aliases = [other for other in graph.nodes if shared is not None and other is not written and other is not node
+                   and order[other] < order[node] and storage.get(other) is not None and storage[other] == shared]
+        late_alias_readers = [reader for alias in aliases for reader in alias.users
+                              if order.get(reader, -1) > order[node] and reader is not node]
+        later_readers = [reader for reader in list(written.users) if reader is not node and
+                         order.get(reader, -1) > order[node]]
+        if written not in dynamic:
+            if node in dynamic:
+                raise ModelError(f"{name}'s forward writes a value computed from parameters in place into a tensor "
+                                 f"of none ({node.format_node()}); write it out of place so that it can be cut into "
+                                 "stages")
+            for reader in later_readers:
+                reader.replace_input_with(written, node)
+            for reader in late_alias_readers:
+                extra_inputs[reader].append(node)
+            continue
+        if late_alias_readers:
+            raise ModelError(f"{name}'s forward writes in place into {written.name} ({node.format_node()}), which "
+                             f"shares memory with {aliases[0].name}, read afterwards by {late_alias_readers[0].name}; "
+                             "write it out of place so that it can be cut into stages")
+        functional = _functional_variant(node.target)
+        if functional is None:
+            raise ModelError(f"{name}'s forward writes in place ({node.format_node()}) with an operation that has no "
+                             "out-of-place form; write it out of place so that it can be cut into stages")
+        node.target = functional
+        for reader in later_readers:
+            reader.replace_input_with(written, node)
+    return extra_inputs
+
+
+def _plan_nodes(graph, ops, dynamic, units, output_leaves, side_effects):
+    """home -> the values of that home other homes read (or the model returns), in graph order. A home is a unit's
+    path, or a glue operation (one of no unit) read by several operations. An operation whose value is not a tensor
+    (a split's list, a tuple) never crosses stages: it belongs to its readers' home, or is recomputed in each."""
+    outputs = {leaf for leaf in output_leaves if isinstance(leaf, fx.Node)}
+    recomputed = object()
+    home = {}
+    for op in reversed(ops):  # users first: a glue operation read once joins its reader's home
+        if op not in dynamic:
+            continue
+        readers = [u for u in op.users if u.op != "output"]
+        if not isinstance(op.meta.get("val"), torch.Tensor):
+            homes = {home.get(u, recomputed) for u in readers}
+            home[op] = homes.pop() if len(homes) == 1 else recomputed
+            continue
+        unit = units.unit_of(op)
+        if unit is not None:
+            home[op] = unit
+        elif len(readers) == 1 and op not in outputs and home.get(readers[0], recomputed) is not recomputed:
+            home[op] = home[readers[0]]
+        else:
+            home[op] = op
+    plan = collections.OrderedDict()
+    for op in ops:
+        if op not in dynamic or home[op] is recomputed or not isinstance(op.meta.get("val"), torch.Tensor):
+            continue
+        read_elsewhere = op in outputs or any(u in home and home[u] is not home[op] and home[u] != home[op]
+                                              for u in op.users)
+        if read_elsewhere:
+            plan.setdefault(home[op], []).append(op)
+    return plan
+
+
+def _node_graph(value, extra, value_name, attributes, order, extra_inputs):
+    """The graph that computes `value` (and the buffer updates `extra`) from materialized values and model inputs:
+    (graph, sources in order, attributes by path)."""
+    needed = set()
+    sources = []
+    stack = [value] + list(extra)
+    while stack:
+        node = stack.pop()
+        if node in needed:
+            continue
+        if node is not value and node in value_name:
+            if node not in sources:
+                sources.append(node)
+            continue
+        needed.add(node)
+        if node.op == "placeholder" and node not in attributes:
+            raise ModelError(f"internal: input {node.name} of the capture has no engine name")
+        stack.extend(node.all_input_nodes)
+        stack.extend(extra_inputs.get(node, ()))
+    sources.sort(key=lambda n: order[n])
+    graph = fx.Graph()
+    env = {}
+    for source in sources:
+        env[source] = graph.placeholder(value_name[source].replace(".", "_").replace("#", "_"))
+    node_attributes = {}
+    for node in sorted(needed, key=lambda n: order[n]):
+        if node in attributes:
+            path, obj = attributes[node]
+            if path is None:
+                env[node] = obj  # a constant input (a flag, None)
+                continue
+            node_attributes[path] = obj
+            env[node] = graph.get_attr(path)
+        else:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(env[value])
+    return graph, sources, node_attributes
+
+
+def split_sample(model, sample):
+    """A sample (or a step's inputs) as (args, kwargs): a tensor is the first positional argument, a tuple or list
+    the positional arguments, a dict (or Mapping, e.g. a tokenizer's BatchEncoding) the keyword arguments. A
+    forward with a `use_cache` parameter gets use_cache=False unless given: a training step never reads the cache."""
+    if isinstance(sample, torch.Tensor):
+        args, kwargs = (sample,), {}
+    elif isinstance(sample, (tuple, list)):
+        args, kwargs = tuple(sample), {}
+    elif isinstance(sample, collections.abc.Mapping):
+        args, kwargs = (), dict(sample)
+    else:
+        raise TypeError(f"model inputs must be a tensor, a tuple of positional arguments or a dict of keyword "
+                        f"arguments, got {type(sample).__name__}")
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    if "use_cache" in parameters and "use_cache" not in kwargs:
+        kwargs["use_cache"] = False
+    return args, kwargs

@@ -1,0 +1,129 @@
+"""A model's inputs and outputs as the user has them (a tensor, a tuple of positional arguments, a dict of keyword
+arguments; a tensor, tuple, dict or ModelOutput back) against the engine's flat lists of named tensors."""
+
+import collections.abc
+
+import torch
+import torch.utils._pytree as pytree
+
+from ._smp import ConfigError, ModelError
+
+
+def _describe(value):
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"{type(value).__name__} {value!r}"[:80]
+
+
+class GraphIO:
+    """A GraphModel's inputs by name (a dict, a tuple in input order, or one tensor for a model of one input), its
+    outputs as one tensor or a tuple (set_outputs)."""
+
+    def __init__(self, input_names, several_outputs):
+        self.input_names = list(input_names)
+        self.several_outputs = several_outputs
+
+    def engine_inputs(self, inputs, what="inputs"):
+        names = self.input_names
+        if isinstance(inputs, torch.Tensor):
+            values = [inputs]
+        elif isinstance(inputs, (tuple, list)):
+            values = list(inputs)
+        elif isinstance(inputs, collections.abc.Mapping):
+            unknown = [key for key in inputs if key not in names]
+            if unknown:
+                raise ConfigError(f"{what}: '{unknown[0]}' is not an input of the model (its inputs: {', '.join(names)})")
+            missing = [name for name in names if name not in inputs]
+            if missing:
+                raise ConfigError(f"{what}: no '{missing[0]}' (the model's inputs: {', '.join(names)})")
+            values = [inputs[name] for name in names]
+        else:
+            raise TypeError(f"{what}: expected a tensor, a tuple or a dict of tensors, got {type(inputs).__name__}")
+        if len(values) != len(names):
+            raise ConfigError(f"{what}: {len(values)} values for the model's {len(names)} inputs ({', '.join(names)})")
+        for name, value in zip(names, values):
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise ConfigError(f"{what}: input '{name}' is {_describe(value)}, not a tensor")
+        return values
+
+    def check_microbatch(self, engine_inputs, batched, microbatches, what):
+        pass  # a GraphModel's modules take any shape they accept
+
+    def model_outputs(self, outputs):
+        return tuple(outputs) if self.several_outputs else outputs[0]
+
+
+class CapturedIO:
+    """A captured model's inputs: the sample's structure of positional and keyword arguments, whose tensors are the
+    engine's inputs and whose other values (None, flags) were baked into the capture; its outputs rebuilt from the
+    engine's tensors into what the model's forward returns (a ModelOutput, tuple, dict)."""
+
+    def __init__(self, model, sample_args, sample_kwargs, leaf_inputs, output_spec, split):
+        self._model = model
+        self._split = split
+        self._positional = len(sample_args)
+        self._keys = list(sample_kwargs)
+        self._sample_leaves = pytree.tree_leaves((sample_args, sample_kwargs))
+        self._leaf_inputs = leaf_inputs  # per leaf: the engine input's name, or None (baked in)
+        self._out_spec, self._output_constants = output_spec
+        self.input_names = [name for name in leaf_inputs if name is not None]
+
+    def engine_inputs(self, inputs, what="inputs"):
+        args, kwargs = self._split(self._model, inputs)
+        if len(args) != self._positional:
+            raise ConfigError(f"{what}: {len(args)} positional inputs, the sample had {self._positional}")
+        extra = [key for key in kwargs if key not in self._keys]
+        if extra:
+            raise ConfigError(f"{what}: input '{extra[0]}' was not in the sample the model was captured with "
+                              f"(its inputs: {', '.join(self._keys)}); pass the same inputs as the sample")
+        missing = [key for key in self._keys if key not in kwargs]
+        if missing:
+            raise ConfigError(f"{what}: no '{missing[0]}', which the sample had")
+        ordered = {key: kwargs[key] for key in self._keys}
+        leaves, _ = pytree.tree_flatten((args, ordered))
+        if len(leaves) != len(self._sample_leaves):
+            raise ConfigError(f"{what}: the inputs hold {len(leaves)} values, the sample held {len(self._sample_leaves)}")
+        values = []
+        for leaf, sample, name in zip(leaves, self._sample_leaves, self._leaf_inputs):
+            if name is not None:
+                if not isinstance(leaf, torch.Tensor):
+                    raise ConfigError(f"{what}: input '{name}' is {_describe(leaf)}; the sample had a tensor there")
+                values.append(leaf)
+            elif isinstance(leaf, torch.Tensor) or leaf != sample:
+                raise ConfigError(f"{what}: {_describe(leaf)} where the sample had {_describe(sample)}, which the "
+                                  "capture keeps as it was; pass the sample's value")
+        return values
+
+    def check_microbatch(self, engine_inputs, batched, microbatches, what):
+        """The capture ran on the sample's shapes, and its operations keep them (views, masks): each microbatch must
+        have them too."""
+        sample_tensors = [leaf for leaf, name in zip(self._sample_leaves, self._leaf_inputs) if name is not None]
+        for name, value, is_batched, sample in zip(self.input_names, engine_inputs, batched, sample_tensors):
+            shape = list(value.shape)
+            if is_batched:
+                shape[0] //= microbatches
+            if shape != list(sample.shape):
+                raise ConfigError(f"{what}: input '{name}' gives microbatches of shape {tuple(shape)}, but the model "
+                                  f"was captured on a sample of shape {tuple(sample.shape)}; every microbatch must "
+                                  "have the sample's shape (the sample is one microbatch)")
+
+    def model_outputs(self, outputs):
+        tensors = iter(outputs)
+        leaves = [next(tensors) if constant is None else constant for constant in self._output_constants]
+        return pytree.tree_unflatten(leaves, self._out_spec)
+
+
+def own_loss(output):
+    """The loss a model computes itself (a Hugging Face model given labels): .loss or ["loss"], a 0-dim output, or a
+    0-dim first element."""
+    loss = None
+    if isinstance(output, torch.Tensor):
+        loss = output
+    elif isinstance(output, collections.abc.Mapping) or hasattr(output, "loss"):
+        loss = output.get("loss") if isinstance(output, collections.abc.Mapping) else output.loss
+    elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        loss = output[0]
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ModelError(f"loss=None: the model's output ({type(output).__name__}) holds no loss of its own (a "
+                         "0-dim .loss, ['loss'] or first element); pass the model its labels, or pass a loss function")
+    return loss

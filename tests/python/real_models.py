@@ -1,0 +1,174 @@
+"""One rank of a job that trains an unmodified Hugging Face or torchvision model (small config, random weights,
+nothing downloaded) through smp and, in the same process, a copy with plain PyTorch on the same microbatches
+(gradient accumulation). Every step's loss and every parameter this rank holds must match (1e-5 relative, float32).
+Exits 0 only then.
+
+  --model NAME   gpt2, llama, bert (sequence classification, padded attention masks), t5 (encoder-decoder),
+                 opt, resnet, vit
+  --smp JSON     the config
+  --steps N
+  --loss own|fn  own: the model's own loss (labels among the inputs, loss=None); fn: a loss function on the
+                 model's output and targets
+"""
+
+import argparse
+import copy
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import smp
+
+VOCAB, SEQUENCE, CLASSES = 96, 12, 5
+
+
+def language_model(name):
+    import transformers as hf
+    small = dict(vocab_size=VOCAB)
+    if name == "gpt2":
+        return hf.GPT2LMHeadModel(hf.GPT2Config(n_layer=4, n_embd=32, n_head=4, n_positions=32, resid_pdrop=0.0,
+                                                embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                                                **small))
+    if name == "llama":
+        return hf.LlamaForCausalLM(hf.LlamaConfig(num_hidden_layers=4, hidden_size=32, intermediate_size=64,
+                                                  num_attention_heads=4, num_key_value_heads=2,
+                                                  max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+                                                  pad_token_id=0, **small))
+    if name == "opt":
+        return hf.OPTForCausalLM(hf.OPTConfig(num_hidden_layers=4, hidden_size=32, ffn_dim=64, num_attention_heads=4,
+                                              max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0,
+                                              attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0,
+                                              bos_token_id=0, eos_token_id=0, pad_token_id=0, **small))
+    if name == "bert":
+        return hf.BertForSequenceClassification(hf.BertConfig(num_hidden_layers=4, hidden_size=32,
+                                                              intermediate_size=64, num_attention_heads=4,
+                                                              max_position_embeddings=32, num_labels=CLASSES,
+                                                              hidden_dropout_prob=0.0,
+                                                              attention_probs_dropout_prob=0.0, **small))
+    if name == "t5":
+        return hf.T5ForConditionalGeneration(hf.T5Config(num_layers=2, num_decoder_layers=2, d_model=32, d_ff=64,
+                                                         num_heads=4, d_kv=8, dropout_rate=0.0,
+                                                         decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+                                                         **small))
+    raise ValueError(name)
+
+
+def vision_model(name):
+    import torchvision
+    if name == "resnet":
+        return torchvision.models.resnet18(num_classes=CLASSES)
+    if name == "vit":
+        return torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=4, num_heads=4,
+                                                    hidden_dim=32, mlp_dim=64, num_classes=CLASSES)
+    raise ValueError(name)
+
+
+def batch(name, samples, generator):
+    """(inputs, targets) of one global batch: inputs as the model's forward takes them."""
+    if name in ("resnet", "vit"):
+        return torch.randn(samples, 3, 32, 32, generator=generator), torch.randint(0, CLASSES, (samples,),
+                                                                                  generator=generator)
+    ids = torch.randint(1, VOCAB, (samples, SEQUENCE), generator=generator)
+    if name == "bert":
+        # Padded: every sample has its own length, the rest masked.
+        lengths = torch.randint(SEQUENCE // 2, SEQUENCE + 1, (samples,), generator=generator)
+        mask = (torch.arange(SEQUENCE)[None, :] < lengths[:, None]).long()
+        labels = torch.randint(0, CLASSES, (samples,), generator=generator)
+        return {"input_ids": ids * mask, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids),
+                "labels": labels}, labels
+    if name == "t5":
+        decoder = torch.randint(1, VOCAB, (samples, SEQUENCE // 2), generator=generator)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": decoder}, decoder
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}, ids
+
+
+def function_loss(name):
+    if name in ("resnet", "vit"):
+        return F.cross_entropy
+    if name == "bert":
+        return lambda output, target: F.cross_entropy(output.logits, target)
+    return lambda output, target: F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
+
+
+def microbatch_of(inputs, index, count):
+    if isinstance(inputs, torch.Tensor):
+        return inputs.chunk(count)[index]
+    return {key: value.chunk(count)[index] for key, value in inputs.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--smp", required=True)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--loss", choices=["own", "fn"], default="own")
+    parser.add_argument("--rtol", type=float, default=1e-5)
+    args = parser.parse_args()
+    config = json.loads(args.smp)
+    torch.set_num_threads(1)
+    runtime = smp.init(config)
+    microbatches, replicas = config["microbatches"], runtime.data_parallel_degree
+    global_batch = config["global_batch_size"]
+    vision = args.model in ("resnet", "vit")
+    own = args.loss == "own" and not vision
+
+    torch.manual_seed(config.get("seed", 0))
+    net = vision_model(args.model) if vision else language_model(args.model)
+    net.train()
+    reference = copy.deepcopy(net)
+    data = torch.Generator().manual_seed(11)
+    sample_inputs, _ = batch(args.model, global_batch // (replicas * microbatches), torch.Generator().manual_seed(5))
+
+    model = smp.DistributedModel(net, sample_inputs)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    loss = None if own else function_loss(args.model)
+    if runtime.rank == 0:
+        print(model.partition_report())
+
+    failures = []
+    for step in range(args.steps):
+        inputs, targets = batch(args.model, global_batch, data)
+        optimizer.zero_grad()
+        result = model.train_step(inputs, None if own else targets, loss)
+        optimizer.step()
+
+        # Plain PyTorch: the same microbatches (every replica's), gradients accumulated, one step.
+        reference_optimizer.zero_grad()
+        expected = 0.0
+        pieces = replicas * microbatches
+        for index in range(pieces):
+            piece = microbatch_of(inputs, index, pieces)
+            output = reference(**piece) if isinstance(piece, dict) else reference(piece)
+            value = output.loss if own else function_loss(args.model)(output, targets.chunk(pieces)[index])
+            (value / pieces).backward()
+            expected += value.item() / pieces
+        reference_optimizer.step()
+        if abs(result.loss - expected) > 1e-5 * max(1.0, abs(expected)):
+            failures.append(f"step {step}: loss {result.loss} != {expected}")
+        if runtime.rank == 0:
+            print(f"step {step} loss {result.loss:.6f} plain {expected:.6f}", flush=True)
+
+    plain = dict(reference.named_parameters())
+    checked = 0
+    for name, parameter in model.named_parameters().items():
+        if name not in plain:
+            failures.append(f"parameter {name} is not the model's")
+            continue
+        want = plain[name].detach()
+        difference = (parameter.detach() - want).abs().max().item()
+        if difference > 1e-6 + args.rtol * want.abs().max().item():
+            failures.append(f"parameter {name} differs by {difference:.3g}")
+        checked += 1
+    if checked == 0:
+        failures.append("no parameters on this rank")
+    for failure in failures:
+        print(f"[rank {runtime.rank}] {failure}", file=sys.stderr)
+    print(f"[rank {runtime.rank}] {checked} parameters checked, {len(failures)} failures")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
