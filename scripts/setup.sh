@@ -8,6 +8,9 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${SMP_VENV:-$HOME/.cache/smp/venv}
 build=${SMP_BUILD:-$repo/build}
 torch_version=2.11.0
+# For real models (tests build unmodified Hugging Face and torchvision models from small configs; nothing is
+# fetched from a model hub): torchvision's release for this torch, and a transformers 5 release.
+model_packages=("torchvision==0.26.0" "transformers==5.23.0")
 apt_packages=(build-essential cmake ninja-build ccache python3-venv python3-dev libmetis-dev libspdlog-dev catch2
               nlohmann-json3-dev libgloo-dev zlib1g-dev fortunes)
 
@@ -30,6 +33,14 @@ if ! "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split(
   "$python" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip
   "$venv/bin/python" -m pip install -q "torch==$torch_version"
+fi
+if ! "$venv/bin/python" - "${model_packages[@]}" <<'PY' 2>/dev/null; then
+import sys
+from importlib.metadata import version
+sys.exit(any(version(name) != wanted for name, wanted in (spec.split("==") for spec in sys.argv[1:])))
+PY
+  say "installing ${model_packages[*]} into $venv"
+  "$venv/bin/python" -m pip install -q "${model_packages[@]}"
 fi
 torch_prefix=$("$venv/bin/python" -c "import torch; print(torch.utils.cmake_prefix_path)" 2>/dev/null)
 

@@ -412,13 +412,24 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
   return profiles;
 }
 
+namespace {
+
+// Whether node `name` was cut from the module at `path`: the module itself, a part of it (a captured model's
+// "model.layers.5" may be cut into "model.layers.5.self_attn" ...), or a second output of it ("model.layers.5#1").
+bool cut_from(const std::string& name, const std::string& path) {
+  return name == path || (name.size() > path.size() && name.compare(0, path.size(), path) == 0 &&
+                          (name[path.size()] == '.' || name[path.size()] == '#'));
+}
+
+}  // namespace
+
 std::vector<bool> checkpointed_modules(const std::vector<std::string>& module_names, const Config& config) {
   std::vector<bool> selected(module_names.size(), false);
   for (const auto& wanted : config.checkpointed_modules) {
     bool found = false;
     for (std::size_t i = 0; i < module_names.size(); ++i) {
       const std::string& name = module_names[i];
-      if (name == wanted || name.rfind(wanted + ".", 0) == 0) selected[i] = found = true;
+      if (cut_from(name, wanted)) selected[i] = found = true;
     }
     if (!found) {
       std::string names;
@@ -452,14 +463,16 @@ StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
   }
   std::vector<int> pinned(num_modules, config.auto_partition ? -1 : config.default_partition);
   for (const auto& [path, stage] : config.partition_overrides) {
-    auto found = std::find_if(modules.begin(), modules.end(), [&](const ModuleProfile& m) { return m.name == path; });
-    if (found == modules.end()) {
+    bool found = false;
+    for (std::size_t i = 0; i < modules.size(); ++i) {
+      if (cut_from(modules[i].name, path)) pinned[i] = stage, found = true;
+    }
+    if (!found) {
       std::string names;
       for (const auto& module : modules) names += (names.empty() ? "" : ", ") + module.name;
       throw ConfigError(config.source + ": key \"partition_overrides\": no module \"" + path +
                         "\" in the model (its modules: " + names + ")");
     }
-    pinned[found - modules.begin()] = stage;
   }
   // The partition search sees the profile as a DAG: compute time, memory per node, and the bytes of every tensor
   // between nodes. Memory: parameters, gradients and two optimizer moments (4x the parameter bytes; the moments

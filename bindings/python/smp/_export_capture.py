@@ -322,10 +322,6 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory):
 
     output_node = next(node for node in graph.nodes if node.op == "output")
     output_leaves = list(output_node.args[0])
-    for leaf in output_leaves:
-        if isinstance(leaf, fx.Node) and leaf not in dynamic:
-            raise ModelError(f"{name}'s forward returns {leaf.name}, which depends on no parameter; smp needs outputs "
-                             "computed by the model's modules")
 
     units = _Units(model, ops)
     units.refine(stages, pinned_paths)
@@ -340,11 +336,14 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory):
 
     engine = graph_factory([input_names[n] for n in user_inputs if n in input_names])
     captured_device = next((t.device for t in parameters.values()), torch.device("cpu"))
-    value_name = dict(input_names)
+    value_name = dict(input_names)  # what a node reads a value by: a model input's name, or its node's
+    node_name = {}  # value -> the engine node that makes it (a returned input: an identity node of its own)
     taken = set(value_name.values())
     for home, values in plan.items():
         for index, value in enumerate(values):
-            if isinstance(home, str):
+            if value in input_names:
+                base = f"{value.name}_returned"
+            elif isinstance(home, str):
                 base = home
             else:  # glue: named inside the module whose forward it belongs to
                 paths = _module_paths(value)
@@ -354,20 +353,21 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory):
                                             for t in taken):
                 candidate += "_"
             taken.add(candidate)
-            value_name[value] = candidate
+            node_name[value] = candidate
+            value_name.setdefault(value, candidate)
     # In graph order, so that every node reads values made before it.
-    materialized = sorted(value_name.keys() - set(input_names), key=lambda n: order[n])
+    materialized = sorted({value for values in plan.values() for value in values}, key=lambda n: order[n])
     home_of_value = {value: home for home, values in plan.items() for value in values}
     for value in materialized:
         home = home_of_value[value]
         extra = [op for op in side_effects if units.unit_of(op) == home] if plan[home][0] is value else []
         node_graph, sources, node_attributes = _node_graph(value, extra, value_name, attributes, order, extra_inputs)
-        module = CapturedNode(node_graph, node_attributes, value_name[value], captured_device)
-        engine._add_call(value_name[value], module, module, [value_name[s] for s in sources], names_from_root=True)
+        module = CapturedNode(node_graph, node_attributes, node_name[value], captured_device)
+        engine._add_call(node_name[value], module, module, [value_name[s] for s in sources], names_from_root=True)
     outputs = []
     for leaf in output_leaves:
         if isinstance(leaf, fx.Node):
-            outputs.append(value_name[leaf])
+            outputs.append(node_name[leaf])
     if not outputs:
         raise ModelError(f"{name}'s forward returns no tensor")
     engine._graph.set_outputs(outputs)
@@ -454,6 +454,10 @@ def _plan_nodes(graph, ops, dynamic, units, output_leaves, side_effects):
         else:
             home[op] = op
     plan = collections.OrderedDict()
+    # An output of no parameter (an input returned as it is, a mask) is made where the model's output is needed.
+    for leaf in output_leaves:
+        if isinstance(leaf, fx.Node) and leaf not in dynamic:
+            plan.setdefault(leaf, []).append(leaf)
     for op in ops:
         if op not in dynamic or home[op] is recomputed or not isinstance(op.meta.get("val"), torch.Tensor):
             continue
@@ -467,6 +471,10 @@ def _plan_nodes(graph, ops, dynamic, units, output_leaves, side_effects):
 def _node_graph(value, extra, value_name, attributes, order, extra_inputs):
     """The graph that computes `value` (and the buffer updates `extra`) from materialized values and model inputs:
     (graph, sources in order, attributes by path)."""
+    if value in value_name and value.op == "placeholder":  # a model input returned as it is
+        graph = fx.Graph()
+        graph.output(graph.placeholder("input"))
+        return graph, [value], {}
     needed = set()
     sources = []
     stack = [value] + list(extra)
