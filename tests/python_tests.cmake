@@ -81,3 +81,15 @@ set_tests_properties(python_sharded_checkpoint_resume_equals_pytorch PROPERTIES
   TIMEOUT 400
   LABELS python
   ENVIRONMENT "PYTHONPATH=${SMP_PYTHON_PACKAGE_DIR};OMP_NUM_THREADS=1;PYTHONUNBUFFERED=1")
+
+# Unmodified Hugging Face and torchvision models (small configs, random weights), captured whole with torch.export,
+# against plain PyTorch on the same microbatches: every step's loss, evaluation (eval mode, outputs kept) and every
+# parameter within 1e-5 relative. Several models per job, so that process start-up and imports are paid once.
+smp_python_test(python_real_models_2_stages_equal_pytorch 2 real_models.py --models gpt2,llama,bert,t5,opt,resnet,vit
+                --smp [[{"partitions": 2, "microbatches": 2, "global_batch_size": 4, "seed": 3, "device": "cpu"}]])
+smp_python_test(python_real_models_4_stages_equal_pytorch 4 real_models.py --models gpt2,llama,bert,resnet,vit
+                --smp [[{"partitions": 4, "microbatches": 4, "global_batch_size": 8, "seed": 3, "device": "cpu"}]])
+smp_python_test(python_real_models_2x2_equal_pytorch 4 real_models.py --models gpt2,llama,bert,resnet,vit --loss fn
+                --smp [[{"partitions": 2, "microbatches": 2, "ddp": true, "global_batch_size": 8, "seed": 3, "device": "cpu"}]])
+smp_python_test(python_real_models_interleaved_equal_pytorch 2 real_models.py --models llama,vit
+                --smp [[{"partitions": 2, "virtual_stages": 2, "pipeline": "interleaved", "microbatches": 4, "global_batch_size": 8, "seed": 3, "device": "cpu"}]])

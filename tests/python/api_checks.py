@@ -317,6 +317,55 @@ def main():
     expect_error("a batch that does not split into microbatches", smp.ConfigError, "batch",
                  lambda: model.train_step(torch.randn(3, 3), torch.randn(3, 2), F.mse_loss))
 
+    # Keyword inputs (as a Hugging Face model takes them): what does not fit the captured sample is refused before
+    # any communication, naming the input.
+    class KeywordModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+            self.head = torch.nn.Linear(4, 3)
+
+        def forward(self, input_ids, attention_mask=None, labels=None, scale=1.0):
+            hidden = self.embed(input_ids) * attention_mask[..., None] * scale
+            logits = self.head(hidden).mean(1)
+            return {"logits": logits, "loss": F.cross_entropy(logits, labels)} if labels is not None else {"logits": logits}
+
+    def keyword_batch(samples, with_labels=True):
+        batch = {"input_ids": torch.randint(0, 10, (samples, 5)), "attention_mask": torch.ones(samples, 5)}
+        if with_labels:
+            batch["labels"] = torch.randint(0, 3, (samples,))
+        return batch
+
+    keyword = smp.DistributedModel(KeywordModel(), keyword_batch(2))
+    keyword.train_step(keyword_batch(4))  # loss=None: the model's own
+    expect_error("an input the sample did not have", smp.ConfigError, "'token_type_ids' was not in the sample",
+                 lambda: keyword.train_step(dict(keyword_batch(4), token_type_ids=torch.zeros(4, 5))))
+    expect_error("an input missing that the sample had", smp.ConfigError, "no 'labels'",
+                 lambda: keyword.train_step(keyword_batch(4, with_labels=False)))
+    scaled = smp.DistributedModel(KeywordModel(), dict(keyword_batch(2), scale=1.0))
+    expect_error("a flag other than the sample's", smp.ConfigError, "capture keeps as it was",
+                 lambda: scaled.train_step(dict(keyword_batch(4), scale=2.0)))
+    expect_error("a batch that does not split", smp.ConfigError, "does not split into",
+                 lambda: keyword.train_step(keyword_batch(3)))
+    expect_error("microbatches of another shape than the sample's", smp.ConfigError, "input 'input_ids'",
+                 lambda: keyword.train_step(keyword_batch(6)))
+    expect_error("a loss the model does not compute", smp.ModelError, "holds no loss",
+                 lambda: smp.DistributedModel(KeywordModel(), keyword_batch(2, False)).train_step(keyword_batch(4, False)))
+    logits = keyword.evaluate(keyword_batch(4), keep_outputs=True).outputs["logits"]
+    if tuple(logits.shape) != (4, 3):
+        failures.append(f"evaluate(keep_outputs=True) of a dict output: logits of shape {tuple(logits.shape)}")
+
+    class DataDependent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(3, 3)
+
+        def forward(self, x, mask=None):
+            return self.a(x) if mask.sum() > 0 else x  # control flow on a tensor's value
+
+    expect_error("a model torch.export cannot capture", smp.ModelError, "mask.sum() > 0",
+                 lambda: smp.DistributedModel(DataDependent(), {"x": torch.zeros(2, 3), "mask": torch.ones(2)}))
+
     # A scripted module with a forward of its own (a residual) cannot be cut as a chain of its children.
     class Residual(torch.nn.Module):
         def __init__(self):

@@ -81,8 +81,10 @@ def _capture(model, sample, stages, pinned):
             export_error = error
     name = type(model).__name__
     if not isinstance(sample, torch.Tensor):
-        raise ModelError(f"cannot capture {name} with torch.export ({export_error}); write it as an smp.GraphModel, "
-                         "or pass it its inputs as one tensor so that torch.fx can trace it")
+        reason = (f"torch.export failed: {export_error}" if export_error is not None else
+                  "it has TorchScript children, which torch.export does not enter, and torch.fx takes one tensor input")
+        raise ModelError(f"cannot capture {name} ({reason}); write it as an smp.GraphModel, or change that code so "
+                         "that it can be captured (no branch on a tensor's value)")
     try:
         graph = GraphModel.from_module(model, sample)
     except ModelError as error:

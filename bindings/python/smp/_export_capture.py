@@ -235,12 +235,27 @@ class _Units:
         return None
 
 
+def _model_frame(error):
+    """Where in the model's own code (not torch's) the export failed: 'file:line in function: code'."""
+    import os
+    import traceback
+    torch_dir = os.path.dirname(torch.__file__)
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__)
+              if not frame.filename.startswith(torch_dir) and not frame.filename.startswith(os.path.dirname(__file__))]
+    if not frames:
+        return None
+    frame = frames[-1]
+    return f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+
+
 def export_model(model, args, kwargs):
     try:
         return torch.export.export(model, args, kwargs, strict=False)
     except Exception as error:  # noqa: BLE001 - export raises many kinds
-        raise CaptureError(f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}") \
-            from error
+        text = str(error).strip()
+        first = text.splitlines()[0] if text else ""
+        where = _model_frame(error)
+        raise CaptureError(f"{type(error).__name__}: {first}" + (f" (at {where})" if where else "")) from error
 
 
 def capture(model, args, kwargs, stages, pinned_paths, graph_factory):
