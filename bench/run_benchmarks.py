@@ -156,3 +156,15 @@ section("partitioner: ours vs the optimum (exact DP on chains, exhaustive on sma
 result = run([f"{BIN}/bench_partition"], timeout=900)
 lines = result.stdout.strip().splitlines()
 print("\n".join(lines[-12:]))
+
+section("capturing an unmodified Hugging Face Llama (32 layers, d 256, 34M parameters) with torch.export, 4 stages")
+PYTHON = os.path.join(os.path.expanduser(os.environ.get("SMP_VENV", "~/.cache/smp/venv")), "bin", "python")
+CAPTURE_ENV = dict(ENV, PYTHONPATH=os.path.join(os.path.dirname(BIN), "python"))
+result = subprocess.run([f"{BIN}/smprun", "-n", "4", "--no-prefix", "--", PYTHON, f"{REPO}/bench/bench_capture.py"],
+                        capture_output=True, text=True, env=CAPTURE_ENV, timeout=600)
+if result.returncode != 0:
+    sys.exit(f"bench_capture failed:\n{result.stdout}\n{result.stderr}")
+r = json.loads(next(l for l in result.stdout.splitlines() if l.startswith("{")))
+print(f"capture alone (export + nodes, one process): {r['capture_s']:.2f} s, {r['nodes']} nodes; "
+      f"DistributedModel on 4 ranks sharing this machine's cores (each captures; rank 0 profiles and partitions): "
+      f"{r['distributed_model_s']:.2f} s; estimated slowest/mean stage {r['imbalance']:.3f}")
