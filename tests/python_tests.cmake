@@ -93,3 +93,11 @@ smp_python_test(python_real_models_2x2_equal_pytorch 4 real_models.py --models g
                 --smp [[{"partitions": 2, "microbatches": 2, "ddp": true, "global_batch_size": 8, "seed": 3, "device": "cpu"}]])
 smp_python_test(python_real_models_interleaved_equal_pytorch 2 real_models.py --models llama,vit
                 --smp [[{"partitions": 2, "virtual_stages": 2, "pipeline": "interleaved", "microbatches": 4, "global_batch_size": 8, "seed": 3, "device": "cpu"}]])
+# The README's bring-your-own-model example runs as written (2 stages x 2 replicas).
+add_test(NAME python_example_hf_causal_lm
+         COMMAND $<TARGET_FILE:smprun> -n 4 --timeout 240 -- ${SMP_PYTHON_EXECUTABLE}
+                 ${PROJECT_SOURCE_DIR}/examples/python/hf_causal_lm.py --replicas 2 --steps 3)
+set_tests_properties(python_example_hf_causal_lm PROPERTIES
+  TIMEOUT 300
+  LABELS python
+  ENVIRONMENT "PYTHONPATH=${SMP_PYTHON_PACKAGE_DIR};OMP_NUM_THREADS=1;PYTHONUNBUFFERED=1")

@@ -678,6 +678,71 @@ TEST_CASE("kept outputs are the model's, in batch order; 0-dim outputs give one 
   CHECK(at::allclose(evaluation.outputs, linear->forward(inputs).reshape({3, 2, 2}).sum({1, 2}), 1e-5, 1e-6));
 }
 
+TEST_CASE("several named inputs and outputs: batched inputs split, the others shared, the loss sees every output",
+          "[inputs]") {
+  // Two virtual stages on one rank: "scaled" is made on stage 0 and is an output, so it travels to the last stage.
+  const auto config = smp::Config::from_json_text(
+      R"({"device": "cpu", "microbatches": 2, "virtual_stages": 2, "pipeline": "interleaved", "auto_partition": false,
+          "partition_overrides": {"scaled": 0, "masked": 0, "head": 1}})", "test config");
+  auto runtime = smp::Runtime::init(config, smp::comm::LaunchInfo{});
+  at::manual_seed(5);
+  torch::nn::Linear project(3, 3), head(3, 2);
+  smp::GraphModel graph({"x", "mask", "scale"});
+  graph.add("scaled", project.ptr(), [project](const std::vector<at::Tensor>& in) mutable {
+    return project->forward(in[0]) * in[1];  // scale: one row, the same for every microbatch
+  }, {"x", "scale"});
+  graph.add("masked", std::make_shared<torch::nn::Module>(), [](const std::vector<at::Tensor>& in) {
+    return in[0] * in[1].unsqueeze(-1);
+  }, {"scaled", "mask"});
+  graph.add("head", head.ptr(), [head](const std::vector<at::Tensor>& in) mutable { return head->forward(in[0]); },
+            {"masked"});
+  graph.set_outputs({"head", "scaled"});
+  CHECK_THROWS_WITH(smp::GraphModel(graph).set_outputs({"x"}), Catch::Matchers::Contains("not a node"));
+
+  const at::Tensor x = at::randn({4, 3}), mask = (at::rand({4}) > 0.3).to(at::kFloat), scale = at::randn({1, 3});
+  const at::Tensor targets = at::randn({4, 2});
+  CHECK(smp::DistributedModel::batched_inputs({x, mask, scale}, targets) == std::vector<bool>{true, true, false});
+  const smp::OutputsLossFunction loss = [](const std::vector<at::Tensor>& outputs, const at::Tensor& target) {
+    return at::mse_loss(outputs[0], target) + outputs[1].pow(2).mean();
+  };
+  // Plain LibTorch on the same microbatches first, on copies of the weights.
+  torch::nn::Linear project_copy(3, 3), head_copy(3, 2);
+  {
+    at::NoGradGuard no_graph;
+    project_copy->weight.copy_(project->weight), project_copy->bias.copy_(project->bias);
+    head_copy->weight.copy_(head->weight), head_copy->bias.copy_(head->bias);
+  }
+  double expected = 0.0;
+  for (int m = 0; m < 2; ++m) {
+    const at::Tensor scaled = project_copy->forward(x.chunk(2)[m]) * scale;
+    const at::Tensor out = head_copy->forward(scaled * mask.chunk(2)[m].unsqueeze(-1));
+    const at::Tensor value = at::mse_loss(out, targets.chunk(2)[m]) + scaled.pow(2).mean();
+    (value / 2).backward();
+    expected += value.item<double>() / 2;
+  }
+
+  smp::DistributedModel model(runtime, graph, smp::ModelInputs{x.narrow(0, 0, 2), mask.narrow(0, 0, 2), scale});
+  const auto step = model.train_step(std::map<std::string, at::Tensor>{{"x", x}, {"mask", mask}, {"scale", scale}},
+                                     targets, loss, /*keep_outputs=*/true);
+  CHECK(step.loss == Catch::Approx(expected).epsilon(1e-6));
+  CHECK(at::allclose(project->weight.grad(), project_copy->weight.grad(), 1e-5, 1e-6));
+  CHECK(at::allclose(head->weight.grad(), head_copy->weight.grad(), 1e-5, 1e-6));
+  REQUIRE(step.all_outputs.size() == 2);
+  CHECK(step.all_outputs[1].sizes() == x.sizes());
+  CHECK(step.outputs.sizes() == targets.sizes());
+  CHECK_THROWS_WITH(model.train_step(std::map<std::string, at::Tensor>{{"x", x}, {"mask", mask}}, targets, loss),
+                    Catch::Matchers::Contains("no input \"scale\""));
+  CHECK_THROWS_WITH(model.train_step(std::map<std::string, at::Tensor>{{"x", x}, {"mask", mask}, {"scale", scale},
+                                                                       {"extra", x}}, targets, loss),
+                    Catch::Matchers::Contains("\"extra\" is not one of the model's inputs"));
+  // Without targets the batch is the first batched input's; the loss gets an undefined target.
+  const smp::OutputsLossFunction own = [](const std::vector<at::Tensor>& outputs, const at::Tensor& target) {
+    CHECK_FALSE(target.defined());
+    return outputs[0].pow(2).mean();
+  };
+  CHECK(std::isfinite(model.evaluate(smp::ModelInputs{x, mask, scale}, at::Tensor(), own).loss));
+}
+
 TEST_CASE("optimizer shards: whole parameters, balanced by bytes, the same on every replica", "[zero]") {
   // Largest first to the lightest replica (ties to the lower one): 100 | 60 + 20 + 10 | 50 + 30 + 5.
   const std::vector<std::int64_t> bytes = {10, 100, 30, 50, 20, 60, 5};

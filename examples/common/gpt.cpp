@@ -44,16 +44,15 @@ class TokenEmbeddingImpl : public torch::nn::Module {
 };
 TORCH_MODULE(TokenEmbedding);
 
-class TransformerBlockImpl : public torch::nn::Module {
+// A transformer block is two nodes, each with its residual: attention, then the MLP. The partitioner can then cut
+// between them, where whole blocks would leave stages unbalanced (six blocks on four stages).
+class AttentionResidualImpl : public torch::nn::Module {
  public:
-  explicit TransformerBlockImpl(const GptOptions& options)
+  explicit AttentionResidualImpl(const GptOptions& options)
       : heads_(options.heads),
         attention_norm_(register_module("attention_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({options.d_model})))),
         qkv_(register_module("qkv", torch::nn::Linear(options.d_model, 3 * options.d_model))),
-        projection_(register_module("projection", torch::nn::Linear(options.d_model, options.d_model))),
-        mlp_norm_(register_module("mlp_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({options.d_model})))),
-        expand_(register_module("expand", torch::nn::Linear(options.d_model, 4 * options.d_model))),
-        contract_(register_module("contract", torch::nn::Linear(4 * options.d_model, options.d_model))) {}
+        projection_(register_module("projection", torch::nn::Linear(options.d_model, options.d_model))) {}
 
   at::Tensor forward(const at::Tensor& x) {
     const auto batch = x.size(0), length = x.size(1), width = x.size(2);
@@ -61,18 +60,32 @@ class TransformerBlockImpl : public torch::nn::Module {
     qkv = qkv.permute({2, 0, 3, 1, 4});  // [3, B, heads, T, head_dim]
     auto attended = at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], /*attn_mask=*/{}, /*dropout_p=*/0.0,
                                                      /*is_causal=*/true);
-    auto h = x + projection_->forward(attended.transpose(1, 2).reshape({batch, length, width}));
-    return h + contract_->forward(at::gelu(expand_->forward(mlp_norm_->forward(h))));
+    return x + projection_->forward(attended.transpose(1, 2).reshape({batch, length, width}));
   }
 
  private:
   int64_t heads_;
   torch::nn::LayerNorm attention_norm_;
   torch::nn::Linear qkv_, projection_;
+};
+TORCH_MODULE(AttentionResidual);
+
+class MlpResidualImpl : public torch::nn::Module {
+ public:
+  explicit MlpResidualImpl(const GptOptions& options)
+      : mlp_norm_(register_module("mlp_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({options.d_model})))),
+        expand_(register_module("expand", torch::nn::Linear(options.d_model, 4 * options.d_model))),
+        contract_(register_module("contract", torch::nn::Linear(4 * options.d_model, options.d_model))) {}
+
+  at::Tensor forward(const at::Tensor& h) {
+    return h + contract_->forward(at::gelu(expand_->forward(mlp_norm_->forward(h))));
+  }
+
+ private:
   torch::nn::LayerNorm mlp_norm_;
   torch::nn::Linear expand_, contract_;
 };
-TORCH_MODULE(TransformerBlock);
+TORCH_MODULE(MlpResidual);
 
 class LanguageModelHeadImpl : public torch::nn::Module {
  public:
@@ -136,9 +149,11 @@ smp::GraphModel make_gpt(const GptOptions& options) {
   model.add("embed", embed, {"tokens"});
   std::string previous = "embed";
   for (int64_t layer = 0; layer < options.layers; ++layer) {
-    const std::string name = "block" + std::to_string(layer);
-    model.add(name, TransformerBlock(options), {previous});
-    previous = name;
+    // Built in this order, the weights are drawn as they were when a block was one module.
+    const std::string block = "block" + std::to_string(layer);
+    model.add(block + ".attention", AttentionResidual(options), {previous});
+    model.add(block + ".mlp", MlpResidual(options), {block + ".attention"});
+    previous = block + ".mlp";
   }
   model.add("head", LanguageModelHead(options, options.tie_embeddings ? embed->token_weight() : at::Tensor()), {previous});
   return model;

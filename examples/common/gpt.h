@@ -1,6 +1,6 @@
 #pragma once
-// A small GPT-style decoder written as a torch::nn::Sequential chain (embedding, transformer blocks, head), so
-// that smp can cut it into pipeline stages between any two modules.
+// A small GPT-style decoder written as an smp::GraphModel chain (embedding, transformer blocks as their attention
+// and MLP halves, head), so that smp can cut it into pipeline stages between any two of them.
 
 #include <cstdint>
 #include <string>
@@ -21,7 +21,7 @@ struct GptOptions {
 // Reads the "model" section of a config, given as JSON text (unknown keys and bad values are errors naming the key).
 GptOptions gpt_options_from_section(const std::string& json_text, const std::string& source);
 
-// Nodes: "embed", "block0".."block{layers-1}", "head", a chain; with tie_embeddings the head's weight is the
+// Nodes: "embed", "block0.attention", "block0.mlp", .., "block{layers-1}.mlp", "head", a chain; with tie_embeddings the head's weight is the
 // embedding's (a parameter shared across whatever stages hold the two). Initialisation draws from torch's
 // global generator: seed it identically on every rank.
 smp::GraphModel make_gpt(const GptOptions& options);

@@ -18,6 +18,7 @@ stage of the node that reads it.
 
 import collections
 import inspect
+import itertools
 
 import torch
 import torch.fx as fx
@@ -123,9 +124,11 @@ class CapturedNode(torch.nn.Module):
         object.__setattr__(self, "_captured_device", captured_device)
 
     def _device(self, sources):
-        for tensor in list(sources) + list(self.parameters()) + list(self.buffers()):
-            if isinstance(tensor, torch.Tensor):
-                return tensor.device
+        for source in sources:
+            if isinstance(source, torch.Tensor):
+                return source.device
+        for tensor in itertools.chain(self.parameters(), self.buffers()):
+            return tensor.device
         return self._captured_device
 
     def _variant(self, training, device):
@@ -264,8 +267,10 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory):
     feeds (None for leaves baked into the capture), and the output spec how the model's outputs are rebuilt from
     the engine's output tensors."""
     name = type(model).__name__
+    # Capturing must leave no trace in the training state: buffers, and the random numbers dropout draws next.
     buffers_before = [(b, b.detach().clone()) for b in model.buffers()]
-    exported = export_model(model, args, kwargs)
+    with torch.random.fork_rng(devices=[]):
+        exported = export_model(model, args, kwargs)
     with torch.no_grad():
         for buffer, saved in buffers_before:
             buffer.copy_(saved)
