@@ -724,7 +724,7 @@ TEST_CASE("several named inputs and outputs: batched inputs split, the others sh
   smp::DistributedModel model(runtime, graph, smp::ModelInputs{x.narrow(0, 0, 2), mask.narrow(0, 0, 2), scale});
   const auto step = model.train_step(std::map<std::string, at::Tensor>{{"x", x}, {"mask", mask}, {"scale", scale}},
                                      targets, loss, /*keep_outputs=*/true);
-  CHECK(step.loss == Catch::Approx(expected).epsilon(1e-6));
+  CHECK(step.loss == Approx(expected).epsilon(1e-6));
   CHECK(at::allclose(project->weight.grad(), project_copy->weight.grad(), 1e-5, 1e-6));
   CHECK(at::allclose(head->weight.grad(), head_copy->weight.grad(), 1e-5, 1e-6));
   REQUIRE(step.all_outputs.size() == 2);

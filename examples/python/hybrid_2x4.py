@@ -53,8 +53,8 @@ class Head(torch.nn.Module):
 
 
 class GPT(torch.nn.Module):
-    """An ordinary PyTorch model with a forward of its own: smp traces it (torch.fx) and cuts stages between embed,
-    the blocks and head."""
+    """An ordinary PyTorch model with a forward of its own: smp captures it (torch.export) and cuts stages where
+    balance needs them, inside the blocks too (between attention and feed-forward)."""
 
     def __init__(self, vocab_size: int, context: int, width: int, heads: int, layers: int):
         super().__init__()
