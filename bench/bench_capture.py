@@ -52,7 +52,10 @@ def main():
     print(json.dumps({"layers": args.layers, "hidden": args.hidden,
                       "parameters": sum(p.numel() for p in net.parameters()),
                       "model_build_s": round(built_s, 3), "capture_s": round(capture_s, 3),
-                      "distributed_model_s": round(construction_s, 3), "nodes": len(graph.node_names()),
+                      "distributed_model_s": round(construction_s, 3),
+                      "rank0_capture_in_job_s": round(model._seconds["capture"], 3),
+                      "rank0_profile_partition_build_s": round(model._seconds["engine"], 3),
+                      "nodes": len(graph.node_names()),
                       "imbalance": imbalance}))
 
 

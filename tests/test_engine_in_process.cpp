@@ -40,6 +40,7 @@
 #include "smp/graph_model.h"
 #include "smp/optimizer_shards.h"
 #include "smp/runtime.h"
+#include "smp/torchscript_graph.h"
 #include "smp/stage_plan.h"
 #include "optimizer_snapshot.h"
 #include "split_backward.h"
@@ -741,6 +742,98 @@ TEST_CASE("several named inputs and outputs: batched inputs split, the others sh
     return outputs[0].pow(2).mean();
   };
   CHECK(std::isfinite(model.evaluate(smp::ModelInputs{x, mask, scale}, at::Tensor(), own).loss));
+}
+
+namespace {
+
+// A TorchScript module as a user would script one in Python: blocks with residuals, a ModuleList, a parameter of
+// the model itself, a mask computed from the input (no parameter), and two outputs.
+torch::jit::Module scripted_model() {
+  auto linear = [](int64_t in, int64_t out) {
+    torch::jit::Module module("Linear");
+    module.register_parameter("weight", at::randn({out, in}) * 0.3, false);
+    module.register_parameter("bias", at::randn({out}) * 0.1, false);
+    module.define("def forward(self, x):\n  return torch.nn.functional.linear(x, self.weight, self.bias)\n");
+    return module;
+  };
+  torch::jit::Module root("Model");
+  root.register_module("embed", linear(3, 8));
+  for (int i = 0; i < 4; ++i) {
+    torch::jit::Module block("Block");
+    block.register_module("attention", linear(8, 8));
+    block.register_module("mlp", linear(8, 8));
+    block.define(R"(
+def forward(self, x, mask):
+  h = x + torch.tanh(self.attention(x)) * mask
+  return h + torch.relu(self.mlp(h))
+)");
+    root.register_module("block" + std::to_string(i), block);
+  }
+  root.register_parameter("scale", at::ones({8}) * 0.5, false);
+  root.register_module("head", linear(8, 2));
+  root.define(R"(
+def forward(self, x, lengths):
+  mask = (lengths > 0.5).to(x.dtype).unsqueeze(-1)
+  h = self.embed(x)
+  h = self.block0(h, mask)
+  h = self.block1(h, mask)
+  h = self.block2(h, mask)
+  h = self.block3(h, mask)
+  return self.head(h * self.scale), h
+)");
+  return root;
+}
+
+}  // namespace
+
+TEST_CASE("a TorchScript module is cut between its submodule calls at any depth and trains as itself",
+          "[torchscript]") {
+  at::manual_seed(7);
+  torch::jit::Module scripted = scripted_model();
+  torch::jit::Module reference = scripted.deepcopy();
+  // Four stages for a model whose blocks each hold a fifth of the parameters: the blocks are cut into their
+  // attention and MLP calls.
+  const smp::GraphModel graph = smp::graph_from_torchscript(scripted, 4);
+  const auto names = [&] {
+    std::vector<std::string> found;
+    for (const auto& node : graph.nodes()) found.push_back(node.name);
+    return found;
+  }();
+  CHECK(std::find(names.begin(), names.end(), "block1.attention") != names.end());
+  CHECK(graph.input_names() == std::vector<std::string>{"x", "lengths"});
+  REQUIRE(graph.output_names().size() == 2);
+  std::set<std::string> parameter_names;
+  for (const auto& [name, tensor] : graph.named_parameters()) parameter_names.insert(name);
+  CHECK(parameter_names.count("block2.mlp.weight"));
+  CHECK(parameter_names.count("scale"));
+  CHECK(parameter_names.size() == 2 + 4 * 4 + 1 + 2);
+
+  const auto config = smp::Config::from_json_text(
+      R"({"device": "cpu", "microbatches": 2, "virtual_stages": 4, "pipeline": "interleaved"})", "test config");
+  auto runtime = smp::Runtime::init(config, smp::comm::LaunchInfo{});
+  const at::Tensor x = at::randn({4, 5, 3}), lengths = at::rand({4, 5}), targets = at::randn({4, 5, 2});
+  smp::DistributedModel model(runtime, graph, smp::ModelInputs{x.narrow(0, 0, 2), lengths.narrow(0, 0, 2)});
+  const smp::OutputsLossFunction loss = [](const std::vector<at::Tensor>& outputs, const at::Tensor& target) {
+    return at::mse_loss(outputs[0], target) + 0.1 * outputs[1].pow(2).mean();
+  };
+  const auto step = model.train_step(smp::ModelInputs{x, lengths}, targets, loss);
+  double expected = 0.0;
+  for (int m = 0; m < 2; ++m) {
+    const auto out = reference.forward({x.chunk(2)[m], lengths.chunk(2)[m]}).toTuple();
+    const at::Tensor value = loss({out->elements()[0].toTensor(), out->elements()[1].toTensor()}, targets.chunk(2)[m]);
+    (value / 2).backward();
+    expected += value.item<double>() / 2;
+  }
+  CHECK(step.loss == Approx(expected).epsilon(1e-6));
+  std::map<std::string, at::Tensor> reference_parameters;
+  for (const auto& parameter : reference.named_parameters(true)) reference_parameters[parameter.name] = parameter.value;
+  for (const auto& [name, parameter] : model.named_parameters()) {
+    REQUIRE(reference_parameters.count(name));
+    REQUIRE(parameter.grad().defined());
+    CHECK(at::allclose(parameter.grad(), reference_parameters[name].grad(), 1e-5, 1e-6));
+  }
+  // The TorchScript module's own tensors are the ones trained.
+  CHECK(scripted.attr("scale").toTensor().grad().defined());
 }
 
 TEST_CASE("optimizer shards: whole parameters, balanced by bytes, the same on every replica", "[zero]") {

@@ -25,6 +25,7 @@ import collections
 import io
 import json
 import os
+import time
 import weakref
 
 import torch  # loads LibTorch before the extension that links it
@@ -122,6 +123,7 @@ class DistributedModel:
 
     def __init__(self, model, sample):
         rt = runtime()
+        started = time.perf_counter()
         if isinstance(model, GraphModel):
             graph, io_ = model, GraphIO(model.input_names, model._several_outputs)
         elif _is_sequential(model):
@@ -137,7 +139,10 @@ class DistributedModel:
             raise TypeError(f"expected a torch.nn.Module or an smp.GraphModel, got {type(model).__name__}")
         self._io = io_
         self._graph = graph
+        captured = time.perf_counter()
         self._model = _smp.DistributedModel(rt, graph._graph, io_.engine_inputs(sample, "sample"))
+        # Where construction time went (capture; profiling, partitioning and building the stages), for benchmarks.
+        self._seconds = {"capture": captured - started, "engine": time.perf_counter() - captured}
         _models.add(self)
 
     def _engine_step(self, step, inputs, targets, loss, keep_outputs, replica_share, what):
