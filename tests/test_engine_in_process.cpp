@@ -751,9 +751,9 @@ namespace {
 torch::jit::Module scripted_model() {
   auto linear = [](int64_t in, int64_t out) {
     torch::jit::Module module("Linear");
-    module.register_parameter("weight", at::randn({out, in}) * 0.3, false);
-    module.register_parameter("bias", at::randn({out}) * 0.1, false);
-    module.define("def forward(self, x):\n  return torch.nn.functional.linear(x, self.weight, self.bias)\n");
+    module.register_parameter("weight", (at::randn({out, in}) * 0.3).requires_grad_(), false);
+    module.register_parameter("bias", (at::randn({out}) * 0.1).requires_grad_(), false);
+    module.define("def forward(self, x):\n  return torch.matmul(x, self.weight.t()) + self.bias\n");
     return module;
   };
   torch::jit::Module root("Model");
@@ -764,22 +764,22 @@ torch::jit::Module scripted_model() {
     block.register_module("mlp", linear(8, 8));
     block.define(R"(
 def forward(self, x, mask):
-  h = x + torch.tanh(self.attention(x)) * mask
-  return h + torch.relu(self.mlp(h))
+  h = x + torch.tanh(self.attention.forward(x)) * mask
+  return h + torch.relu(self.mlp.forward(h))
 )");
     root.register_module("block" + std::to_string(i), block);
   }
-  root.register_parameter("scale", at::ones({8}) * 0.5, false);
+  root.register_parameter("scale", (at::ones({8}) * 0.5).requires_grad_(), false);
   root.register_module("head", linear(8, 2));
   root.define(R"(
 def forward(self, x, lengths):
   mask = (lengths > 0.5).to(x.dtype).unsqueeze(-1)
-  h = self.embed(x)
-  h = self.block0(h, mask)
-  h = self.block1(h, mask)
-  h = self.block2(h, mask)
-  h = self.block3(h, mask)
-  return self.head(h * self.scale), h
+  h = self.embed.forward(x)
+  h = self.block0.forward(h, mask)
+  h = self.block1.forward(h, mask)
+  h = self.block2.forward(h, mask)
+  h = self.block3.forward(h, mask)
+  return self.head.forward(h * self.scale), h
 )");
   return root;
 }
@@ -790,7 +790,8 @@ TEST_CASE("a TorchScript module is cut between its submodule calls at any depth 
           "[torchscript]") {
   at::manual_seed(7);
   torch::jit::Module scripted = scripted_model();
-  torch::jit::Module reference = scripted.deepcopy();
+  at::manual_seed(7);
+  torch::jit::Module reference = scripted_model();
   // Four stages for a model whose blocks each hold a fifth of the parameters: the blocks are cut into their
   // attention and MLP calls.
   const smp::GraphModel graph = smp::graph_from_torchscript(scripted, 4);

@@ -168,7 +168,7 @@ class Capture {
         if (is_call(node) && expandable(node) && (!heaviest || weight(node) > weight(heaviest))) heaviest = node;
       }
       if (!heaviest || static_cast<double>(weight(heaviest)) <= limit) return;
-      torch::jit::inlineCallTo(heaviest, callee(heaviest));
+      torch::jit::inlineCallTo(heaviest, callee(heaviest), /*inline_optimized_graph=*/false);
     }
   }
 
