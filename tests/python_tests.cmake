@@ -103,3 +103,6 @@ set_tests_properties(python_example_hf_causal_lm PROPERTIES
   ENVIRONMENT "PYTHONPATH=${SMP_PYTHON_PACKAGE_DIR};OMP_NUM_THREADS=1;PYTHONUNBUFFERED=1")
 smp_python_test(python_real_models_bf16_matches_float32 2 real_models.py --models llama,vit --rtol 0.03
                 --smp [[{"partitions": 2, "microbatches": 2, "global_batch_size": 4, "seed": 3, "device": "cpu", "bf16": true}]])
+smp_python_test(python_more_model_families_equal_pytorch 2 real_models.py --steps 2
+                --models mistral,qwen2,phi,gpt_neox,bloom,falcon,roberta,distilbert,bart,mobilenet,efficientnet,convnext,swin
+                --smp [[{"partitions": 2, "microbatches": 2, "global_batch_size": 4, "seed": 3, "device": "cpu"}]])

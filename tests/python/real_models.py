@@ -3,8 +3,10 @@ nothing downloaded) through smp and, in the same process, a copy with plain PyTo
 (gradient accumulation). Every step's loss and every parameter this rank holds must match (1e-5 relative, float32).
 Exits 0 only then.
 
-  --models LIST  comma-separated, trained one after the other in the same job: gpt2, llama, bert (sequence
-                 classification, padded attention masks), t5 (encoder-decoder), opt, resnet, vit
+  --models LIST  comma-separated, trained one after the other in the same job: causal LMs gpt2, llama, mistral,
+                 qwen2, phi, gpt_neox, bloom, falcon, opt; sequence classifiers with padded attention masks bert,
+                 roberta, distilbert; encoder-decoders t5, bart; torchvision resnet, vit, mobilenet, efficientnet,
+                 convnext, swin
   --smp JSON     the config
   --steps N
   --loss own|fn  own: the model's own loss (labels among the inputs, loss=None); fn: a loss function on the
@@ -26,73 +28,102 @@ import smp
 VOCAB, SEQUENCE, CLASSES = 96, 12, 5
 
 
+NO_IDS = dict(bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
 def language_model(name):
     import transformers as hf
     small = dict(vocab_size=VOCAB)
-    if name == "gpt2":
-        return hf.GPT2LMHeadModel(hf.GPT2Config(n_layer=4, n_embd=32, n_head=4, n_positions=32, resid_pdrop=0.0,
-                                                embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-                                                **small))
-    if name == "llama":
-        return hf.LlamaForCausalLM(hf.LlamaConfig(num_hidden_layers=4, hidden_size=32, intermediate_size=64,
-                                                  num_attention_heads=4, num_key_value_heads=2,
-                                                  max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
-                                                  pad_token_id=0, **small))
-    if name == "opt":
-        return hf.OPTForCausalLM(hf.OPTConfig(num_hidden_layers=4, hidden_size=32, ffn_dim=64, num_attention_heads=4,
-                                              max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0,
-                                              attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0,
-                                              bos_token_id=0, eos_token_id=0, pad_token_id=0, **small))
-    if name == "bert":
-        return hf.BertForSequenceClassification(hf.BertConfig(num_hidden_layers=4, hidden_size=32,
-                                                              intermediate_size=64, num_attention_heads=4,
-                                                              max_position_embeddings=32, num_labels=CLASSES,
-                                                              hidden_dropout_prob=0.0,
-                                                              attention_probs_dropout_prob=0.0, **small))
-    if name == "t5":
-        return hf.T5ForConditionalGeneration(hf.T5Config(num_layers=2, num_decoder_layers=2, d_model=32, d_ff=64,
-                                                         num_heads=4, d_kv=8, dropout_rate=0.0,
-                                                         decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
-                                                         **small))
-    raise ValueError(name)
+    quiet = dict(hidden_dropout=0.0, attention_dropout=0.0)
+    decoder = dict(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                   max_position_embeddings=32, **NO_IDS, **small)
+    grouped = dict(decoder, num_key_value_heads=2)
+    encoder = dict(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                   max_position_embeddings=40, num_labels=CLASSES, hidden_dropout_prob=0.0,
+                   attention_probs_dropout_prob=0.0, **small)
+    builders = {
+        "gpt2": lambda: hf.GPT2LMHeadModel(hf.GPT2Config(n_layer=4, n_embd=32, n_head=4, n_positions=32,
+                                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                                         bos_token_id=0, eos_token_id=0, **small)),
+        "llama": lambda: hf.LlamaForCausalLM(hf.LlamaConfig(**grouped)),
+        "mistral": lambda: hf.MistralForCausalLM(hf.MistralConfig(**grouped)),
+        "qwen2": lambda: hf.Qwen2ForCausalLM(hf.Qwen2Config(**grouped)),
+        "phi": lambda: hf.PhiForCausalLM(hf.PhiConfig(**decoder, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                      attention_dropout=0.0)),
+        "gpt_neox": lambda: hf.GPTNeoXForCausalLM(hf.GPTNeoXConfig(**decoder, **quiet)),
+        "bloom": lambda: hf.BloomForCausalLM(hf.BloomConfig(n_layer=4, hidden_size=32, n_head=4, **quiet, **NO_IDS,
+                                                            **small)),
+        "falcon": lambda: hf.FalconForCausalLM(hf.FalconConfig(num_hidden_layers=4, hidden_size=32,
+                                                               num_attention_heads=4, **quiet, **NO_IDS, **small)),
+        "opt": lambda: hf.OPTForCausalLM(hf.OPTConfig(num_hidden_layers=4, hidden_size=32, ffn_dim=64,
+                                                      num_attention_heads=4, max_position_embeddings=32,
+                                                      word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
+                                                      activation_dropout=0.0, layerdrop=0.0, **NO_IDS, **small)),
+        "bert": lambda: hf.BertForSequenceClassification(hf.BertConfig(**encoder)),
+        "roberta": lambda: hf.RobertaForSequenceClassification(hf.RobertaConfig(**encoder, pad_token_id=1)),
+        "distilbert": lambda: hf.DistilBertForSequenceClassification(hf.DistilBertConfig(
+            n_layers=4, dim=32, hidden_dim=64, n_heads=4, max_position_embeddings=32, num_labels=CLASSES,
+            dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0, **small)),
+        "t5": lambda: hf.T5ForConditionalGeneration(hf.T5Config(num_layers=2, num_decoder_layers=2, d_model=32,
+                                                                d_ff=64, num_heads=4, d_kv=8, dropout_rate=0.0,
+                                                                decoder_start_token_id=0, pad_token_id=0,
+                                                                eos_token_id=1, **small)),
+        "bart": lambda: hf.BartForConditionalGeneration(hf.BartConfig(
+            encoder_layers=2, decoder_layers=2, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64,
+            encoder_attention_heads=4, decoder_attention_heads=4, max_position_embeddings=32, dropout=0.0,
+            attention_dropout=0.0, activation_dropout=0.0, decoder_start_token_id=2, **NO_IDS, **small)),
+    }
+    return builders[name]()
 
 
 def vision_model(name):
-    import torchvision
-    if name == "resnet":
-        return torchvision.models.resnet18(num_classes=CLASSES)
-    if name == "vit":
-        return torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=4, num_heads=4,
-                                                    hidden_dim=32, mlp_dim=64, num_classes=CLASSES)
-    raise ValueError(name)
+    import torchvision.models as tv
+    builders = {
+        "resnet": lambda: tv.resnet18(num_classes=CLASSES),
+        "vit": lambda: tv.VisionTransformer(image_size=32, patch_size=8, num_layers=4, num_heads=4, hidden_dim=32,
+                                            mlp_dim=64, num_classes=CLASSES),
+        "mobilenet": lambda: tv.mobilenet_v3_small(num_classes=CLASSES, dropout=0.0),
+        "efficientnet": lambda: tv.efficientnet_b0(num_classes=CLASSES, stochastic_depth_prob=0.0, dropout=0.0),
+        "convnext": lambda: tv.convnext_tiny(num_classes=CLASSES, stochastic_depth_prob=0.0),
+        "swin": lambda: tv.SwinTransformer(patch_size=[4, 4], embed_dim=24, depths=[2, 2], num_heads=[2, 4],
+                                           window_size=[4, 4], stochastic_depth_prob=0.0, num_classes=CLASSES),
+    }
+    return builders[name]()
+
+
+VISION = {"resnet", "vit", "mobilenet", "efficientnet", "convnext", "swin"}
+CLASSIFIERS = {"bert", "roberta", "distilbert"}
+ENCODER_DECODERS = {"t5", "bart"}
 
 
 def batch(name, samples, generator):
     """(inputs, targets) of one global batch: inputs as the model's forward takes them."""
-    if name in ("resnet", "vit"):
-        # ResNet at 64 x 64 pixels: its last batch norms then normalize over 2 x 2 positions per sample; over one
-        # they would compare two samples alone, so sensitive that the replicas' summation order moves the next loss.
-        size = 64 if name == "resnet" else 32
+    if name in VISION:
+        # 64 x 64 pixels: ResNet's last batch norms then normalize over 2 x 2 positions per sample; over one they
+        # would compare two samples alone, so sensitive that the replicas' summation order moves the next loss.
+        size = 32 if name == "vit" else 64
         return torch.randn(samples, 3, size, size, generator=generator), torch.randint(0, CLASSES, (samples,),
                                                                                       generator=generator)
     ids = torch.randint(1, VOCAB, (samples, SEQUENCE), generator=generator)
-    if name == "bert":
+    if name in CLASSIFIERS:
         # Padded: every sample has its own length, the rest masked.
         lengths = torch.randint(SEQUENCE // 2, SEQUENCE + 1, (samples,), generator=generator)
         mask = (torch.arange(SEQUENCE)[None, :] < lengths[:, None]).long()
         labels = torch.randint(0, CLASSES, (samples,), generator=generator)
-        return {"input_ids": ids * mask, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids),
-                "labels": labels}, labels
-    if name == "t5":
+        inputs = {"input_ids": ids * mask, "attention_mask": mask, "labels": labels}
+        if name == "bert":
+            inputs["token_type_ids"] = torch.zeros_like(ids)  # an input that does not change the result
+        return inputs, labels
+    if name in ENCODER_DECODERS:
         decoder = torch.randint(1, VOCAB, (samples, SEQUENCE // 2), generator=generator)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": decoder}, decoder
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}, ids
 
 
 def function_loss(name):
-    if name in ("resnet", "vit"):
+    if name in VISION:
         return F.cross_entropy
-    if name == "bert":
+    if name in CLASSIFIERS:
         return lambda output, target: F.cross_entropy(output.logits, target)
     return lambda output, target: F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
 
@@ -126,7 +157,7 @@ def main():
 def train_and_compare(name, args, config, runtime):
     microbatches, replicas = config["microbatches"], runtime.data_parallel_degree
     global_batch = config["global_batch_size"]
-    vision = name in ("resnet", "vit")
+    vision = name in VISION
     own = args.loss == "own" and not vision
 
     torch.manual_seed(config.get("seed", 0))

@@ -43,6 +43,14 @@ _ASSERTS = {_aten._assert_tensor_metadata.default, _aten._assert_scalar.default,
             _aten.sym_constrain_range_for_size.default}
 
 
+# Operations that read only their tensor inputs' shape, dtype and device: what they make depends on no parameter
+# even when those inputs do (a mask made with x.new_zeros, filled in place, recomputed where read).
+_READS_METADATA_ONLY = {getattr(_aten, name).default for name in
+                        ("new_zeros", "new_ones", "new_empty", "zeros_like", "ones_like", "empty_like")} | \
+                       {_aten.new_full.default, _aten.full_like.default, _aten.sym_size.int, _aten.sym_numel.default,
+                        _aten.sym_stride.int}
+
+
 class CaptureError(Exception):
     pass
 
@@ -330,7 +338,8 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory):
     for node in graph.nodes:
         if node.op == "placeholder" and isinstance(attributes.get(node, (None, None))[1], torch.nn.Parameter):
             dynamic.add(node)
-        elif _is_op(node) and (_is_random(node) or any(a in dynamic for a in node.all_input_nodes)):
+        elif _is_op(node) and (_is_random(node) or (node.target not in _READS_METADATA_ONLY and
+                                                     any(a in dynamic for a in node.all_input_nodes))):
             dynamic.add(node)
     extra_inputs = _in_place_writes(graph, order, attributes, dynamic, name)
     for node in reversed(list(graph.nodes)):
