@@ -109,6 +109,14 @@ class EagerModule : public torch::nn::Module {
     torch::nn::Module::train(on);
   }
 
+  // The same Python module and call seen anew: its tensors as they are now (made real after a meta-device build).
+  std::shared_ptr<EagerModule> rebuilt() const {
+    py::gil_scoped_acquire gil;
+    auto module = std::make_shared<EagerModule>(*module_, *call_);
+    module->torch::nn::Module::train(is_training());
+    return module;
+  }
+
   at::Tensor forward(const std::vector<at::Tensor>& inputs) {
     py::gil_scoped_acquire gil;
     py::tuple arguments(inputs.size());
@@ -313,10 +321,34 @@ PYBIND11_MODULE(_smp, module) {
       });
 
   py::class_<DistributedModel>(module, "DistributedModel")
-      .def(py::init([](std::shared_ptr<Runtime> runtime, GraphModel model, const OptionalTensors& sample) {
-             return std::make_unique<DistributedModel>(std::move(runtime), std::move(model), defined_or_not(sample));
+      .def(py::init([](std::shared_ptr<Runtime> runtime, GraphModel model, const OptionalTensors& sample,
+                       const py::object& materialize) {
+             DistributedModel::MaterializeNodes hook;
+             if (!materialize.is_none()) {
+               auto callable = held_under_gil(materialize);
+               // Python makes the local nodes' tensors real; every eager node is then seen anew, so that a tensor
+               // several nodes share (a tied weight) is one tensor in all of them again.
+               hook = [callable](GraphModel& graph, const std::vector<int>& local_nodes) {
+                 {
+                   py::gil_scoped_acquire gil;
+                   (*callable)(local_nodes);
+                 }
+                 for (std::size_t i = 0; i < graph.nodes().size(); ++i) {
+                   const auto eager = std::dynamic_pointer_cast<EagerModule>(graph.nodes()[i].module);
+                   if (!eager) continue;
+                   auto module = eager->rebuilt();
+                   GraphModel::Forward forward = [module](const std::vector<at::Tensor>& values) {
+                     return module->forward(values);
+                   };
+                   graph.replace_module(static_cast<int>(i), module, std::move(forward));
+                 }
+               };
+             }
+             py::gil_scoped_release released;
+             return std::make_unique<DistributedModel>(std::move(runtime), std::move(model), defined_or_not(sample),
+                                                       hook);
            }),
-           py::arg("runtime"), py::arg("model"), py::arg("sample"), py::call_guard<py::gil_scoped_release>())
+           py::arg("runtime"), py::arg("model"), py::arg("sample"), py::arg("materialize") = py::none())
       .def("train_step", with_python_loss<&DistributedModel::train_step>, py::arg("inputs"), py::arg("targets"),
            py::arg("loss"), py::arg("keep_outputs") = false)
       .def("evaluate", with_python_loss<&DistributedModel::evaluate>, py::arg("inputs"), py::arg("targets"),

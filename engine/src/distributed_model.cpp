@@ -85,7 +85,8 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, const torch
 DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const at::Tensor& sample_input)
     : DistributedModel(std::move(runtime), std::move(model), ModelInputs{sample_input}) {}
 
-DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const ModelInputs& sample)
+DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const ModelInputs& sample,
+                                   const MaterializeNodes& materialize)
     : runtime_(std::move(runtime)),
       // More stages than nodes: cut finer along the module tree first.
       model_(model.expanded_to(static_cast<std::size_t>(runtime_->config().num_stages()))) {
@@ -151,6 +152,13 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
       std::filesystem::create_directories(config.trace_dir);
       write_file_atomically(config.trace_dir + "/partition.json", plan_.to_json());
     }
+  }
+  if (materialize) {
+    std::vector<int> local_nodes;
+    for (std::size_t i = 0; i < model_.nodes().size(); ++i) {
+      if (schedule.stage_to_rank[plan_.stage_of_module[i]] == runtime_->pp_rank()) local_nodes.push_back(static_cast<int>(i));
+    }
+    materialize(model_, local_nodes);
   }
   build_stages(schedule);
   executor_ = std::make_unique<PipelineExecutor>(lower_and_validate(std::move(schedule), graph_, config), graph_,

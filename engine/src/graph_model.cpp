@@ -29,6 +29,11 @@ int GraphModel::input_index(const std::string& name) const {
   return found == input_names_.end() ? -1 : static_cast<int>(found - input_names_.begin());
 }
 
+void GraphModel::replace_module(int node, std::shared_ptr<torch::nn::Module> module, Forward forward) {
+  nodes_.at(static_cast<std::size_t>(node)).module = std::move(module);
+  nodes_.at(static_cast<std::size_t>(node)).forward = std::move(forward);
+}
+
 void GraphModel::set_outputs(std::vector<std::string> outputs) {
   if (outputs.empty()) throw ConfigError("GraphModel: set_outputs needs at least one node");
   for (const auto& output : outputs) {

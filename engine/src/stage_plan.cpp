@@ -273,7 +273,9 @@ std::optional<c10::Device> device_of(torch::nn::Module& module) {
 class ModuleVisit {
  public:
   ModuleVisit(torch::nn::Module& module, c10::Device device) : module_(module), home_(device_of(module)) {
-    if (home_ && *home_ != device) module_.to(device);
+    // A module built on the meta device has no data to move: its forward (a captured node of the Python package)
+    // runs on stand-ins of its own while it is profiled.
+    if (home_ && *home_ != device && !home_->is_meta()) module_.to(device);
     else home_.reset();  // already there (or nothing to move)
   }
   ~ModuleVisit() {

@@ -23,6 +23,7 @@ copied, so there they are the copy's).
 
 import collections
 import io
+import itertools
 import json
 import os
 import time
@@ -30,12 +31,12 @@ import weakref
 
 import torch  # loads LibTorch before the extension that links it
 
-from . import _smp
+from . import _materialize, _smp
 from ._graph import GraphModel, _is_sequential, _kind
 from ._model_io import CapturedIO, GraphIO, own_loss
 from ._smp import CheckpointError, CommError, ConfigError, ModelError, NonFiniteError
 
-__all__ = ["init", "runtime", "GraphModel", "DistributedModel", "DistributedOptimizer", "Checkpointer",
+__all__ = ["init", "runtime", "GraphModel", "DistributedModel", "DistributedOptimizer", "Checkpointer", "materialize",
            "latest_checkpoint", "export_checkpoint", "load_full_model",
            "ConfigError", "ModelError", "NonFiniteError", "CheckpointError", "CommError"]
 
@@ -96,6 +97,34 @@ def _capture(model, sample, stages, pinned):
     return graph, GraphIO(graph.input_names, False)
 
 
+def _materializer(model, graph, rt, init_fn):
+    """What makes this rank's stages real once the partition is known: the modules owning the tensors its nodes
+    read, on its device, each initialized from the generator of (config seed, module path)."""
+    names = graph.node_names()
+
+    def materialize_local(local_nodes):
+        paths = set()
+        for index in local_nodes:
+            node = graph._captured.get(names[index])
+            if node is not None:
+                paths |= {path for path, _ in itertools.chain(node.named_parameters(), node.named_buffers())}
+        replaced = _materialize.materialize_modules(model, _materialize.owning_modules(model, paths),
+                                                    torch.device(rt.device), rt.config.seed, init_fn)
+        for node in graph._captured.values():
+            node.replace_tensors(replaced)
+
+    return materialize_local
+
+
+def materialize(model, device="cpu", seed=0, init_fn=None):
+    """A model built on the meta device made real on `device`, every module initialized from a generator seeded by
+    (seed, its path), as each rank of a job whose config has this "seed" initializes its own stages: the same weights
+    in one process, for the single-process reference or for inference. Modules are initialized with their own
+    reset_parameters(), or init_fn(module) (a Hugging Face model's: init_fn=model._init_weights). Returns the
+    model."""
+    return _materialize.materialize(model, device, seed, init_fn)
+
+
 class StepResult:
     """What train_step and evaluate return: .loss (the global batch's mean loss, the same on every rank), .skipped,
     .seconds, and .outputs (keep_outputs: the model's outputs for this replica's share, as the model returns them,
@@ -121,7 +150,7 @@ class DistributedModel:
     profiles the modules on it and all ranks adopt its partition.
     """
 
-    def __init__(self, model, sample):
+    def __init__(self, model, sample, init_fn=None):
         rt = runtime()
         started = time.perf_counter()
         if isinstance(model, GraphModel):
@@ -140,7 +169,13 @@ class DistributedModel:
         self._io = io_
         self._graph = graph
         captured = time.perf_counter()
-        self._model = _smp.DistributedModel(rt, graph._graph, io_.engine_inputs(sample, "sample"))
+        materialize_local = None
+        if isinstance(model, torch.nn.Module) and _materialize.is_meta(model):
+            if not graph._captured:
+                raise ModelError("a model built on the meta device must be a module with a forward of its own (captured "
+                                 "whole); build a Sequential or a GraphModel's modules normally")
+            materialize_local = _materializer(model, graph, rt, init_fn)
+        self._model = _smp.DistributedModel(rt, graph._graph, io_.engine_inputs(sample, "sample"), materialize_local)
         # Where construction time went (capture; profiling, partitioning and building the stages), for benchmarks.
         self._seconds = {"capture": captured - started, "engine": time.perf_counter() - captured}
         _models.add(self)

@@ -119,7 +119,8 @@ class CapturedNode(torch.nn.Module):
     """One engine node: its parameters and buffers under their model paths, and the generated code that computes the
     node's value from its sources. The code is made per (training mode, device): dropout and batch norm follow the
     mode (the export baked in the one it ran in), buffer updates happen in training only, and tensors the forward
-    creates (arange, masks) go to the device the node runs on."""
+    creates (arange, masks) go to the device the node runs on. While its tensors are on the meta device (a model
+    built there, before this rank makes its own stages real) it runs on random stand-ins, for profiling."""
 
     def __init__(self, graph, attributes, name, captured_device):
         super().__init__()
@@ -130,6 +131,11 @@ class CapturedNode(torch.nn.Module):
         object.__setattr__(self, "_variants", {})
         object.__setattr__(self, "_name", name)
         object.__setattr__(self, "_captured_device", captured_device)
+        object.__setattr__(self, "_stand_ins", None)
+        # True while any tensor is on the meta device; stand-ins are for profiling, before this rank makes its own
+        # stages real (after that, a meta tensor reaching a computation is an error naming it).
+        object.__setattr__(self, "_meta", any(t.is_meta for t in itertools.chain(self.parameters(), self.buffers())))
+        object.__setattr__(self, "_profiling", self._meta)
 
     def _device(self, sources):
         for source in sources:
@@ -139,36 +145,110 @@ class CapturedNode(torch.nn.Module):
             return tensor.device
         return self._captured_device
 
+    def _code(self, root, training, device):
+        return _retargeted(fx.GraphModule(root, self._graph), training, device)
+
     def _variant(self, training, device):
         key = (training, device)
         code = self._variants.get(key)
         if code is None:
-            graph = fx.Graph()
-            values = {}
-            for node in self._graph.nodes:
-                if not training and _is_op(node) and _mutates_first_argument(node) and \
-                        node.args[0].op == "get_attr" and not node.users:
-                    continue  # a buffer update (batch norm's count of batches): training only
-                copy = graph.node_copy(node, lambda n: values[n])
-                if _is_op(copy):
-                    if copy.target in _TRAINING_FLAG:
-                        args = list(copy.args)
-                        index = _TRAINING_FLAG[copy.target]
-                        if index < len(args):
-                            args[index] = training and args[index]
-                            copy.args = tuple(args)
-                    if "device" in copy.kwargs and copy.kwargs["device"] is not None:
-                        copy.kwargs = dict(copy.kwargs, device=device)
-                values[node] = copy
-            code = fx.GraphModule(self, graph)
-            self._variants[key] = code
+            code = self._variants[key] = self._code(self, training, device)
         return code
 
+    def _on_stand_ins(self, training, device):
+        """Random tensors of the shapes of this node's, on `device`: one node's at a time across the process."""
+        global _NODE_WITH_STAND_INS
+        if _NODE_WITH_STAND_INS is not None and _NODE_WITH_STAND_INS is not self:
+            _NODE_WITH_STAND_INS.drop_stand_ins()
+        _NODE_WITH_STAND_INS = self
+        if self._stand_ins is None or self._stand_ins[0] != (training, device):
+            root = torch.nn.Module()
+            with torch.no_grad():
+                for path, tensor in self.named_parameters():
+                    _set_path(root, path, torch.nn.Parameter(torch.randn(tensor.shape, device=device).to(tensor.dtype)
+                                                             * 0.02, requires_grad=tensor.requires_grad))
+                for path, tensor in self.named_buffers():
+                    _set_path(root, path, torch.ones(tensor.shape, dtype=tensor.dtype, device=device))
+                for node in self._graph.nodes:  # what else the code reads (a higher-order operation's subgraph)
+                    if node.op == "get_attr" and not isinstance(_attribute(self, node.target), torch.Tensor):
+                        _set_path(root, node.target, _attribute(self, node.target))
+            object.__setattr__(self, "_stand_ins", ((training, device), self._code(root, training, device)))
+        return self._stand_ins[1]
+
+    def drop_stand_ins(self):
+        object.__setattr__(self, "_stand_ins", None)
+
+    def replace_tensors(self, replaced):
+        """Takes the new tensors for old ones ({id(old): (old, new)}: made real from the meta device)."""
+        changed = False
+        for module in self.modules():
+            for table in (module._parameters, module._buffers):
+                for name, tensor in list(table.items()):
+                    if tensor is not None and id(tensor) in replaced and replaced[id(tensor)][0] is tensor:
+                        table[name] = replaced[id(tensor)][1]
+                        changed = True
+        if changed:
+            self._variants.clear()
+            self.drop_stand_ins()
+        object.__setattr__(self, "_meta", any(t.is_meta for t in itertools.chain(self.parameters(), self.buffers())))
+        object.__setattr__(self, "_profiling", False)
+
     def forward(self, *sources):
-        return self._variant(self.training, self._device(sources))(*sources)
+        device = self._device(sources)
+        if self._meta:
+            if not self._profiling or device.type == "meta":
+                meta = [path for path, t in itertools.chain(self.named_parameters(), self.named_buffers()) if t.is_meta]
+                raise ModelError(f"node '{self._name}' reads {meta[0]}, still on the meta device on this rank: its "
+                                 "module was not made real")
+            return self._on_stand_ins(self.training, device)(*sources)
+        return self._variant(self.training, device)(*sources)
 
     def extra_repr(self):
         return self._name
+
+
+_NODE_WITH_STAND_INS = None  # the captured node whose stand-ins exist (profiling one node at a time)
+
+
+def _set_device_argument(node, device):
+    """A device the capture baked into an operation (arange(..., device=cpu), x.to(cpu)), by keyword or position."""
+    if node.kwargs.get("device") is not None:
+        node.kwargs = dict(node.kwargs, device=device)
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return
+    for index, argument in enumerate(schema.arguments):
+        if argument.name == "device" and index < len(node.args) and isinstance(node.args[index], torch.device):
+            node.args = node.args[:index] + (device,) + node.args[index + 1:]
+
+
+def _retargeted(module, training, device):
+    """The code of a captured graph for one training mode and device: dropout and batch norm follow the mode (the
+    export baked in the one it ran in), buffer updates happen in training only, tensors the code creates (arange,
+    masks) go to `device`; the same for the subgraphs of higher-order operations (a no-grad region, autocast)."""
+    graph = fx.Graph()
+    values = {}
+    for node in module.graph.nodes:
+        if not training and _is_op(node) and _mutates_first_argument(node) and \
+                node.args[0].op == "get_attr" and not node.users:
+            continue  # a buffer update (batch norm's count of batches): training only
+        if _is_op(node) and node.target in _ASSERTS and not node.users:
+            continue
+        copy = graph.node_copy(node, lambda n: values[n])
+        if _is_op(copy):
+            if copy.target in _TRAINING_FLAG:
+                args = list(copy.args)
+                index = _TRAINING_FLAG[copy.target]
+                if index < len(args):
+                    args[index] = training and args[index]
+                    copy.args = tuple(args)
+            _set_device_argument(copy, device)
+        values[node] = copy
+    code = fx.GraphModule(module, graph)
+    for node in graph.nodes:
+        if node.op == "get_attr" and isinstance(_attribute(code, node.target), fx.GraphModule):
+            _set_path(code, node.target, _retargeted(_attribute(code, node.target), training, device))
+    return code
 
 
 def _signature_kinds(exported):
@@ -277,6 +357,9 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory):
     name = type(model).__name__
     # Capturing must leave no trace in the training state: buffers, and the random numbers dropout draws next.
     buffers_before = [(b, b.detach().clone()) for b in model.buffers()]
+    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+        # A model built on the meta device is captured there: export wants the sample on the parameters' device.
+        args, kwargs = pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, (args, kwargs))
     with torch.random.fork_rng(devices=[]):
         exported = export_model(model, args, kwargs)
     with torch.no_grad():
@@ -393,6 +476,7 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory):
         node_graph, sources, node_attributes = _node_graph(value, extra, value_name, attributes, order, extra_inputs)
         module = CapturedNode(node_graph, node_attributes, node_name[value], captured_device)
         engine._add_call(node_name[value], module, module, [value_name[s] for s in sources], names_from_root=True)
+        engine._captured[node_name[value]] = module
     outputs = []
     for leaf in output_leaves:
         if isinstance(leaf, fx.Node):

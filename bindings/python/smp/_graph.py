@@ -50,6 +50,7 @@ class GraphModel:
         names = [input_names] if isinstance(input_names, str) else list(input_names)
         self._graph = _smp.GraphModel(names)
         self._several_outputs = False
+        self._captured = {}  # node name -> CapturedNode, for a model captured whole
 
     @property
     def input_names(self):

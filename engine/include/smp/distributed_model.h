@@ -2,6 +2,7 @@
 // smp::DistributedModel: wraps a model (a GraphModel, or a Sequential chain), keeps on this rank only the modules
 // of its pipeline stages, and runs training steps across the pipeline and the data-parallel replicas.
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -56,7 +57,12 @@ class DistributedModel {
   // modules on it and publishes the partition, so that all ranks agree.
   DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const at::Tensor& sample_input);
   // A model of several inputs: `sample` holds one microbatch of each, in GraphModel::input_names() order.
-  DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const ModelInputs& sample);
+  // `materialize`, when given, is called once the partition is known, before this rank's parameters are collected
+  // and moved to its device, with the nodes this rank runs: a model built on the meta device makes their tensors
+  // real there (and may rebuild any node's module: GraphModel::replace_module).
+  using MaterializeNodes = std::function<void(GraphModel& model, const std::vector<int>& local_nodes)>;
+  DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const ModelInputs& sample,
+                   const MaterializeNodes& materialize = {});
   DistributedModel(std::shared_ptr<Runtime> runtime, const torch::nn::Sequential& model, const at::Tensor& sample_input);
 
   // One step on this replica's share of the global batch (Runtime::replica_slice): split into microbatches,

@@ -59,6 +59,9 @@ class GraphModel {
   // Adds a node with an explicit forward function over the module (any signature the function adapts).
   GraphModel& add(const std::string& name, std::shared_ptr<torch::nn::Module> module, Forward forward,
                   std::vector<std::string> inputs, std::string parameter_prefix = {}, bool names_from_root = false);
+  // Node `node` runs `module` with `forward` from now on, same inputs and name: its module rebuilt (a Python model
+  // built on the meta device, whose tensors became real once the partition said which nodes this rank runs).
+  void replace_module(int node, std::shared_ptr<torch::nn::Module> module, Forward forward);
   // The model's outputs: tensors of nodes (not model inputs), in the order the loss function receives them.
   // Throws ConfigError for a name that is no node.
   void set_outputs(std::vector<std::string> outputs);

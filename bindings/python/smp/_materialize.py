@@ -1,0 +1,73 @@
+"""Models built on the meta device (``with torch.device("meta"): net = MyModel()``): each rank makes real only the
+modules its stages read, and initializes each from a generator seeded by (seed, module path), so that the weights
+do not depend on the partition; ``smp.materialize`` makes a whole model real the same way in one process."""
+
+import hashlib
+
+import torch
+
+from ._smp import ModelError
+
+
+def is_meta(model):
+    return any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+
+
+def module_seed(seed, path):
+    """A generator seed of its own for each module: the same whichever rank or process initializes it."""
+    digest = hashlib.sha256(f"{seed}/{path}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _own_meta_tensors(module):
+    return [t for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)) if t.is_meta]
+
+
+def materialize_modules(model, paths, device, seed, init_fn=None, replaced=None):
+    """Makes the modules at `paths` (their own parameters and buffers) real on `device` and initializes them: with
+    init_fn(module) when given, else the module's reset_parameters(). Returns {id(old tensor): (old, new)}, for
+    whatever else holds the old ones (a tied weight's other module, a captured node); the old tensors stay in it, so
+    that no new object takes one of their ids."""
+    replaced = {} if replaced is None else replaced
+    for path in sorted(paths):
+        module = model.get_submodule(path) if path else model
+        if not _own_meta_tensors(module):
+            continue
+        if init_fn is None and not hasattr(module, "reset_parameters"):
+            raise ModelError(f"module '{path or type(model).__name__}' ({type(module).__name__}) was built on the meta "
+                             "device and has no reset_parameters(); pass init_fn (for a Hugging Face model, "
+                             "init_fn=model._init_weights)")
+        before = {name: t for name, t in list(module.named_parameters(recurse=False)) +
+                  list(module.named_buffers(recurse=False))}
+        module.to_empty(device=device, recurse=False)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(module_seed(seed, path))
+            if init_fn is not None:
+                init_fn(module)
+            else:
+                module.reset_parameters()
+        after = dict(list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)))
+        for name, old in before.items():
+            if old.is_meta:
+                replaced[id(old)] = (old, after[name])
+    # A tensor several modules hold (a tied LM head) is made once: the others take the same.
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in list(table.items()):
+                if tensor is not None and id(tensor) in replaced and replaced[id(tensor)][0] is tensor:
+                    table[name] = replaced[id(tensor)][1]
+    return replaced
+
+
+def owning_modules(model, tensor_paths):
+    """The module paths that own the tensors at these paths ("layers.0.mlp.weight" -> "layers.0.mlp")."""
+    return {path.rpartition(".")[0] for path in tensor_paths}
+
+
+def materialize(model, device="cpu", seed=0, init_fn=None):
+    """The whole model made real on `device`, initialized module by module from generators seeded by (seed, module
+    path), as each rank of a job with that config seed initializes its own stages: the single-process reference of
+    such a job, or a model for inference. Returns the model."""
+    paths = [path for path, module in model.named_modules() if _own_meta_tensors(module)]
+    materialize_modules(model, paths, torch.device(device), seed, init_fn)
+    return model
