@@ -106,3 +106,12 @@ smp_python_test(python_real_models_bf16_matches_float32 2 real_models.py --model
 smp_python_test(python_more_model_families_equal_pytorch 2 real_models.py --steps 2
                 --models mistral,qwen2,phi,gpt_neox,bloom,falcon,roberta,distilbert,bart,mobilenet,efficientnet,convnext,swin
                 --smp [[{"partitions": 2, "microbatches": 2, "global_batch_size": 4, "seed": 3, "device": "cpu"}]])
+
+# Models built on the meta device: each rank makes real only its own stages, against plain PyTorch training the same
+# model made real in one process by smp.materialize (the same seed).
+smp_python_test(python_meta_models_2_stages_equal_materialized 2 real_models.py --meta --models gpt2,llama,bert,resnet,vit
+                --smp [[{"partitions": 2, "microbatches": 2, "global_batch_size": 4, "seed": 3, "device": "cpu"}]])
+smp_python_test(python_meta_models_4_stages_equal_materialized 4 real_models.py --meta --models gpt2,vit
+                --smp [[{"partitions": 4, "microbatches": 4, "global_batch_size": 8, "seed": 3, "device": "cpu"}]])
+smp_python_test(python_meta_models_2x2_equal_materialized 4 real_models.py --meta --models gpt2,llama,resnet
+                --smp [[{"partitions": 2, "microbatches": 2, "ddp": true, "global_batch_size": 8, "seed": 3, "device": "cpu"}]])

@@ -366,6 +366,42 @@ def main():
     expect_error("a model torch.export cannot capture", smp.ModelError, "mask.sum() > 0",
                  lambda: smp.DistributedModel(DataDependent(), {"x": torch.zeros(2, 3), "mask": torch.ones(2)}))
 
+    # Built on the meta device: a module without reset_parameters() needs init_fn, and the error names it.
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.factor = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return x * self.factor
+
+    class MetaModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 3)
+            self.scale = Scale()
+
+        def forward(self, x):
+            return self.scale(self.linear(x))
+
+    with torch.device("meta"):
+        meta_net = MetaModel()
+    expect_error("a meta module without reset_parameters", smp.ModelError, "module 'scale' (Scale)",
+                 lambda: smp.DistributedModel(meta_net, torch.zeros(2, 3)))
+    with torch.device("meta"):
+        meta_net, reference_net = MetaModel(), MetaModel()
+
+    def ones_for_scale(module):
+        if isinstance(module, Scale):
+            torch.nn.init.ones_(module.factor)
+        else:
+            module.reset_parameters()
+
+    smp.materialize(reference_net, seed=runtime.config.seed, init_fn=ones_for_scale)
+    meta_model = smp.DistributedModel(meta_net, torch.zeros(2, 3), init_fn=ones_for_scale)
+    if not all(torch.equal(p, dict(reference_net.named_parameters())[n]) for n, p in meta_model.named_parameters().items()):
+        failures.append("a meta-built model's weights differ from smp.materialize's with the same seed")
+
     # A scripted module with a forward of its own (a residual) cannot be cut as a chain of its children.
     class Residual(torch.nn.Module):
         def __init__(self):

@@ -11,6 +11,8 @@ Exits 0 only then.
   --steps N
   --loss own|fn  own: the model's own loss (labels among the inputs, loss=None); fn: a loss function on the
                  model's output and targets
+  --meta         build the models on the meta device: each rank makes its own stages real, and plain PyTorch trains
+                 the same model made real by smp.materialize (the same seed)
   --rtol R       parameters within 1e-6 + R * max |plain| (default 1e-5); under bf16 or fp16 (against float32
                  PyTorch) losses within R relative too
 """
@@ -96,6 +98,14 @@ CLASSIFIERS = {"bert", "roberta", "distilbert"}
 ENCODER_DECODERS = {"t5", "bart"}
 
 
+def initialize_vision_module(module):
+    if hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+    else:
+        for parameter in module.parameters(recurse=False):
+            torch.nn.init.normal_(parameter, std=0.02)
+
+
 def batch(name, samples, generator):
     """(inputs, targets) of one global batch: inputs as the model's forward takes them."""
     if name in VISION:
@@ -141,6 +151,7 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--loss", choices=["own", "fn"], default="own")
     parser.add_argument("--rtol", type=float, default=1e-5)
+    parser.add_argument("--meta", action="store_true")
     args = parser.parse_args()
     config = json.loads(args.smp)
     torch.set_num_threads(1)
@@ -161,9 +172,21 @@ def train_and_compare(name, args, config, runtime):
     own = args.loss == "own" and not vision
 
     torch.manual_seed(config.get("seed", 0))
-    net = vision_model(name) if vision else language_model(name)
+    build = (lambda: vision_model(name)) if vision else (lambda: language_model(name))
+    if args.meta:
+        with torch.device("meta"):
+            net, reference = build(), build()
+        # Hugging Face models initialize with their own _init_weights; torchvision's modules with reset_parameters(),
+        # and what a model holds itself (ViT's class token) from a normal distribution.
+        init_fn = (lambda model: model._init_weights) if not vision else (lambda model: initialize_vision_module)
+        smp.materialize(reference, "cpu", config.get("seed", 0), init_fn=init_fn(reference))
+        net_init = init_fn(net)
+    else:
+        net = build()
+        reference = copy.deepcopy(net)
+        net_init = None
     net.train()
-    reference = copy.deepcopy(net)
+    reference.train()
     data = torch.Generator().manual_seed(11)
     sample_inputs, _ = batch(name, global_batch // (replicas * microbatches), torch.Generator().manual_seed(5))
 
@@ -172,7 +195,7 @@ def train_and_compare(name, args, config, runtime):
     replica_batch_norm = replicas > 1 and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
                                               for m in net.modules())
     loss_tolerance = args.rtol if config.get("bf16") or config.get("fp16") else 1e-5
-    model = smp.DistributedModel(net, sample_inputs)
+    model = smp.DistributedModel(net, sample_inputs, init_fn=net_init)
     optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.01, momentum=0.9)
     loss = None if own else function_loss(name)
@@ -180,6 +203,11 @@ def train_and_compare(name, args, config, runtime):
         print(f"{name}:\n{model.partition_report()}")
 
     failures = []
+    if args.meta:
+        # This rank made real exactly the parameters of its own stages; the rest stayed on the meta device.
+        real = {path for path, p in net.named_parameters() if not p.is_meta}
+        if real != set(model.named_parameters()):
+            failures.append(f"real parameters {sorted(real ^ set(model.named_parameters()))[:3]} are not this rank's")
     for step in range(args.steps):
         inputs, targets = batch(name, global_batch, data)
         optimizer.zero_grad()

@@ -175,6 +175,8 @@ class DistributedModel:
                 raise ModelError("a model built on the meta device must be a module with a forward of its own (captured "
                                  "whole); build a Sequential or a GraphModel's modules normally")
             materialize_local = _materializer(model, graph, rt, init_fn)
+            for node in graph._captured.values():
+                object.__setattr__(node, "_job_device", torch.device(rt.device))
         self._model = _smp.DistributedModel(rt, graph._graph, io_.engine_inputs(sample, "sample"), materialize_local)
         # Where construction time went (capture; profiling, partitioning and building the stages), for benchmarks.
         self._seconds = {"capture": captured - started, "engine": time.perf_counter() - captured}

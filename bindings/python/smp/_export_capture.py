@@ -136,6 +136,7 @@ class CapturedNode(torch.nn.Module):
         # stages real (after that, a meta tensor reaching a computation is an error naming it).
         object.__setattr__(self, "_meta", any(t.is_meta for t in itertools.chain(self.parameters(), self.buffers())))
         object.__setattr__(self, "_profiling", self._meta)
+        object.__setattr__(self, "_job_device", torch.device("cpu"))  # set by DistributedModel
 
     def _device(self, sources):
         for source in sources:
@@ -196,7 +197,9 @@ class CapturedNode(torch.nn.Module):
     def forward(self, *sources):
         device = self._device(sources)
         if self._meta:
-            if not self._profiling or device.type == "meta":
+            if device.type == "meta":  # no input to follow: where this job computes
+                device = self._job_device
+            if not self._profiling:
                 meta = [path for path, t in itertools.chain(self.named_parameters(), self.named_buffers()) if t.is_meta]
                 raise ModelError(f"node '{self._name}' reads {meta[0]}, still on the meta device on this rank: its "
                                  "module was not made real")

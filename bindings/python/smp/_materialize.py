@@ -3,6 +3,7 @@ modules its stages read, and initializes each from a generator seeded by (seed, 
 do not depend on the partition; ``smp.materialize`` makes a whole model real the same way in one process."""
 
 import hashlib
+import itertools
 
 import torch
 
@@ -23,22 +24,32 @@ def _own_meta_tensors(module):
     return [t for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)) if t.is_meta]
 
 
+def _first_owners(model):
+    """id(tensor) -> the path of the module that owns it first (named_parameters order): a tensor several modules
+    hold (a tied LM head) is made and initialized by that one, on every rank and in smp.materialize alike."""
+    owners = {}
+    for path, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        owners.setdefault(id(tensor), path.rpartition(".")[0])
+    return owners
+
+
 def materialize_modules(model, paths, device, seed, init_fn=None, replaced=None):
-    """Makes the modules at `paths` (their own parameters and buffers) real on `device` and initializes them: with
-    init_fn(module) when given, else the module's reset_parameters(). Returns {id(old tensor): (old, new)}, for
+    """Makes the modules at `paths` (the parameters and buffers they own first) real on `device` and initializes them:
+    with init_fn(module) when given, else the module's reset_parameters(). Returns {id(old tensor): (old, new)}, for
     whatever else holds the old ones (a tied weight's other module, a captured node); the old tensors stay in it, so
     that no new object takes one of their ids."""
     replaced = {} if replaced is None else replaced
+    owners = _first_owners(model)
     for path in sorted(paths):
         module = model.get_submodule(path) if path else model
-        if not _own_meta_tensors(module):
+        if not any(owners.get(id(t)) == path for t in _own_meta_tensors(module)):
             continue
         if init_fn is None and not hasattr(module, "reset_parameters"):
             raise ModelError(f"module '{path or type(model).__name__}' ({type(module).__name__}) was built on the meta "
                              "device and has no reset_parameters(); pass init_fn (for a Hugging Face model, "
                              "init_fn=model._init_weights)")
-        before = {name: t for name, t in list(module.named_parameters(recurse=False)) +
-                  list(module.named_buffers(recurse=False))}
+        before = {name: t for name, t in itertools.chain(module.named_parameters(recurse=False),
+                                                         module.named_buffers(recurse=False))}
         module.to_empty(device=device, recurse=False)
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(module_seed(seed, path))
@@ -46,10 +57,14 @@ def materialize_modules(model, paths, device, seed, init_fn=None, replaced=None)
                 init_fn(module)
             else:
                 module.reset_parameters()
-        after = dict(list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)))
         for name, old in before.items():
-            if old.is_meta:
-                replaced[id(old)] = (old, after[name])
+            if not old.is_meta:
+                continue
+            if owners.get(id(old)) == path:
+                replaced[id(old)] = (old, getattr(module, name))
+            else:  # another module's first: that one makes it (below, every holder takes the same)
+                table = module._parameters if name in module._parameters else module._buffers
+                table[name] = old
     # A tensor several modules hold (a tied LM head) is made once: the others take the same.
     for module in model.modules():
         for table in (module._parameters, module._buffers):
@@ -68,6 +83,7 @@ def materialize(model, device="cpu", seed=0, init_fn=None):
     """The whole model made real on `device`, initialized module by module from generators seeded by (seed, module
     path), as each rank of a job with that config seed initializes its own stages: the single-process reference of
     such a job, or a model for inference. Returns the model."""
-    paths = [path for path, module in model.named_modules() if _own_meta_tensors(module)]
+    owners = _first_owners(model)
+    paths = {owners[id(t)] for t in itertools.chain(model.parameters(), model.buffers()) if t.is_meta}
     materialize_modules(model, paths, torch.device(device), seed, init_fn)
     return model
