@@ -22,6 +22,7 @@ copied, so there they are the copy's).
 """
 
 import collections
+import gc
 import io
 import itertools
 import json
@@ -103,6 +104,10 @@ def _materializer(model, graph, rt, init_fn):
     names = graph.node_names()
 
     def materialize_local(local_nodes):
+        for node in graph._captured.values():
+            node.drop_stand_ins()
+        gc.collect()
+        _materialize.release_freed_memory()
         paths = set()
         for index in local_nodes:
             node = graph._captured.get(names[index])

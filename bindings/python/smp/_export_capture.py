@@ -147,7 +147,7 @@ class CapturedNode(torch.nn.Module):
         return self._captured_device
 
     def _code(self, root, training, device):
-        return _retargeted(fx.GraphModule(root, self._graph), training, device)
+        return _retargeted(root, self._graph, training, device)
 
     def _variant(self, training, device):
         key = (training, device)
@@ -177,6 +177,12 @@ class CapturedNode(torch.nn.Module):
         return self._stand_ins[1]
 
     def drop_stand_ins(self):
+        if self._stand_ins is not None:
+            # A GraphModule and its graph refer to each other: without this, the stand-ins would wait for Python's
+            # cycle collector, and a profile of many nodes would hold many nodes' stand-ins.
+            for module in self._stand_ins[1].modules():
+                if isinstance(module, fx.GraphModule):
+                    module.graph.owning_module = None
         object.__setattr__(self, "_stand_ins", None)
 
     def replace_tensors(self, replaced):
@@ -225,13 +231,15 @@ def _set_device_argument(node, device):
             node.args = node.args[:index] + (device,) + node.args[index + 1:]
 
 
-def _retargeted(module, training, device):
+def _retargeted(root, source, training, device):
     """The code of a captured graph for one training mode and device: dropout and batch norm follow the mode (the
     export baked in the one it ran in), buffer updates happen in training only, tensors the code creates (arange,
     masks) go to `device`; the same for the subgraphs of higher-order operations (a no-grad region, autocast)."""
     graph = fx.Graph()
     values = {}
-    for node in module.graph.nodes:
+    # A new graph, never `source` itself: a GraphModule made over a graph becomes its owner, and the graph would keep
+    # that module (and the tensors it holds, profiling stand-ins) alive.
+    for node in source.nodes:
         if not training and _is_op(node) and _mutates_first_argument(node) and \
                 node.args[0].op == "get_attr" and not node.users:
             continue  # a buffer update (batch norm's count of batches): training only
@@ -247,10 +255,11 @@ def _retargeted(module, training, device):
                     copy.args = tuple(args)
             _set_device_argument(copy, device)
         values[node] = copy
-    code = fx.GraphModule(module, graph)
+    code = fx.GraphModule(root, graph)
     for node in graph.nodes:
-        if node.op == "get_attr" and isinstance(_attribute(code, node.target), fx.GraphModule):
-            _set_path(code, node.target, _retargeted(_attribute(code, node.target), training, device))
+        subgraph = _attribute(code, node.target) if node.op == "get_attr" else None
+        if isinstance(subgraph, fx.GraphModule):
+            _set_path(code, node.target, _retargeted(subgraph, subgraph.graph, training, device))
     return code
 
 
@@ -624,6 +633,8 @@ def _node_graph(value, extra, value_name, attributes, order, extra_inputs):
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(env[value])
+    for node in graph.nodes:  # what the capture knew of each value (fake tensors): not needed to run, and not small
+        node.meta = {}
     return graph, sources, node_attributes
 
 

@@ -2,12 +2,22 @@
 modules its stages read, and initializes each from a generator seeded by (seed, module path), so that the weights
 do not depend on the partition; ``smp.materialize`` makes a whole model real the same way in one process."""
 
+import ctypes
 import hashlib
 import itertools
 
 import torch
 
 from ._smp import ModelError
+
+
+def release_freed_memory():
+    """Hands memory freed since (profiling stand-ins, up to a few tens of MiB each, which glibc keeps in its heap
+    rather than unmapping) back to the system, so that a rank's resident memory is what it holds."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def is_meta(model):
