@@ -169,3 +169,13 @@ print(f"capture alone (export + nodes, one process): {r['capture_s']:.2f} s, {r[
       f"DistributedModel on 4 ranks sharing this machine's cores: {r['distributed_model_s']:.2f} s (rank 0: capture "
       f"{r['rank0_capture_in_job_s']:.2f} s while the others capture too, then profile, partition and stages "
       f"{r['rank0_profile_partition_build_s']:.2f} s); estimated slowest/mean stage {r['imbalance']:.3f}")
+
+section("memory: a GPT-2 of 0.78 GiB (16 layers, d 1024) built on the meta device, 4 stages (each rank makes its own real)")
+result = subprocess.run([f"{BIN}/smprun", "-n", "4", "--no-prefix", "--", PYTHON, f"{REPO}/bench/bench_memory.py",
+                         "--layers", "16", "--width", "1024"], capture_output=True, text=True, env=CAPTURE_ENV, timeout=600)
+if result.returncode != 0:
+    sys.exit(f"bench_memory failed:\n{result.stdout}\n{result.stderr}")
+for r in sorted((json.loads(l) for l in result.stdout.splitlines() if l.startswith("{")), key=lambda r: r["rank"]):
+    print(f"rank {r['rank']}: own parameters {r['own_parameters_mib']:.0f} MiB, peak resident growth "
+          f"{r['peak_growth_mib']:.0f} MiB ({r['growth_over_own']:.2f}x; target 2.5x + 150 MiB = {r['limit_mib']:.0f} MiB)")
+print("(the 2-billion-parameter run: smprun -n 4 -- python bench/bench_memory.py --layers 40 --width 2048)")
