@@ -835,6 +835,17 @@ TEST_CASE("a TorchScript module is cut between its submodule calls at any depth 
   }
   // The TorchScript module's own tensors are the ones trained.
   CHECK(scripted.attr("scale").toTensor().grad().defined());
+
+  // A write in place into what parameters computed would not be seen across stages: refused, naming it.
+  torch::jit::Module in_place("InPlace");
+  in_place.register_parameter("weight", at::randn({3, 3}).requires_grad_(), false);
+  in_place.define(R"(
+def forward(self, x):
+  h = torch.matmul(x, self.weight)
+  h.relu_()
+  return torch.matmul(h, self.weight)
+)");
+  CHECK_THROWS_WITH(smp::graph_from_torchscript(in_place, 2), Catch::Matchers::Contains("writes in place"));
 }
 
 TEST_CASE("optimizer shards: whole parameters, balanced by bytes, the same on every replica", "[zero]") {

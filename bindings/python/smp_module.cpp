@@ -175,13 +175,15 @@ OutputsLossFunction python_loss(py::function loss) {
 }
 
 // train_step or evaluate with a Python loss, the GIL released for the step (the loss takes it back).
-template <StepOutput (DistributedModel::*step)(const ModelInputs&, const at::Tensor&, const OutputsLossFunction&, bool)>
+template <StepOutput (DistributedModel::*step)(const ModelInputs&, const at::Tensor&, const OutputsLossFunction&, bool,
+                                               const std::vector<bool>&)>
 StepOutput with_python_loss(DistributedModel& model, const OptionalTensors& inputs,
-                            const std::optional<at::Tensor>& targets, py::function loss, bool keep_outputs) {
+                            const std::optional<at::Tensor>& targets, py::function loss, bool keep_outputs,
+                            const std::vector<bool>& batched) {
   const OutputsLossFunction function = python_loss(std::move(loss));
   const ModelInputs model_inputs = defined_or_not(inputs);
   py::gil_scoped_release released;
-  return (model.*step)(model_inputs, targets.value_or(at::Tensor()), function, keep_outputs);
+  return (model.*step)(model_inputs, targets.value_or(at::Tensor()), function, keep_outputs, batched);
 }
 
 // A torch.optim optimizer's checkpoint state, serialized by the package's Python (torch.save of its state_dict,
@@ -350,9 +352,9 @@ PYBIND11_MODULE(_smp, module) {
            }),
            py::arg("runtime"), py::arg("model"), py::arg("sample"), py::arg("materialize") = py::none())
       .def("train_step", with_python_loss<&DistributedModel::train_step>, py::arg("inputs"), py::arg("targets"),
-           py::arg("loss"), py::arg("keep_outputs") = false)
+           py::arg("loss"), py::arg("keep_outputs") = false, py::arg("batched") = std::vector<bool>{})
       .def("evaluate", with_python_loss<&DistributedModel::evaluate>, py::arg("inputs"), py::arg("targets"),
-           py::arg("loss"), py::arg("keep_outputs") = false)
+           py::arg("loss"), py::arg("keep_outputs") = false, py::arg("batched") = std::vector<bool>{})
       .def("named_parameters",
            [](const DistributedModel& model) {
              py::dict parameters;

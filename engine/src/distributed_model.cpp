@@ -555,14 +555,19 @@ std::vector<bool> DistributedModel::batched_inputs(const ModelInputs& inputs, co
 }
 
 MicrobatchData DistributedModel::microbatch_data(const char* caller, const ModelInputs& inputs,
-                                                 const at::Tensor& targets, const OutputsLossFunction& loss) const {
+                                                 const at::Tensor& targets, const OutputsLossFunction& loss,
+                                                 const std::vector<bool>& given_batched) const {
   const int microbatches = runtime_->config().microbatches;
   const auto& names = model_.input_names();
   if (inputs.size() != names.size()) {
     throw ConfigError(std::string(caller) + ": " + std::to_string(inputs.size()) + " inputs for a model of " +
                       std::to_string(names.size()));
   }
-  const std::vector<bool> batched = batched_inputs(inputs, targets);
+  if (!given_batched.empty() && given_batched.size() != inputs.size()) {
+    throw ConfigError(std::string(caller) + ": " + std::to_string(given_batched.size()) + " batched flags for " +
+                      std::to_string(inputs.size()) + " inputs");
+  }
+  const std::vector<bool> batched = given_batched.empty() ? batched_inputs(inputs, targets) : given_batched;
   std::optional<std::int64_t> batch;
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     if (batched[i]) batch = inputs[i].size(0);
@@ -695,9 +700,10 @@ StepOutput DistributedModel::train_step(const std::map<std::string, at::Tensor>&
 }
 
 StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tensor& targets,
-                                     const OutputsLossFunction& loss, bool keep_outputs) {
+                                     const OutputsLossFunction& loss, bool keep_outputs,
+                                     const std::vector<bool>& batched) {
   const auto start = std::chrono::steady_clock::now();
-  MicrobatchData data = microbatch_data("evaluate", inputs, targets, loss);
+  MicrobatchData data = microbatch_data("evaluate", inputs, targets, loss, batched);
   data.keep_outputs = keep_outputs;
   if (!evaluator_) {
     // The training schedule's forwards in their order: its transfers, channels and tags serve as they are.
@@ -770,10 +776,11 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
 }
 
 StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Tensor& targets,
-                                       const OutputsLossFunction& loss, bool keep_outputs) {
+                                       const OutputsLossFunction& loss, bool keep_outputs,
+                                       const std::vector<bool>& batched) {
   const auto start = std::chrono::steady_clock::now();
   const Config& config = runtime_->config();
-  MicrobatchData data = microbatch_data("train_step", inputs, targets, loss);
+  MicrobatchData data = microbatch_data("train_step", inputs, targets, loss, batched);
   data.keep_outputs = keep_outputs;
   data.loss_scale = loss_scale_;
   const c10::Device device = runtime_->device();

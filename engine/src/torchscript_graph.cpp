@@ -79,10 +79,40 @@ Node* top_level(Node* node, const torch::jit::Block* top) {
 
 bool is_call(const Node* node) { return node->kind() == c10::prim::CallMethod; }
 
+// Whether running `node` draws random numbers: a random operation, or a call whose method (or what it calls) has one.
 bool draws_random_numbers(const Node* node) {
   const std::string kind = node->kind().toQualString();
-  return kind.find("dropout") != std::string::npos || kind.rfind("aten::rand", 0) == 0 ||
-         kind.rfind("aten::bernoulli", 0) == 0 || kind == "aten::normal" || kind == "aten::multinomial";
+  if (kind.find("dropout") != std::string::npos || kind.rfind("aten::rand", 0) == 0 ||
+      kind.rfind("aten::bernoulli", 0) == 0 || kind == "aten::normal" || kind == "aten::multinomial") {
+    return true;
+  }
+  std::function<bool(const torch::jit::Block*)> any_in = [&](const torch::jit::Block* block) {
+    for (const Node* inner : block->nodes()) {
+      if (draws_random_numbers(inner)) return true;
+      for (const auto* nested : inner->blocks()) {
+        if (any_in(nested)) return true;
+      }
+    }
+    return false;
+  };
+  if (node->kind() == c10::prim::CallMethod) {
+    const auto type = node->input(0)->type()->cast<c10::ClassType>();
+    torch::jit::Function* method = type ? type->findMethod(node->s(c10::attr::name)) : nullptr;
+    torch::jit::GraphFunction* function = method ? torch::jit::tryToGraphFunction(*method) : nullptr;
+    if (function && any_in(function->graph()->block())) return true;
+  }
+  for (const auto* nested : node->blocks()) {
+    if (any_in(nested)) return true;
+  }
+  return false;
+}
+
+// An operation that writes into its first input (relu_, add_): across stages the write would not be seen.
+bool writes_in_place(const Node* node) {
+  const auto* schema = node->maybeSchema();
+  if (!schema || schema->arguments().empty()) return false;
+  const auto* alias = schema->arguments()[0].alias_info();
+  return alias && alias->isWrite();
 }
 
 // The parameters and buffers of a node, under their paths in the whole module, and a train() that reaches the
@@ -194,6 +224,12 @@ class Capture {
       };
       for (auto* block : node->blocks()) nested(block);
       for (Value* input : reads(node)) dynamic = dynamic || dynamic_.count(input);
+      if (dynamic && writes_in_place(node)) {
+        throw ModelError("the TorchScript module's forward writes in place into a value computed from parameters (" +
+                         std::string(node->kind().toQualString()) + " on " + node->input(0)->debugName() +
+                         "); write it out of place (or keep it inside a submodule's forward) so that it can be cut "
+                         "into stages");
+      }
       if (!dynamic) continue;
       for (Value* output : node->outputs()) dynamic_.insert(output);
       dynamic_nodes_.push_back(node);

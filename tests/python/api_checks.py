@@ -366,6 +366,82 @@ def main():
     expect_error("a model torch.export cannot capture", smp.ModelError, "mask.sum() > 0",
                  lambda: smp.DistributedModel(DataDependent(), {"x": torch.zeros(2, 3), "mask": torch.ones(2)}))
 
+    # A model handed over in eval mode (as from_pretrained gives it) is captured in training mode: train_step uses
+    # dropout and batch statistics (and updates them), evaluate neither; attention's dropout is off in evaluate.
+    class Regularized(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+            self.norm = torch.nn.BatchNorm1d(8)
+            self.drop = torch.nn.Dropout(0.5)
+
+        def forward(self, x):
+            h = self.drop(self.norm(self.linear(x)))
+            q = h.view(2, 1, 4, 2)
+            return F.scaled_dot_product_attention(q, q, q, dropout_p=0.5 if self.training else 0.0).reshape(2, 8)
+
+    regularized_net = Regularized().eval()
+    statistics = regularized_net.norm.running_mean.clone()
+    regularized = smp.DistributedModel(regularized_net, torch.randn(2, 8))
+    regularized.train_step(torch.randn(4, 8), torch.randn(4, 8), F.mse_loss)
+    if torch.equal(statistics, regularized_net.norm.running_mean):
+        failures.append("a model captured from eval mode did not update batch norm's statistics in train_step")
+    probe = torch.randn(4, 8)
+    first = regularized.evaluate(probe, torch.zeros(4, 8), F.mse_loss, keep_outputs=True).outputs
+    second = regularized.evaluate(probe, torch.zeros(4, 8), F.mse_loss, keep_outputs=True).outputs
+    with torch.no_grad():
+        plain = torch.cat([regularized_net.eval()(chunk) for chunk in probe.chunk(2)])
+    if not torch.equal(first, second) or not torch.allclose(first, plain, atol=1e-6):
+        failures.append("evaluate of a captured model draws dropout (batch norm, attention) or differs from eval mode")
+
+    # Stochastic depth (a random write into a fresh tensor) is captured; a random value read apart by two nodes and a
+    # buffer updated by the model's own forward are refused, naming them.
+    from torchvision.ops import StochasticDepth
+
+    class Deep(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 3)
+            self.depth = StochasticDepth(0.2, "row")
+
+        def forward(self, x):
+            return x + self.depth(self.linear(x))
+
+    smp.DistributedModel(Deep(), torch.zeros(2, 3)).train_step(torch.randn(4, 3), torch.randn(4, 3), F.mse_loss)
+
+    class RandomPair(torch.nn.Module):  # no children to cut it into: each value it returns would be a node
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(3, 3))
+
+        def forward(self, x):
+            h = F.dropout(x @ self.weight, 0.5)
+            return h * 2.0, h + 1.0
+
+    class TwoReads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pair = RandomPair()
+
+        def forward(self, x):
+            a, b = self.pair(x)
+            return torch.tanh(a) * torch.sigmoid(b)
+
+    class Counting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 3)
+            self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+        def forward(self, x):
+            self.steps.add_(1)
+            return self.linear(x)
+
+    expect_error("a random value read apart", smp.ModelError, "draws random numbers",
+                 lambda: smp.DistributedModel(TwoReads(), torch.zeros(2, 3)))
+    expect_error("a buffer the model's own forward updates", smp.ModelError, "updates a buffer in place",
+                 lambda: smp.DistributedModel(Counting(), torch.zeros(2, 3)))
+
     # Built on the meta device: a module without reset_parameters() needs init_fn, and the error names it.
     class Scale(torch.nn.Module):
         def __init__(self):

@@ -212,7 +212,9 @@ class DistributedModel:
         else:
             def engine_loss(outputs, target):
                 return loss(model_outputs(outputs), target)
-        result = step(values, targets, engine_loss, keep_outputs)
+        # Which inputs are split was decided on the whole batch: a replica's share may have the size of an input
+        # that is not the batch's.
+        result = step(values, targets, engine_loss, keep_outputs, batched)
         kept = result.all_outputs
         return StepResult(result, model_outputs(kept) if kept is not None else None)
 

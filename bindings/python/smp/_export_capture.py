@@ -28,16 +28,29 @@ from ._smp import ModelError
 
 _aten = torch.ops.aten
 
-# Operations whose behaviour follows the module's training flag, baked into the export by the mode it ran in: the
-# argument index of that flag.
-_TRAINING_FLAG = {
-    _aten.dropout.default: 2,
-    _aten.feature_dropout.default: 2,
-    _aten.alpha_dropout.default: 2,
-    _aten.feature_alpha_dropout.default: 2,
-    _aten.batch_norm.default: 5,
-    _aten.instance_norm.default: 5,
-}
+# Arguments that follow the module's training flag, baked into the export (always run in training mode): by schema
+# argument name, what they become in evaluation. Dropout's flag and probability (attention's dropout_p, which Hugging
+# Face models pass as `p if self.training else 0.0`), recurrent layers' dropout between layers, rrelu's training.
+_TRAINING_ARGUMENTS = {"train": False, "training": False, "dropout_p": 0.0}
+
+
+def _in_evaluation(op, args, kwargs):
+    """args, kwargs of `op` as evaluation mode runs it. Batch norm uses batch statistics in evaluation too when it
+    keeps none (track_running_stats=False: no running mean), and instance norm's flag is not a training flag."""
+    schema = getattr(op, "_schema", None)
+    if schema is None or op in (_aten.instance_norm.default,):
+        return args, kwargs
+    args, kwargs = list(args), dict(kwargs)
+    for index, argument in enumerate(schema.arguments):
+        if argument.name not in _TRAINING_ARGUMENTS:
+            continue
+        if op == _aten.batch_norm.default and args[3] is None:
+            continue  # no running statistics: batch statistics in either mode
+        if index < len(args):
+            args[index] = _TRAINING_ARGUMENTS[argument.name] if argument.name != "dropout_p" or args[index] else args[index]
+        elif argument.name in kwargs:
+            kwargs[argument.name] = _TRAINING_ARGUMENTS[argument.name]
+    return tuple(args), kwargs
 # Checks export leaves in the graph: they fail under autocast (dtype checks) and check nothing the engine needs.
 _ASSERTS = {_aten._assert_tensor_metadata.default, _aten._assert_scalar.default,
             _aten.sym_constrain_range_for_size.default}
@@ -49,6 +62,9 @@ _READS_METADATA_ONLY = {getattr(_aten, name).default for name in
                         ("new_zeros", "new_ones", "new_empty", "zeros_like", "ones_like", "empty_like")} | \
                        {_aten.new_full.default, _aten.full_like.default, _aten.sym_size.int, _aten.sym_numel.default,
                         _aten.sym_stride.int}
+
+
+_RANDOM_OUT_OF_PLACE = {_aten.bernoulli_.float: _aten.bernoulli.p}
 
 
 class CaptureError(Exception):
@@ -79,7 +95,17 @@ def _functional_variant(op):
 
 
 def _is_random(node):
-    return _is_op(node) and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+    """Draws random numbers as captured: a seeded operation, unless its probability is 0 (dropout(p=0), an LSTM
+    without dropout between layers)."""
+    if not _is_op(node) or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    for index, argument in enumerate(schema.arguments if schema else ()):
+        if argument.name in ("p", "dropout", "dropout_p"):
+            value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
+            if isinstance(value, (int, float)) and value == 0:
+                return False
+    return True
 
 
 def _module_paths(node):
@@ -247,12 +273,8 @@ def _retargeted(root, source, training, device):
             continue
         copy = graph.node_copy(node, lambda n: values[n])
         if _is_op(copy):
-            if copy.target in _TRAINING_FLAG:
-                args = list(copy.args)
-                index = _TRAINING_FLAG[copy.target]
-                if index < len(args):
-                    args[index] = training and args[index]
-                    copy.args = tuple(args)
+            if not training:
+                copy.args, copy.kwargs = _in_evaluation(copy.target, copy.args, copy.kwargs)
             _set_device_argument(copy, device)
         values[node] = copy
     code = fx.GraphModule(root, graph)
@@ -372,8 +394,16 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory):
     if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         # A model built on the meta device is captured there: export wants the sample on the parameters' device.
         args, kwargs = pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, (args, kwargs))
-    with torch.random.fork_rng(devices=[]):
-        exported = export_model(model, args, kwargs)
+    # Captured in training mode, whatever mode the model is in (from_pretrained gives eval): evaluation turns dropout
+    # and batch statistics off in the captured code, but nothing could turn them on.
+    modes = [(module, module.training) for module in model.modules()]
+    model.train()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            exported = export_model(model, args, kwargs)
+    finally:
+        for module, mode in modes:
+            module.training = mode
     with torch.no_grad():
         for buffer, saved in buffers_before:
             buffer.copy_(saved)
@@ -472,23 +502,38 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory):
             else:  # glue: named inside the module whose forward it belongs to
                 paths = _module_paths(value)
                 base = f"{paths[-1]}.{value.name}" if paths and paths[-1] else value.name
-            candidate = base if index == 0 else f"{base}#{index}"
+            candidate, suffix = (base if index == 0 else f"{base}#{index}"), index
             while candidate in taken or any(candidate.startswith(t + ".") or t.startswith(candidate + ".")
                                             for t in taken):
-                candidate += "_"
+                suffix += 1  # "#n" still names the module for partition_overrides (cut_from)
+                candidate = f"{base}#{suffix}"
             taken.add(candidate)
             node_name[value] = candidate
             value_name.setdefault(value, candidate)
     # In graph order, so that every node reads values made before it.
     materialized = sorted({value for values in plan.values() for value in values}, key=lambda n: order[n])
     home_of_value = {value: home for home, values in plan.items() for value in values}
+    for op in side_effects:
+        if units.unit_of(op) not in plan:
+            raise ModelError(f"{name}'s forward updates a buffer in place outside any submodule "
+                             f"({op.format_node()}); do it inside a module the forward calls, so that a stage holds it")
+    runs_in = collections.defaultdict(list)  # a random operation -> the nodes that would run it
     for value in materialized:
         home = home_of_value[value]
         extra = [op for op in side_effects if units.unit_of(op) == home] if plan[home][0] is value else []
-        node_graph, sources, node_attributes = _node_graph(value, extra, value_name, attributes, order, extra_inputs)
+        node_graph, sources, node_attributes, computed = _node_graph(value, extra, value_name, attributes, order,
+                                                                     extra_inputs)
+        for op in computed:
+            if _is_random(op):
+                runs_in[op].append(node_name[value])
         module = CapturedNode(node_graph, node_attributes, node_name[value], captured_device)
         engine._add_call(node_name[value], module, module, [value_name[s] for s in sources], names_from_root=True)
         engine._captured[node_name[value]] = module
+    for op, nodes in runs_in.items():
+        if len(nodes) > 1:
+            raise ModelError(f"{name}: {op.format_node()} draws random numbers, and the values it leads to are read "
+                             f"apart ({', '.join(nodes)}), each computing it again with other numbers; let one module "
+                             "compute it and return one value, or give it a probability of 0")
     outputs = []
     for leaf in output_leaves:
         if isinstance(leaf, fx.Node):
@@ -532,7 +577,9 @@ def _in_place_writes(graph, order, attributes, dynamic, name):
                               if order.get(reader, -1) > order[node] and reader is not node]
         later_readers = [reader for reader in list(written.users) if reader is not node and
                          order.get(reader, -1) > order[node]]
-        if written not in dynamic:
+        fresh_random = node in dynamic and _is_random(node) and not any(
+            argument in dynamic for argument in node.all_input_nodes if argument is not written)
+        if written not in dynamic and not fresh_random:
             if node in dynamic:
                 raise ModelError(f"{name}'s forward writes a value computed from parameters in place into a tensor "
                                  f"of none ({node.format_node()}); write it out of place so that it can be cut into "
@@ -546,7 +593,9 @@ def _in_place_writes(graph, order, attributes, dynamic, name):
             raise ModelError(f"{name}'s forward writes in place into {written.name} ({node.format_node()}), which "
                              f"shares memory with {aliases[0].name}, read afterwards by {late_alias_readers[0].name}; "
                              "write it out of place so that it can be cut into stages")
-        functional = _functional_variant(node.target)
+        # A random write into a fresh tensor (stochastic depth's new_empty(...).bernoulli_(p)) runs out of place too:
+        # its result is then a random value like any other, computed once.
+        functional = _functional_variant(node.target) or _RANDOM_OUT_OF_PLACE.get(node.target)
         if functional is None:
             raise ModelError(f"{name}'s forward writes in place ({node.format_node()}) with an operation that has no "
                              "out-of-place form; write it out of place so that it can be cut into stages")
@@ -586,8 +635,10 @@ def _plan_nodes(graph, ops, dynamic, units, output_leaves, side_effects):
     for op in ops:
         if op not in dynamic or home[op] is recomputed or not isinstance(op.meta.get("val"), torch.Tensor):
             continue
-        read_elsewhere = op in outputs or any(u in home and home[u] is not home[op] and home[u] != home[op]
-                                              for u in op.users)
+        # A reader of its shape alone (zeros_like) is recomputed where its result is read: the value goes there
+        # rather than its whole computation.
+        read_elsewhere = op in outputs or any((u in home and home[u] is not home[op] and home[u] != home[op]) or
+                                              (_is_op(u) and u.target in _READS_METADATA_ONLY) for u in op.users)
         if read_elsewhere:
             plan.setdefault(home[op], []).append(op)
     return plan
@@ -599,7 +650,7 @@ def _node_graph(value, extra, value_name, attributes, order, extra_inputs):
     if value in value_name and value.op == "placeholder":  # a model input returned as it is
         graph = fx.Graph()
         graph.output(graph.placeholder("input"))
-        return graph, [value], {}
+        return graph, [value], {}, set()
     needed = set()
     sources = []
     stack = [value] + list(extra)
@@ -635,7 +686,7 @@ def _node_graph(value, extra, value_name, attributes, order, extra_inputs):
     graph.output(env[value])
     for node in graph.nodes:  # what the capture knew of each value (fake tensors): not needed to run, and not small
         node.meta = {}
-    return graph, sources, node_attributes
+    return graph, sources, node_attributes, needed
 
 
 def split_sample(model, sample):

@@ -83,10 +83,12 @@ class DistributedModel {
   // dimension) is split into microbatches; any other (undefined, 0-dim, or another first dimension: a position
   // table of one row, a flag) goes to every microbatch as it is. `targets` may be undefined (a loss the model
   // computes itself); `loss` gets the model's outputs in GraphModel::output_names() order.
+  // `batched`, when given, says which inputs are split (decided on the global batch by a caller that passes a
+  // replica's share: a share's size can match an input that is not the batch's).
   StepOutput train_step(const ModelInputs& inputs, const at::Tensor& targets, const OutputsLossFunction& loss,
-                        bool keep_outputs = false);
+                        bool keep_outputs = false, const std::vector<bool>& batched = {});
   StepOutput evaluate(const ModelInputs& inputs, const at::Tensor& targets, const OutputsLossFunction& loss,
-                      bool keep_outputs = false);
+                      bool keep_outputs = false, const std::vector<bool>& batched = {});
   // The same with the inputs by name; every model input must be there, and nothing else.
   StepOutput train_step(const std::map<std::string, at::Tensor>& inputs, const at::Tensor& targets,
                         const OutputsLossFunction& loss, bool keep_outputs = false);
@@ -155,7 +157,7 @@ class DistributedModel {
   StageCallbacks stage_callbacks();
   // The replica's batch checked and split into microbatches on the device (ConfigError naming `caller`).
   MicrobatchData microbatch_data(const char* caller, const ModelInputs& inputs, const at::Tensor& targets,
-                                 const OutputsLossFunction& loss) const;
+                                 const OutputsLossFunction& loss, const std::vector<bool>& batched) const;
   ModelInputs inputs_by_name(const char* caller, const std::map<std::string, at::Tensor>& inputs) const;
   static OutputsLossFunction of_first_output(const LossFunction& loss);
   void check_single_input(const char* caller, const at::Tensor& inputs, const at::Tensor& targets) const;
