@@ -472,7 +472,7 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory):
             graph.erase_node(node)
     ops = [node for node in graph.nodes if _is_op(node)]
     # Buffer updates with no reader: part of their module's unit.
-    side_effects = [op for op in ops if not op.users and _mutates_first_argument(op)]
+    side_effects = [op for op in ops if not op.users and _mutates_first_argument(op) and op.args[0] in attributes]
 
     output_node = next(node for node in graph.nodes if node.op == "output")
     output_leaves = list(output_node.args[0])
