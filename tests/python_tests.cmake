@@ -115,3 +115,5 @@ smp_python_test(python_meta_models_4_stages_equal_materialized 4 real_models.py 
                 --smp [[{"partitions": 4, "microbatches": 4, "global_batch_size": 8, "seed": 3, "device": "cpu"}]])
 smp_python_test(python_meta_models_2x2_equal_materialized 4 real_models.py --meta --models gpt2,llama,resnet
                 --smp [[{"partitions": 2, "microbatches": 2, "ddp": true, "global_batch_size": 8, "seed": 3, "device": "cpu"}]])
+# Pretrained weights read per rank (safetensors whole and sharded, a torch.save state dict) into meta-built models.
+smp_python_test(python_pretrained_weights_per_stage 2 pretrained_check.py)

@@ -173,6 +173,8 @@ class DistributedModel:
             raise TypeError(f"expected a torch.nn.Module or an smp.GraphModel, got {type(model).__name__}")
         self._io = io_
         self._graph = graph
+        self._persistent_buffers = set(model.state_dict(keep_vars=True)) if isinstance(model, torch.nn.Module) \
+            else set()
         captured = time.perf_counter()
         materialize_local = None
         if isinstance(model, torch.nn.Module) and _materialize.is_meta(model):
@@ -252,6 +254,24 @@ class DistributedModel:
 
     def load_parameters(self, full_model_file):
         self._model.load_parameters(os.fspath(full_model_file))
+
+    def load_pretrained(self, path):
+        """Reads this rank's parameters (and the persistent buffers of its stages) from pretrained weights: a Hugging
+        Face directory (model.safetensors, or shards with model.safetensors.index.json; read lazily, tensor by
+        tensor) or a torch.save state dict file (memory-mapped), by the names of the model's state_dict. Every name
+        and shape is checked before anything is copied (CheckpointError naming the tensor and the file). With a model
+        built on the meta device no process ever holds more than its own stages. Returns how many tensors it read."""
+        from ._pretrained import load_pretrained
+        tensors = dict(self.named_parameters())
+        names, stages = self._graph.node_names(), set(self.stages)
+        local = {names[i] for i, stage in enumerate(self.stage_of_module) if stage in stages}
+        for name, node in self._graph._captured.items():
+            if name not in local:
+                continue
+            for buffer_name, buffer in node.named_buffers():
+                if not buffer.is_meta and buffer_name in self._persistent_buffers:
+                    tensors.setdefault(buffer_name, buffer)
+        return load_pretrained(tensors, path)
 
     @property
     def stages(self):

@@ -1,0 +1,81 @@
+"""Pretrained weights read per rank: each rank reads only the tensors of its own stages, lazily, from a Hugging Face
+directory (model.safetensors, or shards listed in model.safetensors.index.json) or a torch.save state dict (memory
+mapped), so that no process ever holds the whole model."""
+
+import json
+import os
+
+import torch
+
+from ._smp import CheckpointError
+
+
+class _Source:
+    """Where each tensor name lives, and reading one at a time."""
+
+    def __init__(self, path):
+        path = os.fspath(path)
+        self.description = path
+        self._handles = {}
+        if os.path.isdir(path):
+            index = os.path.join(path, "model.safetensors.index.json")
+            single = os.path.join(path, "model.safetensors")
+            if os.path.exists(index):
+                with open(index) as file:
+                    weight_map = json.load(file)["weight_map"]
+                self._files = {name: os.path.join(path, shard) for name, shard in weight_map.items()}
+            elif os.path.exists(single):
+                self._files = {name: single for name in self._names_in(single)}
+            else:
+                raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+            self._state_dict = None
+        else:
+            try:
+                self._state_dict = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            except Exception as error:  # noqa: BLE001 - torch.load raises many kinds
+                raise CheckpointError(f"{path}: not a safetensors directory or a torch.save state dict: {error}") \
+                    from error
+            self._files = {name: path for name in self._state_dict}
+
+    def _open(self, file):
+        from safetensors import safe_open
+        if file not in self._handles:
+            if not os.path.exists(file):
+                raise CheckpointError(f"{file}: listed in the index, but missing")
+            self._handles[file] = safe_open(file, framework="pt", device="cpu")
+        return self._handles[file]
+
+    def _names_in(self, file):
+        return list(self._open(file).keys())
+
+    def file_of(self, name):
+        return self._files.get(name)
+
+    def shape_of(self, name):
+        if self._state_dict is not None:
+            return tuple(self._state_dict[name].shape)
+        return tuple(self._open(self._files[name]).get_slice(name).get_shape())
+
+    def read(self, name):
+        if self._state_dict is not None:
+            return self._state_dict[name]
+        return self._open(self._files[name]).get_tensor(name)
+
+
+def load_pretrained(tensors, path):
+    """Copies into `tensors` ({name: this rank's parameter or buffer}) the tensors of the same names at `path`.
+    Every name and shape is checked before anything is copied: a missing tensor or a wrong shape is a
+    CheckpointError naming the tensor and the file. Returns how many tensors were read."""
+    source = _Source(path)
+    for name, tensor in tensors.items():
+        file = source.file_of(name)
+        if file is None:
+            raise CheckpointError(f"{source.description}: no tensor '{name}' (this rank's stages need it)")
+        shape = source.shape_of(name)
+        if shape != tuple(tensor.shape):
+            raise CheckpointError(f"{file}: tensor '{name}' has shape {list(shape)}, the model's has "
+                                  f"{list(tensor.shape)}")
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            tensor.copy_(source.read(name))
+    return len(tensors)
