@@ -113,7 +113,7 @@ def _materializer(model, graph, rt, init_fn):
             node = graph._captured.get(names[index])
             if node is not None:
                 paths |= {path for path, _ in itertools.chain(node.named_parameters(), node.named_buffers())}
-        replaced = _materialize.materialize_modules(model, _materialize.owning_modules(model, paths),
+        replaced = _materialize.materialize_modules(model, {_materialize.owning_module(path) for path in paths},
                                                     torch.device(rt.device), rt.config.seed, init_fn)
         for node in graph._captured.values():
             node.replace_tensors(replaced)

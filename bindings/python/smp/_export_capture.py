@@ -47,7 +47,7 @@ def _in_evaluation(op, args, kwargs):
         if op == _aten.batch_norm.default and args[3] is None:
             continue  # no running statistics: batch statistics in either mode
         if index < len(args):
-            args[index] = _TRAINING_ARGUMENTS[argument.name] if argument.name != "dropout_p" or args[index] else args[index]
+            args[index] = _TRAINING_ARGUMENTS[argument.name]
         elif argument.name in kwargs:
             kwargs[argument.name] = _TRAINING_ARGUMENTS[argument.name]
     return tuple(args), kwargs

@@ -7,7 +7,7 @@ import re
 
 import torch
 
-from ._graph import GraphModel, _engine_module
+from ._graph import GraphModel
 from ._smp import ModelError
 
 

@@ -39,7 +39,7 @@ def _first_owners(model):
     hold (a tied LM head) is made and initialized by that one, on every rank and in smp.materialize alike."""
     owners = {}
     for path, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
-        owners.setdefault(id(tensor), path.rpartition(".")[0])
+        owners.setdefault(id(tensor), owning_module(path))
     return owners
 
 
@@ -84,9 +84,9 @@ def materialize_modules(model, paths, device, seed, init_fn=None, replaced=None)
     return replaced
 
 
-def owning_modules(model, tensor_paths):
-    """The module paths that own the tensors at these paths ("layers.0.mlp.weight" -> "layers.0.mlp")."""
-    return {path.rpartition(".")[0] for path in tensor_paths}
+def owning_module(tensor_path):
+    """The path of the module a tensor's path names it in ("layers.0.mlp.weight" -> "layers.0.mlp")."""
+    return tensor_path.rpartition(".")[0]
 
 
 def materialize(model, device="cpu", seed=0, init_fn=None):
