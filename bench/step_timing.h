@@ -140,8 +140,7 @@ inline void print_engine_overhead(c10::Device device) {
 inline void print_gpt_stage(c10::Device device, const smp::examples::GptOptions& options, int64_t batch, bool bf16,
                             int warmup, int measured) {
   auto build = [&] {
-    at::manual_seed(3);
-    return smp::examples::make_gpt(options);
+    return smp::examples::make_gpt(options).materialize(3);
   };
   auto generator = at::make_generator<at::CPUGeneratorImpl>(7);
   const auto tokens = at::randint(options.vocab_size, {batch, options.context + 1}, generator, at::kLong);

@@ -117,3 +117,13 @@ smp_python_test(python_meta_models_2x2_equal_materialized 4 real_models.py --met
                 --smp [[{"partitions": 2, "microbatches": 2, "ddp": true, "global_batch_size": 8, "seed": 3, "device": "cpu"}]])
 # Pretrained weights read per rank (safetensors whole and sharded, a torch.save state dict) into meta-built models.
 smp_python_test(python_pretrained_weights_per_stage 2 pretrained_check.py)
+
+# Meta-built models through checkpoints and exports: resume equals uninterrupted training (batch norm statistics
+# included), the safetensors export loads with from_pretrained and into a job of another partitioning.
+add_test(NAME python_meta_checkpoint_resume_and_safetensors_export
+         COMMAND ${SMP_PYTHON_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/python/export_check.py $<TARGET_FILE:smprun>
+                 ${SMP_PYTHON_EXECUTABLE})
+set_tests_properties(python_meta_checkpoint_resume_and_safetensors_export PROPERTIES
+  TIMEOUT 500
+  LABELS python
+  ENVIRONMENT "PYTHONPATH=${SMP_PYTHON_PACKAGE_DIR};OMP_NUM_THREADS=1;PYTHONUNBUFFERED=1")

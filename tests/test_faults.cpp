@@ -28,6 +28,15 @@ std::string worker(const std::string& config, const std::string& flags) {
   return std::string(SMPRUN_PATH) + " -n 4 -- " + WORKER_PATH + " --config " + config + " --optimizer adamw " + flags;
 }
 
+// The "0000N" of a directory's model-00001-of-0000N.safetensors.
+std::string shard_count(const std::string& directory) {
+  for (const auto& entry : std::filesystem::directory_iterator(directory)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("model-00001-of-", 0) == 0) return name.substr(15, 5);
+  }
+  return "?";
+}
+
 void flip_byte(const std::string& path, std::streamoff offset) {
   std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
   file.seekg(offset);
@@ -126,6 +135,30 @@ TEST_CASE("a checkpoint loads into another number of replicas and exports for an
                                       " --optimizer adamw --steps 0 --load-full " + exported + " --expect-step 2",
                                   120);
   check_clean_run(loaded, 3);
+
+  // Exported as safetensors shards with an index (from_pretrained's layout), it loads the same way, each rank
+  // reading only its own tensors.
+  const std::string shards = dir + "/safetensors";
+  const auto shard_run = run_command(std::string(SMP_CHECKPOINT_PATH) + " export-safetensors " + dir +
+                                         "/step-00000002 " + shards + " 512",
+                                     60);
+  INFO(shard_run.output);
+  REQUIRE(shard_run.status == 0);
+  CHECK(std::filesystem::exists(shards + "/model.safetensors.index.json"));
+  CHECK(std::filesystem::exists(shards + "/model-00002-of-00002.safetensors") == false);  // far more than two shards
+  const auto from_shards = run_command(std::string(SMPRUN_PATH) + " -n 3 -- " + WORKER_PATH + " --config " +
+                                           three_stages + " --optimizer adamw --steps 0 --load-full " + shards +
+                                           " --expect-step 2",
+                                       120);
+  check_clean_run(from_shards, 3);
+
+  // A shard that lost its tail is refused before anything is loaded, naming it.
+  std::filesystem::resize_file(shards + "/model-00001-of-" + shard_count(shards) + ".safetensors", 16);
+  const auto truncated = run_command(std::string(SMPRUN_PATH) + " -n 3 -- " + WORKER_PATH + " --config " +
+                                         three_stages + " --steps 0 --load-full " + shards + " --expect-step 2",
+                                     120);
+  CHECK(truncated.status != 0);
+  CHECK_THAT(truncated.output, Contains("model-00001-of-"));
 }
 
 TEST_CASE("sharded optimizer state is saved per replica and resumes into any number of replicas",

@@ -240,12 +240,24 @@ int run(int argc, char** argv) {
   at::manual_seed(config.seed);
   auto model = make_model(options);
   smp::DistributedModel distributed(runtime, model, runtime->replica_slice(global_batch(options, batch, 0, config.seed).first).narrow(0, 0, microbatch));
+  // Nodes built on demand (the GPT's): this rank built those of its own stages and no other.
+  const auto own_stages = distributed.stages();
+  for (std::size_t i = 0; i < distributed.model().nodes().size(); ++i) {
+    const auto& node = distributed.model().nodes()[i];
+    const bool own = std::count(own_stages.begin(), own_stages.end(), distributed.plan().stage_of_module[i]) > 0;
+    if (node.factory && node.built() != own) {
+      std::fprintf(stderr, "rank %d: node %s is %sbuilt here, but its stage is %s\n", runtime->rank(), node.name.c_str(),
+                   node.built() ? "" : "not ", own ? "this rank's" : "another rank's");
+      return 1;
+    }
+  }
   smp::DistributedOptimizer optimizer(distributed, make_optimizer(options, distributed.parameters()));
   smp::Checkpointer checkpointer(distributed, optimizer);
   const int first_step = static_cast<int>(checkpointer.resume());
 
   at::manual_seed(config.seed);
   auto reference = make_model(options);
+  reference.materialize(static_cast<std::uint64_t>(config.seed));  // nodes built on demand, with the job's weights
   // Single-device training on this rank's device: on a GPU the reference is single-GPU training.
   const c10::Device device = runtime->device();
   for (const auto& node : reference.nodes()) node.module->to(device);

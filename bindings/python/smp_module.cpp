@@ -145,9 +145,12 @@ std::shared_ptr<ScriptedModule> load_scripted(const py::bytes& serialized) {
 // GraphModel.add for a module of either kind: the node runs the module's forward on its inputs.
 template <typename Module>
 GraphModel& add_node(GraphModel& graph, const std::string& name, const std::shared_ptr<Module>& module,
-                     std::vector<std::string> inputs, std::string parameter_prefix, bool names_from_root) {
+                     std::vector<std::string> inputs, std::string parameter_prefix, bool names_from_root,
+                     std::string profile_key) {
   GraphModel::Forward forward = [module](const std::vector<at::Tensor>& values) { return module->forward(values); };
-  return graph.add(name, module, std::move(forward), std::move(inputs), std::move(parameter_prefix), names_from_root);
+  graph.add(name, module, std::move(forward), std::move(inputs), std::move(parameter_prefix), names_from_root);
+  graph.set_profile_key(static_cast<int>(graph.nodes().size()) - 1, std::move(profile_key));
+  return graph;
 }
 
 // None crosses as an undefined tensor, and back.
@@ -250,11 +253,12 @@ PYBIND11_MODULE(_smp, module) {
   py::class_<GraphModel>(module, "GraphModel")
       .def(py::init<std::vector<std::string>>(), py::arg("input_names"))
       .def("add", &add_node<ScriptedModule>, py::arg("name"), py::arg("module"), py::arg("inputs"),
-           py::arg("parameter_prefix") = "", py::arg("names_from_root") = false,
+           py::arg("parameter_prefix") = "", py::arg("names_from_root") = false, py::arg("profile_key") = "",
            py::return_value_policy::reference_internal)
       .def("add", &add_node<EagerModule>, py::arg("name"), py::arg("module"), py::arg("inputs"),
-           py::arg("parameter_prefix") = "", py::arg("names_from_root") = false,
+           py::arg("parameter_prefix") = "", py::arg("names_from_root") = false, py::arg("profile_key") = "",
            py::return_value_policy::reference_internal)
+      .def("set_transient_buffers", &GraphModel::set_transient_buffers, py::arg("names"))
       .def("set_outputs", &GraphModel::set_outputs, py::arg("outputs"))
       .def_property_readonly("input_names", &GraphModel::input_names)
       .def_property_readonly("output_names", &GraphModel::output_names)
@@ -361,7 +365,13 @@ PYBIND11_MODULE(_smp, module) {
              for (const auto& [name, parameter] : model.named_parameters()) parameters[py::str(name)] = parameter;
              return parameters;
            })
-      .def("load_parameters", &DistributedModel::load_parameters, py::arg("full_model_file"),
+      .def("named_buffers",
+           [](const DistributedModel& model) {
+             py::dict buffers;
+             for (const auto& [name, buffer] : model.named_buffers()) buffers[py::str(name)] = buffer;
+             return buffers;
+           })
+      .def("load_parameters", &DistributedModel::load_parameters, py::arg("path"),
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("stage", &DistributedModel::stage)
       .def_property_readonly("stages", &DistributedModel::stages)
@@ -386,14 +396,19 @@ PYBIND11_MODULE(_smp, module) {
       py::arg("inputs"), py::arg("targets"));
   module.def("export_checkpoint", &export_checkpoint, py::arg("checkpoint_directory"), py::arg("output_file"),
              py::call_guard<py::gil_scoped_release>());
+  module.def("export_checkpoint_safetensors", &export_checkpoint_safetensors, py::arg("checkpoint_directory"),
+             py::arg("output_directory"), py::arg("max_shard_bytes"), py::call_guard<py::gil_scoped_release>());
   module.def(
       "read_full_model",
       [](const std::string& file) {
-        py::dict parameters;
-        for (const auto& entry : read_full_model(file)) parameters[py::str(entry.key())] = entry.value();
-        return parameters;
+        py::dict tensors;
+        const FullModel model = read_full_model(file);
+        for (const auto& entry : model.parameters) tensors[py::str(entry.key())] = entry.value();
+        for (const auto& entry : model.buffers) tensors[py::str(entry.key())] = entry.value();
+        return tensors;
       },
       py::arg("full_model_file"));
+  module.def("module_seed", &module_seed, py::arg("seed"), py::arg("path"));
   module.def(
       "latest_checkpoint",
       [](const std::string& root) -> py::object {

@@ -7,6 +7,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <unordered_map>
 #include <unordered_set>
@@ -20,6 +21,7 @@
 
 #include "smp/checkpoint_manifest.h"
 #include "smp/log.h"
+#include "smp/safetensors.h"
 #include "smp/timeline.h"
 
 namespace smp {
@@ -48,6 +50,31 @@ void fsync_directory(const std::string& directory) {
     ::fsync(fd);
     ::close(fd);
   }
+}
+
+// A dictionary's tensors (a partition file's parameters and buffers, a full-model file's) as a source.
+TensorSource dictionary_source(std::string description, c10::Dict<std::string, at::Tensor> tensors, bool has_buffers) {
+  TensorSource source;
+  source.description = description;
+  source.has_buffers = has_buffers;
+  source.shape = [tensors](const std::string& name) -> std::optional<std::vector<std::int64_t>> {
+    const auto found = tensors.find(name);
+    if (found == tensors.end()) return std::nullopt;
+    return found->value().sizes().vec();
+  };
+  source.read = [tensors](const std::string& name) { return tensors.at(name); };
+  source.file_of = [description](const std::string&) { return description; };
+  return source;
+}
+
+// A partition file's parameters and buffers (absent in files written before buffers were kept).
+TensorSource state_in(const c10::impl::GenericDict& contents, const std::string& path) {
+  c10::Dict<std::string, at::Tensor> tensors;
+  for (const char* kind : {"parameters", "buffers"}) {
+    if (!contents.contains(kind)) continue;
+    for (const auto& entry : contents.at(kind).toGenericDict()) tensors.insert(entry.key().toStringRef(), entry.value().toTensor());
+  }
+  return dictionary_source(path, std::move(tensors), contents.contains("buffers"));
 }
 
 // A partition file, or an optimizer shard file (CheckpointFile::dp_rank >= 0, which holds no parameters).
@@ -217,6 +244,11 @@ void Checkpointer::save(std::int64_t step) {
       parameters.insert(name, parameter.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
     }
     contents->insert("parameters", parameters);
+    c10::Dict<std::string, at::Tensor> buffers;  // batch norm's statistics: part of the state a resume continues
+    for (const auto& [name, buffer] : model_.named_buffers()) {
+      buffers.insert(name, buffer.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
+    }
+    contents->insert("buffers", buffers);
     contents->insert("rng", at::detail::getDefaultCPUGenerator().get_state());
     const c10::Device device = runtime.device();
     if (device.is_cuda()) contents->insert("cuda_rng", at::globalContext().defaultGenerator(device).get_state());
@@ -373,7 +405,7 @@ std::int64_t Checkpointer::resume() {
     read.bytes.assign(static_cast<const char*>(bytes.data_ptr()), static_cast<std::size_t>(bytes.numel()));
     return read;
   };
-  model_.load_named_parameters(contents.at("parameters").toGenericDict(), path);
+  model_.load_state(state_in(contents, path));
   optimizer_state_->load(saved, runtime.device());
   try {
     auto generator = at::detail::getDefaultCPUGenerator();
@@ -397,7 +429,7 @@ std::int64_t Checkpointer::resume() {
   return manifest.step + 1;
 }
 
-c10::Dict<std::string, at::Tensor> read_full_model(const std::string& full_model_file) {
+FullModel read_full_model(const std::string& full_model_file) {
   std::vector<char> bytes = read_bytes(full_model_file);
   c10::IValue value;
   try {
@@ -409,29 +441,87 @@ c10::Dict<std::string, at::Tensor> read_full_model(const std::string& full_model
       !value.toGenericDict().at("parameters").isGenericDict()) {
     throw CheckpointError(full_model_file + ": not an smp model file");
   }
-  c10::Dict<std::string, at::Tensor> parameters;
-  for (const auto& entry : value.toGenericDict().at("parameters").toGenericDict()) {
-    parameters.insert(entry.key().toStringRef(), entry.value().toTensor());
+  const auto dict = value.toGenericDict();
+  FullModel model;
+  for (const auto& entry : dict.at("parameters").toGenericDict()) {
+    model.parameters.insert(entry.key().toStringRef(), entry.value().toTensor());
   }
-  return parameters;
-}
-
-void export_checkpoint(const std::string& checkpoint_directory, const std::string& output_file) {
-  const auto manifest = verify_checkpoint(checkpoint_directory);
-  c10::Dict<std::string, at::Tensor> parameters;
-  for (const auto& file : manifest.files) {
-    if (file.dp_rank >= 0) continue;  // an optimizer shard: no parameters
-    auto contents = load_partition_file(checkpoint_directory + "/" + file.name, file);
-    for (const auto& entry : contents.at("parameters").toGenericDict()) {
-      parameters.insert(entry.key().toStringRef(), entry.value().toTensor());
+  model.has_buffers = dict.contains("buffers");
+  if (model.has_buffers) {
+    for (const auto& entry : dict.at("buffers").toGenericDict()) {
+      model.buffers.insert(entry.key().toStringRef(), entry.value().toTensor());
     }
   }
+  return model;
+}
+
+namespace {
+
+// Calls `take(name, tensor, is_buffer)` for the parameters and buffers of the checkpoint's partition files, one file
+// at a time (what an export streams). Returns the checkpoint's step.
+std::int64_t for_each_saved_tensor(const std::string& checkpoint_directory,
+                                   const std::function<void(const std::string&, const at::Tensor&, bool)>& take) {
+  const auto manifest = verify_checkpoint(checkpoint_directory);
+  std::set<std::string> taken;  // a tied parameter is in the file of every rank holding a copy: the same values
+  for (const auto& file : manifest.files) {
+    if (file.dp_rank >= 0) continue;  // an optimizer shard: no parameters
+    const auto contents = load_partition_file(checkpoint_directory + "/" + file.name, file);
+    for (const char* kind : {"parameters", "buffers"}) {
+      if (!contents.contains(kind)) continue;  // buffers: absent in files written before they were kept
+      for (const auto& entry : contents.at(kind).toGenericDict()) {
+        if (!taken.insert(entry.key().toStringRef()).second) continue;
+        take(entry.key().toStringRef(), entry.value().toTensor(), std::string(kind) == "buffers");
+      }
+    }
+  }
+  return manifest.step;
+}
+
+}  // namespace
+
+void export_checkpoint(const std::string& checkpoint_directory, const std::string& output_file) {
+  // Parameters and buffers apart, so that a reader can tell a file with no buffers from one written before
+  // checkpoints kept them.
+  c10::Dict<std::string, at::Tensor> parameters, buffers;
+  const std::int64_t step =
+      for_each_saved_tensor(checkpoint_directory, [&](const std::string& name, const at::Tensor& tensor, bool buffer) {
+        (buffer ? buffers : parameters).insert(name, tensor);
+      });
   c10::impl::GenericDict full(c10::StringType::get(), c10::AnyType::get());
   full.insert("format", kPartitionFormat);
-  full.insert("step", manifest.step);
+  full.insert("step", step);
   full.insert("parameters", parameters);
+  full.insert("buffers", buffers);
   const auto bytes = torch::jit::pickle_save(full);
   write_file_atomically(output_file, std::string_view(bytes.data(), bytes.size()));
+}
+
+TensorSource tensor_source(const std::string& path) {
+  if (!SafetensorsSource::is_safetensors(path)) {
+    FullModel model = read_full_model(path);
+    c10::Dict<std::string, at::Tensor> all = model.parameters;
+    for (const auto& entry : model.buffers) all.insert(entry.key(), entry.value());
+    return dictionary_source(path, std::move(all), model.has_buffers);
+  }
+  auto safetensors = std::make_shared<SafetensorsSource>(path);
+  TensorSource source;
+  source.description = path;
+  source.shape = [safetensors](const std::string& name) -> std::optional<std::vector<std::int64_t>> {
+    if (!safetensors->contains(name)) return std::nullopt;
+    return safetensors->shape(name);
+  };
+  source.read = [safetensors](const std::string& name) { return safetensors->read(name); };
+  source.file_of = [safetensors](const std::string& name) { return safetensors->file_of(name); };
+  return source;
+}
+
+std::vector<std::string> export_checkpoint_safetensors(const std::string& checkpoint_directory,
+                                                       const std::string& output_directory,
+                                                       std::int64_t max_shard_bytes) {
+  SafetensorsWriter writer(output_directory, max_shard_bytes);
+  for_each_saved_tensor(checkpoint_directory,
+                        [&](const std::string& name, const at::Tensor& tensor, bool) { writer.add(name, tensor); });
+  return writer.finish();
 }
 
 }  // namespace smp

@@ -98,19 +98,12 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
                      std::to_string(model_.input_names().size()));
   }
   auto schedule = make_schedule(config);
-  {
-    std::string shapes;
-    const auto parameters = model_.named_parameters();
-    for (const auto& [name, parameter] : parameters) {
-      shapes += name + ":";
-      for (auto size : parameter.sizes()) shapes += std::to_string(size) + ",";
-      shapes += ";";
-    }
-    model_signature_ = std::to_string(parameters.size()) + " parameters, crc32 " +
-                       std::to_string(crc32(shapes.data(), shapes.size()));
-  }
+  model_.set_build_seed(static_cast<std::uint64_t>(config.seed));
   exchange_ = "model" + std::to_string(runtime_->next_exchange()) + "/";
   if (runtime_->rank() == 0) {
+    // Measured once every rank has built what it builds before this (a Python model's capture): the profile must
+    // not share the cores with them.
+    for (int rank = 1; rank < runtime_->world_size(); ++rank) runtime_->fetch(exchange_ + "ready/" + std::to_string(rank));
     // One stage has nothing to balance: the untimed rounds still check that the model takes the sample.
     // What a stage's activations cost depends on how many microbatches the schedule keeps in flight on its rank
     // (under 1F1B, p - rank); a rank's virtual stages share its count.
@@ -134,11 +127,22 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
     // Profiled on this job's device (module by module, see profile_graph).
     ModelInputs on_device;
     for (const auto& input : sample) on_device.push_back(input.defined() ? input.to(runtime_->device()) : input);
-    plan_ = plan_stages(profile_graph(model_, on_device, config.num_stages() > 1 ? 3 : 0),
-                        config, copies,
-                        optimizer_state_shards());
+    auto profiles = profile_graph(model_, on_device, config.num_stages() > 1 ? 5 : 0);
+    // Parameter names and shapes of the whole model, which only this rank sees whole (nodes built on demand are
+    // built here one at a time): a checkpoint of another model is refused by it.
+    std::string shapes;
+    std::size_t count = 0;
+    for (const auto& profile : profiles) {
+      shapes += profile.parameter_shapes;
+      count += static_cast<std::size_t>(std::count(profile.parameter_shapes.begin(), profile.parameter_shapes.end(), ';'));
+    }
+    model_signature_ = std::to_string(count) + " parameters, crc32 " + std::to_string(crc32(shapes.data(), shapes.size()));
+    plan_ = plan_stages(std::move(profiles), config, copies, optimizer_state_shards());
+    runtime_->publish(exchange_ + "model_signature", model_signature_);
     runtime_->publish(exchange_ + "stage_plan", plan_.to_json());
   } else {
+    runtime_->publish(exchange_ + "ready/" + std::to_string(runtime_->rank()), "");
+    model_signature_ = runtime_->fetch(exchange_ + "model_signature");
     plan_ = StagePlan::from_json(runtime_->fetch(exchange_ + "stage_plan"));
   }
   if (config.resume) adopt_checkpoint_partition();
@@ -153,13 +157,12 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
       write_file_atomically(config.trace_dir + "/partition.json", plan_.to_json());
     }
   }
-  if (materialize) {
-    std::vector<int> local_nodes;
-    for (std::size_t i = 0; i < model_.nodes().size(); ++i) {
-      if (schedule.stage_to_rank[plan_.stage_of_module[i]] == runtime_->pp_rank()) local_nodes.push_back(static_cast<int>(i));
-    }
-    materialize(model_, local_nodes);
+  std::vector<int> local_nodes;
+  for (std::size_t i = 0; i < model_.nodes().size(); ++i) {
+    if (schedule.stage_to_rank[plan_.stage_of_module[i]] == runtime_->pp_rank()) local_nodes.push_back(static_cast<int>(i));
   }
+  for (int node : local_nodes) model_.build(node);  // nodes built on demand: this rank's, and no other
+  if (materialize) materialize(model_, local_nodes);
   build_stages(schedule);
   executor_ = std::make_unique<PipelineExecutor>(lower_and_validate(std::move(schedule), graph_, config), graph_,
                                                  runtime_->pipeline(), config.checkpointed_stages);
@@ -219,6 +222,15 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
       named_parameters_.emplace_back(name, parameter);
       trainable_at_build_.push_back(parameter.requires_grad());
     }
+  }
+  std::set<const void*> local_buffers;
+  for (const auto& [stage, local] : stages_) {
+    for (int node : local.nodes) {
+      for (const auto& buffer : nodes[node].module->buffers()) local_buffers.insert(buffer.unsafeGetTensorImpl());
+    }
+  }
+  for (const auto& [name, buffer] : model_.named_buffers()) {
+    if (local_buffers.count(buffer.unsafeGetTensorImpl())) named_buffers_.emplace_back(name, buffer);
   }
   // Only this rank's modules go to its device (Module::to keeps the parameter tensors, so what was collected above
   // stays valid); the others stay where the caller built them.
@@ -386,23 +398,30 @@ void DistributedModel::adopt_checkpoint_partition() {
   resumed_from_ = FoundCheckpoint{directory, std::move(manifest)};
 }
 
-void DistributedModel::load_named_parameters(const c10::impl::GenericDict& parameters, const std::string& source) {
-  c10::NoGradGuard no_grad;
-  for (auto& [name, parameter] : named_parameters_) {
-    const auto found = parameters.find(name);
-    if (found == parameters.end()) throw CheckpointError(source + ": no parameter \"" + name + "\"");
-    const at::Tensor value = found->value().toTensor();
-    if (value.sizes() != parameter.sizes()) {
-      throw CheckpointError(source + ": parameter \"" + name + "\" has shape " + c10::str(value.sizes()) +
-                            ", the model has " + c10::str(parameter.sizes()));
+void DistributedModel::load_state(const TensorSource& source) {
+  // Everything checked before anything is copied: a bad file leaves the model as it was.
+  const auto check = [&](const std::string& name, const at::Tensor& tensor, const char* kind) {
+    const auto shape = source.shape(name);
+    if (!shape) {
+      throw CheckpointError(source.description + ": no " + kind + " \"" + name + "\" (this rank's stages need it)");
     }
-    parameter.copy_(value);
+    if (*shape != tensor.sizes().vec()) {
+      throw CheckpointError(source.file_of(name) + ": " + kind + " \"" + name + "\" has shape " + c10::str(*shape) +
+                            ", the model has " + c10::str(tensor.sizes()));
+    }
+  };
+  for (const auto& [name, parameter] : named_parameters_) check(name, parameter, "parameter");
+  if (source.has_buffers) {
+    for (const auto& [name, buffer] : named_buffers_) check(name, buffer, "buffer");
+  }
+  c10::NoGradGuard no_grad;
+  for (auto& [name, parameter] : named_parameters_) parameter.copy_(source.read(name));
+  if (source.has_buffers) {
+    for (auto& [name, buffer] : named_buffers_) buffer.copy_(source.read(name));
   }
 }
 
-void DistributedModel::load_parameters(const std::string& full_model_file) {
-  load_named_parameters(c10::impl::toGenericDict(read_full_model(full_model_file)), full_model_file);
-}
+void DistributedModel::load_parameters(const std::string& path) { load_state(tensor_source(path)); }
 
 namespace {
 

@@ -7,10 +7,25 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/nn/modules/container/functional.h>
 
 #include "smp/config.h"
+#include "smp/errors.h"
+#include "random_state.h"
 
 namespace smp {
+
+std::uint64_t module_seed(std::uint64_t seed, const std::string& path) {
+  // FNV-1a over "<seed>/<path>", then splitmix64's finalizer to spread the bits; 63 bits, as torch's manual_seed
+  // takes any of them and Python's int does not wrap.
+  const std::string text = std::to_string(seed) + "/" + path;
+  std::uint64_t hash = 0xcbf29ce484222325ULL;
+  for (const unsigned char c : text) hash = (hash ^ c) * 0x100000001b3ULL;
+  hash = (hash ^ (hash >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  hash = (hash ^ (hash >> 27)) * 0x94d049bb133111ebULL;
+  hash ^= hash >> 31;
+  return hash & ((1ULL << 63) - 1);
+}
 
 GraphModel::GraphModel(std::string input_name) : GraphModel(std::vector<std::string>{std::move(input_name)}) {}
 
@@ -95,6 +110,114 @@ GraphModel& GraphModel::add(const std::string& name, std::shared_ptr<torch::nn::
                    names_from_root});
 }
 
+GraphModel& GraphModel::add_on_demand(const std::string& name, Factory factory, std::vector<std::string> inputs,
+                                      std::vector<std::string> shared) {
+  for (const auto& parameter : shared) {
+    if (owner_of(parameter).first < 0) {
+      throw ConfigError("GraphModel node \"" + name + "\" shares \"" + parameter +
+                        "\", which names no earlier node's parameter (\"<node>.<parameter>\")");
+    }
+  }
+  add(name, nullptr, Forward(), std::move(inputs));
+  nodes_.back().factory = std::move(factory);
+  nodes_.back().shared = std::move(shared);
+  return *this;
+}
+
+std::pair<int, std::string> GraphModel::owner_of(const std::string& parameter) const {
+  // The node whose prefix is the longest that the name extends (node names may hold dots: "blocks.0").
+  int owner = -1;
+  std::size_t longest = 0;
+  for (std::size_t i = 0; i < nodes_.size(); ++i) {
+    const std::string& prefix = nodes_[i].prefix();
+    if (nodes_[i].names_from_root || prefix.size() <= longest || parameter.size() <= prefix.size() + 1) continue;
+    if (parameter.compare(0, prefix.size(), prefix) == 0 && parameter[prefix.size()] == '.') {
+      owner = static_cast<int>(i);
+      longest = prefix.size();
+    }
+  }
+  if (owner < 0) return {-1, {}};
+  return {owner, parameter.substr(longest + 1)};
+}
+
+GraphModel::Built GraphModel::run_factory(int index, std::vector<at::Tensor>* shared_tensors) const {
+  const Node& node = nodes_.at(static_cast<std::size_t>(index));
+  // The tensors it shares come from their owners: built here, or built apart for the moment (their other tensors
+  // go when this returns).
+  for (const auto& parameter : node.shared) {
+    const auto [owner, key] = owner_of(parameter);
+    const Node source = built_apart(owner);
+    at::Tensor tensor;
+    for (const auto& [name, value] : node_parameters(source)) {
+      if (name == parameter) tensor = value;
+    }
+    if (!tensor.defined()) {
+      throw ModelError("GraphModel node \"" + node.name + "\" shares \"" + parameter + "\", but node \"" +
+                       nodes_[owner].name + "\" has no such parameter");
+    }
+    shared_tensors->push_back(tensor);
+  }
+  // Its own generator state, whatever ran before: the weights depend on the seed and the node's name alone. The
+  // default generators go back as they were, so building changes nothing else's random numbers.
+  const RandomState kept = RandomState::capture(c10::Device(c10::kCPU));
+  Built built;
+  try {
+    {
+      at::Generator generator = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_current_seed(module_seed(build_seed_, node.name));
+    }
+    built = node.factory(*shared_tensors);
+  } catch (...) {
+    kept.restore();
+    throw;
+  }
+  kept.restore();
+  if (!built.module) throw ModelError("GraphModel node \"" + node.name + "\": its factory returned no module");
+  return built;
+}
+
+void GraphModel::build(int index) {
+  Node& node = nodes_.at(static_cast<std::size_t>(index));
+  if (node.built()) return;
+  std::vector<at::Tensor> shared;
+  Built built = run_factory(index, &shared);
+  node.module = std::move(built.module);
+  node.forward = std::move(built.forward);
+  node.shared_tensors = std::move(shared);
+  if (node.profile_key.empty()) node.profile_key = profile_key_of(*node.module);
+}
+
+GraphModel& GraphModel::materialize(std::uint64_t seed) {
+  build_seed_ = seed;
+  for (std::size_t i = 0; i < nodes_.size(); ++i) build(static_cast<int>(i));
+  return *this;
+}
+
+GraphModel::Node GraphModel::built_apart(int index) const {
+  Node node = nodes_.at(static_cast<std::size_t>(index));
+  if (node.built()) return node;
+  Built built = run_factory(index, &node.shared_tensors);
+  node.module = std::move(built.module);
+  node.forward = std::move(built.forward);
+  if (node.profile_key.empty()) node.profile_key = profile_key_of(*node.module);
+  return node;
+}
+
+std::string GraphModel::profile_key_of(torch::nn::Module& module) {
+  // A Functional's type says nothing of the function it wraps.
+  if (dynamic_cast<torch::nn::FunctionalImpl*>(&module)) return {};
+  std::string key = module.name();
+  for (const auto& parameter : module.named_parameters()) {
+    key += ";" + parameter.key() + ":" + c10::str(parameter.value().sizes(), parameter.value().scalar_type(),
+                                                  parameter.value().requires_grad());
+  }
+  for (const auto& buffer : module.named_buffers()) {
+    key += ";" + buffer.key() + ":" + c10::str(buffer.value().sizes(), buffer.value().scalar_type());
+  }
+  return key;
+}
+
 GraphModel& GraphModel::add_node(Node node) {
   if (node.name.empty() || input_index(node.name) >= 0 || index_.count(node.name)) {
     throw ConfigError("GraphModel: node name \"" + node.name + "\" is empty, taken, or a model input's name");
@@ -143,6 +266,7 @@ GraphModel GraphModel::expanded(const std::string& node) const {
       result.add_node({name, child.ptr(), any_forward(child, name, 1), {previous},
                        copy.parameter_prefix.empty() ? std::string() : copy.parameter_prefix + "." + key,
                        copy.names_from_root});
+      result.nodes_.back().profile_key = profile_key_of(*child.ptr());
       previous = name;
     }
     last_child = previous;
@@ -157,7 +281,7 @@ GraphModel GraphModel::expanded_to(std::size_t nodes) const {
     int largest = -1;
     std::int64_t largest_parameters = -1;
     for (int i = 0; i < static_cast<int>(result.nodes_.size()); ++i) {
-      if (!result.expandable(i)) continue;
+      if (!result.expandable(i)) continue;  // a node not built here: unknown, so not expanded on any rank
       std::int64_t parameters = 0;
       for (const auto& parameter : result.nodes_[i].module->parameters()) parameters += parameter.numel();
       if (parameters > largest_parameters) largest = i, largest_parameters = parameters;
@@ -177,6 +301,7 @@ GraphModel GraphModel::from_sequential(const torch::nn::Sequential& model, std::
     const std::string& name = children[index++].key();
     torch::nn::AnyModule any = module;
     graph.add(name, module.ptr(), any_forward(any, name, 1), {previous});
+    graph.nodes_.back().profile_key = profile_key_of(*module.ptr());
     previous = name;
   }
   return graph;
@@ -203,6 +328,10 @@ std::vector<at::Tensor> GraphModel::forward(const std::vector<at::Tensor>& input
   std::map<std::string, at::Tensor> values;
   for (std::size_t i = 0; i < inputs.size(); ++i) values[input_names_[i]] = inputs[i];
   for (const auto& node : nodes_) {
+    if (!node.built()) {
+      throw ModelError("GraphModel::forward: node \"" + node.name + "\" is built on demand and not built in this "
+                       "process (GraphModel::materialize builds the whole model)");
+    }
     std::vector<at::Tensor> arguments;
     for (const auto& name : node.inputs) arguments.push_back(values.at(name));
     values[node.name] = node.forward(arguments);
@@ -212,29 +341,95 @@ std::vector<at::Tensor> GraphModel::forward(const std::vector<at::Tensor>& input
   return outputs;
 }
 
+std::vector<std::pair<std::string, at::Tensor>> GraphModel::node_parameters(const Node& node) {
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  if (!node.built()) return named;
+  for (const auto& parameter : node.module->named_parameters()) {
+    std::string name = node.parameter_name(parameter.key());
+    for (std::size_t i = 0; i < node.shared_tensors.size(); ++i) {
+      if (node.shared_tensors[i].is_same(parameter.value())) name = node.shared[i];
+    }
+    named.emplace_back(std::move(name), parameter.value());
+  }
+  return named;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> GraphModel::own_parameters(const Node& node) {
+  auto named = node_parameters(node);
+  named.erase(std::remove_if(named.begin(), named.end(),
+                             [&](const auto& entry) {
+                               return std::any_of(node.shared_tensors.begin(), node.shared_tensors.end(),
+                                                  [&](const at::Tensor& t) { return t.is_same(entry.second); });
+                             }),
+              named.end());
+  return named;
+}
+
 std::vector<std::pair<std::string, at::Tensor>> GraphModel::named_parameters() const {
   std::vector<std::pair<std::string, at::Tensor>> named;
   std::set<const void*> seen;
   for (const auto& node : nodes_) {
-    for (const auto& parameter : node.module->named_parameters()) {
-      if (seen.insert(parameter.value().unsafeGetTensorImpl()).second) {
-        named.emplace_back(node.parameter_name(parameter.key()), parameter.value());
-      }
+    for (auto& [name, parameter] : node_parameters(node)) {
+      if (seen.insert(parameter.unsafeGetTensorImpl()).second) named.emplace_back(std::move(name), parameter);
+    }
+  }
+  return named;
+}
+
+void GraphModel::set_transient_buffers(std::vector<std::string> names) { transient_buffers_ = std::move(names); }
+
+std::vector<std::pair<std::string, at::Tensor>> GraphModel::named_buffers() const {
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  std::set<const void*> seen;
+  for (const auto& node : nodes_) {
+    if (!node.built()) continue;
+    for (const auto& buffer : node.module->named_buffers()) {
+      std::string name = node.parameter_name(buffer.key());
+      if (std::find(transient_buffers_.begin(), transient_buffers_.end(), name) != transient_buffers_.end()) continue;
+      if (seen.insert(buffer.value().unsafeGetTensorImpl()).second) named.emplace_back(std::move(name), buffer.value());
     }
   }
   return named;
 }
 
 std::vector<GraphModel::Tie> GraphModel::ties() const {
+  std::vector<Tie> ties;
+  // Declared by nodes built on demand: known on every rank, whichever nodes are built here.
+  std::map<std::string, std::size_t> declared;
+  for (std::size_t i = 0; i < nodes_.size(); ++i) {
+    for (std::size_t k = 0; k < nodes_[i].shared.size(); ++k) {
+      const std::string& parameter = nodes_[i].shared[k];
+      auto [entry, created] = declared.try_emplace(parameter, ties.size());
+      if (created) {
+        Tie tie;
+        tie.parameter = parameter;
+        tie.nodes.push_back(owner_of(parameter).first);
+        ties.push_back(std::move(tie));
+      }
+      Tie& tie = ties[entry->second];
+      if (std::find(tie.nodes.begin(), tie.nodes.end(), static_cast<int>(i)) == tie.nodes.end()) {
+        tie.nodes.push_back(static_cast<int>(i));
+      }
+      if (!tie.tensor.defined() && nodes_[i].built()) tie.tensor = nodes_[i].shared_tensors[k];
+    }
+  }
+  for (auto& tie : ties) {
+    std::sort(tie.nodes.begin(), tie.nodes.end());
+    if (tie.tensor.defined()) continue;
+    for (const auto& [name, tensor] : node_parameters(nodes_[tie.nodes.front()])) {
+      if (name == tie.parameter) tie.tensor = tensor;
+    }
+  }
+  // Tensors shared between built nodes.
   std::map<const void*, Tie> by_tensor;
   std::vector<const void*> order;
   for (std::size_t i = 0; i < nodes_.size(); ++i) {
-    for (const auto& parameter : nodes_[i].module->named_parameters()) {
-      const void* key = parameter.value().unsafeGetTensorImpl();
+    for (const auto& [name, tensor] : node_parameters(nodes_[i])) {
+      const void* key = tensor.unsafeGetTensorImpl();
       auto [entry, created] = by_tensor.try_emplace(key);
       if (created) {
-        entry->second.parameter = nodes_[i].parameter_name(parameter.key());
-        entry->second.tensor = parameter.value();
+        entry->second.parameter = name;
+        entry->second.tensor = tensor;
         order.push_back(key);
       }
       if (entry->second.nodes.empty() || entry->second.nodes.back() != static_cast<int>(i)) {
@@ -242,9 +437,9 @@ std::vector<GraphModel::Tie> GraphModel::ties() const {
       }
     }
   }
-  std::vector<Tie> ties;
   for (const void* key : order) {
-    if (by_tensor[key].nodes.size() > 1) ties.push_back(by_tensor[key]);
+    const Tie& tie = by_tensor[key];
+    if (tie.nodes.size() > 1 && !declared.count(tie.parameter)) ties.push_back(tie);
   }
   return ties;
 }

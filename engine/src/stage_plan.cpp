@@ -111,10 +111,11 @@ class CountingCpuAllocator final : public c10::Allocator {
   std::unordered_map<void*, Allocation> allocations_;
 };
 
-double median(std::vector<double> values) {
+// The least of the timed rounds: noise on a shared machine (other processes, frequency changes, page faults) only
+// ever adds time, so the minimum is the estimate that repeats best from run to run.
+double least(const std::vector<double>& values) {
   if (values.empty()) return 0.0;  // not timed (repeats = 0)
-  std::sort(values.begin(), values.end());
-  return values[values.size() / 2];
+  return *std::min_element(values.begin(), values.end());
 }
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
@@ -137,6 +138,7 @@ class TrainingStateKept {
   TrainingStateKept(const GraphModel& model, c10::Device device) {
     std::set<const void*> seen;
     for (const auto& node : model.nodes()) {
+      if (!node.built()) continue;  // built apart for its profile, and dropped after
       for (const auto& buffer : node.module->buffers()) {
         if (seen.insert(buffer.unsafeGetTensorImpl()).second) buffers_.emplace_back(buffer, buffer.clone());
       }
@@ -338,17 +340,52 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
   const auto& meter = CountingCpuAllocator::instance();
   auto live_bytes = [&] { return on_accelerator ? device_allocated_bytes(device) : meter.live_bytes(); };
   std::set<const void*> counted;  // a tied parameter's bytes count once, at its first node
+  // Nodes of equal profile keys on inputs of equal shapes compute the same thing: one measurement for all of them,
+  // so that noise cannot tell identical blocks apart (and profiling a deep model takes a few blocks' time).
+  struct Measured {
+    double forward_s, backward_s;
+    std::int64_t activation_bytes;
+    at::Tensor output;
+  };
+  std::map<std::string, Measured> measured;
   for (std::size_t index = 0; index < model.nodes().size(); ++index) {
-    const auto& node = model.nodes()[index];
+    // A node built on demand is built for its profile alone, and goes after it.
+    const GraphModel::Node node = model.built_apart(static_cast<int>(index));
     ModuleProfile profile;
     profile.name = node.name;
     for (const auto& input : node.inputs) {
       if (model.input_index(input) < 0) profile.producers.push_back(model.index_of(input));
     }
-    for (const auto& parameter : node.module->parameters()) {
-      if (counted.insert(parameter.unsafeGetTensorImpl()).second) {
+    // A node built apart holds tensors of its own (what it shares is left out): an address a freed node's tensor
+    // had says nothing about them.
+    const bool built_apart = !model.nodes()[index].built();
+    for (const auto& [name, parameter] : GraphModel::own_parameters(node)) {
+      if (built_apart || counted.insert(parameter.unsafeGetTensorImpl()).second) {
         profile.parameter_bytes += parameter.numel() * static_cast<std::int64_t>(parameter.element_size());
+        profile.parameter_shapes += name + ":";
+        for (auto size : parameter.sizes()) profile.parameter_shapes += std::to_string(size) + ",";
+        profile.parameter_shapes += ";";
       }
+    }
+    std::string key;
+    if (!node.profile_key.empty()) {
+      key = node.profile_key;
+      for (const auto& input : node.inputs) {
+        const at::Tensor& value = values.at(input);
+        key += value.defined() ? "|" + c10::str(value.sizes(), value.scalar_type()) : std::string("|none");
+      }
+    }
+    if (const auto found = measured.find(key); !key.empty() && found != measured.end()) {
+      profile.forward_s = found->second.forward_s;
+      profile.backward_s = found->second.backward_s;
+      profile.activation_bytes = found->second.activation_bytes;
+      profile.output_bytes = found->second.output.numel() * static_cast<std::int64_t>(found->second.output.element_size());
+      profiles.push_back(profile);
+      values[node.name] = found->second.output;
+      for (const auto& input : node.inputs) {
+        if (last_reader.at(input) == index) values.erase(input);
+      }
+      continue;
     }
     const ModuleVisit visit(*node.module, device);
     std::vector<double> forward_times, backward_times;
@@ -398,16 +435,18 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
     for (const auto& parameter : node.module->parameters()) {
       if (parameter.grad().defined()) parameter.mutable_grad() = at::Tensor();
     }
-    profile.forward_s = median(forward_times);
-    profile.backward_s = median(backward_times);
+    profile.forward_s = least(forward_times);
+    profile.backward_s = least(backward_times);
     profile.output_bytes = output.numel() * static_cast<std::int64_t>(output.element_size());
     profile.activation_bytes = std::max<std::int64_t>(activation_bytes, 0);
     profiles.push_back(profile);
     values[node.name] = output.detach();
+    if (!key.empty()) measured[key] = {profile.forward_s, profile.backward_s, profile.activation_bytes, values[node.name]};
     for (const auto& input : node.inputs) {
       if (last_reader.at(input) == index) values.erase(input);
     }
   }
+  measured.clear();
   values.clear();
   // The cached blocks go back to the device: processes sharing a GPU (over Gloo) need them more than rank 0 does.
   if (on_accelerator) at::accelerator::emptyCache();

@@ -1,7 +1,9 @@
 // smp_checkpoint: inspect and convert checkpoints without starting a job.
 //   smp_checkpoint list ROOT          every checkpoint under ROOT, complete or not, and why not
 //   smp_checkpoint verify DIR         checks the manifest and every file's size and checksum
-//   smp_checkpoint export DIR FILE    merges the partitions into one full-model file (parameters by name)
+//   smp_checkpoint export DIR FILE    merges the partitions into one full-model file (parameters and buffers by name)
+//   smp_checkpoint export-safetensors DIR OUTDIR [MAX_SHARD_BYTES]
+//                                     the same as Hugging Face safetensors shards and index (from_pretrained's layout)
 
 #include <cstdio>
 #include <algorithm>
@@ -21,7 +23,8 @@ std::string sharding(const smp::CheckpointManifest& manifest) {
 }
 
 int run(int argc, char** argv) {
-  const std::string usage = "usage: smp_checkpoint list ROOT | verify DIR | export DIR FILE";
+  const std::string usage =
+      "usage: smp_checkpoint list ROOT | verify DIR | export DIR FILE | export-safetensors DIR OUTDIR [MAX_SHARD_BYTES]";
   if (argc < 3) throw std::runtime_error(usage);
   const std::string command = argv[1];
   if (command == "list" && argc == 3) {
@@ -51,6 +54,24 @@ int run(int argc, char** argv) {
   if (command == "export" && argc == 4) {
     smp::export_checkpoint(argv[2], argv[3]);
     std::printf("wrote %s\n", argv[3]);
+    return 0;
+  }
+  if (command == "export-safetensors" && (argc == 4 || argc == 5)) {
+    std::int64_t max_shard_bytes = smp::kDefaultShardBytes;
+    if (argc == 5) {
+      std::size_t used = 0;
+      try {
+        max_shard_bytes = std::stoll(argv[4], &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used == 0 || argv[4][used] != '\0' || max_shard_bytes <= 0) {
+        throw std::runtime_error("MAX_SHARD_BYTES must be a positive number of bytes, got " + std::string(argv[4]));
+      }
+    }
+    for (const auto& file : smp::export_checkpoint_safetensors(argv[2], argv[3], max_shard_bytes)) {
+      std::printf("wrote %s/%s\n", argv[3], file.c_str());
+    }
     return 0;
   }
   throw std::runtime_error(usage);

@@ -144,18 +144,22 @@ GptOptions gpt_options_from_section(const std::string& json_text, const std::str
 }
 
 smp::GraphModel make_gpt(const GptOptions& options) {
+  // Every node is built on demand: a rank builds only the nodes of its own stages.
   smp::GraphModel model("tokens");
-  TokenEmbedding embed(options);
-  model.add("embed", embed, {"tokens"});
+  model.add("embed", [options] { return TokenEmbedding(options); }, {"tokens"});
   std::string previous = "embed";
   for (int64_t layer = 0; layer < options.layers; ++layer) {
-    // Built in this order, the weights are drawn as they were when a block was one module.
     const std::string block = "block" + std::to_string(layer);
-    model.add(block + ".attention", AttentionResidual(options), {previous});
-    model.add(block + ".mlp", MlpResidual(options), {block + ".attention"});
+    model.add(block + ".attention", [options] { return AttentionResidual(options); }, {previous});
+    model.add(block + ".mlp", [options] { return MlpResidual(options); }, {block + ".attention"});
     previous = block + ".mlp";
   }
-  model.add("head", LanguageModelHead(options, options.tie_embeddings ? embed->token_weight() : at::Tensor()), {previous});
+  if (options.tie_embeddings) {
+    model.add("head", [options](const std::vector<at::Tensor>& shared) { return LanguageModelHead(options, shared[0]); },
+              {previous}, {"embed.tokens.weight"});
+  } else {
+    model.add("head", [options] { return LanguageModelHead(options, at::Tensor()); }, {previous});
+  }
   return model;
 }
 

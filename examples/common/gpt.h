@@ -21,9 +21,10 @@ struct GptOptions {
 // Reads the "model" section of a config, given as JSON text (unknown keys and bad values are errors naming the key).
 GptOptions gpt_options_from_section(const std::string& json_text, const std::string& source);
 
-// Nodes: "embed", "block0.attention", "block0.mlp", .., "block{layers-1}.mlp", "head", a chain; with tie_embeddings the head's weight is the
-// embedding's (a parameter shared across whatever stages hold the two). Initialisation draws from torch's
-// global generator: seed it identically on every rank.
+// Nodes: "embed", "block0.attention", "block0.mlp", .., "block{layers-1}.mlp", "head", a chain; with tie_embeddings
+// the head's weight is the embedding's "embed.tokens.weight" (a parameter shared across whatever stages hold the
+// two). Every node is built on demand (GraphModel::add with a factory): DistributedModel builds a rank's own
+// nodes, from the config's seed; GraphModel::materialize(seed) builds the whole model with the same weights.
 smp::GraphModel make_gpt(const GptOptions& options);
 
 // Mean cross-entropy of logits [B, T, V] against targets [B, T].

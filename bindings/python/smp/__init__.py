@@ -33,12 +33,12 @@ import weakref
 import torch  # loads LibTorch before the extension that links it
 
 from . import _materialize, _smp
-from ._graph import GraphModel, _is_sequential, _kind
+from ._graph import GraphModel, _is_sequential, _kind, transient_buffers
 from ._model_io import CapturedIO, GraphIO, own_loss
 from ._smp import CheckpointError, CommError, ConfigError, ModelError, NonFiniteError
 
 __all__ = ["init", "runtime", "GraphModel", "DistributedModel", "DistributedOptimizer", "Checkpointer", "materialize",
-           "latest_checkpoint", "export_checkpoint", "load_full_model",
+           "latest_checkpoint", "export_checkpoint", "export_safetensors", "load_full_model",
            "ConfigError", "ModelError", "NonFiniteError", "CheckpointError", "CommError"]
 
 _runtime = None
@@ -173,6 +173,9 @@ class DistributedModel:
             raise TypeError(f"expected a torch.nn.Module or an smp.GraphModel, got {type(model).__name__}")
         self._io = io_
         self._graph = graph
+        # Non-persistent buffers (a rotary table) stay out of checkpoints and exports, as out of state_dict.
+        from_module = isinstance(model, torch.nn.Module) and not _is_sequential(model)
+        graph._graph.set_transient_buffers(transient_buffers(model) if from_module else graph._transient_buffers)
         self._persistent_buffers = set(model.state_dict(keep_vars=True)) if isinstance(model, torch.nn.Module) \
             else set()
         captured = time.perf_counter()
@@ -252,8 +255,16 @@ class DistributedModel:
         """This rank's parameters, the tensors the engine trains: build the optimizer over these."""
         return list(self._model.named_parameters().values())
 
-    def load_parameters(self, full_model_file):
-        self._model.load_parameters(os.fspath(full_model_file))
+    def named_buffers(self):
+        """This rank's buffers that are part of the model's state (batch norm's statistics; not non-persistent ones),
+        by their names in the full model (shared with the engine: no copies)."""
+        return self._model.named_buffers()
+
+    def load_parameters(self, path):
+        """Copies this rank's parameters and buffers, by name, from a full-model file (smp.export_checkpoint) or
+        safetensors (smp.export_safetensors' directory, a Hugging Face one, or one .safetensors file; only this
+        rank's tensors are read). Every name and shape is checked before anything is copied."""
+        self._model.load_parameters(os.fspath(path))
 
     def load_pretrained(self, path):
         """Reads this rank's parameters (and the persistent buffers of its stages) from pretrained weights: a Hugging
@@ -493,13 +504,36 @@ def latest_checkpoint(root):
 
 
 def export_checkpoint(checkpoint_directory, output_file):
-    """Merges a complete checkpoint's partitions into one full-model file (parameters by name), as
+    """Merges a complete checkpoint's partitions into one full-model file (parameters and buffers by name), as
     `smp_checkpoint export` does: for inference, or for a job with another partitioning
     (DistributedModel.load_parameters)."""
     _smp.export_checkpoint(os.fspath(checkpoint_directory), os.fspath(output_file))
 
 
+def _bytes(size):
+    if isinstance(size, int):
+        return size
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    text = str(size).strip().upper()
+    for unit, factor in units.items():
+        if text.endswith(unit) and text[:-len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(text[:-len(unit)]) * factor)
+    raise ConfigError(f"max_shard_size: expected a number of bytes or a size such as '5GB', got {size!r}")
+
+
+def export_safetensors(checkpoint_directory, output_directory, max_shard_size="5GB"):
+    """Writes a complete checkpoint's parameters and persistent buffers as Hugging Face safetensors in
+    `output_directory` (model.safetensors, or shards of at most max_shard_size and model.safetensors.index.json),
+    by the model's state_dict names, reading one partition file at a time: transformers' from_pretrained loads it
+    (save the model's config there too: `net.config.save_pretrained(output_directory)`), and so do
+    DistributedModel.load_parameters and load_pretrained. A tied weight is written once, under its first name, as
+    save_pretrained writes it. Returns the files written."""
+    return _smp.export_checkpoint_safetensors(os.fspath(checkpoint_directory), os.fspath(output_directory),
+                                              _bytes(max_shard_size))
+
+
 def load_full_model(full_model_file):
-    """The parameters of a full-model file by their names in the model: load them into the plain PyTorch model
-    with `model.load_state_dict(smp.load_full_model(path), strict=False)` (buffers are not in the file)."""
+    """The parameters and buffers of a full-model file by their names in the model: load them into the plain PyTorch
+    model with `model.load_state_dict(smp.load_full_model(path), strict=False)` (a tied weight is there once, and
+    non-persistent buffers not at all)."""
     return _smp.read_full_model(os.fspath(full_model_file))

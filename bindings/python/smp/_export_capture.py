@@ -241,6 +241,34 @@ class CapturedNode(torch.nn.Module):
     def extra_repr(self):
         return self._name
 
+    def profile_key(self):
+        """Its code with the names export gave its values replaced by their positions, and its tensors' paths
+        relative to the node's (model.layers.3's "self_attn.q_proj.weight"), with their shapes: identical blocks
+        get equal keys, and share one profile measurement."""
+        def relative(path):
+            return path[len(self._name) + 1:] if path.startswith(self._name + ".") else path
+
+        def canonical(graph):
+            position = {node: index for index, node in enumerate(graph.nodes)}
+
+            def argument(value):
+                return fx.node.map_arg(value, lambda node: f"%{position[node]}")
+
+            lines = []
+            for node in graph.nodes:
+                target = relative(node.target) if node.op == "get_attr" else str(node.target)
+                if node.op == "placeholder":
+                    target = ""  # its name is the source's, different in every block
+                lines.append(f"{node.op} {target} {argument(node.args)} {argument(node.kwargs)}")
+                subgraph = _attribute(self, node.target) if node.op == "get_attr" else None
+                if isinstance(subgraph, fx.GraphModule):
+                    lines.append("{" + canonical(subgraph.graph) + "}")
+            return "\n".join(lines)
+
+        tensors = ";".join(f"{relative(path)}:{tuple(t.shape)}:{t.dtype}:{t.requires_grad}"
+                           for path, t in itertools.chain(self.named_parameters(), self.named_buffers()))
+        return f"captured:{canonical(self._graph)}|{tensors}"
+
 
 _NODE_WITH_STAND_INS = None  # the captured node whose stand-ins exist (profiling one node at a time)
 
@@ -527,7 +555,8 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory):
             if _is_random(op):
                 runs_in[op].append(node_name[value])
         module = CapturedNode(node_graph, node_attributes, node_name[value], captured_device)
-        engine._add_call(node_name[value], module, module, [value_name[s] for s in sources], names_from_root=True)
+        engine._add_call(node_name[value], module, module, [value_name[s] for s in sources], names_from_root=True,
+                         profile_key=module.profile_key())
         engine._captured[node_name[value]] = module
     for op, nodes in runs_in.items():
         if len(nodes) > 1:

@@ -1,6 +1,7 @@
 """smp.GraphModel: a model as a DAG of modules with named tensors, as the engine takes it."""
 
 import io
+import itertools
 
 import torch
 
@@ -33,6 +34,25 @@ def _engine_module(name, module, call=None):
     raise TypeError(f"module '{name}': expected a torch.nn.Module, got {type(module).__name__}")
 
 
+def _profile_key(module):
+    """What makes two modules cost the same: their code (a class and its configuration as repr shows it, or a
+    scripted module's graph) and their tensors' shapes. Nodes of equal keys share one profile measurement."""
+    if isinstance(module, torch.jit.ScriptModule):
+        body = str(module.inlined_graph)
+    else:
+        body = f"{type(module).__module__}.{type(module).__qualname__}:{module!r}"
+    tensors = ";".join(f"{name}:{tuple(t.shape)}:{t.dtype}:{t.requires_grad}"
+                       for name, t in itertools.chain(module.named_parameters(), module.named_buffers()))
+    return f"{body}|{tensors}"
+
+
+def transient_buffers(module, prefix=""):
+    """The names of a module's buffers that its state_dict leaves out (non-persistent: a rotary table, a causal
+    mask), as the engine names them: checkpoints and exports leave them out too."""
+    kept = set(module.state_dict(keep_vars=True))
+    return [prefix + name for name, _ in module.named_buffers() if name not in kept]
+
+
 class GraphModel:
     """A model as a DAG of modules with named tensors between them (residuals, skips, branches)::
 
@@ -51,6 +71,7 @@ class GraphModel:
         self._graph = _smp.GraphModel(names)
         self._several_outputs = False
         self._captured = {}  # node name -> CapturedNode, for a model captured whole
+        self._transient_buffers = []
 
     @property
     def input_names(self):
@@ -61,7 +82,10 @@ class GraphModel:
         return list(self._graph.output_names)
 
     def add(self, name, module, inputs):
-        self._graph.add(name, _engine_module(name, module), list(inputs))
+        key = _profile_key(module) if isinstance(module, torch.nn.Module) else ""
+        self._graph.add(name, _engine_module(name, module), list(inputs), profile_key=key)
+        if isinstance(module, torch.nn.Module):
+            self._transient_buffers += transient_buffers(module, name + ".")
         return self
 
     def set_outputs(self, outputs):
@@ -70,11 +94,12 @@ class GraphModel:
         self._several_outputs = True
         return self
 
-    def _add_call(self, name, module, call, inputs, parameter_prefix="", names_from_root=False):
+    def _add_call(self, name, module, call, inputs, parameter_prefix="", names_from_root=False, profile_key=""):
         """A node that trains `module`'s parameters but runs `call(*inputs)` (a traced call site); its parameters
         are named after `parameter_prefix` (a child's path) when given, or are the paths of `module`'s own tree
         (names_from_root: a module mirroring the whole model's)."""
-        self._graph.add(name, _engine_module(name, module, call), list(inputs), parameter_prefix, names_from_root)
+        self._graph.add(name, _engine_module(name, module, call), list(inputs), parameter_prefix, names_from_root,
+                        profile_key)
         return self
 
     @staticmethod

@@ -3,11 +3,11 @@ modules its stages read, and initializes each from a generator seeded by (seed, 
 do not depend on the partition; ``smp.materialize`` makes a whole model real the same way in one process."""
 
 import ctypes
-import hashlib
 import itertools
 
 import torch
 
+from . import _smp
 from ._smp import ModelError
 
 
@@ -25,9 +25,9 @@ def is_meta(model):
 
 
 def module_seed(seed, path):
-    """A generator seed of its own for each module: the same whichever rank or process initializes it."""
-    digest = hashlib.sha256(f"{seed}/{path}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+    """A generator seed of its own for each module: the same whichever rank or process initializes it (the engine's
+    rule, which C++ nodes built on demand follow too)."""
+    return _smp.module_seed(seed, path)
 
 
 def _own_meta_tensors(module):

@@ -50,6 +50,17 @@ struct StepOutput {
   std::vector<at::Tensor> all_outputs;
 };
 
+// Named tensors a model's state is loaded from, read one at a time: a checkpoint's partition file, a full-model
+// file, safetensors (checkpoint.h makes them).
+struct TensorSource {
+  std::string description;  // the file or directory
+  // The tensor's shape, or nullopt when the source has no tensor of that name.
+  std::function<std::optional<std::vector<std::int64_t>>(const std::string& name)> shape;
+  std::function<at::Tensor(const std::string& name)> read;
+  std::function<std::string(const std::string& name)> file_of;  // where the tensor is, for errors
+  bool has_buffers = true;  // false: written before buffers were kept; this model's buffers then stay as they are
+};
+
 class DistributedModel {
  public:
   // Every rank must build `model` the same way (same seed) so that each stage starts from the weights
@@ -98,10 +109,13 @@ class DistributedModel {
   static std::vector<bool> batched_inputs(const ModelInputs& inputs, const at::Tensor& targets);
   const GraphModel& model() const { return model_; }
 
-  // Copies this rank's parameters from a full-model file (export_checkpoint), by name: a model trained under
-  // another partitioning, or for inference. CheckpointError names a missing or mis-shaped parameter.
-  void load_parameters(const std::string& full_model_file);
-  void load_named_parameters(const c10::impl::GenericDict& parameters, const std::string& source);
+  // Copies this rank's parameters and buffers, by name, from a full-model file (export_checkpoint) or from
+  // safetensors (a .safetensors file, or a directory with model.safetensors or shards and their index, as
+  // from_pretrained reads them; only this rank's tensors are read): a model trained under another partitioning,
+  // pretrained weights, or for inference. Every name and shape is checked before anything is copied:
+  // CheckpointError names a missing or mis-shaped tensor and its file.
+  void load_parameters(const std::string& path);
+  void load_state(const TensorSource& source);
   // The checkpoint this model took its partition from (config "resume"), for Checkpointer::resume.
   const std::optional<FoundCheckpoint>& resumed_from() const { return resumed_from_; }
   // Parameter names and shapes of the whole model, so a checkpoint of another model is refused.
@@ -117,6 +131,8 @@ class DistributedModel {
   // This rank's parameters, named as in the full model (e.g. "3.weight"); a tied parameter is named after its
   // first node (GraphModel::named_parameters) on every rank that holds it.
   const std::vector<std::pair<std::string, at::Tensor>>& named_parameters() const { return named_parameters_; }
+  // This rank's buffers that are part of the model's state (GraphModel::named_buffers), named the same way.
+  const std::vector<std::pair<std::string, at::Tensor>>& named_buffers() const { return named_buffers_; }
   std::vector<at::Tensor> parameters() const;
   // The parameters that count toward the whole model's gradient norm here: a tied parameter counts only on the
   // rank of its first node, though every holder keeps (and updates) an identical copy.
@@ -177,6 +193,7 @@ class DistributedModel {
   // Tensor names that stage `first` sends to stage `second`, in node order.
   std::map<std::pair<int, int>, std::vector<std::string>> transfers_;
   std::vector<std::pair<std::string, at::Tensor>> named_parameters_;
+  std::vector<std::pair<std::string, at::Tensor>> named_buffers_;
   std::vector<at::Tensor> norm_parameters_;
   std::vector<bool> trainable_at_build_;  // requires_grad of named_parameters_ when the reducer and ties were made
   std::vector<TiedParameter> tied_;

@@ -14,13 +14,15 @@ class GraphModel;
 
 struct ModuleProfile {
   std::string name;              // path in the model, e.g. "3" or "blocks.3"
-  double forward_s = 0.0;        // median over repeats, on the trial microbatch
+  double forward_s = 0.0;        // the least over repeats, on the trial microbatch
   double backward_s = 0.0;
   std::int64_t parameter_bytes = 0;
   std::int64_t output_bytes = 0;  // what crosses to a consumer on another stage, if cut there
   std::vector<int> producers;      // nodes whose outputs this one reads (the model input is not a node)
   // What its forward keeps alive for backward besides its output (saved tensors, intermediates), per microbatch.
   std::int64_t activation_bytes = 0;
+  // "name:d0,d1,;" for each parameter counted here (not sent to other ranks): what the model's signature is made of.
+  std::string parameter_shapes;
 };
 
 struct StagePlan {
@@ -41,9 +43,11 @@ struct StagePlan {
 };
 
 // Measures every node of `model` on `sample` (one microbatch of model input): forward and backward time
-// (median of `repeats` after a warm-up; 0 when repeats is 0), parameter bytes (a tied parameter counts at its
-// first node), output bytes, and the bytes its forward keeps for backward. Runs on the sample's device: each module
-// goes there for its own measurement and back after. Throws ModelError naming the node that fails on the sample.
+// (the least of `repeats` after a warm-up; 0 when repeats is 0), parameter bytes (a tied parameter counts at its
+// first node), output bytes, and the bytes its forward keeps for backward. Nodes of equal profile keys given inputs
+// of equal shapes share one measurement. Runs on the sample's device: each module goes there for its own
+// measurement and back after; a node built on demand is built for it alone (GraphModel::built_apart) and dropped.
+// Throws ModelError naming the node that fails on the sample.
 std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vector<at::Tensor>& sample,
                                          int repeats = 3);  // one tensor per model input
 std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tensor& sample, int repeats = 3);
