@@ -84,6 +84,9 @@ int run(int argc, char** argv) {
     return all_medians.max().item<double>();
   };
   const double job_median = job_median_of(times), job_iteration_median = job_median_of(iteration_times);
+  // Steady-step spread: the slowest over the fastest iteration of rank 0 (every rank waits for the slowest stage).
+  const double spread = *std::max_element(iteration_times.begin(), iteration_times.end()) /
+                        *std::min_element(iteration_times.begin(), iteration_times.end());
   // Peak resident memory of the largest process: what activation checkpointing is meant to lower.
   struct rusage usage {};
   getrusage(RUSAGE_SELF, &usage);
@@ -103,11 +106,13 @@ int run(int argc, char** argv) {
   runtime->world().all_reduce_sum(states);
   if (runtime->rank() == 0) {
     std::printf("{\"partitions\": %d, \"replicas\": %d, \"microbatches\": %d, \"schedule\": \"%s\", "
-                "\"global_batch\": %lld, \"median_step_s\": %.6f, \"median_iteration_s\": %.6f, \"samples_per_s\": %.2f, \"peak_rss_mib\": %.1f, "
+                "\"global_batch\": %lld, \"median_step_s\": %.6f, \"median_iteration_s\": %.6f, \"samples_per_s\": %.2f, "
+                "\"iteration_samples_per_s\": %.2f, \"spread\": %.3f, \"peak_rss_mib\": %.1f, "
                 "\"optimizer_state_mib\": %.1f, \"rank0_sends_posted\": %d, \"rank0_peak_sends_held\": %d}\n",
                 config.partitions, runtime->topology().data_parallel_degree(), config.microbatches,
                 distributed.schedule().name.c_str(), static_cast<long long>(batch), job_median, job_iteration_median,
-                static_cast<double>(batch) / job_median, peaks.max().item<double>(), states.max().item<double>(),
+                static_cast<double>(batch) / job_median, static_cast<double>(batch) / job_iteration_median, spread,
+                peaks.max().item<double>(), states.max().item<double>(),
                 sends_posted, peak_sends_held);
   }
   return 0;

@@ -179,3 +179,16 @@ for r in sorted((json.loads(l) for l in result.stdout.splitlines() if l.startswi
     print(f"rank {r['rank']}: own parameters {r['own_parameters_mib']:.0f} MiB, peak resident growth "
           f"{r['peak_growth_mib']:.0f} MiB ({r['growth_over_own']:.2f}x; target 2.5x + 150 MiB = {r['limit_mib']:.0f} MiB)")
 print("(the 2-billion-parameter run: smprun -n 4 -- python bench/bench_memory.py --layers 40 --width 2048)")
+
+section("memory (C++): the example GPT (16 layers, d 1024, vocab 8192: 0.78 GiB) on 4 stages, its nodes built on "
+        "demand, against building the whole model on every rank first")
+for whole in (False, True):
+    command = [f"{BIN}/smprun", "-n", "4", "--no-prefix", "--", f"{BIN}/bench_memory"] + (["--whole"] if whole else [])
+    result = run(command)
+    rows = sorted((json.loads(l) for l in result.stdout.splitlines() if l.startswith("{")), key=lambda r: r["rank"])
+    print(("whole model on every rank:" if whole else "built on demand:"))
+    for r in rows:
+        print(f"  rank {r['rank']}: own parameters {r['own_parameters_mib']:.0f} MiB, peak resident growth "
+              f"{r['peak_growth_mib']:.0f} MiB ({r['growth_over_own']:.2f}x; target 2.5x + 150 MiB = "
+              f"{r['limit_mib']:.0f} MiB), built in {r['build_s']:.1f} s")
+print("(2 billion parameters: smprun -n 4 -- build/bin/bench_memory --layers 40 --width 2048)")

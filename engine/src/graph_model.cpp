@@ -65,6 +65,10 @@ std::vector<std::string> GraphModel::output_names() const {
   return {nodes_.back().name};
 }
 
+void GraphModel::throw_sequential_arity(const std::string& name, std::size_t arity) {
+  throw ConfigError("GraphModel node \"" + name + "\": a Sequential takes one input, given " + std::to_string(arity));
+}
+
 GraphModel::Forward GraphModel::any_forward(torch::nn::AnyModule module, const std::string& name, std::size_t arity) {
   if (arity < 1 || arity > 3) {
     throw ConfigError("GraphModel node \"" + name + "\": " + std::to_string(arity) +

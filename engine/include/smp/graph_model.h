@@ -87,7 +87,7 @@ class GraphModel {
   // Adds a module whose forward takes one tensor per name in `inputs` (1 to 3) and returns one tensor.
   template <typename ModuleHolder, std::enable_if_t<detail::IsModuleHolder<ModuleHolder>::value, int> = 0>
   GraphModel& add(const std::string& name, ModuleHolder module, std::vector<std::string> inputs) {
-    Forward forward = any_forward(torch::nn::AnyModule(module), name, inputs.size());
+    Forward forward = forward_of(module, name, inputs.size());
     add(name, module.ptr(), std::move(forward), std::move(inputs));
     nodes_.back().profile_key = profile_key_of(*module.ptr());
     return *this;
@@ -102,7 +102,7 @@ class GraphModel {
     const std::size_t arity = inputs.size();
     Factory factory = [make, name, arity](const std::vector<at::Tensor>& tensors) -> Built {
       auto holder = call_factory(make, tensors);
-      return {holder.ptr(), any_forward(torch::nn::AnyModule(holder), name, arity)};
+      return {holder.ptr(), forward_of(holder, name, arity)};
     };
     return add_on_demand(name, std::move(factory), std::move(inputs), std::move(shared));
   }
@@ -195,6 +195,18 @@ class GraphModel {
       return make();
     }
   }
+  // A module holder's forward over a node's inputs: a Sequential's (one input; AnyModule cannot hold one), or any
+  // other's through AnyModule.
+  template <typename Holder>
+  static Forward forward_of(Holder holder, const std::string& name, std::size_t arity) {
+    if constexpr (std::is_same_v<Holder, torch::nn::Sequential>) {
+      if (arity != 1) throw_sequential_arity(name, arity);
+      return [holder](const std::vector<at::Tensor>& in) mutable { return holder->forward(in[0]); };
+    } else {
+      return any_forward(torch::nn::AnyModule(holder), name, arity);
+    }
+  }
+  [[noreturn]] static void throw_sequential_arity(const std::string& name, std::size_t arity);
   // The module's type and its parameters' and buffers' names, shapes and dtypes.
   static std::string profile_key_of(torch::nn::Module& module);
   Built run_factory(int node, std::vector<at::Tensor>* shared_tensors) const;

@@ -1,0 +1,319 @@
+"""smp against torch.distributed.pipelining, side by side, on the CPU: the same GPT-style model (the C++ example's:
+embedding, blocks as pre-norm attention and MLP residuals, an untied output layer), the same global batch,
+microbatches and schedule (1F1B), 2 pipeline processes of one intra-op thread each. Engines:
+
+  peer        torch.distributed.pipelining's Schedule1F1B over Gloo, the blocks split evenly by hand (embedding on
+              the first stage, output layer on the last), as its users split models
+  smp-python  smp.DistributedModel on the same nn.Module (captured, partitioned by profile)
+  smp-cpp     build/bin/bench_pipeline: the C++ API on the C++ example's GPT of the same shape
+  plain       one process running the same microbatches (the pipeline's ideal is m / (m + p - 1) x p of it)
+
+Runs alternate (each engine once per round, several rounds) and each reports its median step over the measured
+steps; the raw transport latency is a torch.distributed send/recv ping-pong of one activation microbatch between the
+same two processes, measured by the peer's job. Prints throughput ratios per config. Run by scripts/bench.sh;
+by hand: python bench/bench_peers.py BUILD/bin [--rounds N] [--steps N].
+
+A worker mode runs inside each job: python bench/bench_peers.py --worker ENGINE --config JSON.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+CONFIGS = {
+    "d256 x 8 layers, seq 128, m 8": dict(width=256, layers=8, context=128, vocab=256, batch=32, microbatches=8),
+    "d64 x 4 layers, seq 32, m 16": dict(width=64, layers=4, context=32, vocab=256, batch=32, microbatches=16),
+    "d256 x 8, vocab 8192 (heavy output layer)": dict(width=256, layers=8, context=128, vocab=8192, batch=32,
+                                                       microbatches=8),
+}
+
+
+class Embedding(torch.nn.Module):
+    def __init__(self, vocab, context, width):
+        super().__init__()
+        self.tokens = torch.nn.Embedding(vocab, width)
+        self.positions = torch.nn.Embedding(context, width)
+
+    def forward(self, tokens):
+        return self.tokens(tokens) + self.positions(torch.arange(tokens.size(1), device=tokens.device))
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.norm = torch.nn.LayerNorm(width)
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.projection = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        batch, length, width = x.shape
+        qkv = self.qkv(self.norm(x)).view(batch, length, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
+        return x + self.projection(attended.transpose(1, 2).reshape(batch, length, width))
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.expand = torch.nn.Linear(width, 4 * width)
+        self.contract = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.contract(F.gelu(self.expand(self.norm(x))))
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.attention = Attention(width, heads)
+        self.mlp = Mlp(width)
+
+    def forward(self, x):
+        return self.mlp(self.attention(x))
+
+
+class Head(torch.nn.Module):
+    def __init__(self, width, vocab):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.output = torch.nn.Linear(width, vocab, bias=False)
+
+    def forward(self, x):
+        return self.output(self.norm(x))
+
+
+class Gpt(torch.nn.Module):
+    def __init__(self, width, layers, context, vocab, **_):
+        super().__init__()
+        self.embed = Embedding(vocab, context, width)
+        self.blocks = torch.nn.ModuleList([Block(width, max(1, width // 64)) for _ in range(layers)])
+        self.head = Head(width, vocab)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def loss_fn(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def batch(config, step):
+    data = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, config["vocab"], (config["batch"], config["context"] + 1), generator=data)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def timed_steps(step, warmup, steps):
+    times = []
+    for index in range(warmup + steps):
+        started = time.perf_counter()
+        step(index)
+        if index >= warmup:
+            times.append(time.perf_counter() - started)
+    return times
+
+
+def report(engine, config, times, **extra):
+    median = statistics.median(times)
+    print(json.dumps({"engine": engine, "median_step_s": median, "samples_per_s": config["batch"] / median,
+                      "spread": max(times) / min(times), **extra}), flush=True)
+
+
+def worker_peer(config, warmup, steps):
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Gpt(**config)
+    # The raw transport: one activation microbatch there and back, between the same two processes.
+    activation = torch.zeros(config["batch"] // config["microbatches"], config["context"], config["width"])
+    trips = []
+    for _ in range(50):
+        started = time.perf_counter()
+        if rank == 0:
+            dist.send(activation, 1)
+            dist.recv(activation, 1)
+        else:
+            dist.recv(activation, 0)
+            dist.send(activation, 0)
+        trips.append(time.perf_counter() - started)
+    one_way_s = statistics.median(trips[10:]) / 2
+    # An even split by hand: half the blocks each, the embedding first, the output layer last.
+    half = config["layers"] // 2
+    if rank == 0:
+        stage_module = torch.nn.Sequential(model.embed, *model.blocks[:half])
+    else:
+        stage_module = torch.nn.Sequential(*model.blocks[half:], model.head)
+    stage = PipelineStage(stage_module, rank, world, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, config["microbatches"], loss_fn=loss_fn)
+    optimizer = torch.optim.SGD(stage_module.parameters(), lr=1e-3)
+
+    def step(index):
+        inputs, targets = batch(config, index)
+        optimizer.zero_grad()
+        if rank == 0:
+            schedule.step(inputs)
+        else:
+            schedule.step(target=targets, losses=[])
+        optimizer.step()
+
+    times = timed_steps(step, warmup, steps)
+    if rank == 0:
+        report("peer", config, times, one_way_latency_ms=one_way_s * 1e3,
+               activation_kib=activation.numel() * 4 / 1024)
+    dist.destroy_process_group()
+
+
+def worker_smp(config, warmup, steps, trace_dir):
+    import smp
+    keys = {"partitions": 2, "microbatches": config["microbatches"], "pipeline": "interleaved",
+            "global_batch_size": config["batch"], "seed": 0, "device": "cpu"}
+    if trace_dir:
+        keys.update(trace_dir=trace_dir, trace_step=warmup + steps - 1)
+    runtime = smp.init(keys)
+    torch.manual_seed(0)
+    net = Gpt(**config)
+    inputs, _ = batch(config, 0)
+    model = smp.DistributedModel(net, inputs[:config["batch"] // config["microbatches"]])
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
+
+    def step(index):
+        inputs, targets = batch(config, index)
+        optimizer.zero_grad()
+        model.train_step(inputs, targets, loss_fn)
+        optimizer.step()
+
+    times = timed_steps(step, warmup, steps)
+    if runtime.rank == 0:
+        report("smp-python", config, times)
+
+
+def worker_plain(config, warmup, steps):
+    torch.manual_seed(0)
+    model = Gpt(**config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    microbatches = config["microbatches"]
+
+    def step(index):
+        inputs, targets = batch(config, index)
+        optimizer.zero_grad()
+        for chunk, target in zip(inputs.chunk(microbatches), targets.chunk(microbatches)):
+            (loss_fn(model(chunk), target) / microbatches).backward()
+        optimizer.step()
+
+    report("plain", config, timed_steps(step, warmup, steps))
+
+
+def run_job(command, env, timeout=900):
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+    if result.returncode != 0:
+        sys.exit(f"bench_peers: {' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("bin", nargs="?")
+    parser.add_argument("--worker")
+    parser.add_argument("--config")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--trace-dir")
+    parser.add_argument("--only", help="a substring of one config's name")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.worker:
+        config = json.loads(args.config)
+        if args.worker == "peer":
+            worker_peer(config, args.warmup, args.steps)
+        elif args.worker == "smp-python":
+            worker_smp(config, args.warmup, args.steps, args.trace_dir)
+        else:
+            worker_plain(config, args.warmup, args.steps)
+        return 0
+
+    binaries = args.bin
+    python = sys.executable
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.join(os.path.dirname(binaries), "python"))
+    smprun = [f"{binaries}/smprun", "-n", "2", "--no-prefix", "--timeout", "600", "--"]
+    this = os.path.abspath(__file__)
+    for name, config in CONFIGS.items():
+        if args.only and args.only not in name:
+            continue
+        results = {engine: [] for engine in ("peer", "smp-python", "smp-cpp", "plain")}
+        latencies, spreads = [], {engine: [] for engine in results}
+        timeline = {}
+        for round_index in range(args.rounds):
+            for engine in results:
+                common = ["--warmup", str(args.warmup), "--steps", str(args.steps)]
+                if engine == "smp-cpp":
+                    model = {"vocab_size": config["vocab"], "context": config["context"], "d_model": config["width"],
+                             "heads": max(1, config["width"] // 64), "layers": config["layers"],
+                             "tie_embeddings": False}
+                    keys = {"partitions": 2, "microbatches": config["microbatches"], "pipeline": "interleaved",
+                            "global_batch_size": config["batch"], "seed": 0, "device": "cpu"}
+                    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
+                        json.dump({"smp": keys, "model": model}, file)
+                    result = run_job(smprun + [f"{binaries}/bench_pipeline", "--config", file.name, "--warmup",
+                                               str(args.warmup), "--steps", str(args.steps)], env)
+                    os.unlink(file.name)
+                    line = json.loads(next(l for l in result.stdout.splitlines() if l.startswith("{")))
+                    results[engine].append(line["iteration_samples_per_s"])  # with the optimizer step, as the others
+                    spreads[engine].append(line["spread"])
+                    continue
+                command = [python, this, "--worker", engine, "--config", json.dumps(config)] + common
+                with tempfile.TemporaryDirectory() as traces:
+                    traced = engine == "smp-python" and round_index == args.rounds - 1
+                    if traced:
+                        command += ["--trace-dir", traces]
+                    result = run_job(command if engine == "plain" else smprun + command, env)
+                line = json.loads(next(l for l in result.stdout.splitlines() if l.startswith("{")))
+                results[engine].append(line["samples_per_s"])
+                spreads[engine].append(line["spread"])
+                if engine == "peer":
+                    latencies.append(line["one_way_latency_ms"])
+                    activation_kib = line["activation_kib"]
+                if traced:
+                    import re
+                    found = re.search(r"transfer latency ([\d.]+) ms", result.stderr)
+                    if found:
+                        timeline["latency_ms"] = float(found[1])
+                    found = re.search(r"receive waits ([\d.]+) ms", result.stderr)
+                    if found:
+                        timeline["receive_waits_ms"] = float(found[1])
+        median = {engine: statistics.median(values) for engine, values in results.items()}
+        p, m = 2, config["microbatches"]
+        ideal = m / (m + p - 1) * p
+        print(f"\n{name} ({args.rounds} alternating rounds, medians; samples/s):")
+        for engine, value in median.items():
+            print(f"  {engine:<11}{value:9.1f}  (runs: {', '.join(f'{v:.1f}' for v in results[engine])}; "
+                  f"step spread max/min {max(spreads[engine]):.2f})")
+        print(f"  smp-cpp / peer {median['smp-cpp'] / median['peer']:.3f}, smp-python / peer "
+              f"{median['smp-python'] / median['peer']:.3f}; of the ideal {ideal:.3f} x plain: smp-cpp "
+              f"{median['smp-cpp'] / median['plain'] / ideal:.3f}, smp-python "
+              f"{median['smp-python'] / median['plain'] / ideal:.3f}, peer {median['peer'] / median['plain'] / ideal:.3f}")
+        print(f"  raw transport one-way latency ({activation_kib:.0f} KiB, torch.distributed ping-pong): "
+              f"{statistics.median(latencies) * 1e3:.0f} us; smp-python's traced transfer latency: "
+              f"{timeline.get('latency_ms', float('nan')) * 1e3:.0f} us "
+              f"({timeline.get('latency_ms', float('nan')) / statistics.median(latencies):.2f}x), receive waits "
+              f"{timeline.get('receive_waits_ms', float('nan')):.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
