@@ -305,7 +305,9 @@ TEST_CASE("a second job on the same port fails clearly and leaves the first alon
   const std::string job = std::string(SMPRUN_PATH) + " -n 2 --master-port " + std::to_string(port) + " -- " +
                           WORKER_PATH + " --config " + config;
   const std::string first_log = scratch_path("first_job.log");
-  const std::string first = "OMP_NUM_THREADS=1 timeout -k 5 120 " + job + " --optimizer adamw --steps 800 > " + first_log + " 2>&1";
+  // At least 8 s of training, however fast the steps are: the second job comes while it trains.
+  const std::string first = "OMP_NUM_THREADS=1 timeout -k 5 120 " + job + " --optimizer adamw --steps 80 --step-sleep-ms 100 > " +
+                            first_log + " 2>&1";
   FILE* first_job = popen(first.c_str(), "r");
   REQUIRE(first_job != nullptr);
   ::sleep(2);

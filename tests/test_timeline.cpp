@@ -29,9 +29,9 @@ TEST_CASE("timeline: bubble and receive waits of one replica", "[timeline]") {
   CHECK(summary.busy_us == 40 - 1 - 2);  // sends are not compute
   CHECK(summary.bubble_fraction == Approx(1.0 - 37.0 / 80.0));
   CHECK(summary.receive_wait_us == 30);
-  // RECV_F waited from 0 and ended 0 us after its send (10 -> 10); RECV_B waited from 10 and ended 1 us after its
-  // send (29 -> 30): mean 0.5 us.
-  CHECK(summary.transfer_latency_us == Approx(0.5));
+  // RECV_F waited from 0 and ended 1 us after its send started (9 -> 10); RECV_B waited from 10 and ended 2 us
+  // after its send started (28 -> 30): mean 1.5 us.
+  CHECK(summary.transfer_latency_us == Approx(1.5));
   CHECK(summarize(two_ranks(), 1).makespan_us == 0);
 }
 

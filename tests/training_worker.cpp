@@ -13,7 +13,9 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <chrono>
 #include <csignal>
+#include <thread>
 #include <map>
 #include <algorithm>
 #include <set>
@@ -43,6 +45,7 @@ struct Options {
   int nan_step = -1;    // the inputs of this step are NaN
   std::set<int> spike_steps;  // the loss of these steps is multiplied by 1e30: finite, but fp16 gradients overflow
   int input_width = 8;  // a width the model does not take gives a shape error
+  int step_sleep_ms = 0;  // each step starts this much later: a job that lasts, whatever the machine's speed
   bool vary_length = false;  // gpt: the sequence length changes from step to step
   bool accumulate = false;   // each step is two train_steps on the batch's halves, gradients accumulated between
   std::string load_full;  // a full-model file (smp_checkpoint export) to load instead of training
@@ -221,6 +224,7 @@ Options parse(int argc, char** argv) {
     else if (flag == "--nan-step") options.nan_step = std::stoi(value);
     else if (flag == "--spike-step") options.spike_steps.insert(std::stoi(value));
     else if (flag == "--input-width") options.input_width = std::stoi(value);
+    else if (flag == "--step-sleep-ms") options.step_sleep_ms = std::stoi(value);
     else if (flag == "--vary-length") options.vary_length = value == "1";
     else if (flag == "--accumulate") options.accumulate = value == "1";
     else if (flag == "--load-full") options.load_full = value;
@@ -369,6 +373,7 @@ int run(int argc, char** argv) {
                                std::to_string(step));
     }
     if (runtime->rank() == options.kill_rank && step == options.kill_step) raise(SIGKILL);
+    if (options.step_sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(options.step_sleep_ms));
     if (runtime->rank() == options.stop_rank && step == options.stop_step) raise(SIGSTOP);
     auto [inputs, targets] = global_batch(options, batch, step, config.seed);
     if (step == options.nan_step) inputs = at::full_like(inputs, std::nan(""));

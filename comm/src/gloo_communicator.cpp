@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cstdlib>
 #include <functional>
 #include <sstream>
@@ -8,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include "smp/comm/communicator.h"
+#include "socket_channels.h"
 
 namespace smp::comm {
 
@@ -58,6 +60,23 @@ class GlooPending final : public Pending {
   std::function<void()> finish_;
 };
 
+// A receive into host memory, copied to the device tensor it stands in for once complete.
+class Staged final : public Pending {
+ public:
+  Staged(std::unique_ptr<Pending> receive, std::function<void()> finish)
+      : receive_(std::move(receive)), finish_(std::move(finish)) {}
+  void wait() override {
+    if (!receive_) return;
+    receive_->wait();
+    receive_.reset();
+    finish_();
+  }
+
+ private:
+  std::unique_ptr<Pending> receive_;
+  std::function<void()> finish_;
+};
+
 // Gloo moves host memory only: a tensor elsewhere (a GPU with "backend": "gloo") travels through a CPU copy.
 at::Tensor on_host(const at::Tensor& tensor) { return tensor.is_cpu() ? tensor : tensor.to(c10::kCPU); }
 
@@ -76,6 +95,13 @@ class GlooCommunicator final : public Communicator {
       if (members_[i] == global_rank) rank_ = static_cast<int>(i);
     }
     if (rank_ < 0) throw CommError("rank " + std::to_string(global_rank) + " is not a member of group " + name_);
+    // Point-to-point transfers between the channels connect() names go over connections of their own
+    // (socket_channels.h); SMP_P2P=gloo keeps them on Gloo's send and receive, for comparisons.
+    const char* p2p = std::getenv("SMP_P2P");
+    if (!p2p || std::string(p2p) != "gloo") {
+      channels_ = std::make_unique<SocketChannels>(store, "smp/p2p/" + name_ + "/", rank_, bind_host, timeout,
+                                                   [this](int peer) { return "rank " + std::to_string(members_.at(peer)); });
+    }
     auto options = c10d::ProcessGroupGloo::Options::create();
     options->timeout = timeout;
     // Two threads: collectives of one group are issued in program order, and the point-to-point path does not
@@ -104,13 +130,35 @@ class GlooCommunicator final : public Communicator {
   c10::Device device() const override { return device_; }
   bool in_order() const override { return in_order_; }
 
+  void connect(const std::vector<std::pair<int, int>>& channels) override {
+    if (!channels_) return;
+    std::vector<int> peers;
+    for (const auto& [sender, receiver] : channels) {
+      if (sender == rank_) peers.push_back(receiver);
+      if (receiver == rank_) peers.push_back(sender);
+    }
+    std::sort(peers.begin(), peers.end());
+    peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
+    channels_->connect(peers);
+  }
+
   std::unique_ptr<Pending> isend(const at::Tensor& tensor, int peer, int tag) override {
+    if (channels_ && channels_->connected(peer)) {
+      return channels_->isend(on_host(tensor).contiguous(), peer, tag,
+                              "sending to rank " + std::to_string(global_rank(peer)));
+    }
     std::vector<at::Tensor> tensors{on_host(tensor)};
     return post([&] { return group_->send(tensors, peer, tag); }, tensors[0],
                 "sending to rank " + std::to_string(global_rank(peer)));
   }
 
   std::unique_ptr<Pending> irecv(const at::Tensor& into, int peer, int tag) override {
+    if (channels_ && channels_->connected(peer)) {
+      const at::Tensor staged = on_host(into);
+      auto receive = channels_->irecv(staged, peer, tag, "receiving from rank " + std::to_string(global_rank(peer)));
+      if (staged.is_same(into)) return receive;
+      return std::make_unique<Staged>(std::move(receive), copy_back(into, staged));
+    }
     std::vector<at::Tensor> tensors{on_host(into)};
     return post([&] { return group_->recv(tensors, peer, tag); }, tensors[0],
                 "receiving from rank " + std::to_string(global_rank(peer)), copy_back(into, tensors[0]));
@@ -158,6 +206,7 @@ class GlooCommunicator final : public Communicator {
   bool in_order_;
   int rank_ = -1;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;
+  std::unique_ptr<SocketChannels> channels_;
 };
 
 }  // namespace

@@ -1,26 +1,38 @@
 #include "smp/comm/tensor_transfer.h"
 
+#include <algorithm>
+
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
 namespace smp::comm {
 namespace {
 
-// Header layout (int64): [magic, count, then per tensor: dtype, ndim, dims...].
-constexpr int64_t kHeaderMagic = 0x736d7001;  // "smp" + format version 1
+// Header layout (int64): [magic, count, kind, then per tensor: dtype, ndim, dims...].
+constexpr int64_t kHeaderMagic = 0x736d7002;  // "smp" + format version 2
 constexpr int kHeaderSlots = 64;
 constexpr int kMaxDims = 8;
+// Where the payloads go: to the receives posted ahead for the remembered layout, or to tags of their own.
+constexpr int64_t kAsExpected = 0;
+constexpr int64_t kNewLayout = 1;
 
-at::Tensor make_header(const std::vector<at::Tensor>& tensors, const std::string& what) {
-  if (static_cast<int>(tensors.size()) > kTagsPerTransfer - 1) {
+std::vector<TensorLayout> layout_of(const std::vector<at::Tensor>& tensors) {
+  std::vector<TensorLayout> layout;
+  for (const auto& tensor : tensors) layout.push_back({tensor.scalar_type(), tensor.sizes().vec()});
+  return layout;
+}
+
+at::Tensor make_header(const std::vector<at::Tensor>& tensors, int64_t kind, const std::string& what) {
+  if (static_cast<int>(tensors.size()) > kMaxTensorsPerTransfer) {
     throw CommError(what + ": " + std::to_string(tensors.size()) + " tensors in one transfer; at most " +
-                    std::to_string(kTagsPerTransfer - 1) + " are supported");
+                    std::to_string(kMaxTensorsPerTransfer) + " are supported");
   }
   at::Tensor header = at::zeros({kHeaderSlots}, at::kLong);
   auto* slot = header.data_ptr<int64_t>();
   int used = 0;
   slot[used++] = kHeaderMagic;
   slot[used++] = static_cast<int64_t>(tensors.size());
+  slot[used++] = kind;
   for (const auto& tensor : tensors) {
     if (tensor.dim() > kMaxDims || used + 2 + tensor.dim() > kHeaderSlots) {
       throw CommError(what + ": tensor shapes too large for the transfer header (at most " + std::to_string(kMaxDims) +
@@ -33,16 +45,34 @@ at::Tensor make_header(const std::vector<at::Tensor>& tensors, const std::string
   return header;
 }
 
-// An in-order transport matches payloads by their order between two ranks, not by tag: they all carry the first
-// payload tag (never a header's, which are multiples of kTagsPerTransfer).
-int payload_tag(const Communicator& comm, int tag, std::size_t index) {
-  return comm.in_order() ? 1 : tag + 1 + static_cast<int>(index);
+// Whether this channel remembers layouts: an in-order transport (NCCL) matches payloads by their order between two
+// ranks, not by tag, so receives posted ahead would take whatever comes first.
+bool remembers(const Communicator& comm, const TransferLayouts* layouts) { return layouts && !comm.in_order(); }
+
+int expected_tag(int tag, std::size_t index) { return tag + 1 + static_cast<int>(index); }
+// On an in-order transport every payload carries the first payload tag (never a header's, which are multiples of
+// kTagsPerTransfer).
+int new_layout_tag(const Communicator& comm, int tag, std::size_t index) {
+  return comm.in_order() ? 1 : tag + 1 + kMaxTensorsPerTransfer + static_cast<int>(index);
+}
+
+std::vector<at::Tensor> allocate(const std::vector<TensorLayout>& layout, c10::Device device) {
+  std::vector<at::Tensor> tensors;
+  for (const auto& tensor : layout) {
+    tensors.push_back(at::empty(tensor.sizes, at::TensorOptions().dtype(tensor.dtype).device(device)));
+  }
+  return tensors;
 }
 
 }  // namespace
 
+const std::vector<TensorLayout>* TransferLayouts::find(int peer, int tag) const {
+  const auto found = layouts_.find({peer, tag});
+  return found == layouts_.end() ? nullptr : &found->second;
+}
+
 std::unique_ptr<Pending> send_tensors(Communicator& comm, const std::vector<at::Tensor>& tensors, int peer, int tag,
-                                      const std::string& what) {
+                                      const std::string& what, TransferLayouts* layouts) {
   class Group final : public Pending {
    public:
     std::vector<std::unique_ptr<Pending>> parts;
@@ -51,22 +81,64 @@ std::unique_ptr<Pending> send_tensors(Communicator& comm, const std::vector<at::
       parts.clear();
     }
   };
+  const bool remembering = remembers(comm, layouts);
+  const std::vector<TensorLayout>* expected = remembering ? layouts->find(peer, tag) : nullptr;
+  std::vector<TensorLayout> layout = layout_of(tensors);
+  const bool as_expected = expected && *expected == layout;
   auto group = std::make_unique<Group>();
-  group->parts.push_back(comm.isend(make_header(tensors, what), peer, tag));
+  group->parts.push_back(comm.isend(make_header(tensors, as_expected ? kAsExpected : kNewLayout, what), peer, tag));
+  if (expected && !as_expected) {
+    // The receives posted ahead for the old layout are retired with a byte each (a send may be smaller than its
+    // receive, never larger: an empty buffer gets an empty message).
+    for (std::size_t j = 0; j < expected->size(); ++j) {
+      std::int64_t bytes = static_cast<std::int64_t>(c10::elementSize((*expected)[j].dtype));
+      for (auto size : (*expected)[j].sizes) bytes *= size;
+      at::Tensor retire = at::zeros({std::min<std::int64_t>(bytes, 1)}, at::TensorOptions(at::kByte).device(comm.device()));
+      group->parts.push_back(comm.isend(retire, peer, expected_tag(tag, j)));
+    }
+  }
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     // Payloads travel on the group's device, where the receiver makes its buffers (on a GPU, over NCCL): a tensor a
     // module left on the CPU would otherwise go over Gloo into a receive posted on NCCL, and never arrive.
-    group->parts.push_back(comm.isend(tensors[i].to(comm.device()).contiguous(), peer, payload_tag(comm, tag, i)));
+    group->parts.push_back(comm.isend(tensors[i].to(comm.device()).contiguous(), peer,
+                                      as_expected ? expected_tag(tag, i) : new_layout_tag(comm, tag, i)));
   }
+  if (remembering) layouts->remember(peer, tag, std::move(layout));
   return group;
 }
 
-IncomingTensors::IncomingTensors(Communicator& comm, int peer, int tag, std::string what)
-    : comm_(comm), peer_(peer), tag_(tag), what_(std::move(what)), header_(at::empty({kHeaderSlots}, at::kLong)) {
+IncomingTensors::IncomingTensors(Communicator& comm, int peer, int tag, std::string what, TransferLayouts* layouts)
+    : comm_(comm),
+      peer_(peer),
+      tag_(tag),
+      what_(std::move(what)),
+      layouts_(remembers(comm, layouts) ? layouts : nullptr),
+      header_(at::empty({kHeaderSlots}, at::kLong)) {
   header_receive_ = comm_.irecv(header_, peer_, tag_);
 }
 
+void IncomingTensors::post_expected() {
+  if (expected_posted_) return;
+  expected_posted_ = true;
+  const std::vector<TensorLayout>* expected = layouts_ ? layouts_->find(peer_, tag_) : nullptr;
+  if (!expected) return;
+  expected_ = allocate(*expected, comm_.device());
+  for (std::size_t j = 0; j < expected_.size(); ++j) {
+    expected_receives_.push_back(comm_.irecv(expected_[j], peer_, expected_tag(tag_, j)));
+  }
+}
+
 std::vector<at::Tensor> IncomingTensors::wait() {
+  const auto waited = [&](std::vector<std::unique_ptr<Pending>>& receives) {
+    for (auto& receive : receives) {
+      try {
+        receive->wait();
+      } catch (const CommError& error) {
+        throw CommError(what_ + ": " + error.what());
+      }
+    }
+    receives.clear();
+  };
   try {
     header_receive_->wait();
   } catch (const CommError& error) {
@@ -79,10 +151,11 @@ std::vector<at::Tensor> IncomingTensors::wait() {
   };
   if (slot[0] != kHeaderMagic) throw malformed("bad magic number");
   const int64_t count = slot[1];
-  if (count < 0 || count > kTagsPerTransfer - 1) throw malformed("tensor count " + std::to_string(count));
-  std::vector<at::Tensor> tensors;
-  std::vector<std::unique_ptr<Pending>> receives;
-  int used = 2;
+  const int64_t kind = slot[2];
+  if (count < 0 || count > kMaxTensorsPerTransfer) throw malformed("tensor count " + std::to_string(count));
+  if (kind != kAsExpected && kind != kNewLayout) throw malformed("kind " + std::to_string(kind));
+  std::vector<TensorLayout> layout;
+  int used = 3;
   for (int64_t i = 0; i < count; ++i) {
     if (used + 2 > kHeaderSlots) throw malformed("truncated");
     const int64_t dtype = slot[used++];
@@ -94,17 +167,28 @@ std::vector<at::Tensor> IncomingTensors::wait() {
     for (int64_t size : sizes) {
       if (size < 0) throw malformed("negative size");
     }
-    tensors.push_back(
-        at::empty(sizes, at::TensorOptions().dtype(static_cast<at::ScalarType>(dtype)).device(comm_.device())));
-    receives.push_back(comm_.irecv(tensors.back(), peer_, payload_tag(comm_, tag_, static_cast<std::size_t>(i))));
+    layout.push_back({static_cast<at::ScalarType>(dtype), std::move(sizes)});
   }
-  for (auto& receive : receives) {
-    try {
-      receive->wait();
-    } catch (const CommError& error) {
-      throw CommError(what_ + ": " + error.what());
+  // The sender sent to (or retired) the receives of the layout both ends remember: they must exist here, posted
+  // now if this rank had not come to it.
+  post_expected();
+  std::vector<at::Tensor> tensors;
+  if (kind == kAsExpected) {
+    const std::vector<TensorLayout>* expected = layouts_ ? layouts_->find(peer_, tag_) : nullptr;
+    if (!expected || *expected != layout) throw malformed("payloads sent to receives of another layout");
+    waited(expected_receives_);
+    tensors = std::move(expected_);
+  } else {
+    waited(expected_receives_);  // retired
+    expected_.clear();
+    tensors = allocate(layout, comm_.device());
+    std::vector<std::unique_ptr<Pending>> receives;
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      receives.push_back(comm_.irecv(tensors[i], peer_, new_layout_tag(comm_, tag_, i)));
     }
+    waited(receives);
   }
+  if (layouts_) layouts_->remember(peer_, tag_, std::move(layout));
   return tensors;
 }
 

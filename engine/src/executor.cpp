@@ -1,7 +1,7 @@
 #include "smp/executor.h"
 
 #include <algorithm>
-
+#include <array>
 #include <chrono>
 #include <climits>
 #include <map>
@@ -106,114 +106,203 @@ PipelineExecutor::PipelineExecutor(sched::Schedule schedule, sched::StageGraph g
   }
 }
 
-ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const MicrobatchData& data) {
-  const int me = pipeline_.rank();
-  const int num_stages = schedule_.num_stages;
-  const int microbatches = schedule_.num_microbatches;
-  const auto& actions = schedule_.ranks[me];
-  ExecutorStats stats;
-  stats.events.reserve(actions.size());
-  std::map<std::pair<int, int>, Stash> stash;  // (stage, microbatch)
-  std::map<int, std::vector<at::Tensor>> local_mail;  // tag -> tensors between two stages of this rank
-  at::Tensor loss_sum;  // on the losses' device, so that summing them does not wait for the GPU
-  int stashed = 0;
-  const bool evaluating = schedule_.forward_only;  // no graphs, nothing kept for a backward
-
-  auto tag_of = [&](const sched::Action& action) {
-    switch (action.kind) {
-      case ActionKind::SendForward: return transfer_tag(Direction::Activation, action.stage, action.peer_stage, action.microbatch, num_stages, microbatches);
-      case ActionKind::RecvForward: return transfer_tag(Direction::Activation, action.peer_stage, action.stage, action.microbatch, num_stages, microbatches);
-      case ActionKind::SendBackward: return transfer_tag(Direction::Gradient, action.stage, action.peer_stage, action.microbatch, num_stages, microbatches);
-      default: return transfer_tag(Direction::Gradient, action.peer_stage, action.stage, action.microbatch, num_stages, microbatches);
-    }
-  };
-  auto where = [&](const sched::Action& action) {
-    return sched::describe(action) + " on rank " + std::to_string(pipeline_.global_rank(me));
-  };
-
-  // Every receive is posted before the first compute, so a message is taken in as soon as its sender posts it
-  // and the wait at the receive action covers only what compute could not hide.
-  std::vector<std::unique_ptr<comm::IncomingTensors>> posted(actions.size());
-  for (std::size_t i = 0; i < actions.size(); ++i) {
-    const auto& action = actions[i];
-    if (action.kind != ActionKind::RecvForward && action.kind != ActionKind::RecvBackward) continue;
-    const int peer = schedule_.stage_to_rank[action.peer_stage];
-    if (peer != me) posted[i] = std::make_unique<comm::IncomingTensors>(pipeline_, peer, tag_of(action), where(action));
+// One run of a rank's action list: the step's state, and one small handler per action kind, dispatched from a table
+// (as DeepSpeed's pipeline engine dispatches its instructions).
+class PipelineExecutor::Step {
+ public:
+  Step(PipelineExecutor& executor, const StageCallbacks& stages, const MicrobatchData& data)
+      : executor_(executor),
+        schedule_(executor.schedule_),
+        stages_(stages),
+        data_(data),
+        me_(executor.pipeline_.rank()),
+        actions_(schedule_.ranks[me_]),
+        evaluating_(schedule_.forward_only),
+        keep_outputs_(data.keep_outputs && schedule_.stage_to_rank[executor.last_stage_] == me_),
+        posted_(actions_.size()),
+        early_(actions_.size()),
+        taken_early_(actions_.size(), false) {
+    stats_.events.reserve(actions_.size());
   }
 
-  // An in-order transport (NCCL) must take a peer's messages in the peer's send order: a message this rank needs
-  // later is taken in early and kept. That never waits for more than the wanted message does: its sender sent
-  // everything before it first.
-  std::vector<std::vector<at::Tensor>> early(actions.size());
-  std::vector<bool> taken_early(actions.size(), false);
-  std::map<int, std::size_t> next_in_order;  // peer -> position in receive_order_
-  auto receive_posted = [&](std::size_t index) {
-    if (taken_early[index]) return std::move(early[index]);
-    if (!receive_order_.empty()) {
-      const int peer = schedule_.stage_to_rank[actions[index].peer_stage];
-      const auto& order = receive_order_.at(peer);
-      auto& next = next_in_order[peer];
-      for (; next < order.size() && order[next] != index; ++next) {
-        early[order[next]] = posted[order[next]]->wait();
-        taken_early[order[next]] = true;
+  ExecutorStats run() {
+    post_receives();
+    for (std::size_t index = 0; index < actions_.size(); ++index) {
+      const auto& action = actions_[index];
+      TimelineEvent event{sched::to_string(action.kind), action.stage, action.microbatch, now_us(), 0.0,
+                          action.peer_stage};
+      (this->*kHandlers[static_cast<std::size_t>(action.kind)])(index);
+      if (stages_.synchronize) stages_.synchronize();
+      event.end_us = now_us();
+      stats_.events.push_back(std::move(event));
+    }
+    for (auto& [index, pending] : sends_) pending->wait();
+    stats_.loss_sum = loss_sum_.defined() ? loss_sum_.item<double>() : 0.0;
+    return std::move(stats_);
+  }
+
+ private:
+  using Handler = void (Step::*)(std::size_t index);
+  // By ActionKind: F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B.
+  static const std::array<Handler, 8> kHandlers;
+
+  Stash& entry_of(const sched::Action& action) { return stash_[{action.stage, action.microbatch}]; }
+  void drop(const sched::Action& action) { stash_.erase({action.stage, action.microbatch}); }
+
+  // --- Handlers ---
+
+  void receive_forward(std::size_t index) {
+    const auto& action = actions_[index];
+    auto& received = entry_of(action).inputs[action.peer_stage];
+    for (auto& tensor : receive(index)) {
+      // A fresh leaf: backward of this stage stops here and leaves the input gradient behind.
+      tensor = tensor.detach();
+      if (at::isFloatingType(tensor.scalar_type()) && !evaluating_) tensor.requires_grad_(true);
+      received.push_back(tensor);
+    }
+  }
+
+  void forward(std::size_t index) {
+    const auto& action = actions_[index];
+    const int stage = action.stage, microbatch = action.microbatch;
+    Stash& entry = entry_of(action);
+    entry.gradient_sends_left = static_cast<int>(executor_.graph_.producers_of(stage).size());
+    const bool checkpointed = executor_.checkpointed_[stage];
+    const bool recomputed_later = checkpointed && !evaluating_;
+    std::vector<uint32_t> input_versions;
+    const ModelInputs& model_inputs = data_.inputs.at(microbatch);
+    if (recomputed_later) {
+      entry.before_forward = RandomState::capture(executor_.pipeline_.device());
+      for (const auto& [producer, tensors] : entry.inputs) {
+        for (const auto& tensor : tensors) input_versions.push_back(tensor._version());
       }
-      if (next == order.size()) throw sched::ScheduleError(where(actions[index]) + ": not in its sender's order");
+      for (const auto& input : model_inputs) input_versions.push_back(input.defined() ? input._version() : 0);
+    }
+    {
+      c10::AutoGradMode grad_mode(!checkpointed && !evaluating_);
+      run_forward(stage, microbatch, entry, /*recompute=*/false);
+    }
+    if (recomputed_later) refuse_changed_inputs(stage, entry, model_inputs, input_versions);
+    if (evaluating_) {
+      // Nothing waits for a backward: the outputs live until they are sent, the rest goes now.
+      if (entry.loss.defined()) add_loss(entry.loss);
+      entry.inputs.clear();
+      entry.loss = at::Tensor();
+      if (entry.outputs.empty()) drop(action);
+      return;
+    }
+    if (entry.loss.defined()) add_loss(entry.loss.detach());
+    // A checkpointed stage ran without a graph: its outputs are only sent on, its loss only counted; backward
+    // recomputes both from the inputs.
+    if (checkpointed) {
+      entry.loss = at::Tensor();
+      entry.outputs_ready = false;
+    }
+    stats_.peak_stashed_microbatches = std::max(stats_.peak_stashed_microbatches, ++stashed_);
+  }
+
+  void send_forward(std::size_t index) {
+    const auto& action = actions_[index];
+    Stash& entry = entry_of(action);
+    std::vector<at::Tensor> payload;
+    for (const auto& output : entry.outputs.at(action.peer_stage)) payload.push_back(output.detach());
+    send(index, std::move(payload));
+    // Without a graph the outputs are worth nothing after sending: backward recomputes them.
+    if (!entry.outputs_ready || evaluating_) entry.outputs.erase(action.peer_stage);
+    if (evaluating_ && entry.outputs.empty()) drop(action);
+  }
+
+  void receive_backward(std::size_t index) {
+    const auto& action = actions_[index];
+    entry_of(action).output_grads[action.peer_stage] = receive(index);
+  }
+
+  void backward(std::size_t index) {
+    const auto& action = actions_[index];
+    Stash& entry = entry_of(action);
+    auto [roots, grads] = backward_roots(action.stage, action.microbatch, entry);
+    if (!roots.empty()) torch::autograd::backward(roots, grads);
+    finish_backward(action, entry);
+  }
+
+  void backward_input(std::size_t index) {
+    const auto& action = actions_[index];
+    Stash& entry = entry_of(action);
+    auto [roots, grads] = backward_roots(action.stage, action.microbatch, entry);
+    std::vector<at::Tensor> inputs;
+    for (const auto& [producer, tensors] : entry.inputs) inputs.insert(inputs.end(), tensors.begin(), tensors.end());
+    // Input gradients only; W later runs what is left for the weights (split_backward.h).
+    auto [input_grads, weight_pass] =
+        WeightPass::run_input_pass(roots, grads, inputs, stages_.parameters(action.stage));
+    entry.input_grads.clear();
+    std::size_t next = 0;
+    for (const auto& [producer, tensors] : entry.inputs) {
+      for (std::size_t i = 0; i < tensors.size(); ++i) entry.input_grads[producer].push_back(input_grads[next++]);
+    }
+    entry.weight_pass = std::move(weight_pass);
+    entry.outputs.clear();
+    entry.output_grads.clear();
+    entry.loss = at::Tensor();
+  }
+
+  void backward_weight(std::size_t index) {
+    const auto& action = actions_[index];
+    Stash& entry = entry_of(action);
+    entry.weight_pass.run();
+    finish_backward(action, entry);
+  }
+
+  void send_backward(std::size_t index) {
+    const auto& action = actions_[index];
+    Stash& entry = entry_of(action);
+    std::vector<at::Tensor> grads;
+    const auto split = entry.input_grads.find(action.peer_stage);
+    if (split != entry.input_grads.end()) {
+      grads = split->second;
+    } else {
+      for (const auto& input : entry.inputs.at(action.peer_stage)) {
+        grads.push_back(input.grad().defined() ? input.grad() : at::zeros_like(input));
+      }
+    }
+    send(index, std::move(grads));
+    if (--entry.gradient_sends_left == 0 && entry.backward_done) drop(action);
+  }
+
+  // --- Compute ---
+
+  void add_loss(const at::Tensor& scaled) {
+    const at::Tensor loss = scaled.to(at::kDouble) / data_.loss_scale;
+    loss_sum_ = loss_sum_.defined() ? loss_sum_ + loss : loss;
+    stats_.has_loss = true;
+  }
+
+  // Without a graph nothing stops the stage's first module from writing into what it received, and the recompute
+  // would then start from the changed values.
+  void refuse_changed_inputs(int stage, const Stash& entry, const ModelInputs& model_inputs,
+                             const std::vector<uint32_t>& input_versions) const {
+    const auto refuse = [&](const std::string& what) {
+      throw ModelError("stage " + std::to_string(stage) + " modifies " + what + " in place (an in-place first "
+                       "operation?), so it cannot be checkpointed; make that operation out of place or leave the "
+                       "stage out of \"activation_checkpointing\"");
+    };
+    std::size_t next = 0;
+    for (const auto& [producer, tensors] : entry.inputs) {
+      for (const auto& tensor : tensors) {
+        if (tensor._version() != input_versions[next++]) refuse("what it receives from stage " + std::to_string(producer));
+      }
+    }
+    for (const auto& input : model_inputs) {
+      if (input.defined() && input._version() != input_versions[next]) refuse("a model input");
       ++next;
     }
-    return posted[index]->wait();
-  };
-  // A send's tensors go as soon as a receive proves it delivered (the peer took it before sending what arrived);
-  // the transports cannot be asked without waiting (Gloo), or a send's header travels over Gloo (NCCL). Otherwise
-  // they would live until the step's end, one sent output and one input gradient per microbatch beyond the
-  // schedule's bound on the stash.
-  std::map<std::size_t, std::unique_ptr<comm::Pending>> sends;  // by action index
-  auto release_delivered = [&](std::size_t receive_index) {
-    const auto proven = delivered_by_receive_.find(receive_index);
-    if (proven == delivered_by_receive_.end()) return;
-    for (std::size_t send_index : proven->second) {
-      const auto found = sends.find(send_index);
-      if (found == sends.end()) continue;
-      found->second->wait();  // returns at once: the peer has the message
-      sends.erase(found);
-      ++stats.sends_released_early;
-    }
-  };
-  auto receive = [&](std::size_t index) {
-    if (posted[index]) {
-      auto tensors = receive_posted(index);
-      release_delivered(index);
-      return tensors;
-    }
-    auto mail = local_mail.find(tag_of(actions[index]));
-    if (mail == local_mail.end()) throw sched::ScheduleError(where(actions[index]) + ": local message missing");
-    auto tensors = std::move(mail->second);
-    local_mail.erase(mail);
-    return tensors;
-  };
-  auto send = [&](std::size_t index, std::vector<at::Tensor> tensors) {
-    const sched::Action& action = actions[index];
-    const int peer = schedule_.stage_to_rank[action.peer_stage];
-    if (peer == me) {
-      local_mail[tag_of(action)] = std::move(tensors);
-    } else {
-      // Evaluation: one send in flight while the next output is computed, the older ones waited for.
-      constexpr std::size_t kEvaluationSendsHeld = 2;
-      while (wait_for_oldest_send_ && sends.size() >= kEvaluationSendsHeld) {
-        sends.begin()->second->wait();
-        sends.erase(sends.begin());
-        ++stats.sends_released_early;
-      }
-      sends[index] = comm::send_tensors(pipeline_, tensors, peer, tag_of(action), where(action));
-      ++stats.sends_posted;
-      stats.peak_sends_held = std::max(stats.peak_sends_held, static_cast<int>(sends.size()));
-    }
-  };
+  }
+
   // Kept outputs go straight into one tensor for the replica's batch, allocated when the first arrives: no list of
   // them to concatenate (which would hold them twice at the end).
-  const bool keep_outputs = data.keep_outputs && schedule_.stage_to_rank[last_stage_] == me;
-  auto keep_output = [&](int microbatch, std::size_t which, const at::Tensor& output) {
-    if (stats.outputs.size() <= which) stats.outputs.resize(which + 1);
-    at::Tensor& kept = stats.outputs[which];
+  void keep_output(int microbatch, std::size_t which, const at::Tensor& output) {
+    const int microbatches = schedule_.num_microbatches;
+    if (stats_.outputs.size() <= which) stats_.outputs.resize(which + 1);
+    at::Tensor& kept = stats_.outputs[which];
     // A 0-dim output (a per-microbatch metric) is one row.
     const at::Tensor value = output.dim() == 0 ? output.detach().reshape({1}) : output.detach();
     const int64_t rows = value.size(0);
@@ -229,31 +318,31 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
                        std::to_string(microbatch) + "), so keep_outputs cannot join them");
     }
     kept.narrow(0, rows * microbatch, rows).copy_(value);
-  };
+  }
+
   // recompute: the backward of a checkpointed stage running its forward again, whose output was kept already.
-  auto run_forward = [&](int stage, int microbatch, Stash& entry, bool recompute) {
-    auto produced = stages.forward(stage, data.inputs.at(microbatch), entry.inputs);
+  void run_forward(int stage, int microbatch, Stash& entry, bool recompute) {
+    auto produced = stages_.forward(stage, data_.inputs.at(microbatch), entry.inputs);
     entry.outputs = std::move(produced.to_consumers);
     entry.outputs_ready = true;
-    if (stage == last_stage_) {
-      if (produced.model_outputs.empty()) {
-        throw sched::ScheduleError("the last stage (" + std::to_string(stage) + ") did not produce the model's output");
-      }
-      if (keep_outputs && !recompute) {
-        for (std::size_t i = 0; i < produced.model_outputs.size(); ++i) {
-          keep_output(microbatch, i, produced.model_outputs[i]);
-        }
-      }
-      const at::Tensor target = data.targets.empty() ? at::Tensor() : data.targets.at(microbatch);
-      entry.loss = data.loss(produced.model_outputs, target) * (data.loss_scale / static_cast<double>(microbatches));
+    if (stage != executor_.last_stage_) return;
+    if (produced.model_outputs.empty()) {
+      throw sched::ScheduleError("the last stage (" + std::to_string(stage) + ") did not produce the model's output");
     }
-  };
+    if (keep_outputs_ && !recompute) {
+      for (std::size_t i = 0; i < produced.model_outputs.size(); ++i) keep_output(microbatch, i, produced.model_outputs[i]);
+    }
+    const at::Tensor target = data_.targets.empty() ? at::Tensor() : data_.targets.at(microbatch);
+    entry.loss = data_.loss(produced.model_outputs, target) *
+                 (data_.loss_scale / static_cast<double>(schedule_.num_microbatches));
+  }
+
   // The roots of this stage's backward and the gradients flowing into them.
-  auto backward_roots = [&](int stage, int microbatch, Stash& entry) {
+  std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> backward_roots(int stage, int microbatch, Stash& entry) {
     if (!entry.outputs_ready) {  // checkpointed: rebuild the graph first
       const RecomputeScope same_as_first_run(entry.before_forward,
-                                             stages.buffers ? stages.buffers(stage) : std::vector<at::Tensor>{},
-                                             pipeline_.device());
+                                             stages_.buffers ? stages_.buffers(stage) : std::vector<at::Tensor>{},
+                                             executor_.pipeline_.device());
       c10::AutoGradMode enable_grad(true);
       run_forward(stage, microbatch, entry, /*recompute=*/true);
     }
@@ -274,158 +363,167 @@ ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const Microbat
       }
     }
     return roots;
-  };
-  auto finish_backward = [&](int stage, int microbatch, Stash& entry) {
+  }
+
+  void finish_backward(const sched::Action& action, Stash& entry) {
     entry.backward_done = true;
     entry.outputs.clear();
     entry.outputs_ready = false;
     entry.output_grads.clear();
     entry.loss = at::Tensor();
-    --stashed;
-    if (entry.gradient_sends_left == 0) stash.erase({stage, microbatch});
-  };
+    --stashed_;
+    if (entry.gradient_sends_left == 0) drop(action);
+  }
 
-  for (std::size_t index = 0; index < actions.size(); ++index) {
-    const auto& action = actions[index];
-    const int stage = action.stage, microbatch = action.microbatch;
-    auto& entry = stash[{stage, microbatch}];
-    TimelineEvent event{sched::to_string(action.kind), stage, microbatch, now_us(), 0.0, action.peer_stage};
+  // --- Transfers ---
+
+  int tag_of(const sched::Action& action) const {
+    const int stages = schedule_.num_stages, microbatches = schedule_.num_microbatches;
     switch (action.kind) {
-      case ActionKind::RecvForward: {
-        auto& received = entry.inputs[action.peer_stage];
-        for (auto& tensor : receive(index)) {
-          // A fresh leaf: backward of this stage stops here and leaves the input gradient behind.
-          tensor = tensor.detach();
-          if (at::isFloatingType(tensor.scalar_type()) && !evaluating) tensor.requires_grad_(true);
-          received.push_back(tensor);
-        }
-        break;
-      }
-      case ActionKind::Forward: {
-        entry.gradient_sends_left = static_cast<int>(graph_.producers_of(stage).size());
-        const bool recomputed_later = checkpointed_[stage] && !evaluating;
-        std::vector<uint32_t> input_versions;
-        const ModelInputs& model_inputs = data.inputs.at(microbatch);
-        if (recomputed_later) {
-          entry.before_forward = RandomState::capture(pipeline_.device());
-          for (const auto& [producer, tensors] : entry.inputs) {
-            for (const auto& tensor : tensors) input_versions.push_back(tensor._version());
-          }
-          for (const auto& input : model_inputs) input_versions.push_back(input.defined() ? input._version() : 0);
-        }
-        {
-          c10::AutoGradMode grad_mode(!checkpointed_[stage] && !evaluating);
-          run_forward(stage, microbatch, entry, /*recompute=*/false);
-        }
-        if (recomputed_later) {
-          // Without a graph nothing stops the stage's first module from writing into what it received, and the
-          // recompute would then start from the changed values.
-          const auto refuse = [&](const std::string& what) {
-            throw ModelError("stage " + std::to_string(stage) + " modifies " + what + " in place (an in-place "
-                             "first operation?), so it cannot be checkpointed; make that operation out of place or "
-                             "leave the stage out of \"activation_checkpointing\"");
-          };
-          std::size_t next = 0;
-          for (const auto& [producer, tensors] : entry.inputs) {
-            for (const auto& tensor : tensors) {
-              if (tensor._version() != input_versions[next++]) {
-                refuse("what it receives from stage " + std::to_string(producer));
-              }
-            }
-          }
-          for (const auto& input : model_inputs) {
-            if (input.defined() && input._version() != input_versions[next]) refuse("a model input");
-            ++next;
-          }
-        }
-        if (evaluating) {
-          // Nothing waits for a backward: the outputs live until they are sent, the rest goes now.
-          if (entry.loss.defined()) {
-            const at::Tensor loss = entry.loss.to(at::kDouble) / data.loss_scale;
-            loss_sum = loss_sum.defined() ? loss_sum + loss : loss;
-            stats.has_loss = true;
-          }
-          entry.inputs.clear();
-          entry.loss = at::Tensor();
-          if (entry.outputs.empty()) stash.erase({stage, microbatch});
-          break;
-        }
-        if (entry.loss.defined()) {
-          const at::Tensor loss = entry.loss.detach().to(at::kDouble) / data.loss_scale;
-          loss_sum = loss_sum.defined() ? loss_sum + loss : loss;
-          stats.has_loss = true;
-        }
-        // A checkpointed stage ran without a graph: its outputs are only sent on, its loss only counted; backward
-        // recomputes both from the inputs.
-        if (checkpointed_[stage]) {
-          entry.loss = at::Tensor();
-          entry.outputs_ready = false;
-        }
-        stats.peak_stashed_microbatches = std::max(stats.peak_stashed_microbatches, ++stashed);
-        break;
-      }
-      case ActionKind::SendForward: {
-        std::vector<at::Tensor> payload;
-        for (const auto& output : entry.outputs.at(action.peer_stage)) payload.push_back(output.detach());
-        send(index, std::move(payload));
-        // Without a graph the outputs are worth nothing after sending: backward recomputes them.
-        if (!entry.outputs_ready || evaluating) entry.outputs.erase(action.peer_stage);
-        if (evaluating && entry.outputs.empty()) stash.erase({stage, microbatch});
-        break;
-      }
-      case ActionKind::RecvBackward:
-        entry.output_grads[action.peer_stage] = receive(index);
-        break;
-      case ActionKind::Backward: {
-        auto [roots, grads] = backward_roots(stage, microbatch, entry);
-        if (!roots.empty()) torch::autograd::backward(roots, grads);
-        finish_backward(stage, microbatch, entry);
-        break;
-      }
-      case ActionKind::BackwardInput: {
-        auto [roots, grads] = backward_roots(stage, microbatch, entry);
-        std::vector<at::Tensor> inputs;
-        for (const auto& [producer, tensors] : entry.inputs) inputs.insert(inputs.end(), tensors.begin(), tensors.end());
-        // Input gradients only; W later runs what is left for the weights (split_backward.h).
-        auto [input_grads, weight_pass] = WeightPass::run_input_pass(roots, grads, inputs, stages.parameters(stage));
-        entry.input_grads.clear();
-        std::size_t next = 0;
-        for (const auto& [producer, tensors] : entry.inputs) {
-          for (std::size_t i = 0; i < tensors.size(); ++i) entry.input_grads[producer].push_back(input_grads[next++]);
-        }
-        entry.weight_pass = std::move(weight_pass);
-        entry.outputs.clear();
-        entry.output_grads.clear();
-        entry.loss = at::Tensor();
-        break;
-      }
-      case ActionKind::BackwardWeight: {
-        entry.weight_pass.run();
-        finish_backward(stage, microbatch, entry);
-        break;
-      }
-      case ActionKind::SendBackward: {
-        std::vector<at::Tensor> grads;
-        const auto split = entry.input_grads.find(action.peer_stage);
-        if (split != entry.input_grads.end()) {
-          grads = split->second;
-        } else {
-          for (const auto& input : entry.inputs.at(action.peer_stage)) {
-            grads.push_back(input.grad().defined() ? input.grad() : at::zeros_like(input));
-          }
-        }
-        send(index, std::move(grads));
-        if (--entry.gradient_sends_left == 0 && entry.backward_done) stash.erase({stage, microbatch});
-        break;
+      case ActionKind::SendForward: return transfer_tag(Direction::Activation, action.stage, action.peer_stage, action.microbatch, stages, microbatches);
+      case ActionKind::RecvForward: return transfer_tag(Direction::Activation, action.peer_stage, action.stage, action.microbatch, stages, microbatches);
+      case ActionKind::SendBackward: return transfer_tag(Direction::Gradient, action.stage, action.peer_stage, action.microbatch, stages, microbatches);
+      default: return transfer_tag(Direction::Gradient, action.peer_stage, action.stage, action.microbatch, stages, microbatches);
+    }
+  }
+
+  std::string where(const sched::Action& action) const {
+    return sched::describe(action) + " on rank " + std::to_string(executor_.pipeline_.global_rank(me_));
+  }
+
+  int peer_of(const sched::Action& action) const { return schedule_.stage_to_rank[action.peer_stage]; }
+
+  // Every receive's header is posted before the first compute, so a message is taken in as soon as its sender
+  // posts it and the wait at the receive action covers only what compute could not hide. The payload receives of
+  // the next kPayloadsAhead receives from each peer are posted too (in the layout remembered from the last step),
+  // so that their payloads travel at once; each completed receive posts the next one's.
+  static constexpr std::size_t kPayloadsAhead = 2;
+  void post_receives() {
+    for (std::size_t i = 0; i < actions_.size(); ++i) {
+      const auto& action = actions_[i];
+      if (action.kind != ActionKind::RecvForward && action.kind != ActionKind::RecvBackward) continue;
+      const int peer = peer_of(action);
+      if (peer == me_) continue;
+      posted_[i] = std::make_unique<comm::IncomingTensors>(executor_.pipeline_, peer, tag_of(action), where(action),
+                                                           &executor_.layouts_);
+      receives_from_[peer].push_back(i);
+    }
+    for (const auto& [peer, receives] : receives_from_) {
+      for (std::size_t k = 0; k < receives.size(); ++k) {
+        place_among_receives_[receives[k]] = k;
+        if (k < kPayloadsAhead) posted_[receives[k]]->post_expected();
       }
     }
-    if (stages.synchronize) stages.synchronize();
-    event.end_us = now_us();
-    stats.events.push_back(std::move(event));
   }
-  for (auto& [index, pending] : sends) pending->wait();
-  stats.loss_sum = loss_sum.defined() ? loss_sum.item<double>() : 0.0;
-  return stats;
+
+  void post_next_payloads(std::size_t received) {
+    const auto& receives = receives_from_.at(peer_of(actions_[received]));
+    const std::size_t next = place_among_receives_.at(received) + kPayloadsAhead;
+    if (next < receives.size()) posted_[receives[next]]->post_expected();
+  }
+
+  // An in-order transport (NCCL) must take a peer's messages in the peer's send order: a message this rank needs
+  // later is taken in early and kept. That never waits for more than the wanted message does: its sender sent
+  // everything before it first.
+  std::vector<at::Tensor> receive_posted(std::size_t index) {
+    if (taken_early_[index]) return std::move(early_[index]);
+    if (!executor_.receive_order_.empty()) {
+      const int peer = peer_of(actions_[index]);
+      const auto& order = executor_.receive_order_.at(peer);
+      auto& next = next_in_order_[peer];
+      for (; next < order.size() && order[next] != index; ++next) {
+        early_[order[next]] = posted_[order[next]]->wait();
+        taken_early_[order[next]] = true;
+      }
+      if (next == order.size()) throw sched::ScheduleError(where(actions_[index]) + ": not in its sender's order");
+      ++next;
+    }
+    return posted_[index]->wait();
+  }
+
+  // A send's tensors go as soon as a receive proves it delivered (the peer took it before sending what arrived);
+  // the transports cannot be asked without waiting (Gloo), or a send's header travels over Gloo (NCCL). Otherwise
+  // they would live until the step's end, one sent output and one input gradient per microbatch beyond the
+  // schedule's bound on the stash.
+  void release_delivered(std::size_t receive_index) {
+    const auto proven = executor_.delivered_by_receive_.find(receive_index);
+    if (proven == executor_.delivered_by_receive_.end()) return;
+    for (std::size_t send_index : proven->second) {
+      const auto found = sends_.find(send_index);
+      if (found == sends_.end()) continue;
+      found->second->wait();  // returns at once: the peer has the message
+      sends_.erase(found);
+      ++stats_.sends_released_early;
+    }
+  }
+
+  std::vector<at::Tensor> receive(std::size_t index) {
+    if (posted_[index]) {
+      auto tensors = receive_posted(index);
+      post_next_payloads(index);
+      release_delivered(index);
+      return tensors;
+    }
+    auto mail = local_mail_.find(tag_of(actions_[index]));
+    if (mail == local_mail_.end()) throw sched::ScheduleError(where(actions_[index]) + ": local message missing");
+    auto tensors = std::move(mail->second);
+    local_mail_.erase(mail);
+    return tensors;
+  }
+
+  void send(std::size_t index, std::vector<at::Tensor> tensors) {
+    const sched::Action& action = actions_[index];
+    const int peer = peer_of(action);
+    if (peer == me_) {
+      local_mail_[tag_of(action)] = std::move(tensors);
+      return;
+    }
+    // Evaluation: one send in flight while the next output is computed, the older ones waited for.
+    constexpr std::size_t kEvaluationSendsHeld = 2;
+    while (executor_.wait_for_oldest_send_ && sends_.size() >= kEvaluationSendsHeld) {
+      sends_.begin()->second->wait();
+      sends_.erase(sends_.begin());
+      ++stats_.sends_released_early;
+    }
+    sends_[index] = comm::send_tensors(executor_.pipeline_, tensors, peer, tag_of(action), where(action),
+                                       &executor_.layouts_);
+    ++stats_.sends_posted;
+    stats_.peak_sends_held = std::max(stats_.peak_sends_held, static_cast<int>(sends_.size()));
+  }
+
+  PipelineExecutor& executor_;
+  const sched::Schedule& schedule_;
+  const StageCallbacks& stages_;
+  const MicrobatchData& data_;
+  const int me_;
+  const std::vector<sched::Action>& actions_;
+  const bool evaluating_;     // no graphs, nothing kept for a backward
+  const bool keep_outputs_;   // this rank runs the last stage and the caller keeps its outputs
+  ExecutorStats stats_;
+  std::map<std::pair<int, int>, Stash> stash_;  // (stage, microbatch)
+  int stashed_ = 0;
+  at::Tensor loss_sum_;  // on the losses' device, so that summing them does not wait for the GPU
+  std::map<int, std::vector<at::Tensor>> local_mail_;  // tag -> tensors between two stages of this rank
+  std::vector<std::unique_ptr<comm::IncomingTensors>> posted_;  // by action index: receives from other ranks
+  std::map<int, std::vector<std::size_t>> receives_from_;       // peer -> its receives, in this rank's order
+  std::map<std::size_t, std::size_t> place_among_receives_;     // receive -> its place in receives_from_
+  std::vector<std::vector<at::Tensor>> early_;                  // in-order transports: taken ahead of need
+  std::vector<bool> taken_early_;
+  std::map<int, std::size_t> next_in_order_;                    // peer -> position in receive_order_
+  std::map<std::size_t, std::unique_ptr<comm::Pending>> sends_;  // by action index, until proven delivered
+};
+
+static_assert(static_cast<int>(ActionKind::Forward) == 0 && static_cast<int>(ActionKind::Backward) == 1 &&
+                  static_cast<int>(ActionKind::BackwardInput) == 2 && static_cast<int>(ActionKind::BackwardWeight) == 3 &&
+                  static_cast<int>(ActionKind::SendForward) == 4 && static_cast<int>(ActionKind::RecvForward) == 5 &&
+                  static_cast<int>(ActionKind::SendBackward) == 6 && static_cast<int>(ActionKind::RecvBackward) == 7,
+              "the handler table follows ActionKind's order");
+const std::array<PipelineExecutor::Step::Handler, 8> PipelineExecutor::Step::kHandlers = {
+    &Step::forward,      &Step::backward,        &Step::backward_input, &Step::backward_weight,
+    &Step::send_forward, &Step::receive_forward, &Step::send_backward,  &Step::receive_backward};
+
+ExecutorStats PipelineExecutor::run(const StageCallbacks& stages, const MicrobatchData& data) {
+  return Step(*this, stages, data).run();
 }
 
 }  // namespace smp

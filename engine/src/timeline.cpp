@@ -70,13 +70,14 @@ TimelineSummary summarize(const std::vector<RankTimeline>& ranks, int dp_rank) {
       if (event.kind.rfind("RECV", 0) == 0) summary.receive_wait_us += event.end_us - event.start_us;
     }
   }
-  // Match each receive with its send: (direction, from stage, to stage, microbatch).
-  std::map<std::tuple<char, int, int, int>, double> send_done;
+  // Match each receive with its send: (direction, from stage, to stage, microbatch). A transfer's latency runs from
+  // the start of the send action (posting it is part of the cost) to the end of a receive that was already waiting.
+  std::map<std::tuple<char, int, int, int>, double> send_started;
   for (const auto& rank : ranks) {
     if (rank.dp_rank != dp_rank) continue;
     for (const auto& event : rank.events) {
       if (event.kind == "SEND_F" || event.kind == "SEND_B") {
-        send_done[{event.kind.back(), event.stage, event.peer_stage, event.microbatch}] = event.end_us;
+        send_started[{event.kind.back(), event.stage, event.peer_stage, event.microbatch}] = event.start_us;
       }
     }
   }
@@ -86,9 +87,9 @@ TimelineSummary summarize(const std::vector<RankTimeline>& ranks, int dp_rank) {
     if (rank.dp_rank != dp_rank) continue;
     for (const auto& event : rank.events) {
       if (event.kind != "RECV_F" && event.kind != "RECV_B") continue;
-      const auto sent = send_done.find({event.kind.back(), event.peer_stage, event.stage, event.microbatch});
-      if (sent == send_done.end() || event.start_us > sent->second) continue;  // arrived before it was awaited
-      latency_sum += event.end_us - sent->second;
+      const auto sent = send_started.find({event.kind.back(), event.peer_stage, event.stage, event.microbatch});
+      if (sent == send_started.end() || event.start_us > sent->second) continue;  // sent before it was awaited
+      latency_sum += std::max(0.0, event.end_us - sent->second);
       ++latency_samples;
     }
   }

@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "smp/comm/communicator.h"
+#include "smp/comm/tensor_transfer.h"
 #include "smp/scheduler/schedule.h"
 #include "smp/timeline.h"
 
@@ -80,6 +81,8 @@ class PipelineExecutor {
   const sched::Schedule& schedule() const { return schedule_; }
 
  private:
+  class Step;  // one run of the action list (executor.cpp)
+
   sched::Schedule schedule_;
   sched::StageGraph graph_;
   comm::Communicator& pipeline_;
@@ -91,6 +94,8 @@ class PipelineExecutor {
   std::map<std::size_t, std::vector<std::size_t>> delivered_by_receive_;
   // Evaluation: this rank may wait for its oldest send instead of holding every one until the step's end.
   bool wait_for_oldest_send_ = false;
+  // Each transfer's layout as of its last step, at both ends: receives are posted ahead in it.
+  comm::TransferLayouts layouts_;
 };
 
 }  // namespace smp

@@ -33,8 +33,8 @@ struct TimelineSummary {
   double busy_us = 0.0;       // compute time (F, B, I, W) summed over those ranks
   double bubble_fraction = 0.0;  // 1 - busy / (pipeline ranks * makespan)
   double receive_wait_us = 0.0;  // time blocked in receives: communication not hidden behind compute
-  // Mean time from a send's posting being done to its receive completing, over receives that were already
-  // waiting when the message left: what one transfer costs on this link (0 when no receive waited).
+  // Mean time from the start of a send action (posting it is part of the cost) to its receive completing, over
+  // receives that were already waiting then: what one transfer costs on this link (0 when no receive waited).
   double transfer_latency_us = 0.0;
 };
 

@@ -2,26 +2,63 @@
 // Transfers of tensor lists whose shapes the receiver does not know in advance: a fixed-size header message
 // (count, dtypes, shapes) and then one message per tensor. Shapes may change from step to step. The header is a
 // CPU tensor (matched by tag); the tensors are received on the group's device.
+//
+// Gloo sends a message's bytes only once the receiver has posted its receive (and said so): a payload receive posted
+// after its header arrived costs two more trips across the wire. So both ends remember the layout (dtypes and
+// shapes) of each tag's last transfer (TransferLayouts): the receiver posts the payload receives of the layout it
+// expects ahead of time, and the sender, which knows what the receiver expects, sends the payloads to those
+// receives when the layout is the same. When it differs, the header says so, the receives posted ahead are retired
+// with a byte each, and the payloads go to tags of their own, received once the header has arrived.
 
+#include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include <c10/core/ScalarType.h>
 
 #include "smp/comm/communicator.h"
 
 namespace smp::comm {
 
-// Tags of one transfer are [tag, tag + kTagsPerTransfer): the header and up to kTagsPerTransfer - 1 tensors.
-constexpr int kTagsPerTransfer = 16;
+// At most this many tensors in one transfer.
+constexpr int kMaxTensorsPerTransfer = 15;
+// Tags of one transfer are [tag, tag + kTagsPerTransfer): the header, then the payloads of the layout the receiver
+// expected, then those of a new layout.
+constexpr int kTagsPerTransfer = 32;
 
-// Posts the header and every tensor; the tensors are kept alive by the returned Pending.
+struct TensorLayout {
+  c10::ScalarType dtype;
+  std::vector<std::int64_t> sizes;
+  bool operator==(const TensorLayout& other) const { return dtype == other.dtype && sizes == other.sizes; }
+};
+
+// The layout of each (peer, tag)'s last transfer, as one end saw it. Both ends of a channel see the same transfers
+// in the same order, so the sender's memory of what it sent is the receiver's of what it received.
+class TransferLayouts {
+ public:
+  const std::vector<TensorLayout>* find(int peer, int tag) const;
+  void remember(int peer, int tag, std::vector<TensorLayout> layout) { layouts_[{peer, tag}] = std::move(layout); }
+
+ private:
+  std::map<std::pair<int, int>, std::vector<TensorLayout>> layouts_;
+};
+
+// Posts the header and every tensor; the tensors are kept alive by the returned Pending. `layouts` (may be null:
+// nothing remembered, every transfer a new layout) is this end's memory of the channel's transfers.
 std::unique_ptr<Pending> send_tensors(Communicator& comm, const std::vector<at::Tensor>& tensors, int peer, int tag,
-                                      const std::string& what);
+                                      const std::string& what, TransferLayouts* layouts = nullptr);
 
 // Posts the header receive at construction, so it can be done ahead of the compute that needs the tensors.
+// `layouts` as in send_tensors, on the receiving end (it must outlive this).
 class IncomingTensors {
  public:
-  IncomingTensors(Communicator& comm, int peer, int tag, std::string what);
+  IncomingTensors(Communicator& comm, int peer, int tag, std::string what, TransferLayouts* layouts = nullptr);
+  // Posts the payload receives of the layout this tag had last time, if any, so that the sender's payloads go out
+  // at once: buffers of those shapes exist from now on, so call it shortly before the transfer is due.
+  void post_expected();
   // Waits for the header, receives the tensors, returns them. Call once.
   std::vector<at::Tensor> wait();
 
@@ -30,8 +67,12 @@ class IncomingTensors {
   int peer_;
   int tag_;
   std::string what_;
+  TransferLayouts* layouts_;
   at::Tensor header_;
   std::unique_ptr<Pending> header_receive_;
+  std::vector<at::Tensor> expected_;  // posted ahead, in the layout remembered
+  std::vector<std::unique_ptr<Pending>> expected_receives_;
+  bool expected_posted_ = false;
 };
 
 }  // namespace smp::comm
