@@ -65,11 +65,12 @@ print(f"{'schedule':<22}{'step ms':>9}{'traced ms':>11}{'sim ms':>9}{'traced/sim
       f"{'rank 0 sends held':>19}")
 schedule_cases = [("gpipe", {"pipeline": "simple"}), ("1f1b", {"pipeline": "interleaved"}),
                   ("interleaved_1f1b v=2", {"pipeline": "interleaved", "virtual_stages": 2}),
-                  ("zb_h1", {"pipeline": "zero_bubble"}), ("zb_h2", {"pipeline": "zero_bubble_h2"})]
+                  ("zb_h1", {"pipeline": "zero_bubble"}), ("zb_h2", {"pipeline": "zero_bubble_h2"}),
+                  ("zb_v", {"pipeline": "zb_v"}), ("dualpipe_v", {"pipeline": "dualpipe_v"})]
 with tempfile.TemporaryDirectory() as traces:
     for name, keys in schedule_cases:
         r = bench_pipeline(dict({"partitions": 2, "microbatches": 8}, **keys), 2, trace_dir=traces)
-        v = keys.get("virtual_stages", 1)
+        v = keys.get("virtual_stages", 2 if name in ("zb_v", "dualpipe_v") else 1)
         formula = (p - 1) / (v * m + p - 1) if name in ("gpipe", "1f1b", "interleaved_1f1b v=2") else float("nan")
         print(f"{name:<22}{r['median_step_s'] * 1e3:9.1f}{r['makespan_measured_ms']:11.1f}{r['makespan_simulated_ms']:9.1f}"
               f"{r['makespan_measured_ms'] / r['makespan_simulated_ms']:12.3f}{r['bubble_measured']:8.3f}"

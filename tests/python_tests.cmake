@@ -93,6 +93,11 @@ smp_python_test(python_real_models_2x2_equal_pytorch 4 real_models.py --models g
                 --smp [[{"partitions": 2, "microbatches": 2, "ddp": true, "global_batch_size": 8, "seed": 3, "device": "cpu"}]])
 smp_python_test(python_real_models_interleaved_equal_pytorch 2 real_models.py --models llama,vit
                 --smp [[{"partitions": 2, "virtual_stages": 2, "pipeline": "interleaved", "microbatches": 4, "global_batch_size": 8, "seed": 3, "device": "cpu"}]])
+# The V schedules: the model's first and last stages (embeddings and head, a tied GPT-2 matrix) on rank 0.
+smp_python_test(python_real_models_zb_v_equal_pytorch 2 real_models.py --models gpt2,resnet
+                --smp [[{"partitions": 2, "pipeline": "zb_v", "microbatches": 4, "global_batch_size": 8, "seed": 3, "device": "cpu"}]])
+smp_python_test(python_real_models_dualpipe_v_equal_pytorch 2 real_models.py --models llama
+                --smp [[{"partitions": 2, "pipeline": "dualpipe_v", "microbatches": 4, "global_batch_size": 8, "seed": 3, "device": "cpu"}]])
 # The README's bring-your-own-model example runs as written (2 stages x 2 replicas).
 add_test(NAME python_example_hf_causal_lm
          COMMAND $<TARGET_FILE:smprun> -n 4 --timeout 240 -- ${SMP_PYTHON_EXECUTABLE}

@@ -16,7 +16,7 @@ TEST_CASE("config: defaults and SMP keys", "[config]") {
   const Config defaults = parse("{}");
   CHECK(defaults.partitions == 1);
   CHECK(defaults.microbatches == 1);
-  CHECK(defaults.pipeline == smp::PipelineKind::Interleaved);
+  CHECK(defaults.pipeline == "interleaved");
   CHECK_FALSE(defaults.ddp);
   CHECK_FALSE(defaults.shard_optimizer_state);
   CHECK(defaults.memory_weight == 0.2);
@@ -28,7 +28,7 @@ TEST_CASE("config: defaults and SMP keys", "[config]") {
       "partition_overrides": {"block3": 1}})");
   CHECK(config.partitions == 4);
   CHECK(config.microbatches == 8);
-  CHECK(config.pipeline == smp::PipelineKind::Simple);
+  CHECK(config.pipeline == "simple");
   CHECK(config.ddp);
   CHECK(config.placement_strategy == "spread");
   CHECK_FALSE(config.auto_partition);
@@ -63,6 +63,21 @@ TEST_CASE("config: schedules, virtual stages, checkpointing, trace", "[config]")
   CHECK(parse(R"({"pipeline": "simple"})").schedule_name() == "gpipe");
   CHECK(parse(R"({"pipeline": "zero_bubble"})").schedule_name() == "zb_h1");
   CHECK(parse(R"({"pipeline": "zero_bubble_h2"})").schedule_name() == "zb_h2");
+  // The generators' own names too; a V runs two stages per rank whether virtual_stages says so or not.
+  CHECK(parse(R"({"pipeline": "1f1b"})").schedule_name() == "1f1b");
+  for (const char* v : {"zb_v", "dualpipe_v"}) {
+    const Config shaped = parse(std::string(R"({"partitions": 3, "pipeline": ")") + v + "\"}");
+    CHECK(shaped.schedule_name() == v);
+    CHECK(shaped.virtual_stages == 2);
+    CHECK(shaped.num_stages() == 6);
+    CHECK(shaped.splits_backward());
+    CHECK(parse(std::string(R"({"pipeline": ")") + v + R"(", "virtual_stages": 2})").num_stages() == 2);
+    CHECK_THROWS_WITH(parse(std::string(R"({"pipeline": ")") + v + R"(", "virtual_stages": 3})"),
+                      Contains("key \"virtual_stages\": must be 2"));
+    CHECK_THROWS_WITH(parse(std::string(R"({"pipeline": ")") + v + R"(", "active_microbatches": 2})"),
+                      Contains("key \"active_microbatches\": has no effect"));
+  }
+  CHECK_FALSE(parse(R"({"pipeline": "interleaved"})").splits_backward());
   const Config interleaved = parse(R"({"partitions": 2, "virtual_stages": 3, "activation_checkpointing": [0, 5],
       "partition_overrides": {"head": 5}, "trace_dir": "/tmp/t", "trace_step": 4})");
   CHECK(interleaved.schedule_name() == "interleaved_1f1b");
@@ -103,7 +118,8 @@ TEST_CASE("config: every bad value is a one-line error naming the key", "[config
   CHECK_THROWS_WITH(parse(R"({"partitions": 2.5})"), Contains("key \"partitions\": expected an integer"));
   CHECK_THROWS_WITH(parse(R"({"microbatches": -3})"), Contains("key \"microbatches\""));
   CHECK_THROWS_WITH(parse(R"({"microbatches": 99999999999999999999})"), Contains("key \"microbatches\""));
-  CHECK_THROWS_WITH(parse(R"({"pipeline": "1f1b"})"), Contains("key \"pipeline\": expected one of \"simple\", \"interleaved\""));
+  CHECK_THROWS_WITH(parse(R"({"pipeline": "1f2b"})"),
+                    Contains("key \"pipeline\": expected one of \"simple\", \"interleaved\"") && Contains("\"dualpipe_v\""));
   CHECK_THROWS_WITH(parse(R"({"ddp": 1})"), Contains("key \"ddp\": expected true or false"));
   CHECK_THROWS_WITH(parse(R"({"shard_optimizer_state": "yes"})"), Contains("key \"shard_optimizer_state\": expected true or false"));
   CHECK_THROWS_WITH(parse(R"({"shard_optimiser_state": true})"), Contains("did you mean \"shard_optimizer_state\""));

@@ -48,13 +48,24 @@ Schedule split_each_backward(const Schedule& schedule) {
   return split;
 }
 
-bool takes_virtual_stages(const std::string& name) { return name == "interleaved_1f1b"; }
-bool splits_backward(const std::string& name) { return name == "zb_h1" || name == "zb_h2"; }
+// Whether the schedule's layout has `virtual_stages` stages per rank: one, any number, or two (a V).
+bool fits(const std::string& name, int virtual_stages) {
+  const int per_rank = find_schedule_kind(name).stages_per_rank;
+  return per_rank == 0 || per_rank == virtual_stages;
+}
+bool splits_backward(const std::string& name) { return find_schedule_kind(name).split_backward; }
+bool takes_cap(const std::string& name) { return find_schedule_kind(name).takes_cap; }
+// The rank of each stage: looped (stage % ranks), or down and back up a V.
+int rank_of_stage(const std::string& name, int stage, int ranks) {
+  if (find_schedule_kind(name).stages_per_rank == 2 && stage >= ranks) return 2 * ranks - 1 - stage;
+  return stage % ranks;
+}
 
 }  // namespace
 
 TEST_CASE("schedule_names lists every generator", "[generators][factory]") {
-  CHECK(schedule_names() == std::vector<std::string>{"gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2"});
+  CHECK(schedule_names() ==
+        std::vector<std::string>{"gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zb_v", "dualpipe_v"});
 }
 
 TEST_CASE("make_schedule builds what the named generator builds", "[generators][factory]") {
@@ -63,7 +74,9 @@ TEST_CASE("make_schedule builds what the named generator builds", "[generators][
   CHECK(make_schedule("interleaved_1f1b", 3, 5, 2, 0).ranks == make_interleaved_1f1b(3, 5, 2).ranks);
   CHECK(make_schedule("zb_h1", 3, 5, 1, 0).ranks == make_zero_bubble_h1(3, 5).ranks);
   CHECK(make_schedule("zb_h2", 3, 5, 1, 4).ranks == make_zero_bubble_h2(3, 5, 4).ranks);
-  for (const std::string& name : schedule_names()) CHECK(make_schedule(name, 2, 2, 1, 0).name == name);
+  CHECK(make_schedule("zb_v", 3, 5, 2, 0).ranks == make_zero_bubble_v(3, 5).ranks);
+  CHECK(make_schedule("dualpipe_v", 3, 5, 2, 0).ranks == make_dualpipe_v(3, 5).ranks);
+  for (const std::string& name : schedule_names()) CHECK(make_schedule(name, 2, 2, fits(name, 1) ? 1 : 2, 0).name == name);
 }
 
 TEST_CASE("make_schedule rejects what it cannot build", "[generators][factory]") {
@@ -80,6 +93,11 @@ TEST_CASE("make_schedule rejects what it cannot build", "[generators][factory]")
   }
   REQUIRE_THROWS_WITH(make_schedule("gpipe", 4, 8, 1, 2), Contains("gpipe") && Contains("max_active=2"));
   REQUIRE_THROWS_WITH(make_schedule("interleaved_1f1b", 4, 8, 0, 0), Contains("at least 1 virtual stage"));
+  for (const char* name : {"zb_v", "dualpipe_v"}) {
+    INFO(name);
+    REQUIRE_THROWS_WITH(make_schedule(name, 4, 8, 1, 0), Contains("virtual_stages must be 2, got 1"));
+    REQUIRE_THROWS_WITH(make_schedule(name, 4, 8, 2, 3), Contains("max_active=3 cannot apply"));
+  }
 }
 
 TEST_CASE("the new generators reject impossible arguments", "[generators]") {
@@ -100,11 +118,11 @@ TEST_CASE("every named schedule over the grid validates, lowers and simulates", 
     for (int ranks : {1, 2, 3, 4, 8}) {
       for (int microbatches : {1, 2, 3, 5, 8, 16}) {
         for (int virtual_stages : {1, 2, 3}) {
-          if (virtual_stages != 1 && !takes_virtual_stages(name)) continue;
+          if (!fits(name, virtual_stages)) continue;
           for (int max_active : {0, 2}) {
             INFO(name << " ranks=" << ranks << " microbatches=" << microbatches << " virtual_stages=" << virtual_stages
                       << " max_active=" << max_active);
-            if ((name == "gpipe" && max_active != 0) || (max_active != 0 && max_active < virtual_stages)) {
+            if ((!takes_cap(name) && max_active != 0) || (max_active != 0 && max_active < virtual_stages)) {
               REQUIRE_THROWS_AS(make_schedule(name, ranks, microbatches, virtual_stages, max_active), ScheduleError);
               continue;
             }
@@ -114,7 +132,7 @@ TEST_CASE("every named schedule over the grid validates, lowers and simulates", 
             REQUIRE(schedule.num_stages == stages);
             REQUIRE(schedule.num_microbatches == microbatches);
             REQUIRE(schedule.split_backward == splits_backward(name));
-            for (int stage = 0; stage < stages; ++stage) CHECK(schedule.stage_to_rank[stage] == stage % ranks);
+            for (int stage = 0; stage < stages; ++stage) CHECK(schedule.stage_to_rank[stage] == rank_of_stage(name, stage, ranks));
 
             const auto counts = compute_counts(schedule);
             std::vector<ActionKind> passes = {ActionKind::Forward, ActionKind::Backward};
@@ -167,7 +185,7 @@ TEST_CASE("receives_in_send_order pairs every receive with the peer's sends, in 
     for (int ranks : {2, 3, 4, 8}) {
       for (int microbatches : {1, 2, 3, 5, 8, 16}) {
         for (int virtual_stages : {1, 2, 3}) {
-          if (virtual_stages != 1 && !takes_virtual_stages(name)) continue;
+          if (!fits(name, virtual_stages)) continue;
           const Schedule compute_only = make_schedule(name, ranks, microbatches, virtual_stages, 0);
           const int stages = ranks * virtual_stages;
           // A chain, and skip connections over one stage as residual models have.
@@ -366,7 +384,7 @@ TEST_CASE("sends_delivered_by_receive lists each send under the first receive th
     for (int ranks : {2, 3, 4}) {
       for (int microbatches : {1, 4, 8}) {
         for (int virtual_stages : {1, 2}) {
-          if (virtual_stages != 1 && !takes_virtual_stages(name)) continue;
+          if (!fits(name, virtual_stages)) continue;
           const int stages = ranks * virtual_stages;
           // A chain, and skips over one stage (two receivers per send, and local transfers with virtual stages);
           // in flight as the schedule likes, and capped at 2.
@@ -375,7 +393,7 @@ TEST_CASE("sends_delivered_by_receive lists each send under the first receive th
           std::vector<Schedule> schedules;
           for (const StageGraph& graph : {StageGraph::chain(stages), skips}) {
             for (int cap : {0, 2}) {
-              if (cap != 0 && name == "gpipe") continue;  // GPipe holds every microbatch: no cap applies
+              if (cap != 0 && !takes_cap(name)) continue;  // GPipe and the Vs bound what they hold themselves
               const Schedule training =
                   lower_communication(make_schedule(name, ranks, microbatches, virtual_stages, cap), graph);
               schedules.push_back(training);
@@ -464,7 +482,7 @@ TEST_CASE("a forward-only schedule admits no backward", "[validate]") {
 
 TEST_CASE("CSV round trip of every named schedule", "[csv]") {
   for (const std::string& name : schedule_names()) {
-    const int virtual_stages = takes_virtual_stages(name) ? 3 : 1;
+    const int virtual_stages = fits(name, 3) ? 3 : fits(name, 1) ? 1 : 2;
     const Schedule compute_only = make_schedule(name, 3, 5, virtual_stages, 0);
     const StageGraph graph = StageGraph::chain(compute_only.num_stages);
     for (const Schedule& original : {compute_only, lower_communication(compute_only, graph)}) {

@@ -63,6 +63,11 @@ TEST_CASE("every schedule trains like single-process training", "[training][mult
       {"one stage", "mlp", 1, 2, 4, "simple", ""},
       {"activation checkpointing, 1F1B", "mlp", 3, 1, 6, "interleaved", R"(, "activation_checkpointing": true)"},
       {"activation checkpointing on some stages, ZB-H1", "mlp", 4, 1, 4, "zero_bubble", R"(, "activation_checkpointing": [0, 3])"},
+      // The V schedules: two stages per rank, the last stage (and the loss) back on rank 0.
+      {"ZB-V", "mlp", 3, 1, 6, "zb_v", ""},
+      {"ZB-V with replicas, m < 2p", "mlp", 2, 2, 2, "zb_v", ""},
+      {"DualPipeV", "mlp", 2, 1, 5, "dualpipe_v", ""},
+      {"DualPipeV, m < 2p, activation checkpointing", "mlp", 3, 1, 4, "dualpipe_v", R"(, "activation_checkpointing": [1, 4])"},
   };
   for (const auto& c : cases) {
     DYNAMIC_SECTION(c.label) { check_equivalence(c, "schedules_" + std::to_string(&c - cases)); }
@@ -80,6 +85,9 @@ TEST_CASE("graphs with skips across stages, branches and tied weights train like
       {"nested Sequentials expanded for 4 stages", "nested", 4, 1, 4, "interleaved", ""},
       {"nested Sequentials expanded for 8 stages", "nested", 4, 1, 4, "interleaved", R"(, "virtual_stages": 2)"},
       {"tied", "tied", 3, 1, 3, "zero_bubble_h2", R"(, "activation_checkpointing": [0])"},
+      // A V puts the first and the last stage on one rank: the tied pair, and skips that go down and back up.
+      {"tied", "tied", 2, 1, 4, "zb_v", ""},
+      {"residual", "residual", 2, 2, 4, "dualpipe_v", ""},
       // Single modules checkpointed: under the split backward (I, W) with replicas reducing gradients by hooks, a
       // tied weight, and the children of an expanded Sequential selected by its name.
       {"checkpointed modules", "residual", 2, 2, 4, "zero_bubble", R"(, "activation_checkpointing": ["a", "c", "out"])"},

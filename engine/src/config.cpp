@@ -1,5 +1,7 @@
 #include "smp/config.h"
 
+#include "smp/scheduler/schedule.h"
+
 #include <algorithm>
 #include <cmath>
 #include <fstream>
@@ -185,24 +187,39 @@ Config Config::from_json_text(const std::string& text, const std::string& source
   }
   if (read.has("microbatches")) config.microbatches = static_cast<int>(read.integer("microbatches", 1, kMaxCount));
   if (read.has("pipeline")) {
-    const std::string name = read.choice("pipeline", {"simple", "interleaved", "zero_bubble", "zero_bubble_h2"});
-    config.pipeline = name == "simple"        ? PipelineKind::Simple
-                      : name == "interleaved" ? PipelineKind::Interleaved
-                      : name == "zero_bubble" ? PipelineKind::ZeroBubble
-                                              : PipelineKind::ZeroBubbleH2;
+    // SMP's names first, then the generators' (what smp_schedule and schedule files call them).
+    std::vector<std::string> names;
+    for (const auto& kind : sched::schedule_kinds()) {
+      if (*kind.config_alias && std::find(names.begin(), names.end(), kind.config_alias) == names.end()) {
+        names.emplace_back(kind.config_alias);
+      }
+    }
+    for (const auto& kind : sched::schedule_kinds()) names.emplace_back(kind.name);
+    config.pipeline = read.choice("pipeline", names);
   }
   if (read.has("active_microbatches")) {
     config.active_microbatches = static_cast<int>(read.integer("active_microbatches", 0, kMaxCount));
   }
-  if (read.has("virtual_stages")) config.virtual_stages = static_cast<int>(read.integer("virtual_stages", 1, 64));
-  if (config.virtual_stages > 1 && config.pipeline != PipelineKind::Interleaved) {
-    read.fail("virtual_stages", "needs \"pipeline\": \"interleaved\" (interleaved 1F1B); the other schedules run one "
-                                "stage per rank");
+  const auto& kind = sched::find_schedule_kind(config.pipeline);
+  if (kind.stages_per_rank == 2) config.virtual_stages = 2;  // a V: two stages per rank, always
+  if (read.has("virtual_stages")) {
+    config.virtual_stages = static_cast<int>(read.integer("virtual_stages", 1, 64));
+    const auto& chosen = sched::find_schedule_kind(config.pipeline, config.virtual_stages);
+    if (chosen.stages_per_rank == 1 && config.virtual_stages > 1) {
+      read.fail("virtual_stages", "needs \"pipeline\": \"interleaved\" (interleaved 1F1B) or a V schedule; \"" +
+                                      config.pipeline + "\" runs one stage per rank");
+    }
+    if (chosen.stages_per_rank == 2 && config.virtual_stages != 2) {
+      read.fail("virtual_stages", "must be 2 with \"pipeline\": \"" + config.pipeline +
+                                      "\", which runs two stages per rank in a V");
+    }
   }
   if (read.has("schedule_file")) config.schedule_file = read.string("schedule_file");
-  if (config.active_microbatches > 0 && config.pipeline == PipelineKind::Simple) {
-    read.fail("active_microbatches", "has no effect with \"pipeline\": \"simple\" (GPipe runs every forward first); "
-                                     "use \"interleaved\" to cap microbatches in flight");
+  if (config.active_microbatches > 0 && !sched::find_schedule_kind(config.pipeline, config.virtual_stages).takes_cap) {
+    read.fail("active_microbatches", "has no effect with \"pipeline\": \"" + config.pipeline + "\" (" +
+                                         (config.pipeline == "simple" || config.pipeline == "gpipe"
+                                              ? "GPipe runs every forward first); use \"interleaved\" to cap microbatches in flight"
+                                              : "it holds what its own order bounds)"));
   }
   if (config.active_microbatches > 0 && config.active_microbatches < config.virtual_stages) {
     read.fail("active_microbatches", "must be 0 or at least \"virtual_stages\" (" +
@@ -343,15 +360,9 @@ void Config::check_batch(int global_batch, int replicas) const {
   }
 }
 
-std::string Config::schedule_name() const {
-  switch (pipeline) {
-    case PipelineKind::Simple: return "gpipe";
-    case PipelineKind::Interleaved: return virtual_stages > 1 ? "interleaved_1f1b" : "1f1b";
-    case PipelineKind::ZeroBubble: return "zb_h1";
-    case PipelineKind::ZeroBubbleH2: return "zb_h2";
-  }
-  return "1f1b";
-}
+std::string Config::schedule_name() const { return sched::find_schedule_kind(pipeline, virtual_stages).name; }
+
+bool Config::splits_backward() const { return sched::find_schedule_kind(pipeline, virtual_stages).split_backward; }
 
 std::string Config::describe() const {
   std::ostringstream text;

@@ -528,8 +528,7 @@ StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
   std::vector<std::string> names;
   for (const auto& module : modules) names.push_back(module.name);
   const std::vector<bool> recomputed_modules = checkpointed_modules(names, config);
-  const double module_recomputes =
-      config.pipeline == PipelineKind::ZeroBubble || config.pipeline == PipelineKind::ZeroBubbleH2 ? 2.0 : 1.0;
+  const double module_recomputes = config.splits_backward() ? 2.0 : 1.0;
   part::ModuleGraph graph;
   for (std::size_t i = 0; i < modules.size(); ++i) {
     const auto& module = modules[i];

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -106,34 +107,110 @@ Schedule split_backward_1f1b(const char* name, int num_ranks, int num_microbatch
   return schedule;
 }
 
-struct NamedGenerator {
-  const char* name;
-  bool interleaved;  // the only kind that takes virtual_stages
-  Schedule (*make)(int num_ranks, int num_microbatches, int virtual_stages, int max_active);
+// Stage s of 2 * num_ranks: rank s going down the V, rank 2 * num_ranks - 1 - s coming back up.
+Schedule v_layout(const char* name, int num_ranks, int num_microbatches) {
+  Schedule schedule = looped_layout(name, num_ranks, num_microbatches, 2);
+  for (int stage = num_ranks; stage < 2 * num_ranks; ++stage) schedule.stage_to_rank[stage] = 2 * num_ranks - 1 - stage;
+  schedule.split_backward = true;
+  return schedule;
+}
+
+// Emits a rank's compute actions, numbering each stage's microbatches in order per kind, and leaves out those of
+// microbatches the job does not have (a V is built for at least as many microbatches as it needs to fill; dropping
+// every action of some microbatches removes nodes from an acyclic graph of waits, so it cannot deadlock).
+class RankOrder {
+ public:
+  RankOrder(std::vector<Action>& actions, int num_microbatches) : actions_(actions), limit_(num_microbatches) {}
+  int forwards(int stage) { return next_[{ActionKind::Forward, stage}]; }
+  void forward(int stage) { emit(ActionKind::Forward, stage, next_[{ActionKind::Forward, stage}]++); }
+  // I now, its W when weights() comes to it.
+  void input(int stage) {
+    const int mb = next_[{ActionKind::BackwardInput, stage}]++;
+    emit(ActionKind::BackwardInput, stage, mb);
+    pending_weights_.emplace_back(stage, mb);
+  }
+  // The W of the oldest I whose W is pending, if any.
+  void oldest_weight() {
+    if (pending_weights_.empty()) return;
+    const auto [stage, mb] = pending_weights_.front();
+    pending_weights_.erase(pending_weights_.begin());
+    emit(ActionKind::BackwardWeight, stage, mb);
+  }
+  // The W of the oldest pending I of `stage`, and then all of that stage's left.
+  void oldest_weight_of(int stage) {
+    const auto found = std::find_if(pending_weights_.begin(), pending_weights_.end(),
+                                    [&](const auto& pending) { return pending.first == stage; });
+    if (found == pending_weights_.end()) return;
+    const int mb = found->second;
+    pending_weights_.erase(found);
+    emit(ActionKind::BackwardWeight, stage, mb);
+  }
+  void remaining_weights_of(int stage) {
+    while (std::any_of(pending_weights_.begin(), pending_weights_.end(),
+                       [&](const auto& pending) { return pending.first == stage; })) {
+      oldest_weight_of(stage);
+    }
+  }
+  // A full backward: I and W back to back.
+  void full_backward(int stage) {
+    const int mb = next_[{ActionKind::BackwardInput, stage}]++;
+    emit(ActionKind::BackwardInput, stage, mb);
+    emit(ActionKind::BackwardWeight, stage, mb);
+  }
+
+ private:
+  void emit(ActionKind kind, int stage, int mb) {
+    if (mb < limit_) actions_.push_back({kind, stage, mb});
+  }
+  std::vector<Action>& actions_;
+  int limit_;
+  std::map<std::pair<ActionKind, int>, int> next_;
+  std::vector<std::pair<int, int>> pending_weights_;  // (stage, microbatch) of Is, oldest first
 };
 
-const NamedGenerator kGenerators[] = {
-    {"gpipe", false,
+Schedule no_cap(const char* name, int max_active, Schedule (*make)(int, int), int num_ranks, int num_microbatches) {
+  if (max_active != 0)
+    throw ScheduleError(std::string(name) + " has its own bound on what a rank holds, so max_active=" +
+                        std::to_string(max_active) + " cannot apply; use 0");
+  return make(num_ranks, num_microbatches);
+}
+
+const std::vector<ScheduleKind> kKinds = {
+    {"gpipe", "simple", 1, false, false,
      [](int num_ranks, int num_microbatches, int, int max_active) {
        if (max_active != 0)
          throw ScheduleError("gpipe holds every microbatch until the backwards start, so max_active=" +
                              std::to_string(max_active) + " cannot apply; use 0, or 1f1b to cap activations");
        return make_gpipe(num_ranks, num_microbatches);
      }},
-    {"1f1b", false,
+    {"1f1b", "interleaved", 1, false, true,
      [](int num_ranks, int num_microbatches, int, int max_active) {
        return make_1f1b(num_ranks, num_microbatches, max_active);
      }},
-    {"interleaved_1f1b", true, make_interleaved_1f1b},
-    {"zb_h1", false,
+    {"interleaved_1f1b", "interleaved", 0, false, true, make_interleaved_1f1b},
+    {"zb_h1", "zero_bubble", 1, true, true,
      [](int num_ranks, int num_microbatches, int, int max_active) {
        return make_zero_bubble_h1(num_ranks, num_microbatches, max_active);
      }},
-    {"zb_h2", false,
+    {"zb_h2", "zero_bubble_h2", 1, true, true,
      [](int num_ranks, int num_microbatches, int, int max_active) {
        return make_zero_bubble_h2(num_ranks, num_microbatches, max_active);
      }},
+    {"zb_v", "", 2, true, false,
+     [](int num_ranks, int num_microbatches, int, int max_active) {
+       return no_cap("zb_v", max_active, make_zero_bubble_v, num_ranks, num_microbatches);
+     }},
+    {"dualpipe_v", "", 2, true, false,
+     [](int num_ranks, int num_microbatches, int, int max_active) {
+       return no_cap("dualpipe_v", max_active, make_dualpipe_v, num_ranks, num_microbatches);
+     }},
 };
+
+std::string known_names() {
+  std::string names;
+  for (const ScheduleKind& kind : kKinds) names += (names.empty() ? "" : ", ") + std::string(kind.name);
+  return names;
+}
 
 }  // namespace
 
@@ -230,23 +307,108 @@ Schedule make_zero_bubble_h2(int num_ranks, int num_microbatches, int max_active
   });
 }
 
+Schedule make_zero_bubble_v(int num_ranks, int num_microbatches) {
+  Schedule schedule = v_layout("zb_v", num_ranks, num_microbatches);
+  const int p = num_ranks;
+  const int n = std::max(2 * p - 1, num_microbatches);
+  for (int r = 0; r < p; ++r) {
+    const int down = r, up = 2 * p - 1 - r;
+    RankOrder order(schedule.ranks[r], num_microbatches);
+    // Warm-up: enough forwards down the V that the first microbatch reaches the bottom and comes back up to this
+    // rank; then each forward up the V is followed at once by its backward, I then W.
+    for (int i = 0; i < 2 * (p - r) - 1; ++i) order.forward(down);
+    for (int i = 0; i < r; ++i) order.forward(up), order.forward(down);
+    for (int i = 0; i < p - r; ++i) order.forward(up), order.input(up), order.oldest_weight();
+    // Steady state: a forward down, the backward of the oldest microbatch down, one forward and backward up.
+    while (order.forwards(up) < order.forwards(down) || order.forwards(down) < n) {
+      if (order.forwards(down) < n) order.forward(down);
+      order.input(down), order.oldest_weight();
+      order.forward(up), order.input(up), order.oldest_weight();
+    }
+    // Cool-down: the input gradients go first, to the ranks waiting for them; the Ws fill the tail, the last
+    // ranks' first (nearer the V's tip, the gradients reach them later).
+    for (int i = 0; i < r; ++i) order.input(down), order.input(up);
+    for (int i = 0; i < p - r; ++i) order.input(down), order.oldest_weight_of(down);
+    order.remaining_weights_of(up);
+    order.remaining_weights_of(down);
+  }
+  return schedule;
+}
+
+Schedule make_dualpipe_v(int num_ranks, int num_microbatches) {
+  Schedule schedule = v_layout("dualpipe_v", num_ranks, num_microbatches);
+  const int p = num_ranks;
+  const int m = std::max(2 * p, num_microbatches);
+  for (int r = 0; r < p; ++r) {
+    const int down = r, up = 2 * p - 1 - r;
+    RankOrder order(schedule.ranks[r], num_microbatches);
+    for (int i = 0; i < 2 * (p - r - 1); ++i) order.forward(down);
+    for (int i = 0; i < r + 1; ++i) order.forward(down), order.forward(up);
+    for (int i = 0; i < p - r - 1; ++i) order.input(up), order.oldest_weight(), order.forward(up);
+    // The pairs DualPipe overlaps: a forward of one stage and a full backward of the other.
+    for (int i = 0; i < m - 2 * p + r + 1; ++i) {
+      order.forward(down), order.full_backward(up);
+      order.forward(up), order.full_backward(down);
+    }
+    for (int i = 0; i < p - r - 1; ++i) {
+      order.full_backward(up);
+      order.forward(up), order.full_backward(down);
+    }
+    // Cool-down: full backwards until half-way, then input gradients alone, their Ws filling the tail.
+    bool inputs_only = false;
+    const auto backward = [&](int stage) { inputs_only ? order.input(stage) : order.full_backward(stage); };
+    for (int i = 0; i < r + 1; ++i) {
+      if (i == (r + 1) / 2 && r % 2 == 1) inputs_only = true;
+      backward(up);
+      if (i == (r + 1) / 2 && r % 2 == 0) inputs_only = true;
+      backward(down);
+    }
+    for (int i = 0; i < p - r - 1; ++i) order.oldest_weight(), backward(down);
+    for (int i = 0; i < r + 1; ++i) order.oldest_weight();
+    order.remaining_weights_of(up);
+    order.remaining_weights_of(down);
+  }
+  return schedule;
+}
+
+const std::vector<ScheduleKind>& schedule_kinds() { return kKinds; }
+
+const ScheduleKind& find_schedule_kind(const std::string& name, int virtual_stages) {
+  for (const ScheduleKind& kind : kKinds) {
+    if (name == kind.name) return kind;
+  }
+  // A config alias: the kind whose layout fits virtual_stages exactly, else one that takes any number, else the
+  // first (whose caller then says virtual_stages does not fit it).
+  const ScheduleKind* found = nullptr;
+  const auto rank = [&](const ScheduleKind& kind) {
+    return kind.stages_per_rank == virtual_stages ? 2 : kind.stages_per_rank == 0 ? 1 : 0;
+  };
+  for (const ScheduleKind& kind : kKinds) {
+    if (name == kind.config_alias && (!found || rank(kind) > rank(*found))) found = &kind;
+  }
+  if (found) return *found;
+  throw ScheduleError("unknown schedule '" + name + "' (expected one of " + known_names() + ")");
+}
+
 Schedule make_schedule(const std::string& name, int num_ranks, int num_microbatches, int virtual_stages,
                        int max_active) {
-  for (const NamedGenerator& generator : kGenerators) {
-    if (name != generator.name) continue;
-    if (virtual_stages != 1 && !generator.interleaved)
-      throw ScheduleError(name + " runs one stage per rank, so virtual_stages must be 1, got " +
-                          std::to_string(virtual_stages) + "; interleaved_1f1b runs several");
-    return generator.make(num_ranks, num_microbatches, virtual_stages, max_active);
+  const ScheduleKind* kind = nullptr;
+  for (const ScheduleKind& candidate : kKinds) {
+    if (name == candidate.name) kind = &candidate;
   }
-  std::string valid;
-  for (const std::string& known : schedule_names()) valid += (valid.empty() ? "" : ", ") + known;
-  throw ScheduleError("unknown schedule '" + name + "' (expected one of " + valid + ")");
+  if (!kind) throw ScheduleError("unknown schedule '" + name + "' (expected one of " + known_names() + ")");
+  if (kind->stages_per_rank == 1 && virtual_stages != 1)
+    throw ScheduleError(name + " runs one stage per rank, so virtual_stages must be 1, got " +
+                        std::to_string(virtual_stages) + "; interleaved_1f1b runs several");
+  if (kind->stages_per_rank == 2 && virtual_stages != 2)
+    throw ScheduleError(name + " runs two stages per rank (a V), so virtual_stages must be 2, got " +
+                        std::to_string(virtual_stages));
+  return kind->make(num_ranks, num_microbatches, virtual_stages, max_active);
 }
 
 std::vector<std::string> schedule_names() {
   std::vector<std::string> names;
-  for (const NamedGenerator& generator : kGenerators) names.emplace_back(generator.name);
+  for (const ScheduleKind& kind : kKinds) names.emplace_back(kind.name);
   return names;
 }
 

@@ -18,20 +18,18 @@ class ConfigError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// SMP's names "simple" (GPipe fill-drain) and "interleaved" (1F1B; Megatron's interleaved 1F1B when
-// virtual_stages > 1), plus the zero-bubble schedules of Qi et al. (ICLR 2024).
-enum class PipelineKind { Simple, Interleaved, ZeroBubble, ZeroBubbleH2 };
-
 struct Config {
   int partitions = 1;            // pipeline stages (alias pipeline_parallel_degree)
   int microbatches = 1;          // per data-parallel replica and step
-  PipelineKind pipeline = PipelineKind::Interleaved;
+  // A schedule of sched::schedule_kinds(), by SMP's name ("simple": GPipe; "interleaved": 1F1B, Megatron's
+  // interleaved 1F1B when virtual_stages > 1; "zero_bubble", "zero_bubble_h2") or its generator's ("zb_v", ...).
+  std::string pipeline = "interleaved";
   bool ddp = false;              // data parallelism over world_size / partitions replicas
   // ZeRO stage 1, as SMP's key: each replica keeps (and updates) the optimizer state of its share of the
   // parameters only, then sends the updated parameters to the other replicas. No effect with one replica.
   bool shard_optimizer_state = false;
   std::string placement_strategy = "cluster";  // "cluster", "spread", or an order of the letters D and P (T)
-  int virtual_stages = 1;        // model chunks per pipeline rank (interleaved 1F1B)
+  int virtual_stages = 1;        // model chunks per pipeline rank (interleaved 1F1B; 2 for the V schedules)
   std::string schedule_file;     // a CSV schedule (scheduler/src/csv.cpp) to run instead of a generated one
   int active_microbatches = 0;   // cap on microbatches in flight per rank; 0 = the schedule's natural bound
   // Stages that drop their activations after forward and recompute them in backward (empty: none).
@@ -88,6 +86,8 @@ struct Config {
   int num_stages() const { return partitions * virtual_stages; }
   // The scheduler's generator name for `pipeline` and `virtual_stages` (see sched::make_schedule).
   std::string schedule_name() const;
+  // Whether that schedule splits backward into input and weight gradients (I and W).
+  bool splits_backward() const;
   std::string describe() const;  // one line for the start-of-job log
 
   // The application's own top-level section (e.g. "model"); a null json when absent.

@@ -90,11 +90,39 @@ Schedule make_interleaved_1f1b(int num_ranks, int num_microbatches, int virtual_
 Schedule make_zero_bubble_h1(int num_ranks, int num_microbatches, int max_active = 0);
 Schedule make_zero_bubble_h2(int num_ranks, int num_microbatches, int max_active = 0);
 
-// The generator called `name`, one of schedule_names(); throws ScheduleError for any other name, for
-// virtual_stages != 1 with anything but interleaved_1f1b, and for max_active != 0 with gpipe (which has no cap).
+// ZB-V from "Zero Bubble Pipeline Parallelism" (Qi et al., ICLR 2024): two stages per rank in a V (rank r runs
+// stages r and 2 * num_ranks - 1 - r, so the first and the last stage, where the loss is, share rank 0), backward
+// split into I and W with the Ws filling the bubbles; each rank holds at most 2 * num_ranks stage-microbatches, the
+// activations of num_ranks whole microbatches as under 1F1B. Any num_microbatches >= 1 (built for at least
+// 2 * num_ranks - 1 and the rest left out).
+Schedule make_zero_bubble_v(int num_ranks, int num_microbatches);
+// DualPipeV (DeepSeek's DualPipe, folded into a V as above): after its warm-up each rank pairs a forward of one of
+// its stages with a full backward of the other, which DualPipe overlaps on GPUs; here they run one after the other
+// (a full backward is I then W). Holds at most 2 * num_ranks + 1 stage-microbatches. Built for at least
+// 2 * num_ranks microbatches, the rest left out.
+Schedule make_dualpipe_v(int num_ranks, int num_microbatches);
+
+// What the engine knows of a schedule besides its generator. Adding a schedule is one generator and one entry of
+// schedule_kinds() (generators.cpp).
+struct ScheduleKind {
+  const char* name;          // the generator's: smp_schedule --schedule, schedule files, the config's "pipeline"
+  const char* config_alias;  // SMP's name for it in the config's "pipeline" ("simple", ...), or ""
+  int stages_per_rank;       // 1; 0: any number (virtual_stages); 2: a V
+  bool split_backward;       // I and W instead of B
+  bool takes_cap;            // max_active (SMP's active_microbatches) applies
+  Schedule (*make)(int num_ranks, int num_microbatches, int virtual_stages, int max_active);
+};
+const std::vector<ScheduleKind>& schedule_kinds();
+// The kind called `name`, or called `name` in the config ("interleaved" is 1F1B with one stage per rank and
+// interleaved 1F1B with several, as SMP has it). Throws ScheduleError listing the names for any other.
+const ScheduleKind& find_schedule_kind(const std::string& name, int virtual_stages = 1);
+
+// The generator called `name`, one of schedule_names(); throws ScheduleError for any other name, for a
+// virtual_stages its layout does not have (1 for one stage per rank, 2 for a V), and for max_active != 0 with a
+// schedule that takes no cap.
 Schedule make_schedule(const std::string& name, int num_ranks, int num_microbatches, int virtual_stages,
                        int max_active);
-// "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2"
+// "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zb_v", "dualpipe_v"
 std::vector<std::string> schedule_names();
 
 // The forward actions of `schedule` and their transfers, in the same order on every rank, with forward_only set:
