@@ -4,11 +4,14 @@
 #include <sstream>
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include "smp/comm/communicator.h"
+#include "smp/comm/sockets.h"
 #include "socket_channels.h"
 
 namespace smp::comm {
@@ -97,10 +100,15 @@ class GlooCommunicator final : public Communicator {
     if (rank_ < 0) throw CommError("rank " + std::to_string(global_rank) + " is not a member of group " + name_);
     // Point-to-point transfers between the channels connect() names go over connections of their own
     // (socket_channels.h); SMP_P2P=gloo keeps them on Gloo's send and receive, for comparisons.
+    // Small all-reduces and barriers go over the same connections, along a binary tree of the group's ranks.
     const char* p2p = std::getenv("SMP_P2P");
     if (!p2p || std::string(p2p) != "gloo") {
-      channels_ = std::make_unique<SocketChannels>(store, "smp/p2p/" + name_ + "/", rank_, bind_host, timeout,
-                                                   [this](int peer) { return "rank " + std::to_string(members_.at(peer)); });
+      const char* interface = std::getenv("GLOO_SOCKET_IFNAME");
+      channels_ = std::make_unique<SocketChannels>(
+          store, "smp/p2p/" + name_ + "/", rank_,
+          interface ? address_of_interface(std::string(interface).substr(0, std::string(interface).find(',')))
+                    : bind_host,
+          timeout, [this](int peer) { return "rank " + std::to_string(members_.at(peer)); });
     }
     auto options = c10d::ProcessGroupGloo::Options::create();
     options->timeout = timeout;
@@ -119,6 +127,12 @@ class GlooCommunicator final : public Communicator {
                                                            rank_, static_cast<int>(members_.size()), options);
     } catch (const std::exception& error) {
       throw CommError("creating communication group " + name_ + " failed: " + brief_message(error));
+    }
+    if (channels_ && size() > 1) {
+      std::vector<int> tree;
+      if (rank_ > 0) tree.push_back(parent());
+      for (int child : children()) tree.push_back(child);
+      channels_->connect(tree);
     }
   }
 
@@ -164,6 +178,16 @@ class GlooCommunicator final : public Communicator {
                 "receiving from rank " + std::to_string(global_rank(peer)), copy_back(into, tensors[0]));
   }
 
+  // Blocking: along the tree when small. Asynchronous ones (gradient buckets during backward) stay on Gloo, whose
+  // threads progress them in the background whatever order the members wait for them in.
+  void all_reduce_sum(const at::Tensor& tensor) override {
+    if (over_tree(tensor)) {
+      TreeAllReduce(*this, tensor, next_tree_tag()).wait();
+      return;
+    }
+    iall_reduce_sum(tensor)->wait();
+  }
+
   std::unique_ptr<Pending> iall_reduce_sum(const at::Tensor& tensor) override {
     std::vector<at::Tensor> tensors{on_host(tensor)};
     return post([&] { return group_->allreduce(tensors); }, tensors[0], "all-reduce in group " + name_,
@@ -180,10 +204,76 @@ class GlooCommunicator final : public Communicator {
   }
 
   void barrier() override {
+    if (channels_ && size() > 1) {
+      TreeAllReduce(*this, at::zeros({1}, at::kInt), next_tree_tag()).wait();
+      return;
+    }
     post([&] { return group_->barrier(); }, at::Tensor(), "barrier in group " + name_)->wait();
   }
 
+  // An all-reduce of a small host tensor along a binary tree of group ranks over the channels: up to rank 0, summed
+  // on the way, and the sum back down. Latency 2 log2(size) trips, where Gloo's costs a hop through its worker and
+  // I/O threads on every rank for each of its own. The tags keep one collective's messages from another's.
+  class TreeAllReduce final : public Pending {
+   public:
+    TreeAllReduce(GlooCommunicator& group, at::Tensor tensor, int tag)
+        : group_(group), tensor_(std::move(tensor)), tag_(tag) {}
+    void wait() override {
+      if (done_) return;
+      done_ = true;
+      const at::Tensor host = on_host(tensor_);
+      at::Tensor sum = host.is_contiguous() ? host : host.contiguous();
+      SocketChannels& channels = *group_.channels_;
+      const auto& name = group_.name_;
+      for (int child : group_.children()) {
+        const at::Tensor part = at::empty_like(sum);
+        channels.irecv(part, child, tag_, "all-reduce in group " + name + ": receiving from " + group_.describe(child))->wait();
+        sum.add_(part);
+      }
+      if (group_.rank_ > 0) {
+        const int parent = group_.parent();
+        channels.isend(sum, parent, tag_, "all-reduce in group " + name + ": sending to " + group_.describe(parent))->wait();
+        channels.irecv(sum, parent, tag_ - 1, "all-reduce in group " + name + ": receiving from " + group_.describe(parent))
+            ->wait();
+      }
+      std::vector<std::unique_ptr<Pending>> down;
+      for (int child : group_.children()) {
+        down.push_back(channels.isend(sum, child, tag_ - 1, "all-reduce in group " + name + ": sending to " +
+                                                                 group_.describe(child)));
+      }
+      for (auto& send : down) send->wait();
+      if (!sum.is_same(tensor_)) tensor_.copy_(sum);
+    }
+
+   private:
+    GlooCommunicator& group_;
+    at::Tensor tensor_;
+    int tag_;
+    bool done_ = false;
+  };
+
  private:
+  int parent() const { return (rank_ - 1) / 2; }
+  std::vector<int> children() const {
+    std::vector<int> found;
+    for (int child : {2 * rank_ + 1, 2 * rank_ + 2}) {
+      if (child < size()) found.push_back(child);
+    }
+    return found;
+  }
+  std::string describe(int peer) const { return "rank " + std::to_string(members_.at(peer)); }
+  // Sums of a few values (a loss, a norm, flags): along the tree; large ones (gradient buckets) keep Gloo's ring.
+  bool over_tree(const at::Tensor& tensor) const {
+    constexpr std::size_t kTreeBytes = 64 << 10;
+    return channels_ && size() > 1 && tensor.nbytes() <= kTreeBytes && !tensor.is_complex() &&
+           tensor.scalar_type() != at::kBool;
+  }
+  // Negative, two per collective (up and down), never a point-to-point tag.
+  int next_tree_tag() {
+    tree_tags_ = (tree_tags_ + 2) % (1 << 29);
+    return -1 - tree_tags_;
+  }
+
   static std::function<void()> copy_back(const at::Tensor& target, const at::Tensor& staged) {
     if (target.is_same(staged)) return {};
     return [target, staged]() mutable { target.copy_(staged); };
@@ -207,6 +297,7 @@ class GlooCommunicator final : public Communicator {
   int rank_ = -1;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;
   std::unique_ptr<SocketChannels> channels_;
+  int tree_tags_ = 0;
 };
 
 }  // namespace

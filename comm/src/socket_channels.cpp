@@ -171,10 +171,11 @@ struct SocketChannels::Connection {
     written.notify_all();
   }
 
-  // Reads what has arrived, without waiting: completes receives, keeps messages nobody posted for. Throws
-  // CommError on a closed connection or a message larger than its receive.
+  // Reads what has arrived, without waiting: completes receives, keeps messages nobody posted for. A closed
+  // connection sets recv_error (what was read before it still counts: a peer may send its last message and exit);
+  // a message larger than its receive throws CommError.
   void read_available() {
-    while (true) {
+    while (recv_error.empty()) {
       if (header_read < kHeaderBytes) {
         const ssize_t n = ::recv(fd, header + header_read, kHeaderBytes - header_read, MSG_DONTWAIT);
         if (!check(n)) return;
@@ -224,7 +225,7 @@ struct SocketChannels::Connection {
     if (n > 0) return true;
     if (n < 0 && (errno == EAGAIN || errno == EINTR)) return false;
     recv_error = n == 0 ? peer_name + " closed the connection (it exited or failed)" : std::strerror(errno);
-    throw CommError(recv_error);
+    return false;
   }
 };
 
@@ -267,9 +268,9 @@ class RecvPending final : public Pending {
     std::lock_guard<std::mutex> lock(connection_->recv_mutex);
     try {
       while (!in_->done) {
-        if (!connection_->recv_error.empty()) throw CommError(connection_->recv_error);
         connection_->read_available();
         if (in_->done) break;
+        if (!connection_->recv_error.empty()) throw CommError(connection_->recv_error);
         pollfd readable{connection_->fd, POLLIN, 0};
         const int ready = ::poll(&readable, 1, remaining_ms(deadline));
         if (ready == 0) {

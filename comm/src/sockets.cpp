@@ -1,6 +1,7 @@
 #include "smp/comm/sockets.h"
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -56,6 +57,23 @@ int listen_on(const std::string& host, int port) {
     failure = std::strerror(error);
   }
   throw CommError("cannot host the rendezvous on " + host + ":" + std::to_string(port) + ": " + failure);
+}
+
+std::string address_of_interface(const std::string& name) {
+  ifaddrs* all = nullptr;
+  if (::getifaddrs(&all) != 0) throw CommError("cannot list network interfaces: " + std::string(std::strerror(errno)));
+  std::string found;
+  for (const ifaddrs* entry = all; entry; entry = entry->ifa_next) {
+    if (!entry->ifa_addr || entry->ifa_addr->sa_family != AF_INET || name != entry->ifa_name) continue;
+    char text[INET_ADDRSTRLEN] = {};
+    if (::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(entry->ifa_addr)->sin_addr, text, sizeof text)) {
+      found = text;
+      break;
+    }
+  }
+  ::freeifaddrs(all);
+  if (found.empty()) throw CommError("network interface \"" + name + "\" (GLOO_SOCKET_IFNAME) has no IPv4 address");
+  return found;
 }
 
 std::string local_address_towards(const std::string& host) {

@@ -59,7 +59,8 @@ class Communicator {
 
   // In place; the result is there when the Pending's wait() returns.
   virtual std::unique_ptr<Pending> iall_reduce_sum(const at::Tensor& tensor) = 0;
-  void all_reduce_sum(const at::Tensor& tensor) { iall_reduce_sum(tensor)->wait(); }
+  // Blocking; a transport may take another path for it than for the asynchronous form (small tensors).
+  virtual void all_reduce_sum(const at::Tensor& tensor) { iall_reduce_sum(tensor)->wait(); }
   virtual void broadcast(const at::Tensor& tensor, int root) = 0;
   virtual void barrier() = 0;
 };
