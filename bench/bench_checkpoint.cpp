@@ -25,6 +25,7 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 int run(int argc, char** argv) {
   if (argc != 3 || std::string(argv[1]) != "--config") throw smp::ConfigError("usage: bench_checkpoint --config FILE");
   smp::Config config = smp::Config::from_file(argv[2]);
+  config.check_sections({"model"});
   config.resume = true;  // the first model finds nothing to resume; the second one loads what the first saved
   auto runtime = smp::Runtime::init(config);
   const auto model_options = smp::examples::gpt_options_from_section(config.application("model").dump(), config.source);

@@ -37,6 +37,7 @@ int run(int argc, char** argv) {
     else throw smp::ConfigError("bench_pipeline: unknown flag " + flag);
   }
   const auto config = smp::Config::from_file(config_path);
+  config.check_sections({"model"});
   auto runtime = smp::Runtime::init(config);
   const auto model_options = smp::examples::gpt_options_from_section(config.application("model").dump(), config.source);
   const int64_t batch = config.global_batch_size, length = model_options.context;

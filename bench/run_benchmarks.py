@@ -193,3 +193,11 @@ for whole in (False, True):
               f"{r['peak_growth_mib']:.0f} MiB ({r['growth_over_own']:.2f}x; target 2.5x + 150 MiB = "
               f"{r['limit_mib']:.0f} MiB), built in {r['build_s']:.1f} s")
 print("(2 billion parameters: smprun -n 4 -- build/bin/bench_memory --layers 40 --width 2048)")
+
+section("against torch.distributed.pipelining (the same GPT-style model, 1F1B, 2 processes x 1 thread; alternating runs)")
+rounds = os.environ.get("SMP_BENCH_PEER_ROUNDS", "3")
+result = subprocess.run([PYTHON, f"{REPO}/bench/bench_peers.py", BIN, "--rounds", rounds], capture_output=True, text=True,
+                        env=CAPTURE_ENV, timeout=3600)
+if result.returncode != 0:
+    sys.exit(f"bench_peers failed:\n{result.stdout}\n{result.stderr}")
+print(result.stdout.strip())

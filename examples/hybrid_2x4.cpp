@@ -95,6 +95,7 @@ int run(int argc, char** argv) {
   if (config_path.empty()) throw smp::ConfigError(std::string("--config is required\n") + kUsage);
 
   smp::Config config = smp::Config::from_file(config_path);
+  config.check_sections({"model", "training"});
   const auto model_options =
       smp::examples::gpt_options_from_section(config.application("model").dump(), config.source);
   auto training = training_options(config.application("training"), config.source);

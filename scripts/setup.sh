@@ -9,8 +9,9 @@ venv=${SMP_VENV:-$HOME/.cache/smp/venv}
 build=${SMP_BUILD:-$repo/build}
 torch_version=2.11.0
 # For real models (tests build unmodified Hugging Face and torchvision models from small configs; nothing is
-# fetched from a model hub): torchvision's release for this torch, and a transformers 5 release.
-model_packages=("torchvision==0.26.0" "transformers==5.23.0")
+# fetched from a model hub): torchvision's release for this torch, and a transformers 5 release. scikit-build-core:
+# `pip install --no-build-isolation .` (README, "Installing"); pytest runs the Python tests.
+model_packages=("torchvision==0.26.0" "transformers==5.23.0" "scikit-build-core==1.1.2" "pytest==9.2.0")
 apt_packages=(build-essential cmake ninja-build ccache python3-venv python3-dev libmetis-dev libspdlog-dev catch2
               nlohmann-json3-dev libgloo-dev zlib1g-dev fortunes)
 

@@ -110,6 +110,17 @@ TEST_CASE("config: an smp section leaves the other sections to the application",
   CHECK_THROWS_WITH(parse(R"({"smp": 3})"), Contains("\"smp\": expected an object"));
 }
 
+TEST_CASE("config: a key beside the smp section is an smp key misplaced or a section the application does not read",
+          "[config]") {
+  CHECK_THROWS_WITH(parse(R"({"smp": {"partitions": 2}, "checkpoint_dir": "/tmp/x"})"),
+                    Contains("key \"checkpoint_dir\" is at the top level, beside the \"smp\" section"));
+  const Config config = parse(R"({"smp": {"partitions": 2}, "model": {}, "trainig": {"steps": 3}})");
+  CHECK_NOTHROW(config.check_sections({"model", "trainig"}));
+  CHECK_THROWS_WITH(config.check_sections({"model", "training"}),
+                    Contains("unknown top-level key \"trainig\"") && Contains("\"smp\", \"model\", \"training\""));
+  CHECK_NOTHROW(parse(R"({"partitions": 2})").check_sections({"model"}));  // no sections: nothing to check
+}
+
 TEST_CASE("config: every bad value is a one-line error naming the key", "[config]") {
   CHECK_THROWS_WITH(parse(R"({"microbatchs": 4})"), Contains("unknown key \"microbatchs\"") && Contains("did you mean \"microbatches\""));
   CHECK_THROWS_WITH(parse(R"({"zzzzzzzzzz": 4})"), Contains("unknown key \"zzzzzzzzzz\""));

@@ -8,12 +8,27 @@ find_package(METIS REQUIRED)
 find_package(ZLIB REQUIRED)
 find_package(GlooHeaders REQUIRED)
 
-# LibTorch comes from the pip `torch` wheel; scripts/setup.sh passes its torch.utils.cmake_prefix_path.
+# LibTorch comes from the pip `torch` wheel; scripts/setup.sh passes its torch.utils.cmake_prefix_path. A build
+# that is not told (pip install, a user's own cmake) asks the Python that holds the wheel: Python3_EXECUTABLE, or
+# the python3 on PATH (a virtual environment's when it is active).
+if(NOT Torch_DIR AND NOT CMAKE_PREFIX_PATH MATCHES "torch")
+  find_program(SMP_TORCH_PYTHON NAMES python3 python HINTS "$ENV{VIRTUAL_ENV}/bin" ENV PATH)
+  if(Python3_EXECUTABLE)
+    set(SMP_TORCH_PYTHON "${Python3_EXECUTABLE}")
+  endif()
+  if(SMP_TORCH_PYTHON)
+    execute_process(COMMAND "${SMP_TORCH_PYTHON}" -c "import torch.utils; print(torch.utils.cmake_prefix_path)"
+                    OUTPUT_VARIABLE smp_torch_prefix OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+    if(smp_torch_prefix)
+      list(APPEND CMAKE_PREFIX_PATH "${smp_torch_prefix}")
+    endif()
+  endif()
+endif()
 find_package(Torch REQUIRED)
 # TORCH_LIBRARIES carries the wheel's compile flags and definitions (USE_C10D_GLOO among them).
 add_library(smp_torch INTERFACE)
 add_library(smp::torch ALIAS smp_torch)
-target_link_libraries(smp_torch INTERFACE ${TORCH_LIBRARIES} smp::gloo_headers)
+target_link_libraries(smp_torch INTERFACE ${TORCH_LIBRARIES})
 
 # The NCCL path is compiled whenever LibTorch was built with CUDA and NCCL is found: both are on the build
 # machines, GPU or not, so CI compiles and links it. Without them comm/ builds a stand-in that says why.

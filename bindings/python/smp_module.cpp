@@ -282,7 +282,8 @@ PYBIND11_MODULE(_smp, module) {
       .def_readonly("seed", &Config::seed)
       .def_readonly("source", &Config::source)
       .def_readonly("partition_overrides", &Config::partition_overrides)
-      .def("num_stages", &Config::num_stages);
+      .def("num_stages", &Config::num_stages)
+      .def("check_sections", &Config::check_sections, py::arg("known"));
 
   py::class_<Runtime, std::shared_ptr<Runtime>>(module, "Runtime")
       .def_static("init", py::overload_cast<const Config&>(&Runtime::init), py::arg("config"),

@@ -157,8 +157,16 @@ Config Config::from_json_text(const std::string& text, const std::string& source
   if (document.contains("smp")) {
     if (!document["smp"].is_object()) throw ConfigError(source + ": key \"smp\": expected an object");
     smp_keys = document["smp"];
+    const auto& keys = known_keys();
     for (auto it = document.begin(); it != document.end(); ++it) {
-      if (it.key() != "smp") (*sections)[it.key()] = it.value();
+      if (it.key() == "smp") continue;
+      // An smp key beside the section would otherwise be left to the application, which never reads it: the job
+      // would run without checkpoints, or with the wrong batch, and say nothing.
+      if (std::find(keys.begin(), keys.end(), it.key()) != keys.end()) {
+        throw ConfigError(source + ": key \"" + it.key() + "\" is at the top level, beside the \"smp\" section; "
+                          "smp reads it only inside that section");
+      }
+      (*sections)[it.key()] = it.value();
     }
   }
   config.application_sections = sections;
@@ -374,6 +382,16 @@ std::string Config::describe() const {
        << " backend=" << backend;
   if (global_batch_size > 0) text << " global_batch_size=" << global_batch_size;
   return text.str();
+}
+
+void Config::check_sections(const std::vector<std::string>& known) const {
+  if (!application_sections) return;
+  for (auto it = application_sections->begin(); it != application_sections->end(); ++it) {
+    if (std::find(known.begin(), known.end(), it.key()) != known.end()) continue;
+    std::string expected = "\"smp\"";
+    for (const auto& name : known) expected += ", \"" + name + "\"";
+    throw ConfigError(source + ": unknown top-level key \"" + it.key() + "\" (this program reads " + expected + ")");
+  }
 }
 
 const nlohmann::json& Config::application(const std::string& name) const {

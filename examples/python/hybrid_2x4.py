@@ -101,7 +101,7 @@ def main():
     steps = args.steps or training.get("steps", 30)
     length = training.get("sequence_length", 64)
 
-    runtime = smp.init(args.config)
+    runtime = smp.init(args.config, sections=("model", "training"))
     seed = runtime.config.seed
     global_batch = runtime.config.global_batch_size
     corpus = load_corpus(args.data)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import smp
+import report
 
 failures = []
 
@@ -36,6 +37,13 @@ def main():
         expect_error("unknown key in a file", smp.ConfigError, "microbatchs", lambda: smp.init(bad.name))
     expect_error("ConfigError is a ValueError", ValueError, "partitions", lambda: smp.init({"partitions": 0}))
     expect_error("too many stages for the launch", smp.ConfigError, "2", lambda: smp.init({"partitions": 2}))
+    # Keys beside the "smp" section: an smp key there is misplaced; a section the application does not read is an
+    # error once it names the ones it does.
+    expect_error("an smp key at the top level", smp.ConfigError, '"checkpoint_dir" is at the top level',
+                 lambda: smp.init({"smp": {"partitions": 1}, "checkpoint_dir": "/tmp/nowhere"}))
+    expect_error("a section the application does not read", smp.ConfigError, 'unknown top-level key "trainig"',
+                 lambda: smp.init({"smp": {"partitions": 1}, "model": {}, "trainig": {}},
+                                  sections=("model", "training")))
 
     runtime = smp.init({"partitions": 1, "microbatches": 2, "global_batch_size": 4, "device": "cpu"})
     if (runtime.rank, runtime.world_size, runtime.pp_rank, runtime.dp_rank) != (0, 1, 0, 0):
@@ -67,8 +75,8 @@ def main():
     eager_optimizer.step()
     if torch.equal(python_only[0].linear.weight.detach(), weight_before):
         failures.append("an eager module's own parameters did not change after a step")
-    if "0.linear.weight" not in eager_model.named_parameters():
-        failures.append(f"eager parameter names: {sorted(eager_model.named_parameters())}")
+    if "0.linear.weight" not in dict(eager_model.named_parameters()):
+        failures.append(f"eager parameter names: {sorted(dict(eager_model.named_parameters()))}")
     # keep_outputs: one process runs the last stage, so the outputs are the model's for the whole batch, in order.
     batch = torch.randn(4, 3)
     kept = eager_model.evaluate(batch, torch.randn(4, 2), F.mse_loss, keep_outputs=True).outputs
@@ -270,27 +278,27 @@ def main():
         return self.b(self.a(x) * self.b.weight.sum())
 
     early = smp.DistributedModel(Writes(reads_before_call), torch.randn(2, 3))
-    if sorted(early.named_parameters()) != sorted(name for name, _ in Writes(reads_before_call).named_parameters()):
-        failures.append(f"parameters named {sorted(early.named_parameters())}, not as in the model's state_dict")
+    if [name for name, _ in early.named_parameters()] != [name for name, _ in Writes(reads_before_call).named_parameters()]:
+        failures.append(f"parameters named {[name for name, _ in early.named_parameters()]}, not as in the model's named_parameters()")
     expect_error("a sample the model rejects", smp.ModelError, "0",
                  lambda: smp.DistributedModel(torch.nn.Sequential(torch.nn.Linear(3, 3)), torch.zeros(2, 5)))
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
     model = smp.DistributedModel(net, torch.zeros(2, 3))
-    names = sorted(model.named_parameters())
+    names = sorted(dict(model.named_parameters()))
     if names != sorted(name for name, _ in net.named_parameters()):
         failures.append(f"parameter names {names} differ from the model's state_dict names")
-    if not all(torch.equal(model.named_parameters()[n], dict(net.named_parameters())[n]) for n in names):
+    if not all(torch.equal(dict(model.named_parameters())[n], dict(net.named_parameters())[n]) for n in names):
         failures.append("the distributed model does not start from the model's weights")
 
     optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
     inputs, targets = torch.randn(4, 3), torch.randn(4, 2)
-    before = model.named_parameters()["0.weight"].clone()
+    before = dict(model.named_parameters())["0.weight"].clone()
     optimizer.zero_grad()
     output = model.train_step(inputs, targets, F.mse_loss)
     optimizer.step()
-    if torch.equal(model.named_parameters()["0.weight"], before):
+    if torch.equal(dict(model.named_parameters())["0.weight"], before):
         failures.append("a step left the parameters as they were (named_parameters must share the engine's tensors)")
     if not output.loss > 0:
         failures.append(f"step loss {output.loss}")
@@ -311,9 +319,9 @@ def main():
     expect_error("an optimizer over tensors no DistributedModel trains", ValueError, "model.parameters()",
                  lambda: smp.DistributedOptimizer(torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1)))
     expect_error("an optimizer over a model's tensors and others", ValueError, "1 tensor",
-                 lambda: smp.DistributedOptimizer(torch.optim.SGD(model.parameters() + [torch.zeros(2, requires_grad=True)], lr=0.1)))
+                 lambda: smp.DistributedOptimizer(torch.optim.SGD(list(model.parameters()) + [torch.zeros(2, requires_grad=True)], lr=0.1)))
     expect_error("an optimizer that leaves out a parameter", ValueError, "2.bias",
-                 lambda: smp.DistributedOptimizer(torch.optim.SGD(model.parameters()[:-1], lr=0.1)))
+                 lambda: smp.DistributedOptimizer(torch.optim.SGD(list(model.parameters())[:-1], lr=0.1)))
     expect_error("a batch that does not split into microbatches", smp.ConfigError, "batch",
                  lambda: model.train_step(torch.randn(3, 3), torch.randn(3, 2), F.mse_loss))
 
@@ -475,7 +483,7 @@ def main():
 
     smp.materialize(reference_net, seed=runtime.config.seed, init_fn=ones_for_scale)
     meta_model = smp.DistributedModel(meta_net, torch.zeros(2, 3), init_fn=ones_for_scale)
-    if not all(torch.equal(p, dict(reference_net.named_parameters())[n]) for n, p in meta_model.named_parameters().items()):
+    if not all(torch.equal(p, dict(reference_net.named_parameters())[n]) for n, p in meta_model.named_parameters()):
         failures.append("a meta-built model's weights differ from smp.materialize's with the same seed")
 
     # A scripted module with a forward of its own (a residual) cannot be cut as a chain of its children.
@@ -510,10 +518,66 @@ def main():
     if abs(trained[0] - expected) < 1e-6 or trained[0] == trained[1]:
         failures.append(f"train_step after evaluate is not in training mode (dropout): losses {trained}")
 
-    for failure in failures:
-        print("FAILED:", failure, flush=True)
-    print(f"{len(failures)} failures", flush=True)
-    return 1 if failures else 0
+    pytorch_conventions()
+    return report.finish(failures)
+
+
+def pytorch_conventions():
+    """DistributedModel is an nn.Module and DistributedOptimizer a torch.optim.Optimizer, as PyTorch code expects."""
+    torch.manual_seed(5)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    reference = copy.deepcopy(net)
+    model = smp.DistributedModel(net, torch.zeros(2, 4))
+    if not isinstance(model, torch.nn.Module):
+        failures.append("DistributedModel is not an nn.Module")
+    names = [name for name, _ in model.named_parameters()]
+    if names != [name for name, _ in reference.named_parameters()]:
+        failures.append(f"named_parameters() yields {names}, not the model's names in its order")
+    if not all(isinstance(p, torch.nn.Parameter) or p.requires_grad for p in model.parameters()):
+        failures.append("parameters() does not yield the trained tensors")
+    if list(model.state_dict()) != list(reference.state_dict()):
+        failures.append(f"state_dict() keys {list(model.state_dict())}, the model's {list(reference.state_dict())}")
+    # load_state_dict: a full model's state_dict by name; what is missing, unknown or of another shape is refused.
+    other = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    result = model.load_state_dict(other.state_dict())
+    if result.missing_keys or result.unexpected_keys:
+        failures.append(f"load_state_dict of the full model: {result}")
+    if not all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters())):
+        failures.append("load_state_dict did not copy the parameters")
+    partial = {k: v for k, v in other.state_dict().items() if k != "2.bias"}
+    expect_error("load_state_dict missing a tensor", RuntimeError, "2.bias", lambda: model.load_state_dict(partial))
+    if model.load_state_dict(partial, strict=False).missing_keys != ["2.bias"]:
+        failures.append("load_state_dict(strict=False) does not report the missing key")
+    expect_error("load_state_dict with an unknown key", RuntimeError, "unexpected keys: 9.weight",
+                 lambda: model.load_state_dict(dict(other.state_dict(), **{"9.weight": torch.zeros(1)})))
+    expect_error("load_state_dict of another shape", RuntimeError, "0.weight: shape (8, 3)",
+                 lambda: model.load_state_dict(dict(other.state_dict(), **{"0.weight": torch.zeros(8, 3)})))
+    reference.load_state_dict(other.state_dict())
+    # Calling it: inference, the model's outputs (one process runs the last stage).
+    inputs = torch.randn(4, 4)
+    model.eval()
+    with torch.no_grad():
+        outputs = model(inputs)
+    if model.training or not torch.allclose(outputs, reference(inputs), atol=1e-6):
+        failures.append(f"model(inputs) in eval mode: training={model.training}, outputs differ from the model's")
+    model.train()
+    # The optimizer: found from the parameters alone, a torch.optim.Optimizer for LR schedulers and hooks.
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    if not isinstance(optimizer, torch.optim.Optimizer) or optimizer._model is not model:
+        failures.append("DistributedOptimizer is not an Optimizer paired with its model")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+    steps = []
+    optimizer.register_step_post_hook(lambda *_: steps.append(1))
+    for _ in range(2):
+        optimizer.zero_grad()
+        model.train_step(inputs, torch.randn(4, 2), F.mse_loss)
+        optimizer.step()
+        scheduler.step()
+    if abs(optimizer.param_groups[0]["lr"] - 0.025) > 1e-12 or len(steps) != 2:
+        failures.append(f"LambdaLR over DistributedOptimizer: lr {optimizer.param_groups[0]['lr']}, "
+                        f"{len(steps)} hooked steps")
+    if "stages=[0]" not in repr(model):
+        failures.append(f"repr: {model!r}")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ for step in range(first, steps):
     if checkpointer.due(step):
         checkpointer.save(step)
 checkpointer.wait()
-torch.save({name: tensor.detach().clone() for name, tensor in model.named_parameters().items()},
+torch.save({name: tensor.detach().clone() for name, tensor in model.named_parameters()},
            f"{out}.rank{runtime.rank}")
 print(f"rank {runtime.rank}: resumed at {first}", flush=True)
 """

@@ -17,6 +17,8 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
+import report
+
 WORKER = r"""
 import json, sys, torch, torch.nn.functional as F, smp
 sys.path.insert(0, sys.argv[4])
@@ -170,10 +172,7 @@ def main():
     failures = []
     for kind in ("gpt2", "resnet"):
         check(kind, smprun, python, failures)
-    for failure in failures:
-        print(failure, file=sys.stderr)
-    print(f"{len(failures)} failures")
-    return 1 if failures else 0
+    return report.finish(failures, label="export_check")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import smp
+import report
 
 
 class Block(torch.nn.Module):
@@ -161,7 +162,7 @@ def main():
     if sharded:
         # What sharding cannot take is refused, naming why.
         stepped = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        stepped.state[model.parameters()[0]]["momentum_buffer"] = torch.zeros(1)
+        stepped.state[next(model.parameters())]["momentum_buffer"] = torch.zeros(1)
         for label, make, needle in [("a stepped optimizer", lambda: stepped, "must not have stepped yet"),
                                     ("LBFGS", lambda: torch.optim.LBFGS(model.parameters()), "LBFGS")]:
             try:
@@ -180,10 +181,10 @@ def main():
                       {"params": [p for p in named.values() if p.dim() < 2], "weight_decay": 0.0}]
             return torch.optim.AdamW(groups, lr=1e-2)
 
-        optimizer = smp.DistributedOptimizer(adamw(model.named_parameters()))
+        optimizer = smp.DistributedOptimizer(adamw(dict(model.named_parameters())))
         reference_optimizer = adamw(reference_parameters)
         warm_up = lambda step: min(1.0, (step + 1) / 2)  # noqa: E731
-        schedulers = [torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, warm_up),
+        schedulers = [torch.optim.lr_scheduler.LambdaLR(optimizer, warm_up),  # smp's optimizer as torch.optim's
                       torch.optim.lr_scheduler.LambdaLR(reference_optimizer, warm_up)]
 
     # Losses match to float rounding in float32; under bf16/fp16 autocast to the parameters' tolerance.
@@ -264,7 +265,7 @@ def main():
         if abs(evaluation - expected) > loss_tolerance * max(1.0, abs(expected)):
             failures.append(f"step {step}: evaluation loss {evaluation} under smp, {expected} in plain PyTorch")
 
-    parameters = model.named_parameters()
+    parameters = dict(model.named_parameters())
     if sharded:
         trainable = sum(1 for p in parameters.values() if p.requires_grad)
         held = sum(1 for group in optimizer.param_groups for p in group["params"] if p.requires_grad)
@@ -288,9 +289,7 @@ def main():
     failures += [f"parameter {name} differs by up to {difference(name):.3g}" for name in mismatched]
     print(f"rank {runtime.rank} stages {model.stages}: {len(parameters)} parameters checked, "
           f"{len(mismatched)} mismatches", flush=True)
-    for failure in failures:
-        print(f"rank {runtime.rank}: {failure}", flush=True)
-    return 0 if not failures else 1
+    return report.finish(failures)
 
 
 if __name__ == "__main__":

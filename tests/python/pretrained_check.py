@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import smp
+import report
 
 
 def main():
@@ -40,7 +41,7 @@ def main():
             reference = hf.GPT2LMHeadModel.from_pretrained(whole)
             reference.train()
             plain = dict(reference.named_parameters())
-            if not all(torch.equal(p, plain[n]) for n, p in model.named_parameters().items()):
+            if not all(torch.equal(p, plain[n]) for n, p in model.named_parameters()):
                 failures.append(f"{source}: loaded parameters differ from from_pretrained's")
             optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
             reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -96,10 +97,7 @@ def main():
         if abs(evaluated - expected) > 1e-5 * max(1.0, abs(expected)):
             failures.append(f"resnet evaluation with loaded statistics: {evaluated} != {expected}")
 
-    for failure in failures:
-        print(f"[rank {runtime.rank}] {failure}", file=sys.stderr)
-    print(f"[rank {runtime.rank}] {len(failures)} failures")
-    sys.exit(1 if failures else 0)
+    sys.exit(report.finish(failures))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import smp
+import report
 
 VOCAB, SEQUENCE, CLASSES = 96, 12, 5
 
@@ -159,10 +160,7 @@ def main():
     failures = []
     for name in args.models.split(","):
         failures += [f"{name}: {failure}" for failure in train_and_compare(name, args, config, runtime)]
-    for failure in failures:
-        print(f"[rank {runtime.rank}] {failure}", file=sys.stderr)
-    print(f"[rank {runtime.rank}] {args.models}: {len(failures)} failures")
-    sys.exit(1 if failures else 0)
+    sys.exit(report.finish(failures))
 
 
 def train_and_compare(name, args, config, runtime):
@@ -206,8 +204,8 @@ def train_and_compare(name, args, config, runtime):
     if args.meta:
         # This rank made real exactly the parameters of its own stages; the rest stayed on the meta device.
         real = {path for path, p in net.named_parameters() if not p.is_meta}
-        if real != set(model.named_parameters()):
-            failures.append(f"real parameters {sorted(real ^ set(model.named_parameters()))[:3]} are not this rank's")
+        if real != set(dict(model.named_parameters())):
+            failures.append(f"real parameters {sorted(real ^ set(dict(model.named_parameters())))[:3]} are not this rank's")
     for step in range(args.steps):
         inputs, targets = batch(name, global_batch, data)
         optimizer.zero_grad()
@@ -263,7 +261,7 @@ def train_and_compare(name, args, config, runtime):
 
     plain = dict(reference.named_parameters())
     checked = 0
-    for path, parameter in model.named_parameters().items():
+    for path, parameter in model.named_parameters():
         if path not in plain:
             failures.append(f"parameter {path} is not the model's")
             continue

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import smp
+import report
 
 HEADER = "rank,action,stage,microbatch,peer_stage\n"
 
@@ -70,11 +71,10 @@ def main():
     inputs, targets = torch.randn(4, 8), torch.randn(4, 8)
     trained = model.train_step(inputs, targets, F.mse_loss).loss
     evaluated = model.evaluate(inputs, targets, F.mse_loss).loss
+    failures = []
     if abs(trained - evaluated) > 1e-6 * max(1.0, abs(trained)):
-        print(f"evaluation loss {evaluated}, training step's {trained}", flush=True)
-        return 1
-    print(f"evaluation loss {evaluated} equals the training step's", flush=True)
-    return 0
+        failures.append(f"evaluation loss {evaluated}, training step's {trained}")
+    return report.finish(failures)
 
 
 if __name__ == "__main__":

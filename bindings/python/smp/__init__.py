@@ -42,18 +42,23 @@ __all__ = ["init", "runtime", "GraphModel", "DistributedModel", "DistributedOpti
            "ConfigError", "ModelError", "NonFiniteError", "CheckpointError", "CommError"]
 
 _runtime = None
-_models = weakref.WeakSet()  # this process's DistributedModels, for DistributedOptimizer to find its own
 
 
-def init(config):
+def init(config, sections=None):
     """Joins the job: reads the config (a JSON file path, or a dict holding what the file would), checks it against
     the launch (smprun's environment), and connects to the other processes. Returns the runtime (rank, pp_rank,
-    dp_rank, ...). Raises ConfigError for a bad config and CommError when peers do not show up in time."""
+    dp_rank, ...). Raises ConfigError for a bad config and CommError when peers do not show up in time.
+
+    A config with an "smp" section may hold the application's own sections beside it; `sections` names those the
+    application reads (e.g. ("model", "training")), and any other top-level key is then a ConfigError naming it
+    (an smp key put beside the section always is)."""
     global _runtime
     if isinstance(config, dict):
         parsed = _smp.Config.from_json_text(json.dumps(config), "<config dict>")
     else:
         parsed = _smp.Config.from_file(os.fspath(config))
+    if sections is not None:
+        parsed.check_sections(list(sections))
     _runtime = _smp.Runtime.init(parsed)
     return _runtime
 
@@ -147,15 +152,29 @@ class StepResult:
         return f"StepResult(loss={self.loss}, skipped={self.skipped}, seconds={self.seconds:.3f})"
 
 
-class DistributedModel:
+def _no_loss(output, target):
+    """The loss of a forward for inference: zero, on the outputs' device."""
+    leaves = [leaf for leaf in torch.utils._pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)]
+    return torch.zeros((), device=leaves[0].device if leaves else "cpu")
+
+
+class DistributedModel(torch.nn.Module):
     """This rank's stages of `model`: an nn.Sequential, an smp.GraphModel, or any nn.Module with a forward of its
     own (an unmodified Hugging Face or torchvision model), captured whole with torch.export and cut at whatever
     depth balance needs. Every rank passes the same model and one microbatch of input as `sample`: a tensor, a
     tuple of positional arguments, or a dict of keyword arguments (input_ids, attention_mask, labels, ...). Rank 0
     profiles the modules on it and all ranks adopt its partition.
+
+    It is an nn.Module holding this rank's share: named_parameters(), parameters(), named_buffers() and state_dict()
+    give this rank's tensors (the ones the engine trains, no copies) under their names in the full model, in the
+    model's order; load_state_dict() takes a full model's state_dict (each rank copies its own) or this rank's.
+    The whole model's state: a checkpoint exported with smp.export_checkpoint or smp.export_safetensors. Calling
+    it, model(inputs), runs the pipeline's forwards for inference (as evaluate, without a loss) and returns the
+    model's outputs for this replica's share on the ranks running the last stage, None on the others.
     """
 
     def __init__(self, model, sample, init_fn=None):
+        super().__init__()
         rt = runtime()
         started = time.perf_counter()
         if isinstance(model, GraphModel):
@@ -190,7 +209,17 @@ class DistributedModel:
         self._model = _smp.DistributedModel(rt, graph._graph, io_.engine_inputs(sample, "sample"), materialize_local)
         # Where construction time went (capture; profiling, partitioning and building the stages), for benchmarks.
         self._seconds = {"capture": captured - started, "engine": time.perf_counter() - captured}
-        _models.add(self)
+        # The full model's names in its order: named_parameters() and state_dict() follow it, as PyTorch's do.
+        full_names = list(model.state_dict(keep_vars=True)) if isinstance(model, torch.nn.Module) else []
+        self._full_names = set(full_names)
+        order = {name: index for index, name in enumerate(full_names)}
+        last = len(order)
+        self._parameter_names = sorted(self._model.named_parameters(), key=lambda name: order.get(name, last))
+        self._buffer_names = sorted(self._model.named_buffers(), key=lambda name: order.get(name, last))
+        # How DistributedOptimizer finds the model of the parameters it is given: on the tensors, no registry.
+        owner = weakref.ref(self)
+        for parameter in self._model.named_parameters().values():
+            parameter._smp_model = owner
 
     def _engine_step(self, step, inputs, targets, loss, keep_outputs, replica_share, what):
         rt = runtime()
@@ -247,18 +276,81 @@ class DistributedModel:
         return self._engine_step(self._model.evaluate, inputs, targets, loss, keep_outputs, replica_share,
                                  "evaluate")
 
-    def named_parameters(self):
-        """This rank's parameters by their names in the full model (shared with the engine: no copies)."""
-        return self._model.named_parameters()
+    def forward(self, *args, **kwargs):
+        """Inference: the model's outputs for this replica's share of `inputs` (given as train_step takes them:
+        positional or keyword), on the ranks running the last stage; None on the others. Every rank calls it."""
+        if args and kwargs:
+            raise TypeError("pass the inputs positionally or by keyword, not both (a dict of keyword inputs, as the "
+                            "sample, takes both kinds)")
+        inputs = kwargs if kwargs else (args[0] if len(args) == 1 else tuple(args))
+        return self.evaluate(inputs, None, loss=_no_loss, keep_outputs=True).outputs
 
-    def parameters(self):
+    def extra_repr(self):
+        return f"stages={list(self.stages)}, parameters={len(self._parameter_names)} of the model's on this rank"
+
+    @staticmethod
+    def _prefixed(prefix, name):
+        return f"{prefix}.{name}" if prefix else name
+
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        """This rank's parameters by their names in the full model, in its order (the engine's tensors: no
+        copies)."""
+        tensors = self._model.named_parameters()
+        for name in self._parameter_names:
+            yield self._prefixed(prefix, name), tensors[name]
+
+    def parameters(self, recurse=True):
         """This rank's parameters, the tensors the engine trains: build the optimizer over these."""
-        return list(self._model.named_parameters().values())
+        for _, parameter in self.named_parameters():
+            yield parameter
 
-    def named_buffers(self):
+    def named_buffers(self, prefix="", recurse=True, remove_duplicate=True):
         """This rank's buffers that are part of the model's state (batch norm's statistics; not non-persistent ones),
-        by their names in the full model (shared with the engine: no copies)."""
-        return self._model.named_buffers()
+        by their names in the full model (the engine's tensors: no copies)."""
+        tensors = self._model.named_buffers()
+        for name in self._buffer_names:
+            yield self._prefixed(prefix, name), tensors[name]
+
+    def buffers(self, recurse=True):
+        for _, buffer in self.named_buffers():
+            yield buffer
+
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        """This rank's parameters and persistent buffers by their names in the full model (a share of the model's
+        state_dict: the other ranks hold the rest)."""
+        if args:
+            raise TypeError("state_dict takes keyword arguments only (destination, prefix, keep_vars)")
+        state = collections.OrderedDict() if destination is None else destination
+        for name, tensor in itertools.chain(self.named_parameters(prefix), self.named_buffers(prefix)):
+            state[name] = tensor if keep_vars else tensor.detach()
+        return state
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        """Copies this rank's tensors from `state_dict` by name: the full model's (each rank takes its own) or this
+        rank's share. strict: every tensor of this rank must be there (missing_keys), and every key must be a
+        tensor of the model (unexpected_keys; another rank's is not unexpected). Shapes are checked before anything
+        is copied. Returns (missing_keys, unexpected_keys) as nn.Module's does."""
+        if assign:
+            raise ValueError("assign=True would put new tensors where the engine trains its own; smp copies into them")
+        own = self.state_dict(keep_vars=True)
+        missing = [name for name in own if name not in state_dict]
+        unexpected = [name for name in state_dict if name not in own and name not in self._full_names]
+        problems = []
+        if strict and missing:
+            problems.append(f"missing keys (this rank's): {', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}")
+        if strict and unexpected:
+            problems.append(f"unexpected keys: {', '.join(unexpected[:5])}{', ...' if len(unexpected) > 5 else ''}")
+        for name, tensor in own.items():
+            if name in state_dict and tuple(state_dict[name].shape) != tuple(tensor.shape):
+                problems.append(f"{name}: shape {tuple(state_dict[name].shape)} in the state_dict, "
+                                f"{tuple(tensor.shape)} in the model")
+        if problems:
+            raise RuntimeError("Error(s) in loading state_dict for DistributedModel:\n\t" + "\n\t".join(problems))
+        with torch.no_grad():
+            for name, tensor in own.items():
+                if name in state_dict:
+                    tensor.copy_(state_dict[name])
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def load_parameters(self, path):
         """Copies this rank's parameters and buffers, by name, from a full-model file (smp.export_checkpoint) or
@@ -273,7 +365,7 @@ class DistributedModel:
         and shape is checked before anything is copied (CheckpointError naming the tensor and the file). With a model
         built on the meta device no process ever holds more than its own stages. Returns how many tensors it read."""
         from ._pretrained import load_pretrained
-        tensors = dict(self.named_parameters())
+        tensors = dict(self._model.named_parameters())
         names, stages = self._graph.node_names(), set(self.stages)
         local = {names[i] for i, stage in enumerate(self.stage_of_module) if stage in stages}
         for name, node in self._graph._captured.items():
@@ -298,22 +390,24 @@ class DistributedModel:
 
 
 def _owner_of(optimizer):
-    """The DistributedModel whose parameters the optimizer holds."""
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for model in list(_models):
-        if held & {id(p) for p in model.parameters()}:
-            return model
+    """The DistributedModel whose parameters the optimizer holds (each of them points to it)."""
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            owner = getattr(parameter, "_smp_model", None)
+            model = owner() if owner is not None else None
+            if model is not None:
+                return model
     raise ValueError("the optimizer holds no parameter of a DistributedModel of this process: build it over "
                      "model.parameters() (for a scripted module the engine trains a copy, so the original "
                      "module's parameters are not the ones it trains)")
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(torch.optim.Optimizer):
     """A torch.optim optimizer over this rank's parameters, built over ``model.parameters()`` (parameter groups
-    with options of their own are fine)::
+    with options of their own are fine), that behaves as one: param_groups, state, state_dict, LR schedulers::
 
         optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, warmup)   # schedulers take the inner one
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
 
     ``step()`` steps it unless the engine dropped the step (an fp16 overflow, or a non-finite gradient under
     "nonfinite": "skip"); ``clip_grad_norm`` clips to the whole model's gradient norm, over all stages. With
@@ -329,9 +423,10 @@ class DistributedOptimizer:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"expected a torch.optim.Optimizer built over model.parameters(), got "
                             f"{type(optimizer).__name__}")
+        # torch.optim.Optimizer.__init__ is not called: the wrapped optimizer holds the groups, state and hooks.
         self.optimizer = optimizer
         self._model = model if model is not None else _owner_of(optimizer)
-        named = self._model.named_parameters()
+        named = self._model._model.named_parameters()
         ours = {id(p) for p in named.values()}
         held = [p for group in optimizer.param_groups for p in group["params"]]
         foreign = sum(1 for p in held if id(p) not in ours)
@@ -372,18 +467,53 @@ class DistributedOptimizer:
     def param_groups(self):
         return self.optimizer.param_groups
 
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def add_param_group(self, param_group):
+        raise ValueError("groups added after DistributedOptimizer wrapped the optimizer are not in its checkpoints or "
+                         "its sharding: build the optimizer with all its groups first")
+
+    def __repr__(self):
+        return f"DistributedOptimizer({self.optimizer!r})"
+
+    # Hooks go on the wrapped optimizer, whose step and state_dict this one's call.
+    def register_step_pre_hook(self, hook):
+        return self.optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook):
+        return self.optimizer.register_step_post_hook(hook)
+
+    def register_state_dict_pre_hook(self, hook, prepend=False):
+        return self.optimizer.register_state_dict_pre_hook(hook, prepend)
+
+    def register_state_dict_post_hook(self, hook, prepend=False):
+        return self.optimizer.register_state_dict_post_hook(hook, prepend)
+
+    def register_load_state_dict_pre_hook(self, hook, prepend=False):
+        return self.optimizer.register_load_state_dict_pre_hook(hook, prepend)
+
+    def register_load_state_dict_post_hook(self, hook, prepend=False):
+        return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
+
     def zero_grad(self, set_to_none=True):
         """Clears the gradients of all of this rank's parameters (with sharded optimizer state, also those this
         replica's optimizer does not hold)."""
         self._model._model.zero_grad(set_to_none)
 
-    def step(self):
-        """Steps the optimizer, unless the engine dropped this step: even zero gradients would move the weights
-        through momentum. Returns whether it stepped."""
+    def step(self, closure=None):
+        """Steps the optimizer, unless the engine dropped this step (an fp16 overflow, a skipped non-finite step):
+        even zero gradients would move the weights through momentum. Returns what the wrapped optimizer's step
+        returns (the closure's loss), None when the step was dropped (the `skipped` flag of train_step's result
+        says so too)."""
         if self._model._model.last_step_skipped:
-            return False
-        self.optimizer.step()  # with sharded state, its hook shares the updates
-        return True
+            return None
+        return self.optimizer.step(closure)  # with sharded state, its hook shares the updates
 
     def clip_grad_norm(self, max_norm):
         """Scales the gradients so that their 2-norm over the whole model is at most max_norm; returns the norm
@@ -423,7 +553,7 @@ class DistributedOptimizer:
             raise CheckpointError(f"the optimizer has {len(inner.param_groups)} parameter groups but had "
                                   f"{len(self._built_groups)} when DistributedOptimizer wrapped it (groups added later "
                                   "are not in its checkpoints)")
-        by_name = self._model.named_parameters()
+        by_name = self._model._model.named_parameters()
         held = [{key: group[key] for key in ("params", "param_names") if key in group} for group in inner.param_groups]
         kept = {id(p) for group in held for p in group["params"]}
         merged = {}

@@ -92,6 +92,9 @@ struct Config {
 
   // The application's own top-level section (e.g. "model"); a null json when absent.
   const nlohmann::json& application(const std::string& name) const;
+  // ConfigError naming a top-level section beside "smp" that is not among `known` (the sections the application
+  // reads): a misspelled or misplaced section is otherwise ignored without a word.
+  void check_sections(const std::vector<std::string>& known) const;
 };
 
 }  // namespace smp

@@ -1,0 +1,39 @@
+"""Whole jobs as users run them: the examples against one process, checkpoints resumed in a second job, exports
+loaded by plain PyTorch and transformers. The checking scripts launch their jobs themselves."""
+
+import os
+import sys
+
+from jobs import REPO, assert_passed
+
+
+def test_example_2x4_equals_one_process(job, smprun):
+    """examples/python/hybrid_2x4.py as the 2x4 job and as one process: the same losses and accuracy."""
+    finished = job(0, "example_check.py", smprun, sys.executable,
+                   os.path.join(REPO, "examples", "python", "hybrid_2x4.py"),
+                   os.path.join(REPO, "examples", "hybrid_2x4.json"), timeout=440)
+    assert finished.returncode == 0, finished.error
+
+
+def test_example_hf_causal_lm(job):
+    """The README's bring-your-own-model example runs as written (2 stages x 2 replicas)."""
+    finished = job(4, os.path.join(REPO, "examples", "python", "hf_causal_lm.py"), "--replicas", "2", "--steps", "3")
+    assert finished.returncode == 0, finished.output
+
+
+def test_checkpoint_resume_equals_pytorch(job, smprun):
+    """smp.Checkpointer saves every step; a second job resumes; both against plain PyTorch."""
+    finished = job(0, "checkpoint_check.py", smprun, sys.executable, timeout=340)
+    assert finished.returncode == 0, finished.error
+
+
+def test_sharded_checkpoint_resume_equals_pytorch(job, smprun):
+    """The same with two replicas sharding the optimizer state: a shard file per replica, each loaded by its owner."""
+    finished = job(0, "checkpoint_check.py", smprun, sys.executable, "--sharded", timeout=340)
+    assert finished.returncode == 0, finished.error
+
+
+def test_meta_checkpoint_resume_and_safetensors_export(job, smprun):
+    """Meta-built models resume equal to uninterrupted training (batch norm statistics included); the safetensors
+    export loads with from_pretrained and into a job of another partitioning."""
+    assert_passed(job(0, "export_check.py", smprun, sys.executable, timeout=440))

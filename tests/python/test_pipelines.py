@@ -1,0 +1,84 @@
+"""smp.DistributedModel on small models (Sequential, GraphModel, traced, TorchScript) against plain PyTorch: every
+step's loss, evaluation and outputs, and every parameter after training (pipeline_worker.py), in jobs of 1 to 4
+processes; the API's errors (api_checks.py); schedules read from files."""
+
+import os
+import sys
+
+import pytest
+
+from jobs import assert_passed, smp_keys
+
+
+def test_api_errors_and_shared_parameters(job):
+    assert_passed(job(1, "api_checks.py"))
+
+
+def test_sequential_2_stages_x_2_replicas_equals_pytorch(job):
+    assert_passed(job(4, "pipeline_worker.py", "--model", "sequential", "--nan-step", "1", "--replica-share", "--smp",
+                      smp_keys(partitions=2, microbatches=4, ddp=True, global_batch_size=16, nonfinite="skip")))
+
+
+def test_graph_4_stages_with_skips_equals_pytorch(job):
+    assert_passed(job(4, "pipeline_worker.py", "--model", "graph", "--smp",
+                      smp_keys(partitions=4, microbatches=4, global_batch_size=8,
+                               activation_checkpointing=["b1", "skip"])))
+
+
+def test_traced_model_equals_pytorch(job):
+    assert_passed(job(4, "pipeline_worker.py", "--model", "traced", "--optimizer", "adamw", "--rtol", "1e-3", "--smp",
+                      smp_keys(partitions=2, microbatches=4, ddp=True, global_batch_size=16,
+                               activation_checkpointing=["blocks.1"])))
+
+
+def test_traced_bf16_matches_float32(job):
+    assert_passed(job(2, "pipeline_worker.py", "--model", "traced", "--rtol", "0.03", "--smp",
+                      smp_keys(partitions=2, microbatches=4, global_batch_size=8, bf16=True)))
+
+
+def test_torchscript_sequential_equals_pytorch(job):
+    assert_passed(job(2, "pipeline_worker.py", "--model", "sequential", "--script", "--smp",
+                      smp_keys(partitions=2, microbatches=4, global_batch_size=8)))
+
+
+def test_torchscript_graph_interleaved_equals_pytorch(job):
+    assert_passed(job(4, "pipeline_worker.py", "--model", "graph", "--script", "--smp",
+                      smp_keys(partitions=2, virtual_stages=2, pipeline="interleaved", microbatches=4, ddp=True,
+                               global_batch_size=16)))
+
+
+def test_sharded_optimizer_state_equals_pytorch(job):
+    assert_passed(job(4, "pipeline_worker.py", "--model", "graph", "--optimizer", "adamw", "--rtol", "1e-3",
+                      "--clip", "0.5", "--steps", "4", "--smp",
+                      smp_keys(partitions=2, microbatches=4, ddp=True, global_batch_size=16,
+                               shard_optimizer_state=True)))
+
+
+def test_interleaved_adamw_equals_pytorch(job):
+    assert_passed(job(4, "pipeline_worker.py", "--model", "graph", "--optimizer", "adamw", "--rtol", "1e-3", "--smp",
+                      smp_keys(partitions=2, virtual_stages=2, pipeline="interleaved", microbatches=4, ddp=True,
+                               global_batch_size=16)))
+
+
+def test_schedule_file_contiguous_stages_with_skips(job):
+    assert_passed(job(3, "schedule_file_evaluate.py", "contiguous"))
+
+
+def test_schedule_file_explicit_transfers_with_skips(job):
+    assert_passed(job(4, "schedule_file_evaluate.py", "explicit"))
+
+
+def test_gpu_pipeline_equals_pytorch(job):
+    """One process, its stages on the GPU, against plain PyTorch on the CPU (the device machine's `ctest -L gpu`)."""
+    finished = job(0, "pipeline_worker.py", "--model", "graph", "--optimizer", "adamw", "--rtol", "1e-3", "--smp",
+                   smp_keys(partitions=1, microbatches=4, global_batch_size=8, device="cuda",
+                            activation_checkpointing=["b1"]))
+    if finished.returncode == 77:
+        pytest.skip("no GPU")
+    assert_passed(finished)
+
+
+def test_all_reduce_then_exit(job, smprun):
+    """Jobs that all-reduce a Python tensor as their last act end cleanly (exit_check.py launches ten)."""
+    finished = job(0, "exit_check.py", smprun, sys.executable)
+    assert finished.returncode == 0, finished.error
