@@ -9,7 +9,8 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cmake --install "$build" --prefix "$work/prefix" --component development > "$work/install.log"
 test -f "$work/prefix/lib/cmake/smp/smpConfig.cmake"
-cmake -S "$here" -B "$work/consumer" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+generator=(); command -v ninja > /dev/null && generator=(-G Ninja)
+cmake -S "$here" -B "$work/consumer" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$work/prefix;$torch_prefix" > "$work/configure.log" || { cat "$work/configure.log"; exit 1; }
 cmake --build "$work/consumer" > "$work/build.log" || { cat "$work/build.log"; exit 1; }
 cat > "$work/two.json" <<'JSON'
