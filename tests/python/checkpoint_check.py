@@ -98,7 +98,7 @@ def main():
         if sharded:
             config.update(ddp=True, shard_optimizer_state=True)
         out = os.path.join(directory, "parameters")
-        first = run(smprun, python, worker, config, 4, out, processes)
+        run(smprun, python, worker, config, 4, out, processes)
         check(out, 4, processes)
         if sharded:
             one_replica = {key: value for key, value in config.items() if key not in ("ddp", "shard_optimizer_state")}

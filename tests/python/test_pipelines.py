@@ -2,7 +2,6 @@
 step's loss, evaluation and outputs, and every parameter after training (pipeline_worker.py), in jobs of 1 to 4
 processes; the API's errors (api_checks.py); schedules read from files."""
 
-import os
 import sys
 
 import pytest
