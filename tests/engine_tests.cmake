@@ -11,7 +11,7 @@ catch_discover_tests(test_core)
 
 # Engine pieces that run in one process with LibTorch and no communication: split backward, profiling.
 add_executable(test_engine_in_process ${CMAKE_CURRENT_LIST_DIR}/test_engine_in_process.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/test_graph_on_demand.cpp)
+  ${CMAKE_CURRENT_LIST_DIR}/test_graph_on_demand.cpp ${CMAKE_CURRENT_LIST_DIR}/test_stage_program.cpp)
 target_link_libraries(test_engine_in_process PRIVATE smp_catch_main smp::engine)
 target_include_directories(test_engine_in_process PRIVATE ${PROJECT_SOURCE_DIR}/engine/src)
 target_compile_options(test_engine_in_process PRIVATE -Wall -Wextra)

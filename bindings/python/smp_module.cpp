@@ -153,6 +153,24 @@ GraphModel& add_node(GraphModel& graph, const std::string& name, const std::shar
   return graph;
 }
 
+// GraphModel::set_run_fuser with a Python fuser: fuser(node indices, input names) returns None or a callable from the
+// run's input tensors to its nodes' values.
+void set_run_fuser(GraphModel& graph, const py::object& fuser) {
+  auto held = held_under_gil(fuser);
+  graph.set_run_fuser([held](const std::vector<int>& nodes, const std::vector<std::string>& inputs) {
+    py::gil_scoped_acquire gil;
+    py::object fused = (*held)(nodes, inputs);
+    if (fused.is_none()) return GraphModel::RunForward();
+    auto call = held_under_gil(fused);
+    return GraphModel::RunForward([call](const std::vector<at::Tensor>& values) {
+      py::gil_scoped_acquire gil;
+      py::tuple arguments(values.size());
+      for (std::size_t i = 0; i < values.size(); ++i) arguments[i] = py::cast(values[i]);
+      return (*call)(*arguments).cast<std::vector<at::Tensor>>();
+    });
+  });
+}
+
 // None crosses as an undefined tensor, and back.
 using OptionalTensors = std::vector<std::optional<at::Tensor>>;
 ModelInputs defined_or_not(const OptionalTensors& tensors) {
@@ -259,6 +277,7 @@ PYBIND11_MODULE(_smp, module) {
            py::arg("parameter_prefix") = "", py::arg("names_from_root") = false, py::arg("profile_key") = "",
            py::return_value_policy::reference_internal)
       .def("set_transient_buffers", &GraphModel::set_transient_buffers, py::arg("names"))
+      .def("set_run_fuser", &set_run_fuser, py::arg("fuser"))
       .def("set_outputs", &GraphModel::set_outputs, py::arg("outputs"))
       .def_property_readonly("input_names", &GraphModel::input_names)
       .def_property_readonly("output_names", &GraphModel::output_names)
@@ -376,6 +395,7 @@ PYBIND11_MODULE(_smp, module) {
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("stage", &DistributedModel::stage)
       .def_property_readonly("stages", &DistributedModel::stages)
+      .def("calls_per_microbatch", &DistributedModel::calls_per_microbatch)
       .def_property_readonly("stage_of_module", [](const DistributedModel& model) { return model.plan().stage_of_module; })
       .def("partition_report", [](const DistributedModel& model) { return model.plan().report(); })
       .def_property_readonly("loss_scale", &DistributedModel::loss_scale)

@@ -239,6 +239,14 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
     for (int node : local.nodes) nodes[node].module->to(device);
   }
 
+  for (auto& [stage, local] : stages_) {
+    local.runs = plan_node_runs(model_, local.nodes, checkpointed_nodes_);
+    if (local.runs.size() < local.nodes.size()) {
+      log::info("stage " + std::to_string(stage) + " runs its " + std::to_string(local.nodes.size()) + " modules in " +
+                std::to_string(local.runs.size()) + " calls per microbatch (consecutive captured modules as one)");
+    }
+  }
+
   if (runtime_->topology().data_parallel_degree() > 1 &&
       std::any_of(named_parameters_.begin(), named_parameters_.end(),
                   [](const auto& named) { return named.second.requires_grad(); })) {
@@ -310,24 +318,13 @@ StageOutputs DistributedModel::run_stage(int stage, const ModelInputs& model_inp
   }
   std::optional<AutocastScope> autocast;
   if (precision) autocast.emplace(*precision);
-  for (int index : stages_.at(stage).nodes) {
-    const auto& node = nodes[index];
-    std::vector<at::Tensor> arguments;
-    for (const auto& input : node.inputs) arguments.push_back(values.at(input));
-    try {
-      values[node.name] = checkpointed_nodes_[index]
-                              ? checkpointed_forward(node, arguments, precision, runtime_->device())
-                              : node.forward(arguments);
-    } catch (const std::exception& error) {  // LibTorch's, or TorchScript's interpreter's
-      // A model that does not fit its data fails inside LibTorch; say where, without the C++ backtrace.
-      std::string shapes;
-      for (const auto& argument : arguments) {
-        shapes += (shapes.empty() ? "" : ", ") + (argument.defined() ? c10::str(argument.sizes()) : std::string("None"));
-      }
-      throw ModelError("step " + std::to_string(step_) + ", stage " + std::to_string(stage) + ", module \"" + node.name +
-                       "\" (input " + shapes + "): " + comm::brief_message(error));
-    }
-  }
+  compute_runs(
+      model_, stages_.at(stage).runs, values,
+      [&](int node, const std::vector<at::Tensor>& arguments) {
+        return checkpointed_nodes_[node] ? checkpointed_forward(nodes[node], arguments, precision, runtime_->device())
+                                         : nodes[node].forward(arguments);
+      },
+      [&] { return "step " + std::to_string(step_) + ", stage " + std::to_string(stage); });
   StageOutputs outputs;
   for (const auto& consumer : graph_.consumers[stage]) {
     auto& sent = outputs.to_consumers[consumer];
@@ -554,6 +551,12 @@ std::vector<at::Tensor> DistributedModel::parameters() const {
   std::vector<at::Tensor> tensors;
   for (const auto& [name, tensor] : named_parameters_) tensors.push_back(tensor);
   return tensors;
+}
+
+std::map<int, int> DistributedModel::calls_per_microbatch() const {
+  std::map<int, int> calls;
+  for (const auto& [stage, local] : stages_) calls[stage] = static_cast<int>(local.runs.size());
+  return calls;
 }
 
 std::vector<int> DistributedModel::stages() const {

@@ -518,8 +518,39 @@ def main():
     if abs(trained[0] - expected) < 1e-6 or trained[0] == trained[1]:
         failures.append(f"train_step after evaluate is not in training mode (dropout): losses {trained}")
 
+    fused_runs()
     pytorch_conventions()
     return report.finish(failures)
+
+
+def fused_runs():
+    """A captured model's consecutive nodes on one stage run as one call per microbatch, with the same results; a
+    failure inside names the run's first and last module."""
+    class Tokens(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(8, 3)
+            self.a = torch.nn.Linear(3, 3)
+            self.b = torch.nn.Linear(3, 3)
+
+        def forward(self, ids):
+            hidden = self.a(self.embed(ids))
+            return self.b(torch.relu(hidden)) + hidden
+
+    torch.manual_seed(3)
+    net = Tokens()
+    reference = copy.deepcopy(net)
+    model = smp.DistributedModel(net, torch.zeros(1, 4, dtype=torch.long))
+    nodes, calls = len(model._graph.node_names()), model._model.calls_per_microbatch()
+    if nodes < 2 or calls != {0: 1}:
+        failures.append(f"{nodes} captured nodes on one stage ran in {calls} calls per microbatch, expected 1")
+    inputs, targets = torch.randint(0, 8, (2, 4)), torch.randn(2, 4, 3)
+    loss = model.train_step(inputs, targets, F.mse_loss).loss
+    expected = F.mse_loss(reference(inputs), targets).item()
+    if abs(loss - expected) > 1e-6:
+        failures.append(f"fused run: loss {loss}, PyTorch {expected}")
+    expect_error("a failure inside a fused run", smp.ModelError, '"embed" to "',
+                 lambda: model.train_step(torch.full((2, 4), 9), targets, F.mse_loss))
 
 
 def pytorch_conventions():

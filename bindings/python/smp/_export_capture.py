@@ -24,37 +24,10 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from ._captured_node import _ASSERTS, CapturedNode, _attribute, _is_op, _mutates_first_argument, run_fuser
 from ._smp import ModelError
 
 _aten = torch.ops.aten
-
-# Arguments that follow the module's training flag, baked into the export (always run in training mode): by schema
-# argument name, what they become in evaluation. Dropout's flag and probability (attention's dropout_p, which Hugging
-# Face models pass as `p if self.training else 0.0`), recurrent layers' dropout between layers, rrelu's training.
-_TRAINING_ARGUMENTS = {"train": False, "training": False, "dropout_p": 0.0}
-
-
-def _in_evaluation(op, args, kwargs):
-    """args, kwargs of `op` as evaluation mode runs it. Batch norm uses batch statistics in evaluation too when it
-    keeps none (track_running_stats=False: no running mean), and instance norm's flag is not a training flag."""
-    schema = getattr(op, "_schema", None)
-    if schema is None or op in (_aten.instance_norm.default,):
-        return args, kwargs
-    args, kwargs = list(args), dict(kwargs)
-    for index, argument in enumerate(schema.arguments):
-        if argument.name not in _TRAINING_ARGUMENTS:
-            continue
-        if op == _aten.batch_norm.default and args[3] is None:
-            continue  # no running statistics: batch statistics in either mode
-        if index < len(args):
-            args[index] = _TRAINING_ARGUMENTS[argument.name]
-        elif argument.name in kwargs:
-            kwargs[argument.name] = _TRAINING_ARGUMENTS[argument.name]
-    return tuple(args), kwargs
-# Checks export leaves in the graph: they fail under autocast (dtype checks) and check nothing the engine needs.
-_ASSERTS = {_aten._assert_tensor_metadata.default, _aten._assert_scalar.default,
-            _aten.sym_constrain_range_for_size.default}
-
 
 # Operations that read only their tensor inputs' shape, dtype and device: what they make depends on no parameter
 # even when those inputs do (a mask made with x.new_zeros, filled in place, recomputed where read).
@@ -69,18 +42,6 @@ _RANDOM_OUT_OF_PLACE = {_aten.bernoulli_.float: _aten.bernoulli.p}
 
 class CaptureError(Exception):
     pass
-
-
-def _is_op(node):
-    return node.op == "call_function"
-
-
-def _mutates_first_argument(node):
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or not schema.arguments:
-        return False
-    alias = schema.arguments[0].alias_info
-    return alias is not None and alias.is_write
 
 
 def _functional_variant(op):
@@ -111,206 +72,6 @@ def _is_random(node):
 def _module_paths(node):
     stack = node.meta.get("nn_module_stack") or {}
     return [path for path, _ in stack.values()]
-
-
-class _Holder(torch.nn.Module):
-    """The parameters and buffers of one node under their paths in the model (attributes set by fx.GraphModule)."""
-
-
-def _set_path(root, path, value):
-    *parents, leaf = path.split(".")
-    module = root
-    for part in parents:
-        if not hasattr(module, part) or not isinstance(getattr(module, part), torch.nn.Module):
-            module.add_module(part, torch.nn.Module())
-        module = getattr(module, part)
-    if isinstance(value, torch.nn.Parameter):
-        module.register_parameter(leaf, value)
-    elif isinstance(value, torch.nn.Module):
-        module.add_module(leaf, value)
-    elif isinstance(value, torch.Tensor):
-        module.register_buffer(leaf, value)
-    else:
-        setattr(module, leaf, value)
-
-
-def _attribute(root, path):
-    value = root
-    for part in path.split("."):
-        value = getattr(value, part)
-    return value
-
-
-class CapturedNode(torch.nn.Module):
-    """One engine node: its parameters and buffers under their model paths, and the generated code that computes the
-    node's value from its sources. The code is made per (training mode, device): dropout and batch norm follow the
-    mode (the export baked in the one it ran in), buffer updates happen in training only, and tensors the forward
-    creates (arange, masks) go to the device the node runs on. While its tensors are on the meta device (a model
-    built there, before this rank makes its own stages real) it runs on random stand-ins, for profiling."""
-
-    def __init__(self, graph, attributes, name, captured_device):
-        super().__init__()
-        for path, value in attributes.items():
-            _set_path(self, path, value)
-        # Not submodules: the engine would see their attributes twice.
-        object.__setattr__(self, "_graph", graph)
-        object.__setattr__(self, "_variants", {})
-        object.__setattr__(self, "_name", name)
-        object.__setattr__(self, "_captured_device", captured_device)
-        object.__setattr__(self, "_stand_ins", None)
-        # True while any tensor is on the meta device; stand-ins are for profiling, before this rank makes its own
-        # stages real (after that, a meta tensor reaching a computation is an error naming it).
-        object.__setattr__(self, "_meta", any(t.is_meta for t in itertools.chain(self.parameters(), self.buffers())))
-        object.__setattr__(self, "_profiling", self._meta)
-        object.__setattr__(self, "_job_device", torch.device("cpu"))  # set by DistributedModel
-
-    def _device(self, sources):
-        for source in sources:
-            if isinstance(source, torch.Tensor):
-                return source.device
-        for tensor in itertools.chain(self.parameters(), self.buffers()):
-            return tensor.device
-        return self._captured_device
-
-    def _code(self, root, training, device):
-        return _retargeted(root, self._graph, training, device)
-
-    def _variant(self, training, device):
-        key = (training, device)
-        code = self._variants.get(key)
-        if code is None:
-            code = self._variants[key] = self._code(self, training, device)
-        return code
-
-    def _on_stand_ins(self, training, device):
-        """Random tensors of the shapes of this node's, on `device`: one node's at a time across the process."""
-        global _NODE_WITH_STAND_INS
-        if _NODE_WITH_STAND_INS is not None and _NODE_WITH_STAND_INS is not self:
-            _NODE_WITH_STAND_INS.drop_stand_ins()
-        _NODE_WITH_STAND_INS = self
-        if self._stand_ins is None or self._stand_ins[0] != (training, device):
-            root = torch.nn.Module()
-            with torch.no_grad():
-                for path, tensor in self.named_parameters():
-                    _set_path(root, path, torch.nn.Parameter(torch.randn(tensor.shape, device=device).to(tensor.dtype)
-                                                             * 0.02, requires_grad=tensor.requires_grad))
-                for path, tensor in self.named_buffers():
-                    _set_path(root, path, torch.ones(tensor.shape, dtype=tensor.dtype, device=device))
-                for node in self._graph.nodes:  # what else the code reads (a higher-order operation's subgraph)
-                    if node.op == "get_attr" and not isinstance(_attribute(self, node.target), torch.Tensor):
-                        _set_path(root, node.target, _attribute(self, node.target))
-            object.__setattr__(self, "_stand_ins", ((training, device), self._code(root, training, device)))
-        return self._stand_ins[1]
-
-    def drop_stand_ins(self):
-        if self._stand_ins is not None:
-            # A GraphModule and its graph refer to each other: without this, the stand-ins would wait for Python's
-            # cycle collector, and a profile of many nodes would hold many nodes' stand-ins.
-            for module in self._stand_ins[1].modules():
-                if isinstance(module, fx.GraphModule):
-                    module.graph.owning_module = None
-        object.__setattr__(self, "_stand_ins", None)
-
-    def replace_tensors(self, replaced):
-        """Takes the new tensors for old ones ({id(old): (old, new)}: made real from the meta device)."""
-        changed = False
-        for module in self.modules():
-            for table in (module._parameters, module._buffers):
-                for name, tensor in list(table.items()):
-                    if tensor is not None and id(tensor) in replaced and replaced[id(tensor)][0] is tensor:
-                        table[name] = replaced[id(tensor)][1]
-                        changed = True
-        if changed:
-            self._variants.clear()
-            self.drop_stand_ins()
-        object.__setattr__(self, "_meta", any(t.is_meta for t in itertools.chain(self.parameters(), self.buffers())))
-        object.__setattr__(self, "_profiling", False)
-
-    def forward(self, *sources):
-        device = self._device(sources)
-        if self._meta:
-            if device.type == "meta":  # no input to follow: where this job computes
-                device = self._job_device
-            if not self._profiling:
-                meta = [path for path, t in itertools.chain(self.named_parameters(), self.named_buffers()) if t.is_meta]
-                raise ModelError(f"node '{self._name}' reads {meta[0]}, still on the meta device on this rank: its "
-                                 "module was not made real")
-            return self._on_stand_ins(self.training, device)(*sources)
-        return self._variant(self.training, device)(*sources)
-
-    def extra_repr(self):
-        return self._name
-
-    def profile_key(self):
-        """Its code with the names export gave its values replaced by their positions, and its tensors' paths
-        relative to the node's (model.layers.3's "self_attn.q_proj.weight"), with their shapes: identical blocks
-        get equal keys, and share one profile measurement."""
-        def relative(path):
-            return path[len(self._name) + 1:] if path.startswith(self._name + ".") else path
-
-        def canonical(graph):
-            position = {node: index for index, node in enumerate(graph.nodes)}
-
-            def argument(value):
-                return fx.node.map_arg(value, lambda node: f"%{position[node]}")
-
-            lines = []
-            for node in graph.nodes:
-                target = relative(node.target) if node.op == "get_attr" else str(node.target)
-                if node.op == "placeholder":
-                    target = ""  # its name is the source's, different in every block
-                lines.append(f"{node.op} {target} {argument(node.args)} {argument(node.kwargs)}")
-                subgraph = _attribute(self, node.target) if node.op == "get_attr" else None
-                if isinstance(subgraph, fx.GraphModule):
-                    lines.append("{" + canonical(subgraph.graph) + "}")
-            return "\n".join(lines)
-
-        tensors = ";".join(f"{relative(path)}:{tuple(t.shape)}:{t.dtype}:{t.requires_grad}"
-                           for path, t in itertools.chain(self.named_parameters(), self.named_buffers()))
-        return f"captured:{canonical(self._graph)}|{tensors}"
-
-
-_NODE_WITH_STAND_INS = None  # the captured node whose stand-ins exist (profiling one node at a time)
-
-
-def _set_device_argument(node, device):
-    """A device the capture baked into an operation (arange(..., device=cpu), x.to(cpu)), by keyword or position."""
-    if node.kwargs.get("device") is not None:
-        node.kwargs = dict(node.kwargs, device=device)
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return
-    for index, argument in enumerate(schema.arguments):
-        if argument.name == "device" and index < len(node.args) and isinstance(node.args[index], torch.device):
-            node.args = node.args[:index] + (device,) + node.args[index + 1:]
-
-
-def _retargeted(root, source, training, device):
-    """The code of a captured graph for one training mode and device: dropout and batch norm follow the mode (the
-    export baked in the one it ran in), buffer updates happen in training only, tensors the code creates (arange,
-    masks) go to `device`; the same for the subgraphs of higher-order operations (a no-grad region, autocast)."""
-    graph = fx.Graph()
-    values = {}
-    # A new graph, never `source` itself: a GraphModule made over a graph becomes its owner, and the graph would keep
-    # that module (and the tensors it holds, profiling stand-ins) alive.
-    for node in source.nodes:
-        if not training and _is_op(node) and _mutates_first_argument(node) and \
-                node.args[0].op == "get_attr" and not node.users:
-            continue  # a buffer update (batch norm's count of batches): training only
-        if _is_op(node) and node.target in _ASSERTS and not node.users:
-            continue
-        copy = graph.node_copy(node, lambda n: values[n])
-        if _is_op(copy):
-            if not training:
-                copy.args, copy.kwargs = _in_evaluation(copy.target, copy.args, copy.kwargs)
-            _set_device_argument(copy, device)
-        values[node] = copy
-    code = fx.GraphModule(root, graph)
-    for node in graph.nodes:
-        subgraph = _attribute(code, node.target) if node.op == "get_attr" else None
-        if isinstance(subgraph, fx.GraphModule):
-            _set_path(code, node.target, _retargeted(subgraph, subgraph.graph, training, device))
-    return code
 
 
 def _signature_kinds(exported):
@@ -554,8 +315,9 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory):
         for op in computed:
             if _is_random(op):
                 runs_in[op].append(node_name[value])
-        module = CapturedNode(node_graph, node_attributes, node_name[value], captured_device)
-        engine._add_call(node_name[value], module, module, [value_name[s] for s in sources], names_from_root=True,
+        source_names = [value_name[s] for s in sources]
+        module = CapturedNode(node_graph, node_attributes, node_name[value], captured_device, source_names)
+        engine._add_call(node_name[value], module, module, source_names, names_from_root=True,
                          profile_key=module.profile_key())
         engine._captured[node_name[value]] = module
     for op, nodes in runs_in.items():
@@ -570,6 +332,8 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory):
     if not outputs:
         raise ModelError(f"{name}'s forward returns no tensor")
     engine._graph.set_outputs(outputs)
+    # Not the GraphModel itself: the engine's graph holds the fuser, and would keep itself alive through it.
+    engine._graph.set_run_fuser(run_fuser(engine._captured, engine.node_names()))
     output_spec = (exported.call_spec.out_spec,
                    [None if isinstance(leaf, fx.Node) else leaf for leaf in output_leaves])
     return engine, leaf_inputs, output_spec

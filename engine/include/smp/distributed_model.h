@@ -25,6 +25,7 @@
 #include "smp/optimizer_shards.h"
 #include "smp/runtime.h"
 #include "smp/stage_plan.h"
+#include "smp/stage_program.h"
 
 namespace smp {
 
@@ -156,12 +157,15 @@ class DistributedModel {
   const StagePlan& plan() const { return plan_; }
   int stage() const { return runtime_->pp_rank(); }  // this rank's pipeline position
   std::vector<int> stages() const;  // the model stages this rank runs (several with virtual stages)
+  // By local stage: the calls its forward makes per microbatch (fewer than its nodes where the model fuses runs).
+  std::map<int, int> calls_per_microbatch() const;
   const sched::Schedule& schedule() const { return executor_->schedule(); }
   Runtime& runtime() { return *runtime_; }
 
  private:
   struct LocalStage {
     std::vector<int> nodes;  // in the model's (topological) order
+    std::vector<NodeRun> runs;  // the nodes as the forward calls them
     std::vector<at::Tensor> parameters;
   };
   struct TiedParameter {

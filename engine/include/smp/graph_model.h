@@ -122,6 +122,16 @@ class GraphModel {
   // The outputs set, or the last node.
   std::vector<std::string> output_names() const;
 
+  // Runs of consecutive nodes of one stage that the model computes in one call: given the run's node indices (in
+  // order) and the tensors it reads from outside (names, in first-read order), the fuser returns a function from
+  // those tensors to every node's value in run order, or an empty function to leave the nodes apart. A captured
+  // Python model fuses its generated nodes this way once the partition is known: a microbatch then costs one Python
+  // call per stage rather than one per node.
+  using RunForward = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
+  using RunFuser = std::function<RunForward(const std::vector<int>& nodes, const std::vector<std::string>& inputs)>;
+  void set_run_fuser(RunFuser fuser) { run_fuser_ = std::move(fuser); }
+  const RunFuser& run_fuser() const { return run_fuser_; }
+
   // The seed nodes built on demand are initialized from (module_seed(seed, node name)); DistributedModel sets the
   // config's "seed".
   void set_build_seed(std::uint64_t seed) { build_seed_ = seed; }
@@ -220,6 +230,7 @@ class GraphModel {
   std::map<std::string, int> index_;
   std::uint64_t build_seed_ = 0;
   std::vector<std::string> transient_buffers_;
+  RunFuser run_fuser_;
 };
 
 }  // namespace smp
