@@ -26,6 +26,13 @@ target_compile_options(training_worker PRIVATE -Wall -Wextra)
 target_precompile_headers(training_worker REUSE_FROM smp_engine)
 set_target_properties(training_worker PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
 
+# The tensor-parallel layers against the whole model, on every rank of one group (test_tensor_parallel).
+add_executable(tp_worker ${CMAKE_CURRENT_LIST_DIR}/tp_worker.cpp)
+target_link_libraries(tp_worker PRIVATE smp::engine)
+target_compile_options(tp_worker PRIVATE -Wall -Wextra)
+target_precompile_headers(tp_worker REUSE_FROM smp_engine)
+set_target_properties(tp_worker PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+
 # Multi-process tests: Catch2 programs that launch the real binaries under smprun.
 function(smp_multiprocess_test name)
   add_executable(${name} ${CMAKE_CURRENT_FUNCTION_LIST_DIR}/${name}.cpp)
@@ -37,12 +44,14 @@ function(smp_multiprocess_test name)
     SMP_SCHEDULE_PATH="$<TARGET_FILE:smp_schedule>"
     SMP_CHECKPOINT_PATH="$<TARGET_FILE:smp_checkpoint>"
     EXAMPLE_PATH="$<TARGET_FILE:hybrid_2x4>"
-    EXAMPLE_CONFIG="${PROJECT_SOURCE_DIR}/examples/hybrid_2x4.json")
-  add_dependencies(${name} smprun training_worker hybrid_2x4 smp_schedule smp_checkpoint)
+    EXAMPLE_CONFIG="${PROJECT_SOURCE_DIR}/examples/hybrid_2x4.json"
+    TP_WORKER_PATH="$<TARGET_FILE:tp_worker>")
+  add_dependencies(${name} smprun training_worker tp_worker hybrid_2x4 smp_schedule smp_checkpoint)
   catch_discover_tests(${name} PROPERTIES TIMEOUT 600)
 endfunction()
 smp_multiprocess_test(test_training)
 smp_multiprocess_test(test_faults)
+smp_multiprocess_test(test_tensor_parallel)
 
 # GPU tests (label gpu): one program with its own Catch2 main, which exits 77 where no CUDA device is visible;
 # ctest lists it as skipped. scripts/device_gpu.sh runs them on a GPU machine.

@@ -163,3 +163,13 @@ TEST_CASE("config: world size must be partitions x replicas", "[config]") {
   CHECK_NOTHROW(config.check_batch(64, 2));
   CHECK_THROWS_WITH(config.check_batch(20, 2), Contains("a global batch of 20 does not split into 2 replicas x 4 microbatches"));
 }
+
+TEST_CASE("tensor_parallel_degree is read, bounded, and divides the world with the partitions", "[config]") {
+  const auto config = smp::Config::from_json_text(R"({"tensor_parallel_degree": 2, "partitions": 2, "ddp": true})", "t");
+  CHECK(config.tensor_parallel_degree == 2);
+  CHECK(config.replicas_for_world(8) == 2);
+  CHECK_THROWS_WITH(config.replicas_for_world(6), Catch::Contains("world size 6 is not a multiple of \"partitions\" x \"tensor_parallel_degree\" (2 x 2)"));
+  CHECK_THROWS_WITH(smp::Config::from_json_text(R"({"tensor_parallel_degree": 0})", "t"), Catch::Contains("key \"tensor_parallel_degree\""));
+  CHECK_THROWS_WITH(smp::Config::from_json_text(R"({"placement_strategy": "DPX"})", "t"), Catch::Contains("letters D, P and T"));
+  CHECK(smp::Config::from_json_text(R"({"placement_strategy": "PTD"})", "t").placement_strategy == "PTD");
+}

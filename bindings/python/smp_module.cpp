@@ -311,6 +311,9 @@ PYBIND11_MODULE(_smp, module) {
       .def_property_readonly("world_size", &Runtime::world_size)
       .def_property_readonly("pp_rank", &Runtime::pp_rank)
       .def_property_readonly("dp_rank", &Runtime::dp_rank)
+      .def_property_readonly("tp_rank", &Runtime::tp_rank)
+      .def_property_readonly("tensor_parallel_degree",
+                             [](const Runtime& runtime) { return runtime.topology().tensor_parallel_degree(); })
       .def_property_readonly("data_parallel_degree",
                              [](const Runtime& runtime) { return runtime.topology().data_parallel_degree(); })
       .def_property_readonly("device", [](const Runtime& runtime) { return runtime.device().str(); })

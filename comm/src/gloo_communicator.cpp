@@ -7,6 +7,7 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
@@ -27,6 +28,17 @@ std::string brief_message(const std::exception& error) {
   }
   const auto newline = text.find('\n');
   return newline == std::string::npos ? text : text.substr(0, newline);
+}
+
+void check_shards(const at::Tensor& whole, const at::Tensor& shard, int members, const std::string& what) {
+  const bool fits = whole.dim() >= 1 && whole.dim() == shard.dim() && whole.scalar_type() == shard.scalar_type() &&
+                    whole.size(0) == shard.size(0) * members &&
+                    std::equal(whole.sizes().begin() + 1, whole.sizes().end(), shard.sizes().begin() + 1);
+  if (!fits) {
+    throw CommError(what + ": the whole tensor " + c10::str(whole.sizes(), " ", whole.scalar_type()) + " is not " +
+                    std::to_string(members) + " shards of " + c10::str(shard.sizes(), " ", shard.scalar_type()) +
+                    " along dimension 0");
+  }
 }
 
 namespace {
@@ -200,6 +212,28 @@ class GlooCommunicator final : public Communicator {
     options.rootRank = root;
     post([&] { return group_->broadcast(tensors, options); }, tensors[0],
          "broadcast from rank " + std::to_string(global_rank(root)), copy_back(tensor, tensors[0]))
+        ->wait();
+  }
+
+  void all_gather(const at::Tensor& whole, const at::Tensor& shard) override {
+    const std::string what = "all-gather in group " + name_;
+    check_shards(whole, shard, size(), what);
+    at::Tensor staged = on_host(whole);
+    if (!staged.is_contiguous()) staged = staged.contiguous();
+    const at::Tensor sent = on_host(shard).contiguous();
+    post([&] { return group_->_allgather_base(staged, const_cast<at::Tensor&>(sent)); }, staged, what,
+         copy_back(whole, staged))
+        ->wait();
+  }
+
+  void reduce_scatter_sum(const at::Tensor& shard, const at::Tensor& whole) override {
+    const std::string what = "reduce-scatter in group " + name_;
+    check_shards(whole, shard, size(), what);
+    at::Tensor staged = on_host(shard);
+    if (!staged.is_contiguous()) staged = staged.contiguous();
+    const at::Tensor sent = on_host(whole).contiguous();
+    post([&] { return group_->_reduce_scatter_base(staged, const_cast<at::Tensor&>(sent)); }, staged, what,
+         copy_back(shard, staged))
         ->wait();
   }
 

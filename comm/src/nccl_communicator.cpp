@@ -352,6 +352,30 @@ class NcclCommunicator final : public Communicator {
 
   void barrier() override { host_->barrier(); }
 
+  void all_gather(const at::Tensor& whole, const at::Tensor& shard) override {
+    if (!whole.is_cuda()) return host_->all_gather(whole, shard);
+    const std::string what = "all-gather in group " + name();
+    check_shards(whole, shard, size(), what);
+    check_contiguous(shard, what);
+    collective(whole, what, /*reduces=*/false, [&](void* data, size_t count, ncclDataType_t type, cudaStream_t stream) {
+      c10::cuda::CUDACachingAllocator::recordStream(shard.storage().data_ptr(),
+                                                    c10::cuda::getStreamFromExternal(stream, device_.index()));
+      return ncclAllGather(shard.data_ptr(), data, count / static_cast<size_t>(size()), type, collective_->comm, stream);
+    })->wait();
+  }
+
+  void reduce_scatter_sum(const at::Tensor& shard, const at::Tensor& whole) override {
+    if (!shard.is_cuda()) return host_->reduce_scatter_sum(shard, whole);
+    const std::string what = "reduce-scatter in group " + name();
+    check_shards(whole, shard, size(), what);
+    check_contiguous(whole, what);
+    collective(shard, what, /*reduces=*/true, [&](void* data, size_t count, ncclDataType_t type, cudaStream_t stream) {
+      c10::cuda::CUDACachingAllocator::recordStream(whole.storage().data_ptr(),
+                                                    c10::cuda::getStreamFromExternal(stream, device_.index()));
+      return ncclReduceScatter(whole.data_ptr(), data, count, type, ncclSum, collective_->comm, stream);
+    })->wait();
+  }
+
  private:
   struct Channel {
     std::shared_ptr<NcclHandle> handle;

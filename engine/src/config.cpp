@@ -18,7 +18,7 @@ using nlohmann::json;
 
 const std::vector<std::string>& known_keys() {
   static const std::vector<std::string> keys = {
-      "partitions", "pipeline_parallel_degree", "microbatches", "pipeline", "ddp", "placement_strategy",
+      "partitions", "pipeline_parallel_degree", "tensor_parallel_degree", "microbatches", "pipeline", "ddp", "placement_strategy",
       "active_microbatches", "auto_partition", "default_partition", "partition_overrides", "optimize",
       "memory_weight", "seed", "global_batch_size", "comm_timeout_s", "log_level", "virtual_stages", "schedule_file",
       "activation_checkpointing", "trace_dir", "trace_step", "checkpoint_dir", "checkpoint_interval",
@@ -115,8 +115,8 @@ class Reader {
   std::string source_;
 };
 
-// SMP's placement letters: D (data), P (pipeline), T (tensor, degree 1 here). The order names the dimensions from
-// the slowest-varying to the fastest-varying over consecutive ranks.
+// SMP's placement letters: D (data), P (pipeline), T (tensor). The order names the dimensions from the
+// slowest-varying to the fastest-varying over consecutive ranks; without T, T varies fastest.
 bool is_placement_order(const std::string& text) {
   std::string letters = text;
   std::sort(letters.begin(), letters.end());
@@ -192,6 +192,9 @@ Config Config::from_json_text(const std::string& text, const std::string& source
   if (read.has("partitions")) config.partitions = static_cast<int>(read.integer("partitions", 1, 4096));
   if (read.has("pipeline_parallel_degree")) {
     config.partitions = static_cast<int>(read.integer("pipeline_parallel_degree", 1, 4096));
+  }
+  if (read.has("tensor_parallel_degree")) {
+    config.tensor_parallel_degree = static_cast<int>(read.integer("tensor_parallel_degree", 1, 4096));
   }
   if (read.has("microbatches")) config.microbatches = static_cast<int>(read.integer("microbatches", 1, kMaxCount));
   if (read.has("pipeline")) {
@@ -289,7 +292,7 @@ Config Config::from_json_text(const std::string& text, const std::string& source
     const std::string text = read.string("placement_strategy");
     if (text != "cluster" && text != "spread" && !is_placement_order(text)) {
       read.fail("placement_strategy",
-                "expected \"cluster\", \"spread\", or an order of the letters D and P such as \"DP\", got \"" + text + "\"");
+                "expected \"cluster\", \"spread\", or an order of the letters D, P and T such as \"DPT\", got \"" + text + "\"");
     }
     config.placement_strategy = text;
   }
@@ -344,16 +347,21 @@ Config Config::from_file(const std::string& path) {
 
 int Config::replicas_for_world(int world_size) const {
   if (world_size < 1) throw ConfigError("world size must be positive, got " + std::to_string(world_size));
-  if (world_size % partitions != 0) {
-    throw ConfigError(source + ": world size " + std::to_string(world_size) + " is not a multiple of \"partitions\" (" +
-                      std::to_string(partitions) + "); launch partitions x replicas processes");
+  const int model_ranks = partitions * tensor_parallel_degree;
+  const std::string model_degrees =
+      tensor_parallel_degree == 1 ? "\"partitions\" (" + std::to_string(partitions) + ")"
+                                  : "\"partitions\" x \"tensor_parallel_degree\" (" + std::to_string(partitions) +
+                                        " x " + std::to_string(tensor_parallel_degree) + ")";
+  if (world_size % model_ranks != 0) {
+    throw ConfigError(source + ": world size " + std::to_string(world_size) + " is not a multiple of " + model_degrees +
+                      "; launch " + (tensor_parallel_degree == 1 ? "partitions" : "partitions x tensor_parallel_degree") +
+                      " x replicas processes");
   }
-  const int replicas = world_size / partitions;
+  const int replicas = world_size / model_ranks;
   if (replicas > 1 && !ddp) {
-    throw ConfigError(source + ": world size " + std::to_string(world_size) + " with \"partitions\": " +
-                      std::to_string(partitions) + " gives " + std::to_string(replicas) +
-                      " replicas, but \"ddp\" is false; set \"ddp\": true or launch " + std::to_string(partitions) +
-                      " processes");
+    throw ConfigError(source + ": world size " + std::to_string(world_size) + " with " + model_degrees + " gives " +
+                      std::to_string(replicas) + " replicas, but \"ddp\" is false; set \"ddp\": true or launch " +
+                      std::to_string(model_ranks) + " processes");
   }
   if (global_batch_size > 0) check_batch(global_batch_size, replicas);
   return replicas;
@@ -374,7 +382,9 @@ bool Config::splits_backward() const { return sched::find_schedule_kind(pipeline
 
 std::string Config::describe() const {
   std::ostringstream text;
-  text << "partitions=" << partitions << " microbatches=" << microbatches << " schedule="
+  text << "partitions=" << partitions
+       << (tensor_parallel_degree > 1 ? " tensor_parallel_degree=" + std::to_string(tensor_parallel_degree) : "")
+       << " microbatches=" << microbatches << " schedule="
        << (schedule_file.empty() ? schedule_name() : "file:" + schedule_file) << " virtual_stages=" << virtual_stages
        << " ddp=" << (ddp ? "true" : "false") << (shard_optimizer_state ? " shard_optimizer_state=true" : "")
        << " placement=" << placement_strategy << " active_microbatches=" << active_microbatches

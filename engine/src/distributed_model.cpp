@@ -93,6 +93,14 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
   const Config& config = runtime_->config();
   if (config.fp16) loss_scale_ = kInitialLossScale;
   if (model_.nodes().empty()) throw ConfigError("the model has no modules; nothing to train");
+  if (runtime_->topology().tensor_parallel_degree() > 1) {
+    // The tensor-parallel layers (smp::tp) and their groups exist; stages of them, their checkpoints and gradient
+    // norms do not yet.
+    throw ConfigError(config.source + ": \"tensor_parallel_degree\" " +
+                      std::to_string(config.tensor_parallel_degree) +
+                      ": DistributedModel does not run tensor-parallel stages yet; use the smp::tp layers with "
+                      "Runtime::tensor_parallel() directly, or set it to 1");
+  }
   if (sample.size() != model_.input_names().size()) {
     throw ModelError("the sample has " + std::to_string(sample.size()) + " inputs, the model takes " +
                      std::to_string(model_.input_names().size()));
@@ -292,7 +300,7 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
     // Under this model's prefix: a second model of the same job must not meet this group's rendezvous keys.
     std::string name = exchange_ + "tied/" + tie.parameter + "/";
     for (int pp : holder_ranks) {
-      members.push_back(runtime_->topology().rank_of({pp, runtime_->dp_rank()}));
+      members.push_back(runtime_->topology().rank_of({pp, runtime_->dp_rank(), runtime_->tp_rank()}));
       name += std::to_string(members.back()) + ",";
     }
     tied_.push_back({parameter, runtime_->make_group(members, name)});

@@ -177,10 +177,12 @@ Runtime::Runtime(const Config& config, const comm::LaunchInfo& launch)
   for (int rank = 0; rank < launch_.world_size; ++rank) everyone[rank] = rank;
   // The world group carries control values (losses, flags) that live on the CPU.
   world_ = comm::make_gloo_group(store_, everyone, launch_.rank, "world", bind_host_, timeout_of(config_));
-  const auto pipeline_members = topology_.pipeline_group(coordinates_.dp_rank);
+  const auto pipeline_members = topology_.group(Axis::pipeline, coordinates_);
   pipeline_ = make_group(pipeline_members, "pipeline/" + join(pipeline_members));
-  const auto replica_members = topology_.data_parallel_group(coordinates_.pp_rank);
+  const auto replica_members = topology_.group(Axis::data, coordinates_);
   data_parallel_ = make_group(replica_members, "data_parallel/" + join(replica_members));
+  const auto shard_members = topology_.group(Axis::tensor, coordinates_);
+  tensor_parallel_ = make_group(shard_members, "tensor_parallel/" + join(shard_members));
   if (launch_.rank == 0) {
     log::info("config " + config_.source + ": " + config_.describe());
     log::info(topology_.describe() + " (launched by " + launch_.launcher + ")");

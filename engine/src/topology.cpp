@@ -4,49 +4,71 @@
 
 namespace smp {
 
+namespace {
+
+Axis axis_of(char letter) { return letter == 'T' ? Axis::tensor : letter == 'P' ? Axis::pipeline : Axis::data; }
+
+// SMP's names and letter orders as three letters, slowest first; an order without T puts it fastest, so that a
+// tensor-parallel group shares a host.
+std::string three_letters(const std::string& strategy) {
+  if (strategy == "cluster") return "DPT";
+  if (strategy == "spread") return "TPD";
+  return strategy.find('T') == std::string::npos ? strategy + "T" : strategy;
+}
+
+}  // namespace
+
 Topology::Topology(const Config& config, int world_size)
     : world_size_(world_size),
-      pipeline_degree_(config.partitions),
-      data_parallel_degree_(config.replicas_for_world(world_size)) {
-  const std::string& strategy = config.placement_strategy;
-  if (strategy == "cluster") {
-    pipeline_innermost_ = true;
-  } else if (strategy == "spread") {
-    pipeline_innermost_ = false;
-  } else {
-    // A letter order such as "DP" or "DPT": P after D means the pipeline index varies faster.
-    pipeline_innermost_ = strategy.find('P') > strategy.find('D');
+      degrees_{config.tensor_parallel_degree, config.partitions, config.replicas_for_world(world_size)},
+      order_(three_letters(config.placement_strategy)) {
+  int stride = 1;
+  for (auto letter = order_.rbegin(); letter != order_.rend(); ++letter) {
+    strides_[static_cast<int>(axis_of(*letter))] = stride;
+    stride *= degree(axis_of(*letter));
   }
 }
 
 int Topology::rank_of(Coordinates c) const {
-  return pipeline_innermost_ ? c.dp_rank * pipeline_degree_ + c.pp_rank : c.pp_rank * data_parallel_degree_ + c.dp_rank;
+  int rank = 0;
+  for (Axis axis : {Axis::tensor, Axis::pipeline, Axis::data}) rank += c.along(axis) * strides_[static_cast<int>(axis)];
+  return rank;
 }
 
 Coordinates Topology::coordinates_of(int rank) const {
-  if (pipeline_innermost_) return {rank % pipeline_degree_, rank / pipeline_degree_};
-  return {rank / data_parallel_degree_, rank % data_parallel_degree_};
+  Coordinates c;
+  for (Axis axis : {Axis::tensor, Axis::pipeline, Axis::data}) {
+    c.along(axis) = rank / strides_[static_cast<int>(axis)] % degree(axis);
+  }
+  return c;
 }
 
-std::vector<int> Topology::pipeline_group(int dp_rank) const {
+std::vector<int> Topology::group(Axis axis, Coordinates member) const {
   std::vector<int> ranks;
-  for (int pp = 0; pp < pipeline_degree_; ++pp) ranks.push_back(rank_of({pp, dp_rank}));
-  return ranks;
-}
-
-std::vector<int> Topology::data_parallel_group(int pp_rank) const {
-  std::vector<int> ranks;
-  for (int dp = 0; dp < data_parallel_degree_; ++dp) ranks.push_back(rank_of({pp_rank, dp}));
+  for (int index = 0; index < degree(axis); ++index) {
+    member.along(axis) = index;
+    ranks.push_back(rank_of(member));
+  }
   return ranks;
 }
 
 std::string Topology::describe() const {
   std::ostringstream text;
-  text << "world " << world_size_ << " = " << pipeline_degree_ << " pipeline stages x " << data_parallel_degree_
-       << " data-parallel replicas (" << (pipeline_innermost_ ? "cluster" : "spread") << " placement)";
-  for (int dp = 0; dp < data_parallel_degree_; ++dp) {
+  text << "world " << world_size_ << " = " << pipeline_degree() << " pipeline stages x " << data_parallel_degree()
+       << " data-parallel replicas";
+  if (tensor_parallel_degree() > 1) text << " x " << tensor_parallel_degree() << " tensor-parallel shards";
+  text << " (" << (order_ == "DPT" ? "cluster" : order_ == "TPD" ? "spread" : order_) << " placement)";
+  for (int dp = 0; dp < data_parallel_degree(); ++dp) {
     text << "; replica " << dp << ": ranks";
-    for (int rank : pipeline_group(dp)) text << ' ' << rank;
+    if (tensor_parallel_degree() == 1) {
+      for (int rank : pipeline_group(dp)) text << ' ' << rank;
+      continue;
+    }
+    for (int pp = 0; pp < pipeline_degree(); ++pp) {
+      text << (pp == 0 ? " " : " | ");
+      const auto shards = tensor_parallel_group(pp, dp);
+      for (std::size_t i = 0; i < shards.size(); ++i) text << (i ? "," : "") << shards[i];
+    }
   }
   return text.str();
 }

@@ -20,15 +20,19 @@ class ConfigError : public std::runtime_error {
 
 struct Config {
   int partitions = 1;            // pipeline stages (alias pipeline_parallel_degree)
+  // Shards of every tensor-parallel layer (smp::tp): each stage of each replica runs on this many ranks. The world
+  // is tensor_parallel_degree x partitions x replicas.
+  int tensor_parallel_degree = 1;
   int microbatches = 1;          // per data-parallel replica and step
   // A schedule of sched::schedule_kinds(), by SMP's name ("simple": GPipe; "interleaved": 1F1B, Megatron's
   // interleaved 1F1B when virtual_stages > 1; "zero_bubble", "zero_bubble_h2") or its generator's ("zb_v", ...).
   std::string pipeline = "interleaved";
-  bool ddp = false;              // data parallelism over world_size / partitions replicas
+  bool ddp = false;              // data parallelism over world_size / (partitions x tensor_parallel_degree) replicas
   // ZeRO stage 1, as SMP's key: each replica keeps (and updates) the optimizer state of its share of the
   // parameters only, then sends the updated parameters to the other replicas. No effect with one replica.
   bool shard_optimizer_state = false;
-  std::string placement_strategy = "cluster";  // "cluster", "spread", or an order of the letters D and P (T)
+  // "cluster" ("DPT"), "spread" ("TPD"), or an order of the letters D, P and T, slowest-varying first (Topology).
+  std::string placement_strategy = "cluster";
   int virtual_stages = 1;        // model chunks per pipeline rank (interleaved 1F1B; 2 for the V schedules)
   std::string schedule_file;     // a CSV schedule (scheduler/src/csv.cpp) to run instead of a generated one
   int active_microbatches = 0;   // cap on microbatches in flight per rank; 0 = the schedule's natural bound

@@ -41,12 +41,18 @@ class Runtime {
   int world_size() const { return launch_.world_size; }
   int pp_rank() const { return coordinates_.pp_rank; }
   int dp_rank() const { return coordinates_.dp_rank; }
+  int tp_rank() const { return coordinates_.tp_rank; }
+  const Coordinates& coordinates() const { return coordinates_; }
   // Where this rank's stages run: the CPU, or its GPU (config "device"; LOCAL_RANK picks the GPU).
   c10::Device device() const { return device_; }
 
   comm::Communicator& world() { return *world_; }
   comm::Communicator& pipeline() { return *pipeline_; }  // group rank == pp_rank
   comm::Communicator& data_parallel() { return *data_parallel_; }  // group rank == dp_rank
+  // The ranks holding the other shards of this rank's stages (group rank == tp_rank); this rank alone when
+  // tensor_parallel_degree is 1.
+  comm::Communicator& tensor_parallel() { return *tensor_parallel_; }
+  std::shared_ptr<comm::Communicator> tensor_parallel_group() const { return tensor_parallel_; }
 
   // A group of `members` (global ranks) for tensors on device(): NCCL for a GPU unless "backend" is "gloo".
   // Only the members call it, with the same arguments.
@@ -78,6 +84,7 @@ class Runtime {
   std::shared_ptr<comm::Communicator> world_;
   std::shared_ptr<comm::Communicator> pipeline_;
   std::shared_ptr<comm::Communicator> data_parallel_;
+  std::shared_ptr<comm::Communicator> tensor_parallel_;
   int exchanges_ = 0;
   std::string bind_host_;
 };

@@ -1,6 +1,8 @@
 #pragma once
-// Where every rank sits: rank <-> (pp_rank, dp_rank) under the placement strategy, and the groups built on it.
+// Where every rank sits: rank <-> (pp_rank, dp_rank, tp_rank) over three named axes, ordered by the placement
+// strategy, and the groups along each axis.
 
+#include <array>
 #include <string>
 #include <vector>
 
@@ -8,9 +10,15 @@
 
 namespace smp {
 
+// The axes of parallelism, by SMP's placement letters: T (tensor), P (pipeline), D (data).
+enum class Axis { tensor, pipeline, data };
+
 struct Coordinates {
   int pp_rank = 0;  // pipeline stage index within the replica
   int dp_rank = 0;  // which data-parallel replica
+  int tp_rank = 0;  // which shard of the tensor-parallel layers
+  int& along(Axis axis) { return axis == Axis::pipeline ? pp_rank : axis == Axis::data ? dp_rank : tp_rank; }
+  int along(Axis axis) const { return const_cast<Coordinates&>(*this).along(axis); }
 };
 
 class Topology {
@@ -19,26 +27,32 @@ class Topology {
   Topology(const Config& config, int world_size);
 
   int world_size() const { return world_size_; }
-  int pipeline_degree() const { return pipeline_degree_; }
-  int data_parallel_degree() const { return data_parallel_degree_; }
-  // True when consecutive ranks hold the stages of one replica (SMP's "cluster"): pipeline neighbours then
-  // share a host, where point-to-point traffic is cheapest.
-  bool pipeline_innermost() const { return pipeline_innermost_; }
+  int degree(Axis axis) const { return degrees_[static_cast<int>(axis)]; }
+  int pipeline_degree() const { return degree(Axis::pipeline); }
+  int data_parallel_degree() const { return degree(Axis::data); }
+  int tensor_parallel_degree() const { return degree(Axis::tensor); }
+  // The placement as letters from the axis that varies slowest over consecutive ranks to the fastest: "DPT" for
+  // SMP's "cluster" (a tensor-parallel group on consecutive ranks, then a replica's stages), "TPD" for "spread".
+  const std::string& order() const { return order_; }
 
   int rank_of(Coordinates coordinates) const;
   Coordinates coordinates_of(int rank) const;
-  // Ranks of one replica's pipeline, ordered by pp_rank.
-  std::vector<int> pipeline_group(int dp_rank) const;
-  // Ranks that hold the same stage in every replica, ordered by dp_rank.
-  std::vector<int> data_parallel_group(int pp_rank) const;
+  // The ranks along `axis` through `member` (its other coordinates fixed), ordered by the coordinate on `axis`.
+  std::vector<int> group(Axis axis, Coordinates member) const;
+  // Ranks of one replica's pipeline (one tensor-parallel shard of it), ordered by pp_rank.
+  std::vector<int> pipeline_group(int dp_rank, int tp_rank = 0) const { return group(Axis::pipeline, {0, dp_rank, tp_rank}); }
+  // Ranks that hold the same stage (and shard) in every replica, ordered by dp_rank.
+  std::vector<int> data_parallel_group(int pp_rank, int tp_rank = 0) const { return group(Axis::data, {pp_rank, 0, tp_rank}); }
+  // Ranks that hold the shards of one stage of one replica, ordered by tp_rank.
+  std::vector<int> tensor_parallel_group(int pp_rank, int dp_rank) const { return group(Axis::tensor, {pp_rank, dp_rank, 0}); }
 
   std::string describe() const;  // the rank table, for the start-of-job log
 
  private:
   int world_size_;
-  int pipeline_degree_;
-  int data_parallel_degree_;
-  bool pipeline_innermost_;
+  std::array<int, 3> degrees_;  // by Axis
+  std::string order_;
+  std::array<int, 3> strides_;  // by Axis: rank = sum of coordinate x stride
 };
 
 }  // namespace smp

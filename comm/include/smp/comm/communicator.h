@@ -63,7 +63,15 @@ class Communicator {
   virtual void all_reduce_sum(const at::Tensor& tensor) { iall_reduce_sum(tensor)->wait(); }
   virtual void broadcast(const at::Tensor& tensor, int root) = 0;
   virtual void barrier() = 0;
+  // Blocking collectives over shards along dimension 0 (tensor-parallel layers). all_gather: every member's `shard`
+  // (all of one shape) concatenated in group rank order into `whole`. reduce_scatter_sum: the sum over members of
+  // `whole`, this member's rank-th slice of it into `shard`. `whole` has size() times `shard`'s first dimension.
+  virtual void all_gather(const at::Tensor& whole, const at::Tensor& shard) = 0;
+  virtual void reduce_scatter_sum(const at::Tensor& shard, const at::Tensor& whole) = 0;
 };
+
+// CommError naming `what` unless `whole` is `members` shards of `shard`'s shape along dimension 0, of one dtype.
+void check_shards(const at::Tensor& whole, const at::Tensor& shard, int members, const std::string& what);
 
 // Creates the Gloo communicator of a group. Only the members call it, each with the same `members` (global
 // ranks, in group order) and `name`; the group's rendezvous goes through `store` under that name. Tensors on

@@ -1,0 +1,107 @@
+#pragma once
+// Tensor-parallel layers (Megatron-LM's): each rank of a tensor-parallel group (Runtime::tensor_parallel_group())
+// holds one shard of every such layer's weights and computes its share; the collectives in their forward and
+// backward make the result what the whole layer computes. Shards split along the output features (column) or input
+// features (row) of a linear layer, the heads of attention, or the rows of an embedding (the vocabulary).
+//
+//   auto group = runtime->tensor_parallel_group();
+//   ColumnParallelLinear expand(d, 4 * d, group);   // y_i = x W_i^T: the input whole, the output sharded
+//   RowParallelLinear contract(4 * d, d, group);    // y = sum_i x_i W_i^T: the input sharded, the output whole
+//   auto y = contract(at::gelu(expand(x)));         // two collectives per MLP: all-reduces in backward and forward
+//
+// Every rank of the group runs the same inputs (they are replicated) and gets the same outputs; a loss computed from
+// them is the same on every rank, and each rank's backward fills its own shards' gradients.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include "smp/comm/communicator.h"
+
+namespace smp::tp {
+
+using Group = std::shared_ptr<comm::Communicator>;
+
+// The collectives as autograd functions, for layers of one's own:
+// the input whole on every rank, about to be used by sharded weights: identity forward, gradients summed backward.
+at::Tensor copy_to_shards(const at::Tensor& input, const Group& group);
+// partial sums of every rank added up: all-reduce forward, identity backward.
+at::Tensor reduce_from_shards(const at::Tensor& input, const Group& group);
+// the shards of the last dimension put together: all-gather forward, this rank's slice of the gradient backward.
+at::Tensor gather_last_dim(const at::Tensor& input, const Group& group);
+// this rank's slice of the last dimension: slice forward, all-gather backward.
+at::Tensor scatter_last_dim(const at::Tensor& input, const Group& group);
+
+// This rank's shard of a whole tensor along `dim` (a weight made whole in one process, for loading or checking).
+at::Tensor shard_of(const at::Tensor& whole, int64_t dim, const Group& group);
+
+// y = x A^T + b with A's rows (output features) split: the output's last dimension is sharded unless gather_output.
+class ColumnParallelLinearImpl : public torch::nn::Module {
+ public:
+  ColumnParallelLinearImpl(int64_t in_features, int64_t out_features, Group group, bool bias = true,
+                           bool gather_output = false);
+  at::Tensor forward(const at::Tensor& input);
+  at::Tensor weight;  // [out_features / tp, in_features]
+  at::Tensor bias;    // [out_features / tp], or undefined
+
+ private:
+  Group group_;
+  bool gather_output_;
+};
+TORCH_MODULE(ColumnParallelLinear);
+
+// y = x A^T + b with A's columns (input features) split: takes the input sharded along its last dimension (a column
+// layer's output) unless input_is_parallel is false; the output is whole. The bias is whole on every rank.
+class RowParallelLinearImpl : public torch::nn::Module {
+ public:
+  RowParallelLinearImpl(int64_t in_features, int64_t out_features, Group group, bool bias = true,
+                        bool input_is_parallel = true);
+  at::Tensor forward(const at::Tensor& input);
+  const Group& group() const { return group_; }
+  at::Tensor weight;  // [out_features, in_features / tp]
+  at::Tensor bias;    // [out_features], or undefined
+
+ private:
+  Group group_;
+  bool input_is_parallel_;
+};
+TORCH_MODULE(RowParallelLinear);
+
+// An embedding whose rows (the vocabulary) are split: each rank looks up the ids in its range, and the rows are
+// summed over the group.
+class VocabParallelEmbeddingImpl : public torch::nn::Module {
+ public:
+  VocabParallelEmbeddingImpl(int64_t vocabulary, int64_t dimension, Group group);
+  at::Tensor forward(const at::Tensor& ids);
+  at::Tensor weight;  // [vocabulary / tp, dimension]: ids [first_id, first_id + vocabulary / tp)
+
+ private:
+  Group group_;
+  int64_t first_id_;
+};
+TORCH_MODULE(VocabParallelEmbedding);
+
+// Causal self-attention with the heads split: query, key and value column-parallel (heads / tp heads each), the
+// output projection row-parallel.
+class SelfAttentionImpl : public torch::nn::Module {
+ public:
+  SelfAttentionImpl(int64_t d_model, int64_t heads, Group group);
+  at::Tensor forward(const at::Tensor& input);  // [batch, sequence, d_model]
+  ColumnParallelLinear query{nullptr}, key{nullptr}, value{nullptr};
+  RowParallelLinear projection{nullptr};
+
+ private:
+  int64_t local_heads_;
+};
+TORCH_MODULE(SelfAttention);
+
+// The mean cross entropy of logits sharded along the vocabulary (a column-parallel output layer's, not gathered)
+// against whole targets: the same value on every rank, and each rank's gradient for its own logits, without ever
+// gathering the logits. `logits` [..., vocabulary / tp], `targets` [...] of ids over the whole vocabulary.
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, const Group& group);
+
+}  // namespace smp::tp

@@ -1,0 +1,208 @@
+#include "smp/tp.h"
+
+#include <cmath>
+#include <utility>
+
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+#include <torch/custom_class.h>
+
+#include "smp/config.h"
+
+namespace smp::tp {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The group travels with the autograd context to backward, which runs after forward has returned.
+struct HeldGroup : torch::CustomClassHolder {
+  explicit HeldGroup(Group held) : group(std::move(held)) {}
+  Group group;
+};
+c10::IValue hold(const Group& group) { return c10::IValue::make_capsule(c10::make_intrusive<HeldGroup>(group)); }
+Group held(const c10::IValue& value) { return c10::static_intrusive_pointer_cast<HeldGroup>(value.toCapsule())->group; }
+
+at::Tensor summed(const at::Tensor& tensor, const Group& group) {
+  at::Tensor sum = tensor.contiguous().clone();
+  group->all_reduce_sum(sum);
+  return sum;
+}
+
+at::Tensor gathered_last_dim(const at::Tensor& shard, const Group& group) {
+  const at::Tensor front = shard.movedim(-1, 0).contiguous();
+  auto sizes = front.sizes().vec();
+  sizes[0] *= group->size();
+  at::Tensor whole = at::empty(sizes, front.options());
+  group->all_gather(whole, front);
+  return whole.movedim(0, -1).contiguous();
+}
+
+at::Tensor own_slice_last_dim(const at::Tensor& whole, const Group& group) {
+  const int64_t width = whole.size(-1) / group->size();
+  return whole.narrow(-1, group->rank() * width, width).contiguous();
+}
+
+struct CopyToShards : torch::autograd::Function<CopyToShards> {
+  static at::Tensor forward(AutogradContext* context, const at::Tensor& input, const Group& group) {
+    context->saved_data["group"] = hold(group);
+    return input;
+  }
+  static variable_list backward(AutogradContext* context, variable_list gradients) {
+    return {summed(gradients[0], held(context->saved_data["group"])), at::Tensor()};
+  }
+};
+
+struct ReduceFromShards : torch::autograd::Function<ReduceFromShards> {
+  static at::Tensor forward(AutogradContext*, const at::Tensor& input, const Group& group) {
+    return summed(input, group);
+  }
+  static variable_list backward(AutogradContext*, variable_list gradients) { return {gradients[0], at::Tensor()}; }
+};
+
+struct GatherLastDim : torch::autograd::Function<GatherLastDim> {
+  static at::Tensor forward(AutogradContext* context, const at::Tensor& input, const Group& group) {
+    context->saved_data["group"] = hold(group);
+    return gathered_last_dim(input, group);
+  }
+  static variable_list backward(AutogradContext* context, variable_list gradients) {
+    return {own_slice_last_dim(gradients[0], held(context->saved_data["group"])), at::Tensor()};
+  }
+};
+
+struct ScatterLastDim : torch::autograd::Function<ScatterLastDim> {
+  static at::Tensor forward(AutogradContext* context, const at::Tensor& input, const Group& group) {
+    context->saved_data["group"] = hold(group);
+    return own_slice_last_dim(input, group);
+  }
+  static variable_list backward(AutogradContext* context, variable_list gradients) {
+    return {gathered_last_dim(gradients[0], held(context->saved_data["group"])), at::Tensor()};
+  }
+};
+
+// The share of `size` on each of the group's ranks; ConfigError naming the layer when it does not divide.
+int64_t per_rank(int64_t size, const Group& group, const std::string& layer, const std::string& what) {
+  const int ranks = group->size();
+  if (size % ranks != 0) {
+    throw ConfigError(layer + ": " + what + " " + std::to_string(size) + " does not divide by \"tensor_parallel_degree\" " +
+                      std::to_string(ranks));
+  }
+  return size / ranks;
+}
+
+// As torch::nn::Linear initializes: uniform within 1/sqrt(fan_in) of the whole layer, drawn per shard.
+at::Tensor uniform(std::vector<int64_t> sizes, int64_t fan_in) {
+  const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
+  return at::empty(sizes).uniform_(-bound, bound);
+}
+
+}  // namespace
+
+at::Tensor copy_to_shards(const at::Tensor& input, const Group& group) {
+  return group->size() == 1 ? input : CopyToShards::apply(input, group);
+}
+at::Tensor reduce_from_shards(const at::Tensor& input, const Group& group) {
+  return group->size() == 1 ? input : ReduceFromShards::apply(input, group);
+}
+at::Tensor gather_last_dim(const at::Tensor& input, const Group& group) {
+  return group->size() == 1 ? input : GatherLastDim::apply(input, group);
+}
+at::Tensor scatter_last_dim(const at::Tensor& input, const Group& group) {
+  return group->size() == 1 ? input : ScatterLastDim::apply(input, group);
+}
+
+at::Tensor shard_of(const at::Tensor& whole, int64_t dim, const Group& group) {
+  per_rank(whole.size(dim), group, "shard_of", "dimension " + std::to_string(dim) + " of size");
+  return whole.chunk(group->size(), dim)[static_cast<std::size_t>(group->rank())].contiguous();
+}
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in_features, int64_t out_features, Group group, bool bias,
+                                                   bool gather_output)
+    : group_(std::move(group)), gather_output_(gather_output) {
+  const int64_t local = per_rank(out_features, group_, "ColumnParallelLinear", "output features");
+  weight = register_parameter("weight", uniform({local, in_features}, in_features));
+  if (bias) this->bias = register_parameter("bias", uniform({local}, in_features));
+}
+
+at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
+  const at::Tensor output = at::linear(copy_to_shards(input, group_), weight, bias);
+  return gather_output_ ? gather_last_dim(output, group_) : output;
+}
+
+RowParallelLinearImpl::RowParallelLinearImpl(int64_t in_features, int64_t out_features, Group group, bool bias,
+                                             bool input_is_parallel)
+    : group_(std::move(group)), input_is_parallel_(input_is_parallel) {
+  const int64_t local = per_rank(in_features, group_, "RowParallelLinear", "input features");
+  weight = register_parameter("weight", uniform({out_features, local}, in_features));
+  if (bias) this->bias = register_parameter("bias", uniform({out_features}, in_features));
+}
+
+at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
+  const at::Tensor shard = input_is_parallel_ ? input : scatter_last_dim(input, group_);
+  // The bias is added once, after the partial products are summed.
+  const at::Tensor output = reduce_from_shards(at::linear(shard, weight), group_);
+  return bias.defined() ? output + bias : output;
+}
+
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t vocabulary, int64_t dimension, Group group)
+    : group_(std::move(group)) {
+  const int64_t local = per_rank(vocabulary, group_, "VocabParallelEmbedding", "vocabulary");
+  first_id_ = group_->rank() * local;
+  weight = register_parameter("weight", at::randn({local, dimension}));  // as torch::nn::Embedding: N(0, 1)
+}
+
+at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
+  const at::Tensor elsewhere = (ids < first_id_) | (ids >= first_id_ + weight.size(0));
+  const at::Tensor rows = at::embedding(weight, (ids - first_id_).masked_fill(elsewhere, 0));
+  return reduce_from_shards(rows.masked_fill(elsewhere.unsqueeze(-1), 0.0), group_);
+}
+
+SelfAttentionImpl::SelfAttentionImpl(int64_t d_model, int64_t heads, Group group) {
+  if (heads <= 0 || d_model % heads != 0) {
+    throw ConfigError("SelfAttention: d_model " + std::to_string(d_model) + " is not a multiple of " +
+                      std::to_string(heads) + " heads");
+  }
+  local_heads_ = per_rank(heads, group, "SelfAttention", "heads");
+  query = register_module("query", ColumnParallelLinear(d_model, d_model, group));
+  key = register_module("key", ColumnParallelLinear(d_model, d_model, group));
+  value = register_module("value", ColumnParallelLinear(d_model, d_model, group));
+  projection = register_module("projection", RowParallelLinear(d_model, d_model, std::move(group)));
+}
+
+at::Tensor SelfAttentionImpl::forward(const at::Tensor& input) {
+  const int64_t batch = input.size(0), length = input.size(1);
+  const int64_t head_size = query->weight.size(0) / local_heads_;
+  // One gradient all-reduce for the three projections' shared input, not one each.
+  const Group& group = projection->group();
+  const at::Tensor shared = copy_to_shards(input, group);
+  const auto heads = [&](const ColumnParallelLinear& linear) {
+    return at::linear(shared, linear->weight, linear->bias).view({batch, length, local_heads_, head_size}).transpose(1, 2);
+  };
+  const at::Tensor attended =
+      at::scaled_dot_product_attention(heads(query), heads(key), heads(value), {}, 0.0, /*is_causal=*/true);
+  return projection(attended.transpose(1, 2).reshape({batch, length, local_heads_ * head_size}));
+}
+
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, const Group& group) {
+  const int64_t local = logits.size(-1);
+  const int64_t first_id = group->rank() * local;
+  const at::Tensor rows = logits.reshape({-1, local});
+  const at::Tensor ids = targets.reshape({-1});
+  // The largest logit over the whole vocabulary, for a stable exponent; it cancels out, so it takes no gradient.
+  const at::Tensor local_max = std::get<0>(rows.detach().max(-1)).contiguous();
+  at::Tensor maxima = at::empty({group->size() * local_max.size(0)}, local_max.options());
+  if (group->size() == 1) {
+    maxima = local_max;
+  } else {
+    group->all_gather(maxima, local_max);
+  }
+  const at::Tensor shifted = rows - std::get<0>(maxima.view({group->size(), -1}).max(0)).unsqueeze(1);
+  const at::Tensor sum_exp = reduce_from_shards(shifted.exp().sum(-1), group);
+  const at::Tensor elsewhere = (ids < first_id) | (ids >= first_id + local);
+  const at::Tensor picked =
+      shifted.gather(1, (ids - first_id).masked_fill(elsewhere, 0).unsqueeze(1)).squeeze(1).masked_fill(elsewhere, 0.0);
+  return (sum_exp.log() - reduce_from_shards(picked, group)).mean();
+}
+
+}  // namespace smp::tp
