@@ -21,6 +21,7 @@
 #include "smp/distributed_optimizer.h"
 #include "smp/main.h"
 #include "smp/runtime.h"
+#include "smp/tp.h"
 
 namespace {
 
@@ -42,7 +43,9 @@ int run(int argc, char** argv) {
   const auto model_options = smp::examples::gpt_options_from_section(config.application("model").dump(), config.source);
   const int64_t batch = config.global_batch_size, length = model_options.context;
   at::manual_seed(config.seed);
-  auto model = smp::examples::make_gpt(model_options);
+  // With "tensor_parallel_degree" > 1 the blocks, the embedding and the output layer hold this rank's shards.
+  auto model = smp::examples::make_gpt(model_options, runtime->tensor_parallel_group());
+  const auto loss = smp::examples::gpt_loss_for(runtime->tensor_parallel_group());
   auto tokens = [&](int step) {
     auto generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(step));
     auto all = at::randint(model_options.vocab_size, {batch, length + 1}, generator, at::kLong);
@@ -61,13 +64,14 @@ int run(int argc, char** argv) {
   smp::DistributedOptimizer optimizer(distributed, std::move(local_optimizer));
   std::vector<double> times, iteration_times;  // train_step alone; with the optimizer step
   int sends_posted = 0, peak_sends_held = 0;  // of the last step, on this rank
+  smp::tp::CollectiveBytes tp_before;  // at the first measured step
   for (int step = 0; step < warmup + measured; ++step) {
+    if (step == warmup) tp_before = smp::tp::collective_bytes();
     const auto [inputs, targets] = tokens(step);
     runtime->world().barrier();  // every rank starts the step together, so the slowest stage sets the time
     const auto start = std::chrono::steady_clock::now();
     optimizer.zero_grad();
-    const auto output = distributed.train_step(runtime->replica_slice(inputs), runtime->replica_slice(targets),
-                                               smp::examples::gpt_loss);
+    const auto output = distributed.train_step(runtime->replica_slice(inputs), runtime->replica_slice(targets), loss);
     optimizer.step();  // with sharded optimizer state, the exchange of the updated parameters too
     if (step >= warmup) {
       times.push_back(output.seconds);
@@ -105,8 +109,15 @@ int run(int argc, char** argv) {
   at::Tensor states = at::zeros({runtime->world_size()}, at::kDouble);
   states[runtime->rank()] = state_bytes / (1 << 20);
   runtime->world().all_reduce_sum(states);
+  const auto tp_after = smp::tp::collective_bytes();
   if (runtime->rank() == 0) {
-    std::printf("{\"partitions\": %d, \"replicas\": %d, \"microbatches\": %d, \"schedule\": \"%s\", "
+    // Rank 0 (stage 0's first shard): its tensor-parallel collectives per measured step.
+    std::printf("{\"tensor_parallel\": %d, \"tp_all_reduced_bytes_per_step\": %.0f, "
+                "\"tp_all_gathered_bytes_per_step\": %.0f, ",
+                runtime->topology().tensor_parallel_degree(),
+                static_cast<double>(tp_after.all_reduced - tp_before.all_reduced) / measured,
+                static_cast<double>(tp_after.all_gathered - tp_before.all_gathered) / measured);
+    std::printf("\"partitions\": %d, \"replicas\": %d, \"microbatches\": %d, \"schedule\": \"%s\", "
                 "\"global_batch\": %lld, \"median_step_s\": %.6f, \"median_iteration_s\": %.6f, \"samples_per_s\": %.2f, "
                 "\"iteration_samples_per_s\": %.2f, \"spread\": %.3f, \"peak_rss_mib\": %.1f, "
                 "\"optimizer_state_mib\": %.1f, \"rank0_sends_posted\": %d, \"rank0_peak_sends_held\": %d}\n",

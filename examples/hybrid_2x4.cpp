@@ -120,7 +120,9 @@ int run(int argc, char** argv) {
 
   auto runtime = smp::Runtime::init(config);
   at::manual_seed(config.seed);
-  auto model = smp::examples::make_gpt(model_options);
+  // With "tensor_parallel_degree" > 1 the blocks, embedding and output layer hold this rank's shards.
+  auto model = smp::examples::make_gpt(model_options, runtime->tensor_parallel_group());
+  const auto loss = smp::examples::gpt_loss_for(runtime->tensor_parallel_group());
   const int64_t global_batch = config.global_batch_size;
   const int64_t microbatch = global_batch / runtime->topology().data_parallel_degree() / config.microbatches;
   const auto sample = corpus.batch(config.seed, -1, microbatch, training.sequence_length).first;
@@ -138,7 +140,7 @@ int run(int argc, char** argv) {
     const auto [inputs, targets] = corpus.batch(config.seed, step, global_batch, training.sequence_length);
     optimizer.zero_grad();
     const auto output =
-        distributed.train_step(runtime->replica_slice(inputs), runtime->replica_slice(targets), smp::examples::gpt_loss);
+        distributed.train_step(runtime->replica_slice(inputs), runtime->replica_slice(targets), loss);
     if (training.clip_grad_norm > 0) optimizer.clip_grad_norm(training.clip_grad_norm);
     optimizer.step();
     if (runtime->rank() == 0) {
@@ -157,11 +159,14 @@ int run(int argc, char** argv) {
   for (int i = 0; i < kValidationBatches; ++i) {
     const auto [inputs, targets] = corpus.batch(config.seed, -2 - i, global_batch, training.sequence_length);
     const at::Tensor replica_targets = runtime->replica_slice(targets);
-    const smp::StepOutput evaluation = distributed.evaluate(runtime->replica_slice(inputs), replica_targets,
-                                                            smp::examples::gpt_loss, /*keep_outputs=*/true);
+    const smp::StepOutput evaluation =
+        distributed.evaluate(runtime->replica_slice(inputs), replica_targets, loss, /*keep_outputs=*/true);
     validation += evaluation.loss / kValidationBatches;
     if (evaluation.outputs.defined()) {
-      guesses[0] += evaluation.outputs.argmax(-1).cpu().eq(replica_targets).sum().item<double>();
+      // Each tensor-parallel rank holds its share of the vocabulary's logits: put together, counted by one.
+      const at::Tensor logits = smp::tp::gather_last_dim(evaluation.outputs, runtime->tensor_parallel_group());
+      if (runtime->tp_rank() != 0) continue;
+      guesses[0] += logits.argmax(-1).cpu().eq(replica_targets).sum().item<double>();
       guesses[1] += static_cast<double>(replica_targets.numel());
     }
   }

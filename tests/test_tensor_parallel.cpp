@@ -1,6 +1,8 @@
-// Tensor parallelism: the layers of smp::tp on groups of 2 and 4 ranks train like the whole model in one process,
-// and configs that cannot work are refused before any communication.
+// Tensor parallelism: the layers of smp::tp on groups of 2 and 4 ranks, and the example GPT's stages under
+// tp x pp x dp, train like the whole model in one process; configs that cannot work are refused, naming the key.
 
+#include <fstream>
+#include <iterator>
 #include <regex>
 #include <string>
 
@@ -36,14 +38,69 @@ TEST_CASE("tensor-parallel configs that cannot work are refused, naming the key"
   auto result = run_command(std::string(SMPRUN_PATH) + " -n 3 -- " + TP_WORKER_PATH + " --config " + odd, 60);
   CHECK(result.status != 0);
   CHECK_THAT(result.output, Catch::Contains("world size 3 is not a multiple of \"partitions\" x \"tensor_parallel_degree\" (1 x 2)"));
-  // DistributedModel does not run tensor-parallel stages yet, and says so rather than training replicas.
-  const auto staged = write_config("tp_staged", R"({"tensor_parallel_degree": 2, "partitions": 1, "microbatches": 2, "device": "cpu"})");
-  result = run_command(std::string(SMPRUN_PATH) + " -n 2 -- " + WORKER_PATH + " --config " + staged + " --steps 1", 60);
+  // Checkpoints do not hold shards yet: refused when the config is read, before any communication.
+  const auto checkpointed = write_config("tp_checkpointed", R"({"tensor_parallel_degree": 2, "device": "cpu", "checkpoint_dir": "/tmp/x"})");
+  result = run_command(std::string(SMPRUN_PATH) + " -n 2 -- " + WORKER_PATH + " --config " + checkpointed + " --steps 1", 60);
   CHECK(result.status != 0);
-  CHECK_THAT(result.output, Catch::Contains("DistributedModel does not run tensor-parallel stages yet"));
+  CHECK_THAT(result.output, Catch::Contains("key \"checkpoint_dir\": checkpoints of tensor-parallel shards are not written"));
+  // The GPT's two heads cannot be split four ways: the model's key is named.
+  const auto four = write_config("tp_four", smp_config(1, 1, 2, "interleaved", "cluster", 4, 60, R"(, "tensor_parallel_degree": 4)"));
+  result = run_command(std::string(SMPRUN_PATH) + " -n 4 -- " + WORKER_PATH + " --config " + four + " --model gpt --steps 1", 60);
+  CHECK(result.status != 0);
+  CHECK_THAT(result.output, Catch::Contains("model.heads 2 does not divide by \"tensor_parallel_degree\" 4"));
   // A layer whose size does not divide names itself: heads 4 on 3 ranks.
   const auto three = write_config("tp_three", R"({"tensor_parallel_degree": 3, "device": "cpu"})");
   result = run_command(std::string(SMPRUN_PATH) + " -n 3 -- " + TP_WORKER_PATH + " --config " + three, 60);
   CHECK(result.status != 0);
   CHECK_THAT(result.output, Catch::Contains("does not divide by \"tensor_parallel_degree\" 3"));
+}
+
+TEST_CASE("the GPT's stages under tp x pp x dp train like single-process training", "[tp][multiprocess]") {
+  struct Case {
+    int pp, dp;
+    std::string pipeline, placement, extra;
+  };
+  const Case cases[] = {{2, 2, "interleaved", "cluster", ""},
+                        {2, 1, "zero_bubble", "cluster", ""},
+                        {1, 2, "interleaved", "cluster", R"(, "shard_optimizer_state": true)"},
+                        {2, 2, "interleaved", "TPD", ""}};
+  for (const auto& c : cases) {
+    const int world = 2 * c.pp * c.dp;
+    DYNAMIC_SECTION("tp 2 x pp " << c.pp << " x dp " << c.dp << " " << c.pipeline << " " << c.placement << c.extra) {
+      const auto config = write_config("tp_gpt", smp_config(c.pp, c.dp, 4, c.pipeline, c.placement, 8 * c.dp, 60,
+                                                            R"(, "tensor_parallel_degree": 2)" + c.extra));
+      const auto result = run_worker(world, config, "--model gpt --optimizer adamw --steps 3 --clip 0.5");
+      check_clean_run(result, world);
+      CHECK(step_losses(result.output).size() == 3);
+    }
+  }
+}
+
+TEST_CASE("the 2x4 example under tp 2 x pp 2 x dp 2 gives one process's losses", "[tp][example]") {
+  std::ifstream original(EXAMPLE_CONFIG);
+  const std::string text((std::istreambuf_iterator<char>(original)), std::istreambuf_iterator<char>());
+  const auto run = [&](const std::string& name, const std::string& config_text, int processes) {
+    const auto result = run_command(std::string(SMPRUN_PATH) + " -n " + std::to_string(processes) + " -- " + EXAMPLE_PATH +
+                                        " --config " + write_config(name, config_text) + " --steps 3",
+                                    300);
+    INFO(result.output);
+    REQUIRE(result.status == 0);
+    return result.output;
+  };
+  const std::string sharded = run(
+      "example_tp", std::regex_replace(text, std::regex(R"("partitions": \d+)"), R"("partitions": 2, "tensor_parallel_degree": 2)"), 8);
+  CHECK_THAT(sharded, Catch::Contains("x 2 tensor-parallel shards"));
+  std::string single_text = std::regex_replace(text, std::regex(R"("partitions": \d+)"), R"("partitions": 1)");
+  single_text = std::regex_replace(single_text, std::regex(R"("microbatches": \d+)"), R"("microbatches": 1)");
+  single_text = std::regex_replace(single_text, std::regex(R"("ddp": true)"), R"("ddp": false)");
+  const std::string single = run("example_single", single_text, 1);
+  const auto sharded_losses = step_losses(sharded), single_losses = step_losses(single);
+  REQUIRE(sharded_losses.size() == 3);
+  REQUIRE(single_losses.size() == 3);
+  for (std::size_t i = 0; i < 3; ++i) CHECK(sharded_losses[i] == Approx(single_losses[i]).epsilon(1e-5));
+  const std::regex accuracy(R"(\[rank 0\] validation next-byte accuracy ([0-9.eE+-]+))");
+  std::smatch sharded_accuracy, single_accuracy;
+  REQUIRE(std::regex_search(sharded, sharded_accuracy, accuracy));
+  REQUIRE(std::regex_search(single, single_accuracy, accuracy));
+  CHECK(std::stod(sharded_accuracy[1].str()) == Approx(std::stod(single_accuracy[1].str())).margin(2e-3));
 }

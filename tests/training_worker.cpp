@@ -27,6 +27,7 @@
 #include "smp/distributed_optimizer.h"
 #include "smp/main.h"
 #include "smp/runtime.h"
+#include "smp/tp.h"
 
 namespace {
 
@@ -83,11 +84,12 @@ class TiedLinearImpl : public torch::nn::Module {
 };
 TORCH_MODULE(TiedLinear);
 
-smp::GraphModel make_model(const Options& options) {
+// `tensor_parallel`: the group whose shards the GPT's layers hold (none: the whole model, the reference).
+smp::GraphModel make_model(const Options& options, const smp::tp::Group& tensor_parallel = nullptr) {
   if (options.model == "gpt") {
     smp::examples::GptOptions gpt;
     gpt.vocab_size = 32, gpt.context = kGptLength, gpt.d_model = 16, gpt.heads = 2, gpt.layers = 4;
-    return smp::examples::make_gpt(gpt);
+    return smp::examples::make_gpt(gpt, tensor_parallel);
   }
   if (options.model == "residual" || options.model == "long_residual") {
     // A skip from "in" over three blocks to "join": on 4 stages it crosses two stage boundaries. long_residual puts
@@ -190,8 +192,8 @@ std::pair<at::Tensor, at::Tensor> global_batch(const Options& options, int64_t s
   return {at::randn({size, options.input_width}, generator), at::randn({size, kMlpOut}, generator)};
 }
 
-smp::LossFunction loss_of(const Options& options) {
-  if (options.model == "gpt") return smp::examples::gpt_loss;
+smp::LossFunction loss_of(const Options& options, const smp::tp::Group& tensor_parallel = nullptr) {
+  if (options.model == "gpt") return smp::examples::gpt_loss_for(tensor_parallel);
   return [](const at::Tensor& output, const at::Tensor& target) { return at::mse_loss(output, target); };
 }
 
@@ -242,7 +244,7 @@ int run(int argc, char** argv) {
   const int64_t microbatch = batch / runtime->topology().data_parallel_degree() / config.microbatches;
 
   at::manual_seed(config.seed);
-  auto model = make_model(options);
+  auto model = make_model(options, runtime->tensor_parallel_group());
   smp::DistributedModel distributed(runtime, model, runtime->replica_slice(global_batch(options, batch, 0, config.seed).first).narrow(0, 0, microbatch));
   // Nodes built on demand (the GPT's): this rank built those of its own stages and no other.
   const auto own_stages = distributed.stages();
@@ -266,12 +268,16 @@ int run(int argc, char** argv) {
   const c10::Device device = runtime->device();
   for (const auto& node : reference.nodes()) node.module->to(device);
   auto reference_optimizer = make_optimizer(options, parameters_of(reference));
-  const auto base_loss = loss_of(options);
   int current_step = 0;
-  const smp::LossFunction loss = [&](const at::Tensor& output, const at::Tensor& target) {
-    const auto value = base_loss(output, target);
-    return options.spike_steps.count(current_step) ? value * 1e30 : value;
+  const auto with_spikes = [&](smp::LossFunction base) -> smp::LossFunction {
+    return [&, base](const at::Tensor& output, const at::Tensor& target) {
+      const auto value = base(output, target);
+      return options.spike_steps.count(current_step) ? value * 1e30 : value;
+    };
   };
+  // Under tensor parallelism smp's last stage gives this rank's share of the logits, the reference all of them.
+  const smp::LossFunction loss = with_spikes(loss_of(options, runtime->tensor_parallel_group()));
+  const smp::LossFunction whole_loss = with_spikes(loss_of(options));
   at::Tensor reference_output;  // of the last reference step's whole batch (not under --accumulate)
   auto reference_step = [&](int step) {
     current_step = step;
@@ -283,15 +289,15 @@ int run(int argc, char** argv) {
     at::Tensor reference_loss;
     if (options.accumulate) {  // the halves' gradients summed in .grad, as smp's two train_steps leave them
       const int64_t half = inputs.size(0) / 2;
-      const auto first = loss(reference.forward(inputs.narrow(0, 0, half)), targets.narrow(0, 0, half));
+      const auto first = whole_loss(reference.forward(inputs.narrow(0, 0, half)), targets.narrow(0, 0, half));
       first.backward();
-      const auto second = loss(reference.forward(inputs.narrow(0, half, half)), targets.narrow(0, half, half));
+      const auto second = whole_loss(reference.forward(inputs.narrow(0, half, half)), targets.narrow(0, half, half));
       second.backward();
       reference_loss = (first.detach() + second.detach()) / 2;
     } else {
       const at::Tensor output = reference.forward(inputs);
       reference_output = output.detach();
-      reference_loss = loss(output, targets);
+      reference_loss = whole_loss(output, targets);
       reference_loss.backward();
     }
     double reference_norm = 0.0;
@@ -308,12 +314,31 @@ int run(int argc, char** argv) {
 
   int failures = 0;
   // Every step, each parameter this rank holds (tied copies included) must equal single-process training's.
+  // A tensor-parallel shard is checked against its part of the reference's whole parameter.
+  std::map<const void*, smp::tp::ShardLayout> shard_layouts;
+  for (const auto& node : distributed.model().nodes()) {
+    if (!node.built()) continue;
+    for (const auto& module : node.module->modules()) {
+      if (const auto* sharded = dynamic_cast<const smp::tp::Sharded*>(module.get())) {
+        for (const auto& layout : sharded->shard_layouts()) shard_layouts[layout.shard.unsafeGetTensorImpl()] = layout;
+      }
+    }
+  }
   auto check_parameters = [&](int step) {
     std::map<std::string, at::Tensor> reference_parameters;
     for (const auto& [name, tensor] : reference.named_parameters()) reference_parameters[name] = tensor;
     for (const auto& [name, parameter] : distributed.named_parameters()) {
-      const auto found = reference_parameters.find(name);
-      const at::Tensor* expected = found == reference_parameters.end() ? nullptr : &found->second;
+      auto found = reference_parameters.find(name);
+      const auto layout = shard_layouts.find(parameter.unsafeGetTensorImpl());
+      at::Tensor shard_expected;
+      if (found != reference_parameters.end() && layout != shard_layouts.end()) {
+        shard_expected = smp::tp::shard_of(found->second, layout->second.dim, runtime->tensor_parallel_group(),
+                                           layout->second.blocks);
+        if (found->second.grad().defined()) shard_expected.mutable_grad() = found->second.grad();  // "got a gradient"
+      }
+      const at::Tensor* expected = found == reference_parameters.end() ? nullptr
+                                   : shard_expected.defined()          ? &shard_expected
+                                                                       : &found->second;
       if (!expected) {
         std::fprintf(stderr, "rank %d: parameter %s has no single-process counterpart\n", runtime->rank(), name.c_str());
         ++failures;
@@ -339,7 +364,11 @@ int run(int argc, char** argv) {
   const auto stages_here = distributed.stages();
   const bool runs_last_stage =
       std::find(stages_here.begin(), stages_here.end(), config.num_stages() - 1) != stages_here.end();
-  auto check_outputs = [&](const std::string& when, const at::Tensor& outputs, const at::Tensor& expected) {
+  auto check_outputs = [&](const std::string& when, const at::Tensor& outputs, const at::Tensor& whole_expected) {
+    // Under tensor parallelism the GPT's logits come back as this rank's share of the vocabulary.
+    const at::Tensor expected = runtime->topology().tensor_parallel_degree() > 1 && whole_expected.dim() > 0
+                                    ? smp::tp::shard_of(whole_expected, -1, runtime->tensor_parallel_group())
+                                    : whole_expected;
     if (!runs_last_stage) {
       if (outputs.defined()) {
         std::fprintf(stderr, "rank %d %s: outputs on a rank without the last stage\n", runtime->rank(), when.c_str());
@@ -438,7 +467,7 @@ int run(int argc, char** argv) {
       gradients_before.push_back(parameter.grad().defined() ? parameter.grad().clone() : at::Tensor());
     }
     const auto evaluation = distributed.evaluate(runtime->replica_slice(held_out_inputs),
-                                                 runtime->replica_slice(held_out_targets), base_loss,
+                                                 runtime->replica_slice(held_out_targets), loss_of(options, runtime->tensor_parallel_group()),
                                                  /*keep_outputs=*/true);
     double expected_evaluation = 0.0;
     {
@@ -446,7 +475,7 @@ int run(int argc, char** argv) {
       check_outputs("evaluation after step " + std::to_string(step), evaluation.outputs,
                     reference.forward(runtime->replica_slice(held_out_inputs).to(device)));
       expected_evaluation =
-          base_loss(reference.forward(held_out_inputs.to(device)), held_out_targets.to(device)).item<double>();
+          loss_of(options)(reference.forward(held_out_inputs.to(device)), held_out_targets.to(device)).item<double>();
     }
     // With one stage per rank nothing proves an evaluation's sends delivered, but on a chain (the first rank sends
     // to the second alone; skips would add more receivers) the first rank waits for older sends rather than

@@ -22,6 +22,7 @@
 #include "smp/scheduler/simulator.h"
 #include "autocast_scope.h"
 #include "activation_checkpoint.h"
+#include "smp/tp.h"
 
 namespace smp {
 namespace {
@@ -93,14 +94,6 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
   const Config& config = runtime_->config();
   if (config.fp16) loss_scale_ = kInitialLossScale;
   if (model_.nodes().empty()) throw ConfigError("the model has no modules; nothing to train");
-  if (runtime_->topology().tensor_parallel_degree() > 1) {
-    // The tensor-parallel layers (smp::tp) and their groups exist; stages of them, their checkpoints and gradient
-    // norms do not yet.
-    throw ConfigError(config.source + ": \"tensor_parallel_degree\" " +
-                      std::to_string(config.tensor_parallel_degree) +
-                      ": DistributedModel does not run tensor-parallel stages yet; use the smp::tp layers with "
-                      "Runtime::tensor_parallel() directly, or set it to 1");
-  }
   if (sample.size() != model_.input_names().size()) {
     throw ModelError("the sample has " + std::to_string(sample.size()) + " inputs, the model takes " +
                      std::to_string(model_.input_names().size()));
@@ -135,6 +128,8 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
     // Profiled on this job's device (module by module, see profile_graph).
     ModelInputs on_device;
     for (const auto& input : sample) on_device.push_back(input.defined() ? input.to(runtime_->device()) : input);
+    // Alone, while its tensor-parallel peers wait: the tp layers compute their shards without communicating.
+    const tp::WithoutCollectives alone;
     auto profiles = profile_graph(model_, on_device, config.num_stages() > 1 ? 5 : 0);
     // Parameter names and shapes of the whole model, which only this rank sees whole (nodes built on demand are
     // built here one at a time): a checkpoint of another model is refused by it.
@@ -305,8 +300,21 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
     }
     tied_.push_back({parameter, runtime_->make_group(members, name)});
   }
+  // A parameter every tensor-parallel rank holds whole is counted by tp rank 0; shards by each.
+  std::set<const void*> shards;
+  for (const auto& [stage, local] : stages_) {
+    for (int node : local.nodes) {
+      for (const auto& module : nodes[node].module->modules()) {
+        if (const auto* sharded = dynamic_cast<const tp::Sharded*>(module.get())) {
+          for (const auto& layout : sharded->shard_layouts()) shards.insert(layout.shard.unsafeGetTensorImpl());
+        }
+      }
+    }
+  }
   for (const auto& [name, parameter] : named_parameters_) {
-    if (!counted_elsewhere.count(parameter.unsafeGetTensorImpl())) norm_parameters_.push_back(parameter);
+    const void* impl = parameter.unsafeGetTensorImpl();
+    if (counted_elsewhere.count(impl) || (runtime_->tp_rank() != 0 && !shards.count(impl))) continue;
+    norm_parameters_.push_back(parameter);
   }
 }
 
@@ -504,8 +512,10 @@ double DistributedModel::clip_grad_norm(double max_norm) {
   for (const auto& parameter : norm_parameters_) {
     if (parameter.grad().defined()) squares += parameter.grad().to(at::kDouble).pow(2).sum();
   }
-  // Replicas hold identical averaged gradients, so the pipeline group alone sees the whole model.
+  // Replicas hold identical averaged gradients, so the pipeline groups of one replica see the whole model: each
+  // shard on its rank, each parameter the tensor-parallel ranks all hold whole on tp rank 0 alone.
   runtime_->pipeline().all_reduce_sum(squares);
+  if (runtime_->topology().tensor_parallel_degree() > 1) runtime_->tensor_parallel().all_reduce_sum(squares);
   const double norm = std::sqrt(squares.item<double>());
   const double scale = max_norm / (norm + 1e-6);
   if (scale < 1.0) {
@@ -751,7 +761,7 @@ StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tenso
   at::Tensor loss_total = at::zeros({1}, at::kDouble);
   try {
     const ExecutorStats stats = evaluator_->run(stage_callbacks(), data);
-    if (stats.has_loss) loss_total[0] = stats.loss_sum;
+    if (stats.has_loss && counts_loss()) loss_total[0] = stats.loss_sum;
     output.sends_posted = stats.sends_posted;
     output.all_outputs = stats.outputs;
     if (!stats.outputs.empty()) output.outputs = stats.outputs.front();
@@ -856,7 +866,7 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
     // One world all-reduce: slot 0 sums the last stages' losses (every rank learns the mean over replicas),
     // slot 1 + r is set by rank r when its gradients are not finite.
     loss_total = at::zeros({1 + runtime_->world_size()}, at::kDouble);
-    loss_total[0] = stats.has_loss ? stats.loss_sum : 0.0;
+    loss_total[0] = stats.has_loss && counts_loss() ? stats.loss_sum : 0.0;
     if (!gradients_finite) loss_total[1 + runtime_->rank()] = 1.0;
     runtime_->world().all_reduce_sum(loss_total);
     if (!config.trace_dir.empty() && step_ == config.trace_step) write_timeline(stats.events);

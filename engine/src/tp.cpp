@@ -1,5 +1,6 @@
 #include "smp/tp.h"
 
+#include <atomic>
 #include <cmath>
 #include <utility>
 
@@ -24,18 +25,30 @@ struct HeldGroup : torch::CustomClassHolder {
 c10::IValue hold(const Group& group) { return c10::IValue::make_capsule(c10::make_intrusive<HeldGroup>(group)); }
 Group held(const c10::IValue& value) { return c10::static_intrusive_pointer_cast<HeldGroup>(value.toCapsule())->group; }
 
+thread_local bool collectives_off = false;
+std::atomic<int64_t> bytes_all_reduced{0};
+std::atomic<int64_t> bytes_all_gathered{0};
+
 at::Tensor summed(const at::Tensor& tensor, const Group& group) {
   at::Tensor sum = tensor.contiguous().clone();
+  if (collectives_off) return sum;
   group->all_reduce_sum(sum);
+  bytes_all_reduced += static_cast<int64_t>(sum.nbytes());
   return sum;
 }
 
+void all_gathered(const at::Tensor& whole, const at::Tensor& shard, const Group& group) {
+  group->all_gather(whole, shard);
+  bytes_all_gathered += static_cast<int64_t>(whole.nbytes());
+}
+
 at::Tensor gathered_last_dim(const at::Tensor& shard, const Group& group) {
+  if (collectives_off) return at::cat(std::vector<at::Tensor>(static_cast<std::size_t>(group->size()), shard), -1);
   const at::Tensor front = shard.movedim(-1, 0).contiguous();
   auto sizes = front.sizes().vec();
   sizes[0] *= group->size();
   at::Tensor whole = at::empty(sizes, front.options());
-  group->all_gather(whole, front);
+  all_gathered(whole, front, group);
   return whole.movedim(0, -1).contiguous();
 }
 
@@ -91,13 +104,12 @@ int64_t per_rank(int64_t size, const Group& group, const std::string& layer, con
   return size / ranks;
 }
 
-// As torch::nn::Linear initializes: uniform within 1/sqrt(fan_in) of the whole layer, drawn per shard.
-at::Tensor uniform(std::vector<int64_t> sizes, int64_t fan_in) {
-  const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
-  return at::empty(sizes).uniform_(-bound, bound);
-}
-
 }  // namespace
+
+CollectiveBytes collective_bytes() { return {bytes_all_reduced.load(), bytes_all_gathered.load()}; }
+
+WithoutCollectives::WithoutCollectives() : before_(collectives_off) { collectives_off = true; }
+WithoutCollectives::~WithoutCollectives() { collectives_off = before_; }
 
 at::Tensor copy_to_shards(const at::Tensor& input, const Group& group) {
   return group->size() == 1 ? input : CopyToShards::apply(input, group);
@@ -112,17 +124,41 @@ at::Tensor scatter_last_dim(const at::Tensor& input, const Group& group) {
   return group->size() == 1 ? input : ScatterLastDim::apply(input, group);
 }
 
-at::Tensor shard_of(const at::Tensor& whole, int64_t dim, const Group& group) {
-  per_rank(whole.size(dim), group, "shard_of", "dimension " + std::to_string(dim) + " of size");
-  return whole.chunk(group->size(), dim)[static_cast<std::size_t>(group->rank())].contiguous();
+at::Tensor shard_of(const at::Tensor& whole, int64_t dim, const Group& group, int64_t blocks) {
+  dim = dim < 0 ? dim + whole.dim() : dim;
+  if (whole.size(dim) % blocks != 0) {
+    throw ConfigError("shard_of: dimension " + std::to_string(dim) + " of size " + std::to_string(whole.size(dim)) +
+                      " is not " + std::to_string(blocks) + " blocks");
+  }
+  auto sizes = whole.sizes().vec();
+  sizes[static_cast<std::size_t>(dim)] /= blocks;
+  sizes.insert(sizes.begin() + dim, blocks);
+  const at::Tensor blocked = whole.reshape(sizes);
+  per_rank(blocked.size(dim + 1), group, "shard_of", "dimension " + std::to_string(dim) + " of size");
+  const at::Tensor shard = blocked.chunk(group->size(), dim + 1)[static_cast<std::size_t>(group->rank())];
+  auto shard_sizes = whole.sizes().vec();
+  shard_sizes[static_cast<std::size_t>(dim)] /= group->size();
+  return shard.reshape(shard_sizes).clone(at::MemoryFormat::Contiguous);  // its own storage, never a view of `whole`
 }
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in_features, int64_t out_features, Group group, bool bias,
                                                    bool gather_output)
-    : group_(std::move(group)), gather_output_(gather_output) {
-  const int64_t local = per_rank(out_features, group_, "ColumnParallelLinear", "output features");
-  weight = register_parameter("weight", uniform({local, in_features}, in_features));
-  if (bias) this->bias = register_parameter("bias", uniform({local}, in_features));
+    : ColumnParallelLinearImpl(torch::nn::Linear(torch::nn::LinearOptions(in_features, out_features).bias(bias)),
+                               std::move(group), gather_output) {}
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(const torch::nn::Linear& whole, Group group, bool gather_output,
+                                                   int64_t blocks)
+    : group_(std::move(group)), gather_output_(gather_output), blocks_(blocks) {
+  per_rank(whole->weight.size(0) / blocks, group_, "ColumnParallelLinear", "output features");
+  const at::NoGradGuard no_grad;
+  weight = register_parameter("weight", shard_of(whole->weight, 0, group_, blocks));
+  if (whole->bias.defined()) bias = register_parameter("bias", shard_of(whole->bias, 0, group_, blocks));
+}
+
+std::vector<ShardLayout> ColumnParallelLinearImpl::shard_layouts() const {
+  std::vector<ShardLayout> layouts{{weight, 0, blocks_}};
+  if (bias.defined()) layouts.push_back({bias, 0, blocks_});
+  return layouts;
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
@@ -132,11 +168,18 @@ at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
 
 RowParallelLinearImpl::RowParallelLinearImpl(int64_t in_features, int64_t out_features, Group group, bool bias,
                                              bool input_is_parallel)
+    : RowParallelLinearImpl(torch::nn::Linear(torch::nn::LinearOptions(in_features, out_features).bias(bias)),
+                            std::move(group), input_is_parallel) {}
+
+RowParallelLinearImpl::RowParallelLinearImpl(const torch::nn::Linear& whole, Group group, bool input_is_parallel)
     : group_(std::move(group)), input_is_parallel_(input_is_parallel) {
-  const int64_t local = per_rank(in_features, group_, "RowParallelLinear", "input features");
-  weight = register_parameter("weight", uniform({out_features, local}, in_features));
-  if (bias) this->bias = register_parameter("bias", uniform({out_features}, in_features));
+  per_rank(whole->weight.size(1), group_, "RowParallelLinear", "input features");
+  const at::NoGradGuard no_grad;
+  weight = register_parameter("weight", shard_of(whole->weight, 1, group_));
+  if (whole->bias.defined()) bias = register_parameter("bias", whole->bias.detach().clone());
 }
+
+std::vector<ShardLayout> RowParallelLinearImpl::shard_layouts() const { return {{weight, 1, 1}}; }
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
   const at::Tensor shard = input_is_parallel_ ? input : scatter_last_dim(input, group_);
@@ -146,11 +189,17 @@ at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
 }
 
 VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t vocabulary, int64_t dimension, Group group)
+    : VocabParallelEmbeddingImpl(at::randn({vocabulary, dimension}), std::move(group)) {}  // as torch::nn::Embedding
+
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const at::Tensor& whole_weight, Group group)
     : group_(std::move(group)) {
-  const int64_t local = per_rank(vocabulary, group_, "VocabParallelEmbedding", "vocabulary");
+  const int64_t local = per_rank(whole_weight.size(0), group_, "VocabParallelEmbedding", "vocabulary");
   first_id_ = group_->rank() * local;
-  weight = register_parameter("weight", at::randn({local, dimension}));  // as torch::nn::Embedding: N(0, 1)
+  const at::NoGradGuard no_grad;
+  weight = register_parameter("weight", shard_of(whole_weight, 0, group_));
 }
+
+std::vector<ShardLayout> VocabParallelEmbeddingImpl::shard_layouts() const { return {{weight, 0, 1}}; }
 
 at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
   const at::Tensor elsewhere = (ids < first_id_) | (ids >= first_id_ + weight.size(0));
@@ -192,10 +241,10 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
   // The largest logit over the whole vocabulary, for a stable exponent; it cancels out, so it takes no gradient.
   const at::Tensor local_max = std::get<0>(rows.detach().max(-1)).contiguous();
   at::Tensor maxima = at::empty({group->size() * local_max.size(0)}, local_max.options());
-  if (group->size() == 1) {
-    maxima = local_max;
+  if (group->size() == 1 || collectives_off) {
+    maxima = local_max.repeat({group->size()});
   } else {
-    group->all_gather(maxima, local_max);
+    all_gathered(maxima, local_max, group);
   }
   const at::Tensor shifted = rows - std::get<0>(maxima.view({group->size(), -1}).max(0)).unsqueeze(1);
   const at::Tensor sum_exp = reduce_from_shards(shifted.exp().sum(-1), group);

@@ -10,23 +10,33 @@
 #include <torch/nn/modules/normalization.h>
 
 #include "smp/config.h"
+#include "smp/tp.h"
 
 namespace smp::examples {
 namespace {
 
+bool sharded(const tp::Group& group) { return group && group->size() > 1; }
+
+// Every module below draws the whole model's weights from the generator in the same order whatever the
+// tensor-parallel degree, and keeps its shards: the shards of any degree are the one-process model's weights.
 class TokenEmbeddingImpl : public torch::nn::Module {
  public:
-  explicit TokenEmbeddingImpl(const GptOptions& options)
-      : tokens_(register_module("tokens", torch::nn::Embedding(options.vocab_size, options.d_model))),
-        positions_(register_module("positions", torch::nn::Embedding(options.context, options.d_model))) {
-    // GPT-2's small initialisation: the token matrix doubles as the output projection, and N(0, 1) entries
-    // would start the logits far from uniform.
-    c10::NoGradGuard no_grad;
-    tokens_->weight.normal_(0.0, 0.02);
-    positions_->weight.normal_(0.0, 0.02);
+  TokenEmbeddingImpl(const GptOptions& options, const tp::Group& group) {
+    torch::nn::Embedding tokens(options.vocab_size, options.d_model);
+    positions_ = register_module("positions", torch::nn::Embedding(options.context, options.d_model));
+    {
+      // GPT-2's small initialisation: the token matrix doubles as the output projection, and N(0, 1) entries
+      // would start the logits far from uniform.
+      c10::NoGradGuard no_grad;
+      tokens->weight.normal_(0.0, 0.02);
+      positions_->weight.normal_(0.0, 0.02);
+    }
+    if (sharded(group)) {
+      sharded_tokens_ = register_module("tokens", tp::VocabParallelEmbedding(tokens->weight, group));
+    } else {
+      tokens_ = register_module("tokens", tokens);
+    }
   }
-
-  const at::Tensor& token_weight() const { return tokens_->weight; }
 
   at::Tensor forward(const at::Tensor& token_ids) {
     const auto length = token_ids.size(1);
@@ -35,12 +45,14 @@ class TokenEmbeddingImpl : public torch::nn::Module {
                         std::to_string(positions_->weight.size(0)));
     }
     const auto positions = at::arange(length, token_ids.options().dtype(at::kLong));
-    return tokens_->forward(token_ids) + positions_->forward(positions).unsqueeze(0);
+    const at::Tensor rows = tokens_ ? tokens_->forward(token_ids) : sharded_tokens_->forward(token_ids);
+    return rows + positions_->forward(positions).unsqueeze(0);
   }
 
  private:
-  torch::nn::Embedding tokens_;
-  torch::nn::Embedding positions_;
+  torch::nn::Embedding tokens_{nullptr};
+  tp::VocabParallelEmbedding sharded_tokens_{nullptr};  // the vocabulary's rows split over the group
+  torch::nn::Embedding positions_{nullptr};
 };
 TORCH_MODULE(TokenEmbedding);
 
@@ -48,61 +60,105 @@ TORCH_MODULE(TokenEmbedding);
 // between them, where whole blocks would leave stages unbalanced (six blocks on four stages).
 class AttentionResidualImpl : public torch::nn::Module {
  public:
-  explicit AttentionResidualImpl(const GptOptions& options)
-      : heads_(options.heads),
-        attention_norm_(register_module("attention_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({options.d_model})))),
-        qkv_(register_module("qkv", torch::nn::Linear(options.d_model, 3 * options.d_model))),
-        projection_(register_module("projection", torch::nn::Linear(options.d_model, options.d_model))) {}
+  AttentionResidualImpl(const GptOptions& options, const tp::Group& group)
+      : heads_(options.heads / (sharded(group) ? group->size() : 1)),
+        head_size_(options.d_model / options.heads),
+        attention_norm_(register_module("attention_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({options.d_model})))) {
+    torch::nn::Linear qkv(options.d_model, 3 * options.d_model), projection(options.d_model, options.d_model);
+    if (!sharded(group)) {
+      qkv_ = register_module("qkv", qkv);
+      projection_ = register_module("projection", projection);
+      return;
+    }
+    if (options.heads % group->size() != 0) {
+      throw ConfigError("model.heads " + std::to_string(options.heads) + " does not divide by \"tensor_parallel_degree\" " +
+                        std::to_string(group->size()));
+    }
+    // The heads split: each rank's query, key and value rows for its heads (qkv's rows are 3 blocks of heads).
+    sharded_qkv_ = register_module("qkv", tp::ColumnParallelLinear(qkv, group, false, 3));
+    sharded_projection_ = register_module("projection", tp::RowParallelLinear(projection, group));
+  }
 
   at::Tensor forward(const at::Tensor& x) {
-    const auto batch = x.size(0), length = x.size(1), width = x.size(2);
-    auto qkv = qkv_->forward(attention_norm_->forward(x)).view({batch, length, 3, heads_, width / heads_});
+    const auto batch = x.size(0), length = x.size(1);
+    const at::Tensor normed = attention_norm_->forward(x);
+    auto qkv = (qkv_ ? qkv_->forward(normed) : sharded_qkv_->forward(normed)).view({batch, length, 3, heads_, head_size_});
     qkv = qkv.permute({2, 0, 3, 1, 4});  // [3, B, heads, T, head_dim]
     auto attended = at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], /*attn_mask=*/{}, /*dropout_p=*/0.0,
                                                      /*is_causal=*/true);
-    return x + projection_->forward(attended.transpose(1, 2).reshape({batch, length, width}));
+    attended = attended.transpose(1, 2).reshape({batch, length, heads_ * head_size_});
+    return x + (projection_ ? projection_->forward(attended) : sharded_projection_->forward(attended));
   }
 
  private:
-  int64_t heads_;
+  int64_t heads_;  // this rank's
+  int64_t head_size_;
   torch::nn::LayerNorm attention_norm_;
-  torch::nn::Linear qkv_, projection_;
+  torch::nn::Linear qkv_{nullptr}, projection_{nullptr};
+  tp::ColumnParallelLinear sharded_qkv_{nullptr};
+  tp::RowParallelLinear sharded_projection_{nullptr};
 };
 TORCH_MODULE(AttentionResidual);
 
 class MlpResidualImpl : public torch::nn::Module {
  public:
-  explicit MlpResidualImpl(const GptOptions& options)
-      : mlp_norm_(register_module("mlp_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({options.d_model})))),
-        expand_(register_module("expand", torch::nn::Linear(options.d_model, 4 * options.d_model))),
-        contract_(register_module("contract", torch::nn::Linear(4 * options.d_model, options.d_model))) {}
+  MlpResidualImpl(const GptOptions& options, const tp::Group& group)
+      : mlp_norm_(register_module("mlp_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({options.d_model})))) {
+    torch::nn::Linear expand(options.d_model, 4 * options.d_model), contract(4 * options.d_model, options.d_model);
+    if (sharded(group)) {
+      sharded_expand_ = register_module("expand", tp::ColumnParallelLinear(expand, group));
+      sharded_contract_ = register_module("contract", tp::RowParallelLinear(contract, group));
+    } else {
+      expand_ = register_module("expand", expand);
+      contract_ = register_module("contract", contract);
+    }
+  }
 
   at::Tensor forward(const at::Tensor& h) {
-    return h + contract_->forward(at::gelu(expand_->forward(mlp_norm_->forward(h))));
+    const at::Tensor normed = mlp_norm_->forward(h);
+    if (expand_) return h + contract_->forward(at::gelu(expand_->forward(normed)));
+    return h + sharded_contract_->forward(at::gelu(sharded_expand_->forward(normed)));
   }
 
  private:
   torch::nn::LayerNorm mlp_norm_;
-  torch::nn::Linear expand_, contract_;
+  torch::nn::Linear expand_{nullptr}, contract_{nullptr};
+  tp::ColumnParallelLinear sharded_expand_{nullptr};
+  tp::RowParallelLinear sharded_contract_{nullptr};
 };
 TORCH_MODULE(MlpResidual);
 
-class LanguageModelHeadImpl : public torch::nn::Module {
+// Under tensor parallelism its output weight is this rank's rows of the vocabulary (the embedding's shard when tied),
+// and it returns this rank's logits: gpt_loss_for's loss never gathers them.
+class LanguageModelHeadImpl : public torch::nn::Module, public tp::Sharded {
  public:
-  // `tied_weight`, when defined, is the token embedding matrix [vocab, d_model], used as the output projection.
-  LanguageModelHeadImpl(const GptOptions& options, const at::Tensor& tied_weight)
-      : norm_(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({options.d_model})))) {
-    output_weight_ = tied_weight.defined()
-                         ? register_parameter("output_weight", tied_weight)
-                         : register_parameter("output_weight", torch::nn::Linear(torch::nn::LinearOptions(
-                                                                   options.d_model, options.vocab_size).bias(false))
-                                                                   ->weight.detach());
+  // `tied_weight`, when defined, is the token embedding matrix [vocab, d_model] (or its shard), used as the output
+  // projection.
+  LanguageModelHeadImpl(const GptOptions& options, const at::Tensor& tied_weight, const tp::Group& group)
+      : norm_(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({options.d_model})))),
+        group_(group) {
+    if (tied_weight.defined()) {
+      output_weight_ = register_parameter("output_weight", tied_weight);
+      return;
+    }
+    at::Tensor whole = torch::nn::Linear(torch::nn::LinearOptions(options.d_model, options.vocab_size).bias(false))
+                           ->weight.detach();
+    output_weight_ = register_parameter("output_weight", sharded(group) ? tp::shard_of(whole, 0, group) : whole);
   }
 
-  at::Tensor forward(const at::Tensor& x) { return at::linear(norm_->forward(x), output_weight_); }
+  at::Tensor forward(const at::Tensor& x) {
+    const at::Tensor normed = sharded(group_) ? tp::copy_to_shards(norm_->forward(x), group_) : norm_->forward(x);
+    return at::linear(normed, output_weight_);
+  }
+
+  std::vector<tp::ShardLayout> shard_layouts() const override {
+    if (!sharded(group_)) return {};
+    return {{output_weight_, 0, 1}};
+  }
 
  private:
   torch::nn::LayerNorm norm_;
+  tp::Group group_;
   at::Tensor output_weight_;
 };
 TORCH_MODULE(LanguageModelHead);
@@ -143,28 +199,41 @@ GptOptions gpt_options_from_section(const std::string& json_text, const std::str
   return options;
 }
 
-smp::GraphModel make_gpt(const GptOptions& options) {
+smp::GraphModel make_gpt(const GptOptions& options, const tp::Group& tensor_parallel) {
+  if (sharded(tensor_parallel) && options.vocab_size % tensor_parallel->size() != 0) {
+    throw ConfigError("model.vocab_size " + std::to_string(options.vocab_size) +
+                      " does not divide by \"tensor_parallel_degree\" " + std::to_string(tensor_parallel->size()));
+  }
   // Every node is built on demand: a rank builds only the nodes of its own stages.
+  const tp::Group group = tensor_parallel;
   smp::GraphModel model("tokens");
-  model.add("embed", [options] { return TokenEmbedding(options); }, {"tokens"});
+  model.add("embed", [options, group] { return TokenEmbedding(options, group); }, {"tokens"});
   std::string previous = "embed";
   for (int64_t layer = 0; layer < options.layers; ++layer) {
     const std::string block = "block" + std::to_string(layer);
-    model.add(block + ".attention", [options] { return AttentionResidual(options); }, {previous});
-    model.add(block + ".mlp", [options] { return MlpResidual(options); }, {block + ".attention"});
+    model.add(block + ".attention", [options, group] { return AttentionResidual(options, group); }, {previous});
+    model.add(block + ".mlp", [options, group] { return MlpResidual(options, group); }, {block + ".attention"});
     previous = block + ".mlp";
   }
   if (options.tie_embeddings) {
-    model.add("head", [options](const std::vector<at::Tensor>& shared) { return LanguageModelHead(options, shared[0]); },
+    model.add("head",
+              [options, group](const std::vector<at::Tensor>& shared) { return LanguageModelHead(options, shared[0], group); },
               {previous}, {"embed.tokens.weight"});
   } else {
-    model.add("head", [options] { return LanguageModelHead(options, at::Tensor()); }, {previous});
+    model.add("head", [options, group] { return LanguageModelHead(options, at::Tensor(), group); }, {previous});
   }
   return model;
 }
 
 at::Tensor gpt_loss(const at::Tensor& logits, const at::Tensor& targets) {
   return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+}
+
+std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> gpt_loss_for(const tp::Group& tensor_parallel) {
+  if (!sharded(tensor_parallel)) return gpt_loss;
+  return [tensor_parallel](const at::Tensor& logits, const at::Tensor& targets) {
+    return tp::vocab_parallel_cross_entropy(logits, targets, tensor_parallel);
+  };
 }
 
 }  // namespace smp::examples

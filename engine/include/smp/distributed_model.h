@@ -186,6 +186,8 @@ class DistributedModel {
   void write_timeline(const std::vector<TimelineEvent>& events);
   void adopt_checkpoint_partition();
   bool local_gradients_finite() const;
+  // Whether this rank's losses go into the step's: the tensor-parallel ranks of the last stage compute the same.
+  bool counts_loss() const { return runtime_->tp_rank() == 0; }
   bool unscale_gradients_checking_finite();
 
   std::shared_ptr<Runtime> runtime_;

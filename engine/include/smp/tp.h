@@ -15,9 +15,11 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
 #include "smp/comm/communicator.h"
@@ -37,30 +39,70 @@ at::Tensor gather_last_dim(const at::Tensor& input, const Group& group);
 at::Tensor scatter_last_dim(const at::Tensor& input, const Group& group);
 
 // This rank's shard of a whole tensor along `dim` (a weight made whole in one process, for loading or checking).
-at::Tensor shard_of(const at::Tensor& whole, int64_t dim, const Group& group);
+// With `blocks` > 1 the dimension holds that many blocks one after the other (a fused query/key/value projection's
+// output features: 3), and the shard is this rank's part of each block, in block order.
+at::Tensor shard_of(const at::Tensor& whole, int64_t dim, const Group& group, int64_t blocks = 1);
+
+// Where a sharded parameter's shard sits in the whole tensor (as shard_of cut it).
+struct ShardLayout {
+  at::Tensor shard;
+  int64_t dim = 0;
+  int64_t blocks = 1;
+};
+
+// A module holding shards: which of its own parameters are shards (the others are whole on every rank of the
+// group). Gradient norms count a shard on every rank, a whole parameter once per group; checks and exports cut the
+// whole model's tensor with the layout.
+class Sharded {
+ public:
+  virtual ~Sharded() = default;
+  virtual std::vector<ShardLayout> shard_layouts() const = 0;
+};
+
+// The collectives above skip communication (an all-reduce passes its input on, an all-gather repeats this rank's
+// shard) while one lives in this thread: rank 0 profiles nodes alone, at their shards' cost, with its peers
+// elsewhere.
+class WithoutCollectives {
+ public:
+  WithoutCollectives();
+  ~WithoutCollectives();
+  WithoutCollectives(const WithoutCollectives&) = delete;
+  WithoutCollectives& operator=(const WithoutCollectives&) = delete;
+
+ private:
+  bool before_;
+};
 
 // y = x A^T + b with A's rows (output features) split: the output's last dimension is sharded unless gather_output.
-class ColumnParallelLinearImpl : public torch::nn::Module {
+// Initialized as torch::nn::Linear initializes the whole layer, from the same random numbers, and cut: the shards
+// of every degree put together are the layer a one-process model draws.
+class ColumnParallelLinearImpl : public torch::nn::Module, public Sharded {
  public:
   ColumnParallelLinearImpl(int64_t in_features, int64_t out_features, Group group, bool bias = true,
                            bool gather_output = false);
+  // This rank's shard of `whole`; `blocks`: its output features are that many blocks to shard each (shard_of).
+  ColumnParallelLinearImpl(const torch::nn::Linear& whole, Group group, bool gather_output = false, int64_t blocks = 1);
   at::Tensor forward(const at::Tensor& input);
+  std::vector<ShardLayout> shard_layouts() const override;
   at::Tensor weight;  // [out_features / tp, in_features]
   at::Tensor bias;    // [out_features / tp], or undefined
 
  private:
   Group group_;
   bool gather_output_;
+  int64_t blocks_ = 1;
 };
 TORCH_MODULE(ColumnParallelLinear);
 
 // y = x A^T + b with A's columns (input features) split: takes the input sharded along its last dimension (a column
 // layer's output) unless input_is_parallel is false; the output is whole. The bias is whole on every rank.
-class RowParallelLinearImpl : public torch::nn::Module {
+class RowParallelLinearImpl : public torch::nn::Module, public Sharded {
  public:
   RowParallelLinearImpl(int64_t in_features, int64_t out_features, Group group, bool bias = true,
                         bool input_is_parallel = true);
+  RowParallelLinearImpl(const torch::nn::Linear& whole, Group group, bool input_is_parallel = true);
   at::Tensor forward(const at::Tensor& input);
+  std::vector<ShardLayout> shard_layouts() const override;
   const Group& group() const { return group_; }
   at::Tensor weight;  // [out_features, in_features / tp]
   at::Tensor bias;    // [out_features], or undefined
@@ -73,10 +115,13 @@ TORCH_MODULE(RowParallelLinear);
 
 // An embedding whose rows (the vocabulary) are split: each rank looks up the ids in its range, and the rows are
 // summed over the group.
-class VocabParallelEmbeddingImpl : public torch::nn::Module {
+class VocabParallelEmbeddingImpl : public torch::nn::Module, public Sharded {
  public:
   VocabParallelEmbeddingImpl(int64_t vocabulary, int64_t dimension, Group group);
+  // This rank's rows of `whole_weight` [vocabulary, dimension].
+  VocabParallelEmbeddingImpl(const at::Tensor& whole_weight, Group group);
   at::Tensor forward(const at::Tensor& ids);
+  std::vector<ShardLayout> shard_layouts() const override;
   at::Tensor weight;  // [vocabulary / tp, dimension]: ids [first_id, first_id + vocabulary / tp)
 
  private:
@@ -98,6 +143,14 @@ class SelfAttentionImpl : public torch::nn::Module {
   int64_t local_heads_;
 };
 TORCH_MODULE(SelfAttention);
+
+// Bytes this process's tensor-parallel collectives moved since it started (the payload of each all-reduce, the
+// whole tensor of each all-gather): what benchmarks compare with the theory.
+struct CollectiveBytes {
+  int64_t all_reduced = 0;
+  int64_t all_gathered = 0;
+};
+CollectiveBytes collective_bytes();
 
 // The mean cross entropy of logits sharded along the vocabulary (a column-parallel output layer's, not gathered)
 // against whole targets: the same value on every rank, and each rank's gradient for its own logits, without ever
