@@ -85,17 +85,27 @@ TEST_CASE("the GPT's stages under tp x pp x dp train like single-process trainin
 TEST_CASE("the 2x4 example under tp 2 x pp 2 x dp 2 gives one process's losses", "[tp][example]") {
   std::ifstream original(EXAMPLE_CONFIG);
   const std::string text((std::istreambuf_iterator<char>(original)), std::istreambuf_iterator<char>());
-  const auto run = [&](const std::string& name, const std::string& config_text, int processes) {
+  const auto run = [&](const std::string& name, const std::string& config_text, int processes,
+                       const std::string& flags = "") {
     const auto result = run_command(std::string(SMPRUN_PATH) + " -n " + std::to_string(processes) + " -- " + EXAMPLE_PATH +
-                                        " --config " + write_config(name, config_text) + " --steps 3",
+                                        " --config " + write_config(name, config_text) + " --steps 3" + flags,
                                     300);
     INFO(result.output);
     REQUIRE(result.status == 0);
     return result.output;
   };
+  const std::string traces = scratch_path("tp_traces");
   const std::string sharded = run(
-      "example_tp", std::regex_replace(text, std::regex(R"("partitions": \d+)"), R"("partitions": 2, "tensor_parallel_degree": 2)"), 8);
+      "example_tp", std::regex_replace(text, std::regex(R"("partitions": \d+)"), R"("partitions": 2, "tensor_parallel_degree": 2)"), 8,
+      " --trace " + traces);
   CHECK_THAT(sharded, Catch::Contains("x 2 tensor-parallel shards"));
+  // The traced step's timeline shows every rank, shards apart, and the tensor-parallel collectives in the compute.
+  std::ifstream trace_file(traces + "/step1_trace.json"), picture_file(traces + "/step1_pipeline.svg");
+  const std::string trace((std::istreambuf_iterator<char>(trace_file)), std::istreambuf_iterator<char>());
+  const std::string picture((std::istreambuf_iterator<char>(picture_file)), std::istreambuf_iterator<char>());
+  CHECK_THAT(trace, Catch::Contains(R"("cat":"tensor parallel")") && Catch::Contains("TP_ALL_REDUCE") &&
+                        Catch::Contains("(pp 1, tp 1)"));
+  CHECK_THAT(picture, Catch::Contains("stage-rank 1 tp 1") && Catch::Contains("tensor-parallel collectives"));
   std::string single_text = std::regex_replace(text, std::regex(R"("partitions": \d+)"), R"("partitions": 1)");
   single_text = std::regex_replace(single_text, std::regex(R"("microbatches": \d+)"), R"("microbatches": 1)");
   single_text = std::regex_replace(single_text, std::regex(R"("ddp": true)"), R"("ddp": false)");

@@ -8,9 +8,10 @@ using smp::Config;
 using smp::Topology;
 
 namespace {
-Topology make(const std::string& placement, int partitions, int world) {
+Topology make(const std::string& placement, int partitions, int world, int tp = 1) {
   Config config;
   config.partitions = partitions;
+  config.tensor_parallel_degree = tp;
   config.ddp = true;
   config.placement_strategy = placement;
   return Topology(config, world);
@@ -61,20 +62,9 @@ TEST_CASE("topology: a world that does not fit the config is rejected", "[topolo
   CHECK_THROWS_AS(make("cluster", 4, 6), smp::ConfigError);
 }
 
-namespace {
-Topology make3(const std::string& placement, int tp, int partitions, int world) {
-  Config config;
-  config.partitions = partitions;
-  config.tensor_parallel_degree = tp;
-  config.ddp = true;
-  config.placement_strategy = placement;
-  return Topology(config, world);
-}
-}  // namespace
-
 TEST_CASE("topology: three axes in SMP's letter orders, the last letter varying fastest", "[topology]") {
   // SMP's table for 8 ranks, tp 2 x pp 2 x dp 2 under "DPT": rank = 4 dp + 2 pp + tp.
-  const Topology cluster = make3("cluster", 2, 2, 8);
+  const Topology cluster = make("cluster", 2, 8, 2);
   CHECK(cluster.order() == "DPT");
   CHECK(cluster.data_parallel_degree() == 2);
   CHECK(cluster.tensor_parallel_group(1, 0) == std::vector<int>{2, 3});
@@ -83,15 +73,15 @@ TEST_CASE("topology: three axes in SMP's letter orders, the last letter varying 
   const auto six = cluster.coordinates_of(6);
   CHECK((six.dp_rank == 1 && six.pp_rank == 1 && six.tp_rank == 0));
   // "spread" is "TPD": replicas on consecutive ranks, tensor-parallel shards farthest apart.
-  const Topology spread = make3("spread", 2, 2, 8);
+  const Topology spread = make("spread", 2, 8, 2);
   CHECK(spread.tensor_parallel_group(0, 0) == std::vector<int>{0, 4});
   CHECK(spread.data_parallel_group(1, 0) == std::vector<int>{2, 3});
   // Two letters put T fastest.
-  CHECK(make3("PD", 2, 2, 8).tensor_parallel_group(1, 1) == std::vector<int>{6, 7});
-  CHECK(make3("PTD", 2, 2, 8).tensor_parallel_group(0, 0) == std::vector<int>{0, 2});
+  CHECK(make("PD", 2, 8, 2).tensor_parallel_group(1, 1) == std::vector<int>{6, 7});
+  CHECK(make("PTD", 2, 8, 2).tensor_parallel_group(0, 0) == std::vector<int>{0, 2});
   // Every order is a bijection, and each axis's groups partition the world.
   for (const char* order : {"DPT", "DTP", "PDT", "PTD", "TDP", "TPD"}) {
-    const Topology topology = make3(order, 2, 3, 12);
+    const Topology topology = make(order, 3, 12, 2);
     std::set<int> seen;
     for (int rank = 0; rank < 12; ++rank) {
       const auto c = topology.coordinates_of(rank);
@@ -104,5 +94,5 @@ TEST_CASE("topology: three axes in SMP's letter orders, the last letter varying 
     }
     CHECK(seen.size() == 12);
   }
-  CHECK_THROWS_WITH(make3("cluster", 2, 2, 6), Catch::Contains("is not a multiple of \"partitions\" x \"tensor_parallel_degree\" (2 x 2)"));
+  CHECK_THROWS_WITH(make("cluster", 2, 6, 2), Catch::Contains("is not a multiple of \"partitions\" x \"tensor_parallel_degree\" (2 x 2)"));
 }

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <algorithm>
 #include <map>
+#include <mutex>
 #include <set>
 
 #include <ATen/ATen.h>
@@ -855,7 +856,28 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   at::Tensor loss_total;
   try {
     if (reducer_) reducer_->arm();
+    // A traced step's timeline shows the tensor-parallel collectives inside the compute that ran them.
+    const bool traced = !config.trace_dir.empty() && step_ == config.trace_step;
+    std::vector<TimelineEvent> collectives;
+    std::mutex collectives_mutex;
+    std::optional<tp::CollectiveObserver> observer;
+    if (traced && runtime_->topology().tensor_parallel_degree() > 1) {
+      observer.emplace([&](const char* kind, std::int64_t, double start_us, double end_us) {
+        const std::lock_guard<std::mutex> lock(collectives_mutex);
+        collectives.push_back({kind, 0, 0, start_us, end_us, -1});
+      });
+    }
     stats = executor_->run(callbacks, data);
+    observer.reset();
+    for (auto& collective : collectives) {
+      for (const auto& event : stats.events) {
+        if (event.start_us <= collective.start_us && collective.start_us <= event.end_us) {
+          collective.stage = event.stage;
+          collective.microbatch = event.microbatch;
+        }
+      }
+      stats.events.push_back(std::move(collective));
+    }
     // Replicas first: it writes the mean back into .grad, and the tied sum (linear too) must come after.
     if (reducer_) {
       output.gradient_buckets = reducer_->buckets();
@@ -926,7 +948,7 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
 }
 
 void DistributedModel::write_timeline(const std::vector<TimelineEvent>& events) {
-  RankTimeline mine{runtime_->rank(), runtime_->pp_rank(), runtime_->dp_rank(), events};
+  RankTimeline mine{runtime_->rank(), runtime_->pp_rank(), runtime_->dp_rank(), events, runtime_->tp_rank()};
   const std::string key = exchange_ + "timeline/" + std::to_string(step_) + "/";
   runtime_->publish(key + std::to_string(runtime_->rank()), mine.to_json());
   if (runtime_->rank() != 0) return;

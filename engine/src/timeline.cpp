@@ -19,6 +19,10 @@ namespace smp {
 namespace {
 
 bool is_compute(const std::string& kind) { return kind == "F" || kind == "B" || kind == "I" || kind == "W"; }
+bool is_collective(const std::string& kind) { return kind.rfind("TP_", 0) == 0; }
+bool tensor_parallel(const std::vector<RankTimeline>& ranks) {
+  return std::any_of(ranks.begin(), ranks.end(), [](const RankTimeline& rank) { return rank.tp_rank > 0; });
+}
 
 const char* colour_of(const std::string& kind) {
   if (kind == "F") return "#4e79a7";
@@ -31,7 +35,9 @@ const char* colour_of(const std::string& kind) {
 }  // namespace
 
 std::string RankTimeline::to_json() const {
-  nlohmann::json document = {{"rank", rank}, {"pp_rank", pp_rank}, {"dp_rank", dp_rank}, {"events", nlohmann::json::array()}};
+  nlohmann::json document = {{"rank", rank},       {"pp_rank", pp_rank},
+                              {"dp_rank", dp_rank}, {"tp_rank", tp_rank},
+                              {"events", nlohmann::json::array()}};
   for (const auto& event : events) {
     document["events"].push_back(
         {event.kind, event.stage, event.microbatch, event.start_us, event.end_us, event.peer_stage});
@@ -46,6 +52,7 @@ RankTimeline RankTimeline::from_json(const std::string& text) {
     timeline.rank = document.at("rank").get<int>();
     timeline.pp_rank = document.at("pp_rank").get<int>();
     timeline.dp_rank = document.at("dp_rank").get<int>();
+    timeline.tp_rank = document.value("tp_rank", 0);
     for (const auto& event : document.at("events")) {
       timeline.events.push_back({event.at(0).get<std::string>(), event.at(1).get<int>(), event.at(2).get<int>(),
                                  event.at(3).get<double>(), event.at(4).get<double>(), event.at(5).get<int>()});
@@ -110,16 +117,20 @@ std::string to_chrome_trace(const std::vector<RankTimeline>& ranks) {
       events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", rank.dp_rank},
                         {"args", {{"name", "replica " + std::to_string(rank.dp_rank)}}}});
     }
-    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", rank.dp_rank}, {"tid", rank.pp_rank},
-                      {"args", {{"name", "rank " + std::to_string(rank.rank) + " (pp " + std::to_string(rank.pp_rank) + ")"}}}});
+    // Threads ordered by stage, then tensor-parallel shard: the global rank is unique in the replica.
+    const std::string shard = rank.tp_rank > 0 || tensor_parallel(ranks) ? ", tp " + std::to_string(rank.tp_rank) : "";
+    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", rank.dp_rank}, {"tid", rank.rank},
+                      {"args", {{"name", "rank " + std::to_string(rank.rank) + " (pp " + std::to_string(rank.pp_rank) + shard + ")"}}}});
+    events.push_back({{"name", "thread_sort_index"}, {"ph", "M"}, {"pid", rank.dp_rank}, {"tid", rank.rank},
+                      {"args", {{"sort_index", rank.pp_rank * 4096 + rank.tp_rank}}}});
     for (const auto& event : rank.events) {
       events.push_back({{"name", event.kind + std::to_string(event.microbatch)},
-                        {"cat", is_compute(event.kind) ? "compute" : "transfer"},
+                        {"cat", is_compute(event.kind) ? "compute" : is_collective(event.kind) ? "tensor parallel" : "transfer"},
                         {"ph", "X"},
                         {"ts", event.start_us},
                         {"dur", std::max(0.0, event.end_us - event.start_us)},
                         {"pid", rank.dp_rank},
-                        {"tid", rank.pp_rank},
+                        {"tid", rank.rank},
                         {"args", {{"stage", event.stage}, {"microbatch", event.microbatch}}}});
     }
   }
@@ -138,8 +149,9 @@ std::string to_svg(const std::vector<RankTimeline>& ranks, const std::string& ti
   std::vector<const RankTimeline*> rows;
   for (const auto& rank : ranks) rows.push_back(&rank);
   std::sort(rows.begin(), rows.end(), [](const RankTimeline* a, const RankTimeline* b) {
-    return a->dp_rank != b->dp_rank ? a->dp_rank < b->dp_rank : a->pp_rank < b->pp_rank;
+    return std::tie(a->dp_rank, a->pp_rank, a->tp_rank) < std::tie(b->dp_rank, b->pp_rank, b->tp_rank);
   });
+  const bool sharded = tensor_parallel(ranks);
   const double label_width = 150, plot_width = 1200, row_height = 28, top = 40;
   const double scale = plot_width / (last - first);
   const double height = top + row_height * static_cast<double>(rows.size()) + 40;
@@ -157,10 +169,17 @@ std::string to_svg(const std::vector<RankTimeline>& ranks, const std::string& ti
   for (std::size_t row = 0; row < rows.size(); ++row) {
     const double y = top + row_height * static_cast<double>(row);
     svg << "<text x=\"10\" y=\"" << y + row_height * 0.65 << "\">replica " << rows[row]->dp_rank << " stage-rank "
-        << rows[row]->pp_rank << "</text>\n"
+        << rows[row]->pp_rank << (sharded ? " tp " + std::to_string(rows[row]->tp_rank) : std::string()) << "</text>\n"
         << "<rect x=\"" << label_width << "\" y=\"" << y + 2 << "\" width=\"" << plot_width << "\" height=\""
         << row_height - 4 << "\" fill=\"#f4f4f4\"/>\n";
     for (const auto& event : rows[row]->events) {
+      if (is_collective(event.kind)) {  // a dark strip along the bottom of the compute it runs in
+        const double x = label_width + (event.start_us - first) * scale;
+        svg << "<rect x=\"" << x << "\" y=\"" << y + row_height - 8 << "\" width=\""
+            << std::max(0.5, (event.end_us - event.start_us) * scale) << "\" height=\"5\" fill=\"#333333\"><title>"
+            << event.kind << " stage " << event.stage << " microbatch " << event.microbatch << "</title></rect>\n";
+        continue;
+      }
       if (!is_compute(event.kind)) continue;
       const double x = label_width + (event.start_us - first) * scale;
       const double width = std::max(0.5, (event.end_us - event.start_us) * scale);
@@ -182,7 +201,8 @@ std::string to_svg(const std::vector<RankTimeline>& ranks, const std::string& ti
   }
   char span[64];
   std::snprintf(span, sizeof span, "%.2f ms", (last - first) / 1000.0);
-  svg << "<text x=\"" << legend_x + 20 << "\" y=\"" << legend_y << "\">gray = idle; width = " << span << "</text>\n</svg>\n";
+  svg << "<text x=\"" << legend_x + 20 << "\" y=\"" << legend_y << "\">gray = idle; "
+      << (sharded ? "dark strips = tensor-parallel collectives; " : "") << "width = " << span << "</text>\n</svg>\n";
   return svg.str();
 }
 

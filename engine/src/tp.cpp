@@ -1,7 +1,9 @@
 #include "smp/tp.h"
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
+#include <mutex>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -28,18 +30,33 @@ Group held(const c10::IValue& value) { return c10::static_intrusive_pointer_cast
 thread_local bool collectives_off = false;
 std::atomic<int64_t> bytes_all_reduced{0};
 std::atomic<int64_t> bytes_all_gathered{0};
+std::mutex observer_mutex;
+CollectiveObserver::Report observer;  // under observer_mutex
+
+double now_us() {
+  return std::chrono::duration<double, std::micro>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// Runs one collective, counting its bytes and reporting it to the observer.
+template <typename Run>
+void collective(const char* kind, int64_t bytes, std::atomic<int64_t>& counter, Run run) {
+  const double start = now_us();
+  run();
+  counter += bytes;
+  const std::lock_guard<std::mutex> lock(observer_mutex);
+  if (observer) observer(kind, bytes, start, now_us());
+}
 
 at::Tensor summed(const at::Tensor& tensor, const Group& group) {
   at::Tensor sum = tensor.contiguous().clone();
   if (collectives_off) return sum;
-  group->all_reduce_sum(sum);
-  bytes_all_reduced += static_cast<int64_t>(sum.nbytes());
+  collective("TP_ALL_REDUCE", static_cast<int64_t>(sum.nbytes()), bytes_all_reduced, [&] { group->all_reduce_sum(sum); });
   return sum;
 }
 
 void all_gathered(const at::Tensor& whole, const at::Tensor& shard, const Group& group) {
-  group->all_gather(whole, shard);
-  bytes_all_gathered += static_cast<int64_t>(whole.nbytes());
+  collective("TP_ALL_GATHER", static_cast<int64_t>(whole.nbytes()), bytes_all_gathered,
+             [&] { group->all_gather(whole, shard); });
 }
 
 at::Tensor gathered_last_dim(const at::Tensor& shard, const Group& group) {
@@ -107,6 +124,16 @@ int64_t per_rank(int64_t size, const Group& group, const std::string& layer, con
 }  // namespace
 
 CollectiveBytes collective_bytes() { return {bytes_all_reduced.load(), bytes_all_gathered.load()}; }
+
+CollectiveObserver::CollectiveObserver(Report report) {
+  const std::lock_guard<std::mutex> lock(observer_mutex);
+  observer = std::move(report);
+}
+
+CollectiveObserver::~CollectiveObserver() {
+  const std::lock_guard<std::mutex> lock(observer_mutex);
+  observer = nullptr;
+}
 
 WithoutCollectives::WithoutCollectives() : before_(collectives_off) { collectives_off = true; }
 WithoutCollectives::~WithoutCollectives() { collectives_off = before_; }

@@ -10,7 +10,9 @@
 namespace smp {
 
 struct TimelineEvent {
-  std::string kind;  // "F", "B", "I", "W", "RECV_F", "SEND_F", "RECV_B", "SEND_B"
+  // "F", "B", "I", "W", "RECV_F", "SEND_F", "RECV_B", "SEND_B"; "TP_ALL_REDUCE", "TP_ALL_GATHER": a tensor-parallel
+  // collective inside the compute event of the same stage and microbatch.
+  std::string kind;
   int stage = 0;
   int microbatch = 0;
   double start_us = 0.0;  // wall clock, microseconds since the epoch
@@ -23,6 +25,7 @@ struct RankTimeline {
   int pp_rank = 0;
   int dp_rank = 0;
   std::vector<TimelineEvent> events;
+  int tp_rank = 0;
 
   std::string to_json() const;
   static RankTimeline from_json(const std::string& text);  // throws std::runtime_error on malformed input

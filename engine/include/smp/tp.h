@@ -13,6 +13,7 @@
 // them is the same on every rank, and each rank's backward fills its own shards' gradients.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -151,6 +152,18 @@ struct CollectiveBytes {
   int64_t all_gathered = 0;
 };
 CollectiveBytes collective_bytes();
+
+// While one lives, every tensor-parallel collective of this process is reported to it, from whatever thread ran it
+// (backward may run on autograd's): its kind ("TP_ALL_REDUCE", "TP_ALL_GATHER"), bytes, and wall-clock start and
+// end in microseconds since the epoch. A traced step's timeline shows them inside the forwards and backwards.
+class CollectiveObserver {
+ public:
+  using Report = std::function<void(const char* kind, int64_t bytes, double start_us, double end_us)>;
+  explicit CollectiveObserver(Report report);
+  ~CollectiveObserver();
+  CollectiveObserver(const CollectiveObserver&) = delete;
+  CollectiveObserver& operator=(const CollectiveObserver&) = delete;
+};
 
 // The mean cross entropy of logits sharded along the vocabulary (a column-parallel output layer's, not gathered)
 // against whole targets: the same value on every rank, and each rank's gradient for its own logits, without ever
