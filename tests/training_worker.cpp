@@ -318,11 +318,7 @@ int run(int argc, char** argv) {
   std::map<const void*, smp::tp::ShardLayout> shard_layouts;
   for (const auto& node : distributed.model().nodes()) {
     if (!node.built()) continue;
-    for (const auto& module : node.module->modules()) {
-      if (const auto* sharded = dynamic_cast<const smp::tp::Sharded*>(module.get())) {
-        for (const auto& layout : sharded->shard_layouts()) shard_layouts[layout.shard.unsafeGetTensorImpl()] = layout;
-      }
-    }
+    for (const auto& layout : smp::tp::shard_layouts_in(*node.module)) shard_layouts[layout.shard.unsafeGetTensorImpl()] = layout;
   }
   auto check_parameters = [&](int step) {
     std::map<std::string, at::Tensor> reference_parameters;

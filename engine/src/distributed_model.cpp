@@ -8,7 +8,6 @@
 #include <fstream>
 #include <algorithm>
 #include <map>
-#include <mutex>
 #include <set>
 
 #include <ATen/ATen.h>
@@ -305,11 +304,7 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
   std::set<const void*> shards;
   for (const auto& [stage, local] : stages_) {
     for (int node : local.nodes) {
-      for (const auto& module : nodes[node].module->modules()) {
-        if (const auto* sharded = dynamic_cast<const tp::Sharded*>(module.get())) {
-          for (const auto& layout : sharded->shard_layouts()) shards.insert(layout.shard.unsafeGetTensorImpl());
-        }
-      }
+      for (const auto& layout : tp::shard_layouts_in(*nodes[node].module)) shards.insert(layout.shard.unsafeGetTensorImpl());
     }
   }
   for (const auto& [name, parameter] : named_parameters_) {
@@ -859,11 +854,9 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
     // A traced step's timeline shows the tensor-parallel collectives inside the compute that ran them.
     const bool traced = !config.trace_dir.empty() && step_ == config.trace_step;
     std::vector<TimelineEvent> collectives;
-    std::mutex collectives_mutex;
-    std::optional<tp::CollectiveObserver> observer;
+    std::optional<tp::CollectiveObserver> observer;  // reports one collective at a time, from any thread
     if (traced && runtime_->topology().tensor_parallel_degree() > 1) {
       observer.emplace([&](const char* kind, std::int64_t, double start_us, double end_us) {
-        const std::lock_guard<std::mutex> lock(collectives_mutex);
         collectives.push_back({kind, 0, 0, start_us, end_us, -1});
       });
     }

@@ -123,6 +123,16 @@ int64_t per_rank(int64_t size, const Group& group, const std::string& layer, con
 
 }  // namespace
 
+std::vector<ShardLayout> shard_layouts_in(torch::nn::Module& module) {
+  std::vector<ShardLayout> layouts;
+  for (const auto& child : module.modules()) {
+    if (const auto* sharded = dynamic_cast<const Sharded*>(child.get())) {
+      for (auto& layout : sharded->shard_layouts()) layouts.push_back(std::move(layout));
+    }
+  }
+  return layouts;
+}
+
 CollectiveBytes collective_bytes() { return {bytes_all_reduced.load(), bytes_all_gathered.load()}; }
 
 CollectiveObserver::CollectiveObserver(Report report) {

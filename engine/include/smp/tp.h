@@ -60,6 +60,9 @@ class Sharded {
   virtual std::vector<ShardLayout> shard_layouts() const = 0;
 };
 
+// The layouts of every shard in `module` and its submodules.
+std::vector<ShardLayout> shard_layouts_in(torch::nn::Module& module);
+
 // The collectives above skip communication (an all-reduce passes its input on, an all-gather repeats this rank's
 // shard) while one lives in this thread: rank 0 profiles nodes alone, at their shards' cost, with its peers
 // elsewhere.
@@ -153,8 +156,8 @@ struct CollectiveBytes {
 };
 CollectiveBytes collective_bytes();
 
-// While one lives, every tensor-parallel collective of this process is reported to it, from whatever thread ran it
-// (backward may run on autograd's): its kind ("TP_ALL_REDUCE", "TP_ALL_GATHER"), bytes, and wall-clock start and
+// While one lives, every tensor-parallel collective of this process is reported to it, one at a time, from whatever
+// thread ran it (backward may run on autograd's): its kind ("TP_ALL_REDUCE", "TP_ALL_GATHER"), bytes, and wall-clock start and
 // end in microseconds since the epoch. A traced step's timeline shows them inside the forwards and backwards.
 class CollectiveObserver {
  public:
