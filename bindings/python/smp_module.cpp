@@ -28,6 +28,7 @@
 #include "smp/errors.h"
 #include "smp/graph_model.h"
 #include "smp/runtime.h"
+#include "smp/tp.h"
 
 namespace py = pybind11;
 
@@ -80,8 +81,9 @@ std::shared_ptr<py::object> held_under_gil(py::object object) {
 // An eager PyTorch module: the same parameter and buffer tensors under the same names and submodules, and a
 // forward that calls the Python module under the GIL (the engine runs with the GIL released), or `call` when given
 // (a traced model's node: the module with the arguments its call site passes). Its autograd graph is LibTorch's
-// like any other; only backward functions written in Python take the GIL again, as in PyTorch.
-class EagerModule : public torch::nn::Module {
+// like any other; only backward functions written in Python take the GIL again, as in PyTorch. A parameter tagged
+// `_smp_shard` = (dim, blocks) (by smp.tp's layers; the tag stays on the tensor through a capture) is a shard.
+class EagerModule : public torch::nn::Module, public tp::Sharded {
  public:
   explicit EagerModule(const py::object& module, const py::object& call = py::none())
       : module_(held_under_gil(module)), call_(held_under_gil(call.is_none() ? module : call)) {
@@ -90,6 +92,10 @@ class EagerModule : public torch::nn::Module {
       const auto pair = item.cast<py::tuple>();
       const auto tensor = pair[1].cast<at::Tensor>();
       register_parameter(pair[0].cast<std::string>(), tensor, tensor.requires_grad());
+      if (py::hasattr(pair[1], "_smp_shard")) {
+        const auto [dim, blocks] = pair[1].attr("_smp_shard").cast<std::pair<int64_t, int64_t>>();
+        shards_.push_back({tensor, dim, blocks});
+      }
     }
     for (const auto& item : module.attr("named_buffers")(py::arg("recurse") = false)) {
       const auto pair = item.cast<py::tuple>();
@@ -100,6 +106,8 @@ class EagerModule : public torch::nn::Module {
       register_module(pair[0].cast<std::string>(), std::make_shared<EagerModule>(pair[1]));
     }
   }
+
+  std::vector<tp::ShardLayout> shard_layouts() const override { return shards_; }
 
   void train(bool on = true) override {
     {
@@ -133,6 +141,7 @@ class EagerModule : public torch::nn::Module {
  private:
   std::shared_ptr<py::object> module_;
   std::shared_ptr<py::object> call_;
+  std::vector<tp::ShardLayout> shards_;
 };
 
 std::shared_ptr<ScriptedModule> load_scripted(const py::bytes& serialized) {
@@ -337,6 +346,20 @@ PYBIND11_MODULE(_smp, module) {
             runtime.world().all_reduce_sum(owned);
             tensor.copy_(owned);
           },
+          py::arg("tensor"), py::call_guard<py::gil_scoped_release>())
+      // The tensor-parallel group's collectives without autograd, for smp.tp's operations (autograd is theirs). The
+      // result is a copy of the transport's tensor, for the reason all_reduce_sum gives.
+      .def(
+          "_tp_all_reduce",
+          [](Runtime& runtime, const at::Tensor& tensor) {
+            return tp::all_reduced(tensor, runtime.tensor_parallel_group()).clone();
+          },
+          py::arg("tensor"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "_tp_all_gather_last_dim",
+          [](Runtime& runtime, const at::Tensor& tensor) {
+            return tp::all_gathered_last_dim(tensor, runtime.tensor_parallel_group()).clone();
+          },
           py::arg("tensor"), py::call_guard<py::gil_scoped_release>());
 
   py::class_<StepOutput>(module, "StepOutput")
@@ -433,6 +456,10 @@ PYBIND11_MODULE(_smp, module) {
       },
       py::arg("full_model_file"));
   module.def("module_seed", &module_seed, py::arg("seed"), py::arg("path"));
+  module.def("tp_collective_bytes", [] {
+    const auto bytes = tp::collective_bytes();
+    return std::make_pair(bytes.all_reduced, bytes.all_gathered);
+  });
   module.def(
       "latest_checkpoint",
       [](const std::string& root) -> py::object {

@@ -148,6 +148,13 @@ CollectiveObserver::~CollectiveObserver() {
 WithoutCollectives::WithoutCollectives() : before_(collectives_off) { collectives_off = true; }
 WithoutCollectives::~WithoutCollectives() { collectives_off = before_; }
 
+at::Tensor all_reduced(const at::Tensor& input, const Group& group) {
+  return group->size() == 1 ? input.clone() : summed(input, group);
+}
+at::Tensor all_gathered_last_dim(const at::Tensor& shard, const Group& group) {
+  return group->size() == 1 ? shard.clone() : gathered_last_dim(shard, group);
+}
+
 at::Tensor copy_to_shards(const at::Tensor& input, const Group& group) {
   return group->size() == 1 ? input : CopyToShards::apply(input, group);
 }

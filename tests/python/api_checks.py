@@ -15,16 +15,7 @@ failures = []
 
 
 def expect_error(what, error_type, needle, action):
-    try:
-        action()
-    except error_type as error:
-        if needle not in str(error):
-            failures.append(f"{what}: {error_type.__name__} without {needle!r}: {error}")
-        return
-    except Exception as error:  # noqa: BLE001 - the wrong type is the failure reported
-        failures.append(f"{what}: raised {type(error).__name__} ({error}), expected {error_type.__name__}")
-        return
-    failures.append(f"{what}: no error, expected {error_type.__name__}")
+    report.expect_error(failures, what, error_type, needle, action)
 
 
 def main():

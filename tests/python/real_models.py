@@ -265,7 +265,7 @@ def train_and_compare(name, args, config, runtime):
         if path not in plain:
             failures.append(f"parameter {path} is not the model's")
             continue
-        want = plain[path].detach()
+        want = smp.tp.local_part(parameter, plain[path].detach())  # a tensor-parallel shard: its part
         difference = (parameter.detach() - want).abs().max().item()
         if difference > 1e-6 + args.rtol * want.abs().max().item():
             failures.append(f"parameter {path} differs by {difference:.3g}")

@@ -21,3 +21,17 @@ def finish(failures, label=None):
             json.dump({"rank": int(rank), "failures": [f"{label}: {failure}" for failure in failures]}, file)
         os.replace(path + ".tmp", path)
     return 1 if failures else 0
+
+
+def expect_error(failures, what, error_type, needle, action):
+    """Runs `action`, which must raise `error_type` with `needle` in its message; else appends why to `failures`."""
+    try:
+        action()
+    except error_type as error:
+        if needle not in str(error):
+            failures.append(f"{what}: {error_type.__name__} without {needle!r}: {error}")
+        return
+    except Exception as error:  # noqa: BLE001 - the wrong type is the failure reported
+        failures.append(f"{what}: raised {type(error).__name__} ({error}), expected {error_type.__name__}")
+        return
+    failures.append(f"{what}: no error, expected {error_type.__name__}")

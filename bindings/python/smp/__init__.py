@@ -32,7 +32,7 @@ import weakref
 
 import torch  # loads LibTorch before the extension that links it
 
-from . import _materialize, _smp
+from . import _materialize, _smp, tp
 from ._graph import GraphModel, _is_sequential, _kind, transient_buffers
 from ._model_io import CapturedIO, GraphIO, own_loss
 from ._smp import CheckpointError, CommError, ConfigError, ModelError, NonFiniteError
@@ -158,6 +158,25 @@ def _no_loss(output, target):
     return torch.zeros((), device=leaves[0].device if leaves else "cpu")
 
 
+def _shard_for_tensor_parallelism(model, plan):
+    """Applies the tensor-parallel plan (the user's, else the model's own) to `model` in place. A GraphModel's
+    modules are the user's: built with smp.tp's layers."""
+    from . import tp
+    if isinstance(model, GraphModel):
+        if plan is not None:
+            raise TypeError("tp_plan applies to an nn.Module; build an smp.GraphModel's modules with smp.tp's layers")
+        return
+    given = plan is not None
+    plan = plan if given else tp.builtin_plan(model)
+    applied = tp.apply_plan(model, plan, strict=given) if plan else {}
+    if runtime().rank == 0 and applied:
+        print(f"smp: tensor parallelism over {tp.degree()} ranks: {len(applied)} modules sharded or adjusted by "
+              f"{'the given' if given else 'the built-in'} plan", flush=True)
+    if not any(hasattr(parameter, "_smp_shard") for parameter in model.parameters()):
+        raise ConfigError(f"\"tensor_parallel_degree\" {tp.degree()}: {type(model).__name__} has no tensor-parallel "
+                          "plan and no smp.tp layers; pass tp_plan={module path: style} (see smp.tp)")
+
+
 class DistributedModel(torch.nn.Module):
     """This rank's stages of `model`: an nn.Sequential, an smp.GraphModel, or any nn.Module with a forward of its
     own (an unmodified Hugging Face or torchvision model), captured whole with torch.export and cut at whatever
@@ -173,10 +192,14 @@ class DistributedModel(torch.nn.Module):
     model's outputs for this replica's share on the ranks running the last stage, None on the others.
     """
 
-    def __init__(self, model, sample, init_fn=None):
+    def __init__(self, model, sample, init_fn=None, tp_plan=None):
         super().__init__()
         rt = runtime()
         started = time.perf_counter()
+        if rt.tensor_parallel_degree > 1:
+            _shard_for_tensor_parallelism(model, tp_plan)
+        elif tp_plan is not None and rt.rank == 0:
+            print("smp: tp_plan ignored: the config's tensor_parallel_degree is 1", flush=True)
         if isinstance(model, GraphModel):
             graph, io_ = model, GraphIO(model.input_names, model._several_outputs)
         elif _is_sequential(model):
@@ -326,8 +349,8 @@ class DistributedModel(torch.nn.Module):
         return state
 
     def load_state_dict(self, state_dict, strict=True, assign=False):
-        """Copies this rank's tensors from `state_dict` by name: the full model's (each rank takes its own) or this
-        rank's share. strict: every tensor of this rank must be there (missing_keys), and every key must be a
+        """Copies this rank's tensors from `state_dict` by name: the full model's (each rank takes its own, a
+        tensor-parallel shard its part) or this rank's share. strict: every tensor of this rank must be there (missing_keys), and every key must be a
         tensor of the model (unexpected_keys; another rank's is not unexpected). Shapes are checked before anything
         is copied. Returns (missing_keys, unexpected_keys) as nn.Module's does."""
         if assign:
@@ -341,15 +364,15 @@ class DistributedModel(torch.nn.Module):
         if strict and unexpected:
             problems.append(f"unexpected keys: {', '.join(unexpected[:5])}{', ...' if len(unexpected) > 5 else ''}")
         for name, tensor in own.items():
-            if name in state_dict and tuple(state_dict[name].shape) != tuple(tensor.shape):
-                problems.append(f"{name}: shape {tuple(state_dict[name].shape)} in the state_dict, "
-                                f"{tuple(tensor.shape)} in the model")
+            shape = tuple(state_dict[name].shape) if name in state_dict else None
+            if shape is not None and shape != tuple(tensor.shape) and shape != tp.whole_shape(tensor):
+                problems.append(f"{name}: shape {shape} in the state_dict, {tp.whole_shape(tensor)} in the model")
         if problems:
             raise RuntimeError("Error(s) in loading state_dict for DistributedModel:\n\t" + "\n\t".join(problems))
         with torch.no_grad():
             for name, tensor in own.items():
                 if name in state_dict:
-                    tensor.copy_(state_dict[name])
+                    tensor.copy_(tp.local_part(tensor, state_dict[name]))
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def load_parameters(self, path):

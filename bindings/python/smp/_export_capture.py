@@ -172,6 +172,19 @@ def export_model(model, args, kwargs):
         raise CaptureError(f"{type(error).__name__}: {first}" + (f" (at {where})" if where else "")) from error
 
 
+def _merge_tensor_parallel_copies(graph):
+    """One copy to the tensor-parallel shards per value: a plan's sibling column layers (query, key and value; gate
+    and up) each copy the same input, and one copy sums their gradients in one all-reduce, not one each."""
+    from .tp import COPY_TO_SHARDS
+    first = {}
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is COPY_TO_SHARDS:
+            kept = first.setdefault(node.args[0], node)
+            if kept is not node:
+                node.replace_all_uses_with(kept)
+                graph.erase_node(node)
+
+
 def capture(model, args, kwargs, stages, pinned_paths, graph_factory):
     """Exports `model` on the sample (args, kwargs) and builds the engine's graph: returns (graph, input leaves,
     output spec), where the input leaves say for each leaf of the flattened (args, kwargs) the engine input name it
@@ -197,6 +210,7 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory):
         for buffer, saved in buffers_before:
             buffer.copy_(saved)
     graph = exported.graph_module.graph
+    _merge_tensor_parallel_copies(graph)
     kinds = _signature_kinds(exported)
     for spec in exported.graph_signature.output_specs:
         if spec.kind.name not in ("USER_OUTPUT",):

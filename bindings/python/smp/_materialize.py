@@ -54,19 +54,24 @@ def materialize_modules(model, paths, device, seed, init_fn=None, replaced=None)
         module = model.get_submodule(path) if path else model
         if not any(owners.get(id(t)) == path for t in _own_meta_tensors(module)):
             continue
-        if init_fn is None and not hasattr(module, "reset_parameters"):
+        if init_fn is None and not hasattr(module, "reset_parameters") and not hasattr(module, "_smp_materialize"):
             raise ModelError(f"module '{path or type(model).__name__}' ({type(module).__name__}) was built on the meta "
                              "device and has no reset_parameters(); pass init_fn (for a Hugging Face model, "
                              "init_fn=model._init_weights)")
         before = {name: t for name, t in itertools.chain(module.named_parameters(recurse=False),
                                                          module.named_buffers(recurse=False))}
-        module.to_empty(device=device, recurse=False)
+        def initialize(target):
+            if init_fn is not None:
+                init_fn(target)
+            else:
+                target.reset_parameters()
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(module_seed(seed, path))
-            if init_fn is not None:
-                init_fn(module)
+            if hasattr(module, "_smp_materialize"):  # a tensor-parallel layer: the whole layer made, then cut
+                module._smp_materialize(device, initialize)
             else:
-                module.reset_parameters()
+                module.to_empty(device=device, recurse=False)
+                initialize(module)
         for name, old in before.items():
             if not old.is_meta:
                 continue

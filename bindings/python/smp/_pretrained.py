@@ -8,6 +8,7 @@ import os
 import torch
 
 from ._smp import CheckpointError
+from .tp import local_part, whole_shape
 
 
 class _Source:
@@ -65,17 +66,17 @@ class _Source:
 def load_pretrained(tensors, path):
     """Copies into `tensors` ({name: this rank's parameter or buffer}) the tensors of the same names at `path`.
     Every name and shape is checked before anything is copied: a missing tensor or a wrong shape is a
-    CheckpointError naming the tensor and the file. Returns how many tensors were read."""
+    CheckpointError naming the tensor and the file. A tensor-parallel shard takes its part of the whole. Returns how many tensors were read."""
     source = _Source(path)
     for name, tensor in tensors.items():
         file = source.file_of(name)
         if file is None:
             raise CheckpointError(f"{source.description}: no tensor '{name}' (this rank's stages need it)")
         shape = source.shape_of(name)
-        if shape != tuple(tensor.shape):
+        if shape != tuple(tensor.shape) and shape != whole_shape(tensor):
             raise CheckpointError(f"{file}: tensor '{name}' has shape {list(shape)}, the model's has "
-                                  f"{list(tensor.shape)}")
+                                  f"{list(whole_shape(tensor))}")
     with torch.no_grad():
         for name, tensor in tensors.items():
-            tensor.copy_(source.read(name))
+            tensor.copy_(local_part(tensor, source.read(name)))
     return len(tensors)

@@ -39,6 +39,12 @@ at::Tensor gather_last_dim(const at::Tensor& input, const Group& group);
 // this rank's slice of the last dimension: slice forward, all-gather backward.
 at::Tensor scatter_last_dim(const at::Tensor& input, const Group& group);
 
+// The collectives alone, without autograd, for autograd written elsewhere (Python's tensor-parallel operations):
+// the sum over the group (a new tensor), and the shards of the last dimension put together. Both count their bytes,
+// report to the observer and skip communication under WithoutCollectives, as the functions above do.
+at::Tensor all_reduced(const at::Tensor& input, const Group& group);
+at::Tensor all_gathered_last_dim(const at::Tensor& shard, const Group& group);
+
 // This rank's shard of a whole tensor along `dim` (a weight made whole in one process, for loading or checking).
 // With `blocks` > 1 the dimension holds that many blocks one after the other (a fused query/key/value projection's
 // output features: 3), and the shard is this rank's part of each block, in block order.

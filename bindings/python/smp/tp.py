@@ -1,0 +1,500 @@
+"""Tensor parallelism (Megatron-LM's) for Python models: each rank of a tensor-parallel group (the config's
+"tensor_parallel_degree" consecutive ranks of one pipeline stage and replica) holds a shard of every planned layer
+and computes its share; the collectives in the layers' forward and backward make the result the whole layer's.
+
+A plan maps module paths (``*`` for one path component) to styles, as Hugging Face's ``tp_plan`` and torch's
+``parallelize_module`` do::
+
+    plan = {"layers.*.attn.qkv": smp.tp.Colwise(blocks=3),   # a fused query/key/value: each block split
+            "layers.*.attn.out": "rowwise",
+            "layers.*.mlp.up": "colwise", "layers.*.mlp.down": "rowwise"}
+    model = smp.DistributedModel(net, sample, tp_plan=plan)
+
+Without a plan, smp takes the model's own: a Hugging Face model's ``base_model_tp_plan`` (Llama, Mistral, Qwen2 and
+most decoders since transformers 4.50), or smp's for GPT-2 and BERT (``builtin_plan``). Each shard is cut from the
+whole layer the model was built with, so every degree trains the weights one process would.
+
+The layers also serve models written for tensor parallelism: ``ColumnParallelLinear(nn.Linear(...))`` etc. in an
+``nn.Sequential`` or a ``GraphModel``, and ``vocab_parallel_cross_entropy`` as the loss of sharded logits.
+"""
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._smp import ConfigError
+
+__all__ = ["Colwise", "Rowwise", "VocabParallel", "Replicated", "Divide", "ColumnParallelLinear", "RowParallelLinear",
+           "VocabParallelEmbedding", "apply_plan", "builtin_plan", "shard_of", "copy_to_shards", "reduce_from_shards",
+           "gather_last_dim", "scatter_last_dim", "vocab_parallel_cross_entropy", "degree", "rank", "whole_shape",
+           "local_part", "collective_bytes"]
+
+
+def _runtime():
+    from . import runtime
+    return runtime()
+
+
+def degree():
+    """The config's tensor_parallel_degree (1 before smp.init)."""
+    from . import _runtime as initialized
+    return 1 if initialized is None else initialized.tensor_parallel_degree
+
+
+def rank():
+    """This rank's place in its tensor-parallel group."""
+    from . import _runtime as initialized
+    return 0 if initialized is None else initialized.tp_rank
+
+
+# The collectives as operations torch.export keeps in a captured graph (so that a captured model's node calls them),
+# with their autograd. Their implementations call the engine's (which skip communication while rank 0 profiles a
+# node alone, count bytes and show in timelines).
+
+@torch.library.custom_op("smp::tp_all_reduce", mutates_args=())
+def _all_reduce(x: Tensor) -> Tensor:
+    return _runtime()._tp_all_reduce(x)
+
+
+@_all_reduce.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("smp::tp_all_gather_last_dim", mutates_args=())
+def _all_gather_last_dim(x: Tensor) -> Tensor:
+    return _runtime()._tp_all_gather_last_dim(x)
+
+
+@_all_gather_last_dim.register_fake
+def _(x):
+    return x.new_empty(*x.shape[:-1], x.shape[-1] * degree())
+
+
+def _own_slice_last_dim(x):
+    width = x.shape[-1] // degree()
+    return x.narrow(-1, rank() * width, width).contiguous()
+
+
+@torch.library.custom_op("smp::tp_copy_to_shards", mutates_args=())
+def _copy_to_shards(x: Tensor) -> Tensor:
+    return x.clone()  # an operation's output may not be its input
+
+
+@_copy_to_shards.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+_copy_to_shards.register_autograd(lambda context, gradient: _all_reduce(gradient))
+
+
+@torch.library.custom_op("smp::tp_reduce_from_shards", mutates_args=())
+def _reduce_from_shards(x: Tensor) -> Tensor:
+    return _runtime()._tp_all_reduce(x)
+
+
+@_reduce_from_shards.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+_reduce_from_shards.register_autograd(lambda context, gradient: gradient)
+
+
+@torch.library.custom_op("smp::tp_gather_last_dim", mutates_args=())
+def _gather_last_dim(x: Tensor) -> Tensor:
+    return _runtime()._tp_all_gather_last_dim(x)
+
+
+@_gather_last_dim.register_fake
+def _(x):
+    return x.new_empty(*x.shape[:-1], x.shape[-1] * degree())
+
+
+_gather_last_dim.register_autograd(lambda context, gradient: _own_slice_last_dim(gradient))
+
+
+@torch.library.custom_op("smp::tp_scatter_last_dim", mutates_args=())
+def _scatter_last_dim(x: Tensor) -> Tensor:
+    return _own_slice_last_dim(x)
+
+
+@_scatter_last_dim.register_fake
+def _(x):
+    return x.new_empty(*x.shape[:-1], x.shape[-1] // degree())
+
+
+_scatter_last_dim.register_autograd(lambda context, gradient: _all_gather_last_dim(gradient))
+
+COPY_TO_SHARDS = torch.ops.smp.tp_copy_to_shards.default  # what a capture merges per input (one all-reduce back)
+
+
+def collective_bytes():
+    """Bytes this process's tensor-parallel collectives moved since it started: {"all_reduced", "all_gathered"}
+    (the payload of each all-reduce, the whole tensor of each all-gather), to compare with the theory."""
+    from ._smp import tp_collective_bytes
+    all_reduced, all_gathered = tp_collective_bytes()
+    return {"all_reduced": all_reduced, "all_gathered": all_gathered}
+
+
+def copy_to_shards(x):
+    """The input whole on every rank, about to meet sharded weights: identity forward, gradients summed backward."""
+    return x if degree() == 1 else _copy_to_shards(x)
+
+
+def reduce_from_shards(x):
+    """Partial sums of every rank added up: all-reduce forward, identity backward."""
+    return x if degree() == 1 else _reduce_from_shards(x)
+
+
+def gather_last_dim(x):
+    """The shards of the last dimension put together: all-gather forward, this rank's slice backward."""
+    return x if degree() == 1 else _gather_last_dim(x)
+
+
+def scatter_last_dim(x):
+    """This rank's slice of the last dimension: slice forward, all-gather backward."""
+    return x if degree() == 1 else _scatter_last_dim(x)
+
+
+def shard_of(whole, dim, blocks=1):
+    """This rank's shard of a whole tensor along `dim`: with `blocks` > 1 the dimension holds that many blocks one
+    after the other (a fused query/key/value's output features: 3), and the shard is this rank's part of each, in
+    block order. A new tensor (never a view of `whole`)."""
+    dim = dim % whole.dim()
+    size = whole.shape[dim]
+    if size % blocks or (size // blocks) % degree():
+        raise ConfigError(f"dimension {dim} of size {size} in {blocks} block(s) does not divide by "
+                          f"\"tensor_parallel_degree\" {degree()}")
+    blocked = whole.unflatten(dim, (blocks, size // blocks))
+    shard = blocked.chunk(degree(), dim + 1)[rank()]
+    return shard.flatten(dim, dim + 1).clone(memory_format=torch.contiguous_format)
+
+
+def whole_shape(tensor):
+    """The shape of the whole tensor `tensor` is this rank's shard of (its own shape when it is whole)."""
+    tag = getattr(tensor, "_smp_shard", None)
+    if tag is None:
+        return tuple(tensor.shape)
+    shape = list(tensor.shape)
+    shape[tag[0]] *= degree()
+    return tuple(shape)
+
+
+def local_part(tensor, source):
+    """What `tensor` (this rank's, a shard or whole) holds of `source`, a whole model's tensor of the same name."""
+    tag = getattr(tensor, "_smp_shard", None)
+    return source if tag is None or tuple(source.shape) == tuple(tensor.shape) else shard_of(source, *tag)
+
+
+def _shard_parameter(whole, dim, blocks):
+    """A Parameter holding this rank's shard, tagged with where it sits in the whole (the engine reads the tag:
+    gradient norms, checks)."""
+    shard = torch.nn.Parameter(shard_of(whole.detach(), dim, blocks), requires_grad=whole.requires_grad)
+    shard._smp_shard = (dim, blocks)
+    return shard
+
+
+def _is_conv1d(module):
+    """Hugging Face's Conv1D (GPT-2): a linear layer whose weight is stored [in, out]."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def _linear_shapes(module, path):
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features, module.out_features, False
+    if _is_conv1d(module):
+        return module.weight.shape[0], module.weight.shape[1], True
+    raise ConfigError(f"tensor-parallel plan: '{path}' is a {type(module).__name__}; a column or row style takes an "
+                      "nn.Linear (or Hugging Face's Conv1D)")
+
+
+class _FromWhole(torch.nn.Module):
+    """A layer cut from a whole one; on the meta device it keeps the whole one, to be made real and initialized as
+    the whole model's (same seed) and cut again (smp.materialize, a rank making its stages real)."""
+
+    def __init__(self, whole):
+        super().__init__()
+        object.__setattr__(self, "_whole", whole if any(t.is_meta for t in whole.parameters()) else None)
+
+    def _smp_materialize(self, device, initialize):
+        whole = self._whole
+        whole.to_empty(device=device)
+        initialize(whole)
+        with torch.no_grad():
+            self._cut(whole)
+        object.__setattr__(self, "_whole", None)
+
+
+class ColumnParallelLinear(_FromWhole):
+    """y = x A^T + b with A's rows (the output features) split: the input whole, the output's last dimension
+    sharded, unless gather_output. `blocks`: the output features are that many blocks, each split (a fused
+    query/key/value: 3; gate and up projections packed: 2)."""
+
+    def __init__(self, whole, blocks=1, gather_output=False, path="ColumnParallelLinear"):
+        super().__init__(whole)
+        in_features, out_features, self.transposed = _linear_shapes(whole, path)
+        if out_features % blocks or (out_features // blocks) % degree():
+            raise ConfigError(f"{path}: output features {out_features} in {blocks} block(s) do not divide by "
+                              f"\"tensor_parallel_degree\" {degree()}")
+        self.in_features, self.out_features = in_features, out_features // degree()
+        self.blocks, self.gather_output = blocks, gather_output
+        self._cut(whole)
+
+    def _cut(self, whole):
+        self.weight = _shard_parameter(whole.weight, 1 if self.transposed else 0, self.blocks)
+        self.bias = _shard_parameter(whole.bias, 0, self.blocks) if whole.bias is not None else None
+
+    def forward(self, x):
+        x = copy_to_shards(x)
+        if self.transposed:
+            y = x @ self.weight if self.bias is None else torch.addmm(
+                self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return gather_last_dim(y) if self.gather_output else y
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features} of {self.out_features * degree()}"
+                + (f", blocks={self.blocks}" if self.blocks > 1 else "") + (", gather_output" if self.gather_output
+                                                                             else ""))
+
+
+class RowParallelLinear(_FromWhole):
+    """y = x A^T + b with A's columns (the input features) split: the input sharded along its last dimension (a
+    column layer's output; whole with input_is_parallel=False, each rank then taking its slice), the output whole.
+    The bias is whole on every rank."""
+
+    def __init__(self, whole, input_is_parallel=True, path="RowParallelLinear"):
+        super().__init__(whole)
+        in_features, out_features, self.transposed = _linear_shapes(whole, path)
+        if in_features % degree():
+            raise ConfigError(f"{path}: input features {in_features} do not divide by \"tensor_parallel_degree\" "
+                              f"{degree()}")
+        self.in_features, self.out_features = in_features // degree(), out_features
+        self.input_is_parallel = input_is_parallel
+        self._cut(whole)
+
+    def _cut(self, whole):
+        self.weight = _shard_parameter(whole.weight, 0 if self.transposed else 1, 1)
+        # Whole on every rank: added once, after the sum.
+        self.bias = torch.nn.Parameter(whole.bias.detach().clone(), whole.bias.requires_grad) \
+            if whole.bias is not None else None
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = scatter_last_dim(x)
+        y = reduce_from_shards(x @ self.weight if self.transposed else F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self):
+        return f"in_features={self.in_features} of {self.in_features * degree()}, out_features={self.out_features}"
+
+
+class VocabParallelEmbedding(_FromWhole):
+    """An embedding whose rows (the vocabulary) are split: each rank looks up the ids in its range, and the rows
+    are summed over the group."""
+
+    def __init__(self, whole, path="VocabParallelEmbedding"):
+        super().__init__(whole)
+        if not isinstance(whole, torch.nn.Embedding):
+            raise ConfigError(f"tensor-parallel plan: '{path}' is a {type(whole).__name__}; the vocabulary style "
+                              "takes an nn.Embedding")
+        if whole.num_embeddings % degree():
+            raise ConfigError(f"{path}: vocabulary {whole.num_embeddings} does not divide by "
+                              f"\"tensor_parallel_degree\" {degree()}")
+        self.rows = whole.num_embeddings // degree()
+        self.first = rank() * self.rows
+        padding = whole.padding_idx
+        self.padding_idx = padding - self.first if padding is not None and 0 <= padding - self.first < self.rows \
+            else None
+        self._cut(whole)
+
+    def _cut(self, whole):
+        self.weight = _shard_parameter(whole.weight, 0, 1)
+
+    def forward(self, ids):
+        outside = (ids < self.first) | (ids >= self.first + self.rows)
+        rows = F.embedding((ids - self.first).masked_fill(outside, 0), self.weight, self.padding_idx)
+        return reduce_from_shards(rows.masked_fill(outside.unsqueeze(-1), 0.0))
+
+    def extra_repr(self):
+        return f"rows {self.first}..{self.first + self.rows - 1} of {self.rows * degree()}"
+
+
+def vocab_parallel_cross_entropy(logits, targets, ignore_index=-100):
+    """The mean cross entropy of logits sharded along the vocabulary (a column-parallel output layer's, not
+    gathered) against whole targets: the same on every rank, without gathering the logits. `logits` [...,
+    vocabulary / tp], `targets` [...] of ids over the whole vocabulary."""
+    if degree() == 1:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index)
+    logits = logits.float()
+    width = logits.shape[-1]
+    first = rank() * width
+    # The row maxima only steady the exponentials: no gradient through them.
+    maximum = _all_gather_last_dim(logits.detach().amax(-1, keepdim=True)).amax(-1, keepdim=True)
+    shifted = logits - maximum
+    total = reduce_from_shards(shifted.exp().sum(-1))
+    outside = (targets < first) | (targets >= first + width)
+    local = (targets - first).masked_fill(outside, 0)
+    target_logit = reduce_from_shards(shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0))
+    counted = targets != ignore_index  # as F.cross_entropy's ignore_index: padding out of the mean
+    return ((total.log() - target_logit) * counted).sum() / counted.sum()
+
+
+# Styles: what a plan does to the module at a path.
+
+class Colwise:
+    def __init__(self, blocks=1, gather_output=False):
+        self.blocks, self.gather_output = blocks, gather_output
+
+    def apply(self, module, path):
+        return ColumnParallelLinear(module, self.blocks, self.gather_output, path)
+
+    def __repr__(self):
+        return f"Colwise(blocks={self.blocks}, gather_output={self.gather_output})"
+
+
+class Rowwise:
+    def __init__(self, input_is_parallel=True):
+        self.input_is_parallel = input_is_parallel
+
+    def apply(self, module, path):
+        return RowParallelLinear(module, self.input_is_parallel, path)
+
+    def __repr__(self):
+        return f"Rowwise(input_is_parallel={self.input_is_parallel})"
+
+
+class VocabParallel:
+    def apply(self, module, path):
+        return VocabParallelEmbedding(module, path)
+
+    def __repr__(self):
+        return "VocabParallel()"
+
+
+class Replicated:
+    """Whole on every rank (what a plan does not name is too): each rank computes the same gradients."""
+
+    def apply(self, module, path):
+        return module
+
+    def __repr__(self):
+        return "Replicated()"
+
+
+class Divide:
+    """Integer attributes of a module divided by the degree, for code that reads a width the sharding changed
+    (GPT-2's attention splits its fused projection by `split_size`)."""
+
+    def __init__(self, *attributes):
+        self.attributes = attributes
+
+    def apply(self, module, path):
+        for name in self.attributes:
+            value = getattr(module, name, None)
+            if not isinstance(value, int) or value % degree():
+                raise ConfigError(f"{path}.{name} ({value!r}) does not divide by \"tensor_parallel_degree\" "
+                                  f"{degree()}")
+            setattr(module, name, value // degree())
+        return module
+
+    def __repr__(self):
+        return f"Divide{self.attributes!r}"
+
+
+# Hugging Face's style names (transformers' tp_plan), and smp's.
+STYLES = {
+    "colwise": Colwise(), "rowwise": Rowwise(), "colwise_gather_output": Colwise(gather_output=True),
+    "packed_colwise": Colwise(blocks=2), "rowwise_split_input": Rowwise(input_is_parallel=False),
+    "replicated_with_grad_allreduce": Replicated(), "vocab": VocabParallel(),
+}
+
+# smp's plans for Hugging Face families whose configs carry none, by model_type, relative to the base model.
+_OWN_PLANS = {
+    "gpt2": {"h.*.attn.c_attn": Colwise(blocks=3), "h.*.attn.c_proj": "rowwise", "h.*.attn": Divide("split_size"),
+             "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"},
+    "bert": {"encoder.layer.*.attention.self.query": "colwise", "encoder.layer.*.attention.self.key": "colwise",
+             "encoder.layer.*.attention.self.value": "colwise", "encoder.layer.*.attention.output.dense": "rowwise",
+             "encoder.layer.*.intermediate.dense": "colwise", "encoder.layer.*.output.dense": "rowwise"},
+}
+
+
+def builtin_plan(model):
+    """The plan smp takes for `model` without one: a Hugging Face model's own (its config's base_model_tp_plan and
+    its head's, e.g. Llama's lm_head gathered), or smp's for GPT-2 and BERT; None when there is none."""
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None) or _OWN_PLANS.get(getattr(config, "model_type", None))
+    if not base:
+        return None
+    prefix = getattr(model, "base_model_prefix", "")
+    head_model = bool(prefix) and isinstance(getattr(model, prefix, None), torch.nn.Module)
+    plan = {(f"{prefix}.{path}" if head_model else path): style for path, style in base.items()}
+    if head_model:
+        plan.update(getattr(type(model), "_tp_plan", None) or {})
+    return plan
+
+
+def _style(value, pattern):
+    if isinstance(value, str):
+        if value not in STYLES:
+            raise ConfigError(f"tensor-parallel plan: '{pattern}' has style '{value}', which smp does not know (it "
+                              f"knows {', '.join(sorted(STYLES))}, and smp.tp's style objects)")
+        return STYLES[value]
+    if not hasattr(value, "apply"):
+        raise ConfigError(f"tensor-parallel plan: '{pattern}' maps to {value!r}, not a style")
+    return value
+
+
+def _check_heads(model, path, module, style):
+    """Shards of a projection into heads must hold whole heads (the attention module, the parent, knows their
+    width)."""
+    parent = model.get_submodule(path.rpartition(".")[0]) if "." in path else model
+    head_dim = getattr(parent, "head_dim", None) or getattr(parent, "attention_head_size", None)
+    if not isinstance(head_dim, int) or not isinstance(style, (Colwise, Rowwise)):
+        return
+    features = module.weight.shape[1 if _is_conv1d(module) else 0] // style.blocks if isinstance(style, Colwise) \
+        else module.weight.shape[0 if _is_conv1d(module) else 1]
+    if features % head_dim == 0 and (features // head_dim) % degree():
+        raise ConfigError(f"{path}: {features // head_dim} heads do not divide by \"tensor_parallel_degree\" "
+                          f"{degree()}")
+
+
+def apply_plan(model, plan, strict=True):
+    """Replaces the modules `plan` names ({path pattern: style}) with their tensor-parallel forms, in place, and
+    returns {path: style} of what it did. A pattern that matches no module is a ConfigError when `strict` (a plan
+    of the user's), skipped otherwise (a built-in plan's module a config left out). A layer whose weight is tied
+    to a module the plan leaves whole (a GPT-2 or Llama head tied to the embedding) stays whole, with a built-in
+    plan; a user's plan must name both."""
+    holders = {}
+    for path, parameter in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(parameter), []).append(path.rpartition(".")[0])
+    modules = dict(model.named_modules())
+    applied = {}
+    for pattern, value in plan.items():
+        style = _style(value, pattern)
+        expression = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
+        paths = [path for path in modules if expression.fullmatch(path)]
+        if not paths and strict:
+            raise ConfigError(f"tensor-parallel plan: '{pattern}' matches no module of {type(model).__name__}")
+        for path in paths:
+            module = modules[path]
+            tied = {holder for parameter in module.parameters(recurse=False) for holder in holders[id(parameter)]
+                    if holder != path}
+            if tied and not isinstance(style, (Replicated, Divide)):
+                if strict:
+                    raise ConfigError(f"tensor-parallel plan: '{path}' shares its weight with '{sorted(tied)[0]}', "
+                                      "which the plan does not shard the same way")
+                continue
+            _check_heads(model, path, module, style)
+            replacement = style.apply(module, path)
+            if replacement is not module:
+                parent, _, name = path.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, name, replacement)
+                modules[path] = replacement
+            applied[path] = style
+    return applied
