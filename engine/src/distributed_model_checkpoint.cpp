@@ -1,0 +1,76 @@
+// Where a model's state comes from other than its own steps: the partition, step and loss scale of the checkpoint
+// it resumes, and weights loaded by name.
+#include "smp/distributed_model.h"
+
+#include <c10/util/StringUtil.h>
+
+#include "smp/checkpoint.h"
+#include "smp/log.h"
+
+namespace smp {
+
+void DistributedModel::adopt_checkpoint_partition() {
+  const Config& config = runtime_->config();
+  // Rank 0 chooses, so that every rank resumes from the same checkpoint even if another is being written.
+  if (runtime_->rank() == 0) {
+    std::vector<std::string> skipped;
+    const auto found = find_latest_checkpoint(config.checkpoint_dir, &skipped);
+    for (const auto& reason : skipped) log::warn("skipping checkpoint: " + reason);
+    if (!found) log::info("no complete checkpoint in " + config.checkpoint_dir + "; starting from step 0");
+    runtime_->publish(exchange_ + "resume_from", found ? found->directory : "");
+  }
+  const std::string directory = runtime_->fetch(exchange_ + "resume_from");
+  if (directory.empty()) return;
+  // Rank 0 verified every file; each rank checks its own again as Checkpointer::resume loads it.
+  auto manifest = read_manifest(directory);
+  if (manifest.partitions != config.partitions || manifest.virtual_stages != config.virtual_stages) {
+    throw CheckpointError(directory + " was saved with " + std::to_string(manifest.partitions) + " partitions x " +
+                          std::to_string(manifest.virtual_stages) + " virtual stages, this job has " +
+                          std::to_string(config.partitions) + " x " + std::to_string(config.virtual_stages) +
+                          "; export it (smp_checkpoint export) and load it with DistributedModel::load_parameters");
+  }
+  if (manifest.model_signature != model_signature_) {
+    throw CheckpointError(directory + " holds another model (" + manifest.model_signature + "; this model: " +
+                          model_signature_ + ")");
+  }
+  std::vector<std::string> names;
+  for (const auto& node : model_.nodes()) names.push_back(node.name);
+  if (names != manifest.module_names) throw CheckpointError(directory + ": the model's modules differ from the checkpoint's");
+  plan_.stage_of_module = manifest.stage_of_module;
+  resumed_from_ = FoundCheckpoint{directory, std::move(manifest)};
+}
+
+void DistributedModel::load_state(const TensorSource& source) {
+  // Everything checked before anything is copied: a bad file leaves the model as it was.
+  const auto check = [&](const std::string& name, const at::Tensor& tensor, const char* kind) {
+    const auto shape = source.shape(name);
+    if (!shape) {
+      throw CheckpointError(source.description + ": no " + kind + " \"" + name + "\" (this rank's stages need it)");
+    }
+    if (*shape != tensor.sizes().vec()) {
+      throw CheckpointError(source.file_of(name) + ": " + kind + " \"" + name + "\" has shape " + c10::str(*shape) +
+                            ", the model has " + c10::str(tensor.sizes()));
+    }
+  };
+  for (const auto& [name, parameter] : named_parameters_) check(name, parameter, "parameter");
+  if (source.has_buffers) {
+    for (const auto& [name, buffer] : named_buffers_) check(name, buffer, "buffer");
+  }
+  c10::NoGradGuard no_grad;
+  for (auto& [name, parameter] : named_parameters_) parameter.copy_(source.read(name));
+  if (source.has_buffers) {
+    for (auto& [name, buffer] : named_buffers_) buffer.copy_(source.read(name));
+  }
+}
+
+void DistributedModel::load_parameters(const std::string& path) { load_state(tensor_source(path)); }
+
+void DistributedModel::resume_at(long long step) { step_ = step; }
+
+void DistributedModel::restore_loss_scale(double scale, long long steps_since_change) {
+  if (!runtime_->config().fp16) return;  // the scale only exists for fp16
+  loss_scale_ = scale;
+  good_steps_ = steps_since_change;
+}
+
+}  // namespace smp

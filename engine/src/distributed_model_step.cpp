@@ -1,0 +1,365 @@
+// The step as the user calls it: a batch checked and split into microbatches, the schedule run for training
+// (gradients set aside across the step, non-finite values and the fp16 loss scale) or for evaluation alone.
+#include "smp/distributed_model.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <optional>
+
+#include <ATen/ATen.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/StringUtil.h>
+
+#include "smp/log.h"
+#include "smp/timeline.h"
+#include "distributed_model_internal.h"
+#include "smp/tp.h"
+
+namespace smp {
+
+std::vector<bool> DistributedModel::batched_inputs(const ModelInputs& inputs, const at::Tensor& targets) {
+  std::optional<std::int64_t> batch;
+  if (targets.defined() && targets.dim() > 0) batch = targets.size(0);
+  for (const auto& input : inputs) {
+    if (!batch && input.defined() && input.dim() > 0) batch = input.size(0);
+  }
+  std::vector<bool> batched;
+  for (const auto& input : inputs) batched.push_back(batch && input.defined() && input.dim() > 0 && input.size(0) == *batch);
+  return batched;
+}
+
+MicrobatchData DistributedModel::microbatch_data(const char* caller, const ModelInputs& inputs,
+                                                 const at::Tensor& targets, const OutputsLossFunction& loss,
+                                                 const std::vector<bool>& given_batched) const {
+  const int microbatches = runtime_->config().microbatches;
+  const auto& names = model_.input_names();
+  if (inputs.size() != names.size()) {
+    throw ConfigError(std::string(caller) + ": " + std::to_string(inputs.size()) + " inputs for a model of " +
+                      std::to_string(names.size()));
+  }
+  if (!given_batched.empty() && given_batched.size() != inputs.size()) {
+    throw ConfigError(std::string(caller) + ": " + std::to_string(given_batched.size()) + " batched flags for " +
+                      std::to_string(inputs.size()) + " inputs");
+  }
+  const std::vector<bool> batched = given_batched.empty() ? batched_inputs(inputs, targets) : given_batched;
+  std::optional<std::int64_t> batch;
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    if (batched[i]) batch = inputs[i].size(0);
+  }
+  if (targets.defined() && targets.dim() > 0) batch = targets.size(0);
+  if (!batch || *batch == 0 || *batch % microbatches != 0) {
+    throw ConfigError(std::string(caller) + ": the replica's batch of " +
+                      (batch ? std::to_string(*batch) : std::string("no")) + " samples does not split into " +
+                      std::to_string(microbatches) + " microbatches");
+  }
+  if (targets.defined() && targets.dim() > 0 && std::none_of(batched.begin(), batched.end(), [](bool b) { return b; })) {
+    std::string sizes;
+    for (const auto& input : inputs) sizes += (sizes.empty() ? "" : ", ") + (input.defined() ? c10::str(input.sizes()) : "None");
+    throw ConfigError(std::string(caller) + ": " + std::to_string(*batch) + " targets, but no input has a first "
+                      "dimension of that size (inputs " + sizes + ")");
+  }
+  MicrobatchData data;
+  const c10::Device device = runtime_->device();
+  data.inputs.assign(static_cast<std::size_t>(microbatches), ModelInputs(inputs.size()));
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    const at::Tensor on_device = inputs[i].defined() ? inputs[i].to(device) : inputs[i];
+    if (!batched[i]) {
+      for (auto& microbatch : data.inputs) microbatch[i] = on_device;
+      continue;
+    }
+    const auto chunks = on_device.chunk(microbatches);
+    for (int m = 0; m < microbatches; ++m) data.inputs[m][i] = chunks[m];
+  }
+  if (targets.defined()) data.targets = (targets.dim() > 0 ? targets.to(device).chunk(microbatches)
+                                                           : std::vector<at::Tensor>(microbatches, targets.to(device)));
+  data.loss = loss;
+  return data;
+}
+
+ModelInputs DistributedModel::inputs_by_name(const char* caller, const std::map<std::string, at::Tensor>& inputs) const {
+  ModelInputs ordered;
+  for (const auto& name : model_.input_names()) {
+    const auto found = inputs.find(name);
+    if (found == inputs.end()) throw ConfigError(std::string(caller) + ": no input \"" + name + "\" (the model's input)");
+    ordered.push_back(found->second);
+  }
+  for (const auto& [name, tensor] : inputs) {
+    if (model_.input_index(name) < 0) {
+      throw ConfigError(std::string(caller) + ": input \"" + name + "\" is not one of the model's inputs");
+    }
+  }
+  return ordered;
+}
+
+void DistributedModel::check_single_input(const char* caller, const at::Tensor& inputs, const at::Tensor& targets) const {
+  // One input and its targets: both are the batch, sample for sample.
+  const int microbatches = runtime_->config().microbatches;
+  auto check = [&](const at::Tensor& tensor, const char* what) {
+    if (!tensor.defined() || tensor.dim() == 0 || tensor.size(0) % microbatches != 0 || tensor.size(0) == 0) {
+      throw ConfigError(std::string(caller) + ": the replica's " + what + " batch of " +
+                        (tensor.defined() && tensor.dim() > 0 ? std::to_string(tensor.size(0)) : std::string("no")) +
+                        " samples does not split into " + std::to_string(microbatches) + " microbatches");
+    }
+  };
+  check(inputs, "input");
+  check(targets, "target");
+  if (inputs.size(0) != targets.size(0)) {
+    throw ConfigError(std::string(caller) + ": " + std::to_string(inputs.size(0)) + " inputs but " +
+                      std::to_string(targets.size(0)) + " targets");
+  }
+}
+
+OutputsLossFunction DistributedModel::of_first_output(const LossFunction& loss) {
+  return [loss](const std::vector<at::Tensor>& outputs, const at::Tensor& target) { return loss(outputs.front(), target); };
+}
+
+namespace {
+
+// The modules in eval mode (dropout off, batch norm on its running statistics) for as long as it lives; each
+// gets its own mode back after, in reverse order, so that a module shared by two nodes ends as it began.
+class EvaluationMode {
+ public:
+  explicit EvaluationMode(std::vector<std::shared_ptr<torch::nn::Module>> modules) : modules_(std::move(modules)) {
+    for (const auto& module : modules_) {
+      was_training_.push_back(module->is_training());
+      module->eval();
+    }
+  }
+  ~EvaluationMode() {
+    for (std::size_t i = modules_.size(); i-- > 0;) modules_[i]->train(was_training_[i]);
+  }
+  EvaluationMode(const EvaluationMode&) = delete;
+  EvaluationMode& operator=(const EvaluationMode&) = delete;
+
+ private:
+  std::vector<std::shared_ptr<torch::nn::Module>> modules_;
+  std::vector<bool> was_training_;
+};
+
+}  // namespace
+
+StepOutput DistributedModel::evaluate(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss,
+                                     bool keep_outputs) {
+  check_single_input("evaluate", inputs, targets);
+  return evaluate(ModelInputs{inputs}, targets, of_first_output(loss), keep_outputs);
+}
+
+StepOutput DistributedModel::evaluate(const std::map<std::string, at::Tensor>& inputs, const at::Tensor& targets,
+                                     const OutputsLossFunction& loss, bool keep_outputs) {
+  return evaluate(inputs_by_name("evaluate", inputs), targets, loss, keep_outputs);
+}
+
+StepOutput DistributedModel::train_step(const std::map<std::string, at::Tensor>& inputs, const at::Tensor& targets,
+                                       const OutputsLossFunction& loss, bool keep_outputs) {
+  return train_step(inputs_by_name("train_step", inputs), targets, loss, keep_outputs);
+}
+
+StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tensor& targets,
+                                     const OutputsLossFunction& loss, bool keep_outputs,
+                                     const std::vector<bool>& batched) {
+  const auto start = std::chrono::steady_clock::now();
+  MicrobatchData data = microbatch_data("evaluate", inputs, targets, loss, batched);
+  data.keep_outputs = keep_outputs;
+  if (!evaluator_) {
+    // The training schedule's forwards in their order: its transfers, channels and tags serve as they are.
+    sched::Schedule forward = sched::forward_only(executor_->schedule());
+    sched::validate(forward, graph_);
+    evaluator_ = std::make_unique<PipelineExecutor>(std::move(forward), graph_, runtime_->pipeline());
+  }
+  at::NoGradGuard no_graphs;
+  std::vector<std::shared_ptr<torch::nn::Module>> local_modules;
+  for (const auto& [stage, local] : stages_) {
+    for (int node : local.nodes) local_modules.push_back(model_.nodes()[node].module);
+  }
+  const EvaluationMode evaluation_mode(std::move(local_modules));
+  StepOutput output;
+  at::Tensor loss_total = at::zeros({1}, at::kDouble);
+  try {
+    const ExecutorStats stats = evaluator_->run(stage_callbacks(), data);
+    if (stats.has_loss && counts_loss()) loss_total[0] = stats.loss_sum;
+    output.sends_posted = stats.sends_posted;
+    output.all_outputs = stats.outputs;
+    if (!stats.outputs.empty()) output.outputs = stats.outputs.front();
+    output.sends_released_early = stats.sends_released_early;
+    output.peak_sends_held = stats.peak_sends_held;
+    runtime_->world().all_reduce_sum(loss_total);  // the last stages' losses, summed over replicas
+  } catch (const comm::CommError& error) {
+    throw comm::CommError("evaluation after step " + std::to_string(step_) + ", stage-rank " +
+                          std::to_string(runtime_->pp_rank()) + ": " + error.what());
+  }
+  output.loss = loss_total[0].item<double>() / runtime_->topology().data_parallel_degree();
+  output.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return output;
+}
+
+namespace {
+
+// The gradients in .grad before a step, taken out of the parameters for the step's length. add_this_step() puts
+// them back with the step's gradients added; a step that fails (an exception) leaves them as they were.
+class EarlierGradients {
+ public:
+  explicit EarlierGradients(const std::vector<std::pair<std::string, at::Tensor>>& parameters) {
+    for (const auto& [name, parameter] : parameters) {
+      held_.emplace_back(parameter, parameter.grad());
+      if (parameter.grad().defined()) held_.back().first.mutable_grad() = at::Tensor();
+    }
+  }
+  void add_this_step() {
+    for (auto& [parameter, earlier] : held_) {
+      if (!earlier.defined()) continue;
+      at::Tensor& gradient = parameter.mutable_grad();
+      gradient = gradient.defined() ? earlier.add_(gradient) : earlier;
+    }
+    held_.clear();
+  }
+  ~EarlierGradients() {
+    for (auto& [parameter, earlier] : held_) parameter.mutable_grad() = earlier;
+  }
+  EarlierGradients(const EarlierGradients&) = delete;
+  EarlierGradients& operator=(const EarlierGradients&) = delete;
+
+ private:
+  std::vector<std::pair<at::Tensor, at::Tensor>> held_;  // (parameter, its gradient before the step)
+};
+
+}  // namespace
+
+StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss,
+                                       bool keep_outputs) {
+  check_single_input("train_step", inputs, targets);
+  return train_step(ModelInputs{inputs}, targets, of_first_output(loss), keep_outputs);
+}
+
+StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Tensor& targets,
+                                       const OutputsLossFunction& loss, bool keep_outputs,
+                                       const std::vector<bool>& batched) {
+  const auto start = std::chrono::steady_clock::now();
+  const Config& config = runtime_->config();
+  MicrobatchData data = microbatch_data("train_step", inputs, targets, loss, batched);
+  data.keep_outputs = keep_outputs;
+  data.loss_scale = loss_scale_;
+  const c10::Device device = runtime_->device();
+
+  StageCallbacks callbacks = stage_callbacks();
+  if (device.is_cuda() && !config.trace_dir.empty() && step_ == config.trace_step) {
+    // The compute stream alone, never the whole device: that would also wait for NCCL sends still queued on their
+    // channels' streams for a receiver, which may itself be waiting here for one of ours (no timeout can end that).
+    callbacks.synchronize = [device] {
+      const c10::impl::VirtualGuardImpl guard(device.type());
+      guard.synchronizeStream(guard.getStream(device));
+    };
+  }
+
+  // Until the step has succeeded, it counts as dropped: an optimizer step after a step that threw is not taken.
+  last_step_skipped_ = true;
+  // Which parameters are averaged over replicas and summed over tied copies was fixed when the model was built.
+  for (std::size_t i = 0; i < named_parameters_.size(); ++i) {
+    if (named_parameters_[i].second.requires_grad() != trainable_at_build_[i]) {
+      throw ModelError("parameter " + named_parameters_[i].first + " was " +
+                       (trainable_at_build_[i] ? "frozen" : "unfrozen") +
+                       " after the DistributedModel was built; set requires_grad before building it");
+    }
+  }
+  // Gradients left by earlier steps (accumulation over several train_steps) are set aside: what a step does to
+  // its gradients (the replicas' mean, a tied weight's sum over its holders, the fp16 unscale, the finite check,
+  // a dropped step's zeroing) must touch this step's alone.
+  EarlierGradients earlier(named_parameters_);
+
+  ExecutorStats stats;
+  StepOutput output;
+  at::Tensor loss_total;
+  try {
+    if (reducer_) reducer_->arm();
+    // A traced step's timeline shows the tensor-parallel collectives inside the compute that ran them.
+    const bool traced = !config.trace_dir.empty() && step_ == config.trace_step;
+    std::vector<TimelineEvent> collectives;
+    std::optional<tp::CollectiveObserver> observer;  // reports one collective at a time, from any thread
+    if (traced && runtime_->topology().tensor_parallel_degree() > 1) {
+      observer.emplace([&](const char* kind, std::int64_t, double start_us, double end_us) {
+        collectives.push_back({kind, 0, 0, start_us, end_us, -1});
+      });
+    }
+    stats = executor_->run(callbacks, data);
+    observer.reset();
+    for (auto& collective : collectives) {
+      for (const auto& event : stats.events) {
+        if (event.start_us <= collective.start_us && collective.start_us <= event.end_us) {
+          collective.stage = event.stage;
+          collective.microbatch = event.microbatch;
+        }
+      }
+      stats.events.push_back(std::move(collective));
+    }
+    // Replicas first: it writes the mean back into .grad, and the tied sum (linear too) must come after.
+    if (reducer_) {
+      output.gradient_buckets = reducer_->buckets();
+      output.buckets_overlapped = reducer_->finish();
+    }
+    sum_tied_gradients();
+    const bool gradients_finite = loss_scale_ != 1.0 ? unscale_gradients_checking_finite() : local_gradients_finite();
+    // One world all-reduce: slot 0 sums the last stages' losses (every rank learns the mean over replicas),
+    // slot 1 + r is set by rank r when its gradients are not finite.
+    loss_total = at::zeros({1 + runtime_->world_size()}, at::kDouble);
+    loss_total[0] = stats.has_loss && counts_loss() ? stats.loss_sum : 0.0;
+    if (!gradients_finite) loss_total[1 + runtime_->rank()] = 1.0;
+    runtime_->world().all_reduce_sum(loss_total);
+    if (!config.trace_dir.empty() && step_ == config.trace_step) write_timeline(stats.events);
+  } catch (const comm::CommError& error) {
+    throw comm::CommError("step " + std::to_string(step_) + ", stage-rank " + std::to_string(runtime_->pp_rank()) +
+                          ": " + error.what());
+  }
+  output.loss = loss_total[0].item<double>() / runtime_->topology().data_parallel_degree();
+  std::string bad_ranks;
+  for (int rank = 0; rank < runtime_->world_size(); ++rank) {
+    if (loss_total[1 + rank].item<double>() != 0.0) {
+      const auto where = runtime_->topology().coordinates_of(rank);
+      bad_ranks += (bad_ranks.empty() ? "" : ", ") + std::string("rank ") + std::to_string(rank) + " (stage-rank " +
+                   std::to_string(where.pp_rank) + ")";
+    }
+  }
+  last_step_skipped_ = false;
+  if (config.fp16 && std::isfinite(output.loss) && !bad_ranks.empty()) {
+    // An fp16 overflow under a too large loss scale, not a broken model: skip the step, lower the scale.
+    loss_scale_ /= 2.0;
+    good_steps_ = 0;
+    if (runtime_->rank() == 0) {
+      char scale[32];
+      std::snprintf(scale, sizeof scale, "%g", loss_scale_);
+      log::info("step " + std::to_string(step_) + ": fp16 gradients overflowed; skipping the step, loss scale now " +
+                scale);
+    }
+    for (auto& [name, parameter] : named_parameters_) {
+      if (parameter.grad().defined()) parameter.mutable_grad().zero_();
+    }
+    last_step_skipped_ = true;
+    output.skipped = true;
+  } else if (!std::isfinite(output.loss) || !bad_ranks.empty()) {
+    const std::string what = "step " + std::to_string(step_) + ": " +
+                             (!std::isfinite(output.loss) ? "the loss is " + std::to_string(output.loss) : std::string()) +
+                             (!std::isfinite(output.loss) && !bad_ranks.empty() ? "; " : "") +
+                             (bad_ranks.empty() ? "" : "non-finite gradients on " + bad_ranks);
+    if (!config.skip_nonfinite_steps) throw NonFiniteError(what + " (set \"nonfinite\": \"skip\" to skip such steps)");
+    if (runtime_->rank() == 0) log::warn(what + "; skipping the step");
+    for (auto& [name, parameter] : named_parameters_) {
+      if (parameter.grad().defined()) parameter.mutable_grad().zero_();
+    }
+    last_step_skipped_ = true;
+    output.skipped = true;
+  }
+  if (config.fp16 && !output.skipped && ++good_steps_ % kLossScaleGrowthInterval == 0) loss_scale_ *= 2.0;
+  earlier.add_this_step();
+  ++step_;
+  output.peak_stashed_microbatches = stats.peak_stashed_microbatches;
+  output.sends_released_early = stats.sends_released_early;
+  output.all_outputs = stats.outputs;
+  if (!stats.outputs.empty()) output.outputs = stats.outputs.front();
+  output.sends_posted = stats.sends_posted;
+  output.peak_sends_held = stats.peak_sends_held;
+  output.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return output;
+}
+
+}  // namespace smp
