@@ -32,6 +32,7 @@ smp_pytest(test_pipelines.py all_reduce_then_exit 320)
 smp_pytest(test_jobs.py example_2x4_equals_one_process 520)
 smp_pytest(test_jobs.py checkpoint_resume_equals_pytorch 520)
 smp_pytest(test_jobs.py sharded_checkpoint_resume_equals_pytorch 520)
+smp_pytest(test_jobs.py tensor_parallel_checkpoint_resume_equals_pytorch 520)
 smp_pytest(test_jobs.py example_hf_causal_lm 320)
 smp_pytest(test_jobs.py meta_checkpoint_resume_and_safetensors_export 520)
 

@@ -1,6 +1,7 @@
 // Tensor parallelism: the layers of smp::tp on groups of 2 and 4 ranks, and the example GPT's stages under
 // tp x pp x dp, train like the whole model in one process; configs that cannot work are refused, naming the key.
 
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <regex>
@@ -38,11 +39,6 @@ TEST_CASE("tensor-parallel configs that cannot work are refused, naming the key"
   auto result = run_command(std::string(SMPRUN_PATH) + " -n 3 -- " + TP_WORKER_PATH + " --config " + odd, 60);
   CHECK(result.status != 0);
   CHECK_THAT(result.output, Catch::Contains("world size 3 is not a multiple of \"partitions\" x \"tensor_parallel_degree\" (1 x 2)"));
-  // Checkpoints do not hold shards yet: refused when the config is read, before any communication.
-  const auto checkpointed = write_config("tp_checkpointed", R"({"tensor_parallel_degree": 2, "device": "cpu", "checkpoint_dir": "/tmp/x"})");
-  result = run_command(std::string(SMPRUN_PATH) + " -n 2 -- " + WORKER_PATH + " --config " + checkpointed + " --steps 1", 60);
-  CHECK(result.status != 0);
-  CHECK_THAT(result.output, Catch::Contains("key \"checkpoint_dir\": checkpoints of tensor-parallel shards are not written"));
   // The GPT's two heads cannot be split four ways: the model's key is named.
   const auto four = write_config("tp_four", smp_config(1, 1, 2, "interleaved", "cluster", 4, 60, R"(, "tensor_parallel_degree": 4)"));
   result = run_command(std::string(SMPRUN_PATH) + " -n 4 -- " + WORKER_PATH + " --config " + four + " --model gpt --steps 1", 60);
@@ -130,4 +126,47 @@ TEST_CASE("a killed rank of a tensor-parallel group fails the job, naming it", "
   CHECK(killed.status != 124);
   CHECK_THAT(killed.output, Catch::Contains("rank 1 was killed by signal SIGKILL"));
   CHECK(killed.seconds < 30);
+}
+
+TEST_CASE("tensor-parallel checkpoints resume, export whole and load into another degree", "[tp][multiprocess][checkpoint]") {
+  const std::string dir = scratch_path("tp_checkpoint");
+  REQUIRE(run_command("rm -rf " + dir, 30).status == 0);
+  const std::string keys = R"(, "tensor_parallel_degree": 2, "checkpoint_dir": ")" + dir + R"(", "checkpoint_interval": 1)";
+  const std::string flags = "--model gpt --optimizer adamw --clip 0.5";
+  const auto saved = run_worker(4, write_config("tp_saved", smp_config(2, 1, 4, "interleaved", "cluster", 8, 60, keys)),
+                                flags + " --steps 3");
+  check_clean_run(saved, 4);
+  // Each shard of each pipeline rank wrote its own file.
+  for (const char* file : {"partition-0000-tp00.pt", "partition-0000-tp01.pt", "partition-0001-tp00.pt", "partition-0001-tp01.pt"}) {
+    CHECK(std::filesystem::exists(dir + "/step-00000002/" + file));
+  }
+
+  // Resumed by a job of the same shape, it trains on as single-process training does.
+  const auto resumed = run_worker(4, write_config("tp_resumed", smp_config(2, 1, 4, "interleaved", "cluster", 8, 60,
+                                                                           keys + R"(, "resume": true)")),
+                                  flags + " --steps 5");
+  check_clean_run(resumed, 4);
+  CHECK_THAT(resumed.output, Catch::Contains("resumed from " + dir + "/step-00000002"));
+  CHECK(step_losses(resumed.output).size() == 2);
+
+  // Exported whole (the shards put together), it is the one-process model after step 4, and loads into another
+  // tensor-parallel degree (each rank cutting its shards) as into one process.
+  const std::string whole = dir + "/whole.pt";
+  const auto exported = run_command(std::string(SMP_CHECKPOINT_PATH) + " export " + dir + "/step-00000004 " + whole, 60);
+  INFO(exported.output);
+  REQUIRE(exported.status == 0);
+  const std::string load = flags + " --steps 0 --load-full " + whole + " --expect-step 4";
+  check_clean_run(run_worker(1, write_config("tp_whole_one", smp_config(1, 1, 4, "interleaved", "cluster", 8, 60)), load), 1);
+  check_clean_run(run_worker(2, write_config("tp_whole_tp2", smp_config(1, 1, 4, "interleaved", "cluster", 8, 60,
+                                                                        R"(, "tensor_parallel_degree": 2)")),
+                             load),
+                  2);
+
+  // Resuming under another degree is refused, naming both and the way there.
+  const auto other = run_worker(2, write_config("tp_resume_other", smp_config(2, 1, 4, "interleaved", "cluster", 8, 60,
+                                                                             R"(, "checkpoint_dir": ")" + dir +
+                                                                                 R"(", "resume": true)")),
+                                flags + " --steps 6");
+  CHECK(other.status != 0);
+  CHECK_THAT(other.output, Catch::Contains("written with \"tensor_parallel_degree\" 2, this job has 1"));
 }

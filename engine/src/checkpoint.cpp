@@ -5,7 +5,9 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <map>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -23,6 +25,7 @@
 #include "smp/log.h"
 #include "smp/safetensors.h"
 #include "smp/timeline.h"
+#include "smp/tp.h"
 
 namespace smp {
 namespace {
@@ -220,6 +223,7 @@ void Checkpointer::save(std::int64_t step) {
   std::optional<c10::impl::GenericDict> contents;
   std::function<std::string()> optimizer_bytes;  // serialized on the writer's thread
   const int shards = model_.optimizer_state_shards();
+  const bool tensor_parallel = runtime.topology().tensor_parallel_degree() > 1;
   // The first replica writes the partition file; with sharded optimizer state, each other replica a file with its
   // share of that state and nothing else.
   if (runtime.dp_rank() == 0 || shards > 1) {
@@ -235,6 +239,7 @@ void Checkpointer::save(std::int64_t step) {
     contents->insert("optimizer_parameters", held);
     contents->insert("step", step);
     contents->insert("pp_rank", static_cast<std::int64_t>(runtime.pp_rank()));
+    if (tensor_parallel) contents->insert("tp_rank", static_cast<std::int64_t>(runtime.tp_rank()));
   }
   if (runtime.dp_rank() > 0 && shards > 1) {
     contents->insert("dp_rank", static_cast<std::int64_t>(runtime.dp_rank()));
@@ -249,6 +254,11 @@ void Checkpointer::save(std::int64_t step) {
       buffers.insert(name, buffer.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
     }
     contents->insert("buffers", buffers);
+    if (tensor_parallel) {  // where each shard sits in its whole tensor, for exports
+      c10::Dict<std::string, c10::List<std::int64_t>> layouts;
+      for (const auto& [name, dims] : model_.shard_dims()) layouts.insert(name, c10::List<std::int64_t>({dims.first, dims.second}));
+      contents->insert("shards", layouts);
+    }
     contents->insert("rng", at::detail::getDefaultCPUGenerator().get_state());
     const c10::Device device = runtime.device();
     if (device.is_cuda()) contents->insert("cuda_rng", at::globalContext().defaultGenerator(device).get_state());
@@ -263,6 +273,7 @@ void Checkpointer::save(std::int64_t step) {
     manifest->virtual_stages = config.virtual_stages;
     manifest->replicas = runtime.topology().data_parallel_degree();
     manifest->optimizer_shards = shards;
+    manifest->tensor_parallel_degree = runtime.topology().tensor_parallel_degree();
     manifest->schedule = model_.schedule().name;
     for (const auto& module : model_.plan().modules) manifest->module_names.push_back(module.name);
     manifest->stage_of_module = model_.plan().stage_of_module;
@@ -285,12 +296,17 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
   Runtime& runtime = model_.runtime();
   const Config& config = runtime.config();
   // Every writer reports "size crc" (or "error ...") under its file's key; rank 0 collects them for the manifest.
-  const auto report_key = [&](int pp_rank, int dp_rank) {
-    return key + std::to_string(pp_rank) + (dp_rank > 0 ? "/" + std::to_string(dp_rank) : std::string());
+  const auto report_key = [&](int pp_rank, int dp_rank, int tp_rank) {
+    return key + std::to_string(pp_rank) + "/" + std::to_string(dp_rank) + "/" + std::to_string(tp_rank);
+  };
+  // Under tensor parallelism every shard of a pipeline rank writes its files, named after it.
+  const int tensor_parallel_degree = runtime.topology().tensor_parallel_degree();
+  const auto file_name_of = [&](int pp_rank, int dp_rank, int tp_rank) {
+    const int shard = tensor_parallel_degree > 1 ? tp_rank : -1;
+    return dp_rank == 0 ? partition_file_name(pp_rank, shard) : optimizer_shard_file_name(pp_rank, dp_rank, shard);
   };
   if (contents) {
-    const std::string file_name = runtime.dp_rank() == 0 ? partition_file_name(runtime.pp_rank())
-                                                         : optimizer_shard_file_name(runtime.pp_rank(), runtime.dp_rank());
+    const std::string file_name = file_name_of(runtime.pp_rank(), runtime.dp_rank(), runtime.tp_rank());
     std::string report;
     try {
       contents->insert("optimizer", bytes_tensor(optimizer_bytes()));
@@ -301,7 +317,7 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
     } catch (const std::exception& error) {
       report = "error " + comm::brief_message(error);
     }
-    runtime.publish(report_key(runtime.pp_rank(), runtime.dp_rank()), report);
+    runtime.publish(report_key(runtime.pp_rank(), runtime.dp_rank(), runtime.tp_rank()), report);
     if (report.rfind("error ", 0) == 0) {
       throw CheckpointError("rank " + std::to_string(runtime.rank()) + " could not save step " + std::to_string(step) +
                             ": " + report.substr(6));
@@ -310,26 +326,29 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
   if (!manifest) return;
 
   for (int pp = 0; pp < config.partitions; ++pp) {
-    for (int dp = 0; dp < manifest->optimizer_shards; ++dp) {
-      const int writer = runtime.topology().rank_of({pp, dp});
-      std::string report;
-      try {
-        report = runtime.fetch(report_key(pp, dp));
-      } catch (const comm::CommError& error) {
-        throw CheckpointError("step " + std::to_string(step) + ": rank " + std::to_string(writer) +
-                              " did not report its checkpoint file; the checkpoint is left incomplete (" + error.what() + ")");
+    for (int tp = 0; tp < tensor_parallel_degree; ++tp) {
+      for (int dp = 0; dp < manifest->optimizer_shards; ++dp) {
+        const int writer = runtime.topology().rank_of({pp, dp, tp});
+        std::string report;
+        try {
+          report = runtime.fetch(report_key(pp, dp, tp));
+        } catch (const comm::CommError& error) {
+          throw CheckpointError("step " + std::to_string(step) + ": rank " + std::to_string(writer) +
+                                " did not report its checkpoint file; the checkpoint is left incomplete (" + error.what() + ")");
+        }
+        if (report.rfind("error ", 0) == 0) {
+          throw CheckpointError("step " + std::to_string(step) + ": rank " + std::to_string(writer) + " failed to save: " +
+                                report.substr(6));
+        }
+        CheckpointFile file;
+        file.name = file_name_of(pp, dp, tp);
+        file.pp_rank = pp;
+        file.dp_rank = dp == 0 ? -1 : dp;
+        file.tp_rank = tp;
+        std::istringstream fields(report);
+        fields >> file.size >> file.crc32;
+        manifest->files.push_back(file);
       }
-      if (report.rfind("error ", 0) == 0) {
-        throw CheckpointError("step " + std::to_string(step) + ": rank " + std::to_string(writer) + " failed to save: " +
-                              report.substr(6));
-      }
-      CheckpointFile file;
-      file.name = dp == 0 ? partition_file_name(pp) : optimizer_shard_file_name(pp, dp);
-      file.pp_rank = pp;
-      file.dp_rank = dp == 0 ? -1 : dp;
-      std::istringstream fields(report);
-      fields >> file.size >> file.crc32;
-      manifest->files.push_back(file);
     }
   }
   write_file_atomically(directory + "/manifest.json", manifest->to_json());
@@ -347,7 +366,7 @@ std::int64_t Checkpointer::resume() {
   const int shards = model_.optimizer_state_shards();
   const auto file_of = [&](int dp_rank) -> const CheckpointFile& {
     for (const auto& file : manifest.files) {
-      if (file.pp_rank == runtime.pp_rank() && file.dp_rank == dp_rank) return file;
+      if (file.pp_rank == runtime.pp_rank() && file.dp_rank == dp_rank && file.tp_rank == runtime.tp_rank()) return file;
     }
     throw CheckpointError(directory + ": the manifest lists no file for this rank");  // parse() rules this out
   };
@@ -462,15 +481,37 @@ namespace {
 std::int64_t for_each_saved_tensor(const std::string& checkpoint_directory,
                                    const std::function<void(const std::string&, const at::Tensor&, bool)>& take) {
   const auto manifest = verify_checkpoint(checkpoint_directory);
-  std::set<std::string> taken;  // a tied parameter is in the file of every rank holding a copy: the same values
+  // A pipeline rank's files are read together, one per tensor-parallel shard (in shard order): a sharded tensor
+  // is written whole, its shards put together.
+  std::map<int, std::vector<CheckpointFile>> partition_files;
   for (const auto& file : manifest.files) {
-    if (file.dp_rank >= 0) continue;  // an optimizer shard: no parameters
-    const auto contents = load_partition_file(checkpoint_directory + "/" + file.name, file);
+    if (file.dp_rank < 0) partition_files[file.pp_rank].push_back(file);  // else an optimizer shard: no parameters
+  }
+  std::set<std::string> taken;  // a tied parameter is in the file of every rank holding a copy: the same values
+  for (auto& [pp_rank, files] : partition_files) {
+    std::sort(files.begin(), files.end(), [](const auto& a, const auto& b) { return a.tp_rank < b.tp_rank; });
+    std::vector<c10::impl::GenericDict> shards;
+    for (const auto& file : files) shards.push_back(load_partition_file(checkpoint_directory + "/" + file.name, file));
+    const auto& contents = shards.front();
+    std::map<std::string, std::pair<std::int64_t, std::int64_t>> layouts;
+    if (contents.contains("shards")) {
+      for (const auto& entry : contents.at("shards").toGenericDict()) {
+        const auto dims = entry.value().toIntList();
+        layouts[entry.key().toStringRef()] = {dims.get(0), dims.get(1)};
+      }
+    }
     for (const char* kind : {"parameters", "buffers"}) {
       if (!contents.contains(kind)) continue;  // buffers: absent in files written before they were kept
       for (const auto& entry : contents.at(kind).toGenericDict()) {
-        if (!taken.insert(entry.key().toStringRef()).second) continue;
-        take(entry.key().toStringRef(), entry.value().toTensor(), std::string(kind) == "buffers");
+        const std::string& name = entry.key().toStringRef();
+        if (!taken.insert(name).second) continue;
+        at::Tensor tensor = entry.value().toTensor();
+        if (const auto layout = layouts.find(name); layout != layouts.end()) {
+          std::vector<at::Tensor> pieces;
+          for (const auto& shard : shards) pieces.push_back(shard.at(kind).toGenericDict().at(name).toTensor());
+          tensor = tp::whole_of(pieces, layout->second.first, layout->second.second);
+        }
+        take(name, tensor, std::string(kind) == "buffers");
       }
     }
   }

@@ -82,16 +82,25 @@ std::string checkpoint_directory_name(std::int64_t step) {
   return name;
 }
 
-std::string partition_file_name(int pp_rank) {
+namespace {
+std::string with_shard(std::string name, int tp_rank) {
+  if (tp_rank < 0) return name;
+  char shard[16];
+  std::snprintf(shard, sizeof shard, "-tp%02d", tp_rank);
+  return name.insert(name.size() - 3, shard);  // before ".pt"
+}
+}  // namespace
+
+std::string partition_file_name(int pp_rank, int tp_rank) {
   char name[32];
   std::snprintf(name, sizeof name, "partition-%04d.pt", pp_rank);
-  return name;
+  return with_shard(name, tp_rank);
 }
 
-std::string optimizer_shard_file_name(int pp_rank, int dp_rank) {
+std::string optimizer_shard_file_name(int pp_rank, int dp_rank, int tp_rank) {
   char name[40];
   std::snprintf(name, sizeof name, "optimizer-%04d-%04d.pt", pp_rank, dp_rank);
-  return name;
+  return with_shard(name, tp_rank);
 }
 
 std::string CheckpointManifest::to_json() const {
@@ -99,9 +108,10 @@ std::string CheckpointManifest::to_json() const {
   for (const auto& file : files) {
     json entry = {{"name", file.name}, {"pp_rank", file.pp_rank}, {"size", file.size}, {"crc32", file.crc32}};
     if (file.dp_rank >= 0) entry["dp_rank"] = file.dp_rank;
+    if (tensor_parallel_degree > 1) entry["tp_rank"] = file.tp_rank;
     files_json.push_back(entry);
   }
-  return json({{"format_version", kFormatVersion},
+  json document({{"format_version", kFormatVersion},
                {"step", step},
                {"partitions", partitions},
                {"virtual_stages", virtual_stages},
@@ -113,8 +123,9 @@ std::string CheckpointManifest::to_json() const {
                {"model_signature", model_signature},
                {"seed", seed},
                {"config", config_json},
-               {"files", files_json}})
-      .dump(2);
+               {"files", files_json}});
+  if (tensor_parallel_degree > 1) document["tensor_parallel_degree"] = tensor_parallel_degree;
+  return document.dump(2);
 }
 
 CheckpointManifest CheckpointManifest::parse(const std::string& text, const std::string& source) {
@@ -147,7 +158,11 @@ CheckpointManifest CheckpointManifest::parse(const std::string& text, const std:
   manifest.replicas = field("replicas", is_count, "a count").get<int>();
   // Absent in checkpoints written before the optimizer state could be sharded.
   if (document.contains("optimizer_shards")) manifest.optimizer_shards = field("optimizer_shards", is_count, "a count").get<int>();
-  if (manifest.partitions < 1 || manifest.virtual_stages < 1 || manifest.replicas < 1 || manifest.optimizer_shards < 1) {
+  if (document.contains("tensor_parallel_degree")) {
+    manifest.tensor_parallel_degree = field("tensor_parallel_degree", is_count, "a count").get<int>();
+  }
+  if (manifest.partitions < 1 || manifest.virtual_stages < 1 || manifest.replicas < 1 || manifest.optimizer_shards < 1 ||
+      manifest.tensor_parallel_degree < 1) {
     throw fail("counts must be positive");
   }
   if (manifest.optimizer_shards > 1 && manifest.optimizer_shards != manifest.replicas) {
@@ -172,15 +187,18 @@ CheckpointManifest CheckpointManifest::parse(const std::string& text, const std:
     manifest.stage_of_module.push_back(stages[i].get<int>());
   }
   const json& files = field("files", [](const json& v) { return v.is_array(); }, "a list");
-  // covered[pp][dp]: dp 0 stands for the partition file, dp >= 1 for that replica's optimizer shard.
-  std::vector<std::vector<bool>> covered(static_cast<std::size_t>(manifest.partitions),
-                                         std::vector<bool>(static_cast<std::size_t>(manifest.optimizer_shards), false));
+  // covered[pp][tp][dp]: dp 0 stands for the partition file, dp >= 1 for that replica's optimizer shard.
+  const auto shards = static_cast<std::size_t>(manifest.tensor_parallel_degree);
+  std::vector<std::vector<std::vector<bool>>> covered(
+      static_cast<std::size_t>(manifest.partitions),
+      std::vector<std::vector<bool>>(shards, std::vector<bool>(static_cast<std::size_t>(manifest.optimizer_shards), false)));
   for (const auto& file : files) {
     if (!file.is_object() || !file.contains("name") || !file["name"].is_string() || !file.contains("pp_rank") ||
         !file["pp_rank"].is_number_integer() || !file.contains("size") || !file["size"].is_number_unsigned() ||
         !file.contains("crc32") || !file["crc32"].is_number_unsigned() || file["crc32"].get<std::uint64_t>() > 0xFFFFFFFFu ||
-        (file.contains("dp_rank") && !file["dp_rank"].is_number_integer())) {
-      throw fail("a files entry must have name, pp_rank, size and crc32 (and an integer dp_rank, if any)");
+        (file.contains("dp_rank") && !file["dp_rank"].is_number_integer()) ||
+        (file.contains("tp_rank") && !file["tp_rank"].is_number_integer())) {
+      throw fail("a files entry must have name, pp_rank, size and crc32 (and an integer dp_rank and tp_rank, if any)");
     }
     // Range-checked before narrowing: 4294967297 must not wrap to a valid rank.
     const long long pp_rank = file["pp_rank"].get<long long>();
@@ -196,23 +214,33 @@ CheckpointManifest CheckpointManifest::parse(const std::string& text, const std:
                       ? ", outside [1, " + std::to_string(manifest.optimizer_shards - 1) + "]"
                       : ", but the optimizer state is not sharded"));
     }
+    const long long tp_rank = file.contains("tp_rank") ? file["tp_rank"].get<long long>() : 0;
+    if (tp_rank < 0 || tp_rank >= manifest.tensor_parallel_degree) {
+      throw fail("file " + file["name"].get<std::string>() + " has tp_rank " + std::to_string(tp_rank) +
+                 ", outside [0, " + std::to_string(manifest.tensor_parallel_degree - 1) + "]");
+    }
     CheckpointFile entry{file["name"].get<std::string>(), static_cast<int>(pp_rank), file["size"].get<std::uint64_t>(),
                          static_cast<std::uint32_t>(file["crc32"].get<std::uint64_t>()),
-                         shard ? static_cast<int>(dp_rank) : -1};
+                         shard ? static_cast<int>(dp_rank) : -1, static_cast<int>(tp_rank)};
     if (!safe_file_name(entry.name)) throw fail("unsafe file name \"" + entry.name + "\"");
-    if (covered[entry.pp_rank][static_cast<std::size_t>(dp_rank)]) {
+    auto&& seen = covered[entry.pp_rank][static_cast<std::size_t>(tp_rank)][static_cast<std::size_t>(dp_rank)];
+    if (seen) {
       throw fail("file " + entry.name + " has a repeated pp_rank " + std::to_string(entry.pp_rank) +
-                 (shard ? " and dp_rank " + std::to_string(dp_rank) : std::string()));
+                 (shard ? " and dp_rank " + std::to_string(dp_rank) : std::string()) +
+                 (manifest.tensor_parallel_degree > 1 ? " and tp_rank " + std::to_string(tp_rank) : std::string()));
     }
-    covered[entry.pp_rank][static_cast<std::size_t>(dp_rank)] = true;
+    seen = true;
     manifest.files.push_back(entry);
   }
   for (int rank = 0; rank < manifest.partitions; ++rank) {
-    if (!covered[rank][0]) throw fail("no file for pipeline rank " + std::to_string(rank));
-    for (int replica = 1; replica < manifest.optimizer_shards; ++replica) {
-      if (!covered[rank][replica]) {
-        throw fail("no optimizer shard file for pipeline rank " + std::to_string(rank) + " replica " +
-                   std::to_string(replica));
+    for (std::size_t tp = 0; tp < shards; ++tp) {
+      const std::string shard = shards > 1 ? " shard " + std::to_string(tp) : std::string();
+      if (!covered[rank][tp][0]) throw fail("no file for pipeline rank " + std::to_string(rank) + shard);
+      for (int replica = 1; replica < manifest.optimizer_shards; ++replica) {
+        if (!covered[rank][tp][static_cast<std::size_t>(replica)]) {
+          throw fail("no optimizer shard file for pipeline rank " + std::to_string(rank) + shard + " replica " +
+                     std::to_string(replica));
+        }
       }
     }
   }

@@ -330,11 +330,6 @@ Config Config::from_json_text(const std::string& text, const std::string& source
     read.fail("global_batch_size", std::to_string(config.global_batch_size) + " does not split into " +
                                        std::to_string(config.microbatches) + " microbatches");
   }
-  if (config.tensor_parallel_degree > 1 && (!config.checkpoint_dir.empty() || config.resume)) {
-    read.fail(config.resume ? "resume" : "checkpoint_dir",
-              "checkpoints of tensor-parallel shards are not written or read yet (\"tensor_parallel_degree\" " +
-                  std::to_string(config.tensor_parallel_degree) + ")");
-  }
   return config;
 }
 

@@ -22,9 +22,6 @@
 namespace smp {
 namespace {
 
-// Runs what is inside under autocast for `device`, restoring the previous state after (LibTorch has no public
-// RAII guard for it).
-
 sched::Schedule make_schedule(const Config& config) {
   sched::Schedule schedule;
   if (config.schedule_file.empty()) {
@@ -291,15 +288,19 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
     tied_.push_back({parameter, runtime_->make_group(members, name)});
   }
   // A parameter every tensor-parallel rank holds whole is counted by tp rank 0; shards by each.
-  std::set<const void*> shards;
+  std::map<const void*, std::pair<int64_t, int64_t>> shards;
   for (const auto& [stage, local] : stages_) {
     for (int node : local.nodes) {
-      for (const auto& layout : tp::shard_layouts_in(*nodes[node].module)) shards.insert(layout.shard.unsafeGetTensorImpl());
+      for (const auto& layout : tp::shard_layouts_in(*nodes[node].module)) {
+        shards[layout.shard.unsafeGetTensorImpl()] = {layout.dim, layout.blocks};
+      }
     }
   }
   for (const auto& [name, parameter] : named_parameters_) {
     const void* impl = parameter.unsafeGetTensorImpl();
-    if (counted_elsewhere.count(impl) || (runtime_->tp_rank() != 0 && !shards.count(impl))) continue;
+    const auto shard = shards.find(impl);
+    if (shard != shards.end()) shard_dims_[name] = shard->second;
+    if (counted_elsewhere.count(impl) || (runtime_->tp_rank() != 0 && shard == shards.end())) continue;
     norm_parameters_.push_back(parameter);
   }
 }

@@ -2,10 +2,12 @@
 // it resumes, and weights loaded by name.
 #include "smp/distributed_model.h"
 
+#include <c10/core/WrapDimMinimal.h>
 #include <c10/util/StringUtil.h>
 
 #include "smp/checkpoint.h"
 #include "smp/log.h"
+#include "smp/tp.h"
 
 namespace smp {
 
@@ -29,6 +31,13 @@ void DistributedModel::adopt_checkpoint_partition() {
                           std::to_string(config.partitions) + " x " + std::to_string(config.virtual_stages) +
                           "; export it (smp_checkpoint export) and load it with DistributedModel::load_parameters");
   }
+  const int degree = runtime_->topology().tensor_parallel_degree();
+  if (manifest.tensor_parallel_degree != degree) {
+    throw CheckpointError(directory + " was written with \"tensor_parallel_degree\" " +
+                          std::to_string(manifest.tensor_parallel_degree) + ", this job has " + std::to_string(degree) +
+                          ": a resume keeps the shards; export it whole (smp_checkpoint export) and load it with "
+                          "DistributedModel::load_parameters, which cuts each rank's shards");
+  }
   if (manifest.model_signature != model_signature_) {
     throw CheckpointError(directory + " holds another model (" + manifest.model_signature + "; this model: " +
                           model_signature_ + ")");
@@ -41,15 +50,25 @@ void DistributedModel::adopt_checkpoint_partition() {
 }
 
 void DistributedModel::load_state(const TensorSource& source) {
+  // A tensor-parallel shard takes its part of the whole tensor (an export, pretrained weights), or its own shard
+  // (this degree's checkpoint).
+  const int degree = runtime_->topology().tensor_parallel_degree();
+  const auto whole_shape = [&](const std::string& name, const at::Tensor& tensor) {
+    auto shape = tensor.sizes().vec();
+    if (const auto shard = shard_dims_.find(name); shard != shard_dims_.end()) {
+      shape[static_cast<std::size_t>(c10::maybe_wrap_dim(shard->second.first, tensor.dim()))] *= degree;
+    }
+    return shape;
+  };
   // Everything checked before anything is copied: a bad file leaves the model as it was.
   const auto check = [&](const std::string& name, const at::Tensor& tensor, const char* kind) {
     const auto shape = source.shape(name);
     if (!shape) {
       throw CheckpointError(source.description + ": no " + kind + " \"" + name + "\" (this rank's stages need it)");
     }
-    if (*shape != tensor.sizes().vec()) {
+    if (*shape != tensor.sizes().vec() && *shape != whole_shape(name, tensor)) {
       throw CheckpointError(source.file_of(name) + ": " + kind + " \"" + name + "\" has shape " + c10::str(*shape) +
-                            ", the model has " + c10::str(tensor.sizes()));
+                            ", the model has " + c10::str(whole_shape(name, tensor)));
     }
   };
   for (const auto& [name, parameter] : named_parameters_) check(name, parameter, "parameter");
@@ -57,7 +76,15 @@ void DistributedModel::load_state(const TensorSource& source) {
     for (const auto& [name, buffer] : named_buffers_) check(name, buffer, "buffer");
   }
   c10::NoGradGuard no_grad;
-  for (auto& [name, parameter] : named_parameters_) parameter.copy_(source.read(name));
+  for (auto& [name, parameter] : named_parameters_) {
+    const at::Tensor saved = source.read(name);
+    const auto shard = shard_dims_.find(name);
+    if (shard == shard_dims_.end() || saved.sizes() == parameter.sizes()) {
+      parameter.copy_(saved);
+    } else {
+      parameter.copy_(tp::shard_of(saved, shard->second.first, runtime_->tensor_parallel_group(), shard->second.second));
+    }
+  }
   if (source.has_buffers) {
     for (auto& [name, buffer] : named_buffers_) buffer.copy_(source.read(name));
   }

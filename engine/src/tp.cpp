@@ -185,6 +185,16 @@ at::Tensor shard_of(const at::Tensor& whole, int64_t dim, const Group& group, in
   return shard.reshape(shard_sizes).clone(at::MemoryFormat::Contiguous);  // its own storage, never a view of `whole`
 }
 
+at::Tensor whole_of(const std::vector<at::Tensor>& shards, int64_t dim, int64_t blocks) {
+  std::vector<at::Tensor> blocked;
+  for (const auto& shard : shards) {
+    const int64_t d = dim < 0 ? dim + shard.dim() : dim;
+    blocked.push_back(shard.unflatten(d, {blocks, shard.size(d) / blocks}));
+  }
+  const int64_t d = dim < 0 ? dim + shards.front().dim() : dim;
+  return at::cat(blocked, d + 1).flatten(d, d + 1);
+}
+
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in_features, int64_t out_features, Group group, bool bias,
                                                    bool gather_output)
     : ColumnParallelLinearImpl(torch::nn::Linear(torch::nn::LinearOptions(in_features, out_features).bias(bias)),

@@ -4,9 +4,11 @@ more. Both runs' final parameters must equal 6 (or 4) steps of plain PyTorch tra
 learning rate must continue where it was. Launches both jobs itself. With --sharded, the first job has two replicas
 that shard the optimizer state ("shard_optimizer_state"); the second, one replica, trains one step from it (reading both
 shares), and a third, sharded over two replicas again, resumes from that one's unsharded checkpoint: each time every
-replica must hold exactly the Adam moments of the parameters it updates.
+replica must hold exactly the Adam moments of the parameters it updates. With --tp, each stage is split over two
+tensor-parallel ranks (a column- and a row-parallel layer): every shard writes its file, the resumed job continues
+from its own, and the export puts the shards together.
 
-  checkpoint_check.py SMPRUN PYTHON [--sharded]
+  checkpoint_check.py SMPRUN PYTHON [--sharded | --tp]
 """
 
 import json
@@ -26,7 +28,8 @@ runtime = smp.init(config)
 torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
                           torch.nn.Linear(16, 3))
-model = smp.DistributedModel(net, torch.zeros(2, 6))
+plan = {"0": "colwise", "2": "rowwise"} if runtime.tensor_parallel_degree > 1 else None
+model = smp.DistributedModel(net, torch.zeros(2, 6), tp_plan=plan)
 optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda step: 1.0 / (step + 1))
 checkpointer = smp.Checkpointer(model, optimizer, lr_scheduler=scheduler)
@@ -45,8 +48,10 @@ for step in range(first, steps):
     if checkpointer.due(step):
         checkpointer.save(step)
 checkpointer.wait()
-torch.save({name: tensor.detach().clone() for name, tensor in model.named_parameters()},
-           f"{out}.rank{runtime.rank}")
+# Each tensor with where it sits in the whole: (dim, blocks, tp rank, degree) for a shard.
+torch.save({name: (tensor.detach().clone(), getattr(tensor, "_smp_shard", None) and
+                   (*tensor._smp_shard, runtime.tp_rank, runtime.tensor_parallel_degree))
+            for name, tensor in model.named_parameters()}, f"{out}.rank{runtime.rank}")
 print(f"rank {runtime.rank}: resumed at {first}", flush=True)
 """
 
@@ -79,8 +84,13 @@ def run(smprun, python, worker, config, steps, out, processes):
 def check(out, steps, processes):
     expected = reference(steps)
     for rank in range(processes):
-        for name, tensor in torch.load(f"{out}.rank{rank}").items():
-            difference = (tensor - expected[name].detach()).abs().max().item()
+        for name, (tensor, shard) in torch.load(f"{out}.rank{rank}").items():
+            want = expected[name].detach()
+            if shard is not None:
+                import smp
+                dim, blocks, tp_rank, degree = shard
+                want = smp.tp.shard_of(want, dim, blocks, of=(tp_rank, degree))
+            difference = (tensor - want).abs().max().item()
             if difference > 1e-5 + 1e-3 * expected[name].abs().max().item():
                 raise SystemExit(f"after {steps} steps, rank {rank}: {name} differs by {difference:.3g}")
 
@@ -88,7 +98,8 @@ def check(out, steps, processes):
 def main():
     smprun, python = sys.argv[1:3]
     sharded = "--sharded" in sys.argv[3:]
-    processes = 4 if sharded else 2
+    tensor_parallel = "--tp" in sys.argv[3:]
+    processes = 4 if sharded or tensor_parallel else 2
     with tempfile.TemporaryDirectory() as directory:
         worker = os.path.join(directory, "worker.py")
         with open(worker, "w") as file:
@@ -97,6 +108,8 @@ def main():
                   "checkpoint_dir": os.path.join(directory, "checkpoints"), "checkpoint_interval": 1}
         if sharded:
             config.update(ddp=True, shard_optimizer_state=True)
+        if tensor_parallel:
+            config.update(tensor_parallel_degree=2)
         out = os.path.join(directory, "parameters")
         run(smprun, python, worker, config, 4, out, processes)
         check(out, 4, processes)
@@ -131,7 +144,8 @@ def main():
         for name, tensor in net.named_parameters():
             if not torch.allclose(tensor, expected[name].detach(), rtol=1e-3, atol=1e-5):
                 raise SystemExit(f"exported model: {name} differs from 6 steps of plain PyTorch")
-    print("trained 4 steps, resumed" + (" into one replica, then into two shards again" if sharded else "") +
+    print("trained 4 steps" + (" in tensor-parallel shards" if tensor_parallel else "") + ", resumed" +
+          (" into one replica, then into two shards again" if sharded else "") +
           ", trained to 6, exported: parameters equal plain PyTorch's")
     return 0
 

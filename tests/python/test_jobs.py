@@ -33,6 +33,12 @@ def test_sharded_checkpoint_resume_equals_pytorch(job, smprun):
     assert finished.returncode == 0, finished.error
 
 
+def test_tensor_parallel_checkpoint_resume_equals_pytorch(job, smprun):
+    """The same with each stage split over two tensor-parallel ranks: a file per shard, the export whole."""
+    finished = job(0, "checkpoint_check.py", smprun, sys.executable, "--tp", timeout=340)
+    assert finished.returncode == 0, finished.error
+
+
 def test_meta_checkpoint_resume_and_safetensors_export(job, smprun):
     """Meta-built models resume equal to uninterrupted training (batch norm statistics included); the safetensors
     export loads with from_pretrained and into a job of another partitioning."""

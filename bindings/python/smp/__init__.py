@@ -190,6 +190,10 @@ class DistributedModel(torch.nn.Module):
     The whole model's state: a checkpoint exported with smp.export_checkpoint or smp.export_safetensors. Calling
     it, model(inputs), runs the pipeline's forwards for inference (as evaluate, without a loss) and returns the
     model's outputs for this replica's share on the ranks running the last stage, None on the others.
+
+    With "tensor_parallel_degree" > 1 the model is sharded first, in place: by `tp_plan` ({module path pattern:
+    style}, see smp.tp), else by the model's own plan (a Hugging Face model's; smp.tp.builtin_plan), else it must be
+    built of smp.tp's layers. Parameters and state_dict() are then this rank's shards.
     """
 
     def __init__(self, model, sample, init_fn=None, tp_plan=None):

@@ -160,17 +160,19 @@ def scatter_last_dim(x):
     return x if degree() == 1 else _scatter_last_dim(x)
 
 
-def shard_of(whole, dim, blocks=1):
+def shard_of(whole, dim, blocks=1, of=None):
     """This rank's shard of a whole tensor along `dim`: with `blocks` > 1 the dimension holds that many blocks one
     after the other (a fused query/key/value's output features: 3), and the shard is this rank's part of each, in
-    block order. A new tensor (never a view of `whole`)."""
+    block order. A new tensor (never a view of `whole`). of=(tp rank, degree): that rank's shard instead (offline,
+    without a job)."""
+    shard_rank, shards = of if of is not None else (rank(), degree())
     dim = dim % whole.dim()
     size = whole.shape[dim]
-    if size % blocks or (size // blocks) % degree():
+    if size % blocks or (size // blocks) % shards:
         raise ConfigError(f"dimension {dim} of size {size} in {blocks} block(s) does not divide by "
-                          f"\"tensor_parallel_degree\" {degree()}")
+                          f"\"tensor_parallel_degree\" {shards}")
     blocked = whole.unflatten(dim, (blocks, size // blocks))
-    shard = blocked.chunk(degree(), dim + 1)[rank()]
+    shard = blocked.chunk(shards, dim + 1)[shard_rank]
     return shard.flatten(dim, dim + 1).clone(memory_format=torch.contiguous_format)
 
 

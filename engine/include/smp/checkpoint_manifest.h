@@ -26,6 +26,8 @@ struct CheckpointFile {
   // -1: the pipeline rank's partition file (parameters, RNG, and the optimizer state of replica 0, or of all
   // replicas when it is not sharded). Else the optimizer state shard of that replica (1 .. optimizer_shards - 1).
   int dp_rank = -1;
+  // Under tensor parallelism each shard of a pipeline rank has its files: this one's tensors are shard tp_rank's.
+  int tp_rank = 0;
 };
 
 struct CheckpointManifest {
@@ -37,6 +39,9 @@ struct CheckpointManifest {
   // The replicas the optimizer state was sharded over (shard_optimizer_state); 1: the partition files hold it all.
   // Any job may resume it: one sharded otherwise (or not at all) reads every share and keeps its own.
   int optimizer_shards = 1;
+  // The shards of each layer a tensor-parallel model split (absent, 1, in checkpoints written before): a resume
+  // needs the same degree; an export puts the shards together.
+  int tensor_parallel_degree = 1;
   std::string schedule;              // generator name, for the record
   std::vector<std::string> module_names;
   std::vector<int> stage_of_module;  // the partition
@@ -47,7 +52,8 @@ struct CheckpointManifest {
 
   std::string to_json() const;
   // Strict: wrong types, missing keys, unknown versions, unsafe file names, or files that do not cover every
-  // pipeline rank (and, with sharded optimizer state, every replica after the first) exactly once are
+  // pipeline rank and tensor-parallel shard (and, with sharded optimizer state, every replica after the first)
+  // exactly once are
   // CheckpointErrors naming `source`.
   static CheckpointManifest parse(const std::string& text, const std::string& source);
 };
@@ -57,8 +63,9 @@ std::uint32_t crc32(const void* data, std::size_t size, std::uint32_t crc = 0);
 std::pair<std::uint32_t, std::uint64_t> crc32_of_file(const std::string& path);
 
 std::string checkpoint_directory_name(std::int64_t step);  // "step-00000042"
-std::string partition_file_name(int pp_rank);               // "partition-0003.pt"
-std::string optimizer_shard_file_name(int pp_rank, int dp_rank);  // "optimizer-0003-0001.pt"
+// Under tensor parallelism (tp_rank >= 0) the names end in the shard: "partition-0003-tp01.pt".
+std::string partition_file_name(int pp_rank, int tp_rank = -1);               // "partition-0003.pt"
+std::string optimizer_shard_file_name(int pp_rank, int dp_rank, int tp_rank = -1);  // "optimizer-0003-0001.pt"
 
 // Reads and checks one checkpoint directory: the manifest parses and every file matches its size and checksum.
 CheckpointManifest verify_checkpoint(const std::string& directory);

@@ -135,6 +135,9 @@ class DistributedModel {
   // This rank's buffers that are part of the model's state (GraphModel::named_buffers), named the same way.
   const std::vector<std::pair<std::string, at::Tensor>>& named_buffers() const { return named_buffers_; }
   std::vector<at::Tensor> parameters() const;
+  // This rank's parameters that are tensor-parallel shards, by name: where each sits in the whole tensor (dim,
+  // blocks; tp::shard_of). Checkpoints record it; loading a whole tensor cuts this rank's shard with it.
+  const std::map<std::string, std::pair<int64_t, int64_t>>& shard_dims() const { return shard_dims_; }
   // The parameters that count toward the whole model's gradient norm here: a tied parameter counts only on the
   // rank of its first node, though every holder keeps (and updates) an identical copy.
   const std::vector<at::Tensor>& norm_parameters() const { return norm_parameters_; }
@@ -201,6 +204,7 @@ class DistributedModel {
   std::vector<std::pair<std::string, at::Tensor>> named_parameters_;
   std::vector<std::pair<std::string, at::Tensor>> named_buffers_;
   std::vector<at::Tensor> norm_parameters_;
+  std::map<std::string, std::pair<int64_t, int64_t>> shard_dims_;
   std::vector<bool> trainable_at_build_;  // requires_grad of named_parameters_ when the reducer and ties were made
   std::vector<TiedParameter> tied_;
   std::unique_ptr<PipelineExecutor> executor_;

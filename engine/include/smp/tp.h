@@ -50,6 +50,10 @@ at::Tensor all_gathered_last_dim(const at::Tensor& shard, const Group& group);
 // output features: 3), and the shard is this rank's part of each block, in block order.
 at::Tensor shard_of(const at::Tensor& whole, int64_t dim, const Group& group, int64_t blocks = 1);
 
+// The whole tensor of which `shards` are every rank's (in rank order) shard_of(whole, dim, ·, blocks): what an export
+// of a tensor-parallel checkpoint writes.
+at::Tensor whole_of(const std::vector<at::Tensor>& shards, int64_t dim, int64_t blocks = 1);
+
 // Where a sharded parameter's shard sits in the whole tensor (as shard_of cut it).
 struct ShardLayout {
   at::Tensor shard;
