@@ -40,7 +40,8 @@ int run(int argc, char** argv) {
   const auto config = smp::Config::from_file(config_path);
   config.check_sections({"model"});
   auto runtime = smp::Runtime::init(config);
-  const auto model_options = smp::examples::gpt_options_from_section(config.application("model").dump(), config.source);
+  auto model_options = smp::examples::gpt_options_from_section(config.application("model").dump(), config.source);
+  model_options.sequence_parallel = config.sequence_parallel;
   const int64_t batch = config.global_batch_size, length = model_options.context;
   at::manual_seed(config.seed);
   // With "tensor_parallel_degree" > 1 the blocks, the embedding and the output layer hold this rank's shards.

@@ -96,8 +96,8 @@ int run(int argc, char** argv) {
 
   smp::Config config = smp::Config::from_file(config_path);
   config.check_sections({"model", "training"});
-  const auto model_options =
-      smp::examples::gpt_options_from_section(config.application("model").dump(), config.source);
+  auto model_options = smp::examples::gpt_options_from_section(config.application("model").dump(), config.source);
+  model_options.sequence_parallel = config.sequence_parallel;
   auto training = training_options(config.application("training"), config.source);
   if (steps_override > 0) training.steps = steps_override;
   if (resume) {

@@ -60,7 +60,10 @@ TEST_CASE("the GPT's stages under tp x pp x dp train like single-process trainin
                         {2, 1, "interleaved", "cluster", R"(, "bf16": true)"},
                         {2, 1, "zero_bubble", "cluster", ""},
                         {1, 2, "interleaved", "cluster", R"(, "shard_optimizer_state": true)"},
-                        {2, 2, "interleaved", "TPD", ""}};
+                        {2, 2, "interleaved", "TPD", ""},
+                        // Sequence parallelism: the blocks' activations and norms on slices of the sequence.
+                        {2, 2, "interleaved", "cluster", R"(, "sequence_parallel": true)"},
+                        {2, 1, "zero_bubble", "cluster", R"(, "sequence_parallel": true)"}};
   for (const auto& c : cases) {
     const int world = 2 * c.pp * c.dp;
     DYNAMIC_SECTION("tp 2 x pp " << c.pp << " x dp " << c.dp << " " << c.pipeline << " " << c.placement << c.extra) {

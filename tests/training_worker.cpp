@@ -84,11 +84,14 @@ class TiedLinearImpl : public torch::nn::Module {
 };
 TORCH_MODULE(TiedLinear);
 
-// `tensor_parallel`: the group whose shards the GPT's layers hold (none: the whole model, the reference).
-smp::GraphModel make_model(const Options& options, const smp::tp::Group& tensor_parallel = nullptr) {
+// `tensor_parallel`: the group whose shards the GPT's layers hold (none: the whole model, the reference), with the
+// activations between them split along the sequence when `sequence_parallel`.
+smp::GraphModel make_model(const Options& options, const smp::tp::Group& tensor_parallel = nullptr,
+                           bool sequence_parallel = false) {
   if (options.model == "gpt") {
     smp::examples::GptOptions gpt;
     gpt.vocab_size = 32, gpt.context = kGptLength, gpt.d_model = 16, gpt.heads = 2, gpt.layers = 4;
+    gpt.sequence_parallel = sequence_parallel;
     return smp::examples::make_gpt(gpt, tensor_parallel);
   }
   if (options.model == "residual" || options.model == "long_residual") {
@@ -244,7 +247,7 @@ int run(int argc, char** argv) {
   const int64_t microbatch = batch / runtime->topology().data_parallel_degree() / config.microbatches;
 
   at::manual_seed(config.seed);
-  auto model = make_model(options, runtime->tensor_parallel_group());
+  auto model = make_model(options, runtime->tensor_parallel_group(), config.sequence_parallel);
   smp::DistributedModel distributed(runtime, model, runtime->replica_slice(global_batch(options, batch, 0, config.seed).first).narrow(0, 0, microbatch));
   // Nodes built on demand (the GPT's): this rank built those of its own stages and no other.
   const auto own_stages = distributed.stages();

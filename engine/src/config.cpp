@@ -18,7 +18,7 @@ using nlohmann::json;
 
 const std::vector<std::string>& known_keys() {
   static const std::vector<std::string> keys = {
-      "partitions", "pipeline_parallel_degree", "tensor_parallel_degree", "microbatches", "pipeline", "ddp", "placement_strategy",
+      "partitions", "pipeline_parallel_degree", "tensor_parallel_degree", "sequence_parallel", "microbatches", "pipeline", "ddp", "placement_strategy",
       "active_microbatches", "auto_partition", "default_partition", "partition_overrides", "optimize",
       "memory_weight", "seed", "global_batch_size", "comm_timeout_s", "log_level", "virtual_stages", "schedule_file",
       "activation_checkpointing", "trace_dir", "trace_step", "checkpoint_dir", "checkpoint_interval",
@@ -196,6 +196,7 @@ Config Config::from_json_text(const std::string& text, const std::string& source
   if (read.has("tensor_parallel_degree")) {
     config.tensor_parallel_degree = static_cast<int>(read.integer("tensor_parallel_degree", 1, 4096));
   }
+  if (read.has("sequence_parallel")) config.sequence_parallel = read.boolean("sequence_parallel");
   if (read.has("microbatches")) config.microbatches = static_cast<int>(read.integer("microbatches", 1, kMaxCount));
   if (read.has("pipeline")) {
     // SMP's names first, then the generators' (what smp_schedule and schedule files call them).
@@ -384,6 +385,7 @@ std::string Config::describe() const {
   std::ostringstream text;
   text << "partitions=" << partitions
        << (tensor_parallel_degree > 1 ? " tensor_parallel_degree=" + std::to_string(tensor_parallel_degree) : "")
+       << (tensor_parallel_degree > 1 && sequence_parallel ? " sequence_parallel" : "")
        << " microbatches=" << microbatches << " schedule="
        << (schedule_file.empty() ? schedule_name() : "file:" + schedule_file) << " virtual_stages=" << virtual_stages
        << " ddp=" << (ddp ? "true" : "false") << (shard_optimizer_state ? " shard_optimizer_state=true" : "")

@@ -289,10 +289,16 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
   }
   // A parameter every tensor-parallel rank holds whole is counted by tp rank 0; shards by each.
   std::map<const void*, std::pair<int64_t, int64_t>> shards;
+  std::set<const void*> sequence_parallel;  // a module shared by two nodes lists its parameters twice
   for (const auto& [stage, local] : stages_) {
     for (int node : local.nodes) {
       for (const auto& layout : tp::shard_layouts_in(*nodes[node].module)) {
         shards[layout.shard.unsafeGetTensorImpl()] = {layout.dim, layout.blocks};
+      }
+      for (auto& parameter : tp::sequence_parallel_parameters_in(*nodes[node].module)) {
+        if (sequence_parallel.insert(parameter.unsafeGetTensorImpl()).second) {
+          sequence_parallel_parameters_.push_back(std::move(parameter));
+        }
       }
     }
   }

@@ -4,11 +4,32 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <optional>
 
 #include <ATen/ATen.h>
 
 namespace smp {
+
+void DistributedModel::sum_sequence_parallel_gradients() {
+  // Every rank of the tensor-parallel group ran the same stage on its slice of the sequence: the same parameters
+  // have gradients on each. One all-reduce per dtype.
+  std::map<at::ScalarType, std::vector<at::Tensor>> gradients;
+  for (const auto& parameter : sequence_parallel_parameters_) {
+    if (parameter.grad().defined()) gradients[parameter.grad().scalar_type()].push_back(parameter.grad());
+  }
+  for (auto& [dtype, group] : gradients) {
+    std::vector<at::Tensor> flat;
+    for (const auto& gradient : group) flat.push_back(gradient.reshape({-1}));
+    at::Tensor sum = at::cat(flat);
+    runtime_->tensor_parallel().all_reduce_sum(sum);
+    int64_t offset = 0;
+    for (auto& gradient : group) {
+      gradient.copy_(sum.narrow(0, offset, gradient.numel()).view_as(gradient));
+      offset += gradient.numel();
+    }
+  }
+}
 
 void DistributedModel::sum_tied_gradients() {
   for (auto& tied : tied_) {

@@ -299,6 +299,7 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
       output.buckets_overlapped = reducer_->finish();
     }
     sum_tied_gradients();
+    sum_sequence_parallel_gradients();
     const bool gradients_finite = loss_scale_ != 1.0 ? unscale_gradients_checking_finite() : local_gradients_finite();
     // One world all-reduce: slot 0 sums the last stages' losses (every rank learns the mean over replicas),
     // slot 1 + r is set by rank r when its gradients are not finite.

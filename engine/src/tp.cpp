@@ -30,6 +30,7 @@ Group held(const c10::IValue& value) { return c10::static_intrusive_pointer_cast
 thread_local bool collectives_off = false;
 std::atomic<int64_t> bytes_all_reduced{0};
 std::atomic<int64_t> bytes_all_gathered{0};
+std::atomic<int64_t> bytes_reduce_scattered{0};
 std::mutex observer_mutex;
 CollectiveObserver::Report observer;  // under observer_mutex
 
@@ -59,20 +60,41 @@ void all_gathered(const at::Tensor& whole, const at::Tensor& shard, const Group&
              [&] { group->all_gather(whole, shard); });
 }
 
-at::Tensor gathered_last_dim(const at::Tensor& shard, const Group& group) {
-  if (collectives_off) return at::cat(std::vector<at::Tensor>(static_cast<std::size_t>(group->size()), shard), -1);
-  const at::Tensor front = shard.movedim(-1, 0).contiguous();
+
+// The shards along `dim` of every rank put together (all-gather), and the sum over ranks of `whole` split along
+// `dim`, this rank's part (reduce-scatter); the transports work along dimension 0.
+at::Tensor gathered_along(const at::Tensor& shard, int64_t dim, const Group& group) {
+  if (collectives_off) return at::cat(std::vector<at::Tensor>(static_cast<std::size_t>(group->size()), shard), dim);
+  const at::Tensor front = shard.movedim(dim, 0).contiguous();
   auto sizes = front.sizes().vec();
   sizes[0] *= group->size();
   at::Tensor whole = at::empty(sizes, front.options());
   all_gathered(whole, front, group);
-  return whole.movedim(0, -1).contiguous();
+  return whole.movedim(0, dim).contiguous();
 }
 
-at::Tensor own_slice_last_dim(const at::Tensor& whole, const Group& group) {
-  const int64_t width = whole.size(-1) / group->size();
-  return whole.narrow(-1, group->rank() * width, width).contiguous();
+at::Tensor reduce_scattered_along(const at::Tensor& whole, int64_t dim, const Group& group) {
+  const int64_t width = whole.size(dim) / group->size();
+  if (collectives_off) return whole.narrow(dim, group->rank() * width, width).contiguous();
+  const at::Tensor front = whole.movedim(dim, 0).contiguous();
+  auto sizes = front.sizes().vec();
+  sizes[0] = width;
+  at::Tensor shard = at::empty(sizes, front.options());
+  collective("TP_REDUCE_SCATTER", static_cast<int64_t>(front.nbytes()), bytes_reduce_scattered,
+             [&] { group->reduce_scatter_sum(shard, front); });
+  return shard.movedim(0, dim).contiguous();
 }
+
+at::Tensor own_slice(const at::Tensor& whole, int64_t dim, const Group& group) {
+  const int64_t width = whole.size(dim) / group->size();
+  return whole.narrow(dim, group->rank() * width, width).contiguous();
+}
+
+at::Tensor gathered_last_dim(const at::Tensor& shard, const Group& group) {
+  return gathered_along(shard, shard.dim() - 1, group);
+}
+
+at::Tensor own_slice_last_dim(const at::Tensor& whole, const Group& group) { return own_slice(whole, -1, group); }
 
 struct CopyToShards : torch::autograd::Function<CopyToShards> {
   static at::Tensor forward(AutogradContext* context, const at::Tensor& input, const Group& group) {
@@ -111,6 +133,47 @@ struct ScatterLastDim : torch::autograd::Function<ScatterLastDim> {
   }
 };
 
+constexpr int64_t kSequenceDim = 1;
+
+// The sequence's length must divide by the group: each rank holds an equal slice.
+void check_sequence(const at::Tensor& input, const Group& group) {
+  if (input.dim() < 2 || input.size(kSequenceDim) % group->size() != 0) {
+    throw ConfigError("sequence parallelism: a sequence of " + (input.dim() < 2 ? std::string("no") : std::to_string(input.size(kSequenceDim))) +
+                      " positions does not split over \"tensor_parallel_degree\" " + std::to_string(group->size()) +
+                      " (its length must divide by it)");
+  }
+}
+
+struct ScatterSequence : torch::autograd::Function<ScatterSequence> {
+  static at::Tensor forward(AutogradContext* context, const at::Tensor& input, const Group& group) {
+    context->saved_data["group"] = hold(group);
+    return own_slice(input, kSequenceDim, group);
+  }
+  static variable_list backward(AutogradContext* context, variable_list gradients) {
+    return {gathered_along(gradients[0], kSequenceDim, held(context->saved_data["group"])), at::Tensor()};
+  }
+};
+
+struct GatherSequence : torch::autograd::Function<GatherSequence> {
+  static at::Tensor forward(AutogradContext* context, const at::Tensor& input, const Group& group) {
+    context->saved_data["group"] = hold(group);
+    return gathered_along(input, kSequenceDim, group);
+  }
+  static variable_list backward(AutogradContext* context, variable_list gradients) {
+    return {reduce_scattered_along(gradients[0], kSequenceDim, held(context->saved_data["group"])), at::Tensor()};
+  }
+};
+
+struct ReduceScatterSequence : torch::autograd::Function<ReduceScatterSequence> {
+  static at::Tensor forward(AutogradContext* context, const at::Tensor& input, const Group& group) {
+    context->saved_data["group"] = hold(group);
+    return reduce_scattered_along(input, kSequenceDim, group);
+  }
+  static variable_list backward(AutogradContext* context, variable_list gradients) {
+    return {gathered_along(gradients[0], kSequenceDim, held(context->saved_data["group"])), at::Tensor()};
+  }
+};
+
 // The share of `size` on each of the group's ranks; ConfigError naming the layer when it does not divide.
 int64_t per_rank(int64_t size, const Group& group, const std::string& layer, const std::string& what) {
   const int ranks = group->size();
@@ -133,7 +196,19 @@ std::vector<ShardLayout> shard_layouts_in(torch::nn::Module& module) {
   return layouts;
 }
 
-CollectiveBytes collective_bytes() { return {bytes_all_reduced.load(), bytes_all_gathered.load()}; }
+std::vector<at::Tensor> sequence_parallel_parameters_in(torch::nn::Module& module) {
+  std::vector<at::Tensor> parameters;
+  for (const auto& child : module.modules()) {
+    if (const auto* marked = dynamic_cast<const SequenceParallel*>(child.get())) {
+      for (auto& parameter : marked->sequence_parallel_parameters()) parameters.push_back(std::move(parameter));
+    }
+  }
+  return parameters;
+}
+
+CollectiveBytes collective_bytes() {
+  return {bytes_all_reduced.load(), bytes_all_gathered.load(), bytes_reduce_scattered.load()};
+}
 
 CollectiveObserver::CollectiveObserver(Report report) {
   const std::lock_guard<std::mutex> lock(observer_mutex);
@@ -153,6 +228,20 @@ at::Tensor all_reduced(const at::Tensor& input, const Group& group) {
 }
 at::Tensor all_gathered_last_dim(const at::Tensor& shard, const Group& group) {
   return group->size() == 1 ? shard.clone() : gathered_last_dim(shard, group);
+}
+
+at::Tensor scatter_sequence(const at::Tensor& input, const Group& group) {
+  if (group->size() == 1) return input;
+  check_sequence(input, group);
+  return ScatterSequence::apply(input, group);
+}
+at::Tensor gather_sequence(const at::Tensor& input, const Group& group) {
+  return group->size() == 1 ? input : GatherSequence::apply(input, group);
+}
+at::Tensor reduce_scatter_sequence(const at::Tensor& input, const Group& group) {
+  if (group->size() == 1) return input;
+  check_sequence(input, group);
+  return ReduceScatterSequence::apply(input, group);
 }
 
 at::Tensor copy_to_shards(const at::Tensor& input, const Group& group) {
@@ -201,8 +290,8 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in_features, int64_t 
                                std::move(group), gather_output) {}
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(const torch::nn::Linear& whole, Group group, bool gather_output,
-                                                   int64_t blocks)
-    : group_(std::move(group)), gather_output_(gather_output), blocks_(blocks) {
+                                                   int64_t blocks, bool sequence_parallel)
+    : group_(std::move(group)), gather_output_(gather_output), blocks_(blocks), sequence_parallel_(sequence_parallel) {
   per_rank(whole->weight.size(0) / blocks, group_, "ColumnParallelLinear", "output features");
   const at::NoGradGuard no_grad;
   weight = register_parameter("weight", shard_of(whole->weight, 0, group_, blocks));
@@ -216,7 +305,8 @@ std::vector<ShardLayout> ColumnParallelLinearImpl::shard_layouts() const {
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
-  const at::Tensor output = at::linear(copy_to_shards(input, group_), weight, bias);
+  const at::Tensor whole = sequence_parallel_ ? gather_sequence(input, group_) : copy_to_shards(input, group_);
+  const at::Tensor output = at::linear(whole, weight, bias);
   return gather_output_ ? gather_last_dim(output, group_) : output;
 }
 
@@ -225,8 +315,9 @@ RowParallelLinearImpl::RowParallelLinearImpl(int64_t in_features, int64_t out_fe
     : RowParallelLinearImpl(torch::nn::Linear(torch::nn::LinearOptions(in_features, out_features).bias(bias)),
                             std::move(group), input_is_parallel) {}
 
-RowParallelLinearImpl::RowParallelLinearImpl(const torch::nn::Linear& whole, Group group, bool input_is_parallel)
-    : group_(std::move(group)), input_is_parallel_(input_is_parallel) {
+RowParallelLinearImpl::RowParallelLinearImpl(const torch::nn::Linear& whole, Group group, bool input_is_parallel,
+                                             bool sequence_parallel)
+    : group_(std::move(group)), input_is_parallel_(input_is_parallel), sequence_parallel_(sequence_parallel) {
   per_rank(whole->weight.size(1), group_, "RowParallelLinear", "input features");
   const at::NoGradGuard no_grad;
   weight = register_parameter("weight", shard_of(whole->weight, 1, group_));
@@ -235,10 +326,17 @@ RowParallelLinearImpl::RowParallelLinearImpl(const torch::nn::Linear& whole, Gro
 
 std::vector<ShardLayout> RowParallelLinearImpl::shard_layouts() const { return {{weight, 1, 1}}; }
 
+std::vector<at::Tensor> RowParallelLinearImpl::sequence_parallel_parameters() const {
+  if (sequence_parallel_ && bias.defined()) return {bias};
+  return {};
+}
+
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
   const at::Tensor shard = input_is_parallel_ ? input : scatter_last_dim(input, group_);
   // The bias is added once, after the partial products are summed.
-  const at::Tensor output = reduce_from_shards(at::linear(shard, weight), group_);
+  const at::Tensor partial = at::linear(shard, weight);
+  const at::Tensor output =
+      sequence_parallel_ ? reduce_scatter_sequence(partial, group_) : reduce_from_shards(partial, group_);
   return bias.defined() ? output + bias : output;
 }
 

@@ -17,11 +17,17 @@ namespace {
 
 bool sharded(const tp::Group& group) { return group && group->size() > 1; }
 
+// Sequence parallelism: the blocks take and return this rank's slice of the sequence; their norms see only it.
+bool sequence_split(const GptOptions& options, const tp::Group& group) { return sharded(group) && options.sequence_parallel; }
+
+std::vector<at::Tensor> norm_parameters(const torch::nn::LayerNorm& norm) { return norm->parameters(); }
+
 // Every module below draws the whole model's weights from the generator in the same order whatever the
 // tensor-parallel degree, and keeps its shards: the shards of any degree are the one-process model's weights.
 class TokenEmbeddingImpl : public torch::nn::Module {
  public:
-  TokenEmbeddingImpl(const GptOptions& options, const tp::Group& group) {
+  TokenEmbeddingImpl(const GptOptions& options, const tp::Group& group)
+      : group_(group), sequence_parallel_(sequence_split(options, group)) {
     torch::nn::Embedding tokens(options.vocab_size, options.d_model);
     positions_ = register_module("positions", torch::nn::Embedding(options.context, options.d_model));
     {
@@ -46,10 +52,13 @@ class TokenEmbeddingImpl : public torch::nn::Module {
     }
     const auto positions = at::arange(length, token_ids.options().dtype(at::kLong));
     const at::Tensor rows = tokens_ ? tokens_->forward(token_ids) : sharded_tokens_->forward(token_ids);
-    return rows + positions_->forward(positions).unsqueeze(0);
+    const at::Tensor embedded = rows + positions_->forward(positions).unsqueeze(0);
+    return sequence_parallel_ ? tp::scatter_sequence(embedded, group_) : embedded;
   }
 
  private:
+  tp::Group group_;
+  bool sequence_parallel_;
   torch::nn::Embedding tokens_{nullptr};
   tp::VocabParallelEmbedding sharded_tokens_{nullptr};  // the vocabulary's rows split over the group
   torch::nn::Embedding positions_{nullptr};
@@ -58,10 +67,11 @@ TORCH_MODULE(TokenEmbedding);
 
 // A transformer block is two nodes, each with its residual: attention, then the MLP. The partitioner can then cut
 // between them, where whole blocks would leave stages unbalanced (six blocks on four stages).
-class AttentionResidualImpl : public torch::nn::Module {
+class AttentionResidualImpl : public torch::nn::Module, public tp::SequenceParallel {
  public:
   AttentionResidualImpl(const GptOptions& options, const tp::Group& group)
-      : heads_(options.heads / (sharded(group) ? group->size() : 1)),
+      : sequence_parallel_(sequence_split(options, group)),
+        heads_(options.heads / (sharded(group) ? group->size() : 1)),
         head_size_(options.d_model / options.heads),
         attention_norm_(register_module("attention_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({options.d_model})))) {
     torch::nn::Linear qkv(options.d_model, 3 * options.d_model), projection(options.d_model, options.d_model);
@@ -75,14 +85,15 @@ class AttentionResidualImpl : public torch::nn::Module {
                         std::to_string(group->size()));
     }
     // The heads split: each rank's query, key and value rows for its heads (qkv's rows are 3 blocks of heads).
-    sharded_qkv_ = register_module("qkv", tp::ColumnParallelLinear(qkv, group, false, 3));
-    sharded_projection_ = register_module("projection", tp::RowParallelLinear(projection, group));
+    sharded_qkv_ = register_module("qkv", tp::ColumnParallelLinear(qkv, group, false, 3, sequence_parallel_));
+    sharded_projection_ = register_module("projection", tp::RowParallelLinear(projection, group, true, sequence_parallel_));
   }
 
   at::Tensor forward(const at::Tensor& x) {
-    const auto batch = x.size(0), length = x.size(1);
     const at::Tensor normed = attention_norm_->forward(x);
-    auto qkv = (qkv_ ? qkv_->forward(normed) : sharded_qkv_->forward(normed)).view({batch, length, 3, heads_, head_size_});
+    at::Tensor qkv = qkv_ ? qkv_->forward(normed) : sharded_qkv_->forward(normed);  // the whole sequence
+    const auto batch = qkv.size(0), length = qkv.size(1);
+    qkv = qkv.view({batch, length, 3, heads_, head_size_});
     qkv = qkv.permute({2, 0, 3, 1, 4});  // [3, B, heads, T, head_dim]
     auto attended = at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], /*attn_mask=*/{}, /*dropout_p=*/0.0,
                                                      /*is_causal=*/true);
@@ -90,7 +101,12 @@ class AttentionResidualImpl : public torch::nn::Module {
     return x + (projection_ ? projection_->forward(attended) : sharded_projection_->forward(attended));
   }
 
+  std::vector<at::Tensor> sequence_parallel_parameters() const override {
+    return sequence_parallel_ ? norm_parameters(attention_norm_) : std::vector<at::Tensor>{};
+  }
+
  private:
+  bool sequence_parallel_;
   int64_t heads_;  // this rank's
   int64_t head_size_;
   torch::nn::LayerNorm attention_norm_;
@@ -100,14 +116,15 @@ class AttentionResidualImpl : public torch::nn::Module {
 };
 TORCH_MODULE(AttentionResidual);
 
-class MlpResidualImpl : public torch::nn::Module {
+class MlpResidualImpl : public torch::nn::Module, public tp::SequenceParallel {
  public:
   MlpResidualImpl(const GptOptions& options, const tp::Group& group)
-      : mlp_norm_(register_module("mlp_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({options.d_model})))) {
+      : sequence_parallel_(sequence_split(options, group)),
+        mlp_norm_(register_module("mlp_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({options.d_model})))) {
     torch::nn::Linear expand(options.d_model, 4 * options.d_model), contract(4 * options.d_model, options.d_model);
     if (sharded(group)) {
-      sharded_expand_ = register_module("expand", tp::ColumnParallelLinear(expand, group));
-      sharded_contract_ = register_module("contract", tp::RowParallelLinear(contract, group));
+      sharded_expand_ = register_module("expand", tp::ColumnParallelLinear(expand, group, false, 1, sequence_parallel_));
+      sharded_contract_ = register_module("contract", tp::RowParallelLinear(contract, group, true, sequence_parallel_));
     } else {
       expand_ = register_module("expand", expand);
       contract_ = register_module("contract", contract);
@@ -120,7 +137,12 @@ class MlpResidualImpl : public torch::nn::Module {
     return h + sharded_contract_->forward(at::gelu(sharded_expand_->forward(normed)));
   }
 
+  std::vector<at::Tensor> sequence_parallel_parameters() const override {
+    return sequence_parallel_ ? norm_parameters(mlp_norm_) : std::vector<at::Tensor>{};
+  }
+
  private:
+  bool sequence_parallel_;
   torch::nn::LayerNorm mlp_norm_;
   torch::nn::Linear expand_{nullptr}, contract_{nullptr};
   tp::ColumnParallelLinear sharded_expand_{nullptr};
@@ -130,13 +152,14 @@ TORCH_MODULE(MlpResidual);
 
 // Under tensor parallelism its output weight is this rank's rows of the vocabulary (the embedding's shard when tied),
 // and it returns this rank's logits: gpt_loss_for's loss never gathers them.
-class LanguageModelHeadImpl : public torch::nn::Module, public tp::Sharded {
+class LanguageModelHeadImpl : public torch::nn::Module, public tp::Sharded, public tp::SequenceParallel {
  public:
   // `tied_weight`, when defined, is the token embedding matrix [vocab, d_model] (or its shard), used as the output
   // projection.
   LanguageModelHeadImpl(const GptOptions& options, const at::Tensor& tied_weight, const tp::Group& group)
       : norm_(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({options.d_model})))),
-        group_(group) {
+        group_(group),
+        sequence_parallel_(sequence_split(options, group)) {
     if (tied_weight.defined()) {
       output_weight_ = register_parameter("output_weight", tied_weight);
       return;
@@ -147,8 +170,10 @@ class LanguageModelHeadImpl : public torch::nn::Module, public tp::Sharded {
   }
 
   at::Tensor forward(const at::Tensor& x) {
-    const at::Tensor normed = sharded(group_) ? tp::copy_to_shards(norm_->forward(x), group_) : norm_->forward(x);
-    return at::linear(normed, output_weight_);
+    const at::Tensor normed = norm_->forward(x);
+    if (!sharded(group_)) return at::linear(normed, output_weight_);
+    return at::linear(sequence_parallel_ ? tp::gather_sequence(normed, group_) : tp::copy_to_shards(normed, group_),
+                      output_weight_);
   }
 
   std::vector<tp::ShardLayout> shard_layouts() const override {
@@ -156,9 +181,14 @@ class LanguageModelHeadImpl : public torch::nn::Module, public tp::Sharded {
     return {{output_weight_, 0, 1}};
   }
 
+  std::vector<at::Tensor> sequence_parallel_parameters() const override {
+    return sequence_parallel_ ? norm_parameters(norm_) : std::vector<at::Tensor>{};
+  }
+
  private:
   torch::nn::LayerNorm norm_;
   tp::Group group_;
+  bool sequence_parallel_;
   at::Tensor output_weight_;
 };
 TORCH_MODULE(LanguageModelHead);

@@ -18,6 +18,9 @@ struct GptOptions {
   int64_t heads = 4;
   int64_t layers = 6;
   bool tie_embeddings = true;  // the LM head reuses the token embedding matrix, as GPT-2 does
+  // Under tensor parallelism: the activations between blocks split along the sequence (the config's
+  // "sequence_parallel"; not a "model" key). The sequence's length must divide by the degree.
+  bool sequence_parallel = false;
 };
 
 // Reads the "model" section of a config, given as JSON text (unknown keys and bad values are errors naming the key).

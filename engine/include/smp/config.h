@@ -23,6 +23,10 @@ struct Config {
   // Shards of every tensor-parallel layer (smp::tp): each stage of each replica runs on this many ranks. The world
   // is tensor_parallel_degree x partitions x replicas.
   int tensor_parallel_degree = 1;
+  // Megatron's sequence parallelism: between tensor-parallel layers the activations are split along the sequence
+  // over the group (norms, dropout and residuals hold 1/tp of them). Models read it (the example GPT, smp.tp's
+  // plans); no effect with tensor_parallel_degree 1.
+  bool sequence_parallel = false;
   int microbatches = 1;          // per data-parallel replica and step
   // A schedule of sched::schedule_kinds(), by SMP's name ("simple": GPipe; "interleaved": 1F1B, Megatron's
   // interleaved 1F1B when virtual_stages > 1; "zero_bubble", "zero_bubble_h2") or its generator's ("zb_v", ...).

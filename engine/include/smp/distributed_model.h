@@ -186,6 +186,8 @@ class DistributedModel {
   void check_single_input(const char* caller, const at::Tensor& inputs, const at::Tensor& targets) const;
   void build_stages(const sched::Schedule& schedule);
   void sum_tied_gradients();
+  // Sums over the tensor-parallel group the gradients of parameters that saw only this rank's part of the sequence.
+  void sum_sequence_parallel_gradients();
   void write_timeline(const std::vector<TimelineEvent>& events);
   void adopt_checkpoint_partition();
   bool local_gradients_finite() const;
@@ -205,6 +207,7 @@ class DistributedModel {
   std::vector<std::pair<std::string, at::Tensor>> named_buffers_;
   std::vector<at::Tensor> norm_parameters_;
   std::map<std::string, std::pair<int64_t, int64_t>> shard_dims_;
+  std::vector<at::Tensor> sequence_parallel_parameters_;  // tp::SequenceParallel's, of this rank's stages
   std::vector<bool> trainable_at_build_;  // requires_grad of named_parameters_ when the reducer and ties were made
   std::vector<TiedParameter> tied_;
   std::unique_ptr<PipelineExecutor> executor_;

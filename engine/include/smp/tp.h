@@ -45,6 +45,27 @@ at::Tensor scatter_last_dim(const at::Tensor& input, const Group& group);
 at::Tensor all_reduced(const at::Tensor& input, const Group& group);
 at::Tensor all_gathered_last_dim(const at::Tensor& shard, const Group& group);
 
+// Sequence parallelism (Megatron's): between a row layer and the next column layer, activations are split along the
+// sequence (dimension 1) over the group, so that norms, dropout and residual adds hold and compute 1/tp of them.
+// this rank's slice of the sequence: slice forward, all-gather backward (where the split begins).
+at::Tensor scatter_sequence(const at::Tensor& input, const Group& group);
+// the slices put together: all-gather forward, reduce-scatter backward (before a column layer, in place of
+// copy_to_shards).
+at::Tensor gather_sequence(const at::Tensor& input, const Group& group);
+// partial sums added up and split: reduce-scatter forward, all-gather backward (after a row layer, in place of
+// reduce_from_shards).
+at::Tensor reduce_scatter_sequence(const at::Tensor& input, const Group& group);
+
+// A module whose parameters are whole on every rank of the group but see only this rank's part of the sequence (a
+// norm under sequence parallelism): their gradients are partial, summed over the group once per step by
+// DistributedModel.
+class SequenceParallel {
+ public:
+  virtual ~SequenceParallel() = default;
+  virtual std::vector<at::Tensor> sequence_parallel_parameters() const = 0;
+};
+std::vector<at::Tensor> sequence_parallel_parameters_in(torch::nn::Module& module);
+
 // This rank's shard of a whole tensor along `dim` (a weight made whole in one process, for loading or checking).
 // With `blocks` > 1 the dimension holds that many blocks one after the other (a fused query/key/value projection's
 // output features: 3), and the shard is this rank's part of each block, in block order.
@@ -95,7 +116,9 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public Sharded {
   ColumnParallelLinearImpl(int64_t in_features, int64_t out_features, Group group, bool bias = true,
                            bool gather_output = false);
   // This rank's shard of `whole`; `blocks`: its output features are that many blocks to shard each (shard_of).
-  ColumnParallelLinearImpl(const torch::nn::Linear& whole, Group group, bool gather_output = false, int64_t blocks = 1);
+  // sequence_parallel: the input is this rank's slice of the sequence, gathered first (gather_sequence).
+  ColumnParallelLinearImpl(const torch::nn::Linear& whole, Group group, bool gather_output = false, int64_t blocks = 1,
+                           bool sequence_parallel = false);
   at::Tensor forward(const at::Tensor& input);
   std::vector<ShardLayout> shard_layouts() const override;
   at::Tensor weight;  // [out_features / tp, in_features]
@@ -105,18 +128,23 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public Sharded {
   Group group_;
   bool gather_output_;
   int64_t blocks_ = 1;
+  bool sequence_parallel_ = false;
 };
 TORCH_MODULE(ColumnParallelLinear);
 
 // y = x A^T + b with A's columns (input features) split: takes the input sharded along its last dimension (a column
 // layer's output) unless input_is_parallel is false; the output is whole. The bias is whole on every rank.
-class RowParallelLinearImpl : public torch::nn::Module, public Sharded {
+class RowParallelLinearImpl : public torch::nn::Module, public Sharded, public SequenceParallel {
  public:
   RowParallelLinearImpl(int64_t in_features, int64_t out_features, Group group, bool bias = true,
                         bool input_is_parallel = true);
-  RowParallelLinearImpl(const torch::nn::Linear& whole, Group group, bool input_is_parallel = true);
+  // sequence_parallel: the output is this rank's slice of the sequence (reduce_scatter_sequence), the bias added to it.
+  RowParallelLinearImpl(const torch::nn::Linear& whole, Group group, bool input_is_parallel = true,
+                        bool sequence_parallel = false);
   at::Tensor forward(const at::Tensor& input);
   std::vector<ShardLayout> shard_layouts() const override;
+  // Under sequence parallelism the bias is added to this rank's slice of the sequence only.
+  std::vector<at::Tensor> sequence_parallel_parameters() const override;
   const Group& group() const { return group_; }
   at::Tensor weight;  // [out_features, in_features / tp]
   at::Tensor bias;    // [out_features], or undefined
@@ -124,6 +152,7 @@ class RowParallelLinearImpl : public torch::nn::Module, public Sharded {
  private:
   Group group_;
   bool input_is_parallel_;
+  bool sequence_parallel_ = false;
 };
 TORCH_MODULE(RowParallelLinear);
 
@@ -163,11 +192,12 @@ TORCH_MODULE(SelfAttention);
 struct CollectiveBytes {
   int64_t all_reduced = 0;
   int64_t all_gathered = 0;
+  int64_t reduce_scattered = 0;  // the whole tensor of each
 };
 CollectiveBytes collective_bytes();
 
 // While one lives, every tensor-parallel collective of this process is reported to it, one at a time, from whatever
-// thread ran it (backward may run on autograd's): its kind ("TP_ALL_REDUCE", "TP_ALL_GATHER"), bytes, and wall-clock start and
+// thread ran it (backward may run on autograd's): its kind ("TP_ALL_REDUCE", "TP_ALL_GATHER", "TP_REDUCE_SCATTER"), bytes, and wall-clock start and
 // end in microseconds since the epoch. A traced step's timeline shows them inside the forwards and backwards.
 class CollectiveObserver {
  public:
