@@ -114,10 +114,11 @@ int run(int argc, char** argv) {
   if (runtime->rank() == 0) {
     // Rank 0 (stage 0's first shard): its tensor-parallel collectives per measured step.
     std::printf("{\"tensor_parallel\": %d, \"tp_all_reduced_bytes_per_step\": %.0f, "
-                "\"tp_all_gathered_bytes_per_step\": %.0f, ",
+                "\"tp_all_gathered_bytes_per_step\": %.0f, \"tp_reduce_scattered_bytes_per_step\": %.0f, ",
                 runtime->topology().tensor_parallel_degree(),
                 static_cast<double>(tp_after.all_reduced - tp_before.all_reduced) / measured,
-                static_cast<double>(tp_after.all_gathered - tp_before.all_gathered) / measured);
+                static_cast<double>(tp_after.all_gathered - tp_before.all_gathered) / measured,
+                static_cast<double>(tp_after.reduce_scattered - tp_before.reduce_scattered) / measured);
     std::printf("\"partitions\": %d, \"replicas\": %d, \"microbatches\": %d, \"schedule\": \"%s\", "
                 "\"global_batch\": %lld, \"median_step_s\": %.6f, \"median_iteration_s\": %.6f, \"samples_per_s\": %.2f, "
                 "\"iteration_samples_per_s\": %.2f, \"spread\": %.3f, \"peak_rss_mib\": %.1f, "

@@ -111,15 +111,16 @@ print(f"state {sharded['optimizer_state_mib'] / whole['optimizer_state_mib']:.3f
 
 section("tensor parallelism: the GPT (d_model 128, 8 blocks), global batch 32, m = 8; 2 processes as tp 2, as 2 "
         "pipeline stages, as 2 replicas; 3 alternating rounds, medians")
-layouts = [("tp 2", {"partitions": 1, "tensor_parallel_degree": 2}), ("pp 2", {"partitions": 2}),
-           ("dp 2", {"partitions": 1, "ddp": True})]
+layouts = [("tp 2", {"partitions": 1, "tensor_parallel_degree": 2}),
+           ("tp 2 + sequence parallel", {"partitions": 1, "tensor_parallel_degree": 2, "sequence_parallel": True}),
+           ("pp 2", {"partitions": 2}), ("dp 2", {"partitions": 1, "ddp": True})]
 rounds = {label: [] for label, _ in layouts}
 for _ in range(3):
     for label, keys in layouts:
         rounds[label].append(bench_pipeline(dict(keys, microbatches=8 if label != "dp 2" else 4), 2))
 for label, _ in layouts:
     steps = sorted(r["median_iteration_s"] for r in rounds[label])
-    print(f"{label:<6}iteration {steps[1] * 1e3:7.1f} ms (runs {', '.join(f'{t * 1e3:.1f}' for t in steps)})")
+    print(f"{label:<25}iteration {steps[1] * 1e3:7.1f} ms (runs {', '.join(f'{t * 1e3:.1f}' for t in steps)})")
 tp_run = rounds["tp 2"][0]
 b, s_len, h, L, m_tp = 32 // 8, MODEL["context"], MODEL["d_model"], MODEL["layers"], 8
 # Megatron without sequence parallelism: two all-reduces of [b, s, h] forward (attention and MLP outputs) and two
@@ -132,6 +133,18 @@ print(f"tp 2 bytes per step on rank 0: all-reduced {tp_run['tp_all_reduced_bytes
       f"{theory_reduced / 2**20:.2f} MiB, ratio {tp_run['tp_all_reduced_bytes_per_step'] / theory_reduced:.3f}), "
       f"all-gathered {tp_run['tp_all_gathered_bytes_per_step'] / 1024:.1f} KiB (theory {theory_gathered / 1024:.1f} KiB); "
       f"per block per microbatch {4 * b * s_len * h * 4 / 2**10:.0f} KiB = 4 all-reduces of [b, s, h]")
+sp_run = rounds["tp 2 + sequence parallel"][0]
+# With sequence parallelism each block's all-reduces become an all-gather (before the column layers) and a
+# reduce-scatter (after the row layers), forward and backward alike: per block 4 of each; the embedding's
+# all-reduce stays, its scatter gathers backward; the head gathers forward and reduce-scatters backward; the loss
+# as before. (The norms' gradients, summed once per step, go by the group's own all-reduce, not counted here.)
+sp_theory = {"all_reduced": m_tp * 4 * (b * s_len * h + 2 * b * s_len),
+             "all_gathered": m_tp * 4 * ((4 * L + 2) * b * s_len * h + 2 * b * s_len),
+             "reduce_scattered": m_tp * 4 * (4 * L + 1) * b * s_len * h}
+print("tp 2 + sequence parallel, bytes per step on rank 0 (whole tensors): " + ", ".join(
+    f"{kind.replace('_', '-')} {sp_run[f'tp_{kind}_bytes_per_step'] / 2**20:.2f} MiB (theory "
+    f"{sp_theory[kind] / 2**20:.2f}, ratio {sp_run[f'tp_{kind}_bytes_per_step'] / sp_theory[kind]:.3f})"
+    for kind in sp_theory))
 
 section("simulator: equal costs T_F = T_I = T_W = 1 (T_B = 2), zero latency")
 def simulate(*args):

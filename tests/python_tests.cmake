@@ -53,6 +53,7 @@ smp_pytest(test_tensor_parallel.py tensor_parallel_layers_plans_and_errors 320)
 smp_pytest(test_tensor_parallel.py tensor_parallel_real_models_equal_pytorch 320)
 smp_pytest(test_tensor_parallel.py tensor_parallel_meta_models_with_replicas_equal_materialized 320)
 smp_pytest(test_tensor_parallel.py tensor_parallel_bf16_matches_float32 320)
+smp_pytest(test_tensor_parallel.py sequence_parallel_real_models_equal_pytorch 320)
 # On a GPU (the device machine's `ctest -L gpu`): one process, its stages on the GPU, against plain PyTorch on the
 # CPU. That machine's python has torch but no package registry (no pytest), so ctest runs the worker itself, which
 # exits 77 without a GPU (skipped); test_pipelines.py has the same test for pytest.

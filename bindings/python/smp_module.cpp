@@ -82,8 +82,9 @@ std::shared_ptr<py::object> held_under_gil(py::object object) {
 // forward that calls the Python module under the GIL (the engine runs with the GIL released), or `call` when given
 // (a traced model's node: the module with the arguments its call site passes). Its autograd graph is LibTorch's
 // like any other; only backward functions written in Python take the GIL again, as in PyTorch. A parameter tagged
-// `_smp_shard` = (dim, blocks) (by smp.tp's layers; the tag stays on the tensor through a capture) is a shard.
-class EagerModule : public torch::nn::Module, public tp::Sharded {
+// `_smp_shard` = (dim, blocks) (by smp.tp's layers; the tag stays on the tensor through a capture) is a shard; one
+// tagged `_smp_sequence_parallel` sees a slice of the sequence (tp::SequenceParallel).
+class EagerModule : public torch::nn::Module, public tp::Sharded, public tp::SequenceParallel {
  public:
   explicit EagerModule(const py::object& module, const py::object& call = py::none())
       : module_(held_under_gil(module)), call_(held_under_gil(call.is_none() ? module : call)) {
@@ -96,6 +97,7 @@ class EagerModule : public torch::nn::Module, public tp::Sharded {
         const auto [dim, blocks] = pair[1].attr("_smp_shard").cast<std::pair<int64_t, int64_t>>();
         shards_.push_back({tensor, dim, blocks});
       }
+      if (py::hasattr(pair[1], "_smp_sequence_parallel")) sequence_parallel_.push_back(tensor);
     }
     for (const auto& item : module.attr("named_buffers")(py::arg("recurse") = false)) {
       const auto pair = item.cast<py::tuple>();
@@ -108,6 +110,7 @@ class EagerModule : public torch::nn::Module, public tp::Sharded {
   }
 
   std::vector<tp::ShardLayout> shard_layouts() const override { return shards_; }
+  std::vector<at::Tensor> sequence_parallel_parameters() const override { return sequence_parallel_; }
 
   void train(bool on = true) override {
     {
@@ -142,6 +145,7 @@ class EagerModule : public torch::nn::Module, public tp::Sharded {
   std::shared_ptr<py::object> module_;
   std::shared_ptr<py::object> call_;
   std::vector<tp::ShardLayout> shards_;
+  std::vector<at::Tensor> sequence_parallel_;
 };
 
 std::shared_ptr<ScriptedModule> load_scripted(const py::bytes& serialized) {
@@ -308,6 +312,7 @@ PYBIND11_MODULE(_smp, module) {
       .def_readonly("microbatches", &Config::microbatches)
       .def_readonly("global_batch_size", &Config::global_batch_size)
       .def_readonly("seed", &Config::seed)
+      .def_readonly("sequence_parallel", &Config::sequence_parallel)
       .def_readonly("source", &Config::source)
       .def_readonly("partition_overrides", &Config::partition_overrides)
       .def("num_stages", &Config::num_stages)
@@ -355,6 +360,18 @@ PYBIND11_MODULE(_smp, module) {
             return tp::all_reduced(tensor, runtime.tensor_parallel_group()).clone();
           },
           py::arg("tensor"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "_tp_all_gather",
+          [](Runtime& runtime, const at::Tensor& tensor, int64_t dim) {
+            return tp::all_gathered(tensor, dim, runtime.tensor_parallel_group()).clone();
+          },
+          py::arg("tensor"), py::arg("dim"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "_tp_reduce_scatter",
+          [](Runtime& runtime, const at::Tensor& tensor, int64_t dim) {
+            return tp::reduce_scattered(tensor, dim, runtime.tensor_parallel_group()).clone();
+          },
+          py::arg("tensor"), py::arg("dim"), py::call_guard<py::gil_scoped_release>())
       .def(
           "_tp_all_gather_last_dim",
           [](Runtime& runtime, const at::Tensor& tensor) {

@@ -229,6 +229,18 @@ at::Tensor all_reduced(const at::Tensor& input, const Group& group) {
 at::Tensor all_gathered_last_dim(const at::Tensor& shard, const Group& group) {
   return group->size() == 1 ? shard.clone() : gathered_last_dim(shard, group);
 }
+at::Tensor all_gathered(const at::Tensor& shard, int64_t dim, const Group& group) {
+  return group->size() == 1 ? shard.clone() : gathered_along(shard, c10::maybe_wrap_dim(dim, shard.dim()), group);
+}
+at::Tensor reduce_scattered(const at::Tensor& whole, int64_t dim, const Group& group) {
+  if (group->size() == 1) return whole.clone();
+  dim = c10::maybe_wrap_dim(dim, whole.dim());
+  if (whole.size(dim) % group->size() != 0) {
+    throw ConfigError("reduce-scatter: dimension " + std::to_string(dim) + " of size " + std::to_string(whole.size(dim)) +
+                      " does not split over \"tensor_parallel_degree\" " + std::to_string(group->size()));
+  }
+  return reduce_scattered_along(whole, dim, group);
+}
 
 at::Tensor scatter_sequence(const at::Tensor& input, const Group& group) {
   if (group->size() == 1) return input;

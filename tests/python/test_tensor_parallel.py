@@ -26,3 +26,11 @@ def test_tensor_parallel_bf16_matches_float32(job):
     assert_passed(job(4, "real_models.py", "--models", "llama", "--rtol", "0.03", "--smp",
                       smp_keys(tensor_parallel_degree=2, partitions=2, microbatches=2, global_batch_size=4,
                                bf16=True)))
+
+
+def test_sequence_parallel_real_models_equal_pytorch(job):
+    """Megatron's sequence parallelism added to the plans: the blocks' activations and norms on slices of the
+    sequence, split at the first block and gathered at the final norm."""
+    assert_passed(job(4, "real_models.py", "--models", "llama,gpt2", "--smp",
+                      smp_keys(tensor_parallel_degree=2, sequence_parallel=True, partitions=2, microbatches=2,
+                               global_batch_size=4)))

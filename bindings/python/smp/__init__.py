@@ -168,6 +168,8 @@ def _shard_for_tensor_parallelism(model, plan):
         return
     given = plan is not None
     plan = plan if given else tp.builtin_plan(model)
+    if plan and runtime().config.sequence_parallel:
+        plan = tp.sequence_parallel_plan(model, plan)
     applied = tp.apply_plan(model, plan, strict=given) if plan else {}
     if runtime().rank == 0 and applied:
         print(f"smp: tensor parallelism over {tp.degree()} ranks: {len(applied)} modules sharded or adjusted by "

@@ -28,7 +28,8 @@ from ._smp import ConfigError
 
 __all__ = ["Colwise", "Rowwise", "VocabParallel", "Replicated", "Divide", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "apply_plan", "builtin_plan", "shard_of", "copy_to_shards", "reduce_from_shards",
-           "gather_last_dim", "scatter_last_dim", "vocab_parallel_cross_entropy", "degree", "rank", "whole_shape",
+           "gather_last_dim", "scatter_last_dim", "scatter_sequence", "gather_sequence", "reduce_scatter_sequence",
+           "sequence_parallel_plan", "SequenceParallel", "vocab_parallel_cross_entropy", "degree", "rank", "whole_shape",
            "local_part", "collective_bytes"]
 
 
@@ -128,6 +129,110 @@ def _(x):
 
 
 _scatter_last_dim.register_autograd(lambda context, gradient: _all_gather_last_dim(gradient))
+
+# Sequence parallelism: activations between a row layer and the next column layer split along the sequence
+# (dimension 1). Backward runs eagerly, so it calls the engine's collectives directly.
+SEQUENCE = 1
+
+
+def _sequence_slice(x):
+    width = x.shape[SEQUENCE] // degree()
+    return x.narrow(SEQUENCE, rank() * width, width).contiguous()
+
+
+def _check_sequence(x):
+    if x.dim() < 2 or x.shape[SEQUENCE] % degree():
+        raise ConfigError(f"sequence parallelism: a sequence of {x.shape[SEQUENCE] if x.dim() > 1 else 'no'} "
+                          f"positions does not split over \"tensor_parallel_degree\" {degree()} (its length must "
+                          "divide by it)")
+
+
+@torch.library.custom_op("smp::tp_scatter_sequence", mutates_args=())
+def _scatter_sequence(x: Tensor) -> Tensor:
+    return _sequence_slice(x)
+
+
+@_scatter_sequence.register_fake
+def _(x):
+    return x.new_empty(x.shape[0], x.shape[1] // degree(), *x.shape[2:])
+
+
+_scatter_sequence.register_autograd(lambda context, gradient: _runtime()._tp_all_gather(gradient, SEQUENCE))
+
+
+@torch.library.custom_op("smp::tp_gather_sequence", mutates_args=())
+def _gather_sequence(x: Tensor) -> Tensor:
+    return _runtime()._tp_all_gather(x, SEQUENCE)
+
+
+@_gather_sequence.register_fake
+def _(x):
+    return x.new_empty(x.shape[0], x.shape[1] * degree(), *x.shape[2:])
+
+
+_gather_sequence.register_autograd(lambda context, gradient: _runtime()._tp_reduce_scatter(gradient, SEQUENCE))
+
+
+@torch.library.custom_op("smp::tp_gather_sequence_for_whole", mutates_args=())
+def _gather_sequence_for_whole(x: Tensor) -> Tensor:
+    return _runtime()._tp_all_gather(x, SEQUENCE)
+
+
+@_gather_sequence_for_whole.register_fake
+def _(x):
+    return x.new_empty(x.shape[0], x.shape[1] * degree(), *x.shape[2:])
+
+
+# What follows is whole on every rank (it ends sequence parallelism): each rank's gradient is already the whole
+# one, of which it keeps its slice.
+_gather_sequence_for_whole.register_autograd(lambda context, gradient: _sequence_slice(gradient))
+
+
+@torch.library.custom_op("smp::tp_reduce_scatter_sequence", mutates_args=())
+def _reduce_scatter_sequence(x: Tensor) -> Tensor:
+    return _runtime()._tp_reduce_scatter(x, SEQUENCE)
+
+
+@_reduce_scatter_sequence.register_fake
+def _(x):
+    return x.new_empty(x.shape[0], x.shape[1] // degree(), *x.shape[2:])
+
+
+_reduce_scatter_sequence.register_autograd(lambda context, gradient: _runtime()._tp_all_gather(gradient, SEQUENCE))
+
+
+def scatter_sequence(x):
+    """This rank's slice of the sequence: slice forward, all-gather backward (where sequence parallelism begins)."""
+    if degree() == 1:
+        return x
+    _check_sequence(x)
+    return _scatter_sequence(x)
+
+
+def gather_sequence(x, for_whole=False):
+    """The slices put together: all-gather forward, reduce-scatter backward (before column layers, whose gradients
+    are partial). for_whole: before computation whole on every rank (where sequence parallelism ends), whose
+    gradient each rank has whole: this rank's slice of it backward."""
+    if degree() == 1:
+        return x
+    return _gather_sequence_for_whole(x) if for_whole else _gather_sequence(x)
+
+
+def reduce_scatter_sequence(x):
+    """Partial sums added up and split along the sequence: reduce-scatter forward, all-gather backward (after a row
+    layer)."""
+    if degree() == 1:
+        return x
+    _check_sequence(x)
+    return _reduce_scatter_sequence(x)
+
+
+def _sees_sequence_slice(parameter):
+    """Tags a parameter that sees only this rank's slice of the sequence: the engine sums its gradients over the
+    group once per step."""
+    parameter._smp_sequence_parallel = True
+    return parameter
+
 
 COPY_TO_SHARDS = torch.ops.smp.tp_copy_to_shards.default  # what a capture merges per input (one all-reduce back)
 
@@ -236,8 +341,10 @@ class ColumnParallelLinear(_FromWhole):
     sharded, unless gather_output. `blocks`: the output features are that many blocks, each split (a fused
     query/key/value: 3; gate and up projections packed: 2)."""
 
-    def __init__(self, whole, blocks=1, gather_output=False, path="ColumnParallelLinear"):
+    def __init__(self, whole, blocks=1, gather_output=False, path="ColumnParallelLinear", input_gathered=False):
         super().__init__(whole)
+        # Sequence parallelism gathers the input before (gather_sequence, whose backward sums the gradients).
+        self.input_gathered = input_gathered
         in_features, out_features, self.transposed = _linear_shapes(whole, path)
         if out_features % blocks or (out_features // blocks) % degree():
             raise ConfigError(f"{path}: output features {out_features} in {blocks} block(s) do not divide by "
@@ -251,7 +358,8 @@ class ColumnParallelLinear(_FromWhole):
         self.bias = _shard_parameter(whole.bias, 0, self.blocks) if whole.bias is not None else None
 
     def forward(self, x):
-        x = copy_to_shards(x)
+        if not self.input_gathered:
+            x = copy_to_shards(x)
         if self.transposed:
             y = x @ self.weight if self.bias is None else torch.addmm(
                 self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
@@ -270,8 +378,9 @@ class RowParallelLinear(_FromWhole):
     column layer's output; whole with input_is_parallel=False, each rank then taking its slice), the output whole.
     The bias is whole on every rank."""
 
-    def __init__(self, whole, input_is_parallel=True, path="RowParallelLinear"):
+    def __init__(self, whole, input_is_parallel=True, path="RowParallelLinear", sequence_parallel=False):
         super().__init__(whole)
+        self.sequence_parallel = sequence_parallel  # the output split along the sequence (reduce-scatter)
         in_features, out_features, self.transposed = _linear_shapes(whole, path)
         if in_features % degree():
             raise ConfigError(f"{path}: input features {in_features} do not divide by \"tensor_parallel_degree\" "
@@ -285,11 +394,14 @@ class RowParallelLinear(_FromWhole):
         # Whole on every rank: added once, after the sum.
         self.bias = torch.nn.Parameter(whole.bias.detach().clone(), whole.bias.requires_grad) \
             if whole.bias is not None else None
+        if self.bias is not None and self.sequence_parallel:
+            _sees_sequence_slice(self.bias)
 
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_last_dim(x)
-        y = reduce_from_shards(x @ self.weight if self.transposed else F.linear(x, self.weight))
+        partial = x @ self.weight if self.transposed else F.linear(x, self.weight)
+        y = reduce_scatter_sequence(partial) if self.sequence_parallel else reduce_from_shards(partial)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self):
@@ -350,25 +462,68 @@ def vocab_parallel_cross_entropy(logits, targets, ignore_index=-100):
 # Styles: what a plan does to the module at a path.
 
 class Colwise:
-    def __init__(self, blocks=1, gather_output=False):
-        self.blocks, self.gather_output = blocks, gather_output
+    def __init__(self, blocks=1, gather_output=False, input_gathered=False):
+        self.blocks, self.gather_output, self.input_gathered = blocks, gather_output, input_gathered
 
     def apply(self, module, path):
-        return ColumnParallelLinear(module, self.blocks, self.gather_output, path)
+        return ColumnParallelLinear(module, self.blocks, self.gather_output, path, self.input_gathered)
 
     def __repr__(self):
-        return f"Colwise(blocks={self.blocks}, gather_output={self.gather_output})"
+        return f"Colwise(blocks={self.blocks}, gather_output={self.gather_output}, input_gathered={self.input_gathered})"
 
 
 class Rowwise:
-    def __init__(self, input_is_parallel=True):
-        self.input_is_parallel = input_is_parallel
+    def __init__(self, input_is_parallel=True, sequence_parallel=False):
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
 
     def apply(self, module, path):
-        return RowParallelLinear(module, self.input_is_parallel, path)
+        return RowParallelLinear(module, self.input_is_parallel, path, self.sequence_parallel)
 
     def __repr__(self):
-        return f"Rowwise(input_is_parallel={self.input_is_parallel})"
+        return f"Rowwise(input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel})"
+
+
+def _replace_hidden_states(args, kwargs, change):
+    """A module's first input (hidden_states, by position or keyword) changed."""
+    if args:
+        return (change(args[0]),) + tuple(args[1:]), kwargs
+    return args, dict(kwargs, hidden_states=change(kwargs["hidden_states"]))
+
+
+class ScatterSequenceIn:
+    """The module's input split along the sequence: where sequence parallelism begins (the first block)."""
+
+    def apply(self, module, path):
+        module.register_forward_pre_hook(lambda m, args, kwargs: _replace_hidden_states(args, kwargs, scatter_sequence),
+                                         with_kwargs=True)
+        return module
+
+
+class GatherSequenceIn:
+    """The module's input gathered from the sequence's slices (an attention or MLP whose column layers follow)."""
+
+    def apply(self, module, path):
+        module.register_forward_pre_hook(lambda m, args, kwargs: _replace_hidden_states(args, kwargs, gather_sequence),
+                                         with_kwargs=True)
+        return module
+
+
+class GatherSequenceOut:
+    """The module's output gathered from the sequence's slices: where sequence parallelism ends (the final norm)."""
+
+    def apply(self, module, path):
+        module.register_forward_hook(lambda m, args, output: gather_sequence(output, for_whole=True))
+        return module
+
+
+class SequenceParallel:
+    """A module that runs on this rank's slice of the sequence with whole parameters (a norm): its gradients are
+    summed over the group."""
+
+    def apply(self, module, path):
+        for parameter in module.parameters(recurse=False):
+            _sees_sequence_slice(parameter)
+        return module
 
 
 class VocabParallel:
@@ -466,6 +621,65 @@ def _check_heads(model, path, module, style):
                           f"{degree()}")
 
 
+def _is_norm(module):
+    return "Norm" in type(module).__name__
+
+
+def sequence_parallel_plan(model, plan):
+    """`plan` (a decoder's: column and row layers inside blocks of a ModuleList) with Megatron's sequence parallelism
+    added: the blocks take and return slices of the sequence (split at the first block's input, gathered at the
+    final norm's output), each attention and MLP gathers its input, row layers reduce-scatter, and the norms in
+    between are tagged. ConfigError when the model's layout is not that."""
+    styles = {pattern: _style(value, pattern) for pattern, value in plan.items()}
+    modules = dict(model.named_modules())
+
+    def block_of(path):
+        parts = path.split(".")
+        for end in range(len(parts) - 1, 0, -1):
+            if isinstance(modules.get(".".join(parts[:end - 1]) if end > 1 else ""), torch.nn.ModuleList):
+                return ".".join(parts[:end])
+        return None
+
+    matched = {}
+    for pattern, style in styles.items():
+        expression = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
+        for path in modules:
+            if expression.fullmatch(path):
+                matched[path] = (pattern, style)
+    blocks = {block_of(path) for path, (_, style) in matched.items() if isinstance(style, (Colwise, Rowwise))}
+    blocks.discard(None)
+    if not blocks:
+        raise ConfigError(f"\"sequence_parallel\": {type(model).__name__}'s plan shards no layer inside blocks of a "
+                          "ModuleList, so smp cannot tell where the sequence splits")
+    layers = {block.rpartition(".")[0] for block in blocks}
+    if len(layers) != 1:
+        raise ConfigError(f"\"sequence_parallel\": the plan's layers are in several block lists ({sorted(layers)})")
+    layers = layers.pop()
+    owner = layers.rpartition(".")[0]  # the base model, holding the blocks and the final norm
+    final = [path for path, module in modules.items() if path.rpartition(".")[0] == owner and path != layers and
+             _is_norm(module)]
+    if len(final) != 1:
+        raise ConfigError(f"\"sequence_parallel\": no single final norm beside '{layers}' in {type(model).__name__}")
+    result = {}
+    for pattern, style in styles.items():
+        inside = any(block_of(path) in blocks for path, (p, _) in matched.items() if p == pattern)
+        if inside and isinstance(style, Colwise):
+            style = Colwise(style.blocks, style.gather_output, input_gathered=True)
+        elif inside and isinstance(style, Rowwise):
+            style = Rowwise(style.input_is_parallel, sequence_parallel=True)
+        result[pattern] = style
+    first = layers + ".0"
+    result[first] = ScatterSequenceIn()
+    for path, (_, style) in matched.items():
+        if isinstance(style, Colwise) and block_of(path) in blocks:
+            result[path.rpartition(".")[0]] = GatherSequenceIn()
+    for path, module in modules.items():
+        if _is_norm(module) and (block_of(path) in blocks or path == final[0]):
+            result[path] = SequenceParallel()
+    result[final[0] + "#gather"] = GatherSequenceOut()
+    return result
+
+
 def apply_plan(model, plan, strict=True):
     """Replaces the modules `plan` names ({path pattern: style}) with their tensor-parallel forms, in place, and
     returns {path: style} of what it did. A pattern that matches no module is a ConfigError when `strict` (a plan
@@ -479,6 +693,7 @@ def apply_plan(model, plan, strict=True):
     applied = {}
     for pattern, value in plan.items():
         style = _style(value, pattern)
+        pattern = pattern.partition("#")[0]  # "path#...": one more style for the same module
         expression = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
         paths = [path for path in modules if expression.fullmatch(path)]
         if not paths and strict:
@@ -487,7 +702,7 @@ def apply_plan(model, plan, strict=True):
             module = modules[path]
             tied = {holder for parameter in module.parameters(recurse=False) for holder in holders[id(parameter)]
                     if holder != path}
-            if tied and not isinstance(style, (Replicated, Divide)):
+            if tied and isinstance(style, (Colwise, Rowwise, VocabParallel)):
                 if strict:
                     raise ConfigError(f"tensor-parallel plan: '{path}' shares its weight with '{sorted(tied)[0]}', "
                                       "which the plan does not shard the same way")

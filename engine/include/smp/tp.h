@@ -44,6 +44,9 @@ at::Tensor scatter_last_dim(const at::Tensor& input, const Group& group);
 // report to the observer and skip communication under WithoutCollectives, as the functions above do.
 at::Tensor all_reduced(const at::Tensor& input, const Group& group);
 at::Tensor all_gathered_last_dim(const at::Tensor& shard, const Group& group);
+// The same along any dimension, and the sum over the group split along `dim`, this rank's part (reduce-scatter).
+at::Tensor all_gathered(const at::Tensor& shard, int64_t dim, const Group& group);
+at::Tensor reduce_scattered(const at::Tensor& whole, int64_t dim, const Group& group);
 
 // Sequence parallelism (Megatron's): between a row layer and the next column layer, activations are split along the
 // sequence (dimension 1) over the group, so that norms, dropout and residual adds hold and compute 1/tp of them.
