@@ -122,6 +122,9 @@ def bad_plans():
 
     expect_error("a model without a plan", smp.ConfigError, "Plain has no tensor-parallel plan",
                  lambda: smp.DistributedModel(Plain(), torch.zeros(2, 4)))
+    expect_error("a sequence that does not split", smp.ConfigError,
+                 "a sequence of 7 positions does not split over \"tensor_parallel_degree\" 2",
+                 lambda: smp.tp.scatter_sequence(torch.zeros(1, 7, 4)))
 
     import transformers as hf
     gpt2 = hf.GPT2LMHeadModel(hf.GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=16, vocab_size=VOCAB,

@@ -25,7 +25,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from ._captured_node import _ASSERTS, CapturedNode, _attribute, _is_op, _mutates_first_argument, run_fuser
-from ._smp import ModelError
+from ._smp import ConfigError, ModelError
 
 _aten = torch.ops.aten
 
@@ -165,6 +165,8 @@ def _model_frame(error):
 def export_model(model, args, kwargs):
     try:
         return torch.export.export(model, args, kwargs, strict=False)
+    except ConfigError:
+        raise  # what the job's config cannot do with this input (a sequence tensor parallelism cannot split)
     except Exception as error:  # noqa: BLE001 - export raises many kinds
         text = str(error).strip()
         first = text.splitlines()[0] if text else ""
