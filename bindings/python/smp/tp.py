@@ -29,7 +29,8 @@ from ._smp import ConfigError
 __all__ = ["Colwise", "Rowwise", "VocabParallel", "Replicated", "Divide", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "apply_plan", "builtin_plan", "shard_of", "copy_to_shards", "reduce_from_shards",
            "gather_last_dim", "scatter_last_dim", "scatter_sequence", "gather_sequence", "reduce_scatter_sequence",
-           "sequence_parallel_plan", "SequenceParallel", "vocab_parallel_cross_entropy", "degree", "rank", "whole_shape",
+           "sequence_parallel_plan", "SequenceParallel", "vocab_parallel_cross_entropy", "degree", "rank",
+           "whole_shape",
            "local_part", "collective_bytes"]
 
 
@@ -54,29 +55,9 @@ def rank():
 # with their autograd. Their implementations call the engine's (which skip communication while rank 0 profiles a
 # node alone, count bytes and show in timelines).
 
-@torch.library.custom_op("smp::tp_all_reduce", mutates_args=())
-def _all_reduce(x: Tensor) -> Tensor:
-    return _runtime()._tp_all_reduce(x)
-
-
-@_all_reduce.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("smp::tp_all_gather_last_dim", mutates_args=())
-def _all_gather_last_dim(x: Tensor) -> Tensor:
-    return _runtime()._tp_all_gather_last_dim(x)
-
-
-@_all_gather_last_dim.register_fake
-def _(x):
-    return x.new_empty(*x.shape[:-1], x.shape[-1] * degree())
-
-
-def _own_slice_last_dim(x):
-    width = x.shape[-1] // degree()
-    return x.narrow(-1, rank() * width, width).contiguous()
+def _own_slice(x, dim):
+    width = x.shape[dim] // degree()
+    return x.narrow(dim, rank() * width, width).contiguous()
 
 
 @torch.library.custom_op("smp::tp_copy_to_shards", mutates_args=())
@@ -89,7 +70,7 @@ def _(x):
     return torch.empty_like(x)
 
 
-_copy_to_shards.register_autograd(lambda context, gradient: _all_reduce(gradient))
+_copy_to_shards.register_autograd(lambda context, gradient: _runtime()._tp_all_reduce(gradient))
 
 
 @torch.library.custom_op("smp::tp_reduce_from_shards", mutates_args=())
@@ -115,12 +96,12 @@ def _(x):
     return x.new_empty(*x.shape[:-1], x.shape[-1] * degree())
 
 
-_gather_last_dim.register_autograd(lambda context, gradient: _own_slice_last_dim(gradient))
+_gather_last_dim.register_autograd(lambda context, gradient: _own_slice(gradient, -1))
 
 
 @torch.library.custom_op("smp::tp_scatter_last_dim", mutates_args=())
 def _scatter_last_dim(x: Tensor) -> Tensor:
-    return _own_slice_last_dim(x)
+    return _own_slice(x, -1)
 
 
 @_scatter_last_dim.register_fake
@@ -128,16 +109,11 @@ def _(x):
     return x.new_empty(*x.shape[:-1], x.shape[-1] // degree())
 
 
-_scatter_last_dim.register_autograd(lambda context, gradient: _all_gather_last_dim(gradient))
+_scatter_last_dim.register_autograd(lambda context, gradient: _runtime()._tp_all_gather_last_dim(gradient))
 
 # Sequence parallelism: activations between a row layer and the next column layer split along the sequence
 # (dimension 1). Backward runs eagerly, so it calls the engine's collectives directly.
 SEQUENCE = 1
-
-
-def _sequence_slice(x):
-    width = x.shape[SEQUENCE] // degree()
-    return x.narrow(SEQUENCE, rank() * width, width).contiguous()
 
 
 def _check_sequence(x):
@@ -149,7 +125,7 @@ def _check_sequence(x):
 
 @torch.library.custom_op("smp::tp_scatter_sequence", mutates_args=())
 def _scatter_sequence(x: Tensor) -> Tensor:
-    return _sequence_slice(x)
+    return _own_slice(x, SEQUENCE)
 
 
 @_scatter_sequence.register_fake
@@ -185,7 +161,7 @@ def _(x):
 
 # What follows is whole on every rank (it ends sequence parallelism): each rank's gradient is already the whole
 # one, of which it keeps its slice.
-_gather_sequence_for_whole.register_autograd(lambda context, gradient: _sequence_slice(gradient))
+_gather_sequence_for_whole.register_autograd(lambda context, gradient: _own_slice(gradient, SEQUENCE))
 
 
 @torch.library.custom_op("smp::tp_reduce_scatter_sequence", mutates_args=())
@@ -449,7 +425,8 @@ def vocab_parallel_cross_entropy(logits, targets, ignore_index=-100):
     width = logits.shape[-1]
     first = rank() * width
     # The row maxima only steady the exponentials: no gradient through them.
-    maximum = _all_gather_last_dim(logits.detach().amax(-1, keepdim=True)).amax(-1, keepdim=True)
+    row_maxima = logits.detach().amax(-1, keepdim=True)
+    maximum = _runtime()._tp_all_gather_last_dim(row_maxima).amax(-1, keepdim=True)
     shifted = logits - maximum
     total = reduce_from_shards(shifted.exp().sum(-1))
     outside = (targets < first) | (targets >= first + width)
@@ -469,7 +446,8 @@ class Colwise:
         return ColumnParallelLinear(module, self.blocks, self.gather_output, path, self.input_gathered)
 
     def __repr__(self):
-        return f"Colwise(blocks={self.blocks}, gather_output={self.gather_output}, input_gathered={self.input_gathered})"
+        return (f"Colwise(blocks={self.blocks}, gather_output={self.gather_output}, "
+                f"input_gathered={self.input_gathered})")
 
 
 class Rowwise:
@@ -596,6 +574,12 @@ def builtin_plan(model):
     return plan
 
 
+def _paths_matching(pattern, paths):
+    """The module paths a plan's pattern names: `*` stands for one path component."""
+    expression = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
+    return [path for path in paths if expression.fullmatch(path)]
+
+
 def _style(value, pattern):
     if isinstance(value, str):
         if value not in STYLES:
@@ -642,10 +626,8 @@ def sequence_parallel_plan(model, plan):
 
     matched = {}
     for pattern, style in styles.items():
-        expression = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
-        for path in modules:
-            if expression.fullmatch(path):
-                matched[path] = (pattern, style)
+        for path in _paths_matching(pattern, modules):
+            matched[path] = (pattern, style)
     blocks = {block_of(path) for path, (_, style) in matched.items() if isinstance(style, (Colwise, Rowwise))}
     blocks.discard(None)
     if not blocks:
@@ -694,8 +676,7 @@ def apply_plan(model, plan, strict=True):
     for pattern, value in plan.items():
         style = _style(value, pattern)
         pattern = pattern.partition("#")[0]  # "path#...": one more style for the same module
-        expression = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
-        paths = [path for path in modules if expression.fullmatch(path)]
+        paths = _paths_matching(pattern, modules)
         if not paths and strict:
             raise ConfigError(f"tensor-parallel plan: '{pattern}' matches no module of {type(model).__name__}")
         for path in paths:
