@@ -11,7 +11,8 @@ catch_discover_tests(test_core)
 
 # Engine pieces that run in one process with LibTorch and no communication: split backward, profiling.
 add_executable(test_engine_in_process ${CMAKE_CURRENT_LIST_DIR}/test_engine_in_process.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/test_graph_on_demand.cpp ${CMAKE_CURRENT_LIST_DIR}/test_stage_program.cpp)
+  ${CMAKE_CURRENT_LIST_DIR}/test_graph_on_demand.cpp ${CMAKE_CURRENT_LIST_DIR}/test_stage_program.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/test_profile.cpp)
 target_link_libraries(test_engine_in_process PRIVATE smp_catch_main smp::engine)
 target_include_directories(test_engine_in_process PRIVATE ${PROJECT_SOURCE_DIR}/engine/src)
 target_compile_options(test_engine_in_process PRIVATE -Wall -Wextra)
@@ -53,11 +54,12 @@ smp_multiprocess_test(test_training)
 smp_multiprocess_test(test_faults)
 smp_multiprocess_test(test_tensor_parallel)
 
-# GPU tests (label gpu): one program with its own Catch2 main, which exits 77 where no CUDA device is visible;
-# ctest lists it as skipped. scripts/device_gpu.sh runs them on a GPU machine.
+# GPU tests (label gpu): one program that skips itself (smp_test_skip_reason: exit 77) where no CUDA device is
+# visible; ctest lists it as skipped. scripts/device_gpu.sh runs them on a GPU machine.
 add_executable(test_gpu ${CMAKE_CURRENT_LIST_DIR}/test_gpu.cpp)
-target_link_libraries(test_gpu PRIVATE Catch2::Catch2 smp::comm smp::engine)
+target_link_libraries(test_gpu PRIVATE smp_catch_main smp::comm smp::engine)
 target_compile_options(test_gpu PRIVATE -Wall -Wextra)
+target_precompile_headers(test_gpu REUSE_FROM smp_engine)
 target_compile_definitions(test_gpu PRIVATE
   SMPRUN_PATH="$<TARGET_FILE:smprun>"
   WORKER_PATH="$<TARGET_FILE:training_worker>"

@@ -1,6 +1,5 @@
 // Engine pieces in one process, without communication. The zero-bubble split backward: I then W must leave exactly
 // the gradients of one plain backward, and W must run only the weight nodes whenever I reached them all.
-// Profiling: what each module's forward keeps alive for backward.
 
 #include "catch_torch.h"
 
@@ -192,111 +191,6 @@ TEST_CASE("split backward: a gradient accumulates once per W, onto what earlier 
   torch::autograd::impl::set_post_acc_grad_hooks(parameters[0], nullptr);
 }
 
-TEST_CASE("profiling counts what a module's forward keeps for backward", "[profile]") {
-  constexpr int64_t kBatch = 8, kWidth = 32;
-  const smp::GraphModel model = smp_test::linear_then_gelu(kWidth);
-  c10::Allocator* before = c10::GetCPUAllocator();
-  const auto profiles = smp::profile_graph(model, at::randn({kBatch, 16}), 1);
-  CHECK(c10::GetCPUAllocator() == before);  // the counting allocator is gone again
-  REQUIRE(profiles.size() == 2);
-  CHECK(profiles[0].activation_bytes == 0);
-  CHECK(profiles[0].output_bytes == kBatch * kWidth * 4);
-  CHECK(profiles[1].activation_bytes == kBatch * kWidth * 4);
-
-  // The plan keeps it, and the partition search weighs it by the microbatches in flight.
-  smp::StagePlan plan;
-  plan.modules = profiles;
-  plan.stage_of_module = {0, 0};
-  plan.num_stages = 1;
-  CHECK(smp::StagePlan::from_json(plan.to_json()).modules[1].activation_bytes == kBatch * kWidth * 4);
-  // Per microbatch a stage keeps its modules' saved tensors and outputs: 1 KiB each of three here.
-  CHECK_THAT(plan.report(), Catch::Matchers::Contains("activations 3.0 KiB per microbatch"));
-}
-
-namespace {
-
-// A chain of `count` equal modules of 1 ms forward and 1 ms backward.
-std::vector<smp::ModuleProfile> equal_chain(int count, std::int64_t parameter_bytes, std::int64_t activation_bytes) {
-  std::vector<smp::ModuleProfile> modules(count);
-  for (int i = 0; i < count; ++i) {
-    modules[i].name = "m" + std::to_string(i);
-    modules[i].forward_s = modules[i].backward_s = 1e-3;
-    modules[i].parameter_bytes = parameter_bytes;
-    modules[i].activation_bytes = activation_bytes;
-    if (i > 0) modules[i].producers = {i - 1};
-  }
-  return modules;
-}
-
-}  // namespace
-
-TEST_CASE("a memory limit counts activations times the microbatches in flight", "[profile]") {
-  // Two equal modules whose parameters fit one stage but whose activations for 4 microbatches do not.
-  const auto modules = equal_chain(2, 1 << 20, 4 << 20);
-  smp::Config config = smp::Config::from_json_text(R"({"partitions": 2, "memory_limit_mb": 16})", "test");
-  CHECK_NOTHROW(smp::plan_stages(modules, config, {1, 1}));   // 4 + 4 MiB per module and stage
-  CHECK_THROWS_WITH(smp::plan_stages(modules, config, {4, 4}),  // 4 + 16 MiB
-                    Catch::Matchers::Contains("memory"));
-  CHECK_NOTHROW(smp::plan_stages(modules, config, {2, 1}));     // 1F1B on 2 ranks: 4 + 8 MiB, 4 + 4 MiB
-  CHECK_THROWS_WITH(smp::plan_stages(modules, config, {1, 1, 1}), Catch::Matchers::Contains("3 stages"));
-
-  // A checkpointed stage holds one microbatch's activations at a time (while it recomputes).
-  smp::Config checkpointed = smp::Config::from_json_text(
-      R"({"partitions": 2, "memory_limit_mb": 16, "activation_checkpointing": true})", "test");
-  const smp::StagePlan plan = smp::plan_stages(modules, checkpointed, {4, 4});
-  CHECK(plan.activation_copies == std::vector<double>{1, 1});
-  CHECK_THAT(plan.report(), Catch::Matchers::Contains("x 1 held"));
-  CHECK(smp::StagePlan::from_json(plan.to_json()).activation_copies == plan.activation_copies);
-}
-
-TEST_CASE("a checkpointed module counts no saved activations and its forward twice", "[profile]") {
-  // As in the test above: 4 microbatches' activations of a module do not fit 16 MiB; checkpointed, they are gone.
-  const auto modules = equal_chain(2, 1 << 20, 4 << 20);
-  const auto config = [](const std::string& checkpointed) {
-    return smp::Config::from_json_text(
-        R"({"partitions": 2, "memory_limit_mb": 16, "activation_checkpointing": [)" + checkpointed + "]}", "test");
-  };
-  CHECK_THROWS_WITH(smp::plan_stages(modules, config(R"("m0")"), {4, 4}), Catch::Matchers::Contains("memory"));
-  CHECK_NOTHROW(smp::plan_stages(modules, config(R"("m0", "m1")"), {4, 4}));
-  CHECK_THROWS_WITH(smp::plan_stages(modules, config(R"("m2")"), {4, 4}),
-                    Catch::Matchers::Contains("no module \"m2\" in the model (its modules: m0, m1)"));
-
-  // Seven equal modules on 2 stages, time alone: without checkpointing 3 + 4 and 4 + 3 tie; the modules that run
-  // their forward again make their side the smaller one.
-  const auto seven = equal_chain(7, 1 << 10, 1 << 10);
-  const auto stage_sizes = [&](const std::string& checkpointed) {
-    const smp::StagePlan plan = smp::plan_stages(
-        seven, smp::Config::from_json_text(R"({"partitions": 2, "memory_weight": 0, "link_bandwidth_gbps": 0,
-                                              "activation_checkpointing": [)" + checkpointed + "]}", "test"));
-    return std::pair{plan.modules_of_stage(0).size(), plan.modules_of_stage(1).size()};
-  };
-  CHECK(stage_sizes(R"("m0", "m1", "m2")") == std::pair<std::size_t, std::size_t>{3, 4});
-  CHECK(stage_sizes(R"("m4", "m5", "m6")") == std::pair<std::size_t, std::size_t>{4, 3});
-}
-
-TEST_CASE("with virtual stages the memory limit holds for a rank's stages together", "[profile]") {
-  // Four equal modules on 2 ranks x 2 virtual stages, one each: 4 MiB of parameters and optimizer state and 4 MiB
-  // of activations per stage, so 16 MiB per rank.
-  const auto modules = equal_chain(4, 1 << 20, 4 << 20);
-  const auto config = [](int limit_mb) {
-    return smp::Config::from_json_text(
-        R"({"partitions": 2, "virtual_stages": 2, "memory_limit_mb": )" + std::to_string(limit_mb) + "}", "test");
-  };
-  CHECK_NOTHROW(smp::plan_stages(modules, config(16), {1, 1, 1, 1}));
-  CHECK_THROWS_WITH(smp::plan_stages(modules, config(12), {1, 1, 1, 1}),
-                    Catch::Matchers::Contains("memory") && Catch::Matchers::Contains("per rank") &&
-                        Catch::Matchers::Contains("gets 6 MiB"));
-}
-
-TEST_CASE("under 1F1B the stage that holds more microbatches gets fewer modules", "[profile]") {
-  // Eight equal modules whose activations dominate their memory; memory balancing alone decides.
-  const auto modules = equal_chain(8, 1 << 10, 4 << 20);
-  const smp::Config config = smp::Config::from_json_text(R"({"partitions": 2, "memory_weight": 1.0})", "test");
-  const smp::StagePlan plan = smp::plan_stages(modules, config, {2, 1});
-  CHECK(plan.modules_of_stage(0).size() < plan.modules_of_stage(1).size());
-  CHECK_THAT(plan.report(), Catch::Matchers::Contains("x 2 held"));
-}
-
 namespace {
 
 // One optimizer step of a small linear model on fixed data.
@@ -374,24 +268,6 @@ TEST_CASE("an optimizer snapshot saves the state of its moment, not what later s
       return std::vector<at::Tensor>{state.sum(), at::tensor(state.step())};
     });
   }
-}
-
-TEST_CASE("profiling leaves batch norm statistics and the random number sequence as they were", "[profile]") {
-  at::manual_seed(3);
-  torch::nn::Sequential net(torch::nn::Linear(4, 6), torch::nn::BatchNorm1d(6), torch::nn::Dropout(0.5),
-                            torch::nn::Linear(6, 2));
-  const auto model = smp::GraphModel::from_sequential(net);
-  std::vector<at::Tensor> buffers_before;
-  for (const auto& buffer : net->buffers()) buffers_before.push_back(buffer.clone());
-  at::manual_seed(11);
-  smp::profile_graph(model, at::randn({8, 4}), 3);
-  const at::Tensor drawn_after_profile = at::rand({4});
-  at::manual_seed(11);
-  at::randn({8, 4});  // the sample, drawn the same way
-  CHECK(at::equal(drawn_after_profile, at::rand({4})));
-  const auto buffers_after = net->buffers();
-  REQUIRE(buffers_after.size() == buffers_before.size());
-  for (std::size_t i = 0; i < buffers_after.size(); ++i) CHECK(at::equal(buffers_after[i], buffers_before[i]));
 }
 
 namespace {

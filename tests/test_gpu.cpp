@@ -2,7 +2,6 @@
 // They need one CUDA device; without one the program says so and exits 77, which ctest reports as skipped.
 // One GPU means NCCL runs one rank per process; multi-process jobs here share the GPU over Gloo.
 
-#define CATCH_CONFIG_RUNNER
 #include "catch_torch.h"
 
 #include <cstdio>
@@ -220,13 +219,10 @@ TEST_CASE("the profiler measures each module on the GPU and leaves it where it w
   }
 }
 
-int main(int argc, char** argv) {
-  if (torch::cuda::device_count() == 0) {
-    std::printf("SKIPPED: no CUDA device here. The GPU tests (NCCL, CUDA pipelines, mixed precision and the example "
-                "on the GPU) run on a GPU machine: scripts/device_gpu.sh\n");
-    return 77;
-  }
-  return Catch::Session().run(argc, argv);
+const char* smp_test_skip_reason() {
+  if (torch::cuda::device_count() > 0) return nullptr;
+  return "no CUDA device here. The GPU tests (NCCL, CUDA pipelines, mixed precision and the example on the GPU) "
+         "run on a GPU machine: scripts/device_gpu.sh";
 }
 
 TEST_CASE("checkpointed modules on the GPU train like plain training (bf16)", "[gpu][checkpoint]") {

@@ -32,96 +32,6 @@
 namespace smp {
 namespace {
 
-// Counts the bytes of the CPU tensors allocated while it is installed and not yet freed: how the profiler sees what a
-// module's forward keeps alive for backward. Its pointers are plain (context == data, as raw_allocate requires), so
-// it remembers each allocation of the base allocator by address; memory may outlive the installation.
-class CountingCpuAllocator final : public c10::Allocator {
- public:
-  static CountingCpuAllocator& instance() {
-    static CountingCpuAllocator allocator;
-    return allocator;
-  }
-  std::int64_t live_bytes() const { return live_.load(); }
-
-  c10::DataPtr allocate(size_t bytes) override {
-    c10::DataPtr memory = base_->allocate(bytes);
-    void* data = memory.get();
-    if (data == nullptr) return memory;  // nothing allocated (zero bytes)
-    const c10::Device device = memory.device();
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      allocations_[data] = {std::move(memory), static_cast<std::int64_t>(bytes)};
-    }
-    live_ += static_cast<std::int64_t>(bytes);
-    return {data, data, &release, device};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return &release; }
-  void copy_data(void* destination, const void* source, std::size_t count) const override {
-    base_->copy_data(destination, source, count);
-  }
-
-  // While one exists, CPU tensors come from the counting allocator.
-  class Installed {
-   public:
-    // Nested or concurrent profiles share the outermost installation (only the first one installs and restores).
-    Installed() {
-      std::lock_guard<std::mutex> lock(installation_mutex());
-      auto& counting = instance();
-      if (counting.installations_++ > 0) return;
-      counting.base_ = c10::GetCPUAllocator();
-      c10::SetCPUAllocator(&counting, kPriority);
-    }
-    ~Installed() {
-      std::lock_guard<std::mutex> lock(installation_mutex());
-      auto& counting = instance();
-      if (--counting.installations_ == 0) c10::SetCPUAllocator(counting.base_, kPriority);
-    }
-    Installed(const Installed&) = delete;
-    Installed& operator=(const Installed&) = delete;
-  };
-
- private:
-  static constexpr std::uint8_t kPriority = 255;  // above LibTorch's own registration, and restored at the same
-  struct Allocation {
-    c10::DataPtr memory;
-    std::int64_t bytes = 0;
-  };
-  static void release(void* data) {
-    auto& self = instance();
-    Allocation allocation;
-    {
-      std::lock_guard<std::mutex> lock(self.mutex_);
-      auto found = self.allocations_.find(data);
-      if (found == self.allocations_.end()) return;
-      allocation = std::move(found->second);
-      self.allocations_.erase(found);
-    }
-    self.live_ -= allocation.bytes;
-  }  // the base allocator's deleter frees the memory here
-
-  static std::mutex& installation_mutex() {
-    static std::mutex mutex;
-    return mutex;
-  }
-
-  c10::Allocator* base_ = nullptr;
-  int installations_ = 0;
-  std::atomic<std::int64_t> live_{0};
-  std::mutex mutex_;
-  std::unordered_map<void*, Allocation> allocations_;
-};
-
-// The least of the timed rounds: noise on a shared machine (other processes, frequency changes, page faults) only
-// ever adds time, so the minimum is the estimate that repeats best from run to run.
-double least(const std::vector<double>& values) {
-  if (values.empty()) return 0.0;  // not timed (repeats = 0)
-  return *std::min_element(values.begin(), values.end());
-}
-
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
 std::string format_bytes(double bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   int unit = 0;
@@ -130,39 +40,6 @@ std::string format_bytes(double bytes) {
   std::snprintf(text, sizeof text, unit == 0 ? "%.0f %s" : "%.1f %s", bytes, units[unit]);
   return text;
 }
-
-// Profiling runs the modules in training mode: batch norm updates its running statistics and dropout draws
-// random numbers. Both are put back when it ends, so that profiling on rank 0 changes nothing the training sees.
-class TrainingStateKept {
- public:
-  TrainingStateKept(const GraphModel& model, c10::Device device) {
-    std::set<const void*> seen;
-    for (const auto& node : model.nodes()) {
-      if (!node.built()) continue;  // built apart for its profile, and dropped after
-      for (const auto& buffer : node.module->buffers()) {
-        if (seen.insert(buffer.unsafeGetTensorImpl()).second) buffers_.emplace_back(buffer, buffer.clone());
-      }
-    }
-    random_ = RandomState::capture(device);
-  }
-  ~TrainingStateKept() {
-    // Also while a profile's error unwinds, when a device may refuse further work (a CUDA device-side assert):
-    // that error is the one to report, not this one, and a destructor must not throw.
-    try {
-      at::NoGradGuard no_graph;
-      for (auto& [buffer, saved] : buffers_) buffer.copy_(saved);
-      random_.restore();
-    } catch (const std::exception& error) {
-      log::warn(std::string("profiling could not restore the model's buffers and random state: ") + error.what());
-    }
-  }
-  TrainingStateKept(const TrainingStateKept&) = delete;
-  TrainingStateKept& operator=(const TrainingStateKept&) = delete;
-
- private:
-  std::vector<std::pair<at::Tensor, at::Tensor>> buffers_;  // (live, saved)
-  RandomState random_;
-};
 
 }  // namespace
 
@@ -223,6 +100,12 @@ std::string StagePlan::report() const {
     // Module names may be long: only the numbers go through a fixed buffer.
     text << "\n  stage " << stage << ": modules " << modules[members.front()].name << ".."
          << modules[members.back()].name << " (" << members.size() << numbers;
+    double assumed_loss_s = 0.0;
+    for (int i : members) assumed_loss_s += modules[i].assumed_loss_s;
+    if (assumed_loss_s > 0.0) {
+      std::snprintf(numbers, sizeof numbers, "%.3f ms", assumed_loss_s * 1e3);
+      text << " (of it, " << numbers << " for a cross-entropy loss on the output, as train_step's loss is assumed)";
+    }
   }
   return text.str();
 }
@@ -239,7 +122,8 @@ std::string StagePlan::to_json() const {
                                    {"parameter_bytes", module.parameter_bytes},
                                    {"output_bytes", module.output_bytes},
                                    {"activation_bytes", module.activation_bytes},
-                                   {"producers", module.producers}});
+                                   {"producers", module.producers},
+                                   {"assumed_loss_s", module.assumed_loss_s}});
   }
   return document.dump();
 }
@@ -255,202 +139,10 @@ StagePlan StagePlan::from_json(const std::string& text) {
                             module.at("backward_s").get<double>(), module.at("parameter_bytes").get<std::int64_t>(),
                             module.at("output_bytes").get<std::int64_t>(),
                             module.at("producers").get<std::vector<int>>(),
-                            module.value("activation_bytes", std::int64_t{0})});
+                            module.value("activation_bytes", std::int64_t{0}), std::string(),
+                            module.value("assumed_loss_s", 0.0)});
   }
   return plan;
-}
-
-namespace {
-
-// Where a module's parameters and buffers live, to put it back there after profiling it elsewhere (the first
-// tensor's device: a module split over devices is not one the engine can place anyway).
-std::optional<c10::Device> device_of(torch::nn::Module& module) {
-  for (const auto& parameter : module.parameters()) return parameter.device();
-  for (const auto& buffer : module.buffers()) return buffer.device();
-  return std::nullopt;
-}
-
-// A module on `device` for as long as this lives, then back where it was, also when its profile throws (a caller
-// that catches the ModelError keeps its model as it was).
-class ModuleVisit {
- public:
-  ModuleVisit(torch::nn::Module& module, c10::Device device) : module_(module), home_(device_of(module)) {
-    // A module built on the meta device has no data to move: its forward (a captured node of the Python package)
-    // runs on stand-ins of its own while it is profiled.
-    if (home_ && *home_ != device && !home_->is_meta()) module_.to(device);
-    else home_.reset();  // already there (or nothing to move)
-  }
-  ~ModuleVisit() {
-    if (!home_) return;
-    try {  // as in ~TrainingStateKept: the profile's own error, if any, is the one to report
-      module_.to(*home_);
-    } catch (const std::exception& error) {
-      log::warn("profiling could not move a module back to " + home_->str() + ": " + error.what());
-    }
-  }
-  ModuleVisit(const ModuleVisit&) = delete;
-  ModuleVisit& operator=(const ModuleVisit&) = delete;
-
- private:
-  torch::nn::Module& module_;
-  std::optional<c10::Device> home_;
-};
-
-// What the device's caching allocator holds for live tensors: on a GPU, what a forward keeps for its backward.
-std::int64_t device_allocated_bytes(c10::Device device) {
-  const auto stats = at::accelerator::getDeviceStats(device.index());
-  return stats.allocated_bytes[static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current;
-}
-
-}  // namespace
-
-std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tensor& sample, int repeats) {
-  return profile_graph(model, std::vector<at::Tensor>{sample}, repeats);
-}
-
-std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vector<at::Tensor>& sample, int repeats) {
-  if (sample.size() != model.input_names().size()) {
-    throw ModelError("the sample has " + std::to_string(sample.size()) + " inputs, the model takes " +
-                     std::to_string(model.input_names().size()));
-  }
-  // On the sample's device: a GPU job's modules are timed on its GPU, where their relative costs differ from the
-  // CPU's (and a large model's sample runs there far faster). Each module goes there for its own rounds and back
-  // after, so that a model larger than the device is profiled one module at a time.
-  c10::Device device(c10::kCPU);
-  for (const auto& input : sample) {
-    if (input.defined()) device = input.device();
-  }
-  const bool on_accelerator = !device.is_cpu();
-  auto settle = [&] {  // time what ran, not what was queued
-    if (on_accelerator) at::accelerator::synchronizeDevice(device.index());
-  };
-  const TrainingStateKept kept(model, device);
-  std::vector<ModuleProfile> profiles;
-  std::map<std::string, at::Tensor> values;
-  for (std::size_t i = 0; i < sample.size(); ++i) values[model.input_names()[i]] = sample[i];
-  // Each output is dropped after its last reader: on a GPU only the outputs still to be read stay there.
-  std::map<std::string, std::size_t> last_reader;
-  for (std::size_t i = 0; i < model.nodes().size(); ++i) {
-    for (const auto& input : model.nodes()[i].inputs) last_reader[input] = i;
-  }
-  // What each forward keeps alive for its backward: CPU tensors through a counting allocator, a GPU's from its
-  // caching allocator's statistics.
-  std::optional<CountingCpuAllocator::Installed> counting;
-  if (!on_accelerator) counting.emplace();
-  const auto& meter = CountingCpuAllocator::instance();
-  auto live_bytes = [&] { return on_accelerator ? device_allocated_bytes(device) : meter.live_bytes(); };
-  std::set<const void*> counted;  // a tied parameter's bytes count once, at its first node
-  // Nodes of equal profile keys on inputs of equal shapes compute the same thing: one measurement for all of them,
-  // so that noise cannot tell identical blocks apart (and profiling a deep model takes a few blocks' time).
-  struct Measured {
-    double forward_s, backward_s;
-    std::int64_t activation_bytes;
-    at::Tensor output;
-  };
-  std::map<std::string, Measured> measured;
-  for (std::size_t index = 0; index < model.nodes().size(); ++index) {
-    // A node built on demand is built for its profile alone, and goes after it.
-    const GraphModel::Node node = model.built_apart(static_cast<int>(index));
-    ModuleProfile profile;
-    profile.name = node.name;
-    for (const auto& input : node.inputs) {
-      if (model.input_index(input) < 0) profile.producers.push_back(model.index_of(input));
-    }
-    // A node built apart holds tensors of its own (what it shares is left out): an address a freed node's tensor
-    // had says nothing about them.
-    const bool built_apart = !model.nodes()[index].built();
-    for (const auto& [name, parameter] : GraphModel::own_parameters(node)) {
-      if (built_apart || counted.insert(parameter.unsafeGetTensorImpl()).second) {
-        profile.parameter_bytes += parameter.numel() * static_cast<std::int64_t>(parameter.element_size());
-        profile.parameter_shapes += name + ":";
-        for (auto size : parameter.sizes()) profile.parameter_shapes += std::to_string(size) + ",";
-        profile.parameter_shapes += ";";
-      }
-    }
-    std::string key;
-    if (!node.profile_key.empty()) {
-      key = node.profile_key;
-      for (const auto& input : node.inputs) {
-        const at::Tensor& value = values.at(input);
-        key += value.defined() ? "|" + c10::str(value.sizes(), value.scalar_type()) : std::string("|none");
-      }
-    }
-    if (const auto found = measured.find(key); !key.empty() && found != measured.end()) {
-      profile.forward_s = found->second.forward_s;
-      profile.backward_s = found->second.backward_s;
-      profile.activation_bytes = found->second.activation_bytes;
-      profile.output_bytes = found->second.output.numel() * static_cast<std::int64_t>(found->second.output.element_size());
-      profiles.push_back(profile);
-      values[node.name] = found->second.output;
-      for (const auto& input : node.inputs) {
-        if (last_reader.at(input) == index) values.erase(input);
-      }
-      continue;
-    }
-    const ModuleVisit visit(*node.module, device);
-    std::vector<double> forward_times, backward_times;
-    std::int64_t activation_bytes = -1;  // the least over the rounds: the first pays for one-time allocations
-    at::Tensor output;
-    // Untimed rounds first: first calls pay for allocations and lazy initialisation, and TorchScript modules (the
-    // Python package's) run their profiling executor's instrumented and then compiling calls, for the forward
-    // graph and then again for the backward graph it derives, before they run optimized code.
-    constexpr int kUntimedRounds = 3;
-    for (int repeat = -kUntimedRounds; repeat < repeats; ++repeat) {
-      std::vector<at::Tensor> arguments;
-      for (const auto& input : node.inputs) {
-        // A copy: a module that writes into its input must not change what the next round and the next module see.
-        const at::Tensor& value = values.at(input);
-        at::Tensor leaf = value.defined() ? value.detach().clone() : value;
-        if (leaf.defined() && at::isFloatingType(leaf.scalar_type())) leaf.requires_grad_(true);
-        arguments.push_back(GraphModel::writable_input(leaf));
-      }
-      settle();
-      auto start = std::chrono::steady_clock::now();
-      double forward_s = 0, backward_s = 0;
-      try {
-        const std::int64_t before = live_bytes();
-        at::Tensor produced = node.forward(arguments);
-        settle();
-        forward_s = seconds_since(start);
-        const std::int64_t kept = live_bytes() - before -
-                                  produced.numel() * static_cast<std::int64_t>(produced.element_size());
-        activation_bytes = activation_bytes < 0 ? std::max<std::int64_t>(kept, 0)
-                                                : std::min(activation_bytes, std::max<std::int64_t>(kept, 0));
-        output = produced;
-        start = std::chrono::steady_clock::now();
-        if (output.requires_grad()) torch::autograd::backward({output}, {at::ones_like(output)});
-        settle();
-        backward_s = seconds_since(start);
-      } catch (const std::exception& error) {  // LibTorch's, or TorchScript's interpreter's
-        std::string shapes;
-        for (const auto& argument : arguments) shapes += (shapes.empty() ? "" : ", ") + c10::str(argument.sizes());
-        throw ModelError("module \"" + profile.name + "\" fails on the sample microbatch (input " + shapes +
-                         "): " + comm::brief_message(error));
-      }
-      if (repeat < 0) continue;
-      forward_times.push_back(forward_s);
-      backward_times.push_back(backward_s);
-    }
-    // The profile must leave no trace in the training state (buffers and random numbers: TrainingStateKept).
-    for (const auto& parameter : node.module->parameters()) {
-      if (parameter.grad().defined()) parameter.mutable_grad() = at::Tensor();
-    }
-    profile.forward_s = least(forward_times);
-    profile.backward_s = least(backward_times);
-    profile.output_bytes = output.numel() * static_cast<std::int64_t>(output.element_size());
-    profile.activation_bytes = std::max<std::int64_t>(activation_bytes, 0);
-    profiles.push_back(profile);
-    values[node.name] = output.detach();
-    if (!key.empty()) measured[key] = {profile.forward_s, profile.backward_s, profile.activation_bytes, values[node.name]};
-    for (const auto& input : node.inputs) {
-      if (last_reader.at(input) == index) values.erase(input);
-    }
-  }
-  measured.clear();
-  values.clear();
-  // The cached blocks go back to the device: processes sharing a GPU (over Gloo) need them more than rank 0 does.
-  if (on_accelerator) at::accelerator::emptyCache();
-  return profiles;
 }
 
 namespace {

@@ -23,6 +23,8 @@ struct ModuleProfile {
   std::int64_t activation_bytes = 0;
   // "name:d0,d1,;" for each parameter counted here (not sent to other ranks): what the model's signature is made of.
   std::string parameter_shapes;
+  // Part of forward_s + backward_s: the loss train_step will compute on this node's output, assumed (profile_graph).
+  double assumed_loss_s = 0.0;
 };
 
 struct StagePlan {
@@ -45,7 +47,10 @@ struct StagePlan {
 // Measures every node of `model` on `sample` (one microbatch of model input): forward and backward time
 // (the least of `repeats` after a warm-up; 0 when repeats is 0), parameter bytes (a tied parameter counts at its
 // first node), output bytes, and the bytes its forward keeps for backward. Nodes of equal profile keys given inputs
-// of equal shapes share one measurement. Runs on the sample's device: each module goes there for its own
+// of equal shapes share one measurement. The loss function train_step will be given is not known yet: unless the
+// model computes its own loss (a 0-dim output), the node of its largest floating-point output of two or more
+// dimensions (class scores) is charged a cross-entropy over that output's last dimension, timed the same way
+// (ModuleProfile::assumed_loss_s). Runs on the sample's device: each module goes there for its own
 // measurement and back after; a node built on demand is built for it alone (GraphModel::built_apart) and dropped.
 // Throws ModelError naming the node that fails on the sample.
 std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vector<at::Tensor>& sample,
