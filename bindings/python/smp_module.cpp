@@ -371,13 +371,7 @@ PYBIND11_MODULE(_smp, module) {
           [](Runtime& runtime, const at::Tensor& tensor, int64_t dim) {
             return tp::reduce_scattered(tensor, dim, runtime.tensor_parallel_group()).clone();
           },
-          py::arg("tensor"), py::arg("dim"), py::call_guard<py::gil_scoped_release>())
-      .def(
-          "_tp_all_gather_last_dim",
-          [](Runtime& runtime, const at::Tensor& tensor) {
-            return tp::all_gathered_last_dim(tensor, runtime.tensor_parallel_group()).clone();
-          },
-          py::arg("tensor"), py::call_guard<py::gil_scoped_release>());
+          py::arg("tensor"), py::arg("dim"), py::call_guard<py::gil_scoped_release>());
 
   py::class_<StepOutput>(module, "StepOutput")
       .def_readonly("loss", &StepOutput::loss)

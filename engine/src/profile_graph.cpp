@@ -233,9 +233,10 @@ void charge_assumed_loss(const GraphModel& model, const std::map<std::string, at
     backward_times.push_back(seconds_since(start));
   }
   ModuleProfile& charged = profiles.at(static_cast<std::size_t>(scored));
-  charged.forward_s += least(forward_times);
-  charged.backward_s += least(backward_times);
-  charged.assumed_loss_s = least(forward_times) + least(backward_times);
+  const double forward_s = least(forward_times), backward_s = least(backward_times);
+  charged.forward_s += forward_s;
+  charged.backward_s += backward_s;
+  charged.assumed_loss_s = forward_s + backward_s;
 }
 
 }  // namespace

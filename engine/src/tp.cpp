@@ -96,83 +96,49 @@ at::Tensor gathered_last_dim(const at::Tensor& shard, const Group& group) {
 
 at::Tensor own_slice_last_dim(const at::Tensor& whole, const Group& group) { return own_slice(whole, -1, group); }
 
-struct CopyToShards : torch::autograd::Function<CopyToShards> {
-  static at::Tensor forward(AutogradContext* context, const at::Tensor& input, const Group& group) {
-    context->saved_data["group"] = hold(group);
-    return input;
-  }
-  static variable_list backward(AutogradContext* context, variable_list gradients) {
-    return {summed(gradients[0], held(context->saved_data["group"])), at::Tensor()};
-  }
-};
-
-struct ReduceFromShards : torch::autograd::Function<ReduceFromShards> {
-  static at::Tensor forward(AutogradContext*, const at::Tensor& input, const Group& group) {
-    return summed(input, group);
-  }
-  static variable_list backward(AutogradContext*, variable_list gradients) { return {gradients[0], at::Tensor()}; }
-};
-
-struct GatherLastDim : torch::autograd::Function<GatherLastDim> {
-  static at::Tensor forward(AutogradContext* context, const at::Tensor& input, const Group& group) {
-    context->saved_data["group"] = hold(group);
-    return gathered_last_dim(input, group);
-  }
-  static variable_list backward(AutogradContext* context, variable_list gradients) {
-    return {own_slice_last_dim(gradients[0], held(context->saved_data["group"])), at::Tensor()};
-  }
-};
-
-struct ScatterLastDim : torch::autograd::Function<ScatterLastDim> {
-  static at::Tensor forward(AutogradContext* context, const at::Tensor& input, const Group& group) {
-    context->saved_data["group"] = hold(group);
-    return own_slice_last_dim(input, group);
-  }
-  static variable_list backward(AutogradContext* context, variable_list gradients) {
-    return {gathered_last_dim(gradients[0], held(context->saved_data["group"])), at::Tensor()};
-  }
-};
-
 constexpr int64_t kSequenceDim = 1;
 
 // The sequence's length must divide by the group: each rank holds an equal slice.
 void check_sequence(const at::Tensor& input, const Group& group) {
   if (input.dim() < 2 || input.size(kSequenceDim) % group->size() != 0) {
-    throw ConfigError("sequence parallelism: a sequence of " + (input.dim() < 2 ? std::string("no") : std::to_string(input.size(kSequenceDim))) +
+    const std::string length = input.dim() < 2 ? "no" : std::to_string(input.size(kSequenceDim));
+    throw ConfigError("sequence parallelism: a sequence of " + length +
                       " positions does not split over \"tensor_parallel_degree\" " + std::to_string(group->size()) +
                       " (its length must divide by it)");
   }
 }
 
-struct ScatterSequence : torch::autograd::Function<ScatterSequence> {
+at::Tensor unchanged(const at::Tensor& tensor, const Group&) { return tensor; }
+at::Tensor own_sequence_slice(const at::Tensor& whole, const Group& group) {
+  return own_slice(whole, kSequenceDim, group);
+}
+at::Tensor gathered_sequence(const at::Tensor& slice, const Group& group) {
+  return gathered_along(slice, kSequenceDim, group);
+}
+at::Tensor reduce_scattered_sequence(const at::Tensor& whole, const Group& group) {
+  return reduce_scattered_along(whole, kSequenceDim, group);
+}
+
+// A collective as an autograd function: Forward on the input and Backward on its gradient, over the same group.
+using Transform = at::Tensor (*)(const at::Tensor&, const Group&);
+template <Transform Forward, Transform Backward>
+struct Collective : torch::autograd::Function<Collective<Forward, Backward>> {
   static at::Tensor forward(AutogradContext* context, const at::Tensor& input, const Group& group) {
     context->saved_data["group"] = hold(group);
-    return own_slice(input, kSequenceDim, group);
+    return Forward(input, group);
   }
   static variable_list backward(AutogradContext* context, variable_list gradients) {
-    return {gathered_along(gradients[0], kSequenceDim, held(context->saved_data["group"])), at::Tensor()};
+    return {Backward(gradients[0], held(context->saved_data["group"])), at::Tensor()};
   }
 };
 
-struct GatherSequence : torch::autograd::Function<GatherSequence> {
-  static at::Tensor forward(AutogradContext* context, const at::Tensor& input, const Group& group) {
-    context->saved_data["group"] = hold(group);
-    return gathered_along(input, kSequenceDim, group);
-  }
-  static variable_list backward(AutogradContext* context, variable_list gradients) {
-    return {reduce_scattered_along(gradients[0], kSequenceDim, held(context->saved_data["group"])), at::Tensor()};
-  }
-};
-
-struct ReduceScatterSequence : torch::autograd::Function<ReduceScatterSequence> {
-  static at::Tensor forward(AutogradContext* context, const at::Tensor& input, const Group& group) {
-    context->saved_data["group"] = hold(group);
-    return reduce_scattered_along(input, kSequenceDim, group);
-  }
-  static variable_list backward(AutogradContext* context, variable_list gradients) {
-    return {gathered_along(gradients[0], kSequenceDim, held(context->saved_data["group"])), at::Tensor()};
-  }
-};
+using CopyToShards = Collective<unchanged, summed>;
+using ReduceFromShards = Collective<summed, unchanged>;
+using GatherLastDim = Collective<gathered_last_dim, own_slice_last_dim>;
+using ScatterLastDim = Collective<own_slice_last_dim, gathered_last_dim>;
+using ScatterSequence = Collective<own_sequence_slice, gathered_sequence>;
+using GatherSequence = Collective<gathered_sequence, reduce_scattered_sequence>;
+using ReduceScatterSequence = Collective<reduce_scattered_sequence, gathered_sequence>;
 
 // The share of `size` on each of the group's ranks; ConfigError naming the layer when it does not divide.
 int64_t per_rank(int64_t size, const Group& group, const std::string& layer, const std::string& what) {
@@ -226,9 +192,6 @@ WithoutCollectives::~WithoutCollectives() { collectives_off = before_; }
 at::Tensor all_reduced(const at::Tensor& input, const Group& group) {
   return group->size() == 1 ? input.clone() : summed(input, group);
 }
-at::Tensor all_gathered_last_dim(const at::Tensor& shard, const Group& group) {
-  return group->size() == 1 ? shard.clone() : gathered_last_dim(shard, group);
-}
 at::Tensor all_gathered(const at::Tensor& shard, int64_t dim, const Group& group) {
   return group->size() == 1 ? shard.clone() : gathered_along(shard, c10::maybe_wrap_dim(dim, shard.dim()), group);
 }
@@ -236,8 +199,8 @@ at::Tensor reduce_scattered(const at::Tensor& whole, int64_t dim, const Group& g
   if (group->size() == 1) return whole.clone();
   dim = c10::maybe_wrap_dim(dim, whole.dim());
   if (whole.size(dim) % group->size() != 0) {
-    throw ConfigError("reduce-scatter: dimension " + std::to_string(dim) + " of size " + std::to_string(whole.size(dim)) +
-                      " does not split over \"tensor_parallel_degree\" " + std::to_string(group->size()));
+    throw ConfigError("reduce-scatter: dimension " + std::to_string(dim) + " of size " +
+                      std::to_string(whole.size(dim)) + " does not split over \"tensor_parallel_degree\" " + std::to_string(group->size()));
   }
   return reduce_scattered_along(whole, dim, group);
 }

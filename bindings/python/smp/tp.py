@@ -60,60 +60,58 @@ def _own_slice(x, dim):
     return x.narrow(dim, rank() * width, width).contiguous()
 
 
-@torch.library.custom_op("smp::tp_copy_to_shards", mutates_args=())
-def _copy_to_shards(x: Tensor) -> Tensor:
-    return x.clone()  # an operation's output may not be its input
+def _collective(name, forward, backward, dim=None, grows=True):
+    """Registers smp::NAME, forward(x), with backward(gradient) as its gradient. Its output is x's shape, with
+    dimension `dim` (if any) times the degree when it grows, else divided by it."""
+    def run(x: Tensor) -> Tensor:
+        return forward(x)
+    operation = torch.library.custom_op(f"smp::{name}", run, mutates_args=())
+
+    @operation.register_fake
+    def _(x):
+        shape = list(x.shape)
+        if dim is not None:
+            shape[dim] = shape[dim] * degree() if grows else shape[dim] // degree()
+        return x.new_empty(shape)
+
+    operation.register_autograd(lambda context, gradient: backward(gradient))
+    return operation
 
 
-@_copy_to_shards.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-_copy_to_shards.register_autograd(lambda context, gradient: _runtime()._tp_all_reduce(gradient))
-
-
-@torch.library.custom_op("smp::tp_reduce_from_shards", mutates_args=())
-def _reduce_from_shards(x: Tensor) -> Tensor:
+def _all_reduced(x):
     return _runtime()._tp_all_reduce(x)
 
 
-@_reduce_from_shards.register_fake
-def _(x):
-    return torch.empty_like(x)
+def _all_gathered(dim):
+    return lambda x: _runtime()._tp_all_gather(x, dim)
 
 
-_reduce_from_shards.register_autograd(lambda context, gradient: gradient)
+def _reduce_scattered(x):
+    return _runtime()._tp_reduce_scatter(x, SEQUENCE)
 
 
-@torch.library.custom_op("smp::tp_gather_last_dim", mutates_args=())
-def _gather_last_dim(x: Tensor) -> Tensor:
-    return _runtime()._tp_all_gather_last_dim(x)
+def _sliced(dim):
+    return lambda x: _own_slice(x, dim)
 
-
-@_gather_last_dim.register_fake
-def _(x):
-    return x.new_empty(*x.shape[:-1], x.shape[-1] * degree())
-
-
-_gather_last_dim.register_autograd(lambda context, gradient: _own_slice(gradient, -1))
-
-
-@torch.library.custom_op("smp::tp_scatter_last_dim", mutates_args=())
-def _scatter_last_dim(x: Tensor) -> Tensor:
-    return _own_slice(x, -1)
-
-
-@_scatter_last_dim.register_fake
-def _(x):
-    return x.new_empty(*x.shape[:-1], x.shape[-1] // degree())
-
-
-_scatter_last_dim.register_autograd(lambda context, gradient: _runtime()._tp_all_gather_last_dim(gradient))
 
 # Sequence parallelism: activations between a row layer and the next column layer split along the sequence
 # (dimension 1). Backward runs eagerly, so it calls the engine's collectives directly.
 SEQUENCE = 1
+
+# An operation's output may not be its input: copy_to_shards clones.
+_copy_to_shards = _collective("tp_copy_to_shards", lambda x: x.clone(), _all_reduced)
+_reduce_from_shards = _collective("tp_reduce_from_shards", _all_reduced, lambda gradient: gradient)
+_gather_last_dim = _collective("tp_gather_last_dim", _all_gathered(-1), _sliced(-1), dim=-1)
+_scatter_last_dim = _collective("tp_scatter_last_dim", _sliced(-1), _all_gathered(-1), dim=-1, grows=False)
+_scatter_sequence = _collective("tp_scatter_sequence", _sliced(SEQUENCE), _all_gathered(SEQUENCE), dim=SEQUENCE,
+                                grows=False)
+_gather_sequence = _collective("tp_gather_sequence", _all_gathered(SEQUENCE), _reduce_scattered, dim=SEQUENCE)
+# What follows is whole on every rank (it ends sequence parallelism): each rank's gradient is already the whole
+# one, of which it keeps its slice.
+_gather_sequence_for_whole = _collective("tp_gather_sequence_for_whole", _all_gathered(SEQUENCE), _sliced(SEQUENCE),
+                                         dim=SEQUENCE)
+_reduce_scatter_sequence = _collective("tp_reduce_scatter_sequence", _reduce_scattered, _all_gathered(SEQUENCE),
+                                       dim=SEQUENCE, grows=False)
 
 
 def _check_sequence(x):
@@ -121,60 +119,6 @@ def _check_sequence(x):
         raise ConfigError(f"sequence parallelism: a sequence of {x.shape[SEQUENCE] if x.dim() > 1 else 'no'} "
                           f"positions does not split over \"tensor_parallel_degree\" {degree()} (its length must "
                           "divide by it)")
-
-
-@torch.library.custom_op("smp::tp_scatter_sequence", mutates_args=())
-def _scatter_sequence(x: Tensor) -> Tensor:
-    return _own_slice(x, SEQUENCE)
-
-
-@_scatter_sequence.register_fake
-def _(x):
-    return x.new_empty(x.shape[0], x.shape[1] // degree(), *x.shape[2:])
-
-
-_scatter_sequence.register_autograd(lambda context, gradient: _runtime()._tp_all_gather(gradient, SEQUENCE))
-
-
-@torch.library.custom_op("smp::tp_gather_sequence", mutates_args=())
-def _gather_sequence(x: Tensor) -> Tensor:
-    return _runtime()._tp_all_gather(x, SEQUENCE)
-
-
-@_gather_sequence.register_fake
-def _(x):
-    return x.new_empty(x.shape[0], x.shape[1] * degree(), *x.shape[2:])
-
-
-_gather_sequence.register_autograd(lambda context, gradient: _runtime()._tp_reduce_scatter(gradient, SEQUENCE))
-
-
-@torch.library.custom_op("smp::tp_gather_sequence_for_whole", mutates_args=())
-def _gather_sequence_for_whole(x: Tensor) -> Tensor:
-    return _runtime()._tp_all_gather(x, SEQUENCE)
-
-
-@_gather_sequence_for_whole.register_fake
-def _(x):
-    return x.new_empty(x.shape[0], x.shape[1] * degree(), *x.shape[2:])
-
-
-# What follows is whole on every rank (it ends sequence parallelism): each rank's gradient is already the whole
-# one, of which it keeps its slice.
-_gather_sequence_for_whole.register_autograd(lambda context, gradient: _own_slice(gradient, SEQUENCE))
-
-
-@torch.library.custom_op("smp::tp_reduce_scatter_sequence", mutates_args=())
-def _reduce_scatter_sequence(x: Tensor) -> Tensor:
-    return _runtime()._tp_reduce_scatter(x, SEQUENCE)
-
-
-@_reduce_scatter_sequence.register_fake
-def _(x):
-    return x.new_empty(x.shape[0], x.shape[1] // degree(), *x.shape[2:])
-
-
-_reduce_scatter_sequence.register_autograd(lambda context, gradient: _runtime()._tp_all_gather(gradient, SEQUENCE))
 
 
 def scatter_sequence(x):
@@ -426,7 +370,7 @@ def vocab_parallel_cross_entropy(logits, targets, ignore_index=-100):
     first = rank() * width
     # The row maxima only steady the exponentials: no gradient through them.
     row_maxima = logits.detach().amax(-1, keepdim=True)
-    maximum = _runtime()._tp_all_gather_last_dim(row_maxima).amax(-1, keepdim=True)
+    maximum = _runtime()._tp_all_gather(row_maxima, -1).amax(-1, keepdim=True)
     shifted = logits - maximum
     total = reduce_from_shards(shifted.exp().sum(-1))
     outside = (targets < first) | (targets >= first + width)

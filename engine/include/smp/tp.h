@@ -40,11 +40,10 @@ at::Tensor gather_last_dim(const at::Tensor& input, const Group& group);
 at::Tensor scatter_last_dim(const at::Tensor& input, const Group& group);
 
 // The collectives alone, without autograd, for autograd written elsewhere (Python's tensor-parallel operations):
-// the sum over the group (a new tensor), and the shards of the last dimension put together. Both count their bytes,
-// report to the observer and skip communication under WithoutCollectives, as the functions above do.
+// the sum over the group (a new tensor), the shards along `dim` put together, and the sum over the group split
+// along `dim`, this rank's part (reduce-scatter). They count their bytes, report to the observer and skip
+// communication under WithoutCollectives, as the functions above do.
 at::Tensor all_reduced(const at::Tensor& input, const Group& group);
-at::Tensor all_gathered_last_dim(const at::Tensor& shard, const Group& group);
-// The same along any dimension, and the sum over the group split along `dim`, this rank's part (reduce-scatter).
 at::Tensor all_gathered(const at::Tensor& shard, int64_t dim, const Group& group);
 at::Tensor reduce_scattered(const at::Tensor& whole, int64_t dim, const Group& group);
 
