@@ -8,6 +8,8 @@
 #include <regex>
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/Sleep.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/cuda.h>
 
@@ -23,9 +25,13 @@ namespace {
 
 const c10::Device kGpu(c10::kCUDA, 0);
 
-std::shared_ptr<smp::comm::Communicator> one_rank_nccl_group(const std::string& name) {
+// A kernel that holds the GPU about this long (its clock runs near 2 GHz under load).
+void hold_current_stream(double seconds) { at::cuda::sleep(static_cast<int64_t>(seconds * 2e9)); }
+
+std::shared_ptr<smp::comm::Communicator> one_rank_nccl_group(
+    const std::string& name, std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
   auto store = c10::make_intrusive<c10d::HashStore>();
-  auto host = smp::comm::make_gloo_group(store, {0}, 0, name, "127.0.0.1", std::chrono::seconds(30), kGpu);
+  auto host = smp::comm::make_gloo_group(store, {0}, 0, name, "127.0.0.1", timeout, kGpu);
   return smp::comm::make_nccl_group(store, host, kGpu);
 }
 
@@ -85,6 +91,20 @@ TEST_CASE("NCCL with one rank: all-reduce, broadcast, sends to itself", "[gpu][n
     group->irecv(into, 0, 0)->wait();
     send->wait();
     CHECK(at::equal(into, payload));
+  }
+  SECTION("waiting for a transfer orders the caller's stream after it; the host goes on") {
+    const at::Tensor payload = at::full({1024}, 7.0, kGpu);
+    at::Tensor into = at::zeros_like(payload);
+    auto receive = group->irecv(into, 0, 0);
+    hold_current_stream(0.5);  // the send waits on the GPU for this kernel, its producer
+    auto send = group->isend(payload, 0, 0);
+    send->wait();
+    receive->wait();
+    // Had a wait held the host until its transfer completed, the kernel before the send would have ended.
+    CHECK_FALSE(c10::cuda::getCurrentCUDAStream().query());
+    const at::Tensor doubled = into * 2;  // queued after the transfer
+    group->synchronize();
+    CHECK(at::equal(doubled.cpu(), at::full({1024}, 14.0)));
   }
   SECTION("a send to itself without a receive is an error, not a hang") {
     auto send = group->isend(at::ones({4}, kGpu), 0, 0);
@@ -240,4 +260,21 @@ TEST_CASE("checkpointed modules on the GPU train like plain training (bf16)", "[
   for (std::size_t step = 0; step < plain.size(); ++step) {
     CHECK(checkpointed[step] == Approx(plain[step]).epsilon(1e-5));
   }
+}
+
+// Last: the timed-out transfer's communicator is aborted with its kernel still queued behind the long one.
+TEST_CASE("a transfer that outlives the timeout fails the group's next calls, naming it", "[gpu][nccl][watchdog]") {
+  if (!smp::comm::nccl_available()) return;
+  auto group = one_rank_nccl_group("late", std::chrono::milliseconds(300));
+  group->connect({{0, 0}});
+  const at::Tensor payload = at::ones({16}, kGpu);
+  at::Tensor into = at::empty_like(payload);
+  auto receive = group->irecv(into, 0, 0);
+  hold_current_stream(2.0);  // keeps the transfer from starting until well past the timeout
+  auto send = group->isend(payload, 0, 0);
+  send->wait();
+  receive->wait();  // returns at once; the watchdog bounds the transfer
+  CHECK_THROWS_WITH(group->synchronize(), Contains("rank 0 timed out"));
+  CHECK_THROWS_WITH(group->isend(payload, 0, 0), Contains("rank 0 timed out"));
+  torch::cuda::synchronize();
 }

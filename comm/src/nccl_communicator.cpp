@@ -5,19 +5,17 @@
 // and the host never waits for either. The engine posts a peer's messages in the peer's send order
 // (sched::receives_in_send_order), which is all NCCL's order-based matching needs.
 // Every operation waits for the work already queued on the caller's current stream, runs on its own stream and
-// records an event; Pending::wait() polls that event and the communicator's asynchronous error until the group's
-// timeout, then aborts the communicator (ncclCommAbort) and throws a CommError naming the peer: never a hang.
+// records an event. A point-to-point wait() makes the caller's current stream wait for that event and returns: the
+// host goes on queueing the compute that uses a received tensor while it is still in flight, and the watchdog
+// (nccl_watchdog.h) bounds the transfer by the group's timeout, aborting the communicators (ncclCommAbort) with a
+// CommError naming the peer should it fail or never complete: never a hang. Collectives, whose results the
+// engine reads on the host, are waited for on the host, polling the event and the communicator's error.
 
-#include <cuda_runtime_api.h>
-#include <nccl.h>
-
-#include <chrono>
 #include <cstring>
 #include <deque>
 #include <map>
 #include <memory>
 #include <set>
-#include <thread>
 
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -26,158 +24,77 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "nccl_primitives.h"
+#include "nccl_watchdog.h"
 #include "smp/comm/communicator.h"
 
 namespace smp::comm {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using nccl::Clock;
+using nccl::Completion;
+using nccl::Handle;
 
-std::string nccl_error_text(ncclResult_t result, ncclComm_t comm) {
-  std::string text = ncclGetErrorString(result);
-  if (comm != nullptr) {
-    const char* last = ncclGetLastError(comm);
-    if (last != nullptr && *last != '\0') text += std::string(" (") + last + ")";
-  }
-  return text;
-}
-
-void check_cuda(cudaError_t status, const std::string& what) {
-  if (status != cudaSuccess) throw CommError(what + ": CUDA error: " + cudaGetErrorString(status));
-}
-
-// A two-rank (or one-rank) NCCL communicator that remembers whether it was aborted.
-struct NcclHandle {
-  ncclComm_t comm = nullptr;
-  bool aborted = false;
-
-  NcclHandle() = default;
-  NcclHandle(const NcclHandle&) = delete;
-  NcclHandle& operator=(const NcclHandle&) = delete;
-  // Abort, never ncclCommDestroy: that waits for every operation issued, and after a failure (a model error, a
-  // dead peer) a send whose receiver never came would make the exit hang.
-  ~NcclHandle() { abort(); }
-  void abort() {
-    if (comm != nullptr && !aborted) {
-      ncclCommAbort(comm);
-      aborted = true;
-    }
-  }
-  // ncclCommAbort frees the communicator: nothing may touch it after.
-  void throw_if_aborted(const std::string& what) const {
-    if (aborted) throw CommError(what + ": the NCCL communicator was aborted after an earlier failure");
-  }
-  // Communicators are non-blocking (so that a dead peer can be timed out): a call may return ncclInProgress, and
-  // the communicator must be polled until it is ready for the next one.
-  void wait_ready(Clock::time_point deadline, const std::string& what) {
-    throw_if_aborted(what);
-    while (true) {
-      ncclResult_t state = ncclSuccess;
-      const ncclResult_t query = ncclCommGetAsyncError(comm, &state);
-      if (query != ncclSuccess) state = query;
-      if (state == ncclSuccess) return;
-      if (state != ncclInProgress) {
-        const std::string reason = nccl_error_text(state, comm);
-        abort();
-        throw CommError(what + " failed: NCCL: " + reason);
-      }
-      if (Clock::now() > deadline) {
-        abort();
-        throw CommError(what + " timed out (NCCL); the communicator was aborted");
-      }
-      std::this_thread::yield();
-    }
-  }
-  void check(ncclResult_t result, Clock::time_point deadline, const std::string& what) {
-    throw_if_aborted(what);
-    if (result != ncclSuccess && result != ncclInProgress) {
-      const std::string reason = nccl_error_text(result, comm);
-      abort();
-      throw CommError(what + " failed: NCCL: " + reason);
-    }
-    wait_ready(deadline, what);
-  }
-};
-
-class Event {
- public:
-  Event() { check_cuda(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "creating a CUDA event"); }
-  ~Event() { cudaEventDestroy(event_); }
-  Event(const Event&) = delete;
-  Event& operator=(const Event&) = delete;
-  void record(cudaStream_t stream) { check_cuda(cudaEventRecord(event_, stream), "recording a CUDA event"); }
-  // `stream` waits (on the GPU) for what was recorded.
-  void block(cudaStream_t stream) { check_cuda(cudaStreamWaitEvent(stream, event_, 0), "ordering CUDA streams"); }
-  bool query() const {
-    const cudaError_t status = cudaEventQuery(event_);
-    if (status == cudaErrorNotReady) return false;
-    check_cuda(status, "waiting for a CUDA event");
-    return true;
-  }
-
- private:
-  cudaEvent_t event_ = nullptr;
-};
-
-// A stream of our own, not one of LibTorch's pooled streams: a channel's stream can stay blocked in a send until
-// the receiver arrives, so it must never be shared with anything else.
-class Stream {
- public:
-  Stream() { check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "creating a CUDA stream"); }
-  ~Stream() { cudaStreamDestroy(stream_); }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-  cudaStream_t get() const { return stream_; }
-
- private:
-  cudaStream_t stream_ = nullptr;
-};
-
-// Completion of one NCCL operation; for a self transfer, possibly not issued yet (see NcclCommunicator::pair_self).
-struct Completion {
-  std::shared_ptr<NcclHandle> handle;
-  std::unique_ptr<Event> done;  // null until the operation is issued
-};
-
+// A posted operation. A point-to-point one is waited for on the caller's stream (the watchdog bounds it); a
+// collective on the host.
 class NcclPending final : public Pending {
  public:
+  enum class WaitOn { stream, host };
   // The timeout counts from wait(), as Gloo's does: a send posted early and waited for at the step's end must not
   // be called stuck because the step itself took longer than the timeout.
-  NcclPending(std::shared_ptr<Completion> completion, at::Tensor keep_alive, std::chrono::milliseconds timeout,
+  NcclPending(std::shared_ptr<Completion> completion, at::Tensor keep_alive, WaitOn wait_on,
+              std::shared_ptr<nccl::Watchdog> watchdog, c10::Device device, std::chrono::milliseconds timeout,
               std::string what)
       : completion_(std::move(completion)),
         keep_alive_(std::move(keep_alive)),
+        wait_on_(wait_on),
+        watchdog_(std::move(watchdog)),
+        device_(device),
         timeout_(timeout),
         what_(std::move(what)) {}
 
   void wait() override {
     if (!completion_) return;
-    const auto deadline = Clock::now() + timeout_;
+    watchdog_->throw_if_failed();
     if (!completion_->done) {
       throw CommError(what_ + ": no matching operation was posted (a send to oneself needs its receive)");
     }
-    while (!completion_->done->query()) {
-      completion_->handle->throw_if_aborted(what_);
-      ncclResult_t state = ncclSuccess;
-      ncclCommGetAsyncError(completion_->handle->comm, &state);
-      if (state != ncclSuccess && state != ncclInProgress) {
-        const std::string reason = nccl_error_text(state, completion_->handle->comm);
-        completion_->handle->abort();
-        throw CommError(what_ + " failed: NCCL: " + reason);
-      }
-      if (Clock::now() > deadline) {
-        completion_->handle->abort();
-        throw CommError(what_ + " timed out (NCCL); the communicator was aborted");
-      }
-      std::this_thread::yield();
+    const auto deadline = Clock::now() + timeout_;
+    if (wait_on_ == WaitOn::stream) {
+      // The tensor's memory stays reserved for the transfer's stream (recordStream when it was posted), and work
+      // the caller queues from now on runs after the transfer: neither needs the host to wait.
+      nccl::order_after(c10::cuda::getCurrentCUDAStream(device_.index()).stream(), completion_->done.get());
+      if (!nccl::has_completed(completion_->done.get())) watchdog_->watch(completion_, deadline, what_);
+    } else {
+      host_wait(deadline);
     }
     completion_.reset();
     keep_alive_.reset();
   }
 
  private:
+  void host_wait(Clock::time_point deadline) {
+    Handle& handle = *completion_->handle;
+    while (!nccl::has_completed(completion_->done.get())) {
+      const ncclResult_t state = handle.state();
+      if (state != ncclSuccess && state != ncclInProgress) {
+        const std::string reason = handle.describe(state);
+        handle.abort();
+        throw CommError(what_ + " failed: " + reason);
+      }
+      if (Clock::now() > deadline) {
+        handle.abort();
+        throw CommError(what_ + " timed out (NCCL); the communicator was aborted");
+      }
+      std::this_thread::yield();
+    }
+  }
+
   std::shared_ptr<Completion> completion_;
   at::Tensor keep_alive_;
+  WaitOn wait_on_;
+  std::shared_ptr<nccl::Watchdog> watchdog_;
+  c10::Device device_;
   std::chrono::milliseconds timeout_;
   std::string what_;
 };
@@ -203,11 +120,33 @@ size_t element_count(const at::Tensor& tensor, ncclDataType_t type) {
   return type == ncclUint8 ? tensor.nbytes() : static_cast<size_t>(tensor.numel());
 }
 
+// Every NCCL communicator of a group, for the watchdog to abort from its thread.
+class Handles {
+ public:
+  void add(std::shared_ptr<Handle> handle) {
+    std::lock_guard<std::mutex> guard(lock_);
+    all_.push_back(std::move(handle));
+  }
+  void abort_all() {
+    std::lock_guard<std::mutex> guard(lock_);
+    for (auto& handle : all_) handle->abort();
+  }
+
+ private:
+  std::mutex lock_;
+  std::vector<std::shared_ptr<Handle>> all_;
+};
+
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(const c10::intrusive_ptr<c10d::Store>& store, std::shared_ptr<Communicator> host,
                    c10::Device device)
-      : store_(store), host_(std::move(host)), device_(device) {
+      : store_(store),
+        host_(std::move(host)),
+        device_(device),
+        events_(std::make_shared<nccl::EventPool>()),
+        handles_(std::make_shared<Handles>()),
+        watchdog_(std::make_shared<nccl::Watchdog>([handles = handles_] { handles->abort_all(); })) {
     if (!device_.is_cuda() || !device_.has_index()) {
       throw CommError("NCCL group " + host_->name() + ": needs a CUDA device with an index, got " + device_.str());
     }
@@ -216,7 +155,7 @@ class NcclCommunicator final : public Communicator {
                       std::to_string(c10::cuda::device_count()) + " visible)");
     }
     c10::cuda::CUDAGuard guard(device_);
-    collective_stream_ = std::make_unique<Stream>();
+    collective_stream_ = std::make_unique<nccl::Stream>();
     const std::string what = "creating NCCL group " + host_->name();
     ncclUniqueId id;
     if (rank() == 0) {
@@ -226,6 +165,7 @@ class NcclCommunicator final : public Communicator {
       id = fetch_id("smp_nccl/" + host_->name() + "/id", what);
     }
     collective_ = create({id}, {size()}, {rank()}, what).front();
+    handles_->add(collective_);
   }
 
   const std::string& name() const override { return host_->name(); }
@@ -235,6 +175,11 @@ class NcclCommunicator final : public Communicator {
   std::chrono::milliseconds timeout() const override { return host_->timeout(); }
   c10::Device device() const override { return device_; }
   bool in_order() const override { return true; }
+
+  void synchronize() override {
+    host_->synchronize();
+    watchdog_->wait_all();
+  }
 
   void connect(const std::vector<std::pair<int, int>>& wanted) override {
     // Every member sees the same sorted list. Senders publish the ids of their channels before anyone waits for
@@ -270,56 +215,50 @@ class NcclCommunicator final : public Communicator {
     }
     if (mine.empty()) return;
     const std::string what = "creating NCCL channels of group " + name();
-    const auto handles = create(ids, sizes, ranks, what);
+    const auto handles = split_blocking(create(ids, sizes, ranks, what), ranks, what);
     std::vector<Channel*> created;
     for (std::size_t i = 0; i < mine.size(); ++i) {
       Channel channel;
       channel.handle = handles[i];
-      channel.stream = std::make_unique<Stream>();
+      channel.stream = std::make_unique<nccl::Stream>();
       created.push_back(&channels_.emplace(mine[i], std::move(channel)).first->second);
     }
-    // NCCL connects a channel at its first transfer, and until the peer is there the host waits: one byte each
-    // way now, while every member is here, so that no send in training waits on the host for its receiver. All
-    // are issued before any is waited for (each on its own communicator), so no order of arrival can deadlock.
-    const auto deadline = Clock::now() + timeout();
+    // NCCL connects a channel at its first transfer, and until the peer is there the host waits (the channels are
+    // blocking communicators): one byte each way now, while every member is here, so that no transfer in training
+    // waits on the host for its peer. One NCCL group over all channels connects them together, so no order of
+    // arrival can deadlock. The split just proved every peer here, so this wait is not bounded by the timeout.
     const at::Tensor byte = at::zeros({2}, at::TensorOptions(at::kByte).device(device_));
-    Event ready;
-    ready.record(c10::cuda::getCurrentCUDAStream(device_.index()).stream());
-    std::vector<std::shared_ptr<Completion>> warm_ups;
-    for (std::size_t i = 0; i < mine.size(); ++i) {
-      const auto [from, to] = mine[i];
-      Channel& channel = *created[i];
-      const cudaStream_t stream = channel.stream->get();
-      ready.block(stream);
-      // Should one warm-up fail, `byte` goes while the others may still write into it: not reused until they end.
-      c10::cuda::CUDACachingAllocator::recordStream(byte.storage().data_ptr(),
-                                                    c10::cuda::getStreamFromExternal(stream, device_.index()));
-      ncclComm_t comm = channel.handle->comm;
-      ncclResult_t result = ncclSuccess;
-      if (from == to) {
-        check_plain(ncclGroupStart(), what);
-        const ncclResult_t sent = ncclSend(byte.data_ptr(), 1, ncclUint8, 0, comm, stream);
-        const ncclResult_t received = ncclRecv(static_cast<uint8_t*>(byte.data_ptr()) + 1, 1, ncclUint8, 0, comm, stream);
-        const ncclResult_t ended = ncclGroupEnd();
-        result = sent != ncclSuccess ? sent : received != ncclSuccess ? received : ended;
-      } else if (from == rank()) {
-        result = ncclSend(byte.data_ptr(), 1, ncclUint8, 1, comm, stream);
-      } else {
-        result = ncclRecv(static_cast<uint8_t*>(byte.data_ptr()) + 1, 1, ncclUint8, 0, comm, stream);
+    const auto ready = events_->record(c10::cuda::getCurrentCUDAStream(device_.index()).stream());
+    uint8_t* const first = static_cast<uint8_t*>(byte.data_ptr());
+    check_plain(ncclGroupStart(), what);
+    try {
+      for (std::size_t i = 0; i < mine.size(); ++i) {
+        const auto [from, to] = mine[i];
+        const cudaStream_t stream = created[i]->stream->get();
+        nccl::order_after(stream, ready.get());
+        // Should one warm-up fail, `byte` goes while others may still write into it: not reused until they end.
+        c10::cuda::CUDACachingAllocator::recordStream(byte.storage().data_ptr(),
+                                                      c10::cuda::getStreamFromExternal(stream, device_.index()));
+        const bool sending = from == rank();
+        created[i]->handle->enqueue(
+            [&](ncclComm_t comm) {
+              if (from == to) return nccl::self_pair(comm, first, first + 1, 1, ncclUint8, stream);
+              return sending ? ncclSend(first, 1, ncclUint8, 1, comm, stream)
+                             : ncclRecv(first + 1, 1, ncclUint8, 0, comm, stream);
+            },
+            what + ": first transfer on " + channel_name(mine[i]));
       }
-      if (result != ncclSuccess && result != ncclInProgress) {
-        throw CommError(what + ": first transfer on " + channel_name(mine[i]) + " failed: NCCL: " +
-                        nccl_error_text(result, comm));
-      }
-      auto completion = std::make_shared<Completion>();
-      completion->handle = channel.handle;
-      warm_ups.push_back(completion);
+    } catch (...) {
+      ncclGroupEnd();
+      throw;
     }
+    check_plain(ncclGroupEnd(), what + ": first transfers");
     for (std::size_t i = 0; i < mine.size(); ++i) {
+      auto warm_up = std::make_shared<Completion>();
+      warm_up->handle = created[i]->handle;
+      warm_up->done = events_->record(created[i]->stream->get());
       const std::string where = what + ": first transfer on " + channel_name(mine[i]) + " (is the peer running?)";
-      created[i]->handle->wait_ready(deadline, where);
-      finish(*warm_ups[i], created[i]->stream->get());
-      NcclPending(warm_ups[i], byte, timeout(), where).wait();
+      NcclPending(warm_up, byte, NcclPending::WaitOn::host, watchdog_, device_, timeout(), where).wait();
     }
   }
 
@@ -336,16 +275,16 @@ class NcclCommunicator final : public Communicator {
   std::unique_ptr<Pending> iall_reduce_sum(const at::Tensor& tensor) override {
     if (!tensor.is_cuda()) return host_->iall_reduce_sum(tensor);
     return collective(tensor, "all-reduce in group " + name(), /*reduces=*/true,
-                      [&](void* data, size_t count, ncclDataType_t type, cudaStream_t stream) {
-                        return ncclAllReduce(data, data, count, type, ncclSum, collective_->comm, stream);
+                      [&](ncclComm_t comm, void* data, size_t count, ncclDataType_t type, cudaStream_t stream) {
+                        return ncclAllReduce(data, data, count, type, ncclSum, comm, stream);
                       });
   }
 
   void broadcast(const at::Tensor& tensor, int root) override {
     if (!tensor.is_cuda()) return host_->broadcast(tensor, root);
     collective(tensor, "broadcast from rank " + std::to_string(global_rank(root)), /*reduces=*/false,
-               [&](void* data, size_t count, ncclDataType_t type, cudaStream_t stream) {
-                 return ncclBroadcast(data, data, count, type, root, collective_->comm, stream);
+               [&](ncclComm_t comm, void* data, size_t count, ncclDataType_t type, cudaStream_t stream) {
+                 return ncclBroadcast(data, data, count, type, root, comm, stream);
                })
         ->wait();
   }
@@ -357,10 +296,11 @@ class NcclCommunicator final : public Communicator {
     const std::string what = "all-gather in group " + name();
     check_shards(whole, shard, size(), what);
     check_contiguous(shard, what);
-    collective(whole, what, /*reduces=*/false, [&](void* data, size_t count, ncclDataType_t type, cudaStream_t stream) {
+    collective(whole, what, /*reduces=*/false, [&](ncclComm_t comm, void* data, size_t count, ncclDataType_t type,
+                                                   cudaStream_t stream) {
       c10::cuda::CUDACachingAllocator::recordStream(shard.storage().data_ptr(),
                                                     c10::cuda::getStreamFromExternal(stream, device_.index()));
-      return ncclAllGather(shard.data_ptr(), data, count / static_cast<size_t>(size()), type, collective_->comm, stream);
+      return ncclAllGather(shard.data_ptr(), data, count / static_cast<size_t>(size()), type, comm, stream);
     })->wait();
   }
 
@@ -369,17 +309,18 @@ class NcclCommunicator final : public Communicator {
     const std::string what = "reduce-scatter in group " + name();
     check_shards(whole, shard, size(), what);
     check_contiguous(whole, what);
-    collective(shard, what, /*reduces=*/true, [&](void* data, size_t count, ncclDataType_t type, cudaStream_t stream) {
+    collective(shard, what, /*reduces=*/true, [&](ncclComm_t comm, void* data, size_t count, ncclDataType_t type,
+                                                  cudaStream_t stream) {
       c10::cuda::CUDACachingAllocator::recordStream(whole.storage().data_ptr(),
                                                     c10::cuda::getStreamFromExternal(stream, device_.index()));
-      return ncclReduceScatter(whole.data_ptr(), data, count, type, ncclSum, collective_->comm, stream);
+      return ncclReduceScatter(whole.data_ptr(), data, count, type, ncclSum, comm, stream);
     })->wait();
   }
 
  private:
   struct Channel {
-    std::shared_ptr<NcclHandle> handle;
-    std::unique_ptr<Stream> stream;
+    std::shared_ptr<Handle> handle;
+    std::unique_ptr<nccl::Stream> stream;
     // Sends to oneself pair with receives from oneself inside one NCCL group; whichever comes first waits here.
     std::deque<std::pair<at::Tensor, std::shared_ptr<Completion>>> unpaired_sends, unpaired_receives;
   };
@@ -392,7 +333,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   void check_plain(ncclResult_t result, const std::string& what) {
-    if (result != ncclSuccess) throw CommError(what + " failed: NCCL: " + nccl_error_text(result, nullptr));
+    if (result != ncclSuccess) throw CommError(what + " failed: NCCL: " + nccl::error_text(result, nullptr));
   }
   static void check_contiguous(const at::Tensor& tensor, const std::string& what) {
     if (!tensor.is_contiguous()) throw CommError(what + ": the tensor must be contiguous");
@@ -418,31 +359,58 @@ class NcclCommunicator final : public Communicator {
     return id;
   }
 
-  std::vector<std::shared_ptr<NcclHandle>> create(const std::vector<ncclUniqueId>& ids, const std::vector<int>& sizes,
-                                                  const std::vector<int>& ranks, const std::string& what) {
+  std::vector<std::shared_ptr<Handle>> create(const std::vector<ncclUniqueId>& ids, const std::vector<int>& sizes,
+                                              const std::vector<int>& ranks, const std::string& what) {
     c10::cuda::CUDAGuard guard(device_);
-    std::vector<std::shared_ptr<NcclHandle>> handles;
+    std::vector<std::shared_ptr<Handle>> handles;
     const auto deadline = Clock::now() + timeout();
     check_plain(ncclGroupStart(), what);
     for (std::size_t i = 0; i < ids.size(); ++i) {
-      handles.push_back(std::make_shared<NcclHandle>());
+      handles.push_back(std::make_shared<Handle>());
       ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
       config.blocking = 0;
       const ncclResult_t result = ncclCommInitRankConfig(&handles.back()->comm, sizes[i], ids[i], ranks[i], &config);
       if (result != ncclSuccess && result != ncclInProgress) {
         ncclGroupEnd();
-        throw CommError(what + " failed: NCCL: " + nccl_error_text(result, nullptr));
+        throw CommError(what + " failed: NCCL: " + nccl::error_text(result, nullptr));
       }
     }
     const ncclResult_t ended = ncclGroupEnd();
     if (ended != ncclSuccess && ended != ncclInProgress) {
-      throw CommError(what + " failed: NCCL: " + nccl_error_text(ended, nullptr));
+      throw CommError(what + " failed: NCCL: " + nccl::error_text(ended, nullptr));
     }
     for (auto& handle : handles) handle->wait_ready(deadline, what + " (is every member of the group running?)");
     return handles;
   }
 
-  // An in-place collective on the group's communicator and stream.
+  // Communicators are created non-blocking, so that a member that never comes is timed out. But NCCL then starts a
+  // thread for every operation it launches: a send to oneself took 57 to 77 us that way against 15 to 17 us blocking
+  // (bench_gpu on an H200, 2026-11-26). So a channel goes on as a blocking communicator split from its non-blocking
+  // one (the split itself runs non-blocking, bounded like the creation); once its first transfer has connected it,
+  // an operation only enqueues work, and the host never waits in NCCL. The non-blocking parents are aborted when the
+  // caller drops them; their children do not depend on them.
+  std::vector<std::shared_ptr<Handle>> split_blocking(const std::vector<std::shared_ptr<Handle>>& parents,
+                                                      const std::vector<int>& ranks, const std::string& what) {
+    c10::cuda::CUDAGuard guard(device_);
+    const auto deadline = Clock::now() + timeout();
+    std::vector<std::shared_ptr<Handle>> children;
+    for (std::size_t i = 0; i < parents.size(); ++i) {
+      children.push_back(std::make_shared<Handle>());
+      // Registered before NCCL writes the communicator into it, so that it outlives a split abandoned half-way.
+      handles_->add(children.back());
+      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+      config.blocking = 1;
+      ncclComm_t* child = &children.back()->comm;
+      parents[i]->enqueue([&](ncclComm_t parent) { return ncclCommSplit(parent, 0, ranks[i], child, &config); }, what);
+    }
+    for (std::size_t i = 0; i < parents.size(); ++i) {
+      parents[i]->wait_ready(deadline, what + " (is every member of the group running?)");
+      if (children[i]->comm == nullptr) throw CommError(what + ": NCCL's split made no communicator");
+    }
+    return children;
+  }
+
+  // An in-place collective on the group's communicator and stream, waited for on the host.
   template <typename Launch>
   std::unique_ptr<Pending> collective(const at::Tensor& tensor, const std::string& what, bool reduces, Launch launch) {
     check_contiguous(tensor, what);
@@ -451,30 +419,31 @@ class NcclCommunicator final : public Communicator {
     c10::cuda::CUDAGuard guard(device_);
     const cudaStream_t stream = collective_stream_->get();
     auto completion = start(collective_, stream, tensor);
-    collective_->check(launch(tensor.data_ptr(), element_count(tensor, type), type, stream), deadline, what);
-    finish(*completion, stream);
-    return std::make_unique<NcclPending>(completion, tensor, timeout(), what);
+    collective_->issue([&](ncclComm_t comm) { return launch(comm, tensor.data_ptr(), element_count(tensor, type), type, stream); },
+                       deadline, what);
+    completion->done = events_->record(stream);
+    return pending(completion, tensor, NcclPending::WaitOn::host, what);
+  }
+
+  std::unique_ptr<Pending> pending(std::shared_ptr<Completion> completion, const at::Tensor& tensor,
+                                   NcclPending::WaitOn wait_on, const std::string& what) {
+    return std::make_unique<NcclPending>(std::move(completion), tensor, wait_on, watchdog_, device_, timeout(), what);
   }
 
   // The operation's stream waits for what the caller queued on its current stream (the tensor's producer), and
   // the caching allocator learns that the tensor is in use on that stream: should the caller drop it before the
-  // operation completes (an exception unwinding), its memory is not handed out again until then.
-  std::shared_ptr<Completion> start(const std::shared_ptr<NcclHandle>& handle, cudaStream_t stream,
+  // operation completes (an exception unwinding, or a wait() that returned before the transfer ended), its memory
+  // is not handed out again until then.
+  std::shared_ptr<Completion> start(const std::shared_ptr<Handle>& handle, cudaStream_t stream,
                                     const at::Tensor& tensor) {
-    handle->throw_if_aborted("group " + name());
+    watchdog_->throw_if_failed();
     c10::cuda::CUDAGuard guard(device_);
-    Event ready;
-    ready.record(c10::cuda::getCurrentCUDAStream(device_.index()).stream());
-    ready.block(stream);
+    nccl::order_after(stream, events_->record(c10::cuda::getCurrentCUDAStream(device_.index()).stream()).get());
     c10::cuda::CUDACachingAllocator::recordStream(tensor.storage().data_ptr(),
                                                   c10::cuda::getStreamFromExternal(stream, device_.index()));
     auto completion = std::make_shared<Completion>();
     completion->handle = handle;
     return completion;
-  }
-  void finish(Completion& completion, cudaStream_t stream) {
-    completion.done = std::make_unique<Event>();
-    completion.done->record(stream);
   }
 
   std::unique_ptr<Pending> point_to_point(const at::Tensor& tensor, int peer, bool sending) {
@@ -495,14 +464,16 @@ class NcclCommunicator final : public Communicator {
       pair_self(channel, tensor, completion, sending, type, deadline, what);
     } else {
       const int other = sending ? 1 : 0;  // the channel's sender is its rank 0
-      channel.handle->check(sending ? ncclSend(tensor.data_ptr(), element_count(tensor, type), type, other,
-                                               channel.handle->comm, stream)
-                                    : ncclRecv(tensor.data_ptr(), element_count(tensor, type), type, other,
-                                               channel.handle->comm, stream),
-                            deadline, what);
-      finish(*completion, stream);
+      void* const data = tensor.data_ptr();
+      const size_t count = element_count(tensor, type);
+      channel.handle->issue(
+          [&](ncclComm_t comm) {
+            return sending ? ncclSend(data, count, type, other, comm, stream) : ncclRecv(data, count, type, other, comm, stream);
+          },
+          deadline, what);
+      completion->done = events_->record(stream);
     }
-    return std::make_unique<NcclPending>(completion, tensor, timeout(), what);
+    return pending(completion, tensor, NcclPending::WaitOn::stream, what);
   }
 
   // NCCL can only send to itself with the receive in the same group call: issue the pair once both are posted.
@@ -522,22 +493,23 @@ class NcclCommunicator final : public Communicator {
                       std::to_string(target.nbytes()) + "-byte receive");
     }
     const cudaStream_t stream = channel.stream->get();
-    auto& handle = *channel.handle;
-    check_plain(ncclGroupStart(), what);
-    const ncclResult_t sent = ncclSend(source.data_ptr(), element_count(source, type), type, 0, handle.comm, stream);
-    const ncclResult_t received = ncclRecv(target.data_ptr(), element_count(target, type), type, 0, handle.comm, stream);
-    const ncclResult_t ended = ncclGroupEnd();
-    handle.check(sent != ncclSuccess ? sent : received != ncclSuccess ? received : ended, deadline, what);
-    finish(*completion, stream);
-    other_completion->done = std::make_unique<Event>();
-    other_completion->done->record(stream);
+    channel.handle->issue(
+        [&](ncclComm_t comm) {
+          return nccl::self_pair(comm, source.data_ptr(), target.data_ptr(), element_count(source, type), type, stream);
+        },
+        deadline, what);
+    completion->done = events_->record(stream);
+    other_completion->done = completion->done;
   }
 
   c10::intrusive_ptr<c10d::Store> store_;
   std::shared_ptr<Communicator> host_;
   c10::Device device_;
-  std::shared_ptr<NcclHandle> collective_;
-  std::unique_ptr<Stream> collective_stream_;
+  std::shared_ptr<nccl::EventPool> events_;
+  std::shared_ptr<Handles> handles_;
+  std::shared_ptr<nccl::Watchdog> watchdog_;
+  std::shared_ptr<Handle> collective_;
+  std::unique_ptr<nccl::Stream> collective_stream_;
   std::map<std::pair<int, int>, Channel> channels_;
 };
 

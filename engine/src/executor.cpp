@@ -137,6 +137,8 @@ class PipelineExecutor::Step {
       stats_.events.push_back(std::move(event));
     }
     for (auto& [index, pending] : sends_) pending->wait();
+    // On a GPU the transfers may still be in flight (their waits only ordered the compute stream after them).
+    executor_.pipeline_.synchronize();
     stats_.loss_sum = loss_sum_.defined() ? loss_sum_.item<double>() : 0.0;
     return std::move(stats_);
   }

@@ -25,7 +25,10 @@ class CommError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// A posted transfer. wait() returns when it is complete, or throws CommError.
+// A posted transfer. wait() returns when its result can be used, or throws CommError: on the host, except for a
+// point-to-point transfer of device tensors on a transport that can order it on the GPU (NCCL), where only work
+// queued afterwards on the caller's current stream is sure to see it; Communicator::synchronize waits for those on
+// the host.
 class Pending {
  public:
   virtual ~Pending() = default;
@@ -51,6 +54,10 @@ class Communicator {
   // calls it with the same list. Transports with per-pair state (NCCL) create it here, in an order that cannot
   // deadlock; sending on a channel that was not connected is an error there.
   virtual void connect(const std::vector<std::pair<int, int>>& channels) { (void)channels; }
+  // Waits on the host, within the timeout, for every transfer whose wait() returned before it completed, and throws
+  // CommError naming the first that failed. Call before the host reads what such transfers delivered or produced
+  // from it, or treats them as done.
+  virtual void synchronize() {}
 
   // The tensor must stay alive and unchanged until the transfer completes; the Pending keeps a reference.
   virtual std::unique_ptr<Pending> isend(const at::Tensor& tensor, int peer, int tag) = 0;

@@ -1,0 +1,89 @@
+#include "nccl_watchdog.h"
+
+namespace smp::comm::nccl {
+namespace {
+// A timeout is seconds to minutes, and NCCL reports a failed peer within its own timeouts: polling each watched
+// transfer every few milliseconds costs nothing that matters and notices soon enough.
+constexpr auto kPollInterval = std::chrono::milliseconds(5);
+}  // namespace
+
+Watchdog::Watchdog(std::function<void()> abort_group) : abort_group_(std::move(abort_group)), thread_([this] { run(); }) {}
+
+Watchdog::~Watchdog() {
+  {
+    std::lock_guard<std::mutex> guard(lock_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  thread_.join();
+}
+
+void Watchdog::watch(std::shared_ptr<Completion> completion, Clock::time_point deadline, std::string what) {
+  bool was_idle;
+  {
+    std::lock_guard<std::mutex> guard(lock_);
+    if (failure_) throw CommError(*failure_);
+    was_idle = watched_.empty();
+    watched_.push_back({std::move(completion), deadline, std::move(what)});
+  }
+  if (was_idle) wake_.notify_one();
+}
+
+void Watchdog::wait_all() {
+  while (true) {
+    {
+      std::lock_guard<std::mutex> guard(lock_);
+      sweep();
+      if (failure_) throw CommError(*failure_);
+      if (watched_.empty()) return;
+    }
+    std::this_thread::yield();
+  }
+}
+
+void Watchdog::throw_if_failed() {
+  std::lock_guard<std::mutex> guard(lock_);
+  if (failure_) throw CommError(*failure_);
+}
+
+void Watchdog::run() {
+  std::unique_lock<std::mutex> guard(lock_);
+  while (!stopping_) {
+    if (watched_.empty() || failure_) {
+      wake_.wait(guard);
+      continue;
+    }
+    sweep();
+    wake_.wait_for(guard, kPollInterval);
+  }
+}
+
+void Watchdog::sweep() {
+  if (failure_) return;
+  const auto now = Clock::now();
+  try {
+    std::size_t kept = 0;
+    for (std::size_t i = 0; i < watched_.size(); ++i) {
+      Watched& entry = watched_[i];
+      if (has_completed(entry.completion->done.get())) continue;
+      const ncclResult_t state = entry.completion->handle->state();
+      if (state != ncclSuccess && state != ncclInProgress) {
+        return fail(entry.what + " failed: " + entry.completion->handle->describe(state));
+      }
+      if (now > entry.deadline) return fail(entry.what + " timed out (NCCL); the group's communicators were aborted");
+      if (kept != i) watched_[kept] = std::move(entry);
+      ++kept;
+    }
+    watched_.resize(kept);
+  } catch (const CommError& error) {  // a CUDA error while querying
+    fail(error.what());
+  }
+}
+
+void Watchdog::fail(std::string reason) {
+  failure_ = std::move(reason);
+  watched_.clear();
+  abort_group_();
+}
+
+}  // namespace smp::comm::nccl

@@ -1,0 +1,57 @@
+#pragma once
+// Bounds the NCCL transfers whose completion the host does not wait for. A point-to-point wait() only orders the
+// caller's stream after the transfer, so a peer that never sends (it died, or its program differs) would leave
+// that stream, and the next host sync on it, blocked for good. The watchdog polls each such transfer from its own
+// thread until it completes; when one fails or outlives its timeout it aborts the group's NCCL communicators, which
+// ends their kernels and frees the blocked streams, and keeps the reason for the group's next call to throw.
+
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "nccl_primitives.h"
+
+namespace smp::comm::nccl {
+
+class Watchdog {
+ public:
+  // `abort_group` aborts every NCCL communicator of the group; it is called from the watchdog's thread, or from
+  // wait_all's, with the watchdog's lock held.
+  explicit Watchdog(std::function<void()> abort_group);
+  ~Watchdog();
+  Watchdog(const Watchdog&) = delete;
+  Watchdog& operator=(const Watchdog&) = delete;
+
+  // Watches an issued operation until it completes; `what` names it should it fail.
+  void watch(std::shared_ptr<Completion> completion, Clock::time_point deadline, std::string what);
+  // Waits on the host until every watched operation has completed; throws CommError on a failure, as later calls do.
+  void wait_all();
+  // Throws CommError when a watched operation has failed.
+  void throw_if_failed();
+
+ private:
+  struct Watched {
+    std::shared_ptr<Completion> completion;
+    Clock::time_point deadline;
+    std::string what;
+  };
+  void run();
+  // Drops what completed, fails the group on an error or a timeout. Needs lock_.
+  void sweep();
+  void fail(std::string reason);
+
+  std::function<void()> abort_group_;
+  std::mutex lock_;
+  std::condition_variable wake_;
+  std::vector<Watched> watched_;
+  std::optional<std::string> failure_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+}  // namespace smp::comm::nccl
