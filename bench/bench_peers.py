@@ -7,6 +7,10 @@ microbatches and schedule (1F1B), 2 pipeline processes of one intra-op thread ea
   smp-python  smp.DistributedModel on the same nn.Module (captured, partitioned by profile)
   smp-cpp     build/bin/bench_pipeline: the C++ API on the C++ example's GPT of the same shape
   plain       one process running the same microbatches (the pipeline's ideal is m / (m + p - 1) x p of it)
+  plain-pair  two such processes at once, each on its own (no communication): what one of them runs at while the
+              other core is busy too. On a small shared machine that can be slower than `plain` alone (cores
+              sharing caches, memory bandwidth or a host's physical core), which no pipeline can win back; the
+              ratios against it say how much of the gap to the ideal is that
 
 Runs alternate (each engine once per round, several rounds) and each reports its median step over the measured
 steps; the raw transport latency is a torch.distributed send/recv ping-pong of one activation microbatch between the
@@ -255,7 +259,7 @@ def main():
     for name, config in CONFIGS.items():
         if args.only and args.only not in name:
             continue
-        results = {engine: [] for engine in ("peer", "smp-python", "smp-cpp", "plain")}
+        results = {engine: [] for engine in ("peer", "smp-python", "smp-cpp", "plain", "plain-pair")}
         latencies, spreads = [], {engine: [] for engine in results}
         timeline = {}
         for round_index in range(args.rounds):
@@ -276,15 +280,17 @@ def main():
                     results[engine].append(line["iteration_samples_per_s"])  # with the optimizer step, as the others
                     spreads[engine].append(line["spread"])
                     continue
-                command = [python, this, "--worker", engine, "--config", json.dumps(config)] + common
+                worker = "plain" if engine == "plain-pair" else engine
+                command = [python, this, "--worker", worker, "--config", json.dumps(config)] + common
                 with tempfile.TemporaryDirectory() as traces:
                     traced = engine == "smp-python" and round_index == args.rounds - 1
                     if traced:
                         command += ["--trace-dir", traces]
                     result = run_job(command if engine == "plain" else smprun + command, env)
-                line = json.loads(next(l for l in result.stdout.splitlines() if l.startswith("{")))
-                results[engine].append(line["samples_per_s"])
-                spreads[engine].append(line["spread"])
+                lines = [json.loads(l) for l in result.stdout.splitlines() if l.startswith("{")]
+                line = lines[0]
+                results[engine].append(statistics.mean(each["samples_per_s"] for each in lines))
+                spreads[engine].append(max(each["spread"] for each in lines))
                 if engine == "peer":
                     latencies.append(line["one_way_latency_ms"])
                     activation_kib = line["activation_kib"]
@@ -307,6 +313,11 @@ def main():
               f"{median['smp-python'] / median['peer']:.3f}; of the ideal {ideal:.3f} x plain: smp-cpp "
               f"{median['smp-cpp'] / median['plain'] / ideal:.3f}, smp-python "
               f"{median['smp-python'] / median['plain'] / ideal:.3f}, peer {median['peer'] / median['plain'] / ideal:.3f}")
+        busy = median["plain-pair"] / median["plain"]
+        print(f"  one process with the other core busy runs at {busy:.3f} of plain alone; of the ideal against that: "
+              f"smp-cpp {median['smp-cpp'] / median['plain-pair'] / ideal:.3f}, smp-python "
+              f"{median['smp-python'] / median['plain-pair'] / ideal:.3f}, peer "
+              f"{median['peer'] / median['plain-pair'] / ideal:.3f}")
         print(f"  raw transport one-way latency ({activation_kib:.0f} KiB, torch.distributed ping-pong): "
               f"{statistics.median(latencies) * 1e3:.0f} us; smp-python's traced transfer latency: "
               f"{timeline.get('latency_ms', float('nan')) * 1e3:.0f} us "
