@@ -12,7 +12,7 @@ microbatches and schedule (1F1B), 2 pipeline processes of one intra-op thread ea
               sharing caches, memory bandwidth or a host's physical core), which no pipeline can win back; the
               ratios against it say how much of the gap to the ideal is that
 
-Runs alternate (each engine once per round, several rounds) and each reports its median step over the measured
+Runs alternate (each engine once per round, each round starting one engine later, several rounds) and each reports its median step over the measured
 steps; the raw transport latency is a torch.distributed send/recv ping-pong of one activation microbatch between the
 same two processes, measured by the peer's job. Prints throughput ratios per config. Run by scripts/bench.sh;
 by hand: python bench/bench_peers.py BUILD/bin [--rounds N] [--steps N].
@@ -262,8 +262,12 @@ def main():
         results = {engine: [] for engine in ("peer", "smp-python", "smp-cpp", "plain", "plain-pair")}
         latencies, spreads = [], {engine: [] for engine in results}
         timeline = {}
+        engines = list(results)
         for round_index in range(args.rounds):
-            for engine in results:
+            # Each round starts one engine later, so that no engine always runs first (or last) in a round while the
+            # machine drifts.
+            shift = round_index % len(engines)
+            for engine in engines[shift:] + engines[:shift]:
                 common = ["--warmup", str(args.warmup), "--steps", str(args.steps)]
                 if engine == "smp-cpp":
                     model = {"vocab_size": config["vocab"], "context": config["context"], "d_model": config["width"],
