@@ -11,6 +11,7 @@
 // CommError naming the peer should it fail or never complete: never a hang. Collectives, whose results the
 // engine reads on the host, are waited for on the host, polling the event and the communicator's error.
 
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -79,12 +80,12 @@ class NcclPending final : public Pending {
       const ncclResult_t state = handle.state();
       if (state != ncclSuccess && state != ncclInProgress) {
         const std::string reason = handle.describe(state);
-        handle.abort();
+        handle.abort_group();
         throw CommError(what_ + " failed: " + reason);
       }
       if (Clock::now() > deadline) {
-        handle.abort();
-        throw CommError(what_ + " timed out (NCCL); the communicator was aborted");
+        handle.abort_group();
+        throw CommError(what_ + " timed out (NCCL); the group's communicators were aborted");
       }
       std::this_thread::yield();
     }
@@ -120,23 +121,6 @@ size_t element_count(const at::Tensor& tensor, ncclDataType_t type) {
   return type == ncclUint8 ? tensor.nbytes() : static_cast<size_t>(tensor.numel());
 }
 
-// Every NCCL communicator of a group, for the watchdog to abort from its thread.
-class Handles {
- public:
-  void add(std::shared_ptr<Handle> handle) {
-    std::lock_guard<std::mutex> guard(lock_);
-    all_.push_back(std::move(handle));
-  }
-  void abort_all() {
-    std::lock_guard<std::mutex> guard(lock_);
-    for (auto& handle : all_) handle->abort();
-  }
-
- private:
-  std::mutex lock_;
-  std::vector<std::shared_ptr<Handle>> all_;
-};
-
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(const c10::intrusive_ptr<c10d::Store>& store, std::shared_ptr<Communicator> host,
@@ -145,8 +129,8 @@ class NcclCommunicator final : public Communicator {
         host_(std::move(host)),
         device_(device),
         events_(std::make_shared<nccl::EventPool>()),
-        handles_(std::make_shared<Handles>()),
-        watchdog_(std::make_shared<nccl::Watchdog>([handles = handles_] { handles->abort_all(); })) {
+        handles_(std::make_shared<nccl::Handles>()),
+        watchdog_(std::make_shared<nccl::Watchdog>(device_.index(), [handles = handles_] { handles->abort_all(); })) {
     if (!device_.is_cuda() || !device_.has_index()) {
       throw CommError("NCCL group " + host_->name() + ": needs a CUDA device with an index, got " + device_.str());
     }
@@ -167,6 +151,9 @@ class NcclCommunicator final : public Communicator {
     collective_ = create({id}, {size()}, {rank()}, what).front();
     handles_->add(collective_);
   }
+
+  // Every communicator aborted at once (see nccl::Handles), not one by one as each Handle goes.
+  ~NcclCommunicator() override { handles_->abort_all(); }
 
   const std::string& name() const override { return host_->name(); }
   int rank() const override { return host_->rank(); }
@@ -249,6 +236,8 @@ class NcclCommunicator final : public Communicator {
             what + ": first transfer on " + channel_name(mine[i]));
       }
     } catch (...) {
+      // Aborted first, so that the group's end does not wait for peers to connect the channels.
+      for (Channel* channel : created) channel->handle->abort();
       ncclGroupEnd();
       throw;
     }
@@ -388,9 +377,14 @@ class NcclCommunicator final : public Communicator {
   // (bench_gpu on an H200, 2026-11-26). So a channel goes on as a blocking communicator split from its non-blocking
   // one (the split itself runs non-blocking, bounded like the creation); once its first transfer has connected it,
   // an operation only enqueues work, and the host never waits in NCCL. The non-blocking parents are aborted when the
-  // caller drops them; their children do not depend on them.
+  // caller drops them: their children do not depend on them, unless NCCL_COMM_SPLIT_SHARE_RESOURCES=1 (which
+  // overrides the configuration) makes them share the parent's abort flag, and then the parents stay.
   std::vector<std::shared_ptr<Handle>> split_blocking(const std::vector<std::shared_ptr<Handle>>& parents,
                                                       const std::vector<int>& ranks, const std::string& what) {
+    const char* shared = std::getenv("NCCL_COMM_SPLIT_SHARE_RESOURCES");
+    if (shared != nullptr && std::atoi(shared) == 1) {
+      for (const auto& parent : parents) handles_->add(parent);
+    }
     c10::cuda::CUDAGuard guard(device_);
     const auto deadline = Clock::now() + timeout();
     std::vector<std::shared_ptr<Handle>> children;
@@ -506,7 +500,7 @@ class NcclCommunicator final : public Communicator {
   std::shared_ptr<Communicator> host_;
   c10::Device device_;
   std::shared_ptr<nccl::EventPool> events_;
-  std::shared_ptr<Handles> handles_;
+  std::shared_ptr<nccl::Handles> handles_;
   std::shared_ptr<nccl::Watchdog> watchdog_;
   std::shared_ptr<Handle> collective_;
   std::unique_ptr<nccl::Stream> collective_stream_;

@@ -30,6 +30,8 @@ inline void check_cuda(cudaError_t status, const std::string& what) {
   if (status != cudaSuccess) throw CommError(what + ": CUDA error: " + cudaGetErrorString(status));
 }
 
+class Handles;
+
 // A two-rank (or one-rank) NCCL communicator that remembers whether it was aborted. The watchdog aborts from its own
 // thread, and ncclCommAbort frees the communicator: every call that touches `comm` holds `mutex`, and none is made
 // after the abort.
@@ -44,6 +46,8 @@ class Handle {
   // dead peer) a send whose receiver never came would make the exit hang.
   ~Handle() { abort(); }
 
+  // Aborts this communicator alone; inside an NCCL group, NCCL reclaims it at the group's end. A failure aborts the
+  // whole group instead (abort_group).
   void abort() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (comm != nullptr && !aborted_) {
@@ -51,6 +55,8 @@ class Handle {
       aborted_ = true;
     }
   }
+  // Aborts every communicator of the group this one was added to (Handles::add), or this one when it has none.
+  void abort_group();
 
   // Issues `call(comm)` (NCCL calls that enqueue work) and throws on an error it returns. The communicator may still
   // be busy with it (see wait_ready).
@@ -95,8 +101,8 @@ class Handle {
       if (now == ncclSuccess) return;
       if (now != ncclInProgress) fail(what + " failed: ", now);
       if (Clock::now() > deadline) {
-        abort();
-        throw CommError(what + " timed out (NCCL); the communicator was aborted");
+        abort_group();
+        throw CommError(what + " timed out (NCCL); the group's communicators were aborted");
       }
       std::this_thread::yield();
     }
@@ -108,13 +114,46 @@ class Handle {
   }
   [[noreturn]] void fail(const std::string& prefix, ncclResult_t result) {
     const std::string reason = describe(result);
-    abort();
+    abort_group();
     throw CommError(prefix + reason);
   }
 
+  friend class Handles;
   std::mutex mutex_;
   bool aborted_ = false;
+  std::weak_ptr<Handles> group_;
 };
+
+// Every NCCL communicator of a group. They fail together: ncclCommAbort waits for the kernels already queued on its
+// communicator, and one can sit behind another communicator's stuck transfer (a channel's stream waits for the
+// compute stream, which waits for received tensors), so aborted one at a time the first could wait forever. Inside
+// one NCCL group every abort flag is raised before any communicator is reclaimed.
+class Handles : public std::enable_shared_from_this<Handles> {
+ public:
+  void add(const std::shared_ptr<Handle>& handle) {
+    std::lock_guard<std::mutex> guard(lock_);
+    handle->group_ = weak_from_this();
+    all_.push_back(handle);
+  }
+  void abort_all() {
+    std::lock_guard<std::mutex> guard(lock_);
+    ncclGroupStart();
+    for (auto& handle : all_) handle->abort();
+    ncclGroupEnd();
+  }
+
+ private:
+  std::mutex lock_;
+  std::vector<std::shared_ptr<Handle>> all_;
+};
+
+inline void Handle::abort_group() {
+  if (const auto group = group_.lock()) {
+    group->abort_all();
+  } else {
+    abort();
+  }
+}
 
 // CUDA events cost a driver call to make and one to free: every transfer records two, so they are kept for reuse.
 // A stream that waits on an event waits for what was recorded when it was told to, so an event can be recorded

@@ -7,7 +7,8 @@ namespace {
 constexpr auto kPollInterval = std::chrono::milliseconds(5);
 }  // namespace
 
-Watchdog::Watchdog(std::function<void()> abort_group) : abort_group_(std::move(abort_group)), thread_([this] { run(); }) {}
+Watchdog::Watchdog(int device, std::function<void()> abort_group)
+    : device_(device), abort_group_(std::move(abort_group)), thread_([this] { run(); }) {}
 
 Watchdog::~Watchdog() {
   {
@@ -31,12 +32,19 @@ void Watchdog::watch(std::shared_ptr<Completion> completion, Clock::time_point d
 
 void Watchdog::wait_all() {
   while (true) {
+    std::string failure;
+    bool failed_now = false;
     {
       std::lock_guard<std::mutex> guard(lock_);
-      sweep();
-      if (failure_) throw CommError(*failure_);
-      if (watched_.empty()) return;
+      failed_now = sweep();
+      if (failure_) {
+        failure = *failure_;
+      } else if (watched_.empty()) {
+        return;
+      }
     }
+    if (failed_now) abort_group_();
+    if (!failure.empty()) throw CommError(failure);
     std::this_thread::yield();
   }
 }
@@ -47,19 +55,26 @@ void Watchdog::throw_if_failed() {
 }
 
 void Watchdog::run() {
+  const bool on_device = cudaSetDevice(device_) == cudaSuccess;
   std::unique_lock<std::mutex> guard(lock_);
+  if (!on_device) fail("the NCCL watchdog could not use GPU " + std::to_string(device_));
   while (!stopping_) {
     if (watched_.empty() || failure_) {
       wake_.wait(guard);
       continue;
     }
-    sweep();
+    if (sweep()) {
+      guard.unlock();
+      abort_group_();
+      guard.lock();
+      continue;
+    }
     wake_.wait_for(guard, kPollInterval);
   }
 }
 
-void Watchdog::sweep() {
-  if (failure_) return;
+bool Watchdog::sweep() {
+  if (failure_) return false;
   const auto now = Clock::now();
   try {
     std::size_t kept = 0;
@@ -76,14 +91,15 @@ void Watchdog::sweep() {
     }
     watched_.resize(kept);
   } catch (const CommError& error) {  // a CUDA error while querying
-    fail(error.what());
+    return fail(error.what());
   }
+  return false;
 }
 
-void Watchdog::fail(std::string reason) {
+bool Watchdog::fail(std::string reason) {
   failure_ = std::move(reason);
   watched_.clear();
-  abort_group_();
+  return true;
 }
 
 }  // namespace smp::comm::nccl

@@ -21,8 +21,9 @@ namespace smp::comm::nccl {
 class Watchdog {
  public:
   // `abort_group` aborts every NCCL communicator of the group; it is called from the watchdog's thread, or from
-  // wait_all's, with the watchdog's lock held.
-  explicit Watchdog(std::function<void()> abort_group);
+  // wait_all's, without the watchdog's lock (others see the failure meanwhile). `device`: the group's GPU, which
+  // the thread makes current (else querying an event would make a CUDA context on GPU 0 in every process).
+  Watchdog(int device, std::function<void()> abort_group);
   ~Watchdog();
   Watchdog(const Watchdog&) = delete;
   Watchdog& operator=(const Watchdog&) = delete;
@@ -41,10 +42,12 @@ class Watchdog {
     std::string what;
   };
   void run();
-  // Drops what completed, fails the group on an error or a timeout. Needs lock_.
-  void sweep();
-  void fail(std::string reason);
+  // Drops what completed; on an error or a timeout records the failure, stops watching, and returns true: the caller
+  // then aborts the group, after releasing lock_. Needs lock_.
+  bool sweep();
+  bool fail(std::string reason);
 
+  int device_;
   std::function<void()> abort_group_;
   std::mutex lock_;
   std::condition_variable wake_;

@@ -482,11 +482,16 @@ class PipelineExecutor::Step {
     }
     // Evaluation: one send in flight while the next output is computed, the older ones waited for.
     constexpr std::size_t kEvaluationSendsHeld = 2;
+    bool released = false;
     while (executor_.wait_for_oldest_send_ && sends_.size() >= kEvaluationSendsHeld) {
       sends_.begin()->second->wait();
       sends_.erase(sends_.begin());
       ++stats_.sends_released_early;
+      released = true;
     }
+    // On a GPU a wait only orders the compute stream after the send, and the dropped tensor stays reserved until the
+    // send is done: without waiting here, the host would run ahead and hold one output per microbatch after all.
+    if (released) executor_.pipeline_.synchronize();
     sends_[index] = comm::send_tensors(executor_.pipeline_, tensors, peer, tag_of(action), where(action),
                                        &executor_.layouts_);
     ++stats_.sends_posted;
