@@ -217,31 +217,39 @@ class NcclCommunicator final : public Communicator {
     const at::Tensor byte = at::zeros({2}, at::TensorOptions(at::kByte).device(device_));
     const auto ready = events_->record(c10::cuda::getCurrentCUDAStream(device_.index()).stream());
     uint8_t* const first = static_cast<uint8_t*>(byte.data_ptr());
-    check_plain(ncclGroupStart(), what);
-    try {
-      for (std::size_t i = 0; i < mine.size(); ++i) {
-        const auto [from, to] = mine[i];
-        const cudaStream_t stream = created[i]->stream->get();
-        nccl::order_after(stream, ready.get());
-        // Should one warm-up fail, `byte` goes while others may still write into it: not reused until they end.
-        c10::cuda::CUDACachingAllocator::recordStream(byte.storage().data_ptr(),
-                                                      c10::cuda::getStreamFromExternal(stream, device_.index()));
-        const bool sending = from == rank();
-        created[i]->handle->enqueue(
-            [&](ncclComm_t comm) {
-              if (from == to) return nccl::self_pair(comm, first, first + 1, 1, ncclUint8, stream);
-              return sending ? ncclSend(first, 1, ncclUint8, 1, comm, stream)
-                             : ncclRecv(first + 1, 1, ncclUint8, 0, comm, stream);
-            },
-            what + ": first transfer on " + channel_name(mine[i]));
-      }
-    } catch (...) {
-      // Aborted first, so that the group's end does not wait for peers to connect the channels.
-      for (Channel* channel : created) channel->handle->abort();
-      ncclGroupEnd();
-      throw;
+    for (Channel* channel : created) {
+      const cudaStream_t stream = channel->stream->get();
+      nccl::order_after(stream, ready.get());
+      // Should one warm-up fail, `byte` goes while others may still write into it: not reused until they end.
+      c10::cuda::CUDACachingAllocator::recordStream(byte.storage().data_ptr(),
+                                                    c10::cuda::getStreamFromExternal(stream, device_.index()));
     }
-    check_plain(ncclGroupEnd(), what + ": first transfers");
+    // Inside the NCCL group nothing may throw, and nothing is aborted: NCCL would reclaim an aborted communicator
+    // only at the group's end, beside the transfers queued on it. A failure is acted on after the group has ended
+    // (it then launches nothing).
+    ncclResult_t failed = ncclSuccess;
+    std::size_t failed_on = 0;
+    check_plain(ncclGroupStart(), what);
+    for (std::size_t i = 0; i < mine.size(); ++i) {
+      const auto [from, to] = mine[i];
+      const cudaStream_t stream = created[i]->stream->get();
+      const bool sending = from == rank();
+      const ncclResult_t result = created[i]->handle->try_enqueue([&](ncclComm_t comm) {
+        if (from == to) return nccl::self_pair(comm, first, first + 1, 1, ncclUint8, stream);
+        return sending ? ncclSend(first, 1, ncclUint8, 1, comm, stream) : ncclRecv(first + 1, 1, ncclUint8, 0, comm, stream);
+      });
+      if (result != ncclSuccess && result != ncclInProgress && failed == ncclSuccess) {
+        failed = result;
+        failed_on = i;
+      }
+    }
+    const ncclResult_t ended = ncclGroupEnd();
+    if (failed != ncclSuccess) {
+      created[failed_on]->handle->fail(what + ": first transfer on " + channel_name(mine[failed_on]) + " failed: ", failed);
+    }
+    if (ended != ncclSuccess && ended != ncclInProgress) {
+      created.front()->handle->fail(what + ": first transfers failed: ", ended);
+    }
     for (std::size_t i = 0; i < mine.size(); ++i) {
       auto warm_up = std::make_shared<Completion>();
       warm_up->handle = created[i]->handle;

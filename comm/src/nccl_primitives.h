@@ -62,13 +62,22 @@ class Handle {
   // be busy with it (see wait_ready).
   template <typename Call>
   void enqueue(Call call, const std::string& what) {
-    ncclResult_t result;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      throw_if_aborted(what);
-      result = call(comm);
-    }
+    const ncclResult_t result = try_enqueue(call);
     if (result != ncclSuccess && result != ncclInProgress) fail(what + " failed: ", result);
+  }
+  // enqueue without failing: what NCCL returned (ncclInvalidUsage, and nothing called, once aborted). For calls
+  // inside an NCCL group, where an abort would only be reclaimed at the group's end (see connect's first transfers).
+  template <typename Call>
+  ncclResult_t try_enqueue(Call call) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (aborted_) return ncclInvalidUsage;
+    return call(comm);
+  }
+  // Fails as a call that returned `result` does: the group aborted, a CommError thrown.
+  [[noreturn]] void fail(const std::string& prefix, ncclResult_t result) {
+    const std::string reason = describe(result);
+    abort_group();
+    throw CommError(prefix + reason);
   }
   // enqueue, then wait until the communicator can take the next call.
   template <typename Call>
@@ -93,8 +102,8 @@ class Handle {
     return "NCCL: " + error_text(state, comm);
   }
 
-  // Communicators are non-blocking (so that a dead peer can be timed out): a call may return ncclInProgress, and
-  // the communicator must be polled until it is ready for the next one.
+  // A non-blocking communicator (every one is created so, that a member that never comes is timed out) may return
+  // ncclInProgress, and must then be polled until it is ready for the next call; a blocking one is ready at once.
   void wait_ready(Clock::time_point deadline, const std::string& what) {
     while (true) {
       const ncclResult_t now = state();
@@ -109,15 +118,6 @@ class Handle {
   }
 
  private:
-  void throw_if_aborted(const std::string& what) const {
-    if (aborted_) throw CommError(what + ": the NCCL communicator was aborted after an earlier failure");
-  }
-  [[noreturn]] void fail(const std::string& prefix, ncclResult_t result) {
-    const std::string reason = describe(result);
-    abort_group();
-    throw CommError(prefix + reason);
-  }
-
   friend class Handles;
   std::mutex mutex_;
   bool aborted_ = false;
