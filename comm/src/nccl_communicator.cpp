@@ -75,17 +75,10 @@ class NcclPending final : public Pending {
 
  private:
   void host_wait(Clock::time_point deadline) {
-    Handle& handle = *completion_->handle;
     while (!nccl::has_completed(completion_->done.get())) {
-      const ncclResult_t state = handle.state();
-      if (state != ncclSuccess && state != ncclInProgress) {
-        const std::string reason = handle.describe(state);
-        handle.abort_group();
-        throw CommError(what_ + " failed: " + reason);
-      }
-      if (Clock::now() > deadline) {
-        handle.abort_group();
-        throw CommError(what_ + " timed out (NCCL); the group's communicators were aborted");
+      if (auto failure = nccl::stalled(*completion_, deadline, what_)) {
+        completion_->handle->abort_group();
+        throw CommError(*failure);
       }
       std::this_thread::yield();
     }
@@ -236,7 +229,8 @@ class NcclCommunicator final : public Communicator {
       const bool sending = from == rank();
       const ncclResult_t result = created[i]->handle->try_enqueue([&](ncclComm_t comm) {
         if (from == to) return nccl::self_pair(comm, first, first + 1, 1, ncclUint8, stream);
-        return sending ? ncclSend(first, 1, ncclUint8, 1, comm, stream) : ncclRecv(first + 1, 1, ncclUint8, 0, comm, stream);
+        return sending ? ncclSend(first, 1, ncclUint8, 1, comm, stream)
+                       : ncclRecv(first + 1, 1, ncclUint8, 0, comm, stream);
       });
       if (result != ncclSuccess && result != ncclInProgress && failed == ncclSuccess) {
         failed = result;
@@ -245,7 +239,8 @@ class NcclCommunicator final : public Communicator {
     }
     const ncclResult_t ended = ncclGroupEnd();
     if (failed != ncclSuccess) {
-      created[failed_on]->handle->fail(what + ": first transfer on " + channel_name(mine[failed_on]) + " failed: ", failed);
+      created[failed_on]->handle->fail(what + ": first transfer on " + channel_name(mine[failed_on]) + " failed: ",
+                                       failed);
     }
     if (ended != ncclSuccess && ended != ncclInProgress) {
       created.front()->handle->fail(what + ": first transfers failed: ", ended);
@@ -381,12 +376,13 @@ class NcclCommunicator final : public Communicator {
   }
 
   // Communicators are created non-blocking, so that a member that never comes is timed out. But NCCL then starts a
-  // thread for every operation it launches: a send to oneself took 57 to 77 us that way against 15 to 17 us blocking
-  // (bench_gpu on an H200, 2026-11-26). So a channel goes on as a blocking communicator split from its non-blocking
-  // one (the split itself runs non-blocking, bounded like the creation); once its first transfer has connected it,
-  // an operation only enqueues work, and the host never waits in NCCL. The non-blocking parents are aborted when the
-  // caller drops them: their children do not depend on them, unless NCCL_COMM_SPLIT_SHARE_RESOURCES=1 (which
-  // overrides the configuration) makes them share the parent's abort flag, and then the parents stay.
+  // thread for every operation it launches: a small send to oneself took 36 to 84 us that way against 13 to 19 us
+  // blocking (bench_gpu nccl on an H200, 2026-11-26). So a channel goes on as a blocking communicator split from
+  // its non-blocking one (the split itself runs non-blocking, bounded like the creation); once its first transfer
+  // has connected it, an operation only enqueues work, and the host never waits in NCCL. The non-blocking parents
+  // are aborted when the caller drops them: their children do not depend on them, unless
+  // NCCL_COMM_SPLIT_SHARE_RESOURCES=1 (which overrides the configuration) makes them share the parent's abort flag,
+  // and then the parents stay.
   std::vector<std::shared_ptr<Handle>> split_blocking(const std::vector<std::shared_ptr<Handle>>& parents,
                                                       const std::vector<int>& ranks, const std::string& what) {
     const char* shared = std::getenv("NCCL_COMM_SPLIT_SHARE_RESOURCES");
@@ -421,8 +417,9 @@ class NcclCommunicator final : public Communicator {
     c10::cuda::CUDAGuard guard(device_);
     const cudaStream_t stream = collective_stream_->get();
     auto completion = start(collective_, stream, tensor);
-    collective_->issue([&](ncclComm_t comm) { return launch(comm, tensor.data_ptr(), element_count(tensor, type), type, stream); },
-                       deadline, what);
+    collective_->issue(
+        [&](ncclComm_t comm) { return launch(comm, tensor.data_ptr(), element_count(tensor, type), type, stream); },
+        deadline, what);
     completion->done = events_->record(stream);
     return pending(completion, tensor, NcclPending::WaitOn::host, what);
   }
@@ -470,7 +467,8 @@ class NcclCommunicator final : public Communicator {
       const size_t count = element_count(tensor, type);
       channel.handle->issue(
           [&](ncclComm_t comm) {
-            return sending ? ncclSend(data, count, type, other, comm, stream) : ncclRecv(data, count, type, other, comm, stream);
+            return sending ? ncclSend(data, count, type, other, comm, stream)
+                           : ncclRecv(data, count, type, other, comm, stream);
           },
           deadline, what);
       completion->done = events_->record(stream);

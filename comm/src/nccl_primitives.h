@@ -7,6 +7,7 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -224,6 +225,16 @@ struct Completion {
   std::shared_ptr<Handle> handle;
   std::shared_ptr<CUevent_st> done;  // null until the operation is issued; a self pair's two share one
 };
+
+// For an operation that has not completed: why it never will (its communicator's error, or `deadline` passed), or
+// nothing while it still may.
+inline std::optional<std::string> stalled(const Completion& operation, Clock::time_point deadline,
+                                          const std::string& what) {
+  const ncclResult_t state = operation.handle->state();
+  if (state != ncclSuccess && state != ncclInProgress) return what + " failed: " + operation.handle->describe(state);
+  if (Clock::now() > deadline) return what + " timed out (NCCL); the group's communicators were aborted";
+  return std::nullopt;
+}
 
 // A stream of our own, not one of LibTorch's pooled streams: a channel's stream can stay blocked in a send until
 // the receiver arrives, so it must never be shared with anything else.

@@ -75,17 +75,12 @@ void Watchdog::run() {
 
 bool Watchdog::sweep() {
   if (failure_) return false;
-  const auto now = Clock::now();
   try {
     std::size_t kept = 0;
     for (std::size_t i = 0; i < watched_.size(); ++i) {
       Watched& entry = watched_[i];
       if (has_completed(entry.completion->done.get())) continue;
-      const ncclResult_t state = entry.completion->handle->state();
-      if (state != ncclSuccess && state != ncclInProgress) {
-        return fail(entry.what + " failed: " + entry.completion->handle->describe(state));
-      }
-      if (now > entry.deadline) return fail(entry.what + " timed out (NCCL); the group's communicators were aborted");
+      if (auto failure = stalled(*entry.completion, entry.deadline, entry.what)) return fail(std::move(*failure));
       if (kept != i) watched_[kept] = std::move(entry);
       ++kept;
     }
