@@ -41,6 +41,7 @@ def language_model(name):
     decoder = dict(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                    max_position_embeddings=32, **NO_IDS, **small)
     grouped = dict(decoder, num_key_value_heads=2)
+    moe = dict(grouped, output_router_logits=True, router_aux_loss_coef=0.1)
     encoder = dict(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                    max_position_embeddings=40, num_labels=CLASSES, hidden_dropout_prob=0.0,
                    attention_probs_dropout_prob=0.0, **small)
@@ -62,6 +63,16 @@ def language_model(name):
                                                       num_attention_heads=4, max_position_embeddings=32,
                                                       word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
                                                       activation_dropout=0.0, layerdrop=0.0, **NO_IDS, **small)),
+        # Mixture of experts: top-k routing writes tokens into expert buffers; output_router_logits adds the
+        # load-balancing term to the model's own loss.
+        "mixtral": lambda: hf.MixtralForCausalLM(hf.MixtralConfig(**moe, num_local_experts=4, num_experts_per_tok=2)),
+        "olmoe": lambda: hf.OlmoeForCausalLM(hf.OlmoeConfig(**moe, num_experts=4, num_experts_per_tok=2)),
+        "qwen3_moe": lambda: hf.Qwen3MoeForCausalLM(hf.Qwen3MoeConfig(**moe, num_experts=4, num_experts_per_tok=2,
+                                                                      moe_intermediate_size=48, head_dim=8)),
+        "deepseek_v3": lambda: hf.DeepseekV3ForCausalLM(hf.DeepseekV3Config(
+            **dict(moe, num_key_value_heads=4), n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=48,
+            first_k_dense_replace=1, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=8)),
         "bert": lambda: hf.BertForSequenceClassification(hf.BertConfig(**encoder)),
         "roberta": lambda: hf.RobertaForSequenceClassification(hf.RobertaConfig(**encoder, pad_token_id=1)),
         "distilbert": lambda: hf.DistilBertForSequenceClassification(hf.DistilBertConfig(

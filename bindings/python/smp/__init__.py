@@ -83,7 +83,8 @@ def _capture(model, sample, stages, pinned):
     export_error = None
     if not _contains_scripted(model):
         try:
-            graph, leaf_inputs, output_spec = exporting.capture(model, args, kwargs, stages, pinned, GraphModel)
+            graph, leaf_inputs, output_spec = exporting.capture(model, args, kwargs, stages, pinned, GraphModel,
+                                                                torch.device(runtime().device))
             return graph, CapturedIO(model, args, kwargs, leaf_inputs, output_spec, exporting.split_sample)
         except exporting.CaptureError as error:
             export_error = error

@@ -37,7 +37,48 @@ _READS_METADATA_ONLY = {getattr(_aten, name).default for name in
                         _aten.sym_stride.int}
 
 
-_RANDOM_OUT_OF_PLACE = {_aten.bernoulli_.float: _aten.bernoulli.p}
+def _copied(into, source, non_blocking=False):
+    """copy_ out of place, with a derivative (aten.copy has none): the source as the written tensor would hold it."""
+    return source.to(dtype=into.dtype, device=into.device, non_blocking=non_blocking).expand_as(into)
+
+
+# In-place operations whose out-of-place form is not their name without the underscore.
+_OUT_OF_PLACE = {_aten.bernoulli_.float: _aten.bernoulli.p, _aten.copy_.default: _copied}
+
+
+def _permute_back(view, value):
+    dims = list(view.args[1])
+    inverse = [0] * len(dims)
+    for position, dim in enumerate(dims):
+        inverse[dim % len(dims)] = position
+    return _aten.permute.default, (value, inverse)
+
+
+# A view's base with `value` written through the view, out of place: view operation -> (scatter, its arguments).
+_SCATTER_BACK = {
+    _aten.slice.Tensor: lambda view, value: (_aten.slice_scatter.default, (view.args[0], value, *view.args[1:])),
+    _aten.select.int: lambda view, value: (_aten.select_scatter.default, (view.args[0], value, *view.args[1:])),
+    _aten.diagonal.default: lambda view, value: (_aten.diagonal_scatter.default, (view.args[0], value,
+                                                                                  *view.args[1:])),
+    _aten.as_strided.default: lambda view, value: (_aten.as_strided_scatter.default, (view.args[0], value,
+                                                                                      *view.args[1:])),
+    _aten.transpose.int: lambda view, value: (_aten.transpose.int, (value, *view.args[1:])),
+    _aten.t.default: lambda view, value: (_aten.t.default, (value,)),
+    _aten.permute.default: _permute_back,
+}
+for _reshaping in ("view.default", "_unsafe_view.default", "reshape.default", "unsqueeze.default", "squeeze.dim",
+                   "squeeze.dims", "squeeze.default", "alias.default", "flatten.using_ints", "unflatten.int"):
+    _packet, _overload = _reshaping.split(".")
+    _SCATTER_BACK[getattr(getattr(_aten, _packet), _overload)] = \
+        lambda view, value: (_aten.reshape_as.default, (value, view.args[0]))
+
+
+def _is_view(node):
+    schema = getattr(node.target, "_schema", None) if _is_op(node) else None
+    if schema is None or not schema.returns or not schema.arguments:
+        return False
+    returned, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
+    return returned is not None and not returned.is_write and first is not None and not first.is_write
 
 
 class CaptureError(Exception):
@@ -108,7 +149,11 @@ class _Units:
                 if (f"{path}.{name}" if path else name) in self.used]
 
     def expandable(self, path):
-        return bool(self.children(path))
+        """Has children, and they hold most of its parameters: cutting a module whose tensors are its own (stacked
+        experts, whose only child is an activation) would split its computation into pieces, not its weight."""
+        children = self.children(path)
+        held = sum(self.parameter_count[child] for child in children)
+        return bool(children) and 2 * held >= self.parameter_count[path]
 
     def _expand(self, path):
         self.units.discard(path)
@@ -174,6 +219,52 @@ def export_model(model, args, kwargs):
         raise CaptureError(f"{type(error).__name__}: {first}" + (f" (at {where})" if where else "")) from error
 
 
+def _export_as_if_on(device, model, args, kwargs):
+    """Exports a model built on the meta device as if its tensors were on `device`, where the job runs it: model code
+    that branches on the device (transformers' experts count tokens with histc on floats on a CPU, on integers
+    elsewhere) takes the branch that will run. Its tensors stand in as fake tensors on that device for the export,
+    and are the model's own meta tensors again afterwards."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    converter = mode.fake_tensor_converter
+
+    def fake(tensor):
+        return converter.from_meta_and_device(mode, tensor.to("meta"), device)
+
+    originals = []
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for key, tensor in table.items():
+                if tensor is not None:
+                    originals.append((table, key, tensor))
+    stand_ins = {}
+    try:
+        for table, key, tensor in originals:
+            if id(tensor) not in stand_ins:  # a tied tensor stays one tensor
+                stand_in = fake(tensor)
+                stand_ins[id(tensor)] = torch.nn.Parameter(stand_in, tensor.requires_grad) \
+                    if isinstance(tensor, torch.nn.Parameter) else stand_in
+            table[key] = stand_ins[id(tensor)]
+        with mode:
+            args, kwargs = pytree.tree_map(lambda v: fake(v) if isinstance(v, torch.Tensor) else v, (args, kwargs))
+            return export_model(model, args, kwargs)
+    finally:
+        for table, key, tensor in originals:
+            table[key] = tensor
+
+
+def _real_constant(value, target, name):
+    """A tensor the forward made from literals: exported on fake tensors (a meta-built model), its value is the one
+    the fake tensor remembers."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    if not isinstance(value, FakeTensor):
+        return value
+    if value.constant is None:
+        raise ModelError(f"{name}'s forward makes a constant tensor ({target}) whose value a model built on the meta "
+                         "device does not have; build the model on a real device, or compute it from the inputs")
+    return value.constant
+
+
 def _merge_tensor_parallel_copies(graph):
     """One copy to the tensor-parallel shards per value: a plan's sibling column layers (query, key and value; gate
     and up) each copy the same input, and one copy sums their gradients in one all-reduce, not one each."""
@@ -187,7 +278,7 @@ def _merge_tensor_parallel_copies(graph):
                 graph.erase_node(node)
 
 
-def capture(model, args, kwargs, stages, pinned_paths, graph_factory):
+def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=torch.device("cpu")):
     """Exports `model` on the sample (args, kwargs) and builds the engine's graph: returns (graph, input leaves,
     output spec), where the input leaves say for each leaf of the flattened (args, kwargs) the engine input name it
     feeds (None for leaves baked into the capture), and the output spec how the model's outputs are rebuilt from
@@ -195,16 +286,14 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory):
     name = type(model).__name__
     # Capturing must leave no trace in the training state: buffers, and the random numbers dropout draws next.
     buffers_before = [(b, b.detach().clone()) for b in model.buffers()]
-    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
-        # A model built on the meta device is captured there: export wants the sample on the parameters' device.
-        args, kwargs = pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, (args, kwargs))
+    on_meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
     # Captured in training mode, whatever mode the model is in (from_pretrained gives eval): evaluation turns dropout
     # and batch statistics off in the captured code, but nothing could turn them on.
     modes = [(module, module.training) for module in model.modules()]
     model.train()
     try:
         with torch.random.fork_rng(devices=[]):
-            exported = export_model(model, args, kwargs)
+            exported = _export_as_if_on(device, model, args, kwargs) if on_meta else export_model(model, args, kwargs)
     finally:
         for module, mode in modes:
             module.training = mode
@@ -236,7 +325,8 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory):
             elif kind == "BUFFER":
                 attributes[node] = (first_path.get(id(buffers[target]), target), buffers[target])
             elif kind == "CONSTANT_TENSOR":
-                attributes[node] = ("_smp_constants." + target.replace(".", "_"), exported.constants[target])
+                attributes[node] = ("_smp_constants." + target.replace(".", "_"),
+                                    _real_constant(exported.constants[target], target, name))
             elif kind == "USER_INPUT":
                 user_inputs.append(node)
             else:
@@ -264,14 +354,8 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory):
     order = {node: i for i, node in enumerate(graph.nodes)}
 
     # Values that depend on no parameter and draw no random numbers are recomputed wherever they are read.
-    dynamic = set()
-    for node in graph.nodes:
-        if node.op == "placeholder" and isinstance(attributes.get(node, (None, None))[1], torch.nn.Parameter):
-            dynamic.add(node)
-        elif _is_op(node) and (_is_random(node) or (node.target not in _READS_METADATA_ONLY and
-                                                     any(a in dynamic for a in node.all_input_nodes))):
-            dynamic.add(node)
-    extra_inputs = _in_place_writes(graph, order, attributes, dynamic, name)
+    dynamic, extra_inputs = _data_flow(graph, order, attributes, name)
+    order = {node: i for i, node in enumerate(graph.nodes)}  # with the operations written writes added
     for node in reversed(list(graph.nodes)):
         if _is_op(node) and not node.users and not _mutates_first_argument(node) and not _is_random(node):
             graph.erase_node(node)
@@ -355,13 +439,20 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory):
     return engine, leaf_inputs, output_spec
 
 
-def _in_place_writes(graph, order, attributes, dynamic, name):
-    """In-place writes as data flow. A write into a value computed from parameters runs out of place, and whatever
-    reads that value afterwards reads the write's result: plain PyTorch sees the change through the shared tensor,
-    pipeline stages only through edges (a reader on another stage, or a value sent before the write). A write into
-    a value of no parameter (a mask, shifted labels: recomputed where read) stays in place, and whatever reads that
-    memory afterwards, through the value or a view sharing it, runs after the write in the same node (returned: node
-    -> writes it must follow). Writes into buffers (batch norm's statistics) stay: they update the model's own."""
+def _data_flow(graph, order, attributes, name):
+    """Which values depend on a parameter or draw random numbers (`dynamic`: computed once, sent where read; the rest
+    is recomputed wherever it is read), with in-place writes turned into data flow on the way, in graph order, so
+    that a reader of a write's result is judged by what the write made.
+
+    A write that makes a dynamic value runs out of place, and whatever reads the written tensor afterwards reads
+    the write's result: plain PyTorch sees the change through the shared tensor, pipeline stages only through edges
+    (a reader on another stage, or a value sent before the write). That covers writes into values computed from
+    parameters and writes of such values into fresh tensors of none (mixture-of-experts routing scattering token
+    positions into an empty_like, a group mask filled by scatter_, stochastic depth's new_empty(...).bernoulli_(p)).
+    A write of no parameter into a value of none (a mask, shifted labels: recomputed where read) stays in place, and
+    whatever reads that memory afterwards, through the value or a view sharing it, runs after the write in the same
+    node (returned: node -> writes it must follow). Writes into buffers (batch norm's statistics) stay: they update
+    the model's own. Returns (dynamic, extra_inputs)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     def memory(node):
@@ -372,9 +463,17 @@ def _in_place_writes(graph, order, attributes, dynamic, name):
             return None
 
     storage = {node: memory(node) for node in graph.nodes}
+    dynamic = set()
     extra_inputs = collections.defaultdict(list)
     for node in list(graph.nodes):
-        if not _is_op(node) or not _mutates_first_argument(node):
+        if node.op == "placeholder" and isinstance(attributes.get(node, (None, None))[1], torch.nn.Parameter):
+            dynamic.add(node)
+        if not _is_op(node):
+            continue
+        if _is_random(node) or (node.target not in _READS_METADATA_ONLY and
+                                any(a in dynamic for a in node.all_input_nodes)):
+            dynamic.add(node)
+        if not _mutates_first_argument(node):
             continue
         written = node.args[0]
         if written in attributes:
@@ -386,32 +485,43 @@ def _in_place_writes(graph, order, attributes, dynamic, name):
                               if order.get(reader, -1) > order[node] and reader is not node]
         later_readers = [reader for reader in list(written.users) if reader is not node and
                          order.get(reader, -1) > order[node]]
-        fresh_random = node in dynamic and _is_random(node) and not any(
-            argument in dynamic for argument in node.all_input_nodes if argument is not written)
-        if written not in dynamic and not fresh_random:
-            if node in dynamic:
-                raise ModelError(f"{name}'s forward writes a value computed from parameters in place into a tensor "
-                                 f"of none ({node.format_node()}); write it out of place so that it can be cut into "
-                                 "stages")
+        if node not in dynamic:
             for reader in later_readers:
                 reader.replace_input_with(written, node)
             for reader in late_alias_readers:
                 extra_inputs[reader].append(node)
             continue
+        # A write through views of a tensor (key[..., :d].copy_(k) into a new_empty) writes that tensor: out of
+        # place, the views' bases are scattered into anew, and what reads them afterwards reads the new ones.
+        chain = [written]
+        while _is_view(chain[0]) and chain[0].args[0] not in attributes and chain[0].target in _SCATTER_BACK:
+            chain.insert(0, chain[0].args[0])
+        late_alias_readers = [reader for reader in late_alias_readers
+                              if not any(reader in member.users for member in chain)]
         if late_alias_readers:
             raise ModelError(f"{name}'s forward writes in place into {written.name} ({node.format_node()}), which "
                              f"shares memory with {aliases[0].name}, read afterwards by {late_alias_readers[0].name}; "
                              "write it out of place so that it can be cut into stages")
-        # A random write into a fresh tensor (stochastic depth's new_empty(...).bernoulli_(p)) runs out of place too:
-        # its result is then a random value like any other, computed once.
-        functional = _functional_variant(node.target) or _RANDOM_OUT_OF_PLACE.get(node.target)
+        functional = _OUT_OF_PLACE.get(node.target) or _functional_variant(node.target)
         if functional is None:
             raise ModelError(f"{name}'s forward writes in place ({node.format_node()}) with an operation that has no "
                              "out-of-place form; write it out of place so that it can be cut into stages")
         node.target = functional
-        for reader in later_readers:
-            reader.replace_input_with(written, node)
-    return extra_inputs
+        later = {view: [r for r in view.users if r is not node and order.get(r, -1) > order[node]] for view in chain}
+        new_value, after = node, node
+        for view in reversed(chain):
+            for reader in later[view]:
+                reader.replace_input_with(view, new_value)
+            if view is chain[0]:
+                break
+            scatter, arguments = _SCATTER_BACK[view.target](view, new_value)
+            with graph.inserting_after(after):
+                base = graph.call_function(scatter, arguments)
+            base.meta = dict(node.meta, val=view.args[0].meta.get("val"))
+            order[base] = order[after] + 1e-3
+            dynamic.add(base)
+            new_value, after = base, base
+    return dynamic, extra_inputs
 
 
 def _plan_nodes(graph, ops, dynamic, units, output_leaves, side_effects):
