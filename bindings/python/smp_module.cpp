@@ -26,6 +26,7 @@
 #include "smp/config.h"
 #include "smp/distributed_model.h"
 #include "smp/errors.h"
+#include "smp/executor.h"
 #include "smp/graph_model.h"
 #include "smp/runtime.h"
 #include "smp/tp.h"
@@ -452,6 +453,7 @@ PYBIND11_MODULE(_smp, module) {
         return DistributedModel::batched_inputs(defined_or_not(inputs), targets.value_or(at::Tensor()));
       },
       py::arg("inputs"), py::arg("targets"));
+  module.def("recomputing", &recomputing);
   module.def("export_checkpoint", &export_checkpoint, py::arg("checkpoint_directory"), py::arg("output_file"),
              py::call_guard<py::gil_scoped_release>());
   module.def("export_checkpoint_safetensors", &export_checkpoint_safetensors, py::arg("checkpoint_directory"),

@@ -12,9 +12,34 @@ namespace {
 constexpr int64_t kHeaderMagic = 0x736d7002;  // "smp" + format version 2
 constexpr int kHeaderSlots = 64;
 constexpr int kMaxDims = 8;
-// Where the payloads go: to the receives posted ahead for the remembered layout, or to tags of their own.
+// Where the payloads go: to the receives posted ahead for the remembered layout, or to tags of their own; or, for
+// a layout the header cannot describe (more tensors, or more dimensions, than it has room for: a cut across a dense
+// block's many feature maps), the layout as a message of its own and every tensor packed into one payload.
 constexpr int64_t kAsExpected = 0;
 constexpr int64_t kNewLayout = 1;
+constexpr int64_t kPacked = 2;
+constexpr int64_t kPackAlignment = 64;  // each tensor's bytes start aligned, so that they can be viewed as its type
+
+bool fits_header(const std::vector<at::Tensor>& tensors) {
+  if (static_cast<int>(tensors.size()) > kMaxTensorsPerTransfer) return false;
+  int used = 3;
+  for (const auto& tensor : tensors) {
+    if (tensor.dim() > kMaxDims) return false;
+    used += 2 + static_cast<int>(tensor.dim());
+  }
+  return used <= kHeaderSlots;
+}
+
+int64_t packed_bytes(const TensorLayout& tensor) {
+  int64_t bytes = static_cast<int64_t>(c10::elementSize(tensor.dtype));
+  for (auto size : tensor.sizes) bytes *= size;
+  return bytes;
+}
+
+int64_t aligned(int64_t offset) { return (offset + kPackAlignment - 1) / kPackAlignment * kPackAlignment; }
+
+// The layout message of a packed transfer travels on the transfer's last tag, which no payload uses.
+int layout_tag(int tag) { return tag + kTagsPerTransfer - 1; }
 
 std::vector<TensorLayout> layout_of(const std::vector<at::Tensor>& tensors) {
   std::vector<TensorLayout> layout;
@@ -22,11 +47,8 @@ std::vector<TensorLayout> layout_of(const std::vector<at::Tensor>& tensors) {
   return layout;
 }
 
-at::Tensor make_header(const std::vector<at::Tensor>& tensors, int64_t kind, const std::string& what) {
-  if (static_cast<int>(tensors.size()) > kMaxTensorsPerTransfer) {
-    throw CommError(what + ": " + std::to_string(tensors.size()) + " tensors in one transfer; at most " +
-                    std::to_string(kMaxTensorsPerTransfer) + " are supported");
-  }
+// Only for tensors that fit_header.
+at::Tensor make_header(const std::vector<at::Tensor>& tensors, int64_t kind) {
   at::Tensor header = at::zeros({kHeaderSlots}, at::kLong);
   auto* slot = header.data_ptr<int64_t>();
   int used = 0;
@@ -34,10 +56,6 @@ at::Tensor make_header(const std::vector<at::Tensor>& tensors, int64_t kind, con
   slot[used++] = static_cast<int64_t>(tensors.size());
   slot[used++] = kind;
   for (const auto& tensor : tensors) {
-    if (tensor.dim() > kMaxDims || used + 2 + tensor.dim() > kHeaderSlots) {
-      throw CommError(what + ": tensor shapes too large for the transfer header (at most " + std::to_string(kMaxDims) +
-                      " dimensions each)");
-    }
     slot[used++] = static_cast<int64_t>(tensor.scalar_type());
     slot[used++] = tensor.dim();
     for (int64_t size : tensor.sizes()) slot[used++] = size;
@@ -72,7 +90,7 @@ const std::vector<TensorLayout>* TransferLayouts::find(int peer, int tag) const 
 }
 
 std::unique_ptr<Pending> send_tensors(Communicator& comm, const std::vector<at::Tensor>& tensors, int peer, int tag,
-                                      const std::string& what, TransferLayouts* layouts) {
+                                      const std::string& /*what*/, TransferLayouts* layouts) {
   class Group final : public Pending {
    public:
     std::vector<std::unique_ptr<Pending>> parts;
@@ -84,9 +102,32 @@ std::unique_ptr<Pending> send_tensors(Communicator& comm, const std::vector<at::
   const bool remembering = remembers(comm, layouts);
   const std::vector<TensorLayout>* expected = remembering ? layouts->find(peer, tag) : nullptr;
   std::vector<TensorLayout> layout = layout_of(tensors);
-  const bool as_expected = expected && *expected == layout;
+  const bool packed = !fits_header(tensors);
+  const bool as_expected = !packed && expected && *expected == layout;
   auto group = std::make_unique<Group>();
-  group->parts.push_back(comm.isend(make_header(tensors, as_expected ? kAsExpected : kNewLayout, what), peer, tag));
+  if (packed) {
+    std::vector<int64_t> description;
+    int64_t bytes = 0;
+    for (const auto& tensor : layout) {
+      description.push_back(static_cast<int64_t>(tensor.dtype));
+      description.push_back(static_cast<int64_t>(tensor.sizes.size()));
+      description.insert(description.end(), tensor.sizes.begin(), tensor.sizes.end());
+      bytes = aligned(bytes) + packed_bytes(tensor);
+    }
+    at::Tensor header = at::zeros({kHeaderSlots}, at::kLong);
+    auto* slot = header.data_ptr<int64_t>();
+    slot[0] = kHeaderMagic;
+    slot[1] = static_cast<int64_t>(tensors.size());
+    slot[2] = kPacked;
+    slot[3] = static_cast<int64_t>(description.size());
+    slot[4] = bytes;
+    group->parts.push_back(comm.isend(header, peer, tag));
+    at::Tensor layout_message = at::empty({static_cast<int64_t>(description.size())}, at::kLong);
+    std::copy(description.begin(), description.end(), layout_message.data_ptr<int64_t>());
+    group->parts.push_back(comm.isend(layout_message, peer, layout_tag(tag)));
+  } else {
+    group->parts.push_back(comm.isend(make_header(tensors, as_expected ? kAsExpected : kNewLayout), peer, tag));
+  }
   if (expected && !as_expected) {
     // The receives posted ahead for the old layout are retired with a byte each (a send may be smaller than its
     // receive, never larger: an empty buffer gets an empty message).
@@ -96,6 +137,23 @@ std::unique_ptr<Pending> send_tensors(Communicator& comm, const std::vector<at::
       at::Tensor retire = at::zeros({std::min<std::int64_t>(bytes, 1)}, at::TensorOptions(at::kByte).device(comm.device()));
       group->parts.push_back(comm.isend(retire, peer, expected_tag(tag, j)));
     }
+  }
+  if (packed) {
+    int64_t bytes = 0;
+    for (const auto& tensor : layout) bytes = aligned(bytes) + packed_bytes(tensor);
+    at::Tensor payload = at::empty({bytes}, at::TensorOptions(at::kByte).device(comm.device()));
+    int64_t offset = 0;
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      offset = aligned(offset);
+      const int64_t size = packed_bytes(layout[i]);
+      if (size > 0) {
+        payload.narrow(0, offset, size).copy_(tensors[i].to(comm.device()).contiguous().flatten().view(at::kByte));
+      }
+      offset += size;
+    }
+    group->parts.push_back(comm.isend(payload, peer, new_layout_tag(comm, tag, 0)));
+    if (remembering) layouts->forget(peer, tag);
+    return group;
   }
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     // Payloads travel on the group's device, where the receiver makes its buffers (on a GPU, over NCCL): a tensor a
@@ -152,23 +210,10 @@ std::vector<at::Tensor> IncomingTensors::wait() {
   if (slot[0] != kHeaderMagic) throw malformed("bad magic number");
   const int64_t count = slot[1];
   const int64_t kind = slot[2];
+  if (kind == kPacked) return receive_packed(count, slot[3], slot[4]);
   if (count < 0 || count > kMaxTensorsPerTransfer) throw malformed("tensor count " + std::to_string(count));
   if (kind != kAsExpected && kind != kNewLayout) throw malformed("kind " + std::to_string(kind));
-  std::vector<TensorLayout> layout;
-  int used = 3;
-  for (int64_t i = 0; i < count; ++i) {
-    if (used + 2 > kHeaderSlots) throw malformed("truncated");
-    const int64_t dtype = slot[used++];
-    const int64_t ndim = slot[used++];
-    if (dtype < 0 || dtype >= static_cast<int64_t>(at::ScalarType::NumOptions)) throw malformed("dtype");
-    if (ndim < 0 || ndim > kMaxDims || used + ndim > kHeaderSlots) throw malformed("rank " + std::to_string(ndim));
-    std::vector<int64_t> sizes(slot + used, slot + used + ndim);
-    used += static_cast<int>(ndim);
-    for (int64_t size : sizes) {
-      if (size < 0) throw malformed("negative size");
-    }
-    layout.push_back({static_cast<at::ScalarType>(dtype), std::move(sizes)});
-  }
+  std::vector<TensorLayout> layout = read_layout(slot + 3, kHeaderSlots - 3, count);
   // The sender sent to (or retired) the receives of the layout both ends remember: they must exist here, posted
   // now if this rank had not come to it.
   post_expected();
@@ -189,6 +234,69 @@ std::vector<at::Tensor> IncomingTensors::wait() {
     waited(receives);
   }
   if (layouts_) layouts_->remember(peer_, tag_, std::move(layout));
+  return tensors;
+}
+
+std::vector<TensorLayout> IncomingTensors::read_layout(const int64_t* slot, int64_t slots, int64_t count) const {
+  auto malformed = [&](const std::string& problem) {
+    return CommError(what_ + ": malformed transfer header from rank " + std::to_string(comm_.global_rank(peer_)) +
+                     " (" + problem + "); are both sides running the same program?");
+  };
+  std::vector<TensorLayout> layout;
+  int64_t used = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    if (used + 2 > slots) throw malformed("truncated");
+    const int64_t dtype = slot[used++];
+    const int64_t ndim = slot[used++];
+    if (dtype < 0 || dtype >= static_cast<int64_t>(at::ScalarType::NumOptions)) throw malformed("dtype");
+    if (ndim < 0 || used + ndim > slots) throw malformed("rank " + std::to_string(ndim));
+    std::vector<int64_t> sizes(slot + used, slot + used + ndim);
+    used += ndim;
+    for (int64_t size : sizes) {
+      if (size < 0) throw malformed("negative size");
+    }
+    layout.push_back({static_cast<at::ScalarType>(dtype), std::move(sizes)});
+  }
+  return layout;
+}
+
+std::vector<at::Tensor> IncomingTensors::receive_packed(int64_t count, int64_t layout_slots, int64_t bytes) {
+  const auto waited = [&](Pending& receive) {
+    try {
+      receive.wait();
+    } catch (const CommError& error) {
+      throw CommError(what_ + ": " + error.what());
+    }
+  };
+  if (count < 0 || layout_slots < 0 || bytes < 0) {
+    throw CommError(what_ + ": malformed transfer header from rank " + std::to_string(comm_.global_rank(peer_)) +
+                    " (packed sizes); are both sides running the same program?");
+  }
+  // The receives posted ahead for the last layout were retired by the sender.
+  post_expected();
+  for (auto& receive : expected_receives_) waited(*receive);
+  expected_receives_.clear();
+  expected_.clear();
+  at::Tensor description = at::empty({layout_slots}, at::kLong);
+  waited(*comm_.irecv(description, peer_, layout_tag(tag_)));
+  const std::vector<TensorLayout> layout = read_layout(description.data_ptr<int64_t>(), layout_slots, count);
+  at::Tensor payload = at::empty({bytes}, at::TensorOptions(at::kByte).device(comm_.device()));
+  waited(*comm_.irecv(payload, peer_, new_layout_tag(comm_, tag_, 0)));
+  std::vector<at::Tensor> tensors;
+  int64_t offset = 0;
+  for (const auto& tensor : layout) {
+    offset = aligned(offset);
+    const int64_t size = packed_bytes(tensor);
+    if (offset + size > bytes) {
+      throw CommError(what_ + ": packed transfer from rank " + std::to_string(comm_.global_rank(peer_)) +
+                      " is shorter than its layout; are both sides running the same program?");
+    }
+    // A tensor of its own (not a view of the payload): the engine gives each received tensor its own gradient.
+    tensors.push_back(size == 0 ? at::empty(tensor.sizes, at::TensorOptions(tensor.dtype).device(comm_.device()))
+                                : payload.narrow(0, offset, size).view(tensor.dtype).view(tensor.sizes).clone());
+    offset += size;
+  }
+  if (layouts_) layouts_->forget(peer_, tag_);
   return tensors;
 }
 

@@ -346,8 +346,16 @@ def main():
                  lambda: scaled.train_step(dict(keyword_batch(4), scale=2.0)))
     expect_error("a batch that does not split", smp.ConfigError, "does not split into",
                  lambda: keyword.train_step(keyword_batch(3)))
-    expect_error("microbatches of another shape than the sample's", smp.ConfigError, "input 'input_ids'",
-                 lambda: keyword.train_step(keyword_batch(6)))
+    keyword.train_step(keyword_batch(6))  # microbatches of 3 samples, captured on 2: the shapes may change
+    keyword.train_step({"input_ids": torch.randint(0, 10, (4, 9)), "attention_mask": torch.ones(4, 9),
+                        "labels": torch.randint(0, 3, (4,))})  # and the sequence's length
+    expect_error("inputs whose lengths the model needs equal", smp.ConfigError, "needs them equal",
+                 lambda: keyword.train_step(dict(keyword_batch(4), attention_mask=torch.ones(4, 6))))
+    expect_error("a microbatch of one sample (the capture allows 2 and more)", smp.ConfigError, "at least 2",
+                 lambda: keyword.train_step(keyword_batch(2)))
+    expect_error("an id beyond the embedding table, before any communication", smp.ConfigError,
+                 "row 12 of 'embed.weight', which has 10 rows",
+                 lambda: keyword.train_step(dict(keyword_batch(4), input_ids=torch.full((4, 5), 12))))
     expect_error("a loss the model does not compute", smp.ModelError, "holds no loss",
                  lambda: smp.DistributedModel(KeywordModel(), keyword_batch(2, False)).train_step(keyword_batch(4, False)))
     logits = keyword.evaluate(keyword_batch(4), keep_outputs=True).outputs["logits"]
@@ -541,7 +549,7 @@ def fused_runs():
     if abs(loss - expected) > 1e-6:
         failures.append(f"fused run: loss {loss}, PyTorch {expected}")
     expect_error("a failure inside a fused run", smp.ModelError, '"embed" to "',
-                 lambda: model.train_step(torch.full((2, 4), 9), targets, F.mse_loss))
+                 lambda: model.train_step(torch.full((2, 4), 1.5), targets, F.mse_loss))  # ids of a float type
 
 
 def pytorch_conventions():

@@ -6,7 +6,7 @@ Exits 0 only then.
   --models LIST  comma-separated, trained one after the other in the same job: causal LMs gpt2, llama, mistral,
                  qwen2, phi, gpt_neox, bloom, falcon, opt; sequence classifiers with padded attention masks bert,
                  roberta, distilbert; encoder-decoders t5, bart; torchvision resnet, vit, mobilenet, efficientnet,
-                 convnext, swin
+                 convnext, swin, regnet, densenet; mixtures of experts mixtral, olmoe, qwen3_moe, deepseek_v3
   --smp JSON     the config
   --steps N
   --loss own|fn  own: the model's own loss (labels among the inputs, loss=None); fn: a loss function on the
@@ -65,12 +65,12 @@ def language_model(name):
                                                       activation_dropout=0.0, layerdrop=0.0, **NO_IDS, **small)),
         # Mixture of experts: top-k routing writes tokens into expert buffers; output_router_logits adds the
         # load-balancing term to the model's own loss.
-        "mixtral": lambda: hf.MixtralForCausalLM(hf.MixtralConfig(**moe, num_local_experts=4, num_experts_per_tok=2)),
-        "olmoe": lambda: hf.OlmoeForCausalLM(hf.OlmoeConfig(**moe, num_experts=4, num_experts_per_tok=2)),
-        "qwen3_moe": lambda: hf.Qwen3MoeForCausalLM(hf.Qwen3MoeConfig(**moe, num_experts=4, num_experts_per_tok=2,
+        "mixtral": lambda: hf.MixtralForCausalLM(hf.MixtralConfig(**moe, num_local_experts=4, num_experts_per_tok=TOP_K)),
+        "olmoe": lambda: hf.OlmoeForCausalLM(hf.OlmoeConfig(**moe, num_experts=4, num_experts_per_tok=TOP_K)),
+        "qwen3_moe": lambda: hf.Qwen3MoeForCausalLM(hf.Qwen3MoeConfig(**moe, num_experts=4, num_experts_per_tok=TOP_K,
                                                                       moe_intermediate_size=48, head_dim=8)),
         "deepseek_v3": lambda: hf.DeepseekV3ForCausalLM(hf.DeepseekV3Config(
-            **dict(moe, num_key_value_heads=4), n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=48,
+            **dict(moe, num_key_value_heads=4), n_routed_experts=4, num_experts_per_tok=TOP_K, n_shared_experts=1, moe_intermediate_size=48,
             first_k_dense_replace=1, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
             qk_nope_head_dim=8, v_head_dim=8)),
         "bert": lambda: hf.BertForSequenceClassification(hf.BertConfig(**encoder)),
@@ -99,15 +99,20 @@ def vision_model(name):
         "mobilenet": lambda: tv.mobilenet_v3_small(num_classes=CLASSES, dropout=0.0),
         "efficientnet": lambda: tv.efficientnet_b0(num_classes=CLASSES, stochastic_depth_prob=0.0, dropout=0.0),
         "convnext": lambda: tv.convnext_tiny(num_classes=CLASSES, stochastic_depth_prob=0.0),
+        # Module names that are not identifiers ("block4-1"); a cut across a dense block's many feature maps.
+        "regnet": lambda: tv.regnet_y_400mf(num_classes=CLASSES),
+        "densenet": lambda: tv.densenet121(num_classes=CLASSES),
         "swin": lambda: tv.SwinTransformer(patch_size=[4, 4], embed_dim=24, depths=[2, 2], num_heads=[2, 4],
                                            window_size=[4, 4], stochastic_depth_prob=0.0, num_classes=CLASSES),
     }
     return builders[name]()
 
 
-VISION = {"resnet", "vit", "mobilenet", "efficientnet", "convnext", "swin"}
+VISION = {"resnet", "vit", "mobilenet", "efficientnet", "convnext", "swin", "regnet", "densenet"}
 CLASSIFIERS = {"bert", "roberta", "distilbert"}
 ENCODER_DECODERS = {"t5", "bart"}
+MOE = {"mixtral", "olmoe", "qwen3_moe", "deepseek_v3"}
+TOP_K = 2
 
 
 def initialize_vision_module(module):
@@ -140,6 +145,19 @@ def batch(name, samples, generator):
         decoder = torch.randint(1, VOCAB, (samples, SEQUENCE // 2), generator=generator)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": decoder}, decoder
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}, ids
+
+
+def routing_failures(model, result, routed):
+    """Every router on this rank's stages counted each of this replica's tokens top-k times, once per forward (a
+    checkpointed stage's recompute not again)."""
+    routers = {path.rsplit(".", 1)[0] for path, _ in model.named_parameters()
+               if path.endswith(".gate.weight") and ".mlp." in path}
+    counts = result.tokens_per_expert
+    failures = [f"router {path} counted nothing" for path in sorted(routers - set(counts))]
+    for path, count in counts.items():
+        if int(count.sum()) != routed or (count < 0).any():
+            failures.append(f"router {path} counted {count.tolist()}, {int(count.sum())} tokens, expected {routed}")
+    return failures
 
 
 def function_loss(name):
@@ -244,6 +262,8 @@ def train_and_compare(name, args, config, runtime):
         reference_optimizer.step()
         if abs(result.loss - expected) > loss_tolerance * max(1.0, abs(expected)):
             failures.append(f"step {step}: loss {result.loss} != {expected}")
+        if name in MOE:
+            failures += routing_failures(model, result, global_batch // replicas * SEQUENCE * TOP_K)
         if runtime.rank == 0:
             print(f"{name} step {step} loss {result.loss:.6f} plain {expected:.6f}", flush=True)
 

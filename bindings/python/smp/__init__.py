@@ -32,7 +32,7 @@ import weakref
 
 import torch  # loads LibTorch before the extension that links it
 
-from . import _materialize, _smp, tp
+from . import _materialize, _routing, _smp, tp
 from ._graph import GraphModel, _is_sequential, _kind, transient_buffers
 from ._model_io import CapturedIO, GraphIO, own_loss
 from ._smp import CheckpointError, CommError, ConfigError, ModelError, NonFiniteError
@@ -83,9 +83,9 @@ def _capture(model, sample, stages, pinned):
     export_error = None
     if not _contains_scripted(model):
         try:
-            graph, leaf_inputs, output_spec = exporting.capture(model, args, kwargs, stages, pinned, GraphModel,
-                                                                torch.device(runtime().device))
-            return graph, CapturedIO(model, args, kwargs, leaf_inputs, output_spec, exporting.split_sample)
+            graph, leaf_inputs, output_spec, shapes = exporting.capture(model, args, kwargs, stages, pinned, GraphModel,
+                                                                        torch.device(runtime().device))
+            return graph, CapturedIO(model, args, kwargs, leaf_inputs, output_spec, exporting.split_sample, shapes)
         except exporting.CaptureError as error:
             export_error = error
     name = type(model).__name__
@@ -138,16 +138,20 @@ def materialize(model, device="cpu", seed=0, init_fn=None):
 
 class StepResult:
     """What train_step and evaluate return: .loss (the global batch's mean loss, the same on every rank), .skipped,
-    .seconds, and .outputs (keep_outputs: the model's outputs for this replica's share, as the model returns them,
-    on the ranks running the last stage; else None)."""
+    .seconds, .outputs (keep_outputs: the model's outputs for this replica's share, as the model returns them,
+    on the ranks running the last stage; else None), and .tokens_per_expert: for a captured mixture-of-experts
+    model, {router module path: how many tokens it sent to each expert} over this step's microbatches, for the
+    routers of this rank's stages and this replica's share of the batch (runtime().all_reduce_sum adds the
+    replicas'); {} otherwise."""
 
-    def __init__(self, engine_output, outputs):
+    def __init__(self, engine_output, outputs, tokens_per_expert=None):
         self.loss = engine_output.loss
         self.skipped = engine_output.skipped
         self.seconds = engine_output.seconds
         self.gradient_buckets = engine_output.gradient_buckets
         self.buckets_overlapped = engine_output.buckets_overlapped
         self.outputs = outputs
+        self.tokens_per_expert = tokens_per_expert or {}
 
     def __repr__(self):
         return f"StepResult(loss={self.loss}, skipped={self.skipped}, seconds={self.seconds:.3f})"
@@ -278,9 +282,10 @@ class DistributedModel(torch.nn.Module):
                 return loss(model_outputs(outputs), target)
         # Which inputs are split was decided on the whole batch: a replica's share may have the size of an input
         # that is not the batch's.
+        _routing.take()  # what profiling or an interrupted step counted
         result = step(values, targets, engine_loss, keep_outputs, batched)
         kept = result.all_outputs
-        return StepResult(result, model_outputs(kept) if kept is not None else None)
+        return StepResult(result, model_outputs(kept) if kept is not None else None, _routing.take())
 
     def train_step(self, inputs, targets=None, loss=None, keep_outputs=False, replica_share=False):
         """One step on the global batch (the same inputs on every rank; each replica takes its share): splits it

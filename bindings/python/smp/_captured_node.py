@@ -5,6 +5,7 @@ one Python call per run of nodes rather than one per node. smp._export_capture m
 
 import functools
 import itertools
+import re
 
 import torch
 import torch.fx as fx
@@ -282,8 +283,10 @@ def _retargeted(root, source, training, device):
     return code
 
 
-def _placeholder_name(value_name):
-    return value_name.replace(".", "_").replace("#", "_")
+def placeholder_name(value_name):
+    """A Python identifier for an engine value's name ("trunk_output.block4.block4-1#2", a ModuleDict key)."""
+    name = re.sub(r"\W", "_", value_name)
+    return name if name[:1].isalpha() or name[:1] == "_" else f"_{name}"
 
 
 class FusedRun:
@@ -295,7 +298,7 @@ class FusedRun:
     def __init__(self, members, inputs):
         self._members = members
         self._graph = fx.Graph()
-        made = {name: self._graph.placeholder(_placeholder_name(name)) for name in inputs}
+        made = {name: self._graph.placeholder(placeholder_name(name)) for name in inputs}
         outputs = []
         self._root = torch.nn.Module()
         for member in members:

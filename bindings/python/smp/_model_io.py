@@ -58,7 +58,7 @@ class CapturedIO:
     engine's inputs and whose other values (None, flags) were baked into the capture; its outputs rebuilt from the
     engine's tensors into what the model's forward returns (a ModelOutput, tuple, dict)."""
 
-    def __init__(self, model, sample_args, sample_kwargs, leaf_inputs, output_spec, split):
+    def __init__(self, model, sample_args, sample_kwargs, leaf_inputs, output_spec, split, shapes):
         self._model = model
         self._split = split
         self._positional = len(sample_args)
@@ -67,6 +67,7 @@ class CapturedIO:
         self._leaf_inputs = leaf_inputs  # per leaf: the engine input's name, or None (baked in)
         self._out_spec, self._output_constants = output_spec
         self.input_names = [name for name in leaf_inputs if name is not None]
+        self._shapes = shapes  # _export_capture.InputShapes: which dimensions may change, and how far
 
     def engine_inputs(self, inputs, what="inputs"):
         args, kwargs = self._split(self._model, inputs)
@@ -95,17 +96,21 @@ class CapturedIO:
         return values
 
     def check_microbatch(self, engine_inputs, batched, microbatches, what):
-        """The capture ran on the sample's shapes, and its operations keep them (views, masks): each microbatch must
-        have them too."""
-        sample_tensors = [leaf for leaf, name in zip(self._sample_leaves, self._leaf_inputs) if name is not None]
-        for name, value, is_batched, sample in zip(self.input_names, engine_inputs, batched, sample_tensors):
+        """Each microbatch must have a shape the captured code takes: the sample's in the dimensions the model fixes
+        (views, a patch size), any size export allowed in the others (a sequence length, a short last batch)."""
+        shapes = {}
+        for name, value, is_batched in zip(self.input_names, engine_inputs, batched):
             shape = list(value.shape)
             if is_batched:
                 shape[0] //= microbatches
-            if shape != list(sample.shape):
-                raise ConfigError(f"{what}: input '{name}' gives microbatches of shape {tuple(shape)}, but the model "
-                                  f"was captured on a sample of shape {tuple(sample.shape)}; every microbatch must "
-                                  "have the sample's shape (the sample is one microbatch)")
+            self._shapes.check(name, shape, what)
+            shapes[name] = shape
+        self._shapes.check_agreement(shapes, what)
+        if self._shapes.lookups is not None:
+            for index in range(microbatches):
+                microbatch = {name: value.chunk(microbatches)[index] if is_batched else value
+                              for name, value, is_batched in zip(self.input_names, engine_inputs, batched)}
+                self._shapes.lookups.check(self._model, microbatch, what)
 
     def model_outputs(self, outputs):
         tensors = iter(outputs)

@@ -23,7 +23,8 @@
 
 namespace smp::comm {
 
-// At most this many tensors in one transfer.
+// At most this many tensors in a transfer whose header describes them; a transfer of more (or of tensors of many
+// dimensions) packs them into one payload, its layout sent as a message of its own.
 constexpr int kMaxTensorsPerTransfer = 15;
 // Tags of one transfer are [tag, tag + kTagsPerTransfer): the header, then the payloads of the layout the receiver
 // expected, then those of a new layout.
@@ -41,6 +42,7 @@ class TransferLayouts {
  public:
   const std::vector<TensorLayout>* find(int peer, int tag) const;
   void remember(int peer, int tag, std::vector<TensorLayout> layout) { layouts_[{peer, tag}] = std::move(layout); }
+  void forget(int peer, int tag) { layouts_.erase({peer, tag}); }
 
  private:
   std::map<std::pair<int, int>, std::vector<TensorLayout>> layouts_;
@@ -63,6 +65,9 @@ class IncomingTensors {
   std::vector<at::Tensor> wait();
 
  private:
+  std::vector<TensorLayout> read_layout(const std::int64_t* slot, std::int64_t slots, std::int64_t count) const;
+  std::vector<at::Tensor> receive_packed(std::int64_t count, std::int64_t layout_slots, std::int64_t bytes);
+
   Communicator& comm_;
   int peer_;
   int tag_;

@@ -1,0 +1,60 @@
+"""Tokens a mixture-of-experts model routes to each expert, counted in the captured code where the router chooses
+them (the indices of its top-k), once per microbatch's forward: a checkpointed stage's recompute does not count
+again. A step's counts are in StepResult.tokens_per_expert, by router module path."""
+
+import operator
+
+import torch
+
+from . import _smp
+
+_counts = {}  # router path -> tokens per expert in the current step, on the device the router runs on
+
+
+class RoutingCounter:
+    """Called by the captured code with the router's chosen expert indices (any shape) and the number of experts."""
+
+    __module__ = __name__
+
+    def __init__(self, router):
+        self.router = router
+        self.__name__ = "smp_count_routing"  # how torch.fx names it in the generated code
+
+    def __call__(self, indices, experts):
+        if _smp.recomputing():
+            return
+        counted = torch.bincount(indices.detach().flatten().long(), minlength=experts)
+        before = _counts.get(self.router)
+        _counts[self.router] = counted if before is None else before + counted
+
+    def __repr__(self):
+        return "smp_count_routing"  # the same in every block: identical blocks share one profile measurement
+
+
+def take():
+    """The counts since the last take, and a fresh start."""
+    counts = dict(_counts)
+    _counts.clear()
+    return counts
+
+
+def routers(graph, dynamic, module_paths):
+    """(indices node, expert count, router path) for each top-k over a value computed from parameters whose indices
+    a module other than the top-k's own reads: a router handing its choice to the experts. A top-k whose indices stay
+    inside its module (DeepSeek's choice of expert groups) is not one."""
+    found = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target != torch.ops.aten.topk.default or node not in dynamic:
+            continue
+        scores = node.args[0].meta.get("val")
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+        if not isinstance(scores, torch.Tensor) or dim not in (-1, scores.dim() - 1) or \
+                not isinstance(scores.shape[-1], int):
+            continue
+        chosen = [user for user in node.users if user.target is operator.getitem and user.args[1] == 1]
+        paths = module_paths(node)
+        if not chosen or not paths:
+            continue
+        if any(paths[-1] not in module_paths(reader) for reader in chosen[0].users):
+            found.append((chosen[0], scores.shape[-1], paths[-1]))
+    return found
