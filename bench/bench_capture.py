@@ -45,7 +45,7 @@ def main():
     if runtime.rank != 0:
         return
     started = time.perf_counter()
-    graph, _, _ = _export_capture.capture(net, (), dict(sample, use_cache=False), 4, [], GraphModel)
+    graph, _, _, _ = _export_capture.capture(net, (), dict(sample, use_cache=False), 4, [], GraphModel)
     capture_s = time.perf_counter() - started
     report = model.partition_report()
     imbalance = float(re.search(r"slowest/mean = ([\d.]+)", report)[1])

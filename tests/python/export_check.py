@@ -1,7 +1,7 @@
 """Models built on the meta device through checkpoints and exports: a 2-stage job trains 3 steps of a GPT-2 (or a
-ResNet-18, whose batch norm statistics are state too) and checkpoints after each; a second job resumes and trains to
-step 5. Both must hold exactly what plain PyTorch training of the smp.materialize'd model holds after 3 and 5 steps,
-parameters and buffers. The newest checkpoint is then exported as safetensors shards with an index: from_pretrained
+Mixtral-shaped mixture of experts, or a ResNet-18, whose batch norm statistics are state too) and checkpoints after
+each; a second job resumes and trains to step 5. Both must hold exactly what plain PyTorch training of the
+smp.materialize'd model holds after 3 and 5 steps, parameters and buffers. The newest checkpoint is then exported as safetensors shards with an index: from_pretrained
 (or load_state_dict of the shards) must give the trained model, and a third job, of one stage, must load it with
 load_parameters. Launches the jobs itself.
 
@@ -52,26 +52,36 @@ print(f"rank {runtime.rank}: resumed at {first}, {len(state)} tensors", flush=Tr
 """
 
 
+LANGUAGE = ("gpt2", "mixtral")
+
+
 def build(kind):
     if kind == "gpt2":
         import transformers as hf
         config = hf.GPT2Config(n_layer=4, n_embd=32, n_head=4, n_positions=32, vocab_size=96, resid_pdrop=0.0,
                                embd_pdrop=0.0, attn_pdrop=0.0)
         return hf.GPT2LMHeadModel(config)
+    if kind == "mixtral":  # a mixture of experts: stacked expert weights, routers, a load-balancing loss
+        import transformers as hf
+        config = hf.MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                  num_experts_per_tok=2, max_position_embeddings=32, output_router_logits=True,
+                                  router_aux_loss_coef=0.1, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        return hf.MixtralForCausalLM(config)
     import torchvision
     return torchvision.models.resnet18(num_classes=5)
 
 
 def batch(kind, step, size):
     data = torch.Generator().manual_seed(100 + step)
-    if kind == "gpt2":
+    if kind in LANGUAGE:
         ids = torch.randint(0, 96, (size, 12), generator=data)
         return {"input_ids": ids, "labels": ids}, None
     return torch.randn(size, 3, 32, 32, generator=data), torch.randint(0, 5, (size,), generator=data)
 
 
 def loss_of(kind):
-    return None if kind == "gpt2" else F.cross_entropy
+    return None if kind in LANGUAGE else F.cross_entropy
 
 
 def reference(kind, steps, seed):
@@ -86,7 +96,7 @@ def reference(kind, steps, seed):
         inputs, targets = batch(kind, step, 4)
         optimizer.zero_grad()
         for half in range(2):
-            if kind == "gpt2":
+            if kind in LANGUAGE:
                 chunk = {name: value[2 * half:2 * half + 2] for name, value in inputs.items()}
                 loss = net(**chunk).loss
             else:
@@ -140,13 +150,12 @@ def check(kind, smprun, python, failures):
 
         exported = f"{directory}/exported"
         files = smp.export_safetensors(smp.latest_checkpoint(f"{directory}/checkpoints"), exported,
-                                       max_shard_size="200KB")
+                                       max_shard_size="40KB" if kind == "mixtral" else "200KB")
         if len(files) < 2 or not os.path.exists(f"{exported}/model.safetensors.index.json"):
             failures.append(f"{kind}: expected shards and an index, got {files}")
-        if kind == "gpt2":
-            import transformers as hf
+        if kind in LANGUAGE:
             trained.config.save_pretrained(exported)
-            loaded = hf.GPT2LMHeadModel.from_pretrained(exported).state_dict()
+            loaded = type(trained).from_pretrained(exported).state_dict()
         else:
             from safetensors.torch import load_file
             tensors = {}
@@ -170,7 +179,7 @@ def main():
     smprun, python = sys.argv[1:3]
     torch.set_num_threads(1)
     failures = []
-    for kind in ("gpt2", "resnet"):
+    for kind in ("gpt2", "mixtral", "resnet"):
         check(kind, smprun, python, failures)
     return report.finish(failures, label="export_check")
 

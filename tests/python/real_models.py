@@ -11,6 +11,8 @@ Exits 0 only then.
   --steps N
   --loss own|fn  own: the model's own loss (labels among the inputs, loss=None); fn: a loss function on the
                  model's output and targets
+  --lengths L,.. one step per sequence length (the captured model takes them all), --short-last N: the last step
+                 a smaller batch of N samples, as an epoch's last
   --meta         build the models on the meta device: each rank makes its own stages real, and plain PyTorch trains
                  the same model made real by smp.materialize (the same seed)
   --rtol R       parameters within 1e-6 + R * max |plain| (default 1e-5); under bf16 or fp16 (against float32
@@ -65,14 +67,15 @@ def language_model(name):
                                                       activation_dropout=0.0, layerdrop=0.0, **NO_IDS, **small)),
         # Mixture of experts: top-k routing writes tokens into expert buffers; output_router_logits adds the
         # load-balancing term to the model's own loss.
-        "mixtral": lambda: hf.MixtralForCausalLM(hf.MixtralConfig(**moe, num_local_experts=4, num_experts_per_tok=TOP_K)),
+        "mixtral": lambda: hf.MixtralForCausalLM(hf.MixtralConfig(**moe, num_local_experts=4,
+                                                                  num_experts_per_tok=TOP_K)),
         "olmoe": lambda: hf.OlmoeForCausalLM(hf.OlmoeConfig(**moe, num_experts=4, num_experts_per_tok=TOP_K)),
         "qwen3_moe": lambda: hf.Qwen3MoeForCausalLM(hf.Qwen3MoeConfig(**moe, num_experts=4, num_experts_per_tok=TOP_K,
                                                                       moe_intermediate_size=48, head_dim=8)),
         "deepseek_v3": lambda: hf.DeepseekV3ForCausalLM(hf.DeepseekV3Config(
-            **dict(moe, num_key_value_heads=4), n_routed_experts=4, num_experts_per_tok=TOP_K, n_shared_experts=1, moe_intermediate_size=48,
-            first_k_dense_replace=1, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
-            qk_nope_head_dim=8, v_head_dim=8)),
+            **dict(moe, num_key_value_heads=4), n_routed_experts=4, num_experts_per_tok=TOP_K, n_shared_experts=1,
+            moe_intermediate_size=48, first_k_dense_replace=1, n_group=2, topk_group=1, kv_lora_rank=16,
+            q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)),
         "bert": lambda: hf.BertForSequenceClassification(hf.BertConfig(**encoder)),
         "roberta": lambda: hf.RobertaForSequenceClassification(hf.RobertaConfig(**encoder, pad_token_id=1)),
         "distilbert": lambda: hf.DistilBertForSequenceClassification(hf.DistilBertConfig(
@@ -123,7 +126,7 @@ def initialize_vision_module(module):
             torch.nn.init.normal_(parameter, std=0.02)
 
 
-def batch(name, samples, generator):
+def batch(name, samples, generator, length=SEQUENCE):
     """(inputs, targets) of one global batch: inputs as the model's forward takes them."""
     if name in VISION:
         # 64 x 64 pixels: ResNet's last batch norms then normalize over 2 x 2 positions per sample; over one they
@@ -131,18 +134,18 @@ def batch(name, samples, generator):
         size = 32 if name == "vit" else 64
         return torch.randn(samples, 3, size, size, generator=generator), torch.randint(0, CLASSES, (samples,),
                                                                                       generator=generator)
-    ids = torch.randint(1, VOCAB, (samples, SEQUENCE), generator=generator)
+    ids = torch.randint(1, VOCAB, (samples, length), generator=generator)
     if name in CLASSIFIERS:
         # Padded: every sample has its own length, the rest masked.
-        lengths = torch.randint(SEQUENCE // 2, SEQUENCE + 1, (samples,), generator=generator)
-        mask = (torch.arange(SEQUENCE)[None, :] < lengths[:, None]).long()
+        lengths = torch.randint(length // 2, length + 1, (samples,), generator=generator)
+        mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
         labels = torch.randint(0, CLASSES, (samples,), generator=generator)
         inputs = {"input_ids": ids * mask, "attention_mask": mask, "labels": labels}
         if name == "bert":
             inputs["token_type_ids"] = torch.zeros_like(ids)  # an input that does not change the result
         return inputs, labels
     if name in ENCODER_DECODERS:
-        decoder = torch.randint(1, VOCAB, (samples, SEQUENCE // 2), generator=generator)
+        decoder = torch.randint(1, VOCAB, (samples, max(2, length // 2)), generator=generator)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": decoder}, decoder
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}, ids
 
@@ -182,6 +185,9 @@ def main():
     parser.add_argument("--loss", choices=["own", "fn"], default="own")
     parser.add_argument("--rtol", type=float, default=1e-5)
     parser.add_argument("--meta", action="store_true")
+    parser.add_argument("--lengths", help="comma-separated sequence lengths, one step each (language models), in "
+                                          "place of --steps steps of the sample's length")
+    parser.add_argument("--short-last", type=int, help="the last step's global batch, smaller than the others")
     args = parser.parse_args()
     config = json.loads(args.smp)
     torch.set_num_threads(1)
@@ -235,8 +241,10 @@ def train_and_compare(name, args, config, runtime):
         real = {path for path, p in net.named_parameters() if not p.is_meta}
         if real != set(dict(model.named_parameters())):
             failures.append(f"real parameters {sorted(real ^ set(dict(model.named_parameters())))[:3]} are not this rank's")
-    for step in range(args.steps):
-        inputs, targets = batch(name, global_batch, data)
+    lengths = [int(length) for length in args.lengths.split(",")] if args.lengths else [SEQUENCE] * args.steps
+    for step, length in enumerate(lengths):
+        samples = args.short_last if args.short_last and step == len(lengths) - 1 else global_batch
+        inputs, targets = batch(name, samples, data, length)
         optimizer.zero_grad()
         result = model.train_step(inputs, None if own else targets, loss)
         optimizer.step()
@@ -263,7 +271,7 @@ def train_and_compare(name, args, config, runtime):
         if abs(result.loss - expected) > loss_tolerance * max(1.0, abs(expected)):
             failures.append(f"step {step}: loss {result.loss} != {expected}")
         if name in MOE:
-            failures += routing_failures(model, result, global_batch // replicas * SEQUENCE * TOP_K)
+            failures += routing_failures(model, result, samples // replicas * length * TOP_K)
         if runtime.rank == 0:
             print(f"{name} step {step} loss {result.loss:.6f} plain {expected:.6f}", flush=True)
 
