@@ -208,6 +208,19 @@ print(f"capture alone (export + nodes, one process): {r['capture_s']:.2f} s, {r[
       f"{r['rank0_capture_in_job_s']:.2f} s while the others capture too, then profile, partition and stages "
       f"{r['rank0_profile_partition_build_s']:.2f} s); estimated slowest/mean stage {r['imbalance']:.3f}")
 
+section("changing sequence lengths: a captured Hugging Face Llama (8 layers, d 256), 2 stages, m 4, captured with "
+        "dynamic shapes and on the sample's alone, steps alternating")
+result = subprocess.run([f"{BIN}/smprun", "-n", "2", "--no-prefix", "--", PYTHON, f"{REPO}/bench/bench_shapes.py"],
+                        capture_output=True, text=True, env=CAPTURE_ENV, timeout=600)
+if result.returncode != 0:
+    sys.exit(f"bench_shapes failed:\n{result.stdout}\n{result.stderr}")
+r = json.loads(next(l for l in result.stdout.splitlines() if l.startswith("{")))
+print(f"capture: {r['capture_s']['dynamic']:.2f} s with dynamic shapes, {r['capture_s']['fixed']:.2f} s on the "
+      f"sample's; step at the sample's length (64): {r['dynamic_ms']:.1f} ms against {r['fixed_ms']:.1f} ms "
+      f"({r['dynamic_over_fixed']:.3f}x, medians of {r['rounds']})")
+for length in r["first_step_ms"]:
+    print(f"  length {length}: first step {r['first_step_ms'][length]:.1f} ms, steady {r['steady_ms'][length]:.1f} ms")
+
 section("memory: a GPT-2 of 0.78 GiB (16 layers, d 1024) built on the meta device, 4 stages (each rank makes its own real)")
 result = subprocess.run([f"{BIN}/smprun", "-n", "4", "--no-prefix", "--", PYTHON, f"{REPO}/bench/bench_memory.py",
                          "--layers", "16", "--width", "1024"], capture_output=True, text=True, env=CAPTURE_ENV, timeout=600)
