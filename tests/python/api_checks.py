@@ -444,8 +444,12 @@ def main():
             self.steps.add_(1)
             return self.linear(x)
 
-    expect_error("a random value read apart", smp.ModelError, "draws random numbers",
-                 lambda: smp.DistributedModel(TwoReads(), torch.zeros(2, 3)))
+    # A random value read apart is drawn once, in a node of its own, and both values see the same dropout mask.
+    pair = smp.DistributedModel(TwoReads().pair, torch.ones(2, 3))
+    kept = pair.train_step(torch.ones(4, 3), None, lambda output, _: output[0].sum() + output[1].sum(),
+                           keep_outputs=True).outputs
+    if kept is None or not torch.allclose(kept[0] / 2 + 1, kept[1]) or bool((kept[0] != 0).all()):
+        failures.append(f"a random value read apart: its readers saw different draws ({kept})")
     expect_error("a buffer the model's own forward updates", smp.ModelError, "updates a buffer in place",
                  lambda: smp.DistributedModel(Counting(), torch.zeros(2, 3)))
 

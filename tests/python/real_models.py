@@ -6,7 +6,8 @@ Exits 0 only then.
   --models LIST  comma-separated, trained one after the other in the same job: causal LMs gpt2, llama, mistral,
                  qwen2, phi, gpt_neox, bloom, falcon, opt; sequence classifiers with padded attention masks bert,
                  roberta, distilbert; encoder-decoders t5, bart; torchvision resnet, vit, mobilenet, efficientnet,
-                 convnext, swin, regnet, densenet; mixtures of experts mixtral, olmoe, qwen3_moe, deepseek_v3
+                 convnext, swin, regnet, densenet; mixtures of experts mixtral, olmoe, qwen3_moe, deepseek_v3;
+                 hf:CLASS, any transformers causal LM by class name (hf:Qwen2MoeForCausalLM), from a small config
   --smp JSON     the config
   --steps N
   --loss own|fn  own: the model's own loss (labels among the inputs, loss=None); fn: a loss function on the
@@ -36,8 +37,32 @@ VOCAB, SEQUENCE, CLASSES = 96, 12, 5
 NO_IDS = dict(bos_token_id=0, eos_token_id=0, pad_token_id=0)
 
 
+# A Hugging Face causal LM by class name ("hf:Qwen2MoeForCausalLM"): its config given whichever of these it takes.
+GENERIC = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=48, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=4, head_dim=8, num_experts=4, num_local_experts=4,
+               n_routed_experts=4, num_experts_per_tok=2, max_position_embeddings=64, output_router_logits=True,
+               router_aux_loss_coef=0.1, shared_expert_intermediate_size=48, decoder_sparse_step=1,
+               first_k_dense_replace=1, n_shared_experts=1, num_shared_experts=1, attn_layer_offset=0,
+               attn_layer_period=2, expert_layer_period=2, expert_layer_offset=1, use_mamba_kernels=False,
+               bos_token_id=0, eos_token_id=0, pad_token_id=0)
+GENERIC_OF = {"Lfm2MoeForCausalLM": dict(layer_types=["full_attention", "conv", "full_attention", "conv"])}
+
+
+def generic_language_model(class_name):
+    import inspect
+    import transformers as hf
+    model_class = getattr(hf, class_name)
+    parameters = inspect.signature(model_class.config_class.__init__).parameters
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in parameters.values())
+    keys = dict(GENERIC, **GENERIC_OF.get(class_name, {}))
+    return model_class(model_class.config_class(**{key: value for key, value in keys.items()
+                                                   if key in parameters or takes_any}))
+
+
 def language_model(name):
     import transformers as hf
+    if name.startswith("hf:"):
+        return generic_language_model(name[3:])
     small = dict(vocab_size=VOCAB)
     quiet = dict(hidden_dropout=0.0, attention_dropout=0.0)
     decoder = dict(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,

@@ -404,6 +404,7 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
             break
         for unit in split:
             units.expand(unit)
+    _draw_once(plan, input_names, order, units)
 
     engine = graph_factory([input_names[n] for n in user_inputs if n in input_names])
     captured_device = next((t.device for t in parameters.values()), torch.device("cpu"))
@@ -750,6 +751,33 @@ def _plan_nodes(graph, ops, dynamic, units, output_leaves, side_effects):
     return plan
 
 
+def _draw_once(plan, model_inputs, order, units):
+    """A random operation whose values are read apart (PhiMoE's router jitter, in a module returning several values
+    and without children to cut it into) becomes a value of its home of its own: computed once, read by the others,
+    rather than drawn again, with other numbers, in each node computing one of them."""
+    while True:
+        made = set(model_inputs) | {value for values in plan.values() for value in values}
+        drawn_in = collections.defaultdict(set)
+        for value in made - set(model_inputs):
+            stack, seen = list(value.all_input_nodes), set()
+            while stack:
+                node = stack.pop()
+                if node in seen or node in made:
+                    continue
+                seen.add(node)
+                if _is_random(node):
+                    drawn_in[node].add(value)
+                stack.extend(node.all_input_nodes)
+        shared = [op for op, values in drawn_in.items() if len(values) > 1 and
+                  isinstance(op.meta.get("val"), torch.Tensor)]
+        if not shared:
+            return
+        for op in shared:
+            home = units.unit_of(op) or op
+            plan.setdefault(home, []).append(op)
+            plan[home].sort(key=lambda n: order[n])
+
+
 def _node_graph(value, extra, value_name, attributes, order, extra_inputs):
     """The graph that computes `value` (and the buffer updates `extra`) from materialized values and model inputs:
     (graph, sources in order, attributes by path)."""
@@ -798,7 +826,8 @@ def _node_graph(value, extra, value_name, attributes, order, extra_inputs):
 def split_sample(model, sample):
     """A sample (or a step's inputs) as (args, kwargs): a tensor is the first positional argument, a tuple or list
     the positional arguments, a dict (or Mapping, e.g. a tokenizer's BatchEncoding) the keyword arguments. A
-    forward with a `use_cache` parameter gets use_cache=False unless given: a training step never reads the cache."""
+    forward with a `use_cache` parameter (or keyword arguments, in a model configured with use_cache) gets
+    use_cache=False unless given: a training step never reads the cache."""
     if isinstance(sample, torch.Tensor):
         args, kwargs = (sample,), {}
     elif isinstance(sample, (tuple, list)):
@@ -812,6 +841,10 @@ def split_sample(model, sample):
         parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         parameters = {}
-    if "use_cache" in parameters and "use_cache" not in kwargs:
+    # A forward that takes it by name, or passes its keyword arguments on to a model that does (GraniteMoE's).
+    takes_cache_flag = "use_cache" in parameters or (
+        any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values()) and
+        hasattr(getattr(model, "config", None), "use_cache"))
+    if takes_cache_flag and "use_cache" not in kwargs:
         kwargs["use_cache"] = False
     return args, kwargs
