@@ -94,3 +94,13 @@ def test_pretrained_weights_per_stage(job):
     """Pretrained weights read per rank (safetensors whole and sharded, a torch.save state dict) into meta-built
     models equal from_pretrained in one process; bad files are refused naming the tensor and the file."""
     assert_passed(job(2, "pretrained_check.py"))
+
+
+def test_too_long_for_the_model_is_refused_before_any_communication(job):
+    """BERT's position table holds 40: a step of length 48 is a ConfigError on every rank, naming the input and the
+    range the capture allows, before a stage sends anything (no rank waits for another)."""
+    result = job(2, "real_models.py", "--models", "bert", "--lengths", "16,48", "--smp",
+                 smp_keys(partitions=2, microbatches=2, global_batch_size=4))
+    assert result.returncode != 0, result.output
+    refusal = "input 'input_ids' gives microbatches of shape (2, 48); the captured model takes 2 to 40"
+    assert result.stderr.count(refusal) == 2 and "CommError" not in result.stderr, result.output

@@ -212,11 +212,15 @@ def _model_frame(error):
 def _every_dimension_free(model, args, kwargs):
     """Export's dynamic_shapes with every dimension of every tensor input left to export (Dim.AUTO): those the model
     lets change become symbols, those it needs fixed (a patch size, channels) keep the sample's size."""
-    shapes = torch.export.ShapesCollection()
-    for leaf in pytree.tree_leaves((args, kwargs)):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            shapes[leaf] = {dim: torch.export.Dim.AUTO for dim in range(leaf.dim())}
-    return shapes.dynamic_shapes(model, args, kwargs)
+    def free(value):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return {dim: torch.export.Dim.AUTO for dim in range(value.dim())}
+        return None
+
+    # By the forward's parameter names, as export binds the inputs: keyword arguments a forward takes through
+    # **kwargs (use_cache given to a BERT) sit under that parameter's name.
+    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    return {name: pytree.tree_map(free, value) for name, value in bound.items()}
 
 
 def export_model(model, args, kwargs):
@@ -317,6 +321,11 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
     # and batch statistics off in the captured code, but nothing could turn them on.
     modes = [(module, module.training) for module in model.modules()]
     model.train()
+    # A forward that passes its keyword arguments on (GraniteMoE's) takes use_cache from the model's config.
+    config = getattr(model, "config", None)
+    cached = getattr(config, "use_cache", None)
+    if cached:
+        config.use_cache = False
     try:
         with torch.random.fork_rng(devices=[]):
             exported, fixed_because = (_export_as_if_on(device, model, args, kwargs) if on_meta else
@@ -324,6 +333,8 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
     finally:
         for module, mode in modes:
             module.training = mode
+        if cached:
+            config.use_cache = cached
     with torch.no_grad():
         for buffer, saved in buffers_before:
             buffer.copy_(saved)
@@ -826,8 +837,7 @@ def _node_graph(value, extra, value_name, attributes, order, extra_inputs):
 def split_sample(model, sample):
     """A sample (or a step's inputs) as (args, kwargs): a tensor is the first positional argument, a tuple or list
     the positional arguments, a dict (or Mapping, e.g. a tokenizer's BatchEncoding) the keyword arguments. A
-    forward with a `use_cache` parameter (or keyword arguments, in a model configured with use_cache) gets
-    use_cache=False unless given: a training step never reads the cache."""
+    forward with a `use_cache` parameter gets use_cache=False unless given: a training step never reads the cache."""
     if isinstance(sample, torch.Tensor):
         args, kwargs = (sample,), {}
     elif isinstance(sample, (tuple, list)):
@@ -841,10 +851,6 @@ def split_sample(model, sample):
         parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         parameters = {}
-    # A forward that takes it by name, or passes its keyword arguments on to a model that does (GraniteMoE's).
-    takes_cache_flag = "use_cache" in parameters or (
-        any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values()) and
-        hasattr(getattr(model, "config", None), "use_cache"))
-    if takes_cache_flag and "use_cache" not in kwargs:
+    if "use_cache" in parameters and "use_cache" not in kwargs:
         kwargs["use_cache"] = False
     return args, kwargs
