@@ -195,14 +195,22 @@ result = run([f"{BIN}/bench_partition"], timeout=900)
 lines = result.stdout.strip().splitlines()
 print("\n".join(lines[-12:]))
 
-section("capturing an unmodified Hugging Face Llama (32 layers, d 256, 34M parameters) with torch.export, 4 stages")
 PYTHON = os.path.join(os.path.expanduser(os.environ.get("SMP_VENV", "~/.cache/smp/venv")), "bin", "python")
 CAPTURE_ENV = dict(ENV, PYTHONPATH=os.path.join(os.path.dirname(BIN), "python"))
-result = subprocess.run([f"{BIN}/smprun", "-n", "4", "--no-prefix", "--", PYTHON, f"{REPO}/bench/bench_capture.py"],
-                        capture_output=True, text=True, env=CAPTURE_ENV, timeout=600)
-if result.returncode != 0:
-    sys.exit(f"bench_capture failed:\n{result.stdout}\n{result.stderr}")
-r = json.loads(next(l for l in result.stdout.splitlines() if l.startswith("{")))
+
+
+def python_job(processes, script, *args):
+    """The JSON lines a Python benchmark's ranks print, run under smprun with the package of this build."""
+    result = subprocess.run([f"{BIN}/smprun", "-n", str(processes), "--no-prefix", "--", PYTHON,
+                             f"{REPO}/bench/{script}", *args], capture_output=True, text=True, env=CAPTURE_ENV,
+                            timeout=600)
+    if result.returncode != 0:
+        sys.exit(f"{script} failed:\n{result.stdout}\n{result.stderr}")
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+section("capturing an unmodified Hugging Face Llama (32 layers, d 256, 34M parameters) with torch.export, 4 stages")
+r = python_job(4, "bench_capture.py")[0]
 print(f"capture alone (export + nodes, one process): {r['capture_s']:.2f} s, {r['nodes']} nodes; "
       f"DistributedModel on 4 ranks sharing this machine's cores: {r['distributed_model_s']:.2f} s (rank 0: capture "
       f"{r['rank0_capture_in_job_s']:.2f} s while the others capture too, then profile, partition and stages "
@@ -210,11 +218,7 @@ print(f"capture alone (export + nodes, one process): {r['capture_s']:.2f} s, {r[
 
 section("changing sequence lengths: a captured Hugging Face Llama (8 layers, d 256), 2 stages, m 4, captured with "
         "dynamic shapes and on the sample's alone, steps alternating")
-result = subprocess.run([f"{BIN}/smprun", "-n", "2", "--no-prefix", "--", PYTHON, f"{REPO}/bench/bench_shapes.py"],
-                        capture_output=True, text=True, env=CAPTURE_ENV, timeout=600)
-if result.returncode != 0:
-    sys.exit(f"bench_shapes failed:\n{result.stdout}\n{result.stderr}")
-r = json.loads(next(l for l in result.stdout.splitlines() if l.startswith("{")))
+r = python_job(2, "bench_shapes.py")[0]
 print(f"capture: {r['capture_s']['dynamic']:.2f} s with dynamic shapes, {r['capture_s']['fixed']:.2f} s on the "
       f"sample's; step at the sample's length (64): {r['dynamic_ms']:.1f} ms against {r['fixed_ms']:.1f} ms "
       f"({r['dynamic_over_fixed']:.3f}x, medians of {r['rounds']})")
@@ -222,11 +226,7 @@ for length in r["first_step_ms"]:
     print(f"  length {length}: first step {r['first_step_ms'][length]:.1f} ms, steady {r['steady_ms'][length]:.1f} ms")
 
 section("memory: a GPT-2 of 0.78 GiB (16 layers, d 1024) built on the meta device, 4 stages (each rank makes its own real)")
-result = subprocess.run([f"{BIN}/smprun", "-n", "4", "--no-prefix", "--", PYTHON, f"{REPO}/bench/bench_memory.py",
-                         "--layers", "16", "--width", "1024"], capture_output=True, text=True, env=CAPTURE_ENV, timeout=600)
-if result.returncode != 0:
-    sys.exit(f"bench_memory failed:\n{result.stdout}\n{result.stderr}")
-for r in sorted((json.loads(l) for l in result.stdout.splitlines() if l.startswith("{")), key=lambda r: r["rank"]):
+for r in sorted(python_job(4, "bench_memory.py", "--layers", "16", "--width", "1024"), key=lambda r: r["rank"]):
     print(f"rank {r['rank']}: own parameters {r['own_parameters_mib']:.0f} MiB, peak resident growth "
           f"{r['peak_growth_mib']:.0f} MiB ({r['growth_over_own']:.2f}x; target 2.5x + 150 MiB = {r['limit_mib']:.0f} MiB)")
 print("(the 2-billion-parameter run: smprun -n 4 -- python bench/bench_memory.py --layers 40 --width 2048)")
