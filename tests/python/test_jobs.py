@@ -16,9 +16,15 @@ def test_example_2x4_equals_one_process(job, smprun):
 
 
 def test_example_hf_causal_lm(job):
-    """The README's bring-your-own-model example runs as written (2 stages x 2 replicas)."""
-    finished = job(4, os.path.join(REPO, "examples", "python", "hf_causal_lm.py"), "--replicas", "2", "--steps", "3")
+    """The README's bring-your-own-model example runs as written (2 stages x 2 replicas), a step of each length, and
+    with a mixture of experts counts every routed token."""
+    example = os.path.join(REPO, "examples", "python", "hf_causal_lm.py")
+    finished = job(4, example, "--replicas", "2", "--steps", "3", "--moe")
     assert finished.returncode == 0, finished.output
+    # Rank 0 runs stage 0 of replica 0: its first router saw its 8 samples x 24 tokens x top-2 at step 2.
+    assert "step 2 length 24" in finished.stdout and "tokens per expert" in finished.stdout, finished.output
+    counts = finished.stdout.split("step 2 length 24")[1].split("[")[1].split("]")[0]
+    assert sum(int(count) for count in counts.split(",")) == 8 * 24 * 2, finished.output
 
 
 def test_checkpoint_resume_equals_pytorch(job, smprun):
