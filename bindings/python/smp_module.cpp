@@ -372,7 +372,21 @@ PYBIND11_MODULE(_smp, module) {
           [](Runtime& runtime, const at::Tensor& tensor, int64_t dim) {
             return tp::reduce_scattered(tensor, dim, runtime.tensor_parallel_group()).clone();
           },
-          py::arg("tensor"), py::arg("dim"), py::call_guard<py::gil_scoped_release>());
+          py::arg("tensor"), py::arg("dim"), py::call_guard<py::gil_scoped_release>())
+      // Rows of `tensor` to the members of the data-parallel group, for smp.ep's all_to_all (autograd is its).
+      .def(
+          "_dp_all_to_all",
+          [](Runtime& runtime, const at::Tensor& tensor, const std::vector<int64_t>& output_rows,
+             const std::vector<int64_t>& input_rows) {
+            std::vector<int64_t> shape = tensor.sizes().vec();
+            if (shape.empty()) throw ConfigError("all_to_all takes a tensor of at least one dimension (its rows)");
+            shape[0] = 0;
+            for (int64_t rows : output_rows) shape[0] += rows;
+            at::Tensor output = at::empty(shape, tensor.options());
+            runtime.data_parallel().all_to_all(output, tensor.contiguous(), output_rows, input_rows);
+            return output;
+          },
+          py::arg("tensor"), py::arg("output_rows"), py::arg("input_rows"), py::call_guard<py::gil_scoped_release>());
 
   py::class_<StepOutput>(module, "StepOutput")
       .def_readonly("loss", &StepOutput::loss)

@@ -41,6 +41,26 @@ void check_shards(const at::Tensor& whole, const at::Tensor& shard, int members,
   }
 }
 
+void check_rows(const at::Tensor& output, const at::Tensor& input, const std::vector<std::int64_t>& output_rows,
+                const std::vector<std::int64_t>& input_rows, int members, const std::string& what) {
+  const auto total = [](const std::vector<std::int64_t>& rows) {
+    std::int64_t sum = 0;
+    for (auto count : rows) sum += count < 0 ? -(1LL << 60) : count;
+    return sum;
+  };
+  const bool counted = static_cast<int>(output_rows.size()) == members && static_cast<int>(input_rows.size()) == members;
+  const bool fits = counted && output.dim() >= 1 && output.dim() == input.dim() &&
+                    output.scalar_type() == input.scalar_type() && total(output_rows) == output.size(0) &&
+                    total(input_rows) == input.size(0) &&
+                    std::equal(output.sizes().begin() + 1, output.sizes().end(), input.sizes().begin() + 1);
+  if (!fits) {
+    throw CommError(what + ": " + std::to_string(input_rows.size()) + " and " + std::to_string(output_rows.size()) +
+                    " row counts for " + std::to_string(members) + " members do not describe the input " +
+                    c10::str(input.sizes(), " ", input.scalar_type()) + " and the output " +
+                    c10::str(output.sizes(), " ", output.scalar_type()));
+  }
+}
+
 namespace {
 
 class GlooPending final : public Pending {
@@ -234,6 +254,19 @@ class GlooCommunicator final : public Communicator {
     const at::Tensor sent = on_host(whole).contiguous();
     post([&] { return group_->_reduce_scatter_base(staged, const_cast<at::Tensor&>(sent)); }, staged, what,
          copy_back(shard, staged))
+        ->wait();
+  }
+
+  void all_to_all(const at::Tensor& output, const at::Tensor& input, const std::vector<std::int64_t>& output_rows,
+                  const std::vector<std::int64_t>& input_rows) override {
+    const std::string what = "all-to-all in group " + name_;
+    check_rows(output, input, output_rows, input_rows, size(), what);
+    at::Tensor staged = on_host(output);
+    if (!staged.is_contiguous()) staged = staged.contiguous();
+    const at::Tensor sent = on_host(input).contiguous();
+    std::vector<std::int64_t> received_rows = output_rows, sent_rows = input_rows;
+    post([&] { return group_->alltoall_base(staged, const_cast<at::Tensor&>(sent), received_rows, sent_rows); },
+         staged, what, copy_back(output, staged))
         ->wait();
   }
 

@@ -296,6 +296,39 @@ class NcclCommunicator final : public Communicator {
     })->wait();
   }
 
+  void all_to_all(const at::Tensor& output, const at::Tensor& input, const std::vector<std::int64_t>& output_rows,
+                  const std::vector<std::int64_t>& input_rows) override {
+    if (!output.is_cuda()) return host_->all_to_all(output, input, output_rows, input_rows);
+    const std::string what = "all-to-all in group " + name();
+    check_rows(output, input, output_rows, input_rows, size(), what);
+    check_contiguous(input, what);
+    const std::int64_t row = output.size(0) > 0 ? output.numel() / output.size(0)
+                                                : (input.size(0) > 0 ? input.numel() / input.size(0) : 0);
+    const std::size_t element = output.element_size();
+    collective(output, what, /*reduces=*/false, [&](ncclComm_t comm, void* data, size_t, ncclDataType_t type,
+                                                    cudaStream_t stream) {
+      c10::cuda::CUDACachingAllocator::recordStream(input.storage().data_ptr(),
+                                                    c10::cuda::getStreamFromExternal(stream, device_.index()));
+      // Each peer's rows as one send and one receive, all in one NCCL group: NCCL pairs them by peer.
+      ncclResult_t result = ncclGroupStart();
+      std::int64_t sent = 0, received = 0;
+      for (int peer = 0; peer < size() && result == ncclSuccess; ++peer) {
+        const auto* from = static_cast<const char*>(input.data_ptr()) + sent * row * static_cast<std::int64_t>(element);
+        auto* into = static_cast<char*>(data) + received * row * static_cast<std::int64_t>(element);
+        if (input_rows[peer] > 0) {
+          result = ncclSend(from, static_cast<size_t>(input_rows[peer] * row), type, peer, comm, stream);
+        }
+        if (result == ncclSuccess && output_rows[peer] > 0) {
+          result = ncclRecv(into, static_cast<size_t>(output_rows[peer] * row), type, peer, comm, stream);
+        }
+        sent += input_rows[peer];
+        received += output_rows[peer];
+      }
+      const ncclResult_t ended = ncclGroupEnd();
+      return result != ncclSuccess ? result : ended;
+    })->wait();
+  }
+
   void reduce_scatter_sum(const at::Tensor& shard, const at::Tensor& whole) override {
     if (!shard.is_cuda()) return host_->reduce_scatter_sum(shard, whole);
     const std::string what = "reduce-scatter in group " + name();

@@ -32,7 +32,7 @@ import weakref
 
 import torch  # loads LibTorch before the extension that links it
 
-from . import _materialize, _routing, _smp, tp
+from . import _materialize, _routing, _smp, ep, tp
 from ._graph import GraphModel, _is_sequential, _kind, transient_buffers
 from ._model_io import CapturedIO, GraphIO, own_loss
 from ._smp import CheckpointError, CommError, ConfigError, ModelError, NonFiniteError

@@ -4,6 +4,7 @@
 // the peer, never a hang.
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -75,10 +76,20 @@ class Communicator {
   // `whole`, this member's rank-th slice of it into `shard`. `whole` has size() times `shard`'s first dimension.
   virtual void all_gather(const at::Tensor& whole, const at::Tensor& shard) = 0;
   virtual void reduce_scatter_sum(const at::Tensor& shard, const at::Tensor& whole) = 0;
+  // Blocking: rows (dimension 0) of `input` to every member, the first `input_rows[0]` to group rank 0, the next
+  // `input_rows[1]` to rank 1, ...; `output` takes `output_rows[r]` rows from each rank r, in rank order. Every
+  // member's row shape and dtype are the same, and what one sends another expects (the counts exchanged first):
+  // the token dispatch and combine of expert parallelism.
+  virtual void all_to_all(const at::Tensor& output, const at::Tensor& input, const std::vector<std::int64_t>& output_rows,
+                          const std::vector<std::int64_t>& input_rows) = 0;
 };
 
 // CommError naming `what` unless `whole` is `members` shards of `shard`'s shape along dimension 0, of one dtype.
 void check_shards(const at::Tensor& whole, const at::Tensor& shard, int members, const std::string& what);
+// CommError naming `what` unless the row counts have one entry per member and add up to the tensors' first
+// dimensions, and the two tensors have one row shape and dtype.
+void check_rows(const at::Tensor& output, const at::Tensor& input, const std::vector<std::int64_t>& output_rows,
+                const std::vector<std::int64_t>& input_rows, int members, const std::string& what);
 
 // Creates the Gloo communicator of a group. Only the members call it, each with the same `members` (global
 // ranks, in group order) and `name`; the group's rendezvous goes through `store` under that name. Tensors on

@@ -1,0 +1,48 @@
+"""One rank of a data-parallel job (4 replicas of one stage) checking smp.ep.all_to_all: rows of uneven counts
+(none to some ranks) reach the right ranks in rank order, and gradients come back the same way reversed. Exits 0
+only then."""
+
+import sys
+
+import torch
+
+import smp
+import report
+
+
+def rows_from(sender, receiver, rank_count):
+    """How many rows `sender` sends `receiver`: uneven, and none on the diagonal of every third pair."""
+    return 0 if (sender + 2 * receiver) % 3 == 0 else 1 + (sender * rank_count + receiver) % 3
+
+
+def main():
+    torch.set_num_threads(1)
+    runtime = smp.init({"partitions": 1, "microbatches": 1, "ddp": True, "device": "cpu"})
+    me, ranks = runtime.dp_rank, runtime.data_parallel_degree
+    failures = []
+    input_rows = [rows_from(me, peer, ranks) for peer in range(ranks)]
+    output_rows = [rows_from(peer, me, ranks) for peer in range(ranks)]
+    # Each row says who sent it to whom, and which of those rows it is.
+    sent = torch.tensor([[me, peer, index] for peer in range(ranks) for index in range(input_rows[peer])],
+                        dtype=torch.float32).reshape(-1, 3).requires_grad_()
+    received = smp.ep.all_to_all(sent, output_rows, input_rows)
+    expected = torch.tensor([[peer, me, index] for peer in range(ranks) for index in range(output_rows[peer])],
+                            dtype=torch.float32).reshape(-1, 3)
+    if not torch.equal(received.detach(), expected):
+        failures.append(f"received {received.tolist()}, expected {expected.tolist()}")
+    # The gradient of each received row, scaled by its receiver, goes back to the row's sender.
+    (received * (me + 1)).sum().backward()
+    back = torch.tensor([[peer + 1.0] * 3 for peer in range(ranks) for _ in range(input_rows[peer])]).reshape(-1, 3)
+    if sent.grad is None or not torch.equal(sent.grad, back):
+        failures.append(f"gradient {None if sent.grad is None else sent.grad.tolist()}, expected {back.tolist()}")
+    try:
+        smp.ep.all_to_all(sent.detach(), output_rows, [1] * ranks)
+        failures.append("counts that do not add up to the rows were not refused")
+    except ValueError as error:
+        if "add up to" not in str(error):
+            failures.append(f"counts that do not add up: unexpected message {error}")
+    sys.exit(report.finish(failures))
+
+
+if __name__ == "__main__":
+    main()
