@@ -32,7 +32,8 @@ import weakref
 
 import torch  # loads LibTorch before the extension that links it
 
-from . import _materialize, _routing, _smp, ep, tp
+from . import _materialize, _routing, _smp, _state, ep, tp
+from ._state import runtime
 from ._graph import GraphModel, _is_sequential, _kind, transient_buffers
 from ._model_io import CapturedIO, GraphIO, own_loss
 from ._smp import CheckpointError, CommError, ConfigError, ModelError, NonFiniteError
@@ -40,9 +41,6 @@ from ._smp import CheckpointError, CommError, ConfigError, ModelError, NonFinite
 __all__ = ["init", "runtime", "GraphModel", "DistributedModel", "DistributedOptimizer", "Checkpointer", "materialize",
            "latest_checkpoint", "export_checkpoint", "export_safetensors", "load_full_model",
            "ConfigError", "ModelError", "NonFiniteError", "CheckpointError", "CommError"]
-
-_runtime = None
-
 
 def init(config, sections=None):
     """Joins the job: reads the config (a JSON file path, or a dict holding what the file would), checks it against
@@ -52,22 +50,14 @@ def init(config, sections=None):
     A config with an "smp" section may hold the application's own sections beside it; `sections` names those the
     application reads (e.g. ("model", "training")), and any other top-level key is then a ConfigError naming it
     (an smp key put beside the section always is)."""
-    global _runtime
     if isinstance(config, dict):
         parsed = _smp.Config.from_json_text(json.dumps(config), "<config dict>")
     else:
         parsed = _smp.Config.from_file(os.fspath(config))
     if sections is not None:
         parsed.check_sections(list(sections))
-    _runtime = _smp.Runtime.init(parsed)
-    return _runtime
-
-
-def runtime():
-    """The runtime of smp.init."""
-    if _runtime is None:
-        raise RuntimeError("smp.init(config) has not been called in this process")
-    return _runtime
+    _state.set_runtime(_smp.Runtime.init(parsed))
+    return _state.runtime()
 
 
 def _contains_scripted(model):

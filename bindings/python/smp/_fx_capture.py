@@ -7,7 +7,6 @@ import re
 
 import torch
 
-from ._graph import GraphModel
 from ._smp import ModelError
 
 
@@ -162,7 +161,7 @@ def _rewrite_in_place(traced, attribute, name, storage):
     traced.recompile()
 
 
-def _traced_graph(model, sample_input):
+def traced_graph(model, sample_input, graph_factory):
     """Traces `model` with torch.fx, its children (see _leaf_paths) kept whole. Every value the forward computes
     becomes a node when it is a tensor that depends on the input; other values (shapes, sizes, constants, the
     model's buffers) are computed again inside each node that uses them. Refused, with the reason: a forward that
@@ -284,7 +283,7 @@ def _traced_graph(model, sample_input):
 
     input_name = placeholders[0].name if placeholders[0].name not in leaves else "input"
     source_name[placeholders[0]] = input_name
-    result = GraphModel(input_name)
+    result = graph_factory(input_name)
     used_names = {input_name}
 
     def unique(candidate):

@@ -6,6 +6,7 @@ import itertools
 import torch
 
 from . import _smp
+from ._fx_capture import traced_graph
 from ._smp import ModelError
 
 
@@ -116,15 +117,14 @@ class GraphModel:
             raise ModelError("the Sequential has no modules")
         return graph
 
-    @staticmethod
-    def from_module(model, sample_input):
+    @classmethod
+    def from_module(cls, model, sample_input):
         """A model with a forward of its own, traced with torch.fx: one node per call of a child module (the
         elements of a ModuleList or ModuleDict child count as children), named by its path in the model so that
         parameter names match its state_dict, and one node per tensor-valued operation between them. See
         smp._fx_capture for what cannot be traced. (smp.DistributedModel captures such models with torch.export
         first, which cuts at any depth and takes keyword inputs.)"""
-        from ._fx_capture import _traced_graph
-        return _traced_graph(model, sample_input)
+        return traced_graph(model, sample_input, cls)
 
     def node_names(self):
         return self._graph.node_names()

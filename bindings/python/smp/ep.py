@@ -14,10 +14,7 @@ from typing import List
 import torch
 from torch import Tensor
 
-
-def _runtime():
-    from . import runtime
-    return runtime()
+from ._state import runtime as _runtime
 
 
 def _moved(x: Tensor, output_rows: List[int], input_rows: List[int]) -> Tensor:

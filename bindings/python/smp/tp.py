@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._smp import ConfigError
+from ._state import runtime as _runtime, runtime_or_none
 
 __all__ = ["Colwise", "Rowwise", "VocabParallel", "Replicated", "Divide", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "apply_plan", "builtin_plan", "shard_of", "copy_to_shards", "reduce_from_shards",
@@ -34,20 +35,15 @@ __all__ = ["Colwise", "Rowwise", "VocabParallel", "Replicated", "Divide", "Colum
            "local_part", "collective_bytes"]
 
 
-def _runtime():
-    from . import runtime
-    return runtime()
-
-
 def degree():
     """The config's tensor_parallel_degree (1 before smp.init)."""
-    from . import _runtime as initialized
+    initialized = runtime_or_none()
     return 1 if initialized is None else initialized.tensor_parallel_degree
 
 
 def rank():
     """This rank's place in its tensor-parallel group."""
-    from . import _runtime as initialized
+    initialized = runtime_or_none()
     return 0 if initialized is None else initialized.tp_rank
 
 
