@@ -19,7 +19,7 @@ import time
 import torch
 
 import smp
-from smp import _export_capture
+from smp import _exporting
 
 SAMPLE_LENGTH = 64
 NEW_LENGTHS = (40, 96, 128)
@@ -29,15 +29,15 @@ def build(config, sample, dynamic):
     import transformers as hf
     torch.manual_seed(0)
     net = hf.LlamaForCausalLM(config)
-    free = _export_capture._every_dimension_free
+    free = _exporting._every_dimension_free
     if not dynamic:
         def fixed(*_):
             raise RuntimeError("dynamic shapes turned off for the benchmark")
-        _export_capture._every_dimension_free = fixed
+        _exporting._every_dimension_free = fixed
     try:
         model = smp.DistributedModel(net, sample)
     finally:
-        _export_capture._every_dimension_free = free
+        _exporting._every_dimension_free = free
     optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
     return model, optimizer
 

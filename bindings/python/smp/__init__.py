@@ -69,6 +69,7 @@ def _capture(model, sample, stages, pinned):
     inputs, any output); torch.fx when export cannot take it (or the model has TorchScript children, which export
     does not enter) and the model takes one tensor."""
     from . import _export_capture as exporting
+    from ._exporting import CaptureError
     args, kwargs = exporting.split_sample(model, sample)
     export_error = None
     if not _contains_scripted(model):
@@ -76,7 +77,7 @@ def _capture(model, sample, stages, pinned):
             graph, leaf_inputs, output_spec, shapes = exporting.capture(model, args, kwargs, stages, pinned, GraphModel,
                                                                         torch.device(runtime().device))
             return graph, CapturedIO(model, args, kwargs, leaf_inputs, output_spec, exporting.split_sample, shapes)
-        except exporting.CaptureError as error:
+        except CaptureError as error:
             export_error = error
     name = type(model).__name__
     if not isinstance(sample, torch.Tensor):

@@ -1,0 +1,158 @@
+"""What each microbatch given to a captured model may be, checked on every rank before a step sends anything: the
+shapes the capture allows (InputShapes) and the embedding rows the inputs alone decide (TableLookups)."""
+
+import torch
+import torch.fx as fx
+
+from ._captured_node import _attribute, _is_op
+from ._smp import ConfigError
+
+_aten = torch.ops.aten
+
+
+class TableLookups:
+    """The rows the model will read from its embedding tables where they follow from the inputs alone (token ids,
+    position ids made from a sequence length), checked on every rank before a step sends anything: an input longer
+    than a position table, or an id beyond the vocabulary, is a ConfigError naming the table, not an IndexError on
+    one stage while the others wait."""
+
+    def __init__(self, code, sources, tables):
+        self._code, self._sources, self._tables = code, sources, tables
+
+    @classmethod
+    def of(cls, graph, dynamic, attributes, input_names, order):
+        lookups = []
+        for node in graph.nodes:
+            if _is_op(node) and node.target == _aten.embedding.default and node.args[0] in attributes \
+                    and isinstance(attributes[node.args[0]][1], torch.nn.Parameter) and node.args[1] not in dynamic:
+                lookups.append(node)
+        needed, sources = {}, []
+        kept = []
+        for lookup in lookups:
+            stack, seen, ok = [lookup.args[1]], set(), True
+            while stack and ok:
+                value = stack.pop()
+                if value in seen:
+                    continue
+                seen.add(value)
+                if value in dynamic:
+                    ok = False  # read through something computed from parameters: not known before the step
+                elif value in input_names or value in attributes:
+                    continue
+                else:
+                    stack.extend(value.all_input_nodes)
+            if ok:
+                kept.append(lookup)
+                needed.update(dict.fromkeys(seen))
+        if not kept:
+            return None
+        code = fx.Graph()
+        env = {}
+        for value in sorted(needed, key=lambda n: order[n]):
+            if value in input_names or (value in attributes and attributes[value][0] is not None):
+                env[value] = code.placeholder(f"source_{len(sources)}")
+                sources.append(input_names.get(value) or ("attribute", attributes[value][0], attributes[value][1]))
+            elif value in attributes:
+                env[value] = attributes[value][1]  # a baked-in constant input
+            else:
+                env[value] = code.node_copy(value, lambda n: env[n])
+        code.output(tuple(env[lookup.args[1]] for lookup in kept))
+        tables = [(attributes[lookup.args[0]][0], attributes[lookup.args[0]][1].shape[0]) for lookup in kept]
+        return cls(fx.GraphModule(torch.nn.Module(), code), sources, tables)
+
+    def check(self, model, microbatch, what):
+        """microbatch: engine input name -> one microbatch's tensor (every input of the model)."""
+        values = []
+        for source in self._sources:
+            if isinstance(source, str):
+                values.append(microbatch[source])
+                continue
+            _, path, captured = source
+            try:
+                value = _attribute(model, path)  # the model's own (a buffer made real on this rank)
+            except AttributeError:
+                value = captured
+            if not isinstance(value, torch.Tensor) or value.is_meta:
+                return  # not held on this rank: the rank holding it checks
+            values.append(value.cpu())
+        with torch.no_grad():
+            rows_read = self._code(*values)
+        for (path, rows), read in zip(self._tables, rows_read):
+            if read.numel() and (int(read.max()) >= rows or int(read.min()) < 0):
+                bad = int(read.max()) if int(read.max()) >= rows else int(read.min())
+                shapes = ", ".join(f"'{name}' {tuple(t.shape)}" for name, t in microbatch.items())
+                raise ConfigError(f"{what}: the model would read row {bad} of '{path}', which has {rows} rows "
+                                  f"(microbatch inputs {shapes}): the inputs are longer, or hold larger ids, than "
+                                  "the model takes")
+
+
+def _finite(bound):
+    """A range's bound as an int, None where it is unbounded (sympy's and torch's infinities)."""
+    try:
+        return int(bound) if bound.is_finite is not False and str(bound).lstrip("-") not in ("oo", "int_oo") else None
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+class InputShapes:
+    """What shapes the captured code takes, per engine input: each dimension either fixed (the sample's size) or a
+    symbol of the export with the range it allows; inputs that share a symbol must agree on it."""
+
+    def __init__(self, dimensions, fixed_because):
+        self.dimensions = dimensions  # input name -> [int, or (symbol, low, high)]
+        self.fixed_because = fixed_because  # why export could not let any shape change, or None
+        self.lookups = None  # TableLookups, set once the graph is planned
+
+    @classmethod
+    def of(cls, exported, inputs, fixed_because):
+        ranges = {str(symbol): bounds for symbol, bounds in exported.range_constraints.items()}
+        dimensions = {}
+        for node in inputs:
+            value = node.meta.get("val")
+            sizes = []
+            for size in (value.shape if isinstance(value, torch.Tensor) else ()):
+                if isinstance(size, int):
+                    sizes.append(size)
+                    continue
+                symbol = str(size.node.expr)
+                bounds = ranges.get(symbol)
+                low = _finite(bounds.lower) if bounds is not None else None
+                high = _finite(bounds.upper) if bounds is not None else None
+                low = 0 if low is None else low
+                sizes.append((symbol, low, high))
+            dimensions[node.name] = sizes
+        return cls(dimensions, fixed_because)
+
+    def check(self, name, shape, what):
+        """Raises ConfigError when a microbatch's input `name` of `shape` is one the captured code cannot take."""
+        sizes = self.dimensions.get(name)
+        if sizes is None:
+            return
+        if len(shape) != len(sizes):
+            raise ConfigError(f"{what}: input '{name}' has {len(shape)} dimensions, the sample had {len(sizes)}")
+        for dim, (size, allowed) in enumerate(zip(shape, sizes)):
+            if isinstance(allowed, int):
+                if size != allowed:
+                    why = (f"the model could not be captured with changing shapes ({self.fixed_because})"
+                           if self.fixed_because else "the model's code fixes it (export kept it constant)")
+                    raise ConfigError(f"{what}: input '{name}' gives microbatches of shape {tuple(shape)}, but its "
+                                      f"dimension {dim} must be {allowed}, the sample's: {why}")
+                continue
+            symbol, low, high = allowed
+            if size < low or (high is not None and size > high):
+                bound = f"{low} to {high}" if high is not None else f"at least {low}"
+                raise ConfigError(f"{what}: input '{name}' gives microbatches of shape {tuple(shape)}; the captured "
+                                  f"model takes {bound} in its dimension {dim}")
+
+    def check_agreement(self, shapes, what):
+        """Inputs sharing a symbol (input_ids and labels' sequence length) have the same size there."""
+        seen = {}
+        for name, shape in shapes.items():
+            for dim, allowed in enumerate(self.dimensions.get(name, ())):
+                if isinstance(allowed, int) or dim >= len(shape):
+                    continue
+                first = seen.setdefault(allowed[0], (name, dim, shape[dim]))
+                if first[2] != shape[dim]:
+                    raise ConfigError(f"{what}: input '{name}' has {shape[dim]} in its dimension {dim} where "
+                                      f"'{first[0]}' has {first[2]} in its dimension {first[1]}; the model needs "
+                                      "them equal")
