@@ -31,11 +31,19 @@ struct CaptureHook final : torch::autograd::FunctionPreHook {
   variable_list* slot;
 };
 
-// One engine call of W: the weight nodes that share parameters, seeded with what reached them in I.
+// The weight nodes that share parameters, seeded with what reached them in I.
 struct Group {
   std::vector<Edge> roots;
   variable_list grads;
   std::vector<Edge> accumulators;
+};
+
+// A weight node's edges to its input-gradient side, which W cuts: W then runs every weight node in one engine call
+// that goes nowhere but to the parameters (one call per group would each walk the graph below its roots, input side
+// included, to find what it needs).
+struct InputSide {
+  std::shared_ptr<Node> node;
+  std::vector<uint32_t> edges;
 };
 
 }  // namespace
@@ -43,6 +51,7 @@ struct Group {
 struct WeightPass::State {
   bool weight_nodes_only = false;
   std::vector<Group> groups;
+  std::vector<InputSide> input_sides;
   // Fallback: one backward pass from the stage's outputs to its parameters.
   std::vector<at::Tensor> roots, root_grads, parameters;
 };
@@ -245,6 +254,14 @@ std::pair<std::vector<at::Tensor>, WeightPass> WeightPass::run_input_pass(const 
     }
     state.groups.push_back(std::move(group));
   }
+  for (Node* node : weight_nodes) {
+    InputSide side{node->getptr(), {}};
+    const auto& edges = node->next_edges();
+    for (uint32_t index = 0; index < edges.size(); ++index) {
+      if (edges[index].is_valid() && !parameters_only.at(edges[index].function.get())) side.edges.push_back(index);
+    }
+    state.input_sides.push_back(std::move(side));
+  }
   state.weight_nodes_only = true;
   // The weight nodes hold what W needs; the stage's outputs are not needed any more.
   state.roots.clear();
@@ -258,11 +275,24 @@ void WeightPass::run() {
   state_.reset();
   auto& engine = torch::autograd::Engine::get_default_engine();
   if (state.weight_nodes_only) {
+    // I is done with the input side, and the graph goes with this call: with those edges cut, a weight node computes
+    // its weight outputs alone, and what reaches a parameter from several weight nodes is summed before it
+    // accumulates, once, as in one backward pass.
+    for (const auto& side : state.input_sides) {
+      // Not set_next_edge, which refuses a node with parents: dropping a child keeps the graph's order valid.
+      for (uint32_t index : side.edges) side.node->next_edges()[index] = Edge();
+    }
+    std::vector<Edge> roots, accumulators;
+    variable_list grads;
     for (auto& group : state.groups) {
       if (group.accumulators.empty()) continue;
-      // Only paths from these weight nodes to their parameters run: a node's input-gradient outputs are skipped.
-      engine.execute(group.roots, group.grads, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true,
-                     group.accumulators);
+      roots.insert(roots.end(), group.roots.begin(), group.roots.end());
+      grads.insert(grads.end(), group.grads.begin(), group.grads.end());
+      accumulators.insert(accumulators.end(), group.accumulators.begin(), group.accumulators.end());
+    }
+    if (!roots.empty()) {
+      engine.execute(roots, grads, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true,
+                     accumulators);
     }
     return;
   }
