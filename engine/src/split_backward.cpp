@@ -1,8 +1,6 @@
 #include "split_backward.h"
 
 #include <algorithm>
-#include <map>
-#include <numeric>
 #include <set>
 #include <unordered_map>
 #include <unordered_set>
@@ -31,13 +29,6 @@ struct CaptureHook final : torch::autograd::FunctionPreHook {
   variable_list* slot;
 };
 
-// The weight nodes that share parameters, seeded with what reached them in I.
-struct Group {
-  std::vector<Edge> roots;
-  variable_list grads;
-  std::vector<Edge> accumulators;
-};
-
 // A weight node's edges to its input-gradient side, which W cuts: W then runs every weight node in one engine call
 // that goes nowhere but to the parameters (one call per group would each walk the graph below its roots, input side
 // included, to find what it needs).
@@ -50,7 +41,10 @@ struct InputSide {
 
 struct WeightPass::State {
   bool weight_nodes_only = false;
-  std::vector<Group> groups;
+  // W by weight nodes: where it starts, with what, and the parameters it ends at.
+  std::vector<Edge> roots_of_w;
+  variable_list grads_of_w;
+  std::vector<Edge> accumulators_of_w;
   std::vector<InputSide> input_sides;
   // Fallback: one backward pass from the stage's outputs to its parameters.
   std::vector<at::Tensor> roots, root_grads, parameters;
@@ -190,77 +184,41 @@ std::pair<std::vector<at::Tensor>, WeightPass> WeightPass::run_input_pass(const 
                             });
   if (!all_captured) return {gradients, std::move(pass)};
 
-  // Weight nodes that reach a common parameter run in one engine call, so that each gradient accumulates once.
-  std::vector<std::size_t> leader(weight_nodes.size());
-  std::iota(leader.begin(), leader.end(), 0);
-  const auto find = [&](std::size_t i) {
-    while (leader[i] != i) i = leader[i] = leader[leader[i]];
-    return i;
-  };
-  std::unordered_map<const Node*, std::size_t> first_user;  // parameter-only node -> a weight node reaching it
-  std::vector<std::set<std::size_t>> reached(weight_nodes.size());  // parameters per weight node
+  // W: every weight node, seeded with what reached it in I, to the parameters below it (one engine call, so that
+  // what reaches a parameter from several weight nodes, a tied weight's uses, is summed before it accumulates once).
+  std::set<std::size_t> reached;
+  std::unordered_set<const Node*> seen;
   for (std::size_t i = 0; i < weight_nodes.size(); ++i) {
-    std::vector<const Node*> stack;
-    std::unordered_set<const Node*> seen;
-    for (const auto& child : weight_nodes[i]->next_edges()) {
-      if (child.is_valid() && parameters_only.at(child.function.get())) stack.push_back(child.function.get());
+    for (std::size_t slot = 0; slot < captured[i].size(); ++slot) {
+      if (!captured[i][slot].defined()) continue;
+      state.roots_of_w.emplace_back(weight_nodes[i]->getptr(), static_cast<uint32_t>(slot));
+      state.grads_of_w.push_back(captured[i][slot]);
     }
+    InputSide side{weight_nodes[i]->getptr(), {}};
+    std::vector<const Node*> stack;
+    const auto& edges = weight_nodes[i]->next_edges();
+    for (uint32_t index = 0; index < edges.size(); ++index) {
+      if (!edges[index].is_valid()) continue;
+      if (parameters_only.at(edges[index].function.get())) {
+        stack.push_back(edges[index].function.get());
+      } else {
+        side.edges.push_back(index);
+      }
+    }
+    state.input_sides.push_back(std::move(side));
     while (!stack.empty()) {
       const Node* node = stack.back();
       stack.pop_back();
       if (!seen.insert(node).second) continue;
-      const auto [user, fresh] = first_user.emplace(node, i);
-      if (!fresh) leader[find(i)] = find(user->second);
       const auto parameter = parameter_of.find(node);
-      if (parameter != parameter_of.end()) reached[i].insert(parameter->second);
+      if (parameter != parameter_of.end()) reached.insert(parameter->second);
       for (const auto& child : node->next_edges()) {
         if (child.is_valid()) stack.push_back(child.function.get());
       }
     }
   }
-  std::map<std::size_t, Group> groups;
-  std::map<std::size_t, std::set<std::size_t>> group_parameters;
-  for (std::size_t i = 0; i < weight_nodes.size(); ++i) {
-    Group& group = groups[find(i)];
-    for (std::size_t slot = 0; slot < captured[i].size(); ++slot) {
-      if (!captured[i][slot].defined()) continue;
-      group.roots.emplace_back(weight_nodes[i]->getptr(), static_cast<uint32_t>(slot));
-      group.grads.push_back(captured[i][slot]);
-    }
-    group_parameters[find(i)].insert(reached[i].begin(), reached[i].end());
-  }
-  // W roots at weight nodes and runs every path from them to their group's parameters. A weight node whose
-  // input-gradient side leads down to a weight node of its own group (a weight used again on the output of its
-  // first use) would make W run the graph in between again: then W falls back to one backward pass.
-  std::unordered_map<const Node*, std::size_t> group_of;
-  for (std::size_t i = 0; i < weight_nodes.size(); ++i) group_of[weight_nodes[i]] = find(i);
-  std::unordered_map<const Node*, std::set<std::size_t>> groups_below;  // weight-node groups at or below a node
-  for (Node* node : post_order) {  // children first
-    if (parameters_only.at(node)) continue;
-    auto& below = groups_below[node];
-    for (const auto& child : node->next_edges()) {
-      if (!child.is_valid() || parameters_only.at(child.function.get())) continue;
-      const auto& child_below = groups_below.at(child.function.get());
-      below.insert(child_below.begin(), child_below.end());
-    }
-    const auto group = group_of.find(node);
-    if (group == group_of.end()) continue;
-    if (below.count(group->second)) return {gradients, std::move(pass)};
-    below.insert(group->second);
-  }
-  for (auto& [leader_index, group] : groups) {
-    for (std::size_t parameter : group_parameters[leader_index]) {
-      group.accumulators.push_back(torch::autograd::impl::gradient_edge(trainable[parameter]));
-    }
-    state.groups.push_back(std::move(group));
-  }
-  for (Node* node : weight_nodes) {
-    InputSide side{node->getptr(), {}};
-    const auto& edges = node->next_edges();
-    for (uint32_t index = 0; index < edges.size(); ++index) {
-      if (edges[index].is_valid() && !parameters_only.at(edges[index].function.get())) side.edges.push_back(index);
-    }
-    state.input_sides.push_back(std::move(side));
+  for (std::size_t parameter : reached) {
+    state.accumulators_of_w.push_back(torch::autograd::impl::gradient_edge(trainable[parameter]));
   }
   state.weight_nodes_only = true;
   // The weight nodes hold what W needs; the stage's outputs are not needed any more.
@@ -282,17 +240,9 @@ void WeightPass::run() {
       // Not set_next_edge, which refuses a node with parents: dropping a child keeps the graph's order valid.
       for (uint32_t index : side.edges) side.node->next_edges()[index] = Edge();
     }
-    std::vector<Edge> roots, accumulators;
-    variable_list grads;
-    for (auto& group : state.groups) {
-      if (group.accumulators.empty()) continue;
-      roots.insert(roots.end(), group.roots.begin(), group.roots.end());
-      grads.insert(grads.end(), group.grads.begin(), group.grads.end());
-      accumulators.insert(accumulators.end(), group.accumulators.begin(), group.accumulators.end());
-    }
-    if (!roots.empty()) {
-      engine.execute(roots, grads, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true,
-                     accumulators);
+    if (!state.roots_of_w.empty() && !state.accumulators_of_w.empty()) {
+      engine.execute(state.roots_of_w, state.grads_of_w, /*keep_graph=*/false, /*create_graph=*/false,
+                     /*accumulate_grad=*/true, state.accumulators_of_w);
     }
     return;
   }

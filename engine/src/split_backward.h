@@ -3,9 +3,8 @@
 // only the weight work: I runs the graph to the stage's inputs without computing weight gradients and records what
 // flows into every node that computes one (a "weight node": e.g. a matmul's backward, whose weight edge leads to
 // parameters only); W then runs just those nodes, for their weight outputs, from what I recorded.
-// When some weight node is not on I's path (its stage input needs no gradient), or a weight is used again on the
-// output of its first use (a tied weight within the stage), W falls back to one backward pass from the stage's
-// outputs to its parameters: the same result, without the saving.
+// When some weight node is not on I's path (its stage input needs no gradient), W falls back to one backward pass
+// from the stage's outputs to its parameters: the same result, without the saving.
 
 #include <memory>
 #include <utility>
