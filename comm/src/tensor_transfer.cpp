@@ -105,14 +105,14 @@ std::unique_ptr<Pending> send_tensors(Communicator& comm, const std::vector<at::
   const bool packed = !fits_header(tensors);
   const bool as_expected = !packed && expected && *expected == layout;
   auto group = std::make_unique<Group>();
+  int64_t packed_size = 0;  // bytes of the one payload of a packed transfer
   if (packed) {
     std::vector<int64_t> description;
-    int64_t bytes = 0;
     for (const auto& tensor : layout) {
       description.push_back(static_cast<int64_t>(tensor.dtype));
       description.push_back(static_cast<int64_t>(tensor.sizes.size()));
       description.insert(description.end(), tensor.sizes.begin(), tensor.sizes.end());
-      bytes = aligned(bytes) + packed_bytes(tensor);
+      packed_size = aligned(packed_size) + packed_bytes(tensor);
     }
     at::Tensor header = at::zeros({kHeaderSlots}, at::kLong);
     auto* slot = header.data_ptr<int64_t>();
@@ -120,7 +120,7 @@ std::unique_ptr<Pending> send_tensors(Communicator& comm, const std::vector<at::
     slot[1] = static_cast<int64_t>(tensors.size());
     slot[2] = kPacked;
     slot[3] = static_cast<int64_t>(description.size());
-    slot[4] = bytes;
+    slot[4] = packed_size;
     group->parts.push_back(comm.isend(header, peer, tag));
     at::Tensor layout_message = at::empty({static_cast<int64_t>(description.size())}, at::kLong);
     std::copy(description.begin(), description.end(), layout_message.data_ptr<int64_t>());
@@ -132,16 +132,13 @@ std::unique_ptr<Pending> send_tensors(Communicator& comm, const std::vector<at::
     // The receives posted ahead for the old layout are retired with a byte each (a send may be smaller than its
     // receive, never larger: an empty buffer gets an empty message).
     for (std::size_t j = 0; j < expected->size(); ++j) {
-      std::int64_t bytes = static_cast<std::int64_t>(c10::elementSize((*expected)[j].dtype));
-      for (auto size : (*expected)[j].sizes) bytes *= size;
-      at::Tensor retire = at::zeros({std::min<std::int64_t>(bytes, 1)}, at::TensorOptions(at::kByte).device(comm.device()));
+      at::Tensor retire = at::zeros({std::min<std::int64_t>(packed_bytes((*expected)[j]), 1)},
+                                    at::TensorOptions(at::kByte).device(comm.device()));
       group->parts.push_back(comm.isend(retire, peer, expected_tag(tag, j)));
     }
   }
   if (packed) {
-    int64_t bytes = 0;
-    for (const auto& tensor : layout) bytes = aligned(bytes) + packed_bytes(tensor);
-    at::Tensor payload = at::empty({bytes}, at::TensorOptions(at::kByte).device(comm.device()));
+    at::Tensor payload = at::empty({packed_size}, at::TensorOptions(at::kByte).device(comm.device()));
     int64_t offset = 0;
     for (std::size_t i = 0; i < tensors.size(); ++i) {
       offset = aligned(offset);
