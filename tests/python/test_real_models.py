@@ -23,13 +23,15 @@ def test_real_models_4_stages_equal_pytorch(job):
 
 
 def test_real_models_2x2_equal_pytorch(job):
-    """A loss function on the outputs; batch norm statistics per replica (ResNet)."""
-    assert_passed(job(4, "real_models.py", "--models", "gpt2,bert,resnet,olmoe,qwen3_moe", "--loss", "fn", "--smp",
+    """A loss function on the outputs; batch norm statistics per replica (ResNet); a sequence length per step under
+    1F1B."""
+    assert_passed(job(4, "real_models.py", "--models", "gpt2,bert,resnet,olmoe,qwen3_moe", "--loss", "fn",
+                      "--lengths", "12,24,30", "--smp",
                       smp_keys(partitions=2, microbatches=2, ddp=True, global_batch_size=8)))
 
 
 def test_real_models_interleaved_equal_pytorch(job):
-    assert_passed(job(2, "real_models.py", "--models", "llama,vit,mixtral", "--smp",
+    assert_passed(job(2, "real_models.py", "--models", "llama,vit,mixtral", "--lengths", "16,40,8", "--smp",
                       smp_keys(partitions=2, virtual_stages=2, pipeline="interleaved", microbatches=4,
                                global_batch_size=8)))
 
