@@ -7,6 +7,7 @@ add_executable(test_core
   ${CMAKE_CURRENT_LIST_DIR}/test_checkpoint_manifest.cpp)
 target_link_libraries(test_core PRIVATE smp_catch_main smp::core smp::partitioner)
 target_compile_options(test_core PRIVATE -Wall -Wextra)
+target_compile_definitions(test_core PRIVATE SMP_README_PATH="${PROJECT_SOURCE_DIR}/README.md")
 catch_discover_tests(test_core)
 
 # Engine pieces that run in one process with LibTorch and no communication: split backward, profiling.

@@ -1,5 +1,9 @@
 #include <catch2/catch.hpp>
 
+#include <fstream>
+#include <set>
+#include <string>
+
 #include <nlohmann/json.hpp>
 
 #include "smp/config.h"
@@ -172,4 +176,27 @@ TEST_CASE("tensor_parallel_degree is read, bounded, and divides the world with t
   CHECK_THROWS_WITH(smp::Config::from_json_text(R"({"tensor_parallel_degree": 0})", "t"), Catch::Contains("key \"tensor_parallel_degree\""));
   CHECK_THROWS_WITH(smp::Config::from_json_text(R"({"placement_strategy": "DPX"})", "t"), Catch::Contains("letters D, P and T"));
   CHECK(smp::Config::from_json_text(R"({"placement_strategy": "PTD"})", "t").placement_strategy == "PTD");
+}
+
+TEST_CASE("config: README's config table lists every key the reader takes, and no other", "[config]") {
+  std::ifstream readme(SMP_README_PATH);
+  REQUIRE(readme);
+  std::string line;
+  bool in_table = false;
+  std::set<std::string> documented;
+  while (std::getline(readme, line)) {
+    if (line.rfind("### The config file", 0) == 0) in_table = true;
+    else if (in_table && line.rfind("## ", 0) == 0) break;
+    if (!in_table || line.rfind("| `", 0) != 0) continue;
+    // The first column names the key and its aliases, each in backticks: "`backend` (alias SMP's `ddp_dist_backend`)".
+    const std::string first = line.substr(1, line.find('|', 1) - 1);
+    for (std::size_t open = first.find('`'); open != std::string::npos; open = first.find('`', open)) {
+      const std::size_t close = first.find('`', open + 1);
+      documented.insert(first.substr(open + 1, close - open - 1));
+      open = close + 1;
+    }
+  }
+  const auto keys = Config::keys();
+  const std::set<std::string> read(keys.begin(), keys.end());
+  CHECK(documented == read);
 }

@@ -16,17 +16,6 @@ namespace {
 
 using nlohmann::json;
 
-const std::vector<std::string>& known_keys() {
-  static const std::vector<std::string> keys = {
-      "partitions", "pipeline_parallel_degree", "tensor_parallel_degree", "sequence_parallel", "microbatches", "pipeline", "ddp", "placement_strategy",
-      "active_microbatches", "auto_partition", "default_partition", "partition_overrides", "optimize",
-      "memory_weight", "seed", "global_batch_size", "comm_timeout_s", "log_level", "virtual_stages", "schedule_file",
-      "activation_checkpointing", "trace_dir", "trace_step", "checkpoint_dir", "checkpoint_interval",
-      "checkpoints_kept", "resume", "nonfinite", "memory_limit_mb", "link_bandwidth_gbps", "bf16", "fp16",
-      "device", "backend", "ddp_dist_backend", "shard_optimizer_state"};
-  return keys;
-}
-
 std::size_t edit_distance(const std::string& a, const std::string& b) {
   std::vector<std::size_t> row(b.size() + 1);
   for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
@@ -123,7 +112,195 @@ bool is_placement_order(const std::string& text) {
   return letters == "DP" || letters == "DPT";
 }
 
+constexpr long long kMaxCount = 1 << 20;
+
+// Every key smp reads, in the order it reads them (a key's checks may use the keys before it): `read` runs when
+// the key is given, `after` whether or not (what follows from the keys so far: defaults, checks across keys).
+struct Key {
+  const char* name;
+  void (*read)(const Reader&, Config&);
+  void (*after)(const Reader&, Config&) = nullptr;
+};
+
+const std::vector<Key>& key_table() {
+  static const std::vector<Key> table = {
+      {"partitions",
+       [](const Reader& r, Config& c) {
+         if (r.has("pipeline_parallel_degree")) {
+           r.fail("pipeline_parallel_degree", "is an alias of \"partitions\"; give only one of them");
+         }
+         c.partitions = static_cast<int>(r.integer("partitions", 1, 4096));
+       }},
+      {"pipeline_parallel_degree",
+       [](const Reader& r, Config& c) { c.partitions = static_cast<int>(r.integer("pipeline_parallel_degree", 1, 4096)); }},
+      {"tensor_parallel_degree",
+       [](const Reader& r, Config& c) { c.tensor_parallel_degree = static_cast<int>(r.integer("tensor_parallel_degree", 1, 4096)); }},
+      {"sequence_parallel", [](const Reader& r, Config& c) { c.sequence_parallel = r.boolean("sequence_parallel"); }},
+      {"microbatches", [](const Reader& r, Config& c) { c.microbatches = static_cast<int>(r.integer("microbatches", 1, kMaxCount)); }},
+      {"pipeline",
+       [](const Reader& r, Config& c) {
+         // SMP's names first, then the generators' (what smp_schedule and schedule files call them).
+         std::vector<std::string> names;
+         for (const auto& kind : sched::schedule_kinds()) {
+           if (*kind.config_alias && std::find(names.begin(), names.end(), kind.config_alias) == names.end()) {
+             names.emplace_back(kind.config_alias);
+           }
+         }
+         for (const auto& kind : sched::schedule_kinds()) names.emplace_back(kind.name);
+         c.pipeline = r.choice("pipeline", names);
+       },
+       [](const Reader&, Config& c) {
+         if (sched::find_schedule_kind(c.pipeline).stages_per_rank == 2) c.virtual_stages = 2;  // a V: two per rank
+       }},
+      {"active_microbatches",
+       [](const Reader& r, Config& c) { c.active_microbatches = static_cast<int>(r.integer("active_microbatches", 0, kMaxCount)); }},
+      {"virtual_stages",
+       [](const Reader& r, Config& c) {
+         c.virtual_stages = static_cast<int>(r.integer("virtual_stages", 1, 64));
+         const auto& chosen = sched::find_schedule_kind(c.pipeline, c.virtual_stages);
+         if (chosen.stages_per_rank == 1 && c.virtual_stages > 1) {
+           r.fail("virtual_stages", "needs \"pipeline\": \"interleaved\" (interleaved 1F1B) or a V schedule; \"" +
+                                        c.pipeline + "\" runs one stage per rank");
+         }
+         if (chosen.stages_per_rank == 2 && c.virtual_stages != 2) {
+           r.fail("virtual_stages", "must be 2 with \"pipeline\": \"" + c.pipeline +
+                                        "\", which runs two stages per rank in a V");
+         }
+       }},
+      {"schedule_file", [](const Reader& r, Config& c) { c.schedule_file = r.string("schedule_file"); },
+       [](const Reader& r, Config& c) {
+         if (c.active_microbatches > 0 && !sched::find_schedule_kind(c.pipeline, c.virtual_stages).takes_cap) {
+           r.fail("active_microbatches",
+                  "has no effect with \"pipeline\": \"" + c.pipeline + "\" (" +
+                      (c.pipeline == "simple" || c.pipeline == "gpipe"
+                           ? "GPipe runs every forward first); use \"interleaved\" to cap microbatches in flight"
+                           : "it holds what its own order bounds)"));
+         }
+         if (c.active_microbatches > 0 && c.active_microbatches < c.virtual_stages) {
+           r.fail("active_microbatches",
+                  "must be 0 or at least \"virtual_stages\" (" + std::to_string(c.virtual_stages) + ")");
+         }
+       }},
+      {"activation_checkpointing",
+       [](const Reader& r, Config& c) {
+         const json& value = r.raw("activation_checkpointing");
+         const int stages = c.partitions * c.virtual_stages;
+         if (value.is_boolean()) {
+           if (value.get<bool>()) {
+             for (int stage = 0; stage < stages; ++stage) c.checkpointed_stages.push_back(stage);
+           }
+         } else if (value.is_array()) {
+           for (const auto& item : value) {
+             if (item.is_string() && !item.get<std::string>().empty()) {
+               c.checkpointed_modules.push_back(item.get<std::string>());
+               continue;
+             }
+             if (!item.is_number_integer() || item.get<long long>() < 0 || item.get<long long>() >= stages) {
+               r.fail("activation_checkpointing", item.is_number_integer()
+                          ? "stage " + item.dump() + " is not in [0, " + std::to_string(stages - 1) + "]"
+                          : item.dump() + " is neither a stage index nor a module name");
+             }
+             c.checkpointed_stages.push_back(item.get<int>());
+           }
+         } else {
+           r.fail("activation_checkpointing", "expected true, false, or a list of stage indices and module names");
+         }
+       }},
+      {"trace_dir", [](const Reader& r, Config& c) { c.trace_dir = r.string("trace_dir"); }},
+      {"trace_step", [](const Reader& r, Config& c) { c.trace_step = static_cast<int>(r.integer("trace_step", 0, 1 << 30)); }},
+      {"checkpoint_dir", [](const Reader& r, Config& c) { c.checkpoint_dir = r.string("checkpoint_dir"); }},
+      {"checkpoint_interval",
+       [](const Reader& r, Config& c) { c.checkpoint_interval = static_cast<int>(r.integer("checkpoint_interval", 0, 1 << 30)); }},
+      {"checkpoints_kept",
+       [](const Reader& r, Config& c) { c.checkpoints_kept = static_cast<int>(r.integer("checkpoints_kept", 1, 1000)); }},
+      {"resume", [](const Reader& r, Config& c) { c.resume = r.boolean("resume"); },
+       [](const Reader& r, Config& c) {
+         if ((c.checkpoint_interval > 0 || c.resume) && c.checkpoint_dir.empty()) {
+           r.fail(c.resume ? "resume" : "checkpoint_interval", "needs \"checkpoint_dir\"");
+         }
+       }},
+      {"bf16", [](const Reader& r, Config& c) { c.bf16 = r.boolean("bf16"); }},
+      {"fp16", [](const Reader& r, Config& c) { c.fp16 = r.boolean("fp16"); },
+       [](const Reader& r, Config& c) {
+         if (c.bf16 && c.fp16) r.fail("fp16", "and \"bf16\" are both true; pick one");
+       }},
+      {"device", [](const Reader& r, Config& c) { c.device = r.choice("device", {"auto", "cpu", "cuda"}); }},
+      {"backend",
+       [](const Reader& r, Config& c) {
+         if (r.has("ddp_dist_backend")) r.fail("ddp_dist_backend", "is an alias of \"backend\"; give only one of them");
+         c.backend = r.choice("backend", {"auto", "gloo", "nccl"});
+       }},
+      {"ddp_dist_backend", [](const Reader& r, Config& c) { c.backend = r.choice("ddp_dist_backend", {"auto", "gloo", "nccl"}); },
+       [](const Reader& r, Config& c) {
+         if (c.device == "cpu" && c.backend == "nccl") {
+           r.fail(r.has("backend") ? "backend" : "ddp_dist_backend",
+                  "\"nccl\" moves GPU tensors only, and \"device\" is \"cpu\"; use \"gloo\" or \"auto\"");
+         }
+       }},
+      {"nonfinite",
+       [](const Reader& r, Config& c) { c.skip_nonfinite_steps = r.choice("nonfinite", {"stop", "skip"}) == "skip"; }},
+      {"ddp", [](const Reader& r, Config& c) { c.ddp = r.boolean("ddp"); }},
+      {"shard_optimizer_state",
+       [](const Reader& r, Config& c) { c.shard_optimizer_state = r.boolean("shard_optimizer_state"); }},
+      {"placement_strategy",
+       [](const Reader& r, Config& c) {
+         const std::string text = r.string("placement_strategy");
+         if (text != "cluster" && text != "spread" && !is_placement_order(text)) {
+           r.fail("placement_strategy", "expected \"cluster\", \"spread\", or an order of the letters D, P and T "
+                                        "such as \"DPT\", got \"" + text + "\"");
+         }
+         c.placement_strategy = text;
+       }},
+      {"auto_partition", [](const Reader& r, Config& c) { c.auto_partition = r.boolean("auto_partition"); }},
+      {"default_partition",
+       [](const Reader& r, Config& c) { c.default_partition = static_cast<int>(r.integer("default_partition", 0, 4095)); }},
+      {"partition_overrides",
+       [](const Reader& r, Config& c) {
+         const json& overrides = r.raw("partition_overrides");
+         if (!overrides.is_object()) r.fail("partition_overrides", "expected an object of module path -> stage");
+         for (auto it = overrides.begin(); it != overrides.end(); ++it) {
+           const long long stages = static_cast<long long>(c.partitions) * c.virtual_stages;
+           if (!it.value().is_number_integer() || it.value().get<long long>() < 0 ||
+               it.value().get<long long>() >= stages) {
+             r.fail("partition_overrides", "module \"" + it.key() + "\" must map to a stage in [0, " +
+                                               std::to_string(stages - 1) + "], got " + it.value().dump());
+           }
+           c.partition_overrides[it.key()] = it.value().get<int>();
+         }
+       }},
+      {"optimize", [](const Reader& r, Config& c) { c.optimize = r.choice("optimize", {"speed", "memory"}); },
+       [](const Reader&, Config& c) { c.memory_weight = c.optimize == "speed" ? 0.2 : 0.8; }},
+      {"memory_weight", [](const Reader& r, Config& c) { c.memory_weight = r.real("memory_weight", 0.0, 1.0); }},
+      {"memory_limit_mb", [](const Reader& r, Config& c) { c.memory_limit_mb = r.real("memory_limit_mb", 0.0, 1e12); }},
+      {"link_bandwidth_gbps",
+       [](const Reader& r, Config& c) { c.link_bandwidth_gbps = r.real("link_bandwidth_gbps", 0.0, 1e6); }},
+      {"seed",
+       [](const Reader& r, Config& c) {
+         c.seed = static_cast<std::uint64_t>(r.integer("seed", 0, std::numeric_limits<long long>::max()));
+       }},
+      {"global_batch_size",
+       [](const Reader& r, Config& c) { c.global_batch_size = static_cast<int>(r.integer("global_batch_size", 1, 1LL << 30)); }},
+      {"comm_timeout_s", [](const Reader& r, Config& c) { c.comm_timeout_s = r.real("comm_timeout_s", 0.1, 7 * 24 * 3600.0); }},
+      {"log_level",
+       [](const Reader& r, Config& c) {
+         c.log_level = r.choice("log_level", {"trace", "debug", "info", "warn", "error", "off"});
+       }},
+  };
+  return table;
+}
+
+bool is_known_key(const std::string& name) {
+  const auto& table = key_table();
+  return std::any_of(table.begin(), table.end(), [&](const Key& key) { return name == key.name; });
+}
+
 }  // namespace
+
+std::vector<std::string> Config::keys() {
+  std::vector<std::string> names;
+  for (const Key& key : key_table()) names.emplace_back(key.name);
+  return names;
+}
 
 Config Config::from_json_text(const std::string& text, const std::string& source) {
   json document;
@@ -157,12 +334,11 @@ Config Config::from_json_text(const std::string& text, const std::string& source
   if (document.contains("smp")) {
     if (!document["smp"].is_object()) throw ConfigError(source + ": key \"smp\": expected an object");
     smp_keys = document["smp"];
-    const auto& keys = known_keys();
     for (auto it = document.begin(); it != document.end(); ++it) {
       if (it.key() == "smp") continue;
       // An smp key beside the section would otherwise be left to the application, which never reads it: the job
       // would run without checkpoints, or with the wrong batch, and say nothing.
-      if (std::find(keys.begin(), keys.end(), it.key()) != keys.end()) {
+      if (is_known_key(it.key())) {
         throw ConfigError(source + ": key \"" + it.key() + "\" is at the top level, beside the \"smp\" section; "
                           "smp reads it only inside that section");
       }
@@ -172,157 +348,22 @@ Config Config::from_json_text(const std::string& text, const std::string& source
   config.application_sections = sections;
 
   for (auto it = smp_keys.begin(); it != smp_keys.end(); ++it) {
-    const auto& keys = known_keys();
-    if (std::find(keys.begin(), keys.end(), it.key()) != keys.end()) continue;
+    if (is_known_key(it.key())) continue;
     std::string nearest;
     std::size_t nearest_distance = 4;  // suggest only plausible typos
-    for (const auto& key : keys) {
-      const std::size_t distance = edit_distance(it.key(), key);
-      if (distance < nearest_distance) nearest_distance = distance, nearest = key;
+    for (const Key& key : key_table()) {
+      const std::size_t distance = edit_distance(it.key(), key.name);
+      if (distance < nearest_distance) nearest_distance = distance, nearest = key.name;
     }
     throw ConfigError(source + ": unknown key \"" + it.key() + "\"" +
                       (nearest.empty() ? std::string(" (see README for the keys)") : " (did you mean \"" + nearest + "\"?)"));
   }
 
   const Reader read(smp_keys, source);
-  constexpr long long kMaxCount = 1 << 20;
-  if (read.has("partitions") && read.has("pipeline_parallel_degree")) {
-    read.fail("pipeline_parallel_degree", "is an alias of \"partitions\"; give only one of them");
+  for (const Key& key : key_table()) {
+    if (read.has(key.name)) key.read(read, config);
+    if (key.after) key.after(read, config);
   }
-  if (read.has("partitions")) config.partitions = static_cast<int>(read.integer("partitions", 1, 4096));
-  if (read.has("pipeline_parallel_degree")) {
-    config.partitions = static_cast<int>(read.integer("pipeline_parallel_degree", 1, 4096));
-  }
-  if (read.has("tensor_parallel_degree")) {
-    config.tensor_parallel_degree = static_cast<int>(read.integer("tensor_parallel_degree", 1, 4096));
-  }
-  if (read.has("sequence_parallel")) config.sequence_parallel = read.boolean("sequence_parallel");
-  if (read.has("microbatches")) config.microbatches = static_cast<int>(read.integer("microbatches", 1, kMaxCount));
-  if (read.has("pipeline")) {
-    // SMP's names first, then the generators' (what smp_schedule and schedule files call them).
-    std::vector<std::string> names;
-    for (const auto& kind : sched::schedule_kinds()) {
-      if (*kind.config_alias && std::find(names.begin(), names.end(), kind.config_alias) == names.end()) {
-        names.emplace_back(kind.config_alias);
-      }
-    }
-    for (const auto& kind : sched::schedule_kinds()) names.emplace_back(kind.name);
-    config.pipeline = read.choice("pipeline", names);
-  }
-  if (read.has("active_microbatches")) {
-    config.active_microbatches = static_cast<int>(read.integer("active_microbatches", 0, kMaxCount));
-  }
-  const auto& kind = sched::find_schedule_kind(config.pipeline);
-  if (kind.stages_per_rank == 2) config.virtual_stages = 2;  // a V: two stages per rank, always
-  if (read.has("virtual_stages")) {
-    config.virtual_stages = static_cast<int>(read.integer("virtual_stages", 1, 64));
-    const auto& chosen = sched::find_schedule_kind(config.pipeline, config.virtual_stages);
-    if (chosen.stages_per_rank == 1 && config.virtual_stages > 1) {
-      read.fail("virtual_stages", "needs \"pipeline\": \"interleaved\" (interleaved 1F1B) or a V schedule; \"" +
-                                      config.pipeline + "\" runs one stage per rank");
-    }
-    if (chosen.stages_per_rank == 2 && config.virtual_stages != 2) {
-      read.fail("virtual_stages", "must be 2 with \"pipeline\": \"" + config.pipeline +
-                                      "\", which runs two stages per rank in a V");
-    }
-  }
-  if (read.has("schedule_file")) config.schedule_file = read.string("schedule_file");
-  if (config.active_microbatches > 0 && !sched::find_schedule_kind(config.pipeline, config.virtual_stages).takes_cap) {
-    read.fail("active_microbatches", "has no effect with \"pipeline\": \"" + config.pipeline + "\" (" +
-                                         (config.pipeline == "simple" || config.pipeline == "gpipe"
-                                              ? "GPipe runs every forward first); use \"interleaved\" to cap microbatches in flight"
-                                              : "it holds what its own order bounds)"));
-  }
-  if (config.active_microbatches > 0 && config.active_microbatches < config.virtual_stages) {
-    read.fail("active_microbatches", "must be 0 or at least \"virtual_stages\" (" +
-                                         std::to_string(config.virtual_stages) + ")");
-  }
-  if (read.has("activation_checkpointing")) {
-    const json& value = read.raw("activation_checkpointing");
-    const int stages = config.partitions * config.virtual_stages;
-    if (value.is_boolean()) {
-      if (value.get<bool>()) {
-        for (int stage = 0; stage < stages; ++stage) config.checkpointed_stages.push_back(stage);
-      }
-    } else if (value.is_array()) {
-      for (const auto& item : value) {
-        if (item.is_string() && !item.get<std::string>().empty()) {
-          config.checkpointed_modules.push_back(item.get<std::string>());
-          continue;
-        }
-        if (!item.is_number_integer() || item.get<long long>() < 0 || item.get<long long>() >= stages) {
-          read.fail("activation_checkpointing", item.is_number_integer()
-                        ? "stage " + item.dump() + " is not in [0, " + std::to_string(stages - 1) + "]"
-                        : item.dump() + " is neither a stage index nor a module name");
-        }
-        config.checkpointed_stages.push_back(item.get<int>());
-      }
-    } else {
-      read.fail("activation_checkpointing", "expected true, false, or a list of stage indices and module names");
-    }
-  }
-  if (read.has("trace_dir")) config.trace_dir = read.string("trace_dir");
-  if (read.has("trace_step")) config.trace_step = static_cast<int>(read.integer("trace_step", 0, 1 << 30));
-  if (read.has("checkpoint_dir")) config.checkpoint_dir = read.string("checkpoint_dir");
-  if (read.has("checkpoint_interval")) {
-    config.checkpoint_interval = static_cast<int>(read.integer("checkpoint_interval", 0, 1 << 30));
-  }
-  if (read.has("checkpoints_kept")) config.checkpoints_kept = static_cast<int>(read.integer("checkpoints_kept", 1, 1000));
-  if (read.has("resume")) config.resume = read.boolean("resume");
-  if ((config.checkpoint_interval > 0 || config.resume) && config.checkpoint_dir.empty()) {
-    read.fail(config.resume ? "resume" : "checkpoint_interval", "needs \"checkpoint_dir\"");
-  }
-  if (read.has("bf16")) config.bf16 = read.boolean("bf16");
-  if (read.has("fp16")) config.fp16 = read.boolean("fp16");
-  if (config.bf16 && config.fp16) read.fail("fp16", "and \"bf16\" are both true; pick one");
-  if (read.has("device")) config.device = read.choice("device", {"auto", "cpu", "cuda"});
-  if (read.has("backend") && read.has("ddp_dist_backend")) {
-    read.fail("ddp_dist_backend", "is an alias of \"backend\"; give only one of them");
-  }
-  for (const char* key : {"backend", "ddp_dist_backend"}) {
-    if (read.has(key)) config.backend = read.choice(key, {"auto", "gloo", "nccl"});
-  }
-  if (config.device == "cpu" && config.backend == "nccl") {
-    read.fail(read.has("backend") ? "backend" : "ddp_dist_backend",
-              "\"nccl\" moves GPU tensors only, and \"device\" is \"cpu\"; use \"gloo\" or \"auto\"");
-  }
-  if (read.has("nonfinite")) config.skip_nonfinite_steps = read.choice("nonfinite", {"stop", "skip"}) == "skip";
-  if (read.has("ddp")) config.ddp = read.boolean("ddp");
-  if (read.has("shard_optimizer_state")) config.shard_optimizer_state = read.boolean("shard_optimizer_state");
-  if (read.has("placement_strategy")) {
-    const std::string text = read.string("placement_strategy");
-    if (text != "cluster" && text != "spread" && !is_placement_order(text)) {
-      read.fail("placement_strategy",
-                "expected \"cluster\", \"spread\", or an order of the letters D, P and T such as \"DPT\", got \"" + text + "\"");
-    }
-    config.placement_strategy = text;
-  }
-  if (read.has("auto_partition")) config.auto_partition = read.boolean("auto_partition");
-  if (read.has("default_partition")) config.default_partition = static_cast<int>(read.integer("default_partition", 0, 4095));
-  if (read.has("partition_overrides")) {
-    const json& overrides = read.raw("partition_overrides");
-    if (!overrides.is_object()) read.fail("partition_overrides", "expected an object of module path -> stage");
-    for (auto it = overrides.begin(); it != overrides.end(); ++it) {
-      const long long stages = static_cast<long long>(config.partitions) * config.virtual_stages;
-      if (!it.value().is_number_integer() || it.value().get<long long>() < 0 || it.value().get<long long>() >= stages) {
-        read.fail("partition_overrides", "module \"" + it.key() + "\" must map to a stage in [0, " +
-                                             std::to_string(stages - 1) + "], got " + it.value().dump());
-      }
-      config.partition_overrides[it.key()] = it.value().get<int>();
-    }
-  }
-  if (read.has("optimize")) config.optimize = read.choice("optimize", {"speed", "memory"});
-  config.memory_weight = config.optimize == "speed" ? 0.2 : 0.8;
-  if (read.has("memory_weight")) config.memory_weight = read.real("memory_weight", 0.0, 1.0);
-  if (read.has("memory_limit_mb")) config.memory_limit_mb = read.real("memory_limit_mb", 0.0, 1e12);
-  if (read.has("link_bandwidth_gbps")) config.link_bandwidth_gbps = read.real("link_bandwidth_gbps", 0.0, 1e6);
-  if (read.has("seed")) config.seed = static_cast<std::uint64_t>(read.integer("seed", 0, std::numeric_limits<long long>::max()));
-  if (read.has("global_batch_size")) {
-    config.global_batch_size = static_cast<int>(read.integer("global_batch_size", 1, 1LL << 30));
-  }
-  if (read.has("comm_timeout_s")) config.comm_timeout_s = read.real("comm_timeout_s", 0.1, 7 * 24 * 3600.0);
-  if (read.has("log_level")) config.log_level = read.choice("log_level", {"trace", "debug", "info", "warn", "error", "off"});
-
   if (config.default_partition >= config.num_stages()) {
     read.fail("default_partition", "must be below the number of stages (" + std::to_string(config.num_stages()) +
                                        "), got " + std::to_string(config.default_partition));

@@ -85,6 +85,8 @@ struct Config {
   // alone (see application_section).
   static Config from_json_text(const std::string& text, const std::string& source);
   static Config from_file(const std::string& path);
+  // Every key the reader takes, aliases included, in the order it reads them (README's config table lists each).
+  static std::vector<std::string> keys();
 
   // The data-parallel degree for a world size, as SMP defines it, or ConfigError naming the fix.
   int replicas_for_world(int world_size) const;
