@@ -8,7 +8,7 @@ add_executable(test_core
 target_link_libraries(test_core PRIVATE smp_catch_main smp::core smp::partitioner)
 target_compile_options(test_core PRIVATE -Wall -Wextra)
 target_compile_definitions(test_core PRIVATE SMP_README_PATH="${PROJECT_SOURCE_DIR}/README.md")
-catch_discover_tests(test_core)
+catch_discover_tests(test_core PROPERTIES LABELS quick)
 
 # Engine pieces that run in one process with LibTorch and no communication: split backward, profiling.
 add_executable(test_engine_in_process ${CMAKE_CURRENT_LIST_DIR}/test_engine_in_process.cpp
@@ -18,7 +18,7 @@ target_link_libraries(test_engine_in_process PRIVATE smp_catch_main smp::engine)
 target_include_directories(test_engine_in_process PRIVATE ${PROJECT_SOURCE_DIR}/engine/src)
 target_compile_options(test_engine_in_process PRIVATE -Wall -Wextra)
 target_precompile_headers(test_engine_in_process REUSE_FROM smp_engine)
-catch_discover_tests(test_engine_in_process)
+catch_discover_tests(test_engine_in_process PROPERTIES LABELS quick)
 
 # The program every multi-process test launches: trains under smp and checks itself against single-process
 # LibTorch training of the same model on the same global batches.

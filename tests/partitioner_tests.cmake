@@ -2,4 +2,4 @@
 add_executable(test_graph_partition ${CMAKE_CURRENT_LIST_DIR}/test_graph_partition.cpp)
 target_link_libraries(test_graph_partition PRIVATE smp_catch_main smp_partitioner_fixtures)
 target_compile_options(test_graph_partition PRIVATE $<$<CXX_COMPILER_ID:GNU,Clang>:-Wall -Wextra>)
-catch_discover_tests(test_graph_partition)
+catch_discover_tests(test_graph_partition PROPERTIES LABELS quick)

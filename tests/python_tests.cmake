@@ -5,19 +5,21 @@ if(NOT SMP_PYTHON_PACKAGE_DIR)
   return()
 endif()
 
+# smp_pytest(file test timeout [quick]): "quick" puts the test in the inner-loop tier too (ctest -L quick).
 function(smp_pytest file test timeout)
+  set(labels python ${ARGN})
   add_test(NAME python_${test}
            COMMAND ${SMP_PYTHON_EXECUTABLE} -m pytest -q -p no:cacheprovider
                    ${CMAKE_CURRENT_FUNCTION_LIST_DIR}/python/${file}::test_${test})
   set_tests_properties(python_${test} PROPERTIES
     TIMEOUT ${timeout}
-    LABELS python
+    LABELS "${labels}"
     ENVIRONMENT "PYTHONPATH=${SMP_PYTHON_PACKAGE_DIR};OMP_NUM_THREADS=1;PYTHONUNBUFFERED=1;SMP_SMPRUN=$<TARGET_FILE:smprun>")
 endfunction()
 
 
-smp_pytest(test_pipelines.py api_errors_and_shared_parameters 320)
-smp_pytest(test_pipelines.py sequential_2_stages_x_2_replicas_equals_pytorch 320)
+smp_pytest(test_pipelines.py api_errors_and_shared_parameters 320 quick)
+smp_pytest(test_pipelines.py sequential_2_stages_x_2_replicas_equals_pytorch 320 quick)
 smp_pytest(test_pipelines.py graph_4_stages_with_skips_equals_pytorch 320)
 smp_pytest(test_pipelines.py traced_model_equals_pytorch 320)
 smp_pytest(test_pipelines.py traced_bf16_matches_float32 320)
@@ -36,7 +38,7 @@ smp_pytest(test_jobs.py tensor_parallel_checkpoint_resume_equals_pytorch 520)
 smp_pytest(test_jobs.py example_hf_causal_lm 320)
 smp_pytest(test_jobs.py meta_checkpoint_resume_and_safetensors_export 520)
 
-smp_pytest(test_real_models.py real_models_2_stages_equal_pytorch 320)
+smp_pytest(test_real_models.py real_models_2_stages_equal_pytorch 320 quick)
 smp_pytest(test_real_models.py real_models_4_stages_equal_pytorch 320)
 smp_pytest(test_real_models.py real_models_2x2_equal_pytorch 320)
 smp_pytest(test_real_models.py real_models_interleaved_equal_pytorch 320)

@@ -6,4 +6,4 @@ add_executable(test_scheduler
 )
 target_link_libraries(test_scheduler PRIVATE smp_catch_main smp::scheduler)
 target_compile_options(test_scheduler PRIVATE $<$<CXX_COMPILER_ID:GNU,Clang>:-Wall -Wextra>)
-catch_discover_tests(test_scheduler)
+catch_discover_tests(test_scheduler PROPERTIES LABELS quick)
