@@ -13,9 +13,9 @@ _aten = torch.ops.aten
 # Operations that read only their tensor inputs' shape, dtype and device: what they make depends on no parameter
 # even when those inputs do (a mask made with x.new_zeros, filled in place, recomputed where read).
 READS_METADATA_ONLY = {getattr(_aten, name).default for name in
-                        ("new_zeros", "new_ones", "new_empty", "zeros_like", "ones_like", "empty_like")} | \
-                       {_aten.new_full.default, _aten.full_like.default, _aten.sym_size.int, _aten.sym_numel.default,
-                        _aten.sym_stride.int}
+                       ("new_zeros", "new_ones", "new_empty", "zeros_like", "ones_like", "empty_like")} | \
+                      {_aten.new_full.default, _aten.full_like.default, _aten.sym_size.int, _aten.sym_numel.default,
+                       _aten.sym_stride.int}
 
 
 def _copied(into, source, non_blocking=False):
@@ -94,7 +94,9 @@ def data_flow(graph, order, attributes, name):
 
     A write that makes a dynamic value runs out of place, and whatever reads the written tensor afterwards reads
     the write's result: plain PyTorch sees the change through the shared tensor, pipeline stages only through edges
-    (a reader on another stage, or a value sent before the write). That covers writes into values computed from
+    (a reader on another stage, or a value sent before the write). A write through views writes the tensors they
+    view: each is scattered anew (slice_scatter, ...), and its later readers read that; another view of the same
+    memory read afterwards is refused, naming it. That covers writes into values computed from
     parameters and writes of such values into fresh tensors of none (mixture-of-experts routing scattering token
     positions into an empty_like, a group mask filled by scatter_, stochastic depth's new_empty(...).bernoulli_(p)).
     A write of no parameter into a value of none (a mask, shifted labels: recomputed where read) stays in place, and
@@ -129,8 +131,9 @@ def data_flow(graph, order, attributes, name):
         shared = storage.get(written)
         aliases = [other for other in graph.nodes if shared is not None and other is not written and other is not node
                    and order[other] < order[node] and storage.get(other) is not None and storage[other] == shared]
-        late_alias_readers = [reader for alias in aliases for reader in alias.users
-                              if order.get(reader, -1) > order[node] and reader is not node]
+        late_alias_reads = [(alias, reader) for alias in aliases for reader in alias.users
+                            if order.get(reader, -1) > order[node] and reader is not node]
+        late_alias_readers = [reader for _, reader in late_alias_reads]
         later_readers = [reader for reader in list(written.users) if reader is not node and
                          order.get(reader, -1) > order[node]]
         if node not in dynamic:
@@ -144,11 +147,11 @@ def data_flow(graph, order, attributes, name):
         chain = [written]
         while _is_view(chain[0]) and chain[0].args[0] not in attributes and chain[0].target in _SCATTER_BACK:
             chain.insert(0, chain[0].args[0])
-        late_alias_readers = [reader for reader in late_alias_readers
-                              if not any(reader in member.users for member in chain)]
-        if late_alias_readers:
+        stale = [(alias, reader) for alias, reader in late_alias_reads if alias not in chain]
+        if stale:
+            alias, reader = stale[0]
             raise ModelError(f"{name}'s forward writes in place into {written.name} ({node.format_node()}), which "
-                             f"shares memory with {aliases[0].name}, read afterwards by {late_alias_readers[0].name}; "
+                             f"shares memory with {alias.name}, read afterwards by {reader.name}; "
                              "write it out of place so that it can be cut into stages")
         functional = _OUT_OF_PLACE.get(node.target) or _functional_variant(node.target)
         if functional is None:
