@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <numeric>
 #include <cstdlib>
 #include <functional>
 #include <sstream>
@@ -44,11 +45,14 @@ void check_shards(const at::Tensor& whole, const at::Tensor& shard, int members,
 void check_rows(const at::Tensor& output, const at::Tensor& input, const std::vector<std::int64_t>& output_rows,
                 const std::vector<std::int64_t>& input_rows, int members, const std::string& what) {
   const auto total = [](const std::vector<std::int64_t>& rows) {
-    std::int64_t sum = 0;
-    for (auto count : rows) sum += count < 0 ? -(1LL << 60) : count;
-    return sum;
+    return std::accumulate(rows.begin(), rows.end(), std::int64_t{0});
   };
-  const bool counted = static_cast<int>(output_rows.size()) == members && static_cast<int>(input_rows.size()) == members;
+  const auto none_negative = [](const std::vector<std::int64_t>& rows) {
+    return std::all_of(rows.begin(), rows.end(), [](std::int64_t count) { return count >= 0; });
+  };
+  const bool counted = static_cast<int>(output_rows.size()) == members &&
+                       static_cast<int>(input_rows.size()) == members && none_negative(output_rows) &&
+                       none_negative(input_rows);
   const bool fits = counted && output.dim() >= 1 && output.dim() == input.dim() &&
                     output.scalar_type() == input.scalar_type() && total(output_rows) == output.size(0) &&
                     total(input_rows) == input.size(0) &&
