@@ -133,9 +133,10 @@ def _merge_tensor_parallel_copies(graph):
 
 def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=torch.device("cpu")):
     """Exports `model` on the sample (args, kwargs) and builds the engine's graph: returns (graph, input leaves,
-    output spec), where the input leaves say for each leaf of the flattened (args, kwargs) the engine input name it
-    feeds (None for leaves baked into the capture), and the output spec how the model's outputs are rebuilt from
-    the engine's output tensors."""
+    output spec, input shapes), where the input leaves say for each leaf of the flattened (args, kwargs) the engine input name it
+    feeds (None for leaves baked into the capture), the output spec how the model's outputs are rebuilt from the
+    engine's output tensors, and the InputShapes each microbatch is checked against. A model on the meta device is
+    exported as if on `device`, where the job runs it."""
     name = type(model).__name__
     # Capturing must leave no trace in the training state: buffers, and the random numbers dropout draws next.
     buffers_before = [(b, b.detach().clone()) for b in model.buffers()]
@@ -217,7 +218,7 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
 
     # Values that depend on no parameter and draw no random numbers are recomputed wherever they are read.
     dynamic, extra_inputs = data_flow(graph, order, attributes, name)
-    order = {node: i for i, node in enumerate(graph.nodes)}  # with the operations written writes added
+    order = {node: i for i, node in enumerate(graph.nodes)}  # with the scatters that writes through views added
     for node in reversed(list(graph.nodes)):
         if _is_op(node) and not node.users and not _mutates_first_argument(node) and not is_random(node):
             graph.erase_node(node)
