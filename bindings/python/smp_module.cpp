@@ -27,6 +27,7 @@
 #include "smp/distributed_model.h"
 #include "smp/errors.h"
 #include "smp/executor.h"
+#include "smp/expert_shards.h"
 #include "smp/graph_model.h"
 #include "smp/runtime.h"
 #include "smp/tp.h"
@@ -84,8 +85,9 @@ std::shared_ptr<py::object> held_under_gil(py::object object) {
 // (a traced model's node: the module with the arguments its call site passes). Its autograd graph is LibTorch's
 // like any other; only backward functions written in Python take the GIL again, as in PyTorch. A parameter tagged
 // `_smp_shard` = (dim, blocks) (by smp.tp's layers; the tag stays on the tensor through a capture) is a shard; one
-// tagged `_smp_sequence_parallel` sees a slice of the sequence (tp::SequenceParallel).
-class EagerModule : public torch::nn::Module, public tp::Sharded, public tp::SequenceParallel {
+// tagged `_smp_sequence_parallel` sees a slice of the sequence (tp::SequenceParallel); one tagged
+// `_smp_expert_shard` is this rank's share of a layer's experts (ExpertShards).
+class EagerModule : public torch::nn::Module, public tp::Sharded, public tp::SequenceParallel, public ExpertShards {
  public:
   explicit EagerModule(const py::object& module, const py::object& call = py::none())
       : module_(held_under_gil(module)), call_(held_under_gil(call.is_none() ? module : call)) {
@@ -99,6 +101,7 @@ class EagerModule : public torch::nn::Module, public tp::Sharded, public tp::Seq
         shards_.push_back({tensor, dim, blocks});
       }
       if (py::hasattr(pair[1], "_smp_sequence_parallel")) sequence_parallel_.push_back(tensor);
+      if (py::hasattr(pair[1], "_smp_expert_shard")) experts_.push_back(tensor);
     }
     for (const auto& item : module.attr("named_buffers")(py::arg("recurse") = false)) {
       const auto pair = item.cast<py::tuple>();
@@ -112,6 +115,7 @@ class EagerModule : public torch::nn::Module, public tp::Sharded, public tp::Seq
 
   std::vector<tp::ShardLayout> shard_layouts() const override { return shards_; }
   std::vector<at::Tensor> sequence_parallel_parameters() const override { return sequence_parallel_; }
+  std::vector<at::Tensor> expert_parameters() const override { return experts_; }
 
   void train(bool on = true) override {
     {
@@ -147,6 +151,7 @@ class EagerModule : public torch::nn::Module, public tp::Sharded, public tp::Seq
   std::shared_ptr<py::object> call_;
   std::vector<tp::ShardLayout> shards_;
   std::vector<at::Tensor> sequence_parallel_;
+  std::vector<at::Tensor> experts_;
 };
 
 std::shared_ptr<ScriptedModule> load_scripted(const py::bytes& serialized) {
@@ -314,6 +319,7 @@ PYBIND11_MODULE(_smp, module) {
       .def_readonly("global_batch_size", &Config::global_batch_size)
       .def_readonly("seed", &Config::seed)
       .def_readonly("sequence_parallel", &Config::sequence_parallel)
+      .def_readonly("expert_parallel_degree", &Config::expert_parallel_degree)
       .def_readonly("source", &Config::source)
       .def_readonly("partition_overrides", &Config::partition_overrides)
       .def("num_stages", &Config::num_stages)
@@ -331,6 +337,9 @@ PYBIND11_MODULE(_smp, module) {
                              [](const Runtime& runtime) { return runtime.topology().tensor_parallel_degree(); })
       .def_property_readonly("data_parallel_degree",
                              [](const Runtime& runtime) { return runtime.topology().data_parallel_degree(); })
+      .def_property_readonly("expert_parallel_degree",
+                             [](const Runtime& runtime) { return runtime.topology().expert_parallel_degree(); })
+      .def_property_readonly("ep_rank", &Runtime::ep_rank)
       .def_property_readonly("device", [](const Runtime& runtime) { return runtime.device().str(); })
       .def_property_readonly("config", &Runtime::config, py::return_value_policy::reference_internal)
       .def("replica_slice", &Runtime::replica_slice, py::arg("global_batch"))
@@ -373,9 +382,9 @@ PYBIND11_MODULE(_smp, module) {
             return tp::reduce_scattered(tensor, dim, runtime.tensor_parallel_group()).clone();
           },
           py::arg("tensor"), py::arg("dim"), py::call_guard<py::gil_scoped_release>())
-      // Rows of `tensor` to the members of the data-parallel group, for smp.ep's all_to_all (autograd is its).
+      // Rows of `tensor` to the members of the expert-parallel group, for smp.ep's all_to_all (autograd is its).
       .def(
-          "_dp_all_to_all",
+          "_ep_all_to_all",
           [](Runtime& runtime, const at::Tensor& tensor, const std::vector<int64_t>& output_rows,
              const std::vector<int64_t>& input_rows) {
             std::vector<int64_t> shape = tensor.sizes().vec();
@@ -383,7 +392,7 @@ PYBIND11_MODULE(_smp, module) {
             shape[0] = 0;
             for (int64_t rows : output_rows) shape[0] += rows;
             at::Tensor output = at::empty(shape, tensor.options());
-            runtime.data_parallel().all_to_all(output, tensor.contiguous(), output_rows, input_rows);
+            runtime.expert_parallel().all_to_all(output, tensor.contiguous(), output_rows, input_rows);
             return output;
           },
           py::arg("tensor"), py::arg("output_rows"), py::arg("input_rows"), py::call_guard<py::gil_scoped_release>());
@@ -468,6 +477,8 @@ PYBIND11_MODULE(_smp, module) {
       },
       py::arg("inputs"), py::arg("targets"));
   module.def("recomputing", &recomputing);
+  // Whether this thread runs without collectives (rank 0 profiling alone, tp::WithoutCollectives).
+  module.def("without_collectives", &tp::without_collectives);
   module.def("export_checkpoint", &export_checkpoint, py::arg("checkpoint_directory"), py::arg("output_file"),
              py::call_guard<py::gil_scoped_release>());
   module.def("export_checkpoint_safetensors", &export_checkpoint_safetensors, py::arg("checkpoint_directory"),

@@ -189,7 +189,14 @@ Checkpointer::Checkpointer(DistributedModel& model, DistributedOptimizer& optimi
     : Checkpointer(model, std::make_unique<LibTorchOptimizerState>(optimizer)) {}
 
 Checkpointer::Checkpointer(DistributedModel& model, std::unique_ptr<OptimizerCheckpointState> optimizer_state)
-    : model_(model), optimizer_state_(std::move(optimizer_state)) {}
+    : model_(model), optimizer_state_(std::move(optimizer_state)) {
+  // Only the first replica writes parameters: the experts the others hold would be lost.
+  const Config& config = model_.runtime().config();
+  if (config.expert_parallel_degree > 1 && (!config.checkpoint_dir.empty() || config.resume)) {
+    throw ConfigError(config.source + ": checkpoints of an expert-parallel job (\"expert_parallel_degree\" " +
+                      std::to_string(config.expert_parallel_degree) + ") are not supported yet");
+  }
+}
 
 bool Checkpointer::enabled() const { return !model_.runtime().config().checkpoint_dir.empty(); }
 

@@ -136,6 +136,8 @@ const std::vector<Key>& key_table() {
       {"tensor_parallel_degree",
        [](const Reader& r, Config& c) { c.tensor_parallel_degree = static_cast<int>(r.integer("tensor_parallel_degree", 1, 4096)); }},
       {"sequence_parallel", [](const Reader& r, Config& c) { c.sequence_parallel = r.boolean("sequence_parallel"); }},
+      {"expert_parallel_degree",
+       [](const Reader& r, Config& c) { c.expert_parallel_degree = static_cast<int>(r.integer("expert_parallel_degree", 1, 4096)); }},
       {"microbatches", [](const Reader& r, Config& c) { c.microbatches = static_cast<int>(r.integer("microbatches", 1, kMaxCount)); }},
       {"pipeline",
        [](const Reader& r, Config& c) {
@@ -241,7 +243,15 @@ const std::vector<Key>& key_table() {
        [](const Reader& r, Config& c) { c.skip_nonfinite_steps = r.choice("nonfinite", {"stop", "skip"}) == "skip"; }},
       {"ddp", [](const Reader& r, Config& c) { c.ddp = r.boolean("ddp"); }},
       {"shard_optimizer_state",
-       [](const Reader& r, Config& c) { c.shard_optimizer_state = r.boolean("shard_optimizer_state"); }},
+       [](const Reader& r, Config& c) { c.shard_optimizer_state = r.boolean("shard_optimizer_state"); },
+       [](const Reader& r, Config& c) {
+         // The owners would share expert shards that other replicas of the group do not hold.
+         if (c.shard_optimizer_state && c.expert_parallel_degree > 1) {
+           r.fail("shard_optimizer_state", "with \"expert_parallel_degree\" " +
+                                               std::to_string(c.expert_parallel_degree) +
+                                               " is not supported yet; set one of them to false / 1");
+         }
+       }},
       {"placement_strategy",
        [](const Reader& r, Config& c) {
          const std::string text = r.string("placement_strategy");
@@ -405,6 +415,13 @@ int Config::replicas_for_world(int world_size) const {
                       std::to_string(replicas) + " replicas, but \"ddp\" is false; set \"ddp\": true or launch " +
                       std::to_string(model_ranks) + " processes");
   }
+  if (replicas % expert_parallel_degree != 0) {
+    throw ConfigError(source + ": \"expert_parallel_degree\" " + std::to_string(expert_parallel_degree) +
+                      " does not divide the " + std::to_string(replicas) + " data-parallel replicas (world size " +
+                      std::to_string(world_size) + " / " + model_degrees +
+                      "); the experts are spread over data-parallel ranks, so launch a multiple of " +
+                      std::to_string(model_ranks * expert_parallel_degree) + " processes");
+  }
   if (global_batch_size > 0) check_batch(global_batch_size, replicas);
   return replicas;
 }
@@ -427,6 +444,7 @@ std::string Config::describe() const {
   text << "partitions=" << partitions
        << (tensor_parallel_degree > 1 ? " tensor_parallel_degree=" + std::to_string(tensor_parallel_degree) : "")
        << (tensor_parallel_degree > 1 && sequence_parallel ? " sequence_parallel" : "")
+       << (expert_parallel_degree > 1 ? " expert_parallel_degree=" + std::to_string(expert_parallel_degree) : "")
        << " microbatches=" << microbatches << " schedule="
        << (schedule_file.empty() ? schedule_name() : "file:" + schedule_file) << " virtual_stages=" << virtual_stages
        << " ddp=" << (ddp ? "true" : "false") << (shard_optimizer_state ? " shard_optimizer_state=true" : "")

@@ -17,6 +17,7 @@
 #include "autocast_scope.h"
 #include "activation_checkpoint.h"
 #include "distributed_model_internal.h"
+#include "smp/expert_shards.h"
 #include "smp/tp.h"
 
 namespace smp {
@@ -237,12 +238,24 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
     }
   }
 
+  // Expert shards (expert parallelism) are averaged over the replicas holding the same experts, the rest over all.
+  std::set<const void*> experts;
+  for (const auto& [stage, local] : stages_) {
+    for (int node : local.nodes) {
+      for (const auto& parameter : expert_parameters_in(*nodes[node].module)) {
+        experts.insert(parameter.unsafeGetTensorImpl());
+      }
+    }
+  }
+  for (const auto& [name, parameter] : named_parameters_) {
+    if (experts.count(parameter.unsafeGetTensorImpl())) expert_parameters_.push_back(parameter);
+  }
   if (runtime_->topology().data_parallel_degree() > 1 &&
       std::any_of(named_parameters_.begin(), named_parameters_.end(),
                   [](const auto& named) { return named.second.requires_grad(); })) {
     // A parameter's gradient is final after one backward pass per microbatch and local stage that uses it.
-    std::vector<at::Tensor> parameters;
-    std::vector<int> accumulations;
+    std::vector<at::Tensor> parameters, expert_shards;
+    std::vector<int> accumulations, expert_accumulations;
     for (const auto& [name, parameter] : named_parameters_) {
       if (!parameter.requires_grad()) continue;  // frozen: no gradient to average, and none to invent
       int users = 0;
@@ -250,8 +263,9 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
         users += std::any_of(local.parameters.begin(), local.parameters.end(),
                              [&](const at::Tensor& known) { return known.is_same(parameter); });
       }
-      parameters.push_back(parameter);
-      accumulations.push_back(users * config.microbatches);
+      const bool expert = experts.count(parameter.unsafeGetTensorImpl()) > 0;
+      (expert ? expert_shards : parameters).push_back(parameter);
+      (expert ? expert_accumulations : accumulations).push_back(users * config.microbatches);
     }
     // PyTorch DDP's default bucket size: large enough that per-call latency does not dominate, small enough that
     // the first bucket is ready early in the last backward pass.
@@ -263,8 +277,15 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
       }
       shards_ = std::make_unique<OptimizerShards>(parameters, owners, runtime_->data_parallel(), kBucketBytes);
     }
-    reducer_ = std::make_unique<GradientReducer>(std::move(parameters), std::move(accumulations),
-                                                 runtime_->data_parallel(), kBucketBytes);
+    if (!parameters.empty()) {
+      reducer_ = std::make_unique<GradientReducer>(std::move(parameters), std::move(accumulations),
+                                                   runtime_->data_parallel(), kBucketBytes);
+    }
+    if (!expert_shards.empty()) {
+      expert_reducer_ = std::make_unique<GradientReducer>(std::move(expert_shards), std::move(expert_accumulations),
+                                                          runtime_->expert_data_parallel(), kBucketBytes,
+                                                          runtime_->topology().data_parallel_degree());
+    }
   }
 
   // Tied parameters whose holders sit on several ranks: every holder keeps a copy and their gradients are summed

@@ -118,10 +118,19 @@ bool DistributedModel::unscale_gradients_checking_finite() {
 
 double DistributedModel::clip_grad_norm(double max_norm) {
   // On the parameters' device: the pipeline group reduces it there (NCCL on a GPU).
-  at::Tensor squares = at::zeros({1}, at::TensorOptions(at::kDouble).device(runtime_->device()));
+  const auto options = at::TensorOptions(at::kDouble).device(runtime_->device());
+  at::Tensor squares = at::zeros({1}, options);
+  at::Tensor expert_squares = at::zeros({1}, options);
   for (const auto& parameter : norm_parameters_) {
-    if (parameter.grad().defined()) squares += parameter.grad().to(at::kDouble).pow(2).sum();
+    if (!parameter.grad().defined()) continue;
+    const bool expert = std::any_of(expert_parameters_.begin(), expert_parameters_.end(),
+                                    [&](const at::Tensor& shard) { return shard.is_same(parameter); });
+    (expert ? expert_squares : squares) += parameter.grad().to(at::kDouble).pow(2).sum();
   }
+  // Each rank of an expert-parallel group holds other experts (with the same averaged gradients as the replicas
+  // holding the same ones): the group's shares together are the layer's.
+  if (runtime_->topology().expert_parallel_degree() > 1) runtime_->expert_parallel().all_reduce_sum(expert_squares);
+  squares += expert_squares;
   // Replicas hold identical averaged gradients, so the pipeline groups of one replica see the whole model: each
   // shard on its rank, each parameter the tensor-parallel ranks all hold whole on tp rank 0 alone.
   runtime_->pipeline().all_reduce_sum(squares);

@@ -273,6 +273,7 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   at::Tensor loss_total;
   try {
     if (reducer_) reducer_->arm();
+    if (expert_reducer_) expert_reducer_->arm();
     // A traced step's timeline shows the tensor-parallel collectives inside the compute that ran them.
     const bool traced = !config.trace_dir.empty() && step_ == config.trace_step;
     std::vector<TimelineEvent> collectives;
@@ -297,6 +298,10 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
     if (reducer_) {
       output.gradient_buckets = reducer_->buckets();
       output.buckets_overlapped = reducer_->finish();
+    }
+    if (expert_reducer_) {
+      output.gradient_buckets += expert_reducer_->buckets();
+      output.buckets_overlapped += expert_reducer_->finish();
     }
     sum_tied_gradients();
     sum_sequence_parallel_gradients();

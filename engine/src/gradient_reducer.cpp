@@ -24,10 +24,11 @@ class CountingHook final : public torch::autograd::PostAccumulateGradHook {
 }  // namespace
 
 GradientReducer::GradientReducer(std::vector<at::Tensor> parameters, std::vector<int> accumulations,
-                                 comm::Communicator& replicas, std::int64_t bucket_bytes)
+                                 comm::Communicator& replicas, std::int64_t bucket_bytes, int divisor)
     : parameters_(std::move(parameters)),
       accumulations_(std::move(accumulations)),
       replicas_(replicas),
+      divisor_(divisor > 0 ? divisor : replicas.size()),
       bucket_of_(parameters_.size()),
       seen_(parameters_.size(), 0) {
   // Backward produces gradients roughly in reverse parameter order: buckets follow it, so the first bucket fills
@@ -96,7 +97,7 @@ void GradientReducer::post(Bucket& bucket) {
   const at::Tensor& first = parameters_[bucket.members.front()];
   pieces.push_back(at::tensor(has_gradient).to(first.device(), first.scalar_type()));
   bucket.flat = at::cat(pieces);
-  bucket.reduction = replicas_.iall_reduce_sum(bucket.flat);
+  if (replicas_.size() > 1) bucket.reduction = replicas_.iall_reduce_sum(bucket.flat);
 }
 
 int GradientReducer::finish() {
@@ -104,14 +105,13 @@ int GradientReducer::finish() {
   const int posted_during_backward = static_cast<int>(next_to_post_);
   // Buckets that backward did not complete (a parameter without a gradient this step), still in bucket order.
   while (next_to_post_ < buckets_.size()) post(buckets_[next_to_post_++]);
-  const double replicas = static_cast<double>(replicas_.size());
   for (auto& bucket : buckets_) {
-    bucket.reduction->wait();
+    if (bucket.reduction) bucket.reduction->wait();
     const auto members = static_cast<std::int64_t>(bucket.members.size());
     const at::Tensor with_gradient =
         bucket.flat.narrow(0, bucket.flat.numel() - members, members).to(at::kCPU, at::kFloat).contiguous();
     const float* replicas_with_gradient = with_gradient.data_ptr<float>();
-    bucket.flat.div_(replicas);
+    bucket.flat.div_(divisor_);
     std::int64_t offset = 0;
     for (std::size_t index = 0; index < bucket.members.size(); ++index) {
       at::Tensor& parameter = parameters_[bucket.members[index]];

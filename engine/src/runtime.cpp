@@ -183,6 +183,14 @@ Runtime::Runtime(const Config& config, const comm::LaunchInfo& launch)
   data_parallel_ = make_group(replica_members, "data_parallel/" + join(replica_members));
   const auto shard_members = topology_.group(Axis::tensor, coordinates_);
   tensor_parallel_ = make_group(shard_members, "tensor_parallel/" + join(shard_members));
+  const auto expert_members = topology_.expert_parallel_group(coordinates_);
+  expert_parallel_ = make_group(expert_members, "expert_parallel/" + join(expert_members));
+  if (topology_.expert_parallel_degree() == 1) {
+    expert_data_parallel_ = data_parallel_;
+  } else {
+    const auto holders = topology_.expert_data_parallel_group(coordinates_);
+    expert_data_parallel_ = make_group(holders, "expert_data_parallel/" + join(holders));
+  }
   if (launch_.rank == 0) {
     log::info("config " + config_.source + ": " + config_.describe());
     log::info(topology_.describe() + " (launched by " + launch_.launcher + ")");

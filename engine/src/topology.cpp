@@ -21,6 +21,7 @@ std::string three_letters(const std::string& strategy) {
 Topology::Topology(const Config& config, int world_size)
     : world_size_(world_size),
       degrees_{config.tensor_parallel_degree, config.partitions, config.replicas_for_world(world_size)},
+      expert_parallel_degree_(config.expert_parallel_degree),
       order_(three_letters(config.placement_strategy)) {
   int stride = 1;
   for (auto letter = order_.rbegin(); letter != order_.rend(); ++letter) {
@@ -52,11 +53,35 @@ std::vector<int> Topology::group(Axis axis, Coordinates member) const {
   return ranks;
 }
 
+std::vector<int> Topology::expert_parallel_group(const Coordinates& member) const {
+  Coordinates each = member;
+  const int first = member.dp_rank - ep_rank(member);
+  std::vector<int> ranks;
+  for (int index = 0; index < expert_parallel_degree_; ++index) {
+    each.dp_rank = first + index;
+    ranks.push_back(rank_of(each));
+  }
+  return ranks;
+}
+
+std::vector<int> Topology::expert_data_parallel_group(const Coordinates& member) const {
+  Coordinates each = member;
+  std::vector<int> ranks;
+  for (int dp = ep_rank(member); dp < data_parallel_degree(); dp += expert_parallel_degree_) {
+    each.dp_rank = dp;
+    ranks.push_back(rank_of(each));
+  }
+  return ranks;
+}
+
 std::string Topology::describe() const {
   std::ostringstream text;
   text << "world " << world_size_ << " = " << pipeline_degree() << " pipeline stages x " << data_parallel_degree()
        << " data-parallel replicas";
   if (tensor_parallel_degree() > 1) text << " x " << tensor_parallel_degree() << " tensor-parallel shards";
+  if (expert_parallel_degree_ > 1) {
+    text << ", the experts divided over blocks of " << expert_parallel_degree_ << " replicas";
+  }
   text << " (" << (order_ == "DPT" ? "cluster" : order_ == "TPD" ? "spread" : order_) << " placement)";
   for (int dp = 0; dp < data_parallel_degree(); ++dp) {
     text << "; replica " << dp << ": ranks";

@@ -186,6 +186,8 @@ CollectiveObserver::~CollectiveObserver() {
   observer = nullptr;
 }
 
+bool without_collectives() { return collectives_off; }
+
 WithoutCollectives::WithoutCollectives() : before_(collectives_off) { collectives_off = true; }
 WithoutCollectives::~WithoutCollectives() { collectives_off = before_; }
 

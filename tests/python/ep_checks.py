@@ -1,6 +1,6 @@
-"""One rank of a data-parallel job (4 replicas of one stage) checking smp.ep.all_to_all: rows of uneven counts
-(none to some ranks) reach the right ranks in rank order, and gradients come back the same way reversed. Exits 0
-only then."""
+"""One rank of a data-parallel job (4 replicas of one stage, experts divided over blocks of 2) checking
+smp.ep.all_to_all: rows of uneven counts (none to some ranks) reach the ranks of this rank's expert-parallel group
+(its block of replicas) in rank order, and gradients come back the same way reversed. Exits 0 only then."""
 
 import sys
 
@@ -17,16 +17,17 @@ def rows_from(sender, receiver, rank_count):
 
 def main():
     torch.set_num_threads(1)
-    runtime = smp.init({"partitions": 1, "microbatches": 1, "ddp": True, "device": "cpu"})
-    me, ranks = runtime.dp_rank, runtime.data_parallel_degree
-    failures = []
+    runtime = smp.init({"partitions": 1, "microbatches": 1, "ddp": True, "device": "cpu", "expert_parallel_degree": 2})
+    me, ranks = runtime.ep_rank, runtime.expert_parallel_degree
+    first = runtime.dp_rank - me  # the block's first replica
+    failures = [] if ranks == 2 and me == runtime.dp_rank % 2 else [f"ep rank {me} of {ranks} at dp rank {runtime.dp_rank}"]
     input_rows = [rows_from(me, peer, ranks) for peer in range(ranks)]
     output_rows = [rows_from(peer, me, ranks) for peer in range(ranks)]
     # Each row says who sent it to whom, and which of those rows it is.
-    sent = torch.tensor([[me, peer, index] for peer in range(ranks) for index in range(input_rows[peer])],
+    sent = torch.tensor([[first + me, peer, index] for peer in range(ranks) for index in range(input_rows[peer])],
                         dtype=torch.float32).reshape(-1, 3).requires_grad_()
     received = smp.ep.all_to_all(sent, output_rows, input_rows)
-    expected = torch.tensor([[peer, me, index] for peer in range(ranks) for index in range(output_rows[peer])],
+    expected = torch.tensor([[first + peer, me, index] for peer in range(ranks) for index in range(output_rows[peer])],
                             dtype=torch.float32).reshape(-1, 3)
     if not torch.equal(received.detach(), expected):
         failures.append(f"received {received.tolist()}, expected {expected.tolist()}")
@@ -36,7 +37,7 @@ def main():
     if sent.grad is None or not torch.equal(sent.grad, back):
         failures.append(f"gradient {None if sent.grad is None else sent.grad.tolist()}, expected {back.tolist()}")
     try:
-        smp.ep.all_to_all(sent.detach(), output_rows, [1] * ranks)
+        smp.ep.all_to_all(sent.detach(), output_rows, [sum(input_rows) + 1] + [0] * (ranks - 1))
         failures.append("counts that do not add up to the rows were not refused")
     except ValueError as error:
         if "add up to" not in str(error):

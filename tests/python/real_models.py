@@ -324,6 +324,17 @@ def train_and_compare(name, args, config, runtime):
         failures.append("evaluation: the last stage's rank kept no outputs")
 
     plain = dict(reference.named_parameters())
+    experts_shared = config.get("expert_parallel_degree", 1)
+    if experts_shared > 1:
+        # Expert parallelism: this rank holds its share of every experts tensor, the rest whole.
+        divided = {path for path, p in model.named_parameters() if hasattr(p, "_smp_expert_shard")}
+        stacked = {path for path in dict(model.named_parameters()) if ".experts." in path and
+                   "shared" not in path}
+        if not divided or divided != stacked:
+            failures.append(f"expert shards {sorted(divided ^ stacked)[:3] or 'none'} are not the experts tensors")
+        for path in divided:
+            if dict(model.named_parameters())[path].shape[0] * experts_shared != plain[path].shape[0]:
+                failures.append(f"{path} holds {dict(model.named_parameters())[path].shape[0]} experts")
     checked = 0
     for path, parameter in model.named_parameters():
         if path not in plain:

@@ -74,12 +74,17 @@ def _capture(model, sample, stages, pinned):
     export_error = None
     if not _contains_scripted(model):
         try:
-            graph, leaf_inputs, output_spec, shapes = exporting.capture(model, args, kwargs, stages, pinned, GraphModel,
-                                                                        torch.device(runtime().device))
+            graph, leaf_inputs, output_spec, shapes = exporting.capture(
+                model, args, kwargs, stages, pinned, GraphModel, torch.device(runtime().device),
+                (runtime().expert_parallel_degree, runtime().ep_rank))
             return graph, CapturedIO(model, args, kwargs, leaf_inputs, output_spec, exporting.split_sample, shapes)
         except CaptureError as error:
             export_error = error
     name = type(model).__name__
+    if runtime().expert_parallel_degree > 1:
+        raise ModelError(f"cannot capture {name} to divide its experts over ranks (\"expert_parallel_degree\" "
+                         f"{runtime().expert_parallel_degree}): " + (f"torch.export failed: {export_error}"
+                         if export_error is not None else "it has TorchScript children"))
     if not isinstance(sample, torch.Tensor):
         reason = (f"torch.export failed: {export_error}" if export_error is not None else
                   "it has TorchScript children, which torch.export does not enter, and torch.fx takes one tensor input")
@@ -202,6 +207,11 @@ class DistributedModel(torch.nn.Module):
             _shard_for_tensor_parallelism(model, tp_plan)
         elif tp_plan is not None and rt.rank == 0:
             print("smp: tp_plan ignored: the config's tensor_parallel_degree is 1", flush=True)
+        if rt.expert_parallel_degree > 1 and (isinstance(model, (GraphModel, torch.jit.ScriptModule)) or
+                                              _is_sequential(model)):
+            raise ConfigError(f"\"expert_parallel_degree\" {rt.expert_parallel_degree} divides the experts of a "
+                              "captured mixture-of-experts model (a module with a forward of its own, such as a "
+                              f"Hugging Face one), not a {_kind(model)}")
         if isinstance(model, GraphModel):
             graph, io_ = model, GraphIO(model.input_names, model._several_outputs)
         elif _is_sequential(model):

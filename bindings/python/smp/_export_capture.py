@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from . import _routing
+from . import _expert_parallel, _routing
 from ._captured_node import (_ASSERTS, CapturedNode, _attribute, _is_op, _mutates_first_argument, placeholder_name,
                              run_fuser)
 from ._data_flow import READS_METADATA_ONLY, data_flow, is_random
@@ -131,13 +131,18 @@ def _merge_tensor_parallel_copies(graph):
                 graph.erase_node(node)
 
 
-def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=torch.device("cpu")):
+def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=torch.device("cpu"), experts=(1, 0)):
     """Exports `model` on the sample (args, kwargs) and builds the engine's graph: returns (graph, input leaves,
     output spec, input shapes), where the input leaves say for each leaf of the flattened (args, kwargs) the engine input name it
     feeds (None for leaves baked into the capture), the output spec how the model's outputs are rebuilt from the
     engine's output tensors, and the InputShapes each microbatch is checked against. A model on the meta device is
-    exported as if on `device`, where the job runs it."""
+    exported as if on `device`, where the job runs it. `experts`: (expert-parallel degree, this rank's place in its
+    group); above 1, the experts modules are divided over the group (smp._expert_parallel)."""
     name = type(model).__name__
+    expert_degree, expert_rank = experts
+    divided = _expert_parallel.experts_modules(model) if expert_degree > 1 else {}
+    if expert_degree > 1:
+        _expert_parallel.check_divisible(divided, expert_degree)
     # Capturing must leave no trace in the training state: buffers, and the random numbers dropout draws next.
     buffers_before = [(b, b.detach().clone()) for b in model.buffers()]
     on_meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
@@ -151,7 +156,7 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
     if cached:
         config.use_cache = False
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), _expert_parallel.opaque_for_export(divided):
             exported, fixed_because = (export_as_if_on(device, model, args, kwargs) if on_meta else
                                         export_model(model, args, kwargs))
     finally:
@@ -169,6 +174,11 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
         if spec.kind.name not in ("USER_OUTPUT",):
             raise ModelError(f"{name}'s forward {spec.kind.name.lower().replace('_', ' ')} "
                              f"({spec.target or spec.arg}); smp cannot cut it into stages")
+
+    if divided:
+        parameter_nodes = {kinds[node.name][1]: node for node in graph.nodes
+                           if node.op == "placeholder" and kinds[node.name][0] == "PARAMETER"}
+        _expert_parallel.across_ranks(graph, parameter_nodes, divided, expert_degree, expert_rank)
 
     # The model's own tensors, by their paths: the same objects the engine then trains. A tensor under several
     # paths (a tied LM head) goes by its first, as in the model's named_parameters().

@@ -1,6 +1,7 @@
-"""Expert parallelism's token movement: rows of a tensor sent to the ranks of a group by counts, with autograd (the
-backward moves the gradients back the same way reversed). Today over the data-parallel group, which expert
-parallelism divides into groups of its own.
+"""Expert parallelism's token movement: rows of a tensor sent to the ranks of this rank's expert-parallel group (the
+"expert_parallel_degree" consecutive data-parallel replicas that divide the experts among them) by counts, with
+autograd (the backward moves the gradients back the same way reversed). A captured mixture-of-experts model's
+experts use it (smp._expert_parallel); a model of one's own may too.
 
     received = smp.ep.all_to_all(tokens, output_rows, input_rows)
 
@@ -18,7 +19,7 @@ from ._state import runtime as _runtime
 
 
 def _moved(x: Tensor, output_rows: List[int], input_rows: List[int]) -> Tensor:
-    return _runtime()._dp_all_to_all(x, list(output_rows), list(input_rows))
+    return _runtime()._ep_all_to_all(x, list(output_rows), list(input_rows))
 
 
 _all_to_all = torch.library.custom_op("smp::all_to_all", _moved, mutates_args=())

@@ -198,7 +198,11 @@ def shard_of(whole, dim, blocks=1, of=None):
 
 
 def whole_shape(tensor):
-    """The shape of the whole tensor `tensor` is this rank's shard of (its own shape when it is whole)."""
+    """The shape of the whole tensor `tensor` is this rank's shard of (its own shape when it is whole): a
+    tensor-parallel shard, or an expert-parallel one (this rank's experts of a stacked experts tensor)."""
+    experts = getattr(tensor, "_smp_expert_shard", None)
+    if experts is not None:
+        return (tensor.shape[0] * experts[1], *tensor.shape[1:])
     tag = getattr(tensor, "_smp_shard", None)
     if tag is None:
         return tuple(tensor.shape)
@@ -209,6 +213,10 @@ def whole_shape(tensor):
 
 def local_part(tensor, source):
     """What `tensor` (this rank's, a shard or whole) holds of `source`, a whole model's tensor of the same name."""
+    experts = getattr(tensor, "_smp_expert_shard", None)
+    if experts is not None and tuple(source.shape) != tuple(tensor.shape):
+        rank, degree = experts
+        return source.chunk(degree)[rank]
     tag = getattr(tensor, "_smp_shard", None)
     return source if tag is None or tuple(source.shape) == tuple(tensor.shape) else shard_of(source, *tag)
 

@@ -27,6 +27,9 @@ struct Config {
   // over the group (norms, dropout and residuals hold 1/tp of them). Models read it (the example GPT, smp.tp's
   // plans); no effect with tensor_parallel_degree 1.
   bool sequence_parallel = false;
+  // Expert parallelism: each mixture-of-experts layer's experts divided over this many data-parallel ranks (which
+  // it divides), tokens moved to them by all-to-all; each rank holds num_experts / expert_parallel_degree experts.
+  int expert_parallel_degree = 1;
   int microbatches = 1;          // per data-parallel replica and step
   // A schedule of sched::schedule_kinds(), by SMP's name ("simple": GPipe; "interleaved": 1F1B, Megatron's
   // interleaved 1F1B when virtual_stages > 1; "zero_bubble", "zero_bubble_h2") or its generator's ("zb_v", ...).

@@ -206,6 +206,7 @@ class DistributedModel {
   std::vector<std::pair<std::string, at::Tensor>> named_parameters_;
   std::vector<std::pair<std::string, at::Tensor>> named_buffers_;
   std::vector<at::Tensor> norm_parameters_;
+  std::vector<at::Tensor> expert_parameters_;  // this rank's share of the experts (expert parallelism)
   std::map<std::string, std::pair<int64_t, int64_t>> shard_dims_;
   std::vector<at::Tensor> sequence_parallel_parameters_;  // tp::SequenceParallel's, of this rank's stages
   std::vector<bool> trainable_at_build_;  // requires_grad of named_parameters_ when the reducer and ties were made
@@ -213,6 +214,7 @@ class DistributedModel {
   std::unique_ptr<PipelineExecutor> executor_;
   std::unique_ptr<PipelineExecutor> evaluator_;  // forward-only, made by the first evaluate()
   std::unique_ptr<GradientReducer> reducer_;  // with data-parallel replicas only
+  std::unique_ptr<GradientReducer> expert_reducer_;  // with expert shards and replicas only
   std::unique_ptr<OptimizerShards> shards_;   // with replicas and shard_optimizer_state only
   long long step_ = 0;  // steps run so far, for error messages
   std::string exchange_;  // prefix of this model's store keys

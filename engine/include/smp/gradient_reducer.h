@@ -18,9 +18,11 @@ class GradientReducer {
  public:
   // `accumulations[i]` is how many backward passes of one step add to parameters[i]'s gradient (microbatches x
   // the local stages that use it). Every replica of this pipeline rank builds the same reducer, so buckets are
-  // posted in the same order everywhere, as collectives must be.
+  // posted in the same order everywhere, as collectives must be. The sum over `replicas` is divided by
+  // `divisor`, or by their number when it is 0 (expert shards: summed over the replicas holding them, divided by
+  // every replica, since each already holds the sum over the tokens of its expert-parallel group).
   GradientReducer(std::vector<at::Tensor> parameters, std::vector<int> accumulations, comm::Communicator& replicas,
-                  std::int64_t bucket_bytes);
+                  std::int64_t bucket_bytes, int divisor = 0);
   ~GradientReducer();
   GradientReducer(const GradientReducer&) = delete;
   GradientReducer& operator=(const GradientReducer&) = delete;
@@ -47,6 +49,7 @@ class GradientReducer {
   std::vector<at::Tensor> parameters_;
   std::vector<int> accumulations_;
   comm::Communicator& replicas_;
+  double divisor_;
   std::vector<Bucket> buckets_;
   std::vector<std::size_t> bucket_of_;
   std::vector<int> seen_;  // this step's passes per parameter

@@ -53,6 +53,12 @@ class Runtime {
   // tensor_parallel_degree is 1.
   comm::Communicator& tensor_parallel() { return *tensor_parallel_; }
   std::shared_ptr<comm::Communicator> tensor_parallel_group() const { return tensor_parallel_; }
+  // The replicas that divide the experts among them (group rank == ep_rank; this rank alone when
+  // expert_parallel_degree is 1), and those holding the same experts as this one (the data-parallel group when
+  // expert_parallel_degree is 1).
+  comm::Communicator& expert_parallel() { return *expert_parallel_; }
+  comm::Communicator& expert_data_parallel() { return *expert_data_parallel_; }
+  int ep_rank() const { return topology_.ep_rank(coordinates_); }
 
   // A group of `members` (global ranks) for tensors on device(): NCCL for a GPU unless "backend" is "gloo".
   // Only the members call it, with the same arguments.
@@ -85,6 +91,8 @@ class Runtime {
   std::shared_ptr<comm::Communicator> pipeline_;
   std::shared_ptr<comm::Communicator> data_parallel_;
   std::shared_ptr<comm::Communicator> tensor_parallel_;
+  std::shared_ptr<comm::Communicator> expert_parallel_;
+  std::shared_ptr<comm::Communicator> expert_data_parallel_;
   int exchanges_ = 0;
   std::string bind_host_;
 };

@@ -1,6 +1,8 @@
 #pragma once
 // Where every rank sits: rank <-> (pp_rank, dp_rank, tp_rank) over three named axes, ordered by the placement
-// strategy, and the groups along each axis.
+// strategy, and the groups along each axis. Expert parallelism divides the data axis: blocks of
+// expert_parallel_degree consecutive replicas share out the experts (an expert-parallel group), and the replicas
+// holding the same experts form an expert-data-parallel group.
 
 #include <array>
 #include <string>
@@ -31,6 +33,9 @@ class Topology {
   int pipeline_degree() const { return degree(Axis::pipeline); }
   int data_parallel_degree() const { return degree(Axis::data); }
   int tensor_parallel_degree() const { return degree(Axis::tensor); }
+  int expert_parallel_degree() const { return expert_parallel_degree_; }
+  // Which share of the experts a replica holds: its place in its expert-parallel group.
+  int ep_rank(const Coordinates& member) const { return member.dp_rank % expert_parallel_degree_; }
   // The placement as letters from the axis that varies slowest over consecutive ranks to the fastest: "DPT" for
   // SMP's "cluster" (a tensor-parallel group on consecutive ranks, then a replica's stages), "TPD" for "spread".
   const std::string& order() const { return order_; }
@@ -46,11 +51,19 @@ class Topology {
   // Ranks that hold the shards of one stage of one replica, ordered by tp_rank.
   std::vector<int> tensor_parallel_group(int pp_rank, int dp_rank) const { return group(Axis::tensor, {pp_rank, dp_rank, 0}); }
 
+  // The ranks that divide the experts among them, with `member` (its pp and tp coordinates, its block of
+  // replicas), ordered by ep_rank.
+  std::vector<int> expert_parallel_group(const Coordinates& member) const;
+  // The ranks holding the same experts as `member` (the same ep_rank in every block), ordered by dp_rank: their
+  // expert gradients are averaged as the data-parallel group averages the others.
+  std::vector<int> expert_data_parallel_group(const Coordinates& member) const;
+
   std::string describe() const;  // the rank table, for the start-of-job log
 
  private:
   int world_size_;
   std::array<int, 3> degrees_;  // by Axis
+  int expert_parallel_degree_;
   std::string order_;
   std::array<int, 3> strides_;  // by Axis: rank = sum of coordinate x stride
 };

@@ -99,6 +99,7 @@ std::vector<ShardLayout> shard_layouts_in(torch::nn::Module& module);
 // The collectives above skip communication (an all-reduce passes its input on, an all-gather repeats this rank's
 // shard) while one lives in this thread: rank 0 profiles nodes alone, at their shards' cost, with its peers
 // elsewhere.
+bool without_collectives();  // whether one lives in this thread
 class WithoutCollectives {
  public:
   WithoutCollectives();
