@@ -65,9 +65,9 @@ int run(int argc, char** argv) {
   smp::DistributedOptimizer optimizer(distributed, std::move(local_optimizer));
   std::vector<double> times, iteration_times;  // train_step alone; with the optimizer step
   int sends_posted = 0, peak_sends_held = 0;  // of the last step, on this rank
-  smp::tp::CollectiveBytes tp_before;  // at the first measured step
+  smp::CollectiveBytes tp_before;  // at the first measured step
   for (int step = 0; step < warmup + measured; ++step) {
-    if (step == warmup) tp_before = smp::tp::collective_bytes();
+    if (step == warmup) tp_before = smp::collective_bytes();
     const auto [inputs, targets] = tokens(step);
     runtime->world().barrier();  // every rank starts the step together, so the slowest stage sets the time
     const auto start = std::chrono::steady_clock::now();
@@ -110,7 +110,7 @@ int run(int argc, char** argv) {
   at::Tensor states = at::zeros({runtime->world_size()}, at::kDouble);
   states[runtime->rank()] = state_bytes / (1 << 20);
   runtime->world().all_reduce_sum(states);
-  const auto tp_after = smp::tp::collective_bytes();
+  const auto tp_after = smp::collective_bytes();
   if (runtime->rank() == 0) {
     // Rank 0 (stage 0's first shard): its tensor-parallel collectives per measured step.
     std::printf("{\"tensor_parallel\": %d, \"tp_all_reduced_bytes_per_step\": %.0f, "

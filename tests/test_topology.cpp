@@ -58,6 +58,25 @@ TEST_CASE("topology: rank <-> coordinates is a bijection", "[topology]") {
   }
 }
 
+TEST_CASE("topology: expert-parallel groups are blocks of consecutive replicas, their holders strided", "[topology]") {
+  Config config;
+  config.partitions = 2;
+  config.ddp = true;
+  config.expert_parallel_degree = 2;
+  const Topology topology(config, 8);  // cluster: replica d holds ranks 2d, 2d + 1
+  CHECK(topology.expert_parallel_degree() == 2);
+  const auto at = [&](int rank) { return topology.coordinates_of(rank); };
+  CHECK(topology.ep_rank(at(5)) == 0);  // replica 2
+  CHECK(topology.expert_parallel_group(at(5)) == std::vector<int>{5, 7});
+  CHECK(topology.expert_parallel_group(at(7)) == std::vector<int>{5, 7});
+  CHECK(topology.expert_data_parallel_group(at(5)) == std::vector<int>{1, 5});
+  CHECK(topology.expert_data_parallel_group(at(2)) == std::vector<int>{2, 6});
+  config.expert_parallel_degree = 1;
+  const Topology whole(config, 8);
+  CHECK(whole.expert_parallel_group(at(5)) == std::vector<int>{5});
+  CHECK(whole.expert_data_parallel_group(at(5)) == whole.data_parallel_group(1));
+}
+
 TEST_CASE("topology: a world that does not fit the config is rejected", "[topology]") {
   CHECK_THROWS_AS(make("cluster", 4, 6), smp::ConfigError);
 }

@@ -22,6 +22,7 @@
 #include <torch/nn/module.h>
 
 #include "smp/checkpoint.h"
+#include "smp/collectives.h"
 #include "smp/comm/communicator.h"
 #include "smp/config.h"
 #include "smp/distributed_model.h"
@@ -386,16 +387,18 @@ PYBIND11_MODULE(_smp, module) {
       .def(
           "_ep_all_to_all",
           [](Runtime& runtime, const at::Tensor& tensor, const std::vector<int64_t>& output_rows,
-             const std::vector<int64_t>& input_rows) {
+             const std::vector<int64_t>& input_rows, bool counted) {
+            if (counted) return exchange_rows(tensor, output_rows, input_rows, runtime.expert_parallel());
+            // Control values (an experts layer's counts): neither counted nor shown.
             std::vector<int64_t> shape = tensor.sizes().vec();
-            if (shape.empty()) throw ConfigError("all_to_all takes a tensor of at least one dimension (its rows)");
             shape[0] = 0;
             for (int64_t rows : output_rows) shape[0] += rows;
             at::Tensor output = at::empty(shape, tensor.options());
             runtime.expert_parallel().all_to_all(output, tensor.contiguous(), output_rows, input_rows);
             return output;
           },
-          py::arg("tensor"), py::arg("output_rows"), py::arg("input_rows"), py::call_guard<py::gil_scoped_release>());
+          py::arg("tensor"), py::arg("output_rows"), py::arg("input_rows"), py::arg("counted") = true,
+          py::call_guard<py::gil_scoped_release>());
 
   py::class_<StepOutput>(module, "StepOutput")
       .def_readonly("loss", &StepOutput::loss)
@@ -477,8 +480,8 @@ PYBIND11_MODULE(_smp, module) {
       },
       py::arg("inputs"), py::arg("targets"));
   module.def("recomputing", &recomputing);
-  // Whether this thread runs without collectives (rank 0 profiling alone, tp::WithoutCollectives).
-  module.def("without_collectives", &tp::without_collectives);
+  // Whether this thread runs without collectives (rank 0 profiling alone, WithoutCollectives).
+  module.def("without_collectives", &without_collectives);
   module.def("export_checkpoint", &export_checkpoint, py::arg("checkpoint_directory"), py::arg("output_file"),
              py::call_guard<py::gil_scoped_release>());
   module.def("export_checkpoint_safetensors", &export_checkpoint_safetensors, py::arg("checkpoint_directory"),
@@ -494,9 +497,11 @@ PYBIND11_MODULE(_smp, module) {
       },
       py::arg("full_model_file"));
   module.def("module_seed", &module_seed, py::arg("seed"), py::arg("path"));
-  module.def("tp_collective_bytes", [] {
-    const auto bytes = tp::collective_bytes();
-    return std::make_pair(bytes.all_reduced, bytes.all_gathered);
+  module.def("collective_bytes", [] {
+    const auto bytes = collective_bytes();
+    return py::dict(py::arg("all_reduced") = bytes.all_reduced, py::arg("all_gathered") = bytes.all_gathered,
+                    py::arg("reduce_scattered") = bytes.reduce_scattered,
+                    py::arg("all_to_all_sent") = bytes.all_to_all_sent);
   });
   module.def(
       "latest_checkpoint",

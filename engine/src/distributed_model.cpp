@@ -117,7 +117,7 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
     ModelInputs on_device;
     for (const auto& input : sample) on_device.push_back(input.defined() ? input.to(runtime_->device()) : input);
     // Alone, while its tensor-parallel peers wait: the tp layers compute their shards without communicating.
-    const tp::WithoutCollectives alone;
+    const WithoutCollectives alone;
     auto profiles = profile_graph(model_, on_device, config.num_stages() > 1 ? 5 : 0);
     // Parameter names and shapes of the whole model, which only this rank sees whole (nodes built on demand are
     // built here one at a time): a checkpoint of another model is refused by it.

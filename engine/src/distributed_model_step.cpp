@@ -274,11 +274,11 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   try {
     if (reducer_) reducer_->arm();
     if (expert_reducer_) expert_reducer_->arm();
-    // A traced step's timeline shows the tensor-parallel collectives inside the compute that ran them.
+    // A traced step's timeline shows the tensor- and expert-parallel collectives inside the compute that ran them.
     const bool traced = !config.trace_dir.empty() && step_ == config.trace_step;
     std::vector<TimelineEvent> collectives;
-    std::optional<tp::CollectiveObserver> observer;  // reports one collective at a time, from any thread
-    if (traced && runtime_->topology().tensor_parallel_degree() > 1) {
+    std::optional<CollectiveObserver> observer;  // reports one collective at a time, from any thread
+    if (traced && (runtime_->topology().tensor_parallel_degree() > 1 || !expert_parameters_.empty())) {
       observer.emplace([&](const char* kind, std::int64_t, double start_us, double end_us) {
         collectives.push_back({kind, 0, 0, start_us, end_us, -1});
       });

@@ -19,7 +19,7 @@ namespace smp {
 namespace {
 
 bool is_compute(const std::string& kind) { return kind == "F" || kind == "B" || kind == "I" || kind == "W"; }
-bool is_collective(const std::string& kind) { return kind.rfind("TP_", 0) == 0; }
+bool is_collective(const std::string& kind) { return kind.rfind("TP_", 0) == 0 || kind.rfind("EP_", 0) == 0; }
 bool tensor_parallel(const std::vector<RankTimeline>& ranks) {
   return std::any_of(ranks.begin(), ranks.end(), [](const RankTimeline& rank) { return rank.tp_rank > 0; });
 }
@@ -125,7 +125,7 @@ std::string to_chrome_trace(const std::vector<RankTimeline>& ranks) {
                       {"args", {{"sort_index", rank.pp_rank * 4096 + rank.tp_rank}}}});
     for (const auto& event : rank.events) {
       events.push_back({{"name", event.kind + std::to_string(event.microbatch)},
-                        {"cat", is_compute(event.kind) ? "compute" : is_collective(event.kind) ? "tensor parallel" : "transfer"},
+                        {"cat", is_compute(event.kind) ? "compute" : is_collective(event.kind) ? (event.kind[0] == 'E' ? "expert parallel" : "tensor parallel") : "transfer"},
                         {"ph", "X"},
                         {"ts", event.start_us},
                         {"dur", std::max(0.0, event.end_us - event.start_us)},

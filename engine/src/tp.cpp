@@ -10,6 +10,7 @@
 #include <torch/autograd.h>
 #include <torch/custom_class.h>
 
+#include "smp/collectives.h"
 #include "smp/config.h"
 
 namespace smp::tp {
@@ -27,36 +28,16 @@ struct HeldGroup : torch::CustomClassHolder {
 c10::IValue hold(const Group& group) { return c10::IValue::make_capsule(c10::make_intrusive<HeldGroup>(group)); }
 Group held(const c10::IValue& value) { return c10::static_intrusive_pointer_cast<HeldGroup>(value.toCapsule())->group; }
 
-thread_local bool collectives_off = false;
-std::atomic<int64_t> bytes_all_reduced{0};
-std::atomic<int64_t> bytes_all_gathered{0};
-std::atomic<int64_t> bytes_reduce_scattered{0};
-std::mutex observer_mutex;
-CollectiveObserver::Report observer;  // under observer_mutex
-
-double now_us() {
-  return std::chrono::duration<double, std::micro>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
-// Runs one collective, counting its bytes and reporting it to the observer.
-template <typename Run>
-void collective(const char* kind, int64_t bytes, std::atomic<int64_t>& counter, Run run) {
-  const double start = now_us();
-  run();
-  counter += bytes;
-  const std::lock_guard<std::mutex> lock(observer_mutex);
-  if (observer) observer(kind, bytes, start, now_us());
-}
-
 at::Tensor summed(const at::Tensor& tensor, const Group& group) {
   at::Tensor sum = tensor.contiguous().clone();
-  if (collectives_off) return sum;
-  collective("TP_ALL_REDUCE", static_cast<int64_t>(sum.nbytes()), bytes_all_reduced, [&] { group->all_reduce_sum(sum); });
+  if (without_collectives()) return sum;
+  run_collective("TP_ALL_REDUCE", static_cast<int64_t>(sum.nbytes()), CollectiveCounter::all_reduced,
+                 [&] { group->all_reduce_sum(sum); });
   return sum;
 }
 
 void all_gathered(const at::Tensor& whole, const at::Tensor& shard, const Group& group) {
-  collective("TP_ALL_GATHER", static_cast<int64_t>(whole.nbytes()), bytes_all_gathered,
+  run_collective("TP_ALL_GATHER", static_cast<int64_t>(whole.nbytes()), CollectiveCounter::all_gathered,
              [&] { group->all_gather(whole, shard); });
 }
 
@@ -64,7 +45,7 @@ void all_gathered(const at::Tensor& whole, const at::Tensor& shard, const Group&
 // The shards along `dim` of every rank put together (all-gather), and the sum over ranks of `whole` split along
 // `dim`, this rank's part (reduce-scatter); the transports work along dimension 0.
 at::Tensor gathered_along(const at::Tensor& shard, int64_t dim, const Group& group) {
-  if (collectives_off) return at::cat(std::vector<at::Tensor>(static_cast<std::size_t>(group->size()), shard), dim);
+  if (without_collectives()) return at::cat(std::vector<at::Tensor>(static_cast<std::size_t>(group->size()), shard), dim);
   const at::Tensor front = shard.movedim(dim, 0).contiguous();
   auto sizes = front.sizes().vec();
   sizes[0] *= group->size();
@@ -75,12 +56,12 @@ at::Tensor gathered_along(const at::Tensor& shard, int64_t dim, const Group& gro
 
 at::Tensor reduce_scattered_along(const at::Tensor& whole, int64_t dim, const Group& group) {
   const int64_t width = whole.size(dim) / group->size();
-  if (collectives_off) return whole.narrow(dim, group->rank() * width, width).contiguous();
+  if (without_collectives()) return whole.narrow(dim, group->rank() * width, width).contiguous();
   const at::Tensor front = whole.movedim(dim, 0).contiguous();
   auto sizes = front.sizes().vec();
   sizes[0] = width;
   at::Tensor shard = at::empty(sizes, front.options());
-  collective("TP_REDUCE_SCATTER", static_cast<int64_t>(front.nbytes()), bytes_reduce_scattered,
+  run_collective("TP_REDUCE_SCATTER", static_cast<int64_t>(front.nbytes()), CollectiveCounter::reduce_scattered,
              [&] { group->reduce_scatter_sum(shard, front); });
   return shard.movedim(0, dim).contiguous();
 }
@@ -171,25 +152,6 @@ std::vector<at::Tensor> sequence_parallel_parameters_in(torch::nn::Module& modul
   }
   return parameters;
 }
-
-CollectiveBytes collective_bytes() {
-  return {bytes_all_reduced.load(), bytes_all_gathered.load(), bytes_reduce_scattered.load()};
-}
-
-CollectiveObserver::CollectiveObserver(Report report) {
-  const std::lock_guard<std::mutex> lock(observer_mutex);
-  observer = std::move(report);
-}
-
-CollectiveObserver::~CollectiveObserver() {
-  const std::lock_guard<std::mutex> lock(observer_mutex);
-  observer = nullptr;
-}
-
-bool without_collectives() { return collectives_off; }
-
-WithoutCollectives::WithoutCollectives() : before_(collectives_off) { collectives_off = true; }
-WithoutCollectives::~WithoutCollectives() { collectives_off = before_; }
 
 at::Tensor all_reduced(const at::Tensor& input, const Group& group) {
   return group->size() == 1 ? input.clone() : summed(input, group);
@@ -370,7 +332,7 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
   // The largest logit over the whole vocabulary, for a stable exponent; it cancels out, so it takes no gradient.
   const at::Tensor local_max = std::get<0>(rows.detach().max(-1)).contiguous();
   at::Tensor maxima = at::empty({group->size() * local_max.size(0)}, local_max.options());
-  if (group->size() == 1 || collectives_off) {
+  if (group->size() == 1 || without_collectives()) {
     maxima = local_max.repeat({group->size()});
   } else {
     all_gathered(maxima, local_max, group);

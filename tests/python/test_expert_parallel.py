@@ -1,8 +1,36 @@
-"""Expert parallelism's building blocks against what they must do, on 4 processes."""
+"""Expert parallelism: unmodified Hugging Face mixture-of-experts models with their experts divided over ranks
+("expert_parallel_degree"), against plain PyTorch on the same microbatches (real_models.py: every loss, every
+parameter within 1e-5 relative, each rank holding 1/ep of every experts tensor), and the all-to-all under it."""
 
-from jobs import assert_passed
+from jobs import assert_passed, smp_keys
 
 
 def test_all_to_all_moves_rows_and_gradients(job):
-    """Uneven row counts (none between some ranks) arrive in rank order; gradients go back reversed."""
+    """Uneven row counts (none between some ranks) arrive in rank order within each block of replicas; gradients go
+    back reversed."""
     assert_passed(job(4, "ep_checks.py"))
+
+
+def test_ep2_x_dp2_equal_pytorch(job):
+    """4 replicas in 2 blocks: expert gradients averaged over the 2 replicas holding the same experts, dense ones over
+    all 4; a loss function on the outputs."""
+    assert_passed(job(4, "real_models.py", "--models", "mixtral,olmoe", "--loss", "fn", "--smp",
+                      smp_keys(partitions=1, microbatches=2, ddp=True, expert_parallel_degree=2,
+                               global_batch_size=8)))
+
+
+def test_ep2_x_pp2_meta_equal_materialized(job):
+    """Shared experts and grouped routing (DeepSeek-V3) beside Mixtral, built on the meta device (each rank makes its
+    own experts of its own stages real), under ZB-H1 with the first stage recomputed: the exchanges run again in
+    the recompute, and the split backward moves the gradients back."""
+    assert_passed(job(4, "real_models.py", "--meta", "--models", "mixtral,deepseek_v3", "--smp",
+                      smp_keys(partitions=2, microbatches=4, pipeline="zero_bubble", activation_checkpointing=[0],
+                               ddp=True, expert_parallel_degree=2, global_batch_size=8)))
+
+
+def test_ep2_with_tensor_parallelism_equal_pytorch(job):
+    """tp 2 x ep 2: attention sharded by the model's own plan, the experts whole on each tensor-parallel rank and
+    divided over the replicas."""
+    assert_passed(job(4, "real_models.py", "--models", "mixtral", "--steps", "2", "--smp",
+                      smp_keys(partitions=1, tensor_parallel_degree=2, microbatches=2, ddp=True,
+                               expert_parallel_degree=2, global_batch_size=8)))

@@ -32,7 +32,7 @@ import weakref
 
 import torch  # loads LibTorch before the extension that links it
 
-from . import _materialize, _routing, _smp, _state, ep, tp
+from . import _expert_parallel, _materialize, _routing, _smp, _state, ep, tp
 from ._state import runtime
 from ._graph import GraphModel, _is_sequential, _kind, transient_buffers
 from ._model_io import CapturedIO, GraphIO, own_loss
@@ -169,6 +169,8 @@ def _shard_for_tensor_parallelism(model, plan):
         return
     given = plan is not None
     plan = plan if given else tp.builtin_plan(model)
+    if plan and not given and runtime().expert_parallel_degree > 1:
+        plan = _expert_parallel.without_experts(model, plan)
     if plan and runtime().config.sequence_parallel:
         plan = tp.sequence_parallel_plan(model, plan)
     applied = tp.apply_plan(model, plan, strict=given) if plan else {}

@@ -44,6 +44,18 @@ def check_divisible(experts, degree):
                                  "experts along its first dimension; expert parallelism cannot divide it")
 
 
+def without_experts(model, plan):
+    """A tensor-parallel plan without its entries for the experts modules and their tensors (a Hugging Face model's
+    own plan shards its experts): expert parallelism divides them whole, every tensor-parallel rank holding its
+    experts whole."""
+    from .tp import _paths_matching
+    divided = set()
+    for path, module in experts_modules(model).items():
+        divided.add(path)
+        divided.update(f"{path}.{name}" for name, _ in module.named_parameters())
+    return {pattern: style for pattern, style in plan.items() if not _paths_matching(pattern, divided)}
+
+
 @torch.library.custom_op("smp::routed_experts", mutates_args=())
 def _routed_experts(hidden: Tensor, index: Tensor, weights: Tensor, path: str) -> Tensor:
     raise RuntimeError(f"internal: smp::routed_experts ({path}) stands in for an experts module during capture only")
@@ -169,7 +181,7 @@ class ExpertsAcrossRanks:
             per_expert = torch.bincount(expert_of_row, minlength=self.experts).to("cpu")
             send = per_expert.view(self.degree, self.share)
             # receive[r, j]: rows rank r sends to this rank's expert j.
-            receive = _runtime()._ep_all_to_all(send, [1] * self.degree, [1] * self.degree)
+            receive = _runtime()._ep_all_to_all(send, [1] * self.degree, [1] * self.degree, counted=False)
             input_rows = send.sum(1).tolist()
             output_rows = receive.sum(1).tolist()
             received = ep.all_to_all(rows, output_rows, input_rows)

@@ -41,6 +41,13 @@ def _moved_back(ctx, gradient):
 _all_to_all.register_autograd(_moved_back, setup_context=_keep_rows)
 
 
+def bytes_sent():
+    """Bytes this process's all-to-alls (its experts layers' included) sent to other ranks since it started, to
+    compare with the theory: tokens x top-k x hidden x element size x (ep - 1) / ep, each way."""
+    from ._smp import collective_bytes
+    return collective_bytes()["all_to_all_sent"]
+
+
 def all_to_all(x: Tensor, output_rows: List[int], input_rows: List[int]) -> Tensor:
     """Rows of `x` to the group's ranks by `input_rows`, `output_rows` from each; differentiable."""
     if len(input_rows) != len(output_rows):

@@ -156,9 +156,9 @@ COPY_TO_SHARDS = torch.ops.smp.tp_copy_to_shards.default  # what a capture merge
 def collective_bytes():
     """Bytes this process's tensor-parallel collectives moved since it started: {"all_reduced", "all_gathered"}
     (the payload of each all-reduce, the whole tensor of each all-gather), to compare with the theory."""
-    from ._smp import tp_collective_bytes
-    all_reduced, all_gathered = tp_collective_bytes()
-    return {"all_reduced": all_reduced, "all_gathered": all_gathered}
+    from ._smp import collective_bytes as moved
+    bytes_moved = moved()
+    return {"all_reduced": bytes_moved["all_reduced"], "all_gathered": bytes_moved["all_gathered"]}
 
 
 def copy_to_shards(x):

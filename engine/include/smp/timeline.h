@@ -10,8 +10,8 @@
 namespace smp {
 
 struct TimelineEvent {
-  // "F", "B", "I", "W", "RECV_F", "SEND_F", "RECV_B", "SEND_B"; "TP_ALL_REDUCE", "TP_ALL_GATHER": a tensor-parallel
-  // collective inside the compute event of the same stage and microbatch.
+  // "F", "B", "I", "W", "RECV_F", "SEND_F", "RECV_B", "SEND_B"; "TP_ALL_REDUCE", "TP_ALL_GATHER", "EP_ALL_TO_ALL":
+  // a tensor- or expert-parallel collective inside the compute event of the same stage and microbatch.
   std::string kind;
   int stage = 0;
   int microbatch = 0;

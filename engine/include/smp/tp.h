@@ -23,6 +23,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
+#include "smp/collectives.h"
 #include "smp/comm/communicator.h"
 
 namespace smp::tp {
@@ -96,20 +97,6 @@ class Sharded {
 // The layouts of every shard in `module` and its submodules.
 std::vector<ShardLayout> shard_layouts_in(torch::nn::Module& module);
 
-// The collectives above skip communication (an all-reduce passes its input on, an all-gather repeats this rank's
-// shard) while one lives in this thread: rank 0 profiles nodes alone, at their shards' cost, with its peers
-// elsewhere.
-bool without_collectives();  // whether one lives in this thread
-class WithoutCollectives {
- public:
-  WithoutCollectives();
-  ~WithoutCollectives();
-  WithoutCollectives(const WithoutCollectives&) = delete;
-  WithoutCollectives& operator=(const WithoutCollectives&) = delete;
-
- private:
-  bool before_;
-};
 
 // y = x A^T + b with A's rows (output features) split: the output's last dimension is sharded unless gather_output.
 // Initialized as torch::nn::Linear initializes the whole layer, from the same random numbers, and cut: the shards
@@ -190,26 +177,6 @@ class SelfAttentionImpl : public torch::nn::Module {
 };
 TORCH_MODULE(SelfAttention);
 
-// Bytes this process's tensor-parallel collectives moved since it started (the payload of each all-reduce, the
-// whole tensor of each all-gather): what benchmarks compare with the theory.
-struct CollectiveBytes {
-  int64_t all_reduced = 0;
-  int64_t all_gathered = 0;
-  int64_t reduce_scattered = 0;  // the whole tensor of each
-};
-CollectiveBytes collective_bytes();
-
-// While one lives, every tensor-parallel collective of this process is reported to it, one at a time, from whatever
-// thread ran it (backward may run on autograd's): its kind ("TP_ALL_REDUCE", "TP_ALL_GATHER", "TP_REDUCE_SCATTER"), bytes, and wall-clock start and
-// end in microseconds since the epoch. A traced step's timeline shows them inside the forwards and backwards.
-class CollectiveObserver {
- public:
-  using Report = std::function<void(const char* kind, int64_t bytes, double start_us, double end_us)>;
-  explicit CollectiveObserver(Report report);
-  ~CollectiveObserver();
-  CollectiveObserver(const CollectiveObserver&) = delete;
-  CollectiveObserver& operator=(const CollectiveObserver&) = delete;
-};
 
 // The mean cross entropy of logits sharded along the vocabulary (a column-parallel output layer's, not gathered)
 // against whole targets: the same value on every rank, and each rank's gradient for its own logits, without ever

@@ -1,0 +1,63 @@
+#pragma once
+// Collectives inside a stage's compute (tensor parallelism's all-reduces and gathers, expert parallelism's
+// all-to-all): the bytes each kind moved, an observer that a traced step's timeline listens through, and the switch
+// that rank 0's profiling runs under, alone, with its peers elsewhere.
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "smp/comm/communicator.h"
+
+namespace smp {
+
+// Bytes this process's in-compute collectives moved since it started: the payload of each all-reduce, the whole
+// tensor of each all-gather and reduce-scatter, and the rows each all-to-all sent to other ranks.
+struct CollectiveBytes {
+  int64_t all_reduced = 0;
+  int64_t all_gathered = 0;
+  int64_t reduce_scattered = 0;
+  int64_t all_to_all_sent = 0;
+};
+CollectiveBytes collective_bytes();
+enum class CollectiveCounter { all_reduced, all_gathered, reduce_scattered, all_to_all_sent };
+
+// Runs one collective: counts its bytes and reports it to the observer, if any.
+void run_collective(const char* kind, int64_t bytes, CollectiveCounter counter, const std::function<void()>& run);
+
+// While one lives, every in-compute collective of this process is reported to it, one at a time, from whatever
+// thread ran it (backward may run on autograd's): its kind ("TP_ALL_REDUCE", "TP_ALL_GATHER", "TP_REDUCE_SCATTER",
+// "EP_ALL_TO_ALL"), bytes, and wall-clock start and end in microseconds since the epoch. A traced step's timeline
+// shows them inside the forwards and backwards.
+class CollectiveObserver {
+ public:
+  using Report = std::function<void(const char* kind, int64_t bytes, double start_us, double end_us)>;
+  explicit CollectiveObserver(Report report);
+  ~CollectiveObserver();
+  CollectiveObserver(const CollectiveObserver&) = delete;
+  CollectiveObserver& operator=(const CollectiveObserver&) = delete;
+};
+
+// The collectives skip communication (an all-reduce passes its input on, an all-gather repeats this rank's shard,
+// an experts layer runs its own experts on every token) while one lives in this thread: rank 0 profiles nodes
+// alone, at their shards' cost, with its peers elsewhere.
+bool without_collectives();  // whether one lives in this thread
+class WithoutCollectives {
+ public:
+  WithoutCollectives();
+  ~WithoutCollectives();
+  WithoutCollectives(const WithoutCollectives&) = delete;
+  WithoutCollectives& operator=(const WithoutCollectives&) = delete;
+
+ private:
+  bool before_;
+};
+
+// Expert parallelism's exchange: input_rows[r] consecutive rows of `input` to group rank r, output_rows[r] rows
+// from each (a new tensor, in rank order), counted as "EP_ALL_TO_ALL" with the rows sent to other ranks.
+at::Tensor exchange_rows(const at::Tensor& input, const std::vector<int64_t>& output_rows,
+                         const std::vector<int64_t>& input_rows, comm::Communicator& group);
+
+}  // namespace smp

@@ -1,0 +1,72 @@
+#include "smp/collectives.h"
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <mutex>
+
+#include <ATen/ATen.h>
+
+#include "smp/config.h"
+
+namespace smp {
+
+namespace {
+
+thread_local bool collectives_off = false;
+std::array<std::atomic<int64_t>, 4> bytes_moved{};  // by CollectiveCounter
+std::mutex observer_mutex;
+CollectiveObserver::Report observer;  // under observer_mutex
+
+double now_us() {
+  return std::chrono::duration<double, std::micro>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+void run_collective(const char* kind, int64_t bytes, CollectiveCounter counter, const std::function<void()>& run) {
+  const double start = now_us();
+  run();
+  bytes_moved[static_cast<std::size_t>(counter)] += bytes;
+  const std::lock_guard<std::mutex> lock(observer_mutex);
+  if (observer) observer(kind, bytes, start, now_us());
+}
+
+CollectiveBytes collective_bytes() {
+  return {bytes_moved[0].load(), bytes_moved[1].load(), bytes_moved[2].load(), bytes_moved[3].load()};
+}
+
+CollectiveObserver::CollectiveObserver(Report report) {
+  const std::lock_guard<std::mutex> lock(observer_mutex);
+  observer = std::move(report);
+}
+
+CollectiveObserver::~CollectiveObserver() {
+  const std::lock_guard<std::mutex> lock(observer_mutex);
+  observer = nullptr;
+}
+
+bool without_collectives() { return collectives_off; }
+
+WithoutCollectives::WithoutCollectives() : before_(collectives_off) { collectives_off = true; }
+WithoutCollectives::~WithoutCollectives() { collectives_off = before_; }
+
+at::Tensor exchange_rows(const at::Tensor& input, const std::vector<int64_t>& output_rows,
+                         const std::vector<int64_t>& input_rows, comm::Communicator& group) {
+  std::vector<int64_t> shape = input.sizes().vec();
+  if (shape.empty()) throw ConfigError("all_to_all takes a tensor of at least one dimension (its rows)");
+  shape[0] = 0;
+  for (int64_t rows : output_rows) shape[0] += rows;
+  at::Tensor output = at::empty(shape, input.options());
+  const at::Tensor rows = input.contiguous();
+  const int64_t row_bytes = rows.size(0) > 0 ? static_cast<int64_t>(rows.nbytes()) / rows.size(0) : 0;
+  int64_t sent = 0;
+  for (std::size_t peer = 0; peer < input_rows.size(); ++peer) {
+    if (static_cast<int>(peer) != group.rank()) sent += input_rows[peer] * row_bytes;
+  }
+  run_collective("EP_ALL_TO_ALL", sent, CollectiveCounter::all_to_all_sent,
+                 [&] { group.all_to_all(output, rows, output_rows, input_rows); });
+  return output;
+}
+
+}  // namespace smp
