@@ -225,6 +225,24 @@ print(f"capture: {r['capture_s']['dynamic']:.2f} s with dynamic shapes, {r['capt
 for length in r["first_step_ms"]:
     print(f"  length {length}: first step {r['first_step_ms'][length]:.1f} ms, steady {r['steady_ms'][length]:.1f} ms")
 
+section("expert parallelism: a Mixtral-shaped Hugging Face model (8 experts, top-2, 4 layers, d 256) on 4 "
+        "data-parallel processes, its experts divided over 2 replicas (ep 2) against replicated (ep 1); jobs alternating")
+rounds = {1: [], 2: []}
+for _ in range(2):
+    for ep in (2, 1):
+        rounds[ep].append(sorted(python_job(4, "bench_experts.py", "--ep", str(ep)), key=lambda r: r["rank"]))
+for ep in (2, 1):
+    steps = sorted(r["step_ms"] for ranks in rounds[ep] for r in ranks)
+    last = rounds[ep][-1]
+    print(f"ep {ep}: step {steps[len(steps) // 2]:.0f} ms (median over ranks and {len(rounds[ep])} jobs); per rank "
+          f"experts {last[0]['expert_mib']:.1f} MiB + the rest {last[0]['dense_mib']:.1f} MiB, peak resident growth "
+          + ", ".join(f"{r['peak_growth_mib']:.0f}" for r in last) + " MiB; all-to-all sent per step "
+          + ", ".join(f"{r['all_to_all_mib_per_step']:.2f}" for r in last)
+          + f" MiB against {last[0]['theory_mib_per_step']:.2f} MiB for tokens routed evenly")
+ep2 = sorted(r["step_ms"] for ranks in rounds[2] for r in ranks)
+ep1 = sorted(r["step_ms"] for ranks in rounds[1] for r in ranks)
+print(f"ep 2 step / ep 1 step: {ep2[len(ep2) // 2] / ep1[len(ep1) // 2]:.3f}")
+
 section("memory: a GPT-2 of 0.78 GiB (16 layers, d 1024) built on the meta device, 4 stages (each rank makes its own real)")
 for r in sorted(python_job(4, "bench_memory.py", "--layers", "16", "--width", "1024"), key=lambda r: r["rank"]):
     print(f"rank {r['rank']}: own parameters {r['own_parameters_mib']:.0f} MiB, peak resident growth "

@@ -137,7 +137,14 @@ const std::vector<Key>& key_table() {
        [](const Reader& r, Config& c) { c.tensor_parallel_degree = static_cast<int>(r.integer("tensor_parallel_degree", 1, 4096)); }},
       {"sequence_parallel", [](const Reader& r, Config& c) { c.sequence_parallel = r.boolean("sequence_parallel"); }},
       {"expert_parallel_degree",
-       [](const Reader& r, Config& c) { c.expert_parallel_degree = static_cast<int>(r.integer("expert_parallel_degree", 1, 4096)); }},
+       [](const Reader& r, Config& c) {
+         c.expert_parallel_degree = static_cast<int>(r.integer("expert_parallel_degree", 1, 4096));
+         // Each tensor-parallel rank would route its own slice of the sequence; the experts' gradients would then
+         // need a sum over the tensor-parallel group too.
+         if (c.expert_parallel_degree > 1 && c.sequence_parallel && c.tensor_parallel_degree > 1) {
+           r.fail("expert_parallel_degree", "with \"sequence_parallel\" is not supported yet");
+         }
+       }},
       {"microbatches", [](const Reader& r, Config& c) { c.microbatches = static_cast<int>(r.integer("microbatches", 1, kMaxCount)); }},
       {"pipeline",
        [](const Reader& r, Config& c) {

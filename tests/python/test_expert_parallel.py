@@ -2,6 +2,8 @@
 ("expert_parallel_degree"), against plain PyTorch on the same microbatches (real_models.py: every loss, every
 parameter within 1e-5 relative, each rank holding 1/ep of every experts tensor), and the all-to-all under it."""
 
+import json
+
 from jobs import assert_passed, smp_keys
 
 
@@ -11,12 +13,16 @@ def test_all_to_all_moves_rows_and_gradients(job):
     assert_passed(job(4, "ep_checks.py"))
 
 
-def test_ep2_x_dp2_equal_pytorch(job):
+def test_ep2_x_dp2_equal_pytorch(job, tmp_path):
     """4 replicas in 2 blocks: expert gradients averaged over the 2 replicas holding the same experts, dense ones over
-    all 4; a loss function on the outputs."""
+    all 4; a loss function on the outputs. The traced step's timeline shows the exchanges inside the compute."""
     assert_passed(job(4, "real_models.py", "--models", "mixtral,olmoe", "--loss", "fn", "--smp",
                       smp_keys(partitions=1, microbatches=2, ddp=True, expert_parallel_degree=2,
-                               global_batch_size=8)))
+                               global_batch_size=8, trace_dir=str(tmp_path), trace_step=1)))
+    events = json.loads((tmp_path / "step1_trace.json").read_text())["traceEvents"]
+    exchanges = [event for event in events if event.get("cat") == "expert parallel"]
+    # olmoe's 4 layers (the last model traced): dispatch and combine, forward and backward, 2 microbatches, 4 ranks.
+    assert len(exchanges) == 4 * 4 * 2 * 4
 
 
 def test_ep2_x_pp2_meta_equal_materialized(job):
