@@ -126,6 +126,40 @@ TEST_CASE("checkpoint: sharded optimizer state needs one shard file per pipeline
         }), "m").optimizer_shards == 1);
 }
 
+TEST_CASE("checkpoint: divided experts need a partition file per pipeline rank and share", "[checkpoint]") {
+  auto manifest = sample_manifest(4);
+  manifest.replicas = 4;
+  manifest.expert_parallel_degree = 2;
+  for (int pp = 0; pp < 2; ++pp) {
+    for (int ep = 0; ep < 2; ++ep) {
+      CheckpointFile file{partition_file_name(pp, -1, ep), pp, 10, 1};
+      file.ep_rank = ep;
+      manifest.files.push_back(file);
+    }
+  }
+  const auto back = CheckpointManifest::parse(manifest.to_json(), "m.json");
+  CHECK(back.expert_parallel_degree == 2);
+  REQUIRE(back.files.size() == 4);
+  CHECK(back.files[3].name == "partition-0001-ep01.pt");
+  CHECK(back.files[3].ep_rank == 1);
+  CHECK(back.files[2].ep_rank == 0);
+  CHECK(partition_file_name(3, 1, 2) == "partition-0003-ep02-tp01.pt");
+
+  auto edit = [&](const std::function<void(nlohmann::json&)>& change) {
+    auto document = nlohmann::json::parse(manifest.to_json());
+    change(document);
+    return document.dump();
+  };
+  CHECK_THROWS_WITH(CheckpointManifest::parse(edit([](auto& d) { d["files"].erase(3); }), "m"),
+                    Contains("no file for pipeline rank 1 experts share 1"));
+  CHECK_THROWS_WITH(CheckpointManifest::parse(edit([](auto& d) { d["files"][3]["ep_rank"] = 2; }), "m"),
+                    Contains("ep_rank 2, outside [0, 1]"));
+  CHECK_THROWS_WITH(CheckpointManifest::parse(edit([](auto& d) { d["files"][1]["ep_rank"] = 0; }), "m"),
+                    Contains("repeated pp_rank 0"));
+  CHECK_THROWS_WITH(CheckpointManifest::parse(edit([](auto& d) { d["optimizer_shards"] = 4; }), "m"),
+                    Contains("cannot both be above 1"));
+}
+
 TEST_CASE("checkpoint: the newest complete checkpoint wins; damaged ones are skipped with a reason", "[checkpoint]") {
   const auto root = fresh_root("latest");
   CHECK_FALSE(find_latest_checkpoint(root).has_value());

@@ -189,14 +189,7 @@ Checkpointer::Checkpointer(DistributedModel& model, DistributedOptimizer& optimi
     : Checkpointer(model, std::make_unique<LibTorchOptimizerState>(optimizer)) {}
 
 Checkpointer::Checkpointer(DistributedModel& model, std::unique_ptr<OptimizerCheckpointState> optimizer_state)
-    : model_(model), optimizer_state_(std::move(optimizer_state)) {
-  // Only the first replica writes parameters: the experts the others hold would be lost.
-  const Config& config = model_.runtime().config();
-  if (config.expert_parallel_degree > 1 && (!config.checkpoint_dir.empty() || config.resume)) {
-    throw ConfigError(config.source + ": checkpoints of an expert-parallel job (\"expert_parallel_degree\" " +
-                      std::to_string(config.expert_parallel_degree) + ") are not supported yet");
-  }
-}
+    : model_(model), optimizer_state_(std::move(optimizer_state)) {}
 
 bool Checkpointer::enabled() const { return !model_.runtime().config().checkpoint_dir.empty(); }
 
@@ -231,9 +224,12 @@ void Checkpointer::save(std::int64_t step) {
   std::function<std::string()> optimizer_bytes;  // serialized on the writer's thread
   const int shards = model_.optimizer_state_shards();
   const bool tensor_parallel = runtime.topology().tensor_parallel_degree() > 1;
+  const int expert_shares = runtime.topology().expert_parallel_degree();
   // The first replica writes the partition file; with sharded optimizer state, each other replica a file with its
-  // share of that state and nothing else.
-  if (runtime.dp_rank() == 0 || shards > 1) {
+  // share of that state and nothing else. Under expert parallelism each replica of the first block writes a
+  // partition file: the experts it holds, and its optimizer's state of them.
+  const bool writes_partition = runtime.dp_rank() < expert_shares;
+  if (writes_partition || shards > 1) {
     optimizer_bytes = optimizer_state_->snapshot();
     contents.emplace(c10::StringType::get(), c10::AnyType::get());
     contents->insert("format", kPartitionFormat);
@@ -250,7 +246,7 @@ void Checkpointer::save(std::int64_t step) {
   }
   if (runtime.dp_rank() > 0 && shards > 1) {
     contents->insert("dp_rank", static_cast<std::int64_t>(runtime.dp_rank()));
-  } else if (runtime.dp_rank() == 0) {
+  } else if (writes_partition) {
     c10::Dict<std::string, at::Tensor> parameters;
     for (const auto& [name, parameter] : model_.named_parameters()) {
       parameters.insert(name, parameter.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
@@ -265,6 +261,12 @@ void Checkpointer::save(std::int64_t step) {
       c10::Dict<std::string, c10::List<std::int64_t>> layouts;
       for (const auto& [name, dims] : model_.shard_dims()) layouts.insert(name, c10::List<std::int64_t>({dims.first, dims.second}));
       contents->insert("shards", layouts);
+    }
+    if (expert_shares > 1) {  // which tensors are this share's experts, for exports
+      c10::List<std::string> experts;
+      for (const auto& name : model_.expert_shard_names()) experts.push_back(name);
+      contents->insert("expert_shards", experts);
+      contents->insert("ep_rank", static_cast<std::int64_t>(runtime.ep_rank()));
     }
     contents->insert("rng", at::detail::getDefaultCPUGenerator().get_state());
     const c10::Device device = runtime.device();
@@ -281,6 +283,7 @@ void Checkpointer::save(std::int64_t step) {
     manifest->replicas = runtime.topology().data_parallel_degree();
     manifest->optimizer_shards = shards;
     manifest->tensor_parallel_degree = runtime.topology().tensor_parallel_degree();
+    manifest->expert_parallel_degree = expert_shares;
     manifest->schedule = model_.schedule().name;
     for (const auto& module : model_.plan().modules) manifest->module_names.push_back(module.name);
     manifest->stage_of_module = model_.plan().stage_of_module;
@@ -308,8 +311,11 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
   };
   // Under tensor parallelism every shard of a pipeline rank writes its files, named after it.
   const int tensor_parallel_degree = runtime.topology().tensor_parallel_degree();
+  // Under expert parallelism the first block's replicas write partition files, one per share of the experts.
+  const int expert_shares = runtime.topology().expert_parallel_degree();
   const auto file_name_of = [&](int pp_rank, int dp_rank, int tp_rank) {
     const int shard = tensor_parallel_degree > 1 ? tp_rank : -1;
+    if (expert_shares > 1) return partition_file_name(pp_rank, shard, dp_rank);
     return dp_rank == 0 ? partition_file_name(pp_rank, shard) : optimizer_shard_file_name(pp_rank, dp_rank, shard);
   };
   if (contents) {
@@ -334,7 +340,7 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
 
   for (int pp = 0; pp < config.partitions; ++pp) {
     for (int tp = 0; tp < tensor_parallel_degree; ++tp) {
-      for (int dp = 0; dp < manifest->optimizer_shards; ++dp) {
+      for (int dp = 0; dp < std::max(manifest->optimizer_shards, expert_shares); ++dp) {
         const int writer = runtime.topology().rank_of({pp, dp, tp});
         std::string report;
         try {
@@ -350,8 +356,9 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
         CheckpointFile file;
         file.name = file_name_of(pp, dp, tp);
         file.pp_rank = pp;
-        file.dp_rank = dp == 0 ? -1 : dp;
+        file.dp_rank = dp == 0 || expert_shares > 1 ? -1 : dp;
         file.tp_rank = tp;
+        file.ep_rank = expert_shares > 1 ? dp : 0;
         std::istringstream fields(report);
         fields >> file.size >> file.crc32;
         manifest->files.push_back(file);
@@ -371,9 +378,13 @@ std::int64_t Checkpointer::resume() {
   Runtime& runtime = model_.runtime();
   const auto& [directory, manifest] = *origin;
   const int shards = model_.optimizer_state_shards();
+  // Each replica reads the partition file of the experts it holds (all are share 0's without expert parallelism).
   const auto file_of = [&](int dp_rank) -> const CheckpointFile& {
     for (const auto& file : manifest.files) {
-      if (file.pp_rank == runtime.pp_rank() && file.dp_rank == dp_rank && file.tp_rank == runtime.tp_rank()) return file;
+      if (file.pp_rank == runtime.pp_rank() && file.dp_rank == dp_rank && file.tp_rank == runtime.tp_rank() &&
+          file.ep_rank == (dp_rank < 0 ? runtime.ep_rank() : 0)) {
+        return file;
+      }
     }
     throw CheckpointError(directory + ": the manifest lists no file for this rank");  // parse() rules this out
   };
@@ -488,18 +499,29 @@ namespace {
 std::int64_t for_each_saved_tensor(const std::string& checkpoint_directory,
                                    const std::function<void(const std::string&, const at::Tensor&, bool)>& take) {
   const auto manifest = verify_checkpoint(checkpoint_directory);
-  // A pipeline rank's files are read together, one per tensor-parallel shard (in shard order): a sharded tensor
-  // is written whole, its shards put together.
+  // A pipeline rank's files are read together, one per tensor-parallel shard (in shard order) and share of the
+  // experts: a sharded tensor is written whole, its shards put together, and a layer's experts all of them, in
+  // the shares' order.
   std::map<int, std::vector<CheckpointFile>> partition_files;
   for (const auto& file : manifest.files) {
     if (file.dp_rank < 0) partition_files[file.pp_rank].push_back(file);  // else an optimizer shard: no parameters
   }
   std::set<std::string> taken;  // a tied parameter is in the file of every rank holding a copy: the same values
   for (auto& [pp_rank, files] : partition_files) {
-    std::sort(files.begin(), files.end(), [](const auto& a, const auto& b) { return a.tp_rank < b.tp_rank; });
-    std::vector<c10::impl::GenericDict> shards;
-    for (const auto& file : files) shards.push_back(load_partition_file(checkpoint_directory + "/" + file.name, file));
+    std::sort(files.begin(), files.end(), [](const auto& a, const auto& b) {
+      return std::make_pair(a.ep_rank, a.tp_rank) < std::make_pair(b.ep_rank, b.tp_rank);
+    });
+    std::vector<c10::impl::GenericDict> shards, shares;  // share 0's files by tp rank; tp rank 0's by share
+    for (const auto& file : files) {
+      auto contents = load_partition_file(checkpoint_directory + "/" + file.name, file);
+      if (file.ep_rank == 0) shards.push_back(contents);
+      if (file.tp_rank == 0) shares.push_back(std::move(contents));
+    }
     const auto& contents = shards.front();
+    std::set<std::string> experts;
+    if (contents.contains("expert_shards")) {
+      for (const auto& name : contents.at("expert_shards").toListRef()) experts.insert(name.toStringRef());
+    }
     std::map<std::string, std::pair<std::int64_t, std::int64_t>> layouts;
     if (contents.contains("shards")) {
       for (const auto& entry : contents.at("shards").toGenericDict()) {
@@ -517,6 +539,10 @@ std::int64_t for_each_saved_tensor(const std::string& checkpoint_directory,
           std::vector<at::Tensor> pieces;
           for (const auto& shard : shards) pieces.push_back(shard.at(kind).toGenericDict().at(name).toTensor());
           tensor = tp::whole_of(pieces, layout->second.first, layout->second.second);
+        } else if (experts.count(name)) {
+          std::vector<at::Tensor> pieces;
+          for (const auto& share : shares) pieces.push_back(share.at(kind).toGenericDict().at(name).toTensor());
+          tensor = at::cat(pieces);
         }
         take(name, tensor, std::string(kind) == "buffers");
       }

@@ -91,9 +91,13 @@ std::string with_shard(std::string name, int tp_rank) {
 }
 }  // namespace
 
-std::string partition_file_name(int pp_rank, int tp_rank) {
-  char name[32];
-  std::snprintf(name, sizeof name, "partition-%04d.pt", pp_rank);
+std::string partition_file_name(int pp_rank, int tp_rank, int ep_rank) {
+  char name[40];
+  if (ep_rank > 0) {
+    std::snprintf(name, sizeof name, "partition-%04d-ep%02d.pt", pp_rank, ep_rank);
+  } else {
+    std::snprintf(name, sizeof name, "partition-%04d.pt", pp_rank);
+  }
   return with_shard(name, tp_rank);
 }
 
@@ -109,6 +113,7 @@ std::string CheckpointManifest::to_json() const {
     json entry = {{"name", file.name}, {"pp_rank", file.pp_rank}, {"size", file.size}, {"crc32", file.crc32}};
     if (file.dp_rank >= 0) entry["dp_rank"] = file.dp_rank;
     if (tensor_parallel_degree > 1) entry["tp_rank"] = file.tp_rank;
+    if (file.ep_rank > 0) entry["ep_rank"] = file.ep_rank;
     files_json.push_back(entry);
   }
   json document({{"format_version", kFormatVersion},
@@ -125,6 +130,7 @@ std::string CheckpointManifest::to_json() const {
                {"config", config_json},
                {"files", files_json}});
   if (tensor_parallel_degree > 1) document["tensor_parallel_degree"] = tensor_parallel_degree;
+  if (expert_parallel_degree > 1) document["expert_parallel_degree"] = expert_parallel_degree;
   return document.dump(2);
 }
 
@@ -161,9 +167,15 @@ CheckpointManifest CheckpointManifest::parse(const std::string& text, const std:
   if (document.contains("tensor_parallel_degree")) {
     manifest.tensor_parallel_degree = field("tensor_parallel_degree", is_count, "a count").get<int>();
   }
+  if (document.contains("expert_parallel_degree")) {
+    manifest.expert_parallel_degree = field("expert_parallel_degree", is_count, "a count").get<int>();
+  }
   if (manifest.partitions < 1 || manifest.virtual_stages < 1 || manifest.replicas < 1 || manifest.optimizer_shards < 1 ||
-      manifest.tensor_parallel_degree < 1) {
+      manifest.tensor_parallel_degree < 1 || manifest.expert_parallel_degree < 1) {
     throw fail("counts must be positive");
+  }
+  if (manifest.expert_parallel_degree > 1 && manifest.optimizer_shards > 1) {
+    throw fail("expert_parallel_degree and optimizer_shards cannot both be above 1");
   }
   if (manifest.optimizer_shards > 1 && manifest.optimizer_shards != manifest.replicas) {
     throw fail("optimizer_shards (" + std::to_string(manifest.optimizer_shards) + ") must equal replicas (" +
@@ -187,18 +199,22 @@ CheckpointManifest CheckpointManifest::parse(const std::string& text, const std:
     manifest.stage_of_module.push_back(stages[i].get<int>());
   }
   const json& files = field("files", [](const json& v) { return v.is_array(); }, "a list");
-  // covered[pp][tp][dp]: dp 0 stands for the partition file, dp >= 1 for that replica's optimizer shard.
+  // covered[pp][tp][slot]: slot 0 stands for the partition file, 1 .. optimizer_shards - 1 for that replica's
+  // optimizer shard, and the next expert_parallel_degree - 1 for the partition files of the other experts' shares.
   const auto shards = static_cast<std::size_t>(manifest.tensor_parallel_degree);
+  const auto slots = static_cast<std::size_t>(manifest.optimizer_shards + manifest.expert_parallel_degree - 1);
   std::vector<std::vector<std::vector<bool>>> covered(
       static_cast<std::size_t>(manifest.partitions),
-      std::vector<std::vector<bool>>(shards, std::vector<bool>(static_cast<std::size_t>(manifest.optimizer_shards), false)));
+      std::vector<std::vector<bool>>(shards, std::vector<bool>(slots, false)));
   for (const auto& file : files) {
     if (!file.is_object() || !file.contains("name") || !file["name"].is_string() || !file.contains("pp_rank") ||
         !file["pp_rank"].is_number_integer() || !file.contains("size") || !file["size"].is_number_unsigned() ||
         !file.contains("crc32") || !file["crc32"].is_number_unsigned() || file["crc32"].get<std::uint64_t>() > 0xFFFFFFFFu ||
         (file.contains("dp_rank") && !file["dp_rank"].is_number_integer()) ||
-        (file.contains("tp_rank") && !file["tp_rank"].is_number_integer())) {
-      throw fail("a files entry must have name, pp_rank, size and crc32 (and an integer dp_rank and tp_rank, if any)");
+        (file.contains("tp_rank") && !file["tp_rank"].is_number_integer()) ||
+        (file.contains("ep_rank") && !file["ep_rank"].is_number_integer())) {
+      throw fail("a files entry must have name, pp_rank, size and crc32 (and an integer dp_rank, tp_rank and ep_rank, "
+                 "if any)");
     }
     // Range-checked before narrowing: 4294967297 must not wrap to a valid rank.
     const long long pp_rank = file["pp_rank"].get<long long>();
@@ -219,15 +235,22 @@ CheckpointManifest CheckpointManifest::parse(const std::string& text, const std:
       throw fail("file " + file["name"].get<std::string>() + " has tp_rank " + std::to_string(tp_rank) +
                  ", outside [0, " + std::to_string(manifest.tensor_parallel_degree - 1) + "]");
     }
+    const long long ep_rank = file.contains("ep_rank") ? file["ep_rank"].get<long long>() : 0;
+    if (ep_rank < 0 || ep_rank >= manifest.expert_parallel_degree || (ep_rank > 0 && shard)) {
+      throw fail("file " + file["name"].get<std::string>() + " has ep_rank " + std::to_string(ep_rank) +
+                 (shard ? " beside a dp_rank" : ", outside [0, " + std::to_string(manifest.expert_parallel_degree - 1) + "]"));
+    }
     CheckpointFile entry{file["name"].get<std::string>(), static_cast<int>(pp_rank), file["size"].get<std::uint64_t>(),
                          static_cast<std::uint32_t>(file["crc32"].get<std::uint64_t>()),
-                         shard ? static_cast<int>(dp_rank) : -1, static_cast<int>(tp_rank)};
+                         shard ? static_cast<int>(dp_rank) : -1, static_cast<int>(tp_rank), static_cast<int>(ep_rank)};
     if (!safe_file_name(entry.name)) throw fail("unsafe file name \"" + entry.name + "\"");
-    auto&& seen = covered[entry.pp_rank][static_cast<std::size_t>(tp_rank)][static_cast<std::size_t>(dp_rank)];
+    const auto slot = static_cast<std::size_t>(ep_rank > 0 ? manifest.optimizer_shards - 1 + ep_rank : dp_rank);
+    auto&& seen = covered[entry.pp_rank][static_cast<std::size_t>(tp_rank)][slot];
     if (seen) {
       throw fail("file " + entry.name + " has a repeated pp_rank " + std::to_string(entry.pp_rank) +
                  (shard ? " and dp_rank " + std::to_string(dp_rank) : std::string()) +
-                 (manifest.tensor_parallel_degree > 1 ? " and tp_rank " + std::to_string(tp_rank) : std::string()));
+                 (manifest.tensor_parallel_degree > 1 ? " and tp_rank " + std::to_string(tp_rank) : std::string()) +
+                 (ep_rank > 0 ? " and ep_rank " + std::to_string(ep_rank) : std::string()));
     }
     seen = true;
     manifest.files.push_back(entry);
@@ -240,6 +263,12 @@ CheckpointManifest CheckpointManifest::parse(const std::string& text, const std:
         if (!covered[rank][tp][static_cast<std::size_t>(replica)]) {
           throw fail("no optimizer shard file for pipeline rank " + std::to_string(rank) + shard + " replica " +
                      std::to_string(replica));
+        }
+      }
+      for (int share = 1; share < manifest.expert_parallel_degree; ++share) {
+        if (!covered[rank][tp][static_cast<std::size_t>(manifest.optimizer_shards - 1 + share)]) {
+          throw fail("no file for pipeline rank " + std::to_string(rank) + shard + " experts share " +
+                     std::to_string(share));
         }
       }
     }

@@ -248,7 +248,9 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
     }
   }
   for (const auto& [name, parameter] : named_parameters_) {
-    if (experts.count(parameter.unsafeGetTensorImpl())) expert_parameters_.push_back(parameter);
+    if (!experts.count(parameter.unsafeGetTensorImpl())) continue;
+    expert_parameters_.push_back(parameter);
+    expert_shard_names_.insert(name);
   }
   if (runtime_->topology().data_parallel_degree() > 1 &&
       std::any_of(named_parameters_.begin(), named_parameters_.end(),

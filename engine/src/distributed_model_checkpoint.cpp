@@ -38,6 +38,14 @@ void DistributedModel::adopt_checkpoint_partition() {
                           ": a resume keeps the shards; export it whole (smp_checkpoint export) and load it with "
                           "DistributedModel::load_parameters, which cuts each rank's shards");
   }
+  const int expert_shares = runtime_->topology().expert_parallel_degree();
+  if (manifest.expert_parallel_degree != expert_shares) {
+    throw CheckpointError(directory + " was written with \"expert_parallel_degree\" " +
+                          std::to_string(manifest.expert_parallel_degree) + ", this job has " +
+                          std::to_string(expert_shares) +
+                          ": a resume keeps the experts where they were; export it whole (smp.export_safetensors, "
+                          "smp_checkpoint export) and load it with load_parameters, which takes each rank's experts");
+  }
   if (manifest.model_signature != model_signature_) {
     throw CheckpointError(directory + " holds another model (" + manifest.model_signature + "; this model: " +
                           model_signature_ + ")");
@@ -52,12 +60,15 @@ void DistributedModel::adopt_checkpoint_partition() {
 void DistributedModel::load_state(const TensorSource& source) {
   // A tensor-parallel shard takes its part of the whole tensor (an export, pretrained weights), or its own shard
   // (this degree's checkpoint).
+  // A share of the experts takes its experts of a whole tensor likewise.
   const int degree = runtime_->topology().tensor_parallel_degree();
+  const int expert_shares = runtime_->topology().expert_parallel_degree();
   const auto whole_shape = [&](const std::string& name, const at::Tensor& tensor) {
     auto shape = tensor.sizes().vec();
     if (const auto shard = shard_dims_.find(name); shard != shard_dims_.end()) {
       shape[static_cast<std::size_t>(c10::maybe_wrap_dim(shard->second.first, tensor.dim()))] *= degree;
     }
+    if (expert_shard_names_.count(name)) shape[0] *= expert_shares;
     return shape;
   };
   // Everything checked before anything is copied: a bad file leaves the model as it was.
@@ -79,7 +90,11 @@ void DistributedModel::load_state(const TensorSource& source) {
   for (auto& [name, parameter] : named_parameters_) {
     const at::Tensor saved = source.read(name);
     const auto shard = shard_dims_.find(name);
-    if (shard == shard_dims_.end() || saved.sizes() == parameter.sizes()) {
+    if (saved.sizes() == parameter.sizes()) {
+      parameter.copy_(saved);
+    } else if (expert_shard_names_.count(name)) {
+      parameter.copy_(saved.chunk(expert_shares).at(static_cast<std::size_t>(runtime_->ep_rank())));
+    } else if (shard == shard_dims_.end()) {
       parameter.copy_(saved);
     } else {
       parameter.copy_(tp::shard_of(saved, shard->second.first, runtime_->tensor_parallel_group(), shard->second.second));

@@ -42,7 +42,26 @@ def main():
     except ValueError as error:
         if "add up to" not in str(error):
             failures.append(f"counts that do not add up: unexpected message {error}")
+    # What expert parallelism cannot divide is refused on every rank, before any exchange.
+    for what, model, sample, expected in [
+            ("a Sequential", torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.randn(2, 4), "not a Sequential"),
+            ("a model without experts", Dense(), torch.randn(2, 4), "has no experts module")]:
+        try:
+            smp.DistributedModel(model, sample)
+            failures.append(f"{what} under expert_parallel_degree 2 was not refused")
+        except smp.ConfigError as error:
+            if expected not in str(error):
+                failures.append(f"{what}: unexpected message {error}")
     sys.exit(report.finish(failures))
+
+
+class Dense(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.layer(x).relu()
 
 
 if __name__ == "__main__":

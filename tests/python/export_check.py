@@ -1,6 +1,6 @@
 """Models built on the meta device through checkpoints and exports: a 2-stage job trains 3 steps of a GPT-2 (or a
-Mixtral-shaped mixture of experts, or a ResNet-18, whose batch norm statistics are state too) and checkpoints after
-each; a second job resumes and trains to step 5. Both must hold exactly what plain PyTorch training of the
+Mixtral-shaped mixture of experts, alone or with its experts divided over 2 replicas (ep 2 x pp 2, 4 processes), or
+a ResNet-18, whose batch norm statistics are state too) and checkpoints after each; a second job resumes and trains to step 5. Both must hold exactly what plain PyTorch training of the
 smp.materialize'd model holds after 3 and 5 steps, parameters and buffers. The newest checkpoint is then exported as safetensors shards with an index: from_pretrained
 (or load_state_dict of the shards) must give the trained model, and a third job, of one stage, must load it with
 load_parameters. Launches the jobs itself.
@@ -38,7 +38,7 @@ first = checkpointer.resume()
 if load:
     model.load_parameters(load)
 for step in range(first, steps):
-    inputs, targets = batch(kind, step, 4)
+    inputs, targets = batch(kind, step, config["global_batch_size"])
     optimizer.zero_grad()
     model.train_step(inputs, targets, loss_of(kind))
     optimizer.step()
@@ -47,12 +47,15 @@ for step in range(first, steps):
 checkpointer.wait()
 state = dict(model.named_parameters())
 state.update(model.named_buffers())
-torch.save({name: tensor.detach().clone() for name, tensor in state.items()}, f"{out}.rank{runtime.rank}")
+def key(name, tensor):  # a share of the experts: which one
+    share = getattr(tensor, "_smp_expert_shard", None)
+    return name if share is None else f"{name}@{share[0]}/{share[1]}"
+torch.save({key(name, tensor): tensor.detach().clone() for name, tensor in state.items()}, f"{out}.rank{runtime.rank}")
 print(f"rank {runtime.rank}: resumed at {first}, {len(state)} tensors", flush=True)
 """
 
 
-LANGUAGE = ("gpt2", "mixtral")
+LANGUAGE = ("gpt2", "mixtral", "mixtral_ep")
 
 
 def build(kind):
@@ -61,7 +64,7 @@ def build(kind):
         config = hf.GPT2Config(n_layer=4, n_embd=32, n_head=4, n_positions=32, vocab_size=96, resid_pdrop=0.0,
                                embd_pdrop=0.0, attn_pdrop=0.0)
         return hf.GPT2LMHeadModel(config)
-    if kind == "mixtral":  # a mixture of experts: stacked expert weights, routers, a load-balancing loss
+    if kind in ("mixtral", "mixtral_ep"):  # a mixture of experts: stacked expert weights, routers, a load-balancing loss
         import transformers as hf
         config = hf.MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
@@ -84,8 +87,9 @@ def loss_of(kind):
     return None if kind in LANGUAGE else F.cross_entropy
 
 
-def reference(kind, steps, seed):
-    """Plain PyTorch on the same weights (smp.materialize) and microbatches: two microbatches of two per step."""
+def reference(kind, steps, seed, pieces=2, samples=4):
+    """Plain PyTorch on the same weights (smp.materialize) and microbatches: `pieces` microbatches per step (those
+    of every replica, in replica order)."""
     import smp
     with torch.device("meta"):
         net = build(kind)
@@ -93,25 +97,30 @@ def reference(kind, steps, seed):
     net.train()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     for step in range(steps):
-        inputs, targets = batch(kind, step, 4)
+        inputs, targets = batch(kind, step, samples)
         optimizer.zero_grad()
-        for half in range(2):
+        size = samples // pieces
+        for piece in range(pieces):
+            part = slice(size * piece, size * (piece + 1))
             if kind in LANGUAGE:
-                chunk = {name: value[2 * half:2 * half + 2] for name, value in inputs.items()}
-                loss = net(**chunk).loss
+                loss = net(**{name: value[part] for name, value in inputs.items()}).loss
             else:
-                loss = F.cross_entropy(net(inputs[2 * half:2 * half + 2]), targets[2 * half:2 * half + 2])
-            (loss / 2).backward()
+                loss = F.cross_entropy(net(inputs[part]), targets[part])
+            (loss / pieces).backward()
         optimizer.step()
     return net
 
 
 def compare(what, tensors, expected, failures, exact_names=True):
     for name, tensor in tensors.items():
+        name, _, share = name.partition("@")
         if name not in expected:
             failures.append(f"{what}: {name} is not in the reference's state_dict")
             continue
         reference_tensor = expected[name].to(tensor.dtype)
+        if share:  # this rank's share of the experts
+            index, count = (int(part) for part in share.split("/"))
+            reference_tensor = reference_tensor.chunk(count)[index]
         difference = (tensor - reference_tensor).abs().max().item() if tensor.numel() else 0.0
         if difference > 1e-5 * max(1.0, reference_tensor.abs().max().item()):
             failures.append(f"{what}: {name} differs by {difference:.3g}")
@@ -137,12 +146,16 @@ def check(kind, smprun, python, failures):
     with tempfile.TemporaryDirectory() as directory:
         base = {"model": kind, "partitions": 2, "microbatches": 2, "global_batch_size": 4, "seed": seed,
                 "device": "cpu", "checkpoint_dir": f"{directory}/checkpoints", "checkpoint_interval": 1}
-        first = run_job(smprun, python, 2, base, 3, f"{directory}/first", failures, f"{kind}: first job")
-        expected3 = reference(kind, 3, seed).state_dict()
+        experts_divided = kind == "mixtral_ep"
+        processes, pieces = (4, 4) if experts_divided else (2, 2)
+        if experts_divided:  # microbatches of 2, as the sample: the capture takes no fewer
+            base.update(ddp=True, expert_parallel_degree=2, global_batch_size=8)
+        first = run_job(smprun, python, processes, base, 3, f"{directory}/first", failures, f"{kind}: first job")
+        expected3 = reference(kind, 3, seed, pieces, base["global_batch_size"]).state_dict()
         compare(f"{kind} after 3 steps", first, expected3, failures)
-        resumed = run_job(smprun, python, 2, {**base, "resume": True}, 5, f"{directory}/resumed", failures,
+        resumed = run_job(smprun, python, processes, {**base, "resume": True}, 5, f"{directory}/resumed", failures,
                           f"{kind}: resumed job")
-        trained = reference(kind, 5, seed)
+        trained = reference(kind, 5, seed, pieces, base["global_batch_size"])
         expected5 = trained.state_dict()
         compare(f"{kind} resumed to 5 steps", resumed, expected5, failures)
         if len(resumed) != len(first):
@@ -150,7 +163,7 @@ def check(kind, smprun, python, failures):
 
         exported = f"{directory}/exported"
         files = smp.export_safetensors(smp.latest_checkpoint(f"{directory}/checkpoints"), exported,
-                                       max_shard_size="40KB" if kind == "mixtral" else "200KB")
+                                       max_shard_size="40KB" if kind.startswith("mixtral") else "200KB")
         if len(files) < 2 or not os.path.exists(f"{exported}/model.safetensors.index.json"):
             failures.append(f"{kind}: expected shards and an index, got {files}")
         if kind in LANGUAGE:
@@ -169,9 +182,13 @@ def check(kind, smprun, python, failures):
             if name not in loaded:
                 failures.append(f"{kind}: the export lacks {name}")
 
+        # Of one stage; with the experts divided, each of its 2 replicas takes its share of every experts tensor.
         single = {**base, "partitions": 1, "microbatches": 2, "load": exported}
         del single["checkpoint_dir"], single["checkpoint_interval"]
-        reloaded = run_job(smprun, python, 1, single, 0, f"{directory}/reloaded", failures, f"{kind}: reloading job")
+        reloaded = run_job(smprun, python, 2 if experts_divided else 1, single, 0, f"{directory}/reloaded", failures,
+                           f"{kind}: reloading job")
+        if experts_divided and not any("@" in name for name in reloaded):
+            failures.append(f"{kind}: the reloading job holds no share of the experts")
         compare(f"{kind} loaded from the export", reloaded, expected5, failures)
 
 
@@ -179,7 +196,7 @@ def main():
     smprun, python = sys.argv[1:3]
     torch.set_num_threads(1)
     failures = []
-    for kind in ("gpt2", "mixtral", "resnet"):
+    for kind in ("gpt2", "mixtral", "mixtral_ep", "resnet"):
         check(kind, smprun, python, failures)
     return report.finish(failures, label="export_check")
 

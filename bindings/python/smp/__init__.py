@@ -199,6 +199,9 @@ class DistributedModel(torch.nn.Module):
     With "tensor_parallel_degree" > 1 the model is sharded first, in place: by `tp_plan` ({module path pattern:
     style}, see smp.tp), else by the model's own plan (a Hugging Face model's; smp.tp.builtin_plan), else it must be
     built of smp.tp's layers. Parameters and state_dict() are then this rank's shards.
+
+    With "expert_parallel_degree" > 1 a captured mixture-of-experts model's experts modules (Hugging Face's experts
+    classes) hold this rank's share of their experts, and tokens reach the others' by all-to-all (smp.ep).
     """
 
     def __init__(self, model, sample, init_fn=None, tp_plan=None):

@@ -28,6 +28,9 @@ struct CheckpointFile {
   int dp_rank = -1;
   // Under tensor parallelism each shard of a pipeline rank has its files: this one's tensors are shard tp_rank's.
   int tp_rank = 0;
+  // Under expert parallelism each share of the experts has its partition file (written by the first block's
+  // replica ep_rank): this one's experts are share ep_rank's, the rest the same as in share 0's.
+  int ep_rank = 0;
 };
 
 struct CheckpointManifest {
@@ -42,6 +45,9 @@ struct CheckpointManifest {
   // The shards of each layer a tensor-parallel model split (absent, 1, in checkpoints written before): a resume
   // needs the same degree; an export puts the shards together.
   int tensor_parallel_degree = 1;
+  // The shares the experts were divided into (absent, 1, when not): a resume needs the same degree; an export puts
+  // the shares together.
+  int expert_parallel_degree = 1;
   std::string schedule;              // generator name, for the record
   std::vector<std::string> module_names;
   std::vector<int> stage_of_module;  // the partition
@@ -63,8 +69,9 @@ std::uint32_t crc32(const void* data, std::size_t size, std::uint32_t crc = 0);
 std::pair<std::uint32_t, std::uint64_t> crc32_of_file(const std::string& path);
 
 std::string checkpoint_directory_name(std::int64_t step);  // "step-00000042"
-// Under tensor parallelism (tp_rank >= 0) the names end in the shard: "partition-0003-tp01.pt".
-std::string partition_file_name(int pp_rank, int tp_rank = -1);               // "partition-0003.pt"
+// Under tensor parallelism (tp_rank >= 0) the names end in the shard: "partition-0003-tp01.pt"; a share of the
+// experts after the first (ep_rank > 0) in it too: "partition-0003-ep01.pt".
+std::string partition_file_name(int pp_rank, int tp_rank = -1, int ep_rank = 0);  // "partition-0003.pt"
 std::string optimizer_shard_file_name(int pp_rank, int dp_rank, int tp_rank = -1);  // "optimizer-0003-0001.pt"
 
 // Reads and checks one checkpoint directory: the manifest parses and every file matches its size and checksum.

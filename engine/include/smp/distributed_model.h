@@ -4,6 +4,7 @@
 
 #include <functional>
 #include <map>
+#include <set>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -138,6 +139,9 @@ class DistributedModel {
   // This rank's parameters that are tensor-parallel shards, by name: where each sits in the whole tensor (dim,
   // blocks; tp::shard_of). Checkpoints record it; loading a whole tensor cuts this rank's shard with it.
   const std::map<std::string, std::pair<int64_t, int64_t>>& shard_dims() const { return shard_dims_; }
+  // This rank's parameters that are its share of a layer's experts (expert parallelism), by name: the experts
+  // along dimension 0, share ep_rank of expert_parallel_degree.
+  const std::set<std::string>& expert_shard_names() const { return expert_shard_names_; }
   // The parameters that count toward the whole model's gradient norm here: a tied parameter counts only on the
   // rank of its first node, though every holder keeps (and updates) an identical copy.
   const std::vector<at::Tensor>& norm_parameters() const { return norm_parameters_; }
@@ -207,6 +211,7 @@ class DistributedModel {
   std::vector<std::pair<std::string, at::Tensor>> named_buffers_;
   std::vector<at::Tensor> norm_parameters_;
   std::vector<at::Tensor> expert_parameters_;  // this rank's share of the experts (expert parallelism)
+  std::set<std::string> expert_shard_names_;
   std::map<std::string, std::pair<int64_t, int64_t>> shard_dims_;
   std::vector<at::Tensor> sequence_parallel_parameters_;  // tp::SequenceParallel's, of this rank's stages
   std::vector<bool> trainable_at_build_;  // requires_grad of named_parameters_ when the reducer and ties were made
