@@ -41,8 +41,8 @@
 #include "smp/runtime.h"
 #include "smp/torchscript_graph.h"
 #include "smp/stage_plan.h"
-#include "optimizer_snapshot.h"
-#include "split_backward.h"
+#include "checkpoint/optimizer_snapshot.h"
+#include "pipeline/split_backward.h"
 
 namespace {
 

@@ -16,15 +16,13 @@
 #include <ATen/core/Dict.h>
 #include <c10/core/Device.h>
 
+#include "smp/checkpoint_files.h"
 #include "smp/checkpoint_manifest.h"
 
 #include "smp/distributed_model.h"
 #include "smp/distributed_optimizer.h"
 
 namespace smp {
-
-// Hugging Face's default shard size for save_pretrained.
-constexpr std::int64_t kDefaultShardBytes = 5'000'000'000;
 
 // One replica's optimizer state in a checkpoint: what its optimizer's snapshot() serialized, and the names of the
 // parameters that optimizer held (with sharded state its share; else all of this rank's).
@@ -94,27 +92,5 @@ class Checkpointer {
   std::int64_t last_saved_ = -1;
   std::future<void> pending_;  // the save being written
 };
-
-// Merges a complete checkpoint into one full-model file (parameters and buffers by name) for inference or for
-// loading into a different partitioning with DistributedModel::load_parameters.
-void export_checkpoint(const std::string& checkpoint_directory, const std::string& output_file);
-// The same as Hugging Face safetensors in `output_directory` (model.safetensors, or shards of at most
-// max_shard_bytes and model.safetensors.index.json): what from_pretrained loads, by the model's state_dict names.
-// Reads one partition file at a time and writes each shard once full, so it never holds the whole model. Returns
-// the files written.
-std::vector<std::string> export_checkpoint_safetensors(const std::string& checkpoint_directory,
-                                                       const std::string& output_directory,
-                                                       std::int64_t max_shard_bytes = kDefaultShardBytes);
-// The tensors of a full-model file (export_checkpoint), by name. CheckpointError when it is not one. Files written
-// before buffers were kept have none (has_buffers false).
-struct FullModel {
-  c10::Dict<std::string, at::Tensor> parameters;
-  c10::Dict<std::string, at::Tensor> buffers;
-  bool has_buffers = false;
-};
-FullModel read_full_model(const std::string& full_model_file);
-// The tensors of a full-model file, or of safetensors (SafetensorsSource::is_safetensors), to load with
-// DistributedModel::load_state.
-TensorSource tensor_source(const std::string& path);
 
 }  // namespace smp

@@ -18,6 +18,7 @@
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
 
+#include "smp/checkpoint_files.h"
 #include "smp/checkpoint_manifest.h"
 #include "smp/errors.h"
 #include "smp/executor.h"
@@ -50,17 +51,6 @@ struct StepOutput {
   // (GraphModel::output_names order; empty on the other ranks).
   at::Tensor outputs;
   std::vector<at::Tensor> all_outputs;
-};
-
-// Named tensors a model's state is loaded from, read one at a time: a checkpoint's partition file, a full-model
-// file, safetensors (checkpoint.h makes them).
-struct TensorSource {
-  std::string description;  // the file or directory
-  // The tensor's shape, or nullopt when the source has no tensor of that name.
-  std::function<std::optional<std::vector<std::int64_t>>(const std::string& name)> shape;
-  std::function<at::Tensor(const std::string& name)> read;
-  std::function<std::string(const std::string& name)> file_of;  // where the tensor is, for errors
-  bool has_buffers = true;  // false: written before buffers were kept; this model's buffers then stay as they are
 };
 
 class DistributedModel {

@@ -15,7 +15,7 @@
 
 #include "smp/log.h"
 #include "smp/timeline.h"
-#include "distributed_model_internal.h"
+#include "training/distributed_model_internal.h"
 #include "smp/tp.h"
 
 namespace smp {

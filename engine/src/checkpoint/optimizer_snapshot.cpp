@@ -1,4 +1,4 @@
-#include "optimizer_snapshot.h"
+#include "checkpoint/optimizer_snapshot.h"
 
 #include <memory>
 #include <sstream>

@@ -11,7 +11,7 @@
 
 #include "smp/config.h"
 #include "smp/errors.h"
-#include "random_state.h"
+#include "model/random_state.h"
 
 namespace smp {
 

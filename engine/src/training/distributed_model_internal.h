@@ -1,5 +1,5 @@
 #pragma once
-// What more than one of the files of DistributedModel needs (engine/src/distributed_model*.cpp): the fp16 loss
+// What more than one of the files of DistributedModel needs (engine/src/training/distributed_model*.cpp): the fp16 loss
 // scale's schedule, set up by the constructor and followed by train_step.
 
 namespace smp {

@@ -5,7 +5,7 @@
 #include <c10/core/WrapDimMinimal.h>
 #include <c10/util/StringUtil.h>
 
-#include "smp/checkpoint.h"
+#include "smp/checkpoint_files.h"
 #include "smp/log.h"
 #include "smp/tp.h"
 

@@ -14,9 +14,9 @@
 #include "smp/log.h"
 #include "smp/timeline.h"
 #include "smp/scheduler/simulator.h"
-#include "autocast_scope.h"
-#include "activation_checkpoint.h"
-#include "distributed_model_internal.h"
+#include "pipeline/autocast_scope.h"
+#include "pipeline/activation_checkpoint.h"
+#include "training/distributed_model_internal.h"
 #include "smp/expert_shards.h"
 #include "smp/tp.h"
 

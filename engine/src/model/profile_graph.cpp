@@ -23,7 +23,7 @@
 #include "smp/errors.h"
 #include "smp/graph_model.h"
 #include "smp/log.h"
-#include "random_state.h"
+#include "model/random_state.h"
 
 namespace smp {
 namespace {

@@ -1,4 +1,4 @@
-#include "split_backward.h"
+#include "pipeline/split_backward.h"
 
 #include <algorithm>
 #include <set>

@@ -1,4 +1,4 @@
-#include "activation_checkpoint.h"
+#include "pipeline/activation_checkpoint.h"
 
 #include <algorithm>
 #include <cstdint>

@@ -13,8 +13,8 @@
 
 #include "smp/comm/tensor_transfer.h"
 #include "smp/errors.h"
-#include "activation_checkpoint.h"
-#include "split_backward.h"
+#include "pipeline/activation_checkpoint.h"
+#include "pipeline/split_backward.h"
 
 namespace smp {
 namespace {

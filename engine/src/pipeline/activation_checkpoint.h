@@ -12,8 +12,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
-#include "autocast_scope.h"
-#include "random_state.h"
+#include "pipeline/autocast_scope.h"
+#include "model/random_state.h"
 #include "smp/graph_model.h"
 
 namespace smp {

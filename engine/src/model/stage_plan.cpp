@@ -27,7 +27,7 @@
 #include "smp/graph_model.h"
 #include "smp/log.h"
 #include "smp/partitioner/graph_partition.h"
-#include "random_state.h"
+#include "model/random_state.h"
 
 namespace smp {
 namespace {
