@@ -22,7 +22,6 @@
 #include "smp/checkpoint_manifest.h"
 #include "smp/errors.h"
 #include "smp/executor.h"
-#include "smp/gradient_reducer.h"
 #include "smp/graph_model.h"
 #include "smp/optimizer_shards.h"
 #include "smp/runtime.h"
@@ -53,6 +52,8 @@ struct StepOutput {
   std::vector<at::Tensor> all_outputs;
 };
 
+class GradientSync;
+
 class DistributedModel {
  public:
   // Every rank must build `model` the same way (same seed) so that each stage starts from the weights
@@ -67,6 +68,7 @@ class DistributedModel {
   DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const ModelInputs& sample,
                    const MaterializeNodes& materialize = {});
   DistributedModel(std::shared_ptr<Runtime> runtime, const torch::nn::Sequential& model, const at::Tensor& sample_input);
+  ~DistributedModel();
 
   // One step on this replica's share of the global batch (Runtime::replica_slice): split into microbatches,
   // run the pipeline schedule, average gradients over replicas. Gradients accumulate into .grad (clear them
@@ -128,13 +130,13 @@ class DistributedModel {
   std::vector<at::Tensor> parameters() const;
   // This rank's parameters that are tensor-parallel shards, by name: where each sits in the whole tensor (dim,
   // blocks; tp::shard_of). Checkpoints record it; loading a whole tensor cuts this rank's shard with it.
-  const std::map<std::string, std::pair<int64_t, int64_t>>& shard_dims() const { return shard_dims_; }
+  const std::map<std::string, std::pair<int64_t, int64_t>>& shard_dims() const;
   // This rank's parameters that are its share of a layer's experts (expert parallelism), by name: the experts
   // along dimension 0, share ep_rank of expert_parallel_degree.
-  const std::set<std::string>& expert_shard_names() const { return expert_shard_names_; }
+  const std::set<std::string>& expert_shard_names() const;
   // The parameters that count toward the whole model's gradient norm here: a tied parameter counts only on the
   // rank of its first node, though every holder keeps (and updates) an identical copy.
-  const std::vector<at::Tensor>& norm_parameters() const { return norm_parameters_; }
+  const std::vector<at::Tensor>& norm_parameters() const;
   // Scales this rank's gradients so that their 2-norm over the whole model (all stages) is at most max_norm, as
   // torch::nn::utils::clip_grad_norm_ does on one process; returns the norm before clipping. Every rank calls it.
   double clip_grad_norm(double max_norm);
@@ -165,10 +167,6 @@ class DistributedModel {
     std::vector<NodeRun> runs;  // the nodes as the forward calls them
     std::vector<at::Tensor> parameters;
   };
-  struct TiedParameter {
-    at::Tensor parameter;
-    std::shared_ptr<comm::Communicator> holders;  // this replica's ranks that hold a copy
-  };
 
   StageOutputs run_stage(int stage, const ModelInputs& model_inputs, const TensorsByStage& from_producers);
   StageCallbacks stage_callbacks();
@@ -179,15 +177,10 @@ class DistributedModel {
   static OutputsLossFunction of_first_output(const LossFunction& loss);
   void check_single_input(const char* caller, const at::Tensor& inputs, const at::Tensor& targets) const;
   void build_stages(const sched::Schedule& schedule);
-  void sum_tied_gradients();
-  // Sums over the tensor-parallel group the gradients of parameters that saw only this rank's part of the sequence.
-  void sum_sequence_parallel_gradients();
   void write_timeline(const std::vector<TimelineEvent>& events);
   void adopt_checkpoint_partition();
-  bool local_gradients_finite() const;
   // Whether this rank's losses go into the step's: the tensor-parallel ranks of the last stage compute the same.
   bool counts_loss() const { return runtime_->tp_rank() == 0; }
-  bool unscale_gradients_checking_finite();
 
   std::shared_ptr<Runtime> runtime_;
   GraphModel model_;
@@ -199,17 +192,10 @@ class DistributedModel {
   std::map<std::pair<int, int>, std::vector<std::string>> transfers_;
   std::vector<std::pair<std::string, at::Tensor>> named_parameters_;
   std::vector<std::pair<std::string, at::Tensor>> named_buffers_;
-  std::vector<at::Tensor> norm_parameters_;
-  std::vector<at::Tensor> expert_parameters_;  // this rank's share of the experts (expert parallelism)
-  std::set<std::string> expert_shard_names_;
-  std::map<std::string, std::pair<int64_t, int64_t>> shard_dims_;
-  std::vector<at::Tensor> sequence_parallel_parameters_;  // tp::SequenceParallel's, of this rank's stages
   std::vector<bool> trainable_at_build_;  // requires_grad of named_parameters_ when the reducer and ties were made
-  std::vector<TiedParameter> tied_;
   std::unique_ptr<PipelineExecutor> executor_;
   std::unique_ptr<PipelineExecutor> evaluator_;  // forward-only, made by the first evaluate()
-  std::unique_ptr<GradientReducer> reducer_;  // with data-parallel replicas only
-  std::unique_ptr<GradientReducer> expert_reducer_;  // with expert shards and replicas only
+  std::unique_ptr<GradientSync> gradients_;  // averaged, summed, checked, clipped and cleared by it
   std::unique_ptr<OptimizerShards> shards_;   // with replicas and shard_optimizer_state only
   long long step_ = 0;  // steps run so far, for error messages
   std::string exchange_;  // prefix of this model's store keys

@@ -17,7 +17,7 @@
 #include "pipeline/autocast_scope.h"
 #include "pipeline/activation_checkpoint.h"
 #include "training/distributed_model_internal.h"
-#include "smp/expert_shards.h"
+#include "training/gradient_sync.h"
 #include "smp/tp.h"
 
 namespace smp {
@@ -238,101 +238,24 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
     }
   }
 
-  // Expert shards (expert parallelism) are averaged over the replicas holding the same experts, the rest over all.
-  std::set<const void*> experts;
-  for (const auto& [stage, local] : stages_) {
-    for (int node : local.nodes) {
-      for (const auto& parameter : expert_parameters_in(*nodes[node].module)) {
-        experts.insert(parameter.unsafeGetTensorImpl());
-      }
-    }
-  }
-  for (const auto& [name, parameter] : named_parameters_) {
-    if (!experts.count(parameter.unsafeGetTensorImpl())) continue;
-    expert_parameters_.push_back(parameter);
-    expert_shard_names_.insert(name);
-  }
-  if (runtime_->topology().data_parallel_degree() > 1 &&
+  std::vector<GradientSync::LocalStage> local;
+  for (const auto& [stage, held] : stages_) local.push_back({&held.nodes, &held.parameters});
+  gradients_ = std::make_unique<GradientSync>(*runtime_, model_, local, named_parameters_, plan_.stage_of_module,
+                                              schedule.stage_to_rank, exchange_);
+  if (config.shard_optimizer_state && runtime_->topology().data_parallel_degree() > 1 &&
       std::any_of(named_parameters_.begin(), named_parameters_.end(),
                   [](const auto& named) { return named.second.requires_grad(); })) {
-    // A parameter's gradient is final after one backward pass per microbatch and local stage that uses it.
-    std::vector<at::Tensor> parameters, expert_shards;
-    std::vector<int> accumulations, expert_accumulations;
-    for (const auto& [name, parameter] : named_parameters_) {
-      if (!parameter.requires_grad()) continue;  // frozen: no gradient to average, and none to invent
-      int users = 0;
-      for (const auto& [stage, local] : stages_) {
-        users += std::any_of(local.parameters.begin(), local.parameters.end(),
-                             [&](const at::Tensor& known) { return known.is_same(parameter); });
-      }
-      const bool expert = experts.count(parameter.unsafeGetTensorImpl()) > 0;
-      (expert ? expert_shards : parameters).push_back(parameter);
-      (expert ? expert_accumulations : accumulations).push_back(users * config.microbatches);
+    std::vector<int> owners;
+    for (int owner : optimizer_shard_owners(runtime_->topology().data_parallel_degree())) {
+      if (owner >= 0) owners.push_back(owner);  // the trainable ones, in the order of replica_parameters()
     }
-    // PyTorch DDP's default bucket size: large enough that per-call latency does not dominate, small enough that
-    // the first bucket is ready early in the last backward pass.
-    constexpr std::int64_t kBucketBytes = 25 << 20;
-    if (config.shard_optimizer_state) {
-      std::vector<int> owners;
-      for (int owner : optimizer_shard_owners(runtime_->topology().data_parallel_degree())) {
-        if (owner >= 0) owners.push_back(owner);  // the trainable ones, in the order of `parameters`
-      }
-      shards_ = std::make_unique<OptimizerShards>(parameters, owners, runtime_->data_parallel(), kBucketBytes);
-    }
-    if (!parameters.empty()) {
-      reducer_ = std::make_unique<GradientReducer>(std::move(parameters), std::move(accumulations),
-                                                   runtime_->data_parallel(), kBucketBytes);
-    }
-    if (!expert_shards.empty()) {
-      expert_reducer_ = std::make_unique<GradientReducer>(std::move(expert_shards), std::move(expert_accumulations),
-                                                          runtime_->expert_data_parallel(), kBucketBytes,
-                                                          runtime_->topology().data_parallel_degree());
-    }
-  }
-
-  // Tied parameters whose holders sit on several ranks: every holder keeps a copy and their gradients are summed
-  // over exactly those ranks of this replica before the optimizer step, so the copies never drift.
-  std::set<const void*> counted_elsewhere;
-  for (const auto& tie : model_.ties()) {
-    std::set<int> holder_ranks;
-    for (int node : tie.nodes) holder_ranks.insert(schedule.stage_to_rank[plan_.stage_of_module[node]]);
-    const int first_holder = schedule.stage_to_rank[plan_.stage_of_module[tie.nodes.front()]];
-    const at::Tensor& parameter = tie.tensor;
-    if (first_holder != runtime_->pp_rank()) counted_elsewhere.insert(parameter.unsafeGetTensorImpl());
-    // Frozen copies need no sum (every rank sees the same requires_grad, so all skip the group alike).
-    if (holder_ranks.size() < 2 || !holder_ranks.count(runtime_->pp_rank()) || !parameter.requires_grad()) continue;
-    std::vector<int> members;
-    // Under this model's prefix: a second model of the same job must not meet this group's rendezvous keys.
-    std::string name = exchange_ + "tied/" + tie.parameter + "/";
-    for (int pp : holder_ranks) {
-      members.push_back(runtime_->topology().rank_of({pp, runtime_->dp_rank(), runtime_->tp_rank()}));
-      name += std::to_string(members.back()) + ",";
-    }
-    tied_.push_back({parameter, runtime_->make_group(members, name)});
-  }
-  // A parameter every tensor-parallel rank holds whole is counted by tp rank 0; shards by each.
-  std::map<const void*, std::pair<int64_t, int64_t>> shards;
-  std::set<const void*> sequence_parallel;  // a module shared by two nodes lists its parameters twice
-  for (const auto& [stage, local] : stages_) {
-    for (int node : local.nodes) {
-      for (const auto& layout : tp::shard_layouts_in(*nodes[node].module)) {
-        shards[layout.shard.unsafeGetTensorImpl()] = {layout.dim, layout.blocks};
-      }
-      for (auto& parameter : tp::sequence_parallel_parameters_in(*nodes[node].module)) {
-        if (sequence_parallel.insert(parameter.unsafeGetTensorImpl()).second) {
-          sequence_parallel_parameters_.push_back(std::move(parameter));
-        }
-      }
-    }
-  }
-  for (const auto& [name, parameter] : named_parameters_) {
-    const void* impl = parameter.unsafeGetTensorImpl();
-    const auto shard = shards.find(impl);
-    if (shard != shards.end()) shard_dims_[name] = shard->second;
-    if (counted_elsewhere.count(impl) || (runtime_->tp_rank() != 0 && shard == shards.end())) continue;
-    norm_parameters_.push_back(parameter);
+    constexpr std::int64_t kBucketBytes = 25 << 20;  // as the gradient reducer's
+    shards_ = std::make_unique<OptimizerShards>(gradients_->replica_parameters(), owners, runtime_->data_parallel(),
+                                                kBucketBytes);
   }
 }
+
+DistributedModel::~DistributedModel() = default;
 
 StageOutputs DistributedModel::run_stage(int stage, const ModelInputs& model_inputs,
                                          const TensorsByStage& from_producers) {

@@ -65,10 +65,10 @@ void DistributedModel::load_state(const TensorSource& source) {
   const int expert_shares = runtime_->topology().expert_parallel_degree();
   const auto whole_shape = [&](const std::string& name, const at::Tensor& tensor) {
     auto shape = tensor.sizes().vec();
-    if (const auto shard = shard_dims_.find(name); shard != shard_dims_.end()) {
+    if (const auto shard = shard_dims().find(name); shard != shard_dims().end()) {
       shape[static_cast<std::size_t>(c10::maybe_wrap_dim(shard->second.first, tensor.dim()))] *= degree;
     }
-    if (expert_shard_names_.count(name)) shape[0] *= expert_shares;
+    if (expert_shard_names().count(name)) shape[0] *= expert_shares;
     return shape;
   };
   // Everything checked before anything is copied: a bad file leaves the model as it was.
@@ -89,12 +89,12 @@ void DistributedModel::load_state(const TensorSource& source) {
   c10::NoGradGuard no_grad;
   for (auto& [name, parameter] : named_parameters_) {
     const at::Tensor saved = source.read(name);
-    const auto shard = shard_dims_.find(name);
+    const auto shard = shard_dims().find(name);
     if (saved.sizes() == parameter.sizes()) {
       parameter.copy_(saved);
-    } else if (expert_shard_names_.count(name)) {
+    } else if (expert_shard_names().count(name)) {
       parameter.copy_(saved.chunk(expert_shares).at(static_cast<std::size_t>(runtime_->ep_rank())));
-    } else if (shard == shard_dims_.end()) {
+    } else if (shard == shard_dims().end()) {
       parameter.copy_(saved);
     } else {
       parameter.copy_(tp::shard_of(saved, shard->second.first, runtime_->tensor_parallel_group(), shard->second.second));

@@ -16,6 +16,7 @@
 #include "smp/log.h"
 #include "smp/timeline.h"
 #include "training/distributed_model_internal.h"
+#include "training/gradient_sync.h"
 #include "smp/tp.h"
 
 namespace smp {
@@ -272,13 +273,12 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   StepOutput output;
   at::Tensor loss_total;
   try {
-    if (reducer_) reducer_->arm();
-    if (expert_reducer_) expert_reducer_->arm();
+    gradients_->arm();
     // A traced step's timeline shows the tensor- and expert-parallel collectives inside the compute that ran them.
     const bool traced = !config.trace_dir.empty() && step_ == config.trace_step;
     std::vector<TimelineEvent> collectives;
     std::optional<CollectiveObserver> observer;  // reports one collective at a time, from any thread
-    if (traced && (runtime_->topology().tensor_parallel_degree() > 1 || !expert_parameters_.empty())) {
+    if (traced && (runtime_->topology().tensor_parallel_degree() > 1 || gradients_->has_expert_shards())) {
       observer.emplace([&](const char* kind, std::int64_t, double start_us, double end_us) {
         collectives.push_back({kind, 0, 0, start_us, end_us, -1});
       });
@@ -294,18 +294,8 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
       }
       stats.events.push_back(std::move(collective));
     }
-    // Replicas first: it writes the mean back into .grad, and the tied sum (linear too) must come after.
-    if (reducer_) {
-      output.gradient_buckets = reducer_->buckets();
-      output.buckets_overlapped = reducer_->finish();
-    }
-    if (expert_reducer_) {
-      output.gradient_buckets += expert_reducer_->buckets();
-      output.buckets_overlapped += expert_reducer_->finish();
-    }
-    sum_tied_gradients();
-    sum_sequence_parallel_gradients();
-    const bool gradients_finite = loss_scale_ != 1.0 ? unscale_gradients_checking_finite() : local_gradients_finite();
+    std::tie(output.gradient_buckets, output.buckets_overlapped) = gradients_->finish();
+    const bool gradients_finite = gradients_->finite_unscaling(loss_scale_);
     // One world all-reduce: slot 0 sums the last stages' losses (every rank learns the mean over replicas),
     // slot 1 + r is set by rank r when its gradients are not finite.
     loss_total = at::zeros({1 + runtime_->world_size()}, at::kDouble);
