@@ -149,6 +149,12 @@ TEST_CASE("impossible partitions are refused naming the modules", "[training][mu
   result = run_worker(2, unknown, "--model residual --steps 1");
   CHECK(result.status != 0);
   CHECK_THAT(result.output, Contains("no module \"nope\" in the model (its modules: in, a, b, c, join, d, out)"));
+
+  const auto no_experts = write_config("no_experts", smp_config(1, 2, 2, "interleaved", "cluster", 4, 30,
+                                                                R"(, "expert_parallel_degree": 2)"));
+  result = run_worker(2, no_experts, "--model residual --steps 1");
+  CHECK(result.status != 0);
+  CHECK_THAT(result.output, Contains("\"expert_parallel_degree\" 2, but the model holds no experts to divide"));
 }
 
 TEST_CASE("a schedule loaded from a CSV file runs", "[training][multiprocess][schedules]") {

@@ -242,6 +242,17 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
   for (const auto& [stage, held] : stages_) local.push_back({&held.nodes, &held.parameters});
   gradients_ = std::make_unique<GradientSync>(*runtime_, model_, local, named_parameters_, plan_.stage_of_module,
                                               schedule.stage_to_rank, exchange_);
+  if (const int shares = runtime_->topology().expert_parallel_degree(); shares > 1) {
+    // A rank whose stages hold no experts is fine; a model that holds none anywhere would train with nothing
+    // divided, which the config did not ask for.
+    at::Tensor holders = at::full({1}, gradients_->has_expert_shards() ? 1.0 : 0.0, at::kDouble);
+    runtime_->world().all_reduce_sum(holders);
+    if (holders.item<double>() == 0.0) {
+      throw ConfigError(config.source + ": \"expert_parallel_degree\" " + std::to_string(shares) +
+                        ", but the model holds no experts to divide (expert parallelism divides the experts modules "
+                        "of a captured Python mixture-of-experts model); set it to 1");
+    }
+  }
   if (config.shard_optimizer_state && runtime_->topology().data_parallel_degree() > 1 &&
       std::any_of(named_parameters_.begin(), named_parameters_.end(),
                   [](const auto& named) { return named.second.requires_grad(); })) {
