@@ -58,6 +58,14 @@ class OptimizerCheckpointState {
   virtual std::string format() const = 0;
 };
 
+// The checkpoint a job resumes ("resume"): the newest complete one under checkpoint_dir as rank 0 finds it (every
+// rank takes rank 0's choice through the store, under `key`), checked against this job's layout, modules and model
+// signature (CheckpointError naming what differs); nullopt when there is none. DistributedModel then takes its
+// partition.
+std::optional<FoundCheckpoint> checkpoint_to_resume(Runtime& runtime, const std::string& key,
+                                                    const std::vector<std::string>& module_names,
+                                                    const std::string& model_signature);
+
 class Checkpointer {
  public:
   // Uses the config's checkpoint_dir, checkpoint_interval, checkpoints_kept and resume.

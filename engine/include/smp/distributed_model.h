@@ -178,7 +178,6 @@ class DistributedModel {
   void check_single_input(const char* caller, const at::Tensor& inputs, const at::Tensor& targets) const;
   void build_stages(const sched::Schedule& schedule);
   void write_timeline(const std::vector<TimelineEvent>& events);
-  void adopt_checkpoint_partition();
   // Whether this rank's losses go into the step's: the tensor-parallel ranks of the last stage compute the same.
   bool counts_loss() const { return runtime_->tp_rank() == 0; }
 

@@ -387,4 +387,51 @@ std::int64_t Checkpointer::resume() {
   return manifest.step + 1;
 }
 
+std::optional<FoundCheckpoint> checkpoint_to_resume(Runtime& runtime, const std::string& key,
+                                                    const std::vector<std::string>& module_names,
+                                                    const std::string& model_signature) {
+  const Config& config = runtime.config();
+  // Rank 0 chooses, so that every rank resumes from the same checkpoint even if another is being written.
+  if (runtime.rank() == 0) {
+    std::vector<std::string> skipped;
+    const auto found = find_latest_checkpoint(config.checkpoint_dir, &skipped);
+    for (const auto& reason : skipped) log::warn("skipping checkpoint: " + reason);
+    if (!found) log::info("no complete checkpoint in " + config.checkpoint_dir + "; starting from step 0");
+    runtime.publish(key, found ? found->directory : "");
+  }
+  const std::string directory = runtime.fetch(key);
+  if (directory.empty()) return std::nullopt;
+  // Rank 0 verified every file; each rank checks its own again as Checkpointer::resume loads it.
+  auto manifest = read_manifest(directory);
+  if (manifest.partitions != config.partitions || manifest.virtual_stages != config.virtual_stages) {
+    throw CheckpointError(directory + " was saved with " + std::to_string(manifest.partitions) + " partitions x " +
+                          std::to_string(manifest.virtual_stages) + " virtual stages, this job has " +
+                          std::to_string(config.partitions) + " x " + std::to_string(config.virtual_stages) +
+                          "; export it (smp_checkpoint export) and load it with DistributedModel::load_parameters");
+  }
+  const int degree = runtime.topology().tensor_parallel_degree();
+  if (manifest.tensor_parallel_degree != degree) {
+    throw CheckpointError(directory + " was written with \"tensor_parallel_degree\" " +
+                          std::to_string(manifest.tensor_parallel_degree) + ", this job has " + std::to_string(degree) +
+                          ": a resume keeps the shards; export it whole (smp_checkpoint export) and load it with "
+                          "DistributedModel::load_parameters, which cuts each rank's shards");
+  }
+  const int expert_shares = runtime.topology().expert_parallel_degree();
+  if (manifest.expert_parallel_degree != expert_shares) {
+    throw CheckpointError(directory + " was written with \"expert_parallel_degree\" " +
+                          std::to_string(manifest.expert_parallel_degree) + ", this job has " +
+                          std::to_string(expert_shares) +
+                          ": a resume keeps the experts where they were; export it whole (smp.export_safetensors, "
+                          "smp_checkpoint export) and load it with load_parameters, which takes each rank's experts");
+  }
+  if (manifest.model_signature != model_signature) {
+    throw CheckpointError(directory + " holds another model (" + manifest.model_signature + "; this model: " +
+                          model_signature + ")");
+  }
+  if (module_names != manifest.module_names) {
+    throw CheckpointError(directory + ": the model's modules differ from the checkpoint's");
+  }
+  return FoundCheckpoint{directory, std::move(manifest)};
+}
+
 }  // namespace smp

@@ -11,6 +11,7 @@
 
 #include <ATen/ATen.h>
 
+#include "smp/checkpoint.h"
 #include "smp/log.h"
 #include "smp/timeline.h"
 #include "smp/scheduler/simulator.h"
@@ -136,7 +137,12 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
     model_signature_ = runtime_->fetch(exchange_ + "model_signature");
     plan_ = StagePlan::from_json(runtime_->fetch(exchange_ + "stage_plan"));
   }
-  if (config.resume) adopt_checkpoint_partition();
+  if (config.resume) {
+    std::vector<std::string> names;
+    for (const auto& node : model_.nodes()) names.push_back(node.name);
+    resumed_from_ = checkpoint_to_resume(*runtime_, exchange_ + "resume_from", names, model_signature_);
+    if (resumed_from_) plan_.stage_of_module = resumed_from_->manifest.stage_of_module;
+  }
   if (runtime_->rank() == 0) {
     log::info(plan_.report());
     if (config.shard_optimizer_state && runtime_->topology().data_parallel_degree() == 1) {

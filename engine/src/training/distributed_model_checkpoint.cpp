@@ -1,5 +1,5 @@
-// Where a model's state comes from other than its own steps: the partition, step and loss scale of the checkpoint
-// it resumes, and weights loaded by name.
+// Where a model's state comes from other than its own steps: the step and loss scale of the checkpoint it resumes,
+// and weights loaded by name.
 #include "smp/distributed_model.h"
 
 #include <c10/core/WrapDimMinimal.h>
@@ -10,52 +10,6 @@
 #include "smp/tp.h"
 
 namespace smp {
-
-void DistributedModel::adopt_checkpoint_partition() {
-  const Config& config = runtime_->config();
-  // Rank 0 chooses, so that every rank resumes from the same checkpoint even if another is being written.
-  if (runtime_->rank() == 0) {
-    std::vector<std::string> skipped;
-    const auto found = find_latest_checkpoint(config.checkpoint_dir, &skipped);
-    for (const auto& reason : skipped) log::warn("skipping checkpoint: " + reason);
-    if (!found) log::info("no complete checkpoint in " + config.checkpoint_dir + "; starting from step 0");
-    runtime_->publish(exchange_ + "resume_from", found ? found->directory : "");
-  }
-  const std::string directory = runtime_->fetch(exchange_ + "resume_from");
-  if (directory.empty()) return;
-  // Rank 0 verified every file; each rank checks its own again as Checkpointer::resume loads it.
-  auto manifest = read_manifest(directory);
-  if (manifest.partitions != config.partitions || manifest.virtual_stages != config.virtual_stages) {
-    throw CheckpointError(directory + " was saved with " + std::to_string(manifest.partitions) + " partitions x " +
-                          std::to_string(manifest.virtual_stages) + " virtual stages, this job has " +
-                          std::to_string(config.partitions) + " x " + std::to_string(config.virtual_stages) +
-                          "; export it (smp_checkpoint export) and load it with DistributedModel::load_parameters");
-  }
-  const int degree = runtime_->topology().tensor_parallel_degree();
-  if (manifest.tensor_parallel_degree != degree) {
-    throw CheckpointError(directory + " was written with \"tensor_parallel_degree\" " +
-                          std::to_string(manifest.tensor_parallel_degree) + ", this job has " + std::to_string(degree) +
-                          ": a resume keeps the shards; export it whole (smp_checkpoint export) and load it with "
-                          "DistributedModel::load_parameters, which cuts each rank's shards");
-  }
-  const int expert_shares = runtime_->topology().expert_parallel_degree();
-  if (manifest.expert_parallel_degree != expert_shares) {
-    throw CheckpointError(directory + " was written with \"expert_parallel_degree\" " +
-                          std::to_string(manifest.expert_parallel_degree) + ", this job has " +
-                          std::to_string(expert_shares) +
-                          ": a resume keeps the experts where they were; export it whole (smp.export_safetensors, "
-                          "smp_checkpoint export) and load it with load_parameters, which takes each rank's experts");
-  }
-  if (manifest.model_signature != model_signature_) {
-    throw CheckpointError(directory + " holds another model (" + manifest.model_signature + "; this model: " +
-                          model_signature_ + ")");
-  }
-  std::vector<std::string> names;
-  for (const auto& node : model_.nodes()) names.push_back(node.name);
-  if (names != manifest.module_names) throw CheckpointError(directory + ": the model's modules differ from the checkpoint's");
-  plan_.stage_of_module = manifest.stage_of_module;
-  resumed_from_ = FoundCheckpoint{directory, std::move(manifest)};
-}
 
 void DistributedModel::load_state(const TensorSource& source) {
   // A tensor-parallel shard takes its part of the whole tensor (an export, pretrained weights), or its own shard
