@@ -1,0 +1,97 @@
+"""Checkpoints from Python: smp.Checkpointer (a model's and its optimizer's state saved and resumed), and whole-model
+exports of a checkpoint."""
+
+import io
+import os
+
+import torch
+
+from . import _smp
+from ._distributed_optimizer import DistributedOptimizer
+from ._smp import CheckpointError, ConfigError
+
+
+class Checkpointer:
+    """Checkpoints as the config's checkpoint_dir / checkpoint_interval say: resume() continues from the newest
+    complete one (when the config says "resume": true) and returns the step to start at; save(step) writes in the
+    background; wait() before exiting. Saves the parameters, the optimizer's state_dict, the LR scheduler's when
+    one is given, the RNG state and the fp16 loss scale."""
+
+    def __init__(self, model, optimizer, lr_scheduler=None):
+        if not isinstance(optimizer, DistributedOptimizer):
+            raise TypeError(f"expected an smp.DistributedOptimizer, got {type(optimizer).__name__}")
+        inner = optimizer.optimizer
+
+        def snapshot():
+            # Serialized now, in the save's pause, so that the writer thread never needs Python.
+            state = {"optimizer": inner.state_dict()}
+            if lr_scheduler is not None:
+                state["lr_scheduler"] = lr_scheduler.state_dict()
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            return buffer.getvalue()
+
+        def load(share_count, first_share, shares_to_read, read):
+            def scheduler_state(state):
+                # Every share holds the same scheduler state: it follows the step count alone.
+                if lr_scheduler is not None:
+                    if "lr_scheduler" not in state:
+                        raise CheckpointError("the checkpoint was saved without an LR scheduler, but one was given")
+                    lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+            optimizer._load_shares(first_share, shares_to_read, read, on_first=scheduler_state)
+
+        self._checkpointer = _smp.Checkpointer(model._model, snapshot, load)
+
+    def resume(self):
+        return self._checkpointer.resume()
+
+    def due(self, step):
+        return self._checkpointer.due(step)
+
+    def save(self, step):
+        self._checkpointer.save(step)
+
+    def wait(self):
+        self._checkpointer.wait()
+
+
+def latest_checkpoint(root):
+    """The newest complete checkpoint directory under `root` (the config's checkpoint_dir), or None."""
+    return _smp.latest_checkpoint(os.fspath(root))
+
+
+def export_checkpoint(checkpoint_directory, output_file):
+    """Merges a complete checkpoint's partitions into one full-model file (parameters and buffers by name), as
+    `smp_checkpoint export` does: for inference, or for a job with another partitioning
+    (DistributedModel.load_parameters)."""
+    _smp.export_checkpoint(os.fspath(checkpoint_directory), os.fspath(output_file))
+
+
+def _bytes(size):
+    if isinstance(size, int):
+        return size
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    text = str(size).strip().upper()
+    for unit, factor in units.items():
+        if text.endswith(unit) and text[:-len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(text[:-len(unit)]) * factor)
+    raise ConfigError(f"max_shard_size: expected a number of bytes or a size such as '5GB', got {size!r}")
+
+
+def export_safetensors(checkpoint_directory, output_directory, max_shard_size="5GB"):
+    """Writes a complete checkpoint's parameters and persistent buffers as Hugging Face safetensors in
+    `output_directory` (model.safetensors, or shards of at most max_shard_size and model.safetensors.index.json),
+    by the model's state_dict names, reading one partition file at a time: transformers' from_pretrained loads it
+    (save the model's config there too: `net.config.save_pretrained(output_directory)`), and so do
+    DistributedModel.load_parameters and load_pretrained. A tied weight is written once, under its first name, as
+    save_pretrained writes it. Returns the files written."""
+    return _smp.export_checkpoint_safetensors(os.fspath(checkpoint_directory), os.fspath(output_directory),
+                                              _bytes(max_shard_size))
+
+
+def load_full_model(full_model_file):
+    """The parameters and buffers of a full-model file by their names in the model: load them into the plain PyTorch
+    model with `model.load_state_dict(smp.load_full_model(path), strict=False)` (a tied weight is there once, and
+    non-persistent buffers not at all)."""
+    return _smp.read_full_model(os.fspath(full_model_file))

@@ -1,0 +1,378 @@
+"""smp.DistributedModel: this rank's stages of a model (captured whole, or a Sequential or GraphModel) as an
+nn.Module, and what its steps return."""
+
+import collections
+import gc
+import itertools
+import os
+import time
+import weakref
+
+import torch
+
+from . import _expert_parallel, _materialize, _routing, _smp, tp
+from ._graph import GraphModel, _is_sequential, _kind, transient_buffers
+from ._model_io import CapturedIO, GraphIO, own_loss
+from ._smp import ConfigError, ModelError
+from ._state import runtime
+
+
+def _contains_scripted(model):
+    return any(isinstance(m, torch.jit.ScriptModule) for m in model.modules())
+
+
+def _capture(model, sample, stages, pinned):
+    """A model with a forward of its own as an engine graph and its IO: torch.export first (any depth, keyword
+    inputs, any output); torch.fx when export cannot take it (or the model has TorchScript children, which export
+    does not enter) and the model takes one tensor."""
+    from . import _export_capture as exporting
+    from ._exporting import CaptureError
+    args, kwargs = exporting.split_sample(model, sample)
+    export_error = None
+    if not _contains_scripted(model):
+        try:
+            graph, leaf_inputs, output_spec, shapes = exporting.capture(
+                model, args, kwargs, stages, pinned, GraphModel, torch.device(runtime().device),
+                (runtime().expert_parallel_degree, runtime().ep_rank))
+            return graph, CapturedIO(model, args, kwargs, leaf_inputs, output_spec, exporting.split_sample, shapes)
+        except CaptureError as error:
+            export_error = error
+    name = type(model).__name__
+    if runtime().expert_parallel_degree > 1:
+        raise ModelError(f"cannot capture {name} to divide its experts over ranks (\"expert_parallel_degree\" "
+                         f"{runtime().expert_parallel_degree}): " + (f"torch.export failed: {export_error}"
+                         if export_error is not None else "it has TorchScript children"))
+    if not isinstance(sample, torch.Tensor):
+        reason = (f"torch.export failed: {export_error}" if export_error is not None else
+                  "it has TorchScript children, which torch.export does not enter, and torch.fx takes one tensor input")
+        raise ModelError(f"cannot capture {name} ({reason}); write it as an smp.GraphModel, or change that code so "
+                         "that it can be captured (no branch on a tensor's value)")
+    try:
+        graph = GraphModel.from_module(model, sample)
+    except ModelError as error:
+        if export_error is None:
+            raise
+        raise ModelError(f"cannot capture {name}: torch.export failed ({export_error}), and torch.fx: {error}") \
+            from error
+    return graph, GraphIO(graph.input_names, False)
+
+
+def _materializer(model, graph, rt, init_fn):
+    """What makes this rank's stages real once the partition is known: the modules owning the tensors its nodes
+    read, on its device, each initialized from the generator of (config seed, module path)."""
+    names = graph.node_names()
+
+    def materialize_local(local_nodes):
+        for node in graph._captured.values():
+            node.drop_stand_ins()
+        gc.collect()
+        _materialize.release_freed_memory()
+        paths = set()
+        for index in local_nodes:
+            node = graph._captured.get(names[index])
+            if node is not None:
+                paths |= {path for path, _ in itertools.chain(node.named_parameters(), node.named_buffers())}
+        replaced = _materialize.materialize_modules(model, {_materialize.owning_module(path) for path in paths},
+                                                    torch.device(rt.device), rt.config.seed, init_fn)
+        for node in graph._captured.values():
+            node.replace_tensors(replaced)
+
+    return materialize_local
+
+
+class StepResult:
+    """What train_step and evaluate return: .loss (the global batch's mean loss, the same on every rank), .skipped,
+    .seconds, .outputs (keep_outputs: the model's outputs for this replica's share, as the model returns them,
+    on the ranks running the last stage; else None), and .tokens_per_expert: for a captured mixture-of-experts
+    model, {router module path: how many tokens it sent to each expert} over this step's microbatches, for the
+    routers of this rank's stages and this replica's share of the batch (runtime().all_reduce_sum adds the
+    replicas'); {} otherwise."""
+
+    def __init__(self, engine_output, outputs, tokens_per_expert=None):
+        self.loss = engine_output.loss
+        self.skipped = engine_output.skipped
+        self.seconds = engine_output.seconds
+        self.gradient_buckets = engine_output.gradient_buckets
+        self.buckets_overlapped = engine_output.buckets_overlapped
+        self.outputs = outputs
+        self.tokens_per_expert = tokens_per_expert or {}
+
+    def __repr__(self):
+        return f"StepResult(loss={self.loss}, skipped={self.skipped}, seconds={self.seconds:.3f})"
+
+
+def _no_loss(output, target):
+    """The loss of a forward for inference: zero, on the outputs' device."""
+    leaves = [leaf for leaf in torch.utils._pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)]
+    return torch.zeros((), device=leaves[0].device if leaves else "cpu")
+
+
+def _shard_for_tensor_parallelism(model, plan):
+    """Applies the tensor-parallel plan (the user's, else the model's own) to `model` in place. A GraphModel's
+    modules are the user's: built with smp.tp's layers."""
+    from . import tp
+    if isinstance(model, GraphModel):
+        if plan is not None:
+            raise TypeError("tp_plan applies to an nn.Module; build an smp.GraphModel's modules with smp.tp's layers")
+        return
+    given = plan is not None
+    plan = plan if given else tp.builtin_plan(model)
+    if plan and not given and runtime().expert_parallel_degree > 1:
+        plan = _expert_parallel.without_experts(model, plan)
+    if plan and runtime().config.sequence_parallel:
+        plan = tp.sequence_parallel_plan(model, plan)
+    applied = tp.apply_plan(model, plan, strict=given) if plan else {}
+    if runtime().rank == 0 and applied:
+        print(f"smp: tensor parallelism over {tp.degree()} ranks: {len(applied)} modules sharded or adjusted by "
+              f"{'the given' if given else 'the built-in'} plan", flush=True)
+    if not any(hasattr(parameter, "_smp_shard") for parameter in model.parameters()):
+        raise ConfigError(f"\"tensor_parallel_degree\" {tp.degree()}: {type(model).__name__} has no tensor-parallel "
+                          "plan and no smp.tp layers; pass tp_plan={module path: style} (see smp.tp)")
+
+
+class DistributedModel(torch.nn.Module):
+    """This rank's stages of `model`: an nn.Sequential, an smp.GraphModel, or any nn.Module with a forward of its
+    own (an unmodified Hugging Face or torchvision model), captured whole with torch.export and cut at whatever
+    depth balance needs. Every rank passes the same model and one microbatch of input as `sample`: a tensor, a
+    tuple of positional arguments, or a dict of keyword arguments (input_ids, attention_mask, labels, ...). Rank 0
+    profiles the modules on it and all ranks adopt its partition.
+
+    It is an nn.Module holding this rank's share: named_parameters(), parameters(), named_buffers() and state_dict()
+    give this rank's tensors (the ones the engine trains, no copies) under their names in the full model, in the
+    model's order; load_state_dict() takes a full model's state_dict (each rank copies its own) or this rank's.
+    The whole model's state: a checkpoint exported with smp.export_checkpoint or smp.export_safetensors. Calling
+    it, model(inputs), runs the pipeline's forwards for inference (as evaluate, without a loss) and returns the
+    model's outputs for this replica's share on the ranks running the last stage, None on the others.
+
+    With "tensor_parallel_degree" > 1 the model is sharded first, in place: by `tp_plan` ({module path pattern:
+    style}, see smp.tp), else by the model's own plan (a Hugging Face model's; smp.tp.builtin_plan), else it must be
+    built of smp.tp's layers. Parameters and state_dict() are then this rank's shards.
+
+    With "expert_parallel_degree" > 1 a captured mixture-of-experts model's experts modules (Hugging Face's experts
+    classes) hold this rank's share of their experts, and tokens reach the others' by all-to-all (smp.ep).
+    """
+
+    def __init__(self, model, sample, init_fn=None, tp_plan=None):
+        super().__init__()
+        rt = runtime()
+        started = time.perf_counter()
+        if rt.tensor_parallel_degree > 1:
+            _shard_for_tensor_parallelism(model, tp_plan)
+        elif tp_plan is not None and rt.rank == 0:
+            print("smp: tp_plan ignored: the config's tensor_parallel_degree is 1", flush=True)
+        if rt.expert_parallel_degree > 1 and (isinstance(model, (GraphModel, torch.jit.ScriptModule)) or
+                                              _is_sequential(model)):
+            raise ConfigError(f"\"expert_parallel_degree\" {rt.expert_parallel_degree} divides the experts of a "
+                              "captured mixture-of-experts model (a module with a forward of its own, such as a "
+                              f"Hugging Face one), not a {_kind(model)}")
+        if isinstance(model, GraphModel):
+            graph, io_ = model, GraphIO(model.input_names, model._several_outputs)
+        elif _is_sequential(model):
+            graph = GraphModel.from_sequential(model)
+            io_ = GraphIO(graph.input_names, False)
+        elif isinstance(model, torch.jit.ScriptModule):
+            # TorchScript keeps no Python forward to trace: its children would run as a chain, wrongly.
+            raise TypeError(f"pass an nn.Sequential or an smp.GraphModel, got {_kind(model)}: script its children, "
+                            "not the model, or pass the model unscripted (smp traces its forward)")
+        elif isinstance(model, torch.nn.Module):
+            graph, io_ = _capture(model, sample, rt.config.num_stages(), list(rt.config.partition_overrides))
+        else:
+            raise TypeError(f"expected a torch.nn.Module or an smp.GraphModel, got {type(model).__name__}")
+        self._io = io_
+        self._graph = graph
+        # Non-persistent buffers (a rotary table) stay out of checkpoints and exports, as out of state_dict.
+        from_module = isinstance(model, torch.nn.Module) and not _is_sequential(model)
+        graph._graph.set_transient_buffers(transient_buffers(model) if from_module else graph._transient_buffers)
+        self._persistent_buffers = set(model.state_dict(keep_vars=True)) if isinstance(model, torch.nn.Module) \
+            else set()
+        captured = time.perf_counter()
+        materialize_local = None
+        if isinstance(model, torch.nn.Module) and _materialize.is_meta(model):
+            if not graph._captured:
+                raise ModelError("a model built on the meta device must be a module with a forward of its own (captured "
+                                 "whole); build a Sequential or a GraphModel's modules normally")
+            materialize_local = _materializer(model, graph, rt, init_fn)
+            for node in graph._captured.values():
+                object.__setattr__(node, "_job_device", torch.device(rt.device))
+        self._model = _smp.DistributedModel(rt, graph._graph, io_.engine_inputs(sample, "sample"), materialize_local)
+        # Where construction time went (capture; profiling, partitioning and building the stages), for benchmarks.
+        self._seconds = {"capture": captured - started, "engine": time.perf_counter() - captured}
+        # The full model's names in its order: named_parameters() and state_dict() follow it, as PyTorch's do.
+        full_names = list(model.state_dict(keep_vars=True)) if isinstance(model, torch.nn.Module) else []
+        self._full_names = set(full_names)
+        order = {name: index for index, name in enumerate(full_names)}
+        last = len(order)
+        self._parameter_names = sorted(self._model.named_parameters(), key=lambda name: order.get(name, last))
+        self._buffer_names = sorted(self._model.named_buffers(), key=lambda name: order.get(name, last))
+        # How DistributedOptimizer finds the model of the parameters it is given: on the tensors, no registry.
+        owner = weakref.ref(self)
+        for parameter in self._model.named_parameters().values():
+            parameter._smp_model = owner
+
+    def _engine_step(self, step, inputs, targets, loss, keep_outputs, replica_share, what):
+        rt = runtime()
+        values = self._io.engine_inputs(inputs, what)
+        batched = _smp.batched_inputs(values, targets)
+        if not replica_share:
+            values = [rt.replica_slice(v) if b else v for v, b in zip(values, batched)]
+            targets = rt.replica_slice(targets) if targets is not None and targets.dim() > 0 else targets
+        else:
+            # Replicas count equally in the mean over the global batch, so their shares must be the same size:
+            # checked against global_batch_size when the config fixes it.
+            fixed = rt.config.global_batch_size
+            share = next((v.shape[0] for v, b in zip(values, batched) if b), None)
+            if fixed and share is not None and share * rt.data_parallel_degree != fixed:
+                raise ConfigError(f"replica_share: a share of {share} samples x {rt.data_parallel_degree} replicas "
+                                  f"is not the config's global_batch_size of {fixed}")
+        microbatches = rt.config.microbatches
+        if any(b and v.shape[0] % microbatches == 0 for v, b in zip(values, batched)):
+            self._io.check_microbatch(values, batched, microbatches, what)
+        model_outputs = self._io.model_outputs
+        if loss is None:
+            def engine_loss(outputs, target):
+                return own_loss(model_outputs(outputs))
+        else:
+            def engine_loss(outputs, target):
+                return loss(model_outputs(outputs), target)
+        # Which inputs are split was decided on the whole batch: a replica's share may have the size of an input
+        # that is not the batch's.
+        _routing.take()  # what profiling or an interrupted step counted
+        result = step(values, targets, engine_loss, keep_outputs, batched)
+        kept = result.all_outputs
+        return StepResult(result, model_outputs(kept) if kept is not None else None, _routing.take())
+
+    def train_step(self, inputs, targets=None, loss=None, keep_outputs=False, replica_share=False):
+        """One step on the global batch (the same inputs on every rank; each replica takes its share): splits it
+        into microbatches, runs the pipeline schedule, averages gradients over replicas. `inputs` as the sample:
+        tensors whose first dimension is the batch's (that of `targets`, or without targets of the first input
+        with one) are split, anything else goes to every microbatch as it is. `loss(output, target)` returns the
+        mean loss of a microbatch, `output` as the model returns it; loss=None takes the loss the model computes
+        itself (a Hugging Face model given labels: output.loss). Returns a StepResult: .loss (the global batch's
+        mean loss, the same on every rank), .skipped, .seconds, and with keep_outputs=True .outputs: on the rank
+        that runs the last stage, the model's outputs for this replica's share of the batch (runtime().replica_slice
+        of it), in order and detached, as the model returns them with each tensor joined over the microbatches
+        along its first dimension (0-dim ones give one value per microbatch); None on the other ranks.
+        replica_share=True: the inputs and targets are already this replica's share (runtime().dp_rank's part of
+        the global batch, every replica's the same size), so that each replica loads only its own data."""
+        return self._engine_step(self._model.train_step, inputs, targets, loss, keep_outputs, replica_share,
+                                 "train_step")
+
+    def evaluate(self, inputs, targets=None, loss=None, keep_outputs=False, replica_share=False):
+        """The mean loss over the global batch without gradients (validation), taken like train_step by every rank:
+        the schedule's forwards alone, keeping nothing for a backward, with the modules in eval mode (dropout off,
+        batch norm on its running statistics) and back in training mode after. Returns .loss and .seconds, and
+        .outputs as train_step does with keep_outputs=True; replica_share as in train_step."""
+        return self._engine_step(self._model.evaluate, inputs, targets, loss, keep_outputs, replica_share,
+                                 "evaluate")
+
+    def forward(self, *args, **kwargs):
+        """Inference: the model's outputs for this replica's share of `inputs` (given as train_step takes them:
+        positional or keyword), on the ranks running the last stage; None on the others. Every rank calls it."""
+        if args and kwargs:
+            raise TypeError("pass the inputs positionally or by keyword, not both (a dict of keyword inputs, as the "
+                            "sample, takes both kinds)")
+        inputs = kwargs if kwargs else (args[0] if len(args) == 1 else tuple(args))
+        return self.evaluate(inputs, None, loss=_no_loss, keep_outputs=True).outputs
+
+    def extra_repr(self):
+        return f"stages={list(self.stages)}, parameters={len(self._parameter_names)} of the model's on this rank"
+
+    @staticmethod
+    def _prefixed(prefix, name):
+        return f"{prefix}.{name}" if prefix else name
+
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        """This rank's parameters by their names in the full model, in its order (the engine's tensors: no
+        copies)."""
+        tensors = self._model.named_parameters()
+        for name in self._parameter_names:
+            yield self._prefixed(prefix, name), tensors[name]
+
+    def parameters(self, recurse=True):
+        """This rank's parameters, the tensors the engine trains: build the optimizer over these."""
+        for _, parameter in self.named_parameters():
+            yield parameter
+
+    def named_buffers(self, prefix="", recurse=True, remove_duplicate=True):
+        """This rank's buffers that are part of the model's state (batch norm's statistics; not non-persistent ones),
+        by their names in the full model (the engine's tensors: no copies)."""
+        tensors = self._model.named_buffers()
+        for name in self._buffer_names:
+            yield self._prefixed(prefix, name), tensors[name]
+
+    def buffers(self, recurse=True):
+        for _, buffer in self.named_buffers():
+            yield buffer
+
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        """This rank's parameters and persistent buffers by their names in the full model (a share of the model's
+        state_dict: the other ranks hold the rest)."""
+        if args:
+            raise TypeError("state_dict takes keyword arguments only (destination, prefix, keep_vars)")
+        state = collections.OrderedDict() if destination is None else destination
+        for name, tensor in itertools.chain(self.named_parameters(prefix), self.named_buffers(prefix)):
+            state[name] = tensor if keep_vars else tensor.detach()
+        return state
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        """Copies this rank's tensors from `state_dict` by name: the full model's (each rank takes its own, a
+        tensor-parallel shard its part) or this rank's share. strict: every tensor of this rank must be there (missing_keys), and every key must be a
+        tensor of the model (unexpected_keys; another rank's is not unexpected). Shapes are checked before anything
+        is copied. Returns (missing_keys, unexpected_keys) as nn.Module's does."""
+        if assign:
+            raise ValueError("assign=True would put new tensors where the engine trains its own; smp copies into them")
+        own = self.state_dict(keep_vars=True)
+        missing = [name for name in own if name not in state_dict]
+        unexpected = [name for name in state_dict if name not in own and name not in self._full_names]
+        problems = []
+        if strict and missing:
+            problems.append(f"missing keys (this rank's): {', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}")
+        if strict and unexpected:
+            problems.append(f"unexpected keys: {', '.join(unexpected[:5])}{', ...' if len(unexpected) > 5 else ''}")
+        for name, tensor in own.items():
+            shape = tuple(state_dict[name].shape) if name in state_dict else None
+            if shape is not None and shape != tuple(tensor.shape) and shape != tp.whole_shape(tensor):
+                problems.append(f"{name}: shape {shape} in the state_dict, {tp.whole_shape(tensor)} in the model")
+        if problems:
+            raise RuntimeError("Error(s) in loading state_dict for DistributedModel:\n\t" + "\n\t".join(problems))
+        with torch.no_grad():
+            for name, tensor in own.items():
+                if name in state_dict:
+                    tensor.copy_(tp.local_part(tensor, state_dict[name]))
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def load_parameters(self, path):
+        """Copies this rank's parameters and buffers, by name, from a full-model file (smp.export_checkpoint) or
+        safetensors (smp.export_safetensors' directory, a Hugging Face one, or one .safetensors file; only this
+        rank's tensors are read). Every name and shape is checked before anything is copied."""
+        self._model.load_parameters(os.fspath(path))
+
+    def load_pretrained(self, path):
+        """Reads this rank's parameters (and the persistent buffers of its stages) from pretrained weights: a Hugging
+        Face directory (model.safetensors, or shards with model.safetensors.index.json; read lazily, tensor by
+        tensor) or a torch.save state dict file (memory-mapped), by the names of the model's state_dict. Every name
+        and shape is checked before anything is copied (CheckpointError naming the tensor and the file). With a model
+        built on the meta device no process ever holds more than its own stages. Returns how many tensors it read."""
+        from ._pretrained import load_pretrained
+        tensors = dict(self._model.named_parameters())
+        names, stages = self._graph.node_names(), set(self.stages)
+        local = {names[i] for i, stage in enumerate(self.stage_of_module) if stage in stages}
+        for name, node in self._graph._captured.items():
+            if name not in local:
+                continue
+            for buffer_name, buffer in node.named_buffers():
+                if not buffer.is_meta and buffer_name in self._persistent_buffers:
+                    tensors.setdefault(buffer_name, buffer)
+        return load_pretrained(tensors, path)
+
+    @property
+    def stages(self):
+        """The pipeline stages this rank runs."""
+        return self._model.stages
+
+    @property
+    def stage_of_module(self):
+        return self._model.stage_of_module
+
+    def partition_report(self):
+        return self._model.partition_report()
