@@ -383,6 +383,13 @@ PYBIND11_MODULE(_smp, module) {
             return tp::reduce_scattered(tensor, dim, runtime.tensor_parallel_group()).clone();
           },
           py::arg("tensor"), py::arg("dim"), py::call_guard<py::gil_scoped_release>())
+      // smp.tp.vocab_parallel_cross_entropy: the engine's, over the tensor-parallel group (autograd is its).
+      .def(
+          "_vocab_parallel_cross_entropy",
+          [](Runtime& runtime, const at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index) {
+            return tp::vocab_parallel_cross_entropy(logits, targets, runtime.tensor_parallel_group(), ignore_index);
+          },
+          py::arg("logits"), py::arg("targets"), py::arg("ignore_index"), py::call_guard<py::gil_scoped_release>())
       // Rows of `tensor` to the members of the expert-parallel group, for smp.ep's all_to_all (autograd is its).
       .def(
           "_ep_all_to_all",

@@ -366,22 +366,12 @@ class VocabParallelEmbedding(_FromWhole):
 def vocab_parallel_cross_entropy(logits, targets, ignore_index=-100):
     """The mean cross entropy of logits sharded along the vocabulary (a column-parallel output layer's, not
     gathered) against whole targets: the same on every rank, without gathering the logits. `logits` [...,
-    vocabulary / tp], `targets` [...] of ids over the whole vocabulary."""
+    vocabulary / tp], `targets` [...] of ids over the whole vocabulary; targets equal to ignore_index are left out
+    of the mean, as F.cross_entropy leaves them. The engine's (smp::tp::vocab_parallel_cross_entropy), so that C++
+    and Python compute one loss."""
     if degree() == 1:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index)
-    logits = logits.float()
-    width = logits.shape[-1]
-    first = rank() * width
-    # The row maxima only steady the exponentials: no gradient through them.
-    row_maxima = logits.detach().amax(-1, keepdim=True)
-    maximum = _runtime()._tp_all_gather(row_maxima, -1).amax(-1, keepdim=True)
-    shifted = logits - maximum
-    total = reduce_from_shards(shifted.exp().sum(-1))
-    outside = (targets < first) | (targets >= first + width)
-    local = (targets - first).masked_fill(outside, 0)
-    target_logit = reduce_from_shards(shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0))
-    counted = targets != ignore_index  # as F.cross_entropy's ignore_index: padding out of the mean
-    return ((total.log() - target_logit) * counted).sum() / counted.sum()
+    return _runtime()._vocab_parallel_cross_entropy(logits, targets, ignore_index)
 
 
 # Styles: what a plan does to the module at a path.

@@ -181,6 +181,9 @@ TORCH_MODULE(SelfAttention);
 // The mean cross entropy of logits sharded along the vocabulary (a column-parallel output layer's, not gathered)
 // against whole targets: the same value on every rank, and each rank's gradient for its own logits, without ever
 // gathering the logits. `logits` [..., vocabulary / tp], `targets` [...] of ids over the whole vocabulary.
-at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, const Group& group);
+// Targets equal to `ignore_index` (padding) are left out of the mean, as F.cross_entropy leaves them. Half-precision
+// logits are taken in float32. smp.tp.vocab_parallel_cross_entropy is this function.
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, const Group& group,
+                                        int64_t ignore_index = -100);
 
 }  // namespace smp::tp

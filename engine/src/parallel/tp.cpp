@@ -324,10 +324,12 @@ at::Tensor SelfAttentionImpl::forward(const at::Tensor& input) {
   return projection(attended.transpose(1, 2).reshape({batch, length, local_heads_ * head_size}));
 }
 
-at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, const Group& group) {
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, const Group& group,
+                                        int64_t ignore_index) {
   const int64_t local = logits.size(-1);
   const int64_t first_id = group->rank() * local;
-  const at::Tensor rows = logits.reshape({-1, local});
+  const at::Tensor rows = logits.reshape({-1, local}).to(at::isReducedFloatingType(logits.scalar_type())
+                                                             ? at::kFloat : logits.scalar_type());
   const at::Tensor ids = targets.reshape({-1});
   // The largest logit over the whole vocabulary, for a stable exponent; it cancels out, so it takes no gradient.
   const at::Tensor local_max = std::get<0>(rows.detach().max(-1)).contiguous();
@@ -342,7 +344,8 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
   const at::Tensor elsewhere = (ids < first_id) | (ids >= first_id + local);
   const at::Tensor picked =
       shifted.gather(1, (ids - first_id).masked_fill(elsewhere, 0).unsqueeze(1)).squeeze(1).masked_fill(elsewhere, 0.0);
-  return (sum_exp.log() - reduce_from_shards(picked, group)).mean();
+  const at::Tensor counted = (ids != ignore_index).to(rows.scalar_type());
+  return ((sum_exp.log() - reduce_from_shards(picked, group)) * counted).sum() / counted.sum();
 }
 
 }  // namespace smp::tp
