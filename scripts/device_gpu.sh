@@ -196,8 +196,8 @@ if ! cmake --build "$build" --parallel "$(nproc)" "${targets[@]}" 2>&1 | tee "$b
   [ -n "$out" ] && cp "$build_log" "$out/build_gpu.txt"
   # The C++ GPU tests must still run when only the Python package fails to build here (ninja names every failed
   # object after FAILED:); any other failure is the build's.
-  if [ "$python_package" = ON ] && grep -q '^FAILED: .*bindings/' "$build_log" &&
-     ! grep '^FAILED:' "$build_log" | grep -qv 'bindings/'; then
+  if [ "$python_package" = ON ] && grep -q '^FAILED: .*python/' "$build_log" &&
+     ! grep '^FAILED:' "$build_log" | grep -qv 'python/'; then
     say "the Python package FAILED to build here; building the rest without it (its log: build_gpu_python.txt)"
     [ -n "$out" ] && cp "$build_log" "$out/build_gpu_python.txt"
     configure OFF
