@@ -395,14 +395,7 @@ PYBIND11_MODULE(_smp, module) {
           "_ep_all_to_all",
           [](Runtime& runtime, const at::Tensor& tensor, const std::vector<int64_t>& output_rows,
              const std::vector<int64_t>& input_rows, bool counted) {
-            if (counted) return exchange_rows(tensor, output_rows, input_rows, runtime.expert_parallel());
-            // Control values (an experts layer's counts): neither counted nor shown.
-            std::vector<int64_t> shape = tensor.sizes().vec();
-            shape[0] = 0;
-            for (int64_t rows : output_rows) shape[0] += rows;
-            at::Tensor output = at::empty(shape, tensor.options());
-            runtime.expert_parallel().all_to_all(output, tensor.contiguous(), output_rows, input_rows);
-            return output;
+            return exchange_rows(tensor, output_rows, input_rows, runtime.expert_parallel(), counted);
           },
           py::arg("tensor"), py::arg("output_rows"), py::arg("input_rows"), py::arg("counted") = true,
           py::call_guard<py::gil_scoped_release>());

@@ -189,6 +189,6 @@ class ExpertsAcrossRanks:
                 torch.arange(self.share, device=rows.device).repeat(self.degree),
                 receive.reshape(-1).to(rows.device))
             out = ep.all_to_all(self._local_experts(received, local_index, parameters), input_rows, output_rows)
-        by_token = out.index_select(0, torch.argsort(order)).view(count, chosen, -1)
+        by_token = torch.empty_like(out).index_copy(0, order, out).view(count, chosen, -1)  # unsorted
         combined = (by_token * weights.reshape(count, chosen, 1)).sum(1)
         return combined.to(hidden.dtype).view(hidden.shape)

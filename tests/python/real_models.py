@@ -327,14 +327,14 @@ def train_and_compare(name, args, config, runtime):
     experts_shared = config.get("expert_parallel_degree", 1)
     if experts_shared > 1:
         # Expert parallelism: this rank holds its share of every experts tensor, the rest whole.
-        divided = {path for path, p in model.named_parameters() if hasattr(p, "_smp_expert_shard")}
-        stacked = {path for path in dict(model.named_parameters()) if ".experts." in path and
-                   "shared" not in path}
+        held = dict(model.named_parameters())
+        divided = {path for path, p in held.items() if hasattr(p, "_smp_expert_shard")}
+        stacked = {path for path in held if ".experts." in path and "shared" not in path}
         if not divided or divided != stacked:
             failures.append(f"expert shards {sorted(divided ^ stacked)[:3] or 'none'} are not the experts tensors")
         for path in divided:
-            if dict(model.named_parameters())[path].shape[0] * experts_shared != plain[path].shape[0]:
-                failures.append(f"{path} holds {dict(model.named_parameters())[path].shape[0]} experts")
+            if held[path].shape[0] * experts_shared != plain[path].shape[0]:
+                failures.append(f"{path} holds {held[path].shape[0]} experts")
     checked = 0
     for path, parameter in model.named_parameters():
         if path not in plain:

@@ -56,8 +56,9 @@ class WithoutCollectives {
 };
 
 // Expert parallelism's exchange: input_rows[r] consecutive rows of `input` to group rank r, output_rows[r] rows
-// from each (a new tensor, in rank order), counted as "EP_ALL_TO_ALL" with the rows sent to other ranks.
+// from each (a new tensor, in rank order), counted as "EP_ALL_TO_ALL" with the rows sent to other ranks unless
+// `counted` is false (control values: an experts layer's counts).
 at::Tensor exchange_rows(const at::Tensor& input, const std::vector<int64_t>& output_rows,
-                         const std::vector<int64_t>& input_rows, comm::Communicator& group);
+                         const std::vector<int64_t>& input_rows, comm::Communicator& group, bool counted = true);
 
 }  // namespace smp

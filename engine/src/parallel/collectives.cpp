@@ -52,13 +52,17 @@ WithoutCollectives::WithoutCollectives() : before_(collectives_off) { collective
 WithoutCollectives::~WithoutCollectives() { collectives_off = before_; }
 
 at::Tensor exchange_rows(const at::Tensor& input, const std::vector<int64_t>& output_rows,
-                         const std::vector<int64_t>& input_rows, comm::Communicator& group) {
+                         const std::vector<int64_t>& input_rows, comm::Communicator& group, bool counted) {
   std::vector<int64_t> shape = input.sizes().vec();
   if (shape.empty()) throw ConfigError("all_to_all takes a tensor of at least one dimension (its rows)");
   shape[0] = 0;
   for (int64_t rows : output_rows) shape[0] += rows;
   at::Tensor output = at::empty(shape, input.options());
   const at::Tensor rows = input.contiguous();
+  if (!counted) {
+    group.all_to_all(output, rows, output_rows, input_rows);
+    return output;
+  }
   const int64_t row_bytes = rows.size(0) > 0 ? static_cast<int64_t>(rows.nbytes()) / rows.size(0) : 0;
   int64_t sent = 0;
   for (std::size_t peer = 0; peer < input_rows.size(); ++peer) {

@@ -266,9 +266,8 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
     for (int owner : optimizer_shard_owners(runtime_->topology().data_parallel_degree())) {
       if (owner >= 0) owners.push_back(owner);  // the trainable ones, in the order of replica_parameters()
     }
-    constexpr std::int64_t kBucketBytes = 25 << 20;  // as the gradient reducer's
     shards_ = std::make_unique<OptimizerShards>(gradients_->replica_parameters(), owners, runtime_->data_parallel(),
-                                                kBucketBytes);
+                                                GradientSync::kBucketBytes);
   }
 }
 

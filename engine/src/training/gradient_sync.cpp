@@ -30,6 +30,7 @@ GradientSync::GradientSync(Runtime& runtime, const GraphModel& model, const std:
   for (const auto& [name, parameter] : named_parameters_) {
     if (!experts.count(parameter.unsafeGetTensorImpl())) continue;
     expert_parameters_.push_back(parameter);
+    expert_impls_.insert(parameter.unsafeGetTensorImpl());
     expert_shard_names_.insert(name);
   }
   if (runtime_.topology().data_parallel_degree() > 1 &&
@@ -49,9 +50,6 @@ GradientSync::GradientSync(Runtime& runtime, const GraphModel& model, const std:
       (expert ? expert_shards : replica_parameters_).push_back(parameter);
       (expert ? expert_accumulations : accumulations).push_back(users * config.microbatches);
     }
-    // PyTorch DDP's default bucket size: large enough that per-call latency does not dominate, small enough that
-    // the first bucket is ready early in the last backward pass.
-    constexpr std::int64_t kBucketBytes = 25 << 20;
     if (!replica_parameters_.empty()) {
       reducer_ = std::make_unique<GradientReducer>(replica_parameters_, std::move(accumulations),
                                                    runtime_.data_parallel(), kBucketBytes);
@@ -240,9 +238,7 @@ double GradientSync::clip_norm(double max_norm) {
   at::Tensor expert_squares = at::zeros({1}, options);
   for (const auto& parameter : norm_parameters_) {
     if (!parameter.grad().defined()) continue;
-    const bool expert = std::any_of(expert_parameters_.begin(), expert_parameters_.end(),
-                                    [&](const at::Tensor& shard) { return shard.is_same(parameter); });
-    (expert ? expert_squares : squares) += parameter.grad().to(at::kDouble).pow(2).sum();
+    (expert_impls_.count(parameter.unsafeGetTensorImpl()) ? expert_squares : squares) += parameter.grad().to(at::kDouble).pow(2).sum();
   }
   // Each rank of an expert-parallel group holds other experts (with the same averaged gradients as the replicas
   // holding the same ones): the group's shares together are the layer's.

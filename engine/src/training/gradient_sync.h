@@ -25,6 +25,10 @@ namespace smp {
 
 class GradientSync {
  public:
+  // PyTorch DDP's default bucket size: large enough that per-call latency does not dominate, small enough that the
+  // first bucket is ready early in the last backward pass. Sharded optimizer state shares its updates in the same.
+  static constexpr std::int64_t kBucketBytes = 25 << 20;
+
   // One of this rank's stages: its nodes, and the parameters they read.
   struct LocalStage {
     const std::vector<int>* nodes;
@@ -75,6 +79,7 @@ class GradientSync {
   std::vector<std::pair<std::string, at::Tensor>> named_parameters_;
   std::vector<at::Tensor> replica_parameters_;
   std::vector<at::Tensor> expert_parameters_;
+  std::set<const void*> expert_impls_;  // the same, to tell them apart where the gradients are walked
   std::vector<at::Tensor> norm_parameters_;
   std::vector<at::Tensor> sequence_parallel_parameters_;
   std::map<std::string, std::pair<int64_t, int64_t>> shard_dims_;
