@@ -117,7 +117,7 @@ TEST_CASE("checkpoint: sharded optimizer state needs one shard file per pipeline
                     Contains("must equal replicas (3)"));
   // Unsharded: a shard file has no place.
   CHECK_THROWS_WITH(CheckpointManifest::parse(edit([](auto& d) { d["optimizer_shards"] = 1; }), "m"),
-                    Contains("not sharded"));
+                    Contains("no replica writes an optimizer shard file"));
   // Manifests from before sharding have no optimizer_shards: the partition files hold all the state.
   manifest.files.resize(2);
   CHECK(CheckpointManifest::parse(edit([](auto& d) {
@@ -126,7 +126,7 @@ TEST_CASE("checkpoint: sharded optimizer state needs one shard file per pipeline
         }), "m").optimizer_shards == 1);
 }
 
-TEST_CASE("checkpoint: divided experts need a partition file per pipeline rank and share", "[checkpoint]") {
+TEST_CASE("checkpoint: divided experts need a partition file per pipeline rank and share, then shard files", "[checkpoint]") {
   auto manifest = sample_manifest(4);
   manifest.replicas = 4;
   manifest.expert_parallel_degree = 2;
@@ -156,8 +156,18 @@ TEST_CASE("checkpoint: divided experts need a partition file per pipeline rank a
                     Contains("ep_rank 2, outside [0, 1]"));
   CHECK_THROWS_WITH(CheckpointManifest::parse(edit([](auto& d) { d["files"][1]["ep_rank"] = 0; }), "m"),
                     Contains("repeated pp_rank 0"));
+  // Sharded optimizer state: the first replicas' shares are in their partition files, the later ones' in their own.
   CHECK_THROWS_WITH(CheckpointManifest::parse(edit([](auto& d) { d["optimizer_shards"] = 4; }), "m"),
-                    Contains("cannot both be above 1"));
+                    Contains("no optimizer shard file for pipeline rank 0 replica 2"));
+  CHECK_THROWS_WITH(CheckpointManifest::parse(edit([](auto& d) { d["optimizer_shards"] = 3; }), "m"),
+                    Contains("expert_parallel_degree (2) does not divide optimizer_shards (3)"));
+  manifest.optimizer_shards = 4;
+  for (int pp = 0; pp < 2; ++pp) {
+    for (int dp = 2; dp < 4; ++dp) manifest.files.push_back({optimizer_shard_file_name(pp, dp), pp, 5, 3, dp});
+  }
+  CHECK(CheckpointManifest::parse(manifest.to_json(), "m.json").files.size() == 8);
+  CHECK_THROWS_WITH(CheckpointManifest::parse(edit([](auto& d) { d["files"][4]["dp_rank"] = 1; }), "m"),
+                    Contains("dp_rank 1, outside [2, 3]"));
 }
 
 TEST_CASE("checkpoint: the newest complete checkpoint wins; damaged ones are skipped with a reason", "[checkpoint]") {

@@ -168,7 +168,7 @@ TEST_CASE("config: world size must be partitions x replicas", "[config]") {
   CHECK_THROWS_WITH(config.check_batch(20, 2), Contains("a global batch of 20 does not split into 2 replicas x 4 microbatches"));
 }
 
-TEST_CASE("expert_parallel_degree divides the replicas, and refuses what it does not compose with yet", "[config]") {
+TEST_CASE("expert_parallel_degree divides the replicas", "[config]") {
   const auto config = smp::Config::from_json_text(R"({"expert_parallel_degree": 2, "partitions": 2, "ddp": true})", "t");
   CHECK(config.expert_parallel_degree == 2);
   CHECK(config.replicas_for_world(8) == 4);
@@ -177,9 +177,9 @@ TEST_CASE("expert_parallel_degree divides the replicas, and refuses what it does
                         Catch::Contains("launch a multiple of 4 processes"));
   CHECK_THROWS_WITH(smp::Config::from_json_text(R"({"expert_parallel_degree": 0})", "t"),
                     Catch::Contains("expert_parallel_degree"));
-  CHECK_THROWS_WITH(
-      smp::Config::from_json_text(R"({"expert_parallel_degree": 2, "ddp": true, "shard_optimizer_state": true})", "t"),
-      Catch::Contains("key \"shard_optimizer_state\"") && Catch::Contains("not supported yet"));
+  // ZeRO-1 composes: experts' state is divided over the replicas holding the same experts, the rest over all.
+  CHECK(smp::Config::from_json_text(R"({"expert_parallel_degree": 2, "ddp": true, "shard_optimizer_state": true})", "t")
+            .shard_optimizer_state);
 }
 
 TEST_CASE("tensor_parallel_degree is read, bounded, and divides the world with the partitions", "[config]") {

@@ -1,5 +1,6 @@
 """Models built on the meta device through checkpoints and exports: a 2-stage job trains 3 steps of a GPT-2 (or a
-Mixtral-shaped mixture of experts, alone or with its experts divided over 2 replicas (ep 2 x pp 2, 4 processes), or
+Mixtral-shaped mixture of experts, alone or with its experts divided over 2 replicas (ep 2 x pp 2, 4 processes, the
+optimizer state sharded), or
 a ResNet-18, whose batch norm statistics are state too) and checkpoints after each; a second job resumes and trains to step 5. Both must hold exactly what plain PyTorch training of the
 smp.materialize'd model holds after 3 and 5 steps, parameters and buffers. The newest checkpoint is then exported as safetensors shards with an index: from_pretrained
 (or load_state_dict of the shards) must give the trained model, and a third job, of one stage, must load it with
@@ -149,7 +150,8 @@ def check(kind, smprun, python, failures):
         experts_divided = kind == "mixtral_ep"
         processes, pieces = (4, 4) if experts_divided else (2, 2)
         if experts_divided:  # microbatches of 2, as the sample: the capture takes no fewer
-            base.update(ddp=True, expert_parallel_degree=2, global_batch_size=8)
+            # Each replica's share of the optimizer state (ZeRO-1) goes into its partition file.
+            base.update(ddp=True, expert_parallel_degree=2, shard_optimizer_state=True, global_batch_size=8)
         first = run_job(smprun, python, processes, base, 3, f"{directory}/first", failures, f"{kind}: first job")
         expected3 = reference(kind, 3, seed, pieces, base["global_batch_size"]).state_dict()
         compare(f"{kind} after 3 steps", first, expected3, failures)

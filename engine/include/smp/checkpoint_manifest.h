@@ -24,7 +24,8 @@ struct CheckpointFile {
   std::uint64_t size = 0;
   std::uint32_t crc32 = 0;
   // -1: the pipeline rank's partition file (parameters, RNG, and the optimizer state of replica 0, or of all
-  // replicas when it is not sharded). Else the optimizer state shard of that replica (1 .. optimizer_shards - 1).
+  // replicas when it is not sharded). Else the optimizer state shard of that replica (1 .. optimizer_shards - 1;
+  // under expert parallelism from expert_parallel_degree, whose first replicas write partition files).
   int dp_rank = -1;
   // Under tensor parallelism each shard of a pipeline rank has its files: this one's tensors are shard tp_rank's.
   int tp_rank = 0;
@@ -40,7 +41,8 @@ struct CheckpointManifest {
   int virtual_stages = 1;
   int replicas = 0;                  // when saved; any number may load it
   // The replicas the optimizer state was sharded over (shard_optimizer_state); 1: the partition files hold it all.
-  // Any job may resume it: one sharded otherwise (or not at all) reads every share and keeps its own.
+  // Any job may resume it: one sharded otherwise (or not at all) reads every share and keeps its own (not under
+  // expert parallelism, whose resume keeps the sharding).
   int optimizer_shards = 1;
   // The shards of each layer a tensor-parallel model split (absent, 1, in checkpoints written before): a resume
   // needs the same degree; an export puts the shards together.

@@ -146,10 +146,11 @@ class DistributedModel {
   // "shard_optimizer_state": how many replicas this rank's optimizer state is split over (1: not sharded), and
   // whether this replica's optimizer keeps state for and updates `parameter`. The optimizers hold only those.
   int optimizer_state_shards() const;
-  bool updates_parameter(const at::Tensor& parameter) const { return !shards_ || shards_->owns(parameter); }
-  // The replica whose optimizer would hold each parameter (aligned with parameters()) were the state sharded over
-  // `replicas`; -1 for a parameter frozen when the model was built, which every replica's optimizer holds. What a
-  // checkpoint sharded over another number of replicas needs to tell whose state each share file holds.
+  bool updates_parameter(const at::Tensor& parameter) const;
+  // The replica (data-parallel rank) whose optimizer would hold each parameter (aligned with parameters()) were the
+  // state sharded over `replicas`; -1 for a parameter frozen when the model was built, which every replica's
+  // optimizer holds. What a checkpoint sharded over another number of replicas needs to tell whose state each share
+  // file holds. Under expert parallelism an expert shard's owner is one of the replicas holding the same experts.
   std::vector<int> optimizer_shard_owners(int replicas) const;
   // After the optimizer step, on every rank: each replica takes the parameters other replicas updated.
   void share_updated_parameters();
@@ -177,6 +178,7 @@ class DistributedModel {
   static OutputsLossFunction of_first_output(const LossFunction& loss);
   void check_single_input(const char* caller, const at::Tensor& inputs, const at::Tensor& targets) const;
   void build_stages(const sched::Schedule& schedule);
+  void make_optimizer_shards();
   void write_timeline(const std::vector<TimelineEvent>& events);
   // Whether this rank's losses go into the step's: the tensor-parallel ranks of the last stage compute the same.
   bool counts_loss() const { return runtime_->tp_rank() == 0; }
@@ -195,7 +197,9 @@ class DistributedModel {
   std::unique_ptr<PipelineExecutor> executor_;
   std::unique_ptr<PipelineExecutor> evaluator_;  // forward-only, made by the first evaluate()
   std::unique_ptr<GradientSync> gradients_;  // averaged, summed, checked, clipped and cleared by it
-  std::unique_ptr<OptimizerShards> shards_;   // with replicas and shard_optimizer_state only
+  // With replicas and shard_optimizer_state only: the replicas' shares, and under expert parallelism those of the
+  // replicas holding the same experts.
+  std::vector<std::unique_ptr<OptimizerShards>> shards_;
   long long step_ = 0;  // steps run so far, for error messages
   std::string exchange_;  // prefix of this model's store keys
   std::optional<FoundCheckpoint> resumed_from_;

@@ -174,8 +174,10 @@ CheckpointManifest CheckpointManifest::parse(const std::string& text, const std:
       manifest.tensor_parallel_degree < 1 || manifest.expert_parallel_degree < 1) {
     throw fail("counts must be positive");
   }
-  if (manifest.expert_parallel_degree > 1 && manifest.optimizer_shards > 1) {
-    throw fail("expert_parallel_degree and optimizer_shards cannot both be above 1");
+  if (manifest.expert_parallel_degree > 1 && manifest.optimizer_shards > 1 &&
+      manifest.optimizer_shards % manifest.expert_parallel_degree != 0) {
+    throw fail("expert_parallel_degree (" + std::to_string(manifest.expert_parallel_degree) +
+               ") does not divide optimizer_shards (" + std::to_string(manifest.optimizer_shards) + ")");
   }
   if (manifest.optimizer_shards > 1 && manifest.optimizer_shards != manifest.replicas) {
     throw fail("optimizer_shards (" + std::to_string(manifest.optimizer_shards) + ") must equal replicas (" +
@@ -199,10 +201,11 @@ CheckpointManifest CheckpointManifest::parse(const std::string& text, const std:
     manifest.stage_of_module.push_back(stages[i].get<int>());
   }
   const json& files = field("files", [](const json& v) { return v.is_array(); }, "a list");
-  // covered[pp][tp][slot]: slot 0 stands for the partition file, 1 .. optimizer_shards - 1 for that replica's
-  // optimizer shard, and the next expert_parallel_degree - 1 for the partition files of the other experts' shares.
+  // covered[pp][tp][replica]: the replicas below expert_parallel_degree write partition files (one, replica 0's,
+  // without expert parallelism), the later ones below optimizer_shards files of their optimizer state's share.
   const auto shards = static_cast<std::size_t>(manifest.tensor_parallel_degree);
-  const auto slots = static_cast<std::size_t>(manifest.optimizer_shards + manifest.expert_parallel_degree - 1);
+  const int first_shard_file = manifest.expert_parallel_degree;
+  const auto slots = static_cast<std::size_t>(std::max(manifest.optimizer_shards, manifest.expert_parallel_degree));
   std::vector<std::vector<std::vector<bool>>> covered(
       static_cast<std::size_t>(manifest.partitions),
       std::vector<std::vector<bool>>(shards, std::vector<bool>(slots, false)));
@@ -224,11 +227,12 @@ CheckpointManifest CheckpointManifest::parse(const std::string& text, const std:
     }
     const bool shard = file.contains("dp_rank");
     const long long dp_rank = shard ? file["dp_rank"].get<long long>() : 0;
-    if (shard && (dp_rank < 1 || dp_rank >= manifest.optimizer_shards)) {
+    if (shard && (dp_rank < first_shard_file || dp_rank >= manifest.optimizer_shards)) {
       throw fail("file " + file["name"].get<std::string>() + " has dp_rank " + std::to_string(dp_rank) +
-                 (manifest.optimizer_shards > 1
-                      ? ", outside [1, " + std::to_string(manifest.optimizer_shards - 1) + "]"
-                      : ", but the optimizer state is not sharded"));
+                 (manifest.optimizer_shards > first_shard_file
+                      ? ", outside [" + std::to_string(first_shard_file) + ", " +
+                            std::to_string(manifest.optimizer_shards - 1) + "]"
+                      : ", but no replica writes an optimizer shard file"));
     }
     const long long tp_rank = file.contains("tp_rank") ? file["tp_rank"].get<long long>() : 0;
     if (tp_rank < 0 || tp_rank >= manifest.tensor_parallel_degree) {
@@ -244,7 +248,7 @@ CheckpointManifest CheckpointManifest::parse(const std::string& text, const std:
                          static_cast<std::uint32_t>(file["crc32"].get<std::uint64_t>()),
                          shard ? static_cast<int>(dp_rank) : -1, static_cast<int>(tp_rank), static_cast<int>(ep_rank)};
     if (!safe_file_name(entry.name)) throw fail("unsafe file name \"" + entry.name + "\"");
-    const auto slot = static_cast<std::size_t>(ep_rank > 0 ? manifest.optimizer_shards - 1 + ep_rank : dp_rank);
+    const auto slot = static_cast<std::size_t>(shard ? dp_rank : ep_rank);
     auto&& seen = covered[entry.pp_rank][static_cast<std::size_t>(tp_rank)][slot];
     if (seen) {
       throw fail("file " + entry.name + " has a repeated pp_rank " + std::to_string(entry.pp_rank) +
@@ -259,16 +263,16 @@ CheckpointManifest CheckpointManifest::parse(const std::string& text, const std:
     for (std::size_t tp = 0; tp < shards; ++tp) {
       const std::string shard = shards > 1 ? " shard " + std::to_string(tp) : std::string();
       if (!covered[rank][tp][0]) throw fail("no file for pipeline rank " + std::to_string(rank) + shard);
-      for (int replica = 1; replica < manifest.optimizer_shards; ++replica) {
+      for (int share = 1; share < manifest.expert_parallel_degree; ++share) {
+        if (!covered[rank][tp][static_cast<std::size_t>(share)]) {
+          throw fail("no file for pipeline rank " + std::to_string(rank) + shard + " experts share " +
+                     std::to_string(share));
+        }
+      }
+      for (int replica = first_shard_file; replica < manifest.optimizer_shards; ++replica) {
         if (!covered[rank][tp][static_cast<std::size_t>(replica)]) {
           throw fail("no optimizer shard file for pipeline rank " + std::to_string(rank) + shard + " replica " +
                      std::to_string(replica));
-        }
-      }
-      for (int share = 1; share < manifest.expert_parallel_degree; ++share) {
-        if (!covered[rank][tp][static_cast<std::size_t>(manifest.optimizer_shards - 1 + share)]) {
-          throw fail("no file for pipeline rank " + std::to_string(rank) + shard + " experts share " +
-                     std::to_string(share));
         }
       }
     }

@@ -250,15 +250,7 @@ const std::vector<Key>& key_table() {
        [](const Reader& r, Config& c) { c.skip_nonfinite_steps = r.choice("nonfinite", {"stop", "skip"}) == "skip"; }},
       {"ddp", [](const Reader& r, Config& c) { c.ddp = r.boolean("ddp"); }},
       {"shard_optimizer_state",
-       [](const Reader& r, Config& c) { c.shard_optimizer_state = r.boolean("shard_optimizer_state"); },
-       [](const Reader& r, Config& c) {
-         // The owners would share expert shards that other replicas of the group do not hold.
-         if (c.shard_optimizer_state && c.expert_parallel_degree > 1) {
-           r.fail("shard_optimizer_state", "with \"expert_parallel_degree\" " +
-                                               std::to_string(c.expert_parallel_degree) +
-                                               " is not supported yet; set one of them to false / 1");
-         }
-       }},
+       [](const Reader& r, Config& c) { c.shard_optimizer_state = r.boolean("shard_optimizer_state"); }},
       {"placement_strategy",
        [](const Reader& r, Config& c) {
          const std::string text = r.string("placement_strategy");

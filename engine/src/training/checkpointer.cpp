@@ -148,7 +148,7 @@ void Checkpointer::save(std::int64_t step) {
   const int expert_shares = runtime.topology().expert_parallel_degree();
   // The first replica writes the partition file; with sharded optimizer state, each other replica a file with its
   // share of that state and nothing else. Under expert parallelism each replica of the first block writes a
-  // partition file: the experts it holds, and its optimizer's state of them.
+  // partition file: the experts it holds, and its optimizer's state of them (its share, when sharded).
   const bool writes_partition = runtime.dp_rank() < expert_shares;
   if (writes_partition || shards > 1) {
     optimizer_bytes = optimizer_state_->snapshot();
@@ -165,7 +165,7 @@ void Checkpointer::save(std::int64_t step) {
     contents->insert("pp_rank", static_cast<std::int64_t>(runtime.pp_rank()));
     if (tensor_parallel) contents->insert("tp_rank", static_cast<std::int64_t>(runtime.tp_rank()));
   }
-  if (runtime.dp_rank() > 0 && shards > 1) {
+  if (!writes_partition && shards > 1) {
     contents->insert("dp_rank", static_cast<std::int64_t>(runtime.dp_rank()));
   } else if (writes_partition) {
     c10::Dict<std::string, at::Tensor> parameters;
@@ -236,7 +236,7 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
   const int expert_shares = runtime.topology().expert_parallel_degree();
   const auto file_name_of = [&](int pp_rank, int dp_rank, int tp_rank) {
     const int shard = tensor_parallel_degree > 1 ? tp_rank : -1;
-    if (expert_shares > 1) return partition_file_name(pp_rank, shard, dp_rank);
+    if (expert_shares > 1 && dp_rank < expert_shares) return partition_file_name(pp_rank, shard, dp_rank);
     return dp_rank == 0 ? partition_file_name(pp_rank, shard) : optimizer_shard_file_name(pp_rank, dp_rank, shard);
   };
   if (contents) {
@@ -277,9 +277,10 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
         CheckpointFile file;
         file.name = file_name_of(pp, dp, tp);
         file.pp_rank = pp;
-        file.dp_rank = dp == 0 || expert_shares > 1 ? -1 : dp;
+        const bool partition_file = dp < expert_shares;
+        file.dp_rank = partition_file ? -1 : dp;
         file.tp_rank = tp;
-        file.ep_rank = expert_shares > 1 ? dp : 0;
+        file.ep_rank = partition_file ? dp : 0;
         std::istringstream fields(report);
         fields >> file.size >> file.crc32;
         manifest->files.push_back(file);
@@ -334,7 +335,9 @@ std::int64_t Checkpointer::resume() {
     SavedOptimizerShare read;
     read.path = path;
     auto share_contents = contents;
-    if (share > 0) {
+    // Shares below the expert-parallel degree are in partition files: this rank's share is in the one it loaded
+    // (a resume under expert parallelism keeps the sharding, so each replica reads its own share only).
+    if (share >= manifest.expert_parallel_degree) {
       const auto& shard = file_of(share);
       read.path = directory + "/" + shard.name;
       share_contents = load_partition_file(read.path, shard);
@@ -423,6 +426,18 @@ std::optional<FoundCheckpoint> checkpoint_to_resume(Runtime& runtime, const std:
                           std::to_string(expert_shares) +
                           ": a resume keeps the experts where they were; export it whole (smp.export_safetensors, "
                           "smp_checkpoint export) and load it with load_parameters, which takes each rank's experts");
+  }
+  const int shards = config.shard_optimizer_state ? runtime.topology().data_parallel_degree() : 1;
+  if (expert_shares > 1 && manifest.optimizer_shards != shards) {
+    // Every share names the experts' state alike, whoever's experts it was: a share of another replica could hand
+    // this one the moments of experts it does not hold.
+    const auto describe = [](int count) {
+      return count > 1 ? "sharded over " + std::to_string(count) + " replicas" : std::string("not sharded");
+    };
+    throw CheckpointError(directory + ": its optimizer state is " + describe(manifest.optimizer_shards) +
+                          ", this job's would be " + describe(shards) +
+                          "; under expert parallelism a resume keeps the replicas and \"shard_optimizer_state\" as "
+                          "they were (or export the parameters and load them with load_parameters)");
   }
   if (manifest.model_signature != model_signature) {
     throw CheckpointError(directory + " holds another model (" + manifest.model_signature + "; this model: " +

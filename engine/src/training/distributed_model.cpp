@@ -262,12 +262,7 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
   if (config.shard_optimizer_state && runtime_->topology().data_parallel_degree() > 1 &&
       std::any_of(named_parameters_.begin(), named_parameters_.end(),
                   [](const auto& named) { return named.second.requires_grad(); })) {
-    std::vector<int> owners;
-    for (int owner : optimizer_shard_owners(runtime_->topology().data_parallel_degree())) {
-      if (owner >= 0) owners.push_back(owner);  // the trainable ones, in the order of replica_parameters()
-    }
-    shards_ = std::make_unique<OptimizerShards>(gradients_->replica_parameters(), owners, runtime_->data_parallel(),
-                                                GradientSync::kBucketBytes);
+    make_optimizer_shards();
   }
 }
 

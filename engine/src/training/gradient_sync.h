@@ -56,9 +56,6 @@ class GradientSync {
   double clip_norm(double max_norm);
   void zero(bool set_to_none);
 
-  // This rank's trainable parameters that the data-parallel replicas average (not expert shards), in order: what
-  // sharded optimizer state divides among the replicas.
-  const std::vector<at::Tensor>& replica_parameters() const { return replica_parameters_; }
   // The parameters that count toward the whole model's gradient norm here: a tied parameter on the rank of its
   // first node only, a parameter every tensor-parallel rank holds whole on tp rank 0 only.
   const std::vector<at::Tensor>& norm_parameters() const { return norm_parameters_; }
