@@ -406,6 +406,7 @@ PYBIND11_MODULE(_smp, module) {
       .def_readonly("seconds", &StepOutput::seconds)
       .def_readonly("gradient_buckets", &StepOutput::gradient_buckets)
       .def_readonly("buckets_overlapped", &StepOutput::buckets_overlapped)
+      .def_readonly("forwards_overlapped", &StepOutput::forwards_overlapped)
       .def_property_readonly("all_outputs", [](const StepOutput& output) -> py::object {
         return output.all_outputs.empty() ? py::none() : py::cast(output.all_outputs);
       });

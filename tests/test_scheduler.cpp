@@ -225,6 +225,52 @@ TEST_CASE("lowering wraps each compute action in its transfers", "[lowering]") {
   }
 }
 
+TEST_CASE("overlapped pairs: a forward and the backward of another microbatch after it", "[overlap]") {
+  SECTION("DualPipeV's pairs; the forward's sends and those after them held") {
+    const Schedule lowered = lower_communication(make_dualpipe_v(2, 4), StageGraph::chain(4));
+    const auto& actions = lowered.ranks[0];
+    const auto at = [&](const Action& wanted) {
+      return static_cast<std::size_t>(std::find(actions.begin(), actions.end(), wanted) - actions.begin());
+    };
+    const auto pairs = overlapped_pairs(lowered, 0);
+    std::vector<Action> forwards;
+    for (const auto& [first, window] : pairs) forwards.push_back(actions[first]);
+    // F(3, 1) is followed by another forward and F(3, 0) by its own backward: not pairs.
+    CHECK(forwards == std::vector<Action>{F(0, 3), F(3, 2), F(3, 3)});
+    const auto& with_sends = pairs.at(at(F(0, 3)));
+    CHECK(actions[with_sends.last] == W(3, 1));
+    CHECK(with_sends.held == std::vector<std::size_t>{at(send_f(0, 1, 3)), at(send_b(3, 2, 1))});
+    const auto& with_receive = pairs.at(at(F(3, 2)));
+    CHECK(actions[with_receive.last] == W(0, 0));
+    CHECK(with_receive.held.empty());
+    // Rank 1's forward of stage 1 sends to its own stage 2: held, it does not stop the receive of the gradient
+    // from rank 0 for the backward beside it.
+    const auto& middle = lowered.ranks[1];
+    const auto middle_pairs = overlapped_pairs(lowered, 1);
+    const auto local_send = std::find(middle.begin(), middle.end(), send_f(1, 2, 2)) - middle.begin();
+    const auto pair = middle_pairs.find(static_cast<std::size_t>(local_send - 1));
+    REQUIRE(pair != middle_pairs.end());
+    CHECK(middle[pair->second.last] == W(2, 0));
+    CHECK(pair->second.held.front() == static_cast<std::size_t>(local_send));
+  }
+  SECTION("a receive after a held send ends the window") {
+    Schedule schedule = lower_communication(make_1f1b(2, 4), StageGraph::chain(2));
+    for (int rank = 0; rank < 2; ++rank) CHECK(overlapped_pairs(schedule, rank).empty());
+    schedule.ranks[0] = {F(0, 1), send_f(0, 1, 1), recv_b(0, 1, 0), B(0, 0)};
+    CHECK(overlapped_pairs(schedule, 0).empty());
+    schedule.ranks[0] = {F(0, 1), recv_b(0, 1, 0), send_f(0, 1, 1), B(0, 0), send_b(0, 1, 0), recv_b(0, 1, 1)};
+    const auto pairs = overlapped_pairs(schedule, 0);
+    REQUIRE(pairs.size() == 1);
+    CHECK(pairs.at(0).last == 3);
+    CHECK(pairs.at(0).held == std::vector<std::size_t>{2});
+  }
+  SECTION("evaluation has no backward to pair with") {
+    Schedule schedule = lower_communication(make_dualpipe_v(2, 4), StageGraph::chain(4));
+    schedule.forward_only = true;
+    CHECK(overlapped_pairs(schedule, 0).empty());
+  }
+}
+
 TEST_CASE("validate rejects malformed compute-only schedules", "[validate]") {
   const StageGraph graph = StageGraph::chain(3);
   Schedule schedule = make_1f1b(3, 4);

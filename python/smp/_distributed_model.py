@@ -94,6 +94,7 @@ class StepResult:
         self.seconds = engine_output.seconds
         self.gradient_buckets = engine_output.gradient_buckets
         self.buckets_overlapped = engine_output.buckets_overlapped
+        self.forwards_overlapped = engine_output.forwards_overlapped
         self.outputs = outputs
         self.tokens_per_expert = tokens_per_expert or {}
 

@@ -42,3 +42,24 @@ def test_ep2_with_tensor_parallelism_equal_pytorch(job):
     assert_passed(job(4, "real_models.py", "--models", "mixtral", "--steps", "2", "--smp",
                       smp_keys(partitions=1, tensor_parallel_degree=2, microbatches=2, ddp=True,
                                expert_parallel_degree=2, global_batch_size=8)))
+
+
+def test_dualpipe_v_overlapped_pairs_equal_pytorch(job, tmp_path):
+    """DualPipeV under ep 2 x pp 2 with its pairs overlapped: each pair's forward on a second thread, its
+    all-to-alls over communicators of their own, beside the other stage's backward. Equal to plain PyTorch; the
+    traced step shows the forwards, with their exchanges, on a row of their own, running while backwards run."""
+    assert_passed(job(4, "real_models.py", "--models", "mixtral", "--steps", "2", "--smp",
+                      smp_keys(partitions=2, microbatches=4, pipeline="dualpipe_v", overlap_forward_backward=True,
+                               ddp=True, expert_parallel_degree=2, global_batch_size=16, trace_dir=str(tmp_path),
+                               trace_step=1)))
+    spans = [event for event in json.loads((tmp_path / "step1_trace.json").read_text())["traceEvents"]
+             if event.get("ph") == "X"]
+    second_lane = [event for event in spans if event["tid"] >= 1 << 20]
+    forwards = [event for event in second_lane if event["cat"] == "compute"]
+    assert forwards and all(event["name"].startswith("F") for event in forwards)
+    assert any(event["cat"] == "expert parallel" for event in second_lane)
+
+    def beside(forward, other):
+        return other["ts"] < forward["ts"] + forward["dur"] and forward["ts"] < other["ts"] + other["dur"]
+    assert any(other["tid"] == forward["tid"] - (1 << 20) and other["cat"] == "compute" and other["name"][0] in "BIW"
+               and beside(forward, other) for forward in forwards for other in spans)

@@ -29,11 +29,12 @@ void run_collective(const char* kind, int64_t bytes, CollectiveCounter counter, 
 
 // While one lives, every in-compute collective of this process is reported to it, one at a time, from whatever
 // thread ran it (backward may run on autograd's): its kind ("TP_ALL_REDUCE", "TP_ALL_GATHER", "TP_REDUCE_SCATTER",
-// "EP_ALL_TO_ALL"), bytes, and wall-clock start and end in microseconds since the epoch. A traced step's timeline
-// shows them inside the forwards and backwards.
+// "EP_ALL_TO_ALL"), bytes, wall-clock start and end in microseconds since the epoch, and whether the thread was on
+// the second lane (the forward of an overlapped pair). A traced step's timeline shows them inside the forwards and
+// backwards.
 class CollectiveObserver {
  public:
-  using Report = std::function<void(const char* kind, int64_t bytes, double start_us, double end_us)>;
+  using Report = std::function<void(const char* kind, int64_t bytes, double start_us, double end_us, bool second_lane)>;
   explicit CollectiveObserver(Report report);
   ~CollectiveObserver();
   CollectiveObserver(const CollectiveObserver&) = delete;

@@ -48,6 +48,10 @@ struct Config {
   // Modules checkpointed one by one (keeping only their inputs; backward recomputes each): node names, a name also
   // covering the children "<name>.<child>" a Sequential node was expanded into.
   std::vector<std::string> checkpointed_modules;
+  // A forward and the backward of another microbatch (or stage) that the schedule puts right after it run at once,
+  // the forward on a second thread with collectives of its own (DualPipeV's overlapped pairs): one's communication
+  // hides behind the other's compute.
+  bool overlap_forward_backward = false;
   std::string trace_dir;         // when set, the timeline of step trace_step is written here
   int trace_step = 1;
   std::string checkpoint_dir;    // empty: no checkpoints

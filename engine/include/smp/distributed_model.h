@@ -38,6 +38,7 @@ struct StepOutput {
   int sends_posted = 0;          // to other ranks
   int sends_released_early = 0;  // sends proven delivered, whose tensors this rank dropped before the step's end
   int peak_sends_held = 0;       // the most sends whose tensors this rank held at once
+  int forwards_overlapped = 0;   // forwards run beside a backward ("overlap_forward_backward")
   // Data parallelism: gradient buckets of this rank, and how many of them were all-reduced while backward still
   // ran (the rest waited for its end: parameters without a gradient).
   int gradient_buckets = 0;

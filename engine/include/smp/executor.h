@@ -64,6 +64,7 @@ struct ExecutorStats {
   int sends_posted = 0;               // to other ranks
   int sends_released_early = 0;       // sends proven delivered, and their tensors dropped, before the step's end
   int peak_sends_held = 0;            // the most posted sends whose tensors this rank held at once
+  int forwards_overlapped = 0;        // forwards run beside a backward (overlap_forward_backward)
   std::vector<TimelineEvent> events;  // every action, in execution order
   // keep_outputs, on the last stage's rank: per model output, the microbatches' values, detached, in order in one
   // tensor (joined along the first dimension; a 0-dim output per microbatch gives one value per microbatch).
@@ -74,8 +75,11 @@ class PipelineExecutor {
  public:
   // `schedule` must be lowered and validated; `pipeline` is the group whose rank i runs pipeline rank i.
   // Stages in `checkpointed_stages` keep only their inputs after forward and recompute in backward.
+  // With `overlap_forward_backward`, a forward and the backward the schedule puts right after it run at once
+  // (sched::overlapped_pairs), the forward on a second thread whose in-compute collectives use their groups'
+  // second communicators (laned_communicator.h).
   PipelineExecutor(sched::Schedule schedule, sched::StageGraph graph, comm::Communicator& pipeline,
-                   std::vector<int> checkpointed_stages = {});
+                   std::vector<int> checkpointed_stages = {}, bool overlap_forward_backward = false);
 
   // Runs this rank's actions once. A forward_only schedule (evaluation) builds no graphs and keeps nothing past
   // its sends; otherwise gradients accumulate into the stage parameters' .grad, scaled so that the
@@ -96,6 +100,7 @@ class PipelineExecutor {
   std::map<int, std::vector<std::size_t>> receive_order_;
   // Per receive: the sends it proves delivered (sched::sends_delivered_by_receive).
   std::map<std::size_t, std::vector<std::size_t>> delivered_by_receive_;
+  std::map<std::size_t, sched::OverlapWindow> overlapped_;  // by the forward's index
   // Evaluation: this rank may wait for its oldest send instead of holding every one until the step's end.
   bool wait_for_oldest_send_ = false;
   // Each transfer's layout as of its last step, at both ends: receives are posted ahead in it.

@@ -18,6 +18,8 @@ struct TimelineEvent {
   double start_us = 0.0;  // wall clock, microseconds since the epoch
   double end_us = 0.0;
   int peer_stage = -1;    // transfers: the stage at the other end
+  // The forward of an overlapped pair ("overlap_forward_backward"), on its own thread, and the collectives it ran.
+  bool second_lane = false;
 };
 
 struct RankTimeline {

@@ -215,6 +215,17 @@ const std::vector<Key>& key_table() {
            r.fail("activation_checkpointing", "expected true, false, or a list of stage indices and module names");
          }
        }},
+      {"overlap_forward_backward",
+       [](const Reader& r, Config& c) { c.overlap_forward_backward = r.boolean("overlap_forward_backward"); },
+       [](const Reader& r, Config& c) {
+         // A recompute replays the random draws its forward made, and an overlapped forward draws from the same
+         // generator as the backward running beside it.
+         if (c.overlap_forward_backward && (!c.checkpointed_stages.empty() || !c.checkpointed_modules.empty())) {
+           r.fail("overlap_forward_backward", "cannot be combined with \"activation_checkpointing\" (a recompute "
+                                              "must replay its forward's random draws, which an overlapped forward "
+                                              "shares with the backward beside it)");
+         }
+       }},
       {"trace_dir", [](const Reader& r, Config& c) { c.trace_dir = r.string("trace_dir"); }},
       {"trace_step", [](const Reader& r, Config& c) { c.trace_step = static_cast<int>(r.integer("trace_step", 0, 1 << 30)); }},
       {"checkpoint_dir", [](const Reader& r, Config& c) { c.checkpoint_dir = r.string("checkpoint_dir"); }},
@@ -445,7 +456,8 @@ std::string Config::describe() const {
        << (tensor_parallel_degree > 1 && sequence_parallel ? " sequence_parallel" : "")
        << (expert_parallel_degree > 1 ? " expert_parallel_degree=" + std::to_string(expert_parallel_degree) : "")
        << " microbatches=" << microbatches << " schedule="
-       << (schedule_file.empty() ? schedule_name() : "file:" + schedule_file) << " virtual_stages=" << virtual_stages
+       << (schedule_file.empty() ? schedule_name() : "file:" + schedule_file)
+       << (overlap_forward_backward ? " overlap_forward_backward" : "") << " virtual_stages=" << virtual_stages
        << " ddp=" << (ddp ? "true" : "false") << (shard_optimizer_state ? " shard_optimizer_state=true" : "")
        << " placement=" << placement_strategy << " active_microbatches=" << active_microbatches
        << " auto_partition=" << (auto_partition ? "true" : "false") << " seed=" << seed << " device=" << device

@@ -18,6 +18,8 @@
 namespace smp {
 namespace {
 
+constexpr int kSecondLaneTid = 1 << 20;  // above any rank
+
 bool is_compute(const std::string& kind) { return kind == "F" || kind == "B" || kind == "I" || kind == "W"; }
 bool is_collective(const std::string& kind) { return kind.rfind("TP_", 0) == 0 || kind.rfind("EP_", 0) == 0; }
 bool tensor_parallel(const std::vector<RankTimeline>& ranks) {
@@ -39,8 +41,8 @@ std::string RankTimeline::to_json() const {
                               {"dp_rank", dp_rank}, {"tp_rank", tp_rank},
                               {"events", nlohmann::json::array()}};
   for (const auto& event : events) {
-    document["events"].push_back(
-        {event.kind, event.stage, event.microbatch, event.start_us, event.end_us, event.peer_stage});
+    document["events"].push_back({event.kind, event.stage, event.microbatch, event.start_us, event.end_us,
+                                  event.peer_stage, event.second_lane});
   }
   return document.dump();
 }
@@ -55,7 +57,8 @@ RankTimeline RankTimeline::from_json(const std::string& text) {
     timeline.tp_rank = document.value("tp_rank", 0);
     for (const auto& event : document.at("events")) {
       timeline.events.push_back({event.at(0).get<std::string>(), event.at(1).get<int>(), event.at(2).get<int>(),
-                                 event.at(3).get<double>(), event.at(4).get<double>(), event.at(5).get<int>()});
+                                 event.at(3).get<double>(), event.at(4).get<double>(), event.at(5).get<int>(),
+                                 event.size() > 6 && event.at(6).get<bool>()});
     }
     return timeline;
   } catch (const nlohmann::json::exception& error) {
@@ -70,11 +73,19 @@ TimelineSummary summarize(const std::vector<RankTimeline>& ranks, int dp_rank) {
   for (const auto& rank : ranks) {
     if (rank.dp_rank != dp_rank) continue;
     ++pipeline_ranks;
+    std::vector<std::pair<double, double>> computing;
     for (const auto& event : rank.events) {
       first = std::min(first, event.start_us);
       last = std::max(last, event.end_us);
-      if (is_compute(event.kind)) summary.busy_us += event.end_us - event.start_us;
+      if (is_compute(event.kind)) computing.emplace_back(event.start_us, event.end_us);
       if (event.kind.rfind("RECV", 0) == 0) summary.receive_wait_us += event.end_us - event.start_us;
+    }
+    // Busy while any compute runs: an overlapped pair's forward and backward count once where they overlap.
+    std::sort(computing.begin(), computing.end());
+    double covered_until = -std::numeric_limits<double>::infinity();
+    for (const auto& [start, end] : computing) {
+      summary.busy_us += std::max(0.0, end - std::max(start, covered_until));
+      covered_until = std::max(covered_until, end);
     }
   }
   // Match each receive with its send: (direction, from stage, to stage, microbatch). A transfer's latency runs from
@@ -122,7 +133,16 @@ std::string to_chrome_trace(const std::vector<RankTimeline>& ranks) {
     events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", rank.dp_rank}, {"tid", rank.rank},
                       {"args", {{"name", "rank " + std::to_string(rank.rank) + " (pp " + std::to_string(rank.pp_rank) + shard + ")"}}}});
     events.push_back({{"name", "thread_sort_index"}, {"ph", "M"}, {"pid", rank.dp_rank}, {"tid", rank.rank},
-                      {"args", {{"sort_index", rank.pp_rank * 4096 + rank.tp_rank}}}});
+                      {"args", {{"sort_index", (rank.pp_rank * 4096 + rank.tp_rank) * 2}}}});
+    // Overlapped pairs' forwards (and their collectives) on a row of their own below the rank's: slices of one
+    // row must nest, and these run beside the backwards.
+    const int second_lane_tid = kSecondLaneTid + rank.rank;
+    if (std::any_of(rank.events.begin(), rank.events.end(), [](const TimelineEvent& e) { return e.second_lane; })) {
+      events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", rank.dp_rank}, {"tid", second_lane_tid},
+                        {"args", {{"name", "rank " + std::to_string(rank.rank) + " overlapped forwards"}}}});
+      events.push_back({{"name", "thread_sort_index"}, {"ph", "M"}, {"pid", rank.dp_rank}, {"tid", second_lane_tid},
+                        {"args", {{"sort_index", (rank.pp_rank * 4096 + rank.tp_rank) * 2 + 1}}}});
+    }
     for (const auto& event : rank.events) {
       events.push_back({{"name", event.kind + std::to_string(event.microbatch)},
                         {"cat", is_compute(event.kind) ? "compute" : is_collective(event.kind) ? (event.kind[0] == 'E' ? "expert parallel" : "tensor parallel") : "transfer"},
@@ -130,7 +150,7 @@ std::string to_chrome_trace(const std::vector<RankTimeline>& ranks) {
                         {"ts", event.start_us},
                         {"dur", std::max(0.0, event.end_us - event.start_us)},
                         {"pid", rank.dp_rank},
-                        {"tid", rank.rank},
+                        {"tid", event.second_lane ? second_lane_tid : rank.rank},
                         {"args", {{"stage", event.stage}, {"microbatch", event.microbatch}}}});
     }
   }

@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 
+#include "smp/comm/laned_communicator.h"
 #include "smp/config.h"
 
 namespace smp {
@@ -29,7 +30,7 @@ void run_collective(const char* kind, int64_t bytes, CollectiveCounter counter, 
   run();
   bytes_moved[static_cast<std::size_t>(counter)] += bytes;
   const std::lock_guard<std::mutex> lock(observer_mutex);
-  if (observer) observer(kind, bytes, start, now_us());
+  if (observer) observer(kind, bytes, start, now_us(), comm::on_second_lane());
 }
 
 CollectiveBytes collective_bytes() {

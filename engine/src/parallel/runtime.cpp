@@ -15,6 +15,7 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "smp/comm/laned_communicator.h"
 #include "smp/comm/sockets.h"
 #include "smp/log.h"
 
@@ -182,9 +183,15 @@ Runtime::Runtime(const Config& config, const comm::LaunchInfo& launch)
   const auto replica_members = topology_.group(Axis::data, coordinates_);
   data_parallel_ = make_group(replica_members, "data_parallel/" + join(replica_members));
   const auto shard_members = topology_.group(Axis::tensor, coordinates_);
-  tensor_parallel_ = make_group(shard_members, "tensor_parallel/" + join(shard_members));
-  const auto expert_members = topology_.expert_parallel_group(coordinates_);
-  expert_parallel_ = make_group(expert_members, "expert_parallel/" + join(expert_members));
+  // Overlapped forwards and backwards post the collectives inside their compute from two threads: each thread its
+  // own communicator of the group (laned_communicator.h).
+  const auto group_of = [&](const std::vector<int>& members, const std::string& name) {
+    auto group = make_group(members, name + "/" + join(members));
+    if (!config_.overlap_forward_backward || members.size() < 2) return group;
+    return comm::make_laned(std::move(group), make_group(members, name + "/second_lane/" + join(members)));
+  };
+  tensor_parallel_ = group_of(shard_members, "tensor_parallel");
+  expert_parallel_ = group_of(topology_.expert_parallel_group(coordinates_), "expert_parallel");
   if (topology_.expert_parallel_degree() == 1) {
     expert_data_parallel_ = data_parallel_;
   } else {

@@ -4,13 +4,16 @@
 #include <array>
 #include <chrono>
 #include <climits>
+#include <future>
 #include <map>
 #include <set>
 
 #include <ATen/ATen.h>
+#include <ATen/ThreadLocalState.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include "smp/comm/laned_communicator.h"
 #include "smp/comm/tensor_transfer.h"
 #include "smp/errors.h"
 #include "pipeline/activation_checkpoint.h"
@@ -71,7 +74,7 @@ struct Stash {
 bool recomputing() { return recomputing_now; }
 
 PipelineExecutor::PipelineExecutor(sched::Schedule schedule, sched::StageGraph graph, comm::Communicator& pipeline,
-                                   std::vector<int> checkpointed_stages)
+                                   std::vector<int> checkpointed_stages, bool overlap_forward_backward)
     : schedule_(std::move(schedule)),
       graph_(std::move(graph)),
       pipeline_(pipeline),
@@ -91,6 +94,7 @@ PipelineExecutor::PipelineExecutor(sched::Schedule schedule, sched::StageGraph g
     }
   }
   pipeline_.connect({channels.begin(), channels.end()});
+  if (overlap_forward_backward) overlapped_ = sched::overlapped_pairs(schedule_, pipeline_.rank());
   if (pipeline_.in_order()) receive_order_ = sched::receives_in_send_order(schedule_, pipeline_.rank());
   delivered_by_receive_ = sched::sends_delivered_by_receive(schedule_, pipeline_.rank());
 
@@ -143,13 +147,13 @@ class PipelineExecutor::Step {
   ExecutorStats run() {
     post_receives();
     for (std::size_t index = 0; index < actions_.size(); ++index) {
-      const auto& action = actions_[index];
-      TimelineEvent event{sched::to_string(action.kind), action.stage, action.microbatch, now_us(), 0.0,
-                          action.peer_stage};
-      (this->*kHandlers[static_cast<std::size_t>(action.kind)])(index);
-      if (stages_.synchronize) stages_.synchronize();
-      event.end_us = now_us();
-      stats_.events.push_back(std::move(event));
+      const auto pair = executor_.overlapped_.find(index);
+      if (pair == executor_.overlapped_.end()) {
+        run_action(index);
+      } else {
+        run_overlapped(index, pair->second);
+        index = pair->second.last;
+      }
     }
     for (auto& [index, pending] : sends_) pending->wait();
     // On a GPU the transfers may still be in flight (their waits only ordered the compute stream after them).
@@ -162,6 +166,54 @@ class PipelineExecutor::Step {
   using Handler = void (Step::*)(std::size_t index);
   // By ActionKind: F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B.
   static const std::array<Handler, 8> kHandlers;
+
+  void run_action(std::size_t index) {
+    const auto& action = actions_[index];
+    TimelineEvent event{sched::to_string(action.kind), action.stage, action.microbatch, now_us(), 0.0,
+                        action.peer_stage};
+    (this->*kHandlers[static_cast<std::size_t>(action.kind)])(index);
+    if (stages_.synchronize) stages_.synchronize();
+    event.end_us = now_us();
+    stats_.events.push_back(std::move(event));
+  }
+
+  // The forward at `first` runs on a second thread, its in-compute collectives on their second communicators,
+  // while this thread goes through the window (the backward beside it, its transfers); the held sends go once
+  // the forward is done. The forward touches only its own stash entry, made here, and its loss and kept outputs.
+  void run_overlapped(std::size_t first, const sched::OverlapWindow& window) {
+    const auto& action = actions_[first];
+    Stash& entry = entry_of(action);
+    const ForwardCall call = prepare_forward(action, entry);
+    TimelineEvent event{sched::to_string(action.kind), action.stage, action.microbatch, 0.0, 0.0, action.peer_stage,
+                        /*second_lane=*/true};
+    const at::ThreadLocalState caller_state;  // grad mode, autocast, dispatch keys as this thread has them
+    auto forward = std::async(std::launch::async, [&, caller_state] {
+      const at::ThreadLocalStateGuard same_state(caller_state);
+      const comm::SecondLane own_collectives;
+      event.start_us = now_us();
+      compute_forward(action, entry, call);
+      if (stages_.synchronize) stages_.synchronize();
+      event.end_us = now_us();
+    });
+    try {
+      auto held = window.held.begin();
+      for (std::size_t index = first + 1; index <= window.last; ++index) {
+        if (held != window.held.end() && *held == index) {
+          ++held;
+        } else {
+          run_action(index);
+        }
+      }
+    } catch (...) {
+      forward.wait();  // it returns: its collectives end within the communicators' timeout
+      throw;
+    }
+    forward.get();
+    finish_forward(action, entry);
+    stats_.events.push_back(std::move(event));
+    ++stats_.forwards_overlapped;
+    for (std::size_t index : window.held) run_action(index);
+  }
 
   Stash& entry_of(const sched::Action& action) { return stash_[{action.stage, action.microbatch}]; }
   void drop(const sched::Action& action) { stash_.erase({action.stage, action.microbatch}); }
@@ -181,25 +233,47 @@ class PipelineExecutor::Step {
 
   void forward(std::size_t index) {
     const auto& action = actions_[index];
-    const int stage = action.stage, microbatch = action.microbatch;
     Stash& entry = entry_of(action);
-    entry.gradient_sends_left = static_cast<int>(executor_.graph_.producers_of(stage).size());
-    const bool checkpointed = executor_.checkpointed_[stage];
-    const bool recomputed_later = checkpointed && !evaluating_;
-    std::vector<uint32_t> input_versions;
-    const ModelInputs& model_inputs = data_.inputs.at(microbatch);
-    if (recomputed_later) {
+    const ForwardCall call = prepare_forward(action, entry);
+    compute_forward(action, entry, call);
+    finish_forward(action, entry);
+  }
+
+  struct ForwardCall {
+    bool checkpointed = false;
+    bool recomputed_later = false;
+    std::vector<uint32_t> input_versions;  // recomputed later: what the inputs were before the forward
+  };
+
+  ForwardCall prepare_forward(const sched::Action& action, Stash& entry) {
+    ForwardCall call;
+    entry.gradient_sends_left = static_cast<int>(executor_.graph_.producers_of(action.stage).size());
+    call.checkpointed = executor_.checkpointed_[action.stage];
+    call.recomputed_later = call.checkpointed && !evaluating_;
+    if (call.recomputed_later) {
       entry.before_forward = RandomState::capture(executor_.pipeline_.device());
       for (const auto& [producer, tensors] : entry.inputs) {
-        for (const auto& tensor : tensors) input_versions.push_back(tensor._version());
+        for (const auto& tensor : tensors) call.input_versions.push_back(tensor._version());
       }
-      for (const auto& input : model_inputs) input_versions.push_back(input.defined() ? input._version() : 0);
+      for (const auto& input : data_.inputs.at(action.microbatch)) {
+        call.input_versions.push_back(input.defined() ? input._version() : 0);
+      }
     }
+    return call;
+  }
+
+  void compute_forward(const sched::Action& action, Stash& entry, const ForwardCall& call) {
     {
-      c10::AutoGradMode grad_mode(!checkpointed && !evaluating_);
-      run_forward(stage, microbatch, entry, /*recompute=*/false);
+      c10::AutoGradMode grad_mode(!call.checkpointed && !evaluating_);
+      run_forward(action.stage, action.microbatch, entry, /*recompute=*/false);
     }
-    if (recomputed_later) refuse_changed_inputs(stage, entry, model_inputs, input_versions);
+    if (call.recomputed_later) {
+      refuse_changed_inputs(action.stage, entry, data_.inputs.at(action.microbatch), call.input_versions);
+    }
+  }
+
+  void finish_forward(const sched::Action& action, Stash& entry) {
+    const bool checkpointed = executor_.checkpointed_[action.stage];
     if (evaluating_) {
       // Nothing waits for a backward: the outputs live until they are sent, the rest goes now.
       if (entry.loss.defined()) add_loss(entry.loss);

@@ -162,7 +162,8 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
   if (materialize) materialize(model_, local_nodes);
   build_stages(schedule);
   executor_ = std::make_unique<PipelineExecutor>(lower_and_validate(std::move(schedule), graph_, config), graph_,
-                                                 runtime_->pipeline(), config.checkpointed_stages);
+                                                 runtime_->pipeline(), config.checkpointed_stages,
+                                                 config.overlap_forward_backward);
 }
 
 void DistributedModel::build_stages(const sched::Schedule& schedule) {

@@ -279,15 +279,17 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
     std::vector<TimelineEvent> collectives;
     std::optional<CollectiveObserver> observer;  // reports one collective at a time, from any thread
     if (traced && (runtime_->topology().tensor_parallel_degree() > 1 || gradients_->has_expert_shards())) {
-      observer.emplace([&](const char* kind, std::int64_t, double start_us, double end_us) {
-        collectives.push_back({kind, 0, 0, start_us, end_us, -1});
+      observer.emplace([&](const char* kind, std::int64_t, double start_us, double end_us, bool second_lane) {
+        collectives.push_back({kind, 0, 0, start_us, end_us, -1, second_lane});
       });
     }
     stats = executor_->run(callbacks, data);
     observer.reset();
     for (auto& collective : collectives) {
       for (const auto& event : stats.events) {
-        if (event.start_us <= collective.start_us && collective.start_us <= event.end_us) {
+        // An overlapped pair's forward and backward run at once: each collective belongs to its own thread's.
+        if (event.start_us <= collective.start_us && collective.start_us <= event.end_us &&
+            event.second_lane == collective.second_lane) {
           collective.stage = event.stage;
           collective.microbatch = event.microbatch;
         }
@@ -350,6 +352,7 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   ++step_;
   output.peak_stashed_microbatches = stats.peak_stashed_microbatches;
   output.sends_released_early = stats.sends_released_early;
+  output.forwards_overlapped = stats.forwards_overlapped;
   output.all_outputs = stats.outputs;
   if (!stats.outputs.empty()) output.outputs = stats.outputs.front();
   output.sends_posted = stats.sends_posted;

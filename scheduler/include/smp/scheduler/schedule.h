@@ -156,6 +156,19 @@ std::map<int, std::vector<std::size_t>> receives_in_send_order(const Schedule& s
 // that certifies it; receives that certify nothing new are absent.
 std::map<std::size_t, std::vector<std::size_t>> sends_delivered_by_receive(const Schedule& schedule, int rank);
 
+// A forward of `rank` run at once with the backward the schedule puts after it (config
+// "overlap_forward_backward"; DualPipe's pairs): the forward on a second thread, from its index up to `last`, the
+// backward's last compute action, while the rank goes on through the actions in between. Those are transfers and
+// the compute of one other (stage, microbatch)'s backward only. The forward's sends, and every send after one, are
+// `held` (indices, in order) until the forward is done. A receive after a held send to another rank ends the
+// window, since the receive's sender may wait for the held send first; so does a receive from this rank's other
+// stage after any held send. Keyed by the forward's index; forwards without a backward in their window are absent.
+struct OverlapWindow {
+  std::size_t last = 0;
+  std::vector<std::size_t> held;
+};
+std::map<std::size_t, OverlapWindow> overlapped_pairs(const Schedule& schedule, int rank);
+
 // One action per line: "rank,kind,stage,microbatch,peer_stage" after a header line; see schedule.cpp.
 void write_csv(const Schedule& schedule, std::ostream& out);
 Schedule read_csv(std::istream& in);  // throws ScheduleError naming the line
