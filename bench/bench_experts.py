@@ -8,9 +8,14 @@ alternates them. Each rank prints one JSON line:
 - peak_growth_mib: peak resident memory over the start (before the model was built);
 - all_to_all_mib_per_step: what this rank's all-to-alls sent to other ranks per step, beside theory_mib_per_step:
   tokens x top-k x hidden x 4 bytes x (ep - 1) / ep, twice each way (dispatch and combine, forward and backward),
-  per experts layer, for tokens routed evenly.
+  per experts layer of this rank, for tokens routed evenly;
+- forwards_overlapped: in the last step (--overlap).
 
-  smprun -n 4 -- python bench/bench_experts.py --ep 2 [--steps 8]
+With --dualpipe, 2 stages (DualPipeV) x 2 replicas with ep 2, global batch 32 in 8 microbatches per replica, its
+pairs overlapped with --overlap ("overlap_forward_backward": each pair's forward, and its all-to-alls, on a second
+thread beside the other stage's backward) or run one after the other.
+
+  smprun -n 4 -- python bench/bench_experts.py --ep 2 [--steps 8] [--dualpipe [--overlap]]
 """
 
 import argparse
@@ -34,12 +39,17 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--ep", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--dualpipe", action="store_true")
+    parser.add_argument("--overlap", action="store_true")
     args = parser.parse_args()
     import transformers as hf
 
     torch.set_num_threads(1)
-    runtime = smp.init({"partitions": 1, "microbatches": 2, "ddp": True, "expert_parallel_degree": args.ep,
-                        "global_batch_size": GLOBAL_BATCH, "device": "cpu"})
+    global_batch = 2 * GLOBAL_BATCH if args.dualpipe else GLOBAL_BATCH
+    layout = ({"partitions": 2, "microbatches": 8, "pipeline": "dualpipe_v", "overlap_forward_backward": args.overlap}
+              if args.dualpipe else {"partitions": 1, "microbatches": 2})
+    runtime = smp.init({**layout, "ddp": True, "expert_parallel_degree": args.ep, "global_batch_size": global_batch,
+                        "device": "cpu"})
     config = hf.MixtralConfig(vocab_size=1024, hidden_size=HIDDEN, intermediate_size=512, num_hidden_layers=LAYERS,
                               num_attention_heads=8, num_key_value_heads=4, num_local_experts=EXPERTS,
                               num_experts_per_tok=TOP_K, max_position_embeddings=256, bos_token_id=0, eos_token_id=0,
@@ -47,7 +57,7 @@ def main():
     data = torch.Generator().manual_seed(1)
 
     def batch():
-        ids = torch.randint(0, config.vocab_size, (GLOBAL_BATCH, LENGTH), generator=data)
+        ids = torch.randint(0, config.vocab_size, (global_batch, LENGTH), generator=data)
         return {"input_ids": ids, "labels": ids}
 
     start_mib = resident_mib()
@@ -65,15 +75,17 @@ def main():
             sent_before = smp.ep.bytes_sent()
         optimizer.zero_grad()
         started = time.perf_counter()
-        model.train_step(batch())
+        result = model.train_step(batch())
         optimizer.step()
         if step >= 2:
             times.append((time.perf_counter() - started) * 1e3)
     sent = (smp.ep.bytes_sent() - sent_before) / args.steps
-    tokens = GLOBAL_BATCH // runtime.data_parallel_degree * LENGTH
-    theory = 4 * LAYERS * tokens * TOP_K * HIDDEN * 4 * (args.ep - 1) / args.ep
+    tokens = global_batch // runtime.data_parallel_degree * LENGTH
+    layers_here = len({name.split(".experts.")[0] for name, _ in model.named_parameters() if ".experts." in name})
+    theory = 4 * layers_here * tokens * TOP_K * HIDDEN * 4 * (args.ep - 1) / args.ep
     print(json.dumps({
-        "rank": runtime.rank, "ep": args.ep, "step_ms": round(statistics.median(times), 1),
+        "rank": runtime.rank, "ep": args.ep, "overlap": args.overlap, "step_ms": round(statistics.median(times), 1),
+        "forwards_overlapped": result.forwards_overlapped,
         "expert_mib": round(expert_bytes / 2**20, 2), "dense_mib": round(dense_bytes / 2**20, 2),
         "peak_growth_mib": round(resident_mib() - start_mib, 1),
         "all_to_all_mib_per_step": round(sent / 2**20, 3), "theory_mib_per_step": round(theory / 2**20, 3)}),

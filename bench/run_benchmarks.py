@@ -243,6 +243,24 @@ ep2 = sorted(r["step_ms"] for ranks in rounds[2] for r in ranks)
 ep1 = sorted(r["step_ms"] for ranks in rounds[1] for r in ranks)
 print(f"ep 2 step / ep 1 step: {ep2[len(ep2) // 2] / ep1[len(ep1) // 2]:.3f}")
 
+section("DualPipeV's pairs overlapped (overlap_forward_backward) against run one after the other: the same model, "
+        "2 stages x 2 replicas, ep 2, 8 microbatches per replica; jobs alternating")
+rounds = {True: [], False: []}
+for _ in range(2):
+    for overlap in (True, False):
+        rounds[overlap].append(python_job(4, "bench_experts.py", "--ep", "2", "--dualpipe",
+                                          *(["--overlap"] if overlap else [])))
+medians = {}
+for overlap in (True, False):
+    steps = sorted(r["step_ms"] for ranks in rounds[overlap] for r in ranks)
+    medians[overlap] = steps[len(steps) // 2]
+    last = sorted(rounds[overlap][-1], key=lambda r: r["rank"])
+    print(f"{'overlapped' if overlap else 'in sequence'}: step {medians[overlap]:.0f} ms (median over ranks and "
+          f"{len(rounds[overlap])} jobs); forwards overlapped per rank "
+          + ", ".join(str(r["forwards_overlapped"]) for r in last) + "; peak resident growth "
+          + ", ".join(f"{r['peak_growth_mib']:.0f}" for r in last) + " MiB")
+print(f"overlapped / in sequence: {medians[True] / medians[False]:.3f}")
+
 section("memory: a GPT-2 of 0.78 GiB (16 layers, d 1024) built on the meta device, 4 stages (each rank makes its own real)")
 for r in sorted(python_job(4, "bench_memory.py", "--layers", "16", "--width", "1024"), key=lambda r: r["rank"]):
     print(f"rank {r['rank']}: own parameters {r['own_parameters_mib']:.0f} MiB, peak resident growth "

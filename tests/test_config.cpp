@@ -64,6 +64,9 @@ TEST_CASE("config: device and backend", "[config]") {
 
 TEST_CASE("config: schedules, virtual stages, checkpointing, trace", "[config]") {
   CHECK(parse("{}").schedule_name() == "1f1b");
+  CHECK(parse(R"({"pipeline": "dualpipe_v", "overlap_forward_backward": true})").overlap_forward_backward);
+  CHECK_THROWS_WITH(parse(R"({"overlap_forward_backward": true, "activation_checkpointing": [0]})"),
+                    Contains("key \"overlap_forward_backward\"") && Contains("activation_checkpointing"));
   CHECK(parse(R"({"pipeline": "simple"})").schedule_name() == "gpipe");
   CHECK(parse(R"({"pipeline": "zero_bubble"})").schedule_name() == "zb_h1");
   CHECK(parse(R"({"pipeline": "zero_bubble_h2"})").schedule_name() == "zb_h2");

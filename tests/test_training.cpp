@@ -87,7 +87,9 @@ TEST_CASE("graphs with skips across stages, branches and tied weights train like
       {"tied", "tied", 3, 1, 3, "zero_bubble_h2", R"(, "activation_checkpointing": [0])"},
       // A V puts the first and the last stage on one rank: the tied pair, and skips that go down and back up.
       {"tied", "tied", 2, 1, 4, "zb_v", ""},
-      {"residual", "residual", 2, 2, 4, "dualpipe_v", ""},
+      // Its pairs overlapped: skips sent between the rank's own stages are held while the forward runs, the
+      // replicas' gradient hooks fire beside it.
+      {"residual", "residual", 2, 2, 4, "dualpipe_v", R"(, "overlap_forward_backward": true)"},
       // Single modules checkpointed: under the split backward (I, W) with replicas reducing gradients by hooks, a
       // tied weight, and the children of an expanded Sequential selected by its name.
       {"checkpointed modules", "residual", 2, 2, 4, "zero_bubble", R"(, "activation_checkpointing": ["a", "c", "out"])"},
