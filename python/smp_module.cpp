@@ -30,6 +30,7 @@
 #include "smp/executor.h"
 #include "smp/expert_shards.h"
 #include "smp/graph_model.h"
+#include "smp/layout_plan.h"
 #include "smp/runtime.h"
 #include "smp/tp.h"
 
@@ -480,6 +481,43 @@ PYBIND11_MODULE(_smp, module) {
         return DistributedModel::batched_inputs(defined_or_not(inputs), targets.value_or(at::Tensor()));
       },
       py::arg("inputs"), py::arg("targets"));
+  // smp.plan: profiles the graph on the sample (alone, as rank 0 profiles in a job) and predicts every layout.
+  module.def(
+      "plan_layouts",
+      [](const GraphModel& graph, const OptionalTensors& sample, const Config& config, int world_size,
+         int profiled_batch, int global_batch_size, double memory_limit_mb, double optimizer_moments,
+         double latency_s, double bytes_per_s) {
+        // Overrides of the job's config (0 / negative: the config's).
+        Config base = config;
+        if (global_batch_size > 0) base.global_batch_size = global_batch_size;
+        if (memory_limit_mb >= 0) base.memory_limit_mb = memory_limit_mb;
+        if (bytes_per_s <= 0) bytes_per_s = base.link_bandwidth_gbps * 1e9;
+        std::vector<LayoutPrediction> predictions;
+        {
+          py::gil_scoped_release released;
+          const WithoutCollectives alone;
+          const auto profiles = profile_graph(graph, defined_or_not(sample), 3);
+          predictions = plan_layouts(profiles, profiled_batch, base, world_size,
+                                     {latency_s, bytes_per_s, bytes_per_s}, optimizer_moments);
+        }
+        py::list layouts;
+        for (const auto& prediction : predictions) {
+          py::dict row;
+          row["layout"] = prediction.layout.describe();
+          row["config"] = prediction.layout.config_json();
+          row["step_ms"] = prediction.step_s * 1e3;
+          row["pipeline_ms"] = prediction.pipeline_s * 1e3;
+          row["gradient_sync_ms"] = prediction.gradient_sync_s * 1e3;
+          row["bubble"] = prediction.bubble_fraction;
+          row["memory_mib"] = prediction.memory_mib;
+          row["rejected"] = prediction.rejected.empty() ? py::object(py::none()) : py::str(prediction.rejected);
+          layouts.append(row);
+        }
+        return py::make_tuple(layouts, layout_report(predictions));
+      },
+      py::arg("graph"), py::arg("sample"), py::arg("config"), py::arg("world_size"), py::arg("profiled_batch"),
+      py::arg("global_batch_size"), py::arg("memory_limit_mb"), py::arg("optimizer_moments"), py::arg("latency_s"),
+      py::arg("bytes_per_s"));
   module.def("recomputing", &recomputing);
   // Whether this thread runs without collectives (rank 0 profiling alone, WithoutCollectives).
   module.def("without_collectives", &without_collectives);

@@ -4,6 +4,8 @@
 
 #include "catch_torch.h"
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
 #include <torch/nn/modules/activation.h>
@@ -15,6 +17,7 @@
 #include "profiled_model.h"
 #include "smp/config.h"
 #include "smp/graph_model.h"
+#include "smp/layout_plan.h"
 #include "smp/stage_plan.h"
 
 TEST_CASE("profiling counts what a module's forward keeps for backward", "[profile]") {
@@ -171,4 +174,57 @@ TEST_CASE("the last stage is charged the loss train_step will compute, unless th
 
   // Without timing (one stage: nothing to balance) nothing is charged.
   for (const auto& profile : smp::profile_graph(scores, at::randn({64, 4}), 0)) CHECK(profile.assumed_loss_s == 0.0);
+}
+
+TEST_CASE("layouts are planned by simulation, ranked by predicted step, and rejected when over the memory limit",
+          "[profile][plan]") {
+  // 8 equal modules of 1 ms forward and 1 ms backward on a microbatch of 2 samples.
+  const auto modules = equal_chain(8, 1 << 20, 1 << 20);
+  const smp::Config config = smp::Config::from_json_text(R"({"global_batch_size": 16})", "test");
+  const auto predictions = smp::plan_layouts(modules, 2, config, 4, {0.0, 1e9, 1e9});
+  REQUIRE_FALSE(predictions.empty());
+  for (const auto& prediction : predictions) {
+    CHECK(prediction.layout.partitions * prediction.layout.replicas == 4);
+    CHECK(prediction.rejected.empty());
+  }
+  for (std::size_t i = 1; i < predictions.size(); ++i) CHECK(predictions[i - 1].step_s <= predictions[i].step_s);
+  const auto find = [&](int pp, const std::string& pipeline, int m, bool recompute, bool sharded) {
+    for (const auto& prediction : predictions) {
+      const auto& layout = prediction.layout;
+      if (layout.partitions == pp && layout.pipeline == pipeline && layout.microbatches == m &&
+          layout.recompute == recompute && layout.shard_optimizer_state == sharded) {
+        return prediction;
+      }
+    }
+    FAIL("no layout pp " << pp << " " << pipeline << " m " << m);
+    return smp::LayoutPrediction{};
+  };
+  // One stage, 4 replicas, one microbatch of 4 samples: 8 modules x 2 ms x 2 (twice the profiled samples).
+  const auto data_parallel = find(1, "gpipe", 1, false, false);
+  CHECK(data_parallel.pipeline_s == Approx(0.032));
+  CHECK(data_parallel.gradient_sync_s > 0.0);
+  // ZeRO-1 keeps a quarter of Adam's two moments per replica: 8 MiB of parameters, 12 MiB of moments less.
+  CHECK(find(1, "gpipe", 1, false, true).peak_memory_mib() ==
+        Approx(data_parallel.peak_memory_mib() - 2.0 * 8 * 3 / 4));
+  // Recompute trades time for activations.
+  const auto kept = find(2, "1f1b", 4, false, false), recomputed = find(2, "1f1b", 4, true, false);
+  CHECK(recomputed.peak_memory_mib() < kept.peak_memory_mib());
+  CHECK(recomputed.step_s > kept.step_s);
+  CHECK(kept.bubble_fraction > find(2, "1f1b", 8, false, false).bubble_fraction);
+
+  // A limit below the fastest layout's memory rejects it, naming why; the choice then fits.
+  smp::Config limited = config;
+  limited.memory_limit_mb = predictions.front().peak_memory_mib() - 0.5;
+  const auto within = smp::plan_layouts(modules, 2, limited, 4, {0.0, 1e9, 1e9});
+  REQUIRE(within.front().rejected.empty());
+  CHECK(within.front().peak_memory_mib() <= limited.memory_limit_mb);
+  CHECK(within.front().step_s >= predictions.front().step_s);
+  const bool fastest_rejected = std::any_of(within.begin(), within.end(), [&](const smp::LayoutPrediction& p) {
+    return p.layout.describe() == predictions.front().layout.describe() && !p.rejected.empty();
+  });
+  CHECK(fastest_rejected);
+  const std::string report = smp::layout_report(within);
+  CHECK_THAT(report, Catch::Matchers::Contains("chosen: " + within.front().layout.describe()));
+  CHECK_THAT(report, Catch::Matchers::Contains("rejected:"));
+  CHECK_THROWS_WITH(smp::plan_layouts(modules, 2, smp::Config{}, 4), Catch::Matchers::Contains("global_batch_size"));
 }

@@ -31,10 +31,12 @@ from ._checkpoints import Checkpointer, export_checkpoint, export_safetensors, l
 from ._distributed_model import DistributedModel, StepResult  # noqa: F401 - what train_step returns
 from ._distributed_optimizer import DistributedOptimizer
 from ._graph import GraphModel
+from ._planning import Plan, plan
 from ._smp import CheckpointError, CommError, ConfigError, ModelError, NonFiniteError
 from ._state import runtime
 
 __all__ = ["init", "runtime", "GraphModel", "DistributedModel", "DistributedOptimizer", "Checkpointer", "materialize",
+           "plan", "Plan",
            "latest_checkpoint", "export_checkpoint", "export_safetensors", "load_full_model",
            "ConfigError", "ModelError", "NonFiniteError", "CheckpointError", "CommError"]
 

@@ -80,6 +80,22 @@ def _materializer(model, graph, rt, init_fn):
     return materialize_local
 
 
+def graph_of(model, sample, stages, pinned):
+    """The smp.GraphModel a model runs as, and how its inputs and outputs map to the graph's, for `stages` stages."""
+    if isinstance(model, GraphModel):
+        return model, GraphIO(model.input_names, model._several_outputs)
+    if _is_sequential(model):
+        graph = GraphModel.from_sequential(model)
+        return graph, GraphIO(graph.input_names, False)
+    if isinstance(model, torch.jit.ScriptModule):
+        # TorchScript keeps no Python forward to trace: its children would run as a chain, wrongly.
+        raise TypeError(f"pass an nn.Sequential or an smp.GraphModel, got {_kind(model)}: script its children, "
+                        "not the model, or pass the model unscripted (smp traces its forward)")
+    if isinstance(model, torch.nn.Module):
+        return _capture(model, sample, stages, pinned)
+    raise TypeError(f"expected a torch.nn.Module or an smp.GraphModel, got {type(model).__name__}")
+
+
 class StepResult:
     """What train_step and evaluate return: .loss (the global batch's mean loss, the same on every rank), .skipped,
     .seconds, .outputs (keep_outputs: the model's outputs for this replica's share, as the model returns them,
@@ -166,19 +182,7 @@ class DistributedModel(torch.nn.Module):
             raise ConfigError(f"\"expert_parallel_degree\" {rt.expert_parallel_degree} divides the experts of a "
                               "captured mixture-of-experts model (a module with a forward of its own, such as a "
                               f"Hugging Face one), not a {_kind(model)}")
-        if isinstance(model, GraphModel):
-            graph, io_ = model, GraphIO(model.input_names, model._several_outputs)
-        elif _is_sequential(model):
-            graph = GraphModel.from_sequential(model)
-            io_ = GraphIO(graph.input_names, False)
-        elif isinstance(model, torch.jit.ScriptModule):
-            # TorchScript keeps no Python forward to trace: its children would run as a chain, wrongly.
-            raise TypeError(f"pass an nn.Sequential or an smp.GraphModel, got {_kind(model)}: script its children, "
-                            "not the model, or pass the model unscripted (smp traces its forward)")
-        elif isinstance(model, torch.nn.Module):
-            graph, io_ = _capture(model, sample, rt.config.num_stages(), list(rt.config.partition_overrides))
-        else:
-            raise TypeError(f"expected a torch.nn.Module or an smp.GraphModel, got {type(model).__name__}")
+        graph, io_ = graph_of(model, sample, rt.config.num_stages(), list(rt.config.partition_overrides))
         self._io = io_
         self._graph = graph
         # Non-persistent buffers (a rotary table) stay out of checkpoints and exports, as out of state_dict.

@@ -7,6 +7,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "smp/scheduler/schedule.h"
+
 namespace smp {
 
 struct Config;
@@ -61,6 +63,11 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tens
 // module and the children "<name>.<child>" a Sequential node was expanded into. Throws ConfigError naming a name
 // that selects nothing.
 std::vector<bool> checkpointed_modules(const std::vector<std::string>& module_names, const Config& config);
+
+// Per stage of `schedule`: the microbatches whose activations it holds at once (under 1F1B, p - rank), as the
+// partition search counts them: a rank's virtual stages share its count. From the compute actions alone, so that
+// a schedule file's own transfers, which may follow skips the chain does not have, do not matter.
+std::vector<double> activation_copies(const sched::Schedule& schedule);
 
 // Splits a profiled graph into config.num_stages() stages, each stage only feeding later ones: balanced by
 // forward + backward time mixed with memory by memory_weight when auto_partition is true, else every module on

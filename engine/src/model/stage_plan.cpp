@@ -1,6 +1,7 @@
 #include "smp/stage_plan.h"
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <sstream>
@@ -27,6 +28,7 @@
 #include "smp/graph_model.h"
 #include "smp/log.h"
 #include "smp/partitioner/graph_partition.h"
+#include "smp/scheduler/simulator.h"
 #include "model/random_state.h"
 
 namespace smp {
@@ -172,6 +174,25 @@ std::vector<bool> checkpointed_modules(const std::vector<std::string>& module_na
     }
   }
   return selected;
+}
+
+std::vector<double> activation_copies(const sched::Schedule& schedule) {
+  sched::Schedule compute = schedule;
+  for (auto& actions : compute.ranks) {
+    actions.erase(std::remove_if(actions.begin(), actions.end(),
+                                 [](const sched::Action& action) { return !sched::is_compute(action.kind); }),
+                  actions.end());
+  }
+  const auto in_flight = sched::simulate(compute, sched::StageGraph::chain(schedule.num_stages),
+                                         sched::SimulationCosts::uniform(schedule.num_stages))
+                             .peak_in_flight;
+  std::vector<double> copies(static_cast<std::size_t>(schedule.num_stages), 1.0);
+  for (int stage = 0; stage < schedule.num_stages; ++stage) {
+    const int rank = schedule.stage_to_rank.at(stage);
+    const double stages_on_rank = static_cast<double>(schedule.stages_of_rank(rank).size());
+    copies[stage] = std::max(1.0, std::ceil(in_flight.at(rank) / stages_on_rank));
+  }
+  return copies;
 }
 
 StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,

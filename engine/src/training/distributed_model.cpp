@@ -95,25 +95,7 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
     // not share the cores with them.
     for (int rank = 1; rank < runtime_->world_size(); ++rank) runtime_->fetch(exchange_ + "ready/" + std::to_string(rank));
     // One stage has nothing to balance: the untimed rounds still check that the model takes the sample.
-    // What a stage's activations cost depends on how many microbatches the schedule keeps in flight on its rank
-    // (under 1F1B, p - rank); a rank's virtual stages share its count.
-    // On its compute actions alone: a schedule file's own transfers may follow skips the chain does not have (the
-    // model's stage graph is only known once the plan exists).
-    sched::Schedule compute = schedule;
-    for (auto& actions : compute.ranks) {
-      actions.erase(std::remove_if(actions.begin(), actions.end(),
-                                   [](const sched::Action& action) { return !sched::is_compute(action.kind); }),
-                    actions.end());
-    }
-    const auto in_flight = sched::simulate(compute, sched::StageGraph::chain(schedule.num_stages),
-                                           sched::SimulationCosts::uniform(schedule.num_stages))
-                               .peak_in_flight;
-    std::vector<double> copies(static_cast<std::size_t>(schedule.num_stages), 1.0);
-    for (int stage = 0; stage < schedule.num_stages; ++stage) {
-      const int rank = schedule.stage_to_rank.at(stage);
-      const double stages_on_rank = static_cast<double>(schedule.stages_of_rank(rank).size());
-      copies[stage] = std::max(1.0, std::ceil(in_flight.at(rank) / stages_on_rank));
-    }
+    const std::vector<double> copies = activation_copies(schedule);
     // Profiled on this job's device (module by module, see profile_graph).
     ModelInputs on_device;
     for (const auto& input : sample) on_device.push_back(input.defined() ? input.to(runtime_->device()) : input);

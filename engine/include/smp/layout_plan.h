@@ -1,0 +1,60 @@
+#pragma once
+// Choosing the parallel layout by simulation: for a world of N ranks and a model's profile, every layout of
+// pipeline stages x data-parallel replicas, schedule, microbatch count, recompute and optimizer-state sharding is
+// partitioned as a job would partition it, its step predicted by the schedule simulator and its memory per rank by
+// the partition search's model; those that do not fit memory_limit_mb are rejected, the rest ranked by predicted
+// step time. The report is what `smp.plan` prints.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "smp/config.h"
+#include "smp/stage_plan.h"
+
+namespace smp {
+
+struct Layout {
+  int partitions = 1;      // pipeline ranks
+  int replicas = 1;        // data-parallel replicas
+  int virtual_stages = 1;  // stages per pipeline rank
+  int microbatches = 1;    // per replica and step
+  std::string pipeline = "simple";  // the config's name of the schedule
+  bool recompute = false;           // every stage checkpointed (activation_checkpointing: true)
+  bool shard_optimizer_state = false;
+  std::string describe() const;     // "pp 2 x dp 2, zb_v, m 8, recompute, ZeRO-1"
+  std::string config_json() const;  // the smp keys that ask for it
+};
+
+// What a step's communication costs, per transfer between stages and per byte the replicas reduce (ring
+// all-reduce: each rank sends and receives 2 (dp - 1) / dp of its gradient bytes).
+struct CommunicationCosts {
+  double latency_s = 50e-6;
+  double p2p_bytes_per_s = 1e9;
+  double all_reduce_bytes_per_s = 1e9;
+};
+
+struct LayoutPrediction {
+  Layout layout;
+  std::string rejected;  // empty when it fits and partitions
+  double step_s = 0.0;   // the pipeline's makespan plus what the replicas' reduction adds after it
+  double pipeline_s = 0.0;
+  double gradient_sync_s = 0.0;  // the all-reduce (and ZeRO-1's broadcast) after the last backward, not overlapped
+  double bubble_fraction = 0.0;
+  std::vector<double> memory_mib;  // per pipeline rank: parameters, gradients, optimizer state, activations held
+  double peak_memory_mib() const;
+};
+
+// `profiles`: the model's nodes measured on a microbatch of `profiled_batch` samples (profile_graph); times and
+// activation bytes are scaled linearly to each layout's microbatch. `base`: the job's config (global_batch_size,
+// memory_limit_mb, memory_weight, partition_overrides...; its layout keys are replaced). `optimizer_moments`: the
+// optimizer's state per parameter, in parameter sizes (Adam 2, SGD with momentum 1). Fitting layouts come first,
+// fastest first; a layout the partition search cannot place is rejected with its reason.
+std::vector<LayoutPrediction> plan_layouts(const std::vector<ModuleProfile>& profiles, int profiled_batch,
+                                           const Config& base, int world_size, const CommunicationCosts& costs = {},
+                                           double optimizer_moments = 2.0);
+
+// A table a person reads: the first `shown` fitting layouts, then the rejected ones with why, and the choice.
+std::string layout_report(const std::vector<LayoutPrediction>& predictions, int shown = 15);
+
+}  // namespace smp

@@ -1,0 +1,246 @@
+#include "smp/layout_plan.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+
+#include "smp/scheduler/simulator.h"
+
+namespace smp {
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+
+struct ScheduleChoice {
+  const char* name;  // a generator's, which the config takes too
+  int virtual_stages;
+};
+// One stage per rank, then the V schedules and interleaving at two stages per rank.
+constexpr ScheduleChoice kSchedules[] = {{"gpipe", 1},  {"1f1b", 1},       {"zb_h1", 1},
+                                         {"interleaved_1f1b", 2}, {"zb_v", 2}, {"dualpipe_v", 2}};
+
+std::vector<int> divisors(int n) {
+  std::vector<int> found;
+  for (int d = 1; d <= n; ++d) {
+    if (n % d == 0) found.push_back(d);
+  }
+  return found;
+}
+
+// The profile at `scale` times the profiled microbatch: compute and the bytes that grow with the batch; the
+// parameters stay.
+std::vector<ModuleProfile> scaled(std::vector<ModuleProfile> profiles, double scale) {
+  for (auto& module : profiles) {
+    module.forward_s *= scale;
+    module.backward_s *= scale;
+    module.assumed_loss_s *= scale;
+    module.output_bytes = static_cast<std::int64_t>(static_cast<double>(module.output_bytes) * scale);
+    module.activation_bytes = static_cast<std::int64_t>(static_cast<double>(module.activation_bytes) * scale);
+  }
+  return profiles;
+}
+
+Config config_of(const Layout& layout, const Config& base) {
+  Config config = base;
+  config.partitions = layout.partitions;
+  config.virtual_stages = layout.virtual_stages;
+  config.microbatches = layout.microbatches;
+  config.pipeline = layout.pipeline;
+  config.ddp = layout.replicas > 1;
+  config.shard_optimizer_state = layout.shard_optimizer_state;
+  config.active_microbatches = 0;
+  config.schedule_file.clear();
+  config.checkpointed_stages.clear();
+  config.checkpointed_modules.clear();
+  if (layout.recompute) {
+    for (int stage = 0; stage < config.num_stages(); ++stage) config.checkpointed_stages.push_back(stage);
+  }
+  return config;
+}
+
+void predict(LayoutPrediction& prediction, const std::vector<ModuleProfile>& profiles, int profiled_batch,
+             const Config& base, const CommunicationCosts& costs, double optimizer_moments) {
+  const Layout& layout = prediction.layout;
+  const Config config = config_of(layout, base);
+  const int per_microbatch = base.global_batch_size / layout.replicas / layout.microbatches;
+  const sched::Schedule schedule = sched::make_schedule(config.schedule_name(), layout.partitions,
+                                                        layout.microbatches, layout.virtual_stages, 0);
+  const int shards = layout.shard_optimizer_state ? layout.replicas : 1;
+  StagePlan plan;
+  try {
+    plan = plan_stages(scaled(profiles, static_cast<double>(per_microbatch) / profiled_batch), config,
+                       activation_copies(schedule), shards);
+  } catch (const std::exception& error) {
+    prediction.rejected = error.what();
+    return;
+  }
+  // Per stage: its compute as the partition search sees it, split for the zero-bubble schedules as the paper
+  // assumes (I + W = B, half each; a recompute runs before I).
+  const int stages = plan.num_stages;
+  sched::SimulationCosts simulated;
+  simulated.stages.resize(static_cast<std::size_t>(stages));
+  std::vector<double> parameter_bytes(static_cast<std::size_t>(stages), 0.0);
+  std::vector<double> activation_bytes(static_cast<std::size_t>(stages), 0.0);
+  double largest_transfer = 0.0;
+  for (int stage = 0; stage < stages; ++stage) {
+    double forward = 0.0, backward = 0.0;
+    for (int module : plan.modules_of_stage(stage)) {
+      const auto& profile = plan.modules[static_cast<std::size_t>(module)];
+      forward += profile.forward_s;
+      backward += profile.backward_s;
+      parameter_bytes[stage] += static_cast<double>(profile.parameter_bytes);
+      activation_bytes[stage] += static_cast<double>(profile.activation_bytes + profile.output_bytes);
+    }
+    const double recompute = layout.recompute ? forward : 0.0;
+    auto& cost = simulated.stages[static_cast<std::size_t>(stage)];
+    cost.forward = forward;
+    cost.backward = backward + recompute;
+    cost.backward_input = backward / 2 + recompute;
+    cost.backward_weight = backward / 2;
+    largest_transfer = std::max(largest_transfer, static_cast<double>(plan.stage_sent_bytes(stage)));
+  }
+  simulated.p2p = {costs.latency_s, largest_transfer, costs.p2p_bytes_per_s};
+  const auto lowered = sched::lower_communication(schedule, sched::StageGraph::chain(stages));
+  const auto result = sched::simulate(lowered, sched::StageGraph::chain(stages), simulated);
+  prediction.pipeline_s = result.makespan;
+  prediction.bubble_fraction = result.bubble_fraction;
+
+  // Per pipeline rank: what its stages hold (as the partition search's memory model counts it), and the bytes
+  // its replicas reduce after the step.
+  prediction.memory_mib.assign(static_cast<std::size_t>(layout.partitions), 0.0);
+  std::vector<double> rank_parameter_bytes(static_cast<std::size_t>(layout.partitions), 0.0);
+  for (int stage = 0; stage < stages; ++stage) {
+    const int rank = schedule.stage_to_rank.at(stage);
+    const double copies = layout.recompute ? 1.0 : plan.activation_copies.at(stage);
+    prediction.memory_mib[rank] +=
+        ((2.0 + optimizer_moments / shards) * parameter_bytes[stage] + copies * activation_bytes[stage]) / kMiB;
+    rank_parameter_bytes[rank] += parameter_bytes[stage];
+  }
+  if (layout.replicas > 1) {
+    const double bytes = *std::max_element(rank_parameter_bytes.begin(), rank_parameter_bytes.end());
+    const double share = static_cast<double>(layout.replicas - 1) / layout.replicas;
+    // ZeRO-1 broadcasts each parameter from its owner after the step: one more (dp - 1) / dp of the bytes.
+    const double passes = 2.0 * share + (layout.shard_optimizer_state ? share : 0.0);
+    prediction.gradient_sync_s = costs.latency_s * 2 * (layout.replicas - 1) + passes * bytes / costs.all_reduce_bytes_per_s;
+  }
+  prediction.step_s = prediction.pipeline_s + prediction.gradient_sync_s;
+  if (base.memory_limit_mb > 0 && prediction.peak_memory_mib() > base.memory_limit_mb) {
+    char why[128];
+    std::snprintf(why, sizeof why, "needs %.0f MiB on its fullest rank, memory_limit_mb is %.0f",
+                  prediction.peak_memory_mib(), base.memory_limit_mb);
+    prediction.rejected = why;
+  }
+}
+
+}  // namespace
+
+std::string Layout::describe() const {
+  std::ostringstream text;
+  text << "pp " << partitions << " x dp " << replicas << ", " << pipeline << ", m " << microbatches;
+  if (recompute) text << ", recompute";
+  if (shard_optimizer_state) text << ", ZeRO-1";
+  return text.str();
+}
+
+std::string Layout::config_json() const {
+  std::ostringstream text;
+  text << "{\"partitions\": " << partitions << ", \"virtual_stages\": " << virtual_stages << ", \"microbatches\": "
+       << microbatches << ", \"pipeline\": \"" << pipeline << "\", \"ddp\": " << (replicas > 1 ? "true" : "false")
+       << ", \"activation_checkpointing\": " << (recompute ? "true" : "false")
+       << ", \"shard_optimizer_state\": " << (shard_optimizer_state ? "true" : "false") << "}";
+  return text.str();
+}
+
+double LayoutPrediction::peak_memory_mib() const {
+  return memory_mib.empty() ? 0.0 : *std::max_element(memory_mib.begin(), memory_mib.end());
+}
+
+std::vector<LayoutPrediction> plan_layouts(const std::vector<ModuleProfile>& profiles, int profiled_batch,
+                                           const Config& base, int world_size, const CommunicationCosts& costs,
+                                           double optimizer_moments) {
+  if (profiles.empty() || profiled_batch < 1 || world_size < 1) {
+    throw ConfigError("plan_layouts: needs a profiled model, its microbatch size and a world size");
+  }
+  if (base.global_batch_size < 1) {
+    throw ConfigError(base.source + ": planning a layout needs \"global_batch_size\" (the batch a step takes)");
+  }
+  std::vector<LayoutPrediction> predictions;
+  const int modules = static_cast<int>(profiles.size());
+  for (int partitions : divisors(world_size)) {
+    const int replicas = world_size / partitions;
+    if (base.global_batch_size % replicas != 0) continue;
+    const int per_replica = base.global_batch_size / replicas;
+    for (const auto& choice : kSchedules) {
+      // One stage runs GPipe's order alone: every schedule is the same there.
+      if (partitions == 1 && (choice.virtual_stages > 1 || std::string(choice.name) != "gpipe")) continue;
+      if (partitions * choice.virtual_stages > modules) continue;
+      for (int microbatches : divisors(per_replica)) {
+        // Fewer microbatches than stages leave most of a pipeline idle; more than 8 per stage gain little and
+        // multiply the runs.
+        const int stages = partitions * choice.virtual_stages;
+        if (partitions > 1 && (microbatches < partitions || microbatches > 8 * stages)) continue;
+        if (partitions == 1 && microbatches > 4) continue;
+        for (bool recompute : {false, true}) {
+          for (bool sharded : {false, true}) {
+            if (sharded && replicas == 1) continue;
+            LayoutPrediction prediction;
+            prediction.layout = {partitions, replicas, choice.virtual_stages, microbatches, choice.name, recompute,
+                                 sharded};
+            predict(prediction, profiles, profiled_batch, base, costs, optimizer_moments);
+            predictions.push_back(std::move(prediction));
+          }
+        }
+      }
+    }
+  }
+  std::stable_sort(predictions.begin(), predictions.end(), [](const LayoutPrediction& a, const LayoutPrediction& b) {
+    if (a.rejected.empty() != b.rejected.empty()) return a.rejected.empty();
+    // Equal predictions: the one that holds less, then the one with fewer (larger) microbatches, which the linear
+    // model cannot tell apart but which pay less per-microbatch overhead.
+    if (a.step_s != b.step_s) return a.step_s < b.step_s;
+    if (a.peak_memory_mib() != b.peak_memory_mib()) return a.peak_memory_mib() < b.peak_memory_mib();
+    return a.layout.microbatches < b.layout.microbatches;
+  });
+  return predictions;
+}
+
+std::string layout_report(const std::vector<LayoutPrediction>& predictions, int shown) {
+  std::ostringstream text;
+  char line[256];
+  std::snprintf(line, sizeof line, "%-4s %-46s %12s %7s %14s\n", "", "layout", "step (pred.)", "bubble",
+                "peak MiB/rank");
+  text << line;
+  int listed = 0, rejected = 0;
+  for (const auto& prediction : predictions) {
+    if (!prediction.rejected.empty()) {
+      ++rejected;
+      continue;
+    }
+    if (listed++ >= shown) continue;
+    std::snprintf(line, sizeof line, "%-4d %-46s %9.1f ms %6.1f%% %14.1f\n", listed,
+                  prediction.layout.describe().c_str(), prediction.step_s * 1e3, prediction.bubble_fraction * 100,
+                  prediction.peak_memory_mib());
+    text << line;
+  }
+  if (listed > shown) text << "     ... and " << listed - shown << " more that fit\n";
+  if (rejected > 0) {
+    text << rejected << " rejected:\n";
+    int told = 0;
+    for (const auto& prediction : predictions) {
+      if (prediction.rejected.empty() || told++ >= shown) continue;
+      text << "     " << prediction.layout.describe() << ": " << prediction.rejected << "\n";
+    }
+    if (told > shown) text << "     ... and " << told - shown << " more\n";
+  }
+  if (listed == 0) {
+    text << "no layout fits\n";
+  } else {
+    const auto& best = predictions.front();
+    std::snprintf(line, sizeof line, "%.1f ms", best.step_s * 1e3);
+    text << "chosen: " << best.layout.describe() << " (the fastest predicted that fits: " << line
+         << "), config " << best.layout.config_json() << "\n";
+  }
+  return text.str();
+}
+
+}  // namespace smp
