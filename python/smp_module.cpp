@@ -484,9 +484,10 @@ PYBIND11_MODULE(_smp, module) {
   // smp.plan: profiles the graph on the sample (alone, as rank 0 profiles in a job) and predicts every layout.
   module.def(
       "plan_layouts",
-      [](const GraphModel& graph, const OptionalTensors& sample, const Config& config, int world_size,
-         int profiled_batch, int global_batch_size, double memory_limit_mb, double optimizer_moments,
-         double latency_s, double bytes_per_s) {
+      [](const GraphModel& graph, const OptionalTensors& sample, int sample_batch, const OptionalTensors& larger,
+         int larger_batch, const Config& config, int world_size, int global_batch_size, double memory_limit_mb,
+         double optimizer_moments, double latency_s, double bytes_per_s, double compute_scale,
+         double optimizer_s_per_byte) {
         // Overrides of the job's config (0 / negative: the config's).
         Config base = config;
         if (global_batch_size > 0) base.global_batch_size = global_batch_size;
@@ -496,9 +497,14 @@ PYBIND11_MODULE(_smp, module) {
         {
           py::gil_scoped_release released;
           const WithoutCollectives alone;
-          const auto profiles = profile_graph(graph, defined_or_not(sample), 3);
-          predictions = plan_layouts(profiles, profiled_batch, base, world_size,
-                                     {latency_s, bytes_per_s, bytes_per_s}, optimizer_moments);
+          ModelProfile profile{profile_graph(graph, defined_or_not(sample), 3), sample_batch, {}, 0};
+          if (larger_batch > sample_batch) {
+            profile.larger = profile_graph(graph, defined_or_not(larger), 3);
+            profile.larger_batch = larger_batch;
+          }
+          predictions = plan_layouts(profile, base, world_size,
+                                     {latency_s, bytes_per_s, bytes_per_s, compute_scale, optimizer_s_per_byte},
+                                     optimizer_moments);
         }
         py::list layouts;
         for (const auto& prediction : predictions) {
@@ -508,6 +514,7 @@ PYBIND11_MODULE(_smp, module) {
           row["step_ms"] = prediction.step_s * 1e3;
           row["pipeline_ms"] = prediction.pipeline_s * 1e3;
           row["gradient_sync_ms"] = prediction.gradient_sync_s * 1e3;
+          row["optimizer_ms"] = prediction.optimizer_s * 1e3;
           row["bubble"] = prediction.bubble_fraction;
           row["memory_mib"] = prediction.memory_mib;
           row["rejected"] = prediction.rejected.empty() ? py::object(py::none()) : py::str(prediction.rejected);
@@ -515,9 +522,10 @@ PYBIND11_MODULE(_smp, module) {
         }
         return py::make_tuple(layouts, layout_report(predictions));
       },
-      py::arg("graph"), py::arg("sample"), py::arg("config"), py::arg("world_size"), py::arg("profiled_batch"),
-      py::arg("global_batch_size"), py::arg("memory_limit_mb"), py::arg("optimizer_moments"), py::arg("latency_s"),
-      py::arg("bytes_per_s"));
+      py::arg("graph"), py::arg("sample"), py::arg("sample_batch"), py::arg("larger"), py::arg("larger_batch"),
+      py::arg("config"), py::arg("world_size"), py::arg("global_batch_size"), py::arg("memory_limit_mb"),
+      py::arg("optimizer_moments"), py::arg("latency_s"), py::arg("bytes_per_s"), py::arg("compute_scale"),
+      py::arg("optimizer_s_per_byte"));
   module.def("recomputing", &recomputing);
   // Whether this thread runs without collectives (rank 0 profiling alone, WithoutCollectives).
   module.def("without_collectives", &without_collectives);

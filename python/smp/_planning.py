@@ -2,6 +2,11 @@
 partition it, its step predicted by the schedule simulator and its memory per rank by the partition search's
 model, ranked; a report, without training."""
 
+import os
+import time
+
+import torch
+
 from . import _smp
 from ._distributed_model import graph_of
 from ._state import runtime
@@ -24,16 +29,35 @@ class Plan:
         return self.report
 
 
+def _optimizer_seconds_per_byte(device, optimizer=torch.optim.AdamW):
+    """One optimizer step's time per parameter byte on this device: the median of 5 steps over 4 Mi parameters."""
+    parameter = torch.zeros(1 << 22, device=device, requires_grad=True)
+    parameter.grad = torch.ones_like(parameter)
+    stepper = optimizer([parameter])
+    times = []
+    for _ in range(7):
+        started = time.perf_counter()
+        stepper.step()
+        if parameter.is_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return sorted(times[2:])[2] / parameter.nbytes
+
+
 def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb=None, optimizer_moments=2.0,
-         link_gbps=None, latency_us=50.0):
+         link_gbps=None, latency_us=50.0, compute_scale=None):
     """Predicts every layout of `world_size` ranks (default: this job's) for `model` on `sample` (one microbatch):
     pipeline stages x data-parallel replicas, schedule (GPipe, 1F1B, ZB-H1; interleaved 1F1B, ZB-V and DualPipeV at
     two stages per rank), microbatches, recompute, ZeRO-1. The model is captured and profiled here, in this process
     (call smp.init first; one process will do). global_batch_size and memory_limit_mb default to the config's;
     optimizer_moments is the optimizer's state per parameter (Adam 2, SGD with momentum 1); link_gbps (default the
     config's link_bandwidth_gbps) and latency_us price transfers between stages and the replicas' all-reduce.
-    Predictions assume compute grows linearly with the microbatch, the zero-bubble split halves a backward, and the
-    all-reduce follows the last backward without overlap; tensor parallelism is not among the layouts yet."""
+    compute_scale is how much slower each rank computes in the job than here alone: by default, on the CPU, the
+    ranks per core of this host when there are more ranks than cores (a job of one host), else 1.
+    The model is profiled on the sample and on twice its samples: a node costs a fixed part plus a part per sample.
+    The optimizer's step is timed here (AdamW) per parameter byte. Predictions assume the zero-bubble split halves
+    a backward and the all-reduce follows the last backward without overlap; tensor parallelism is not among the
+    layouts yet."""
     rt = runtime()
     world = world_size or rt.world_size
     # Cut as finely as the most stages considered: two per rank.
@@ -41,8 +65,14 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     values = io_.engine_inputs(sample, "sample")
     batched = _smp.batched_inputs(values, None)
     profiled = next((value.shape[0] for value, is_batch in zip(values, batched) if is_batch), 1)
+    # A second profile on twice the samples tells a stage call's fixed cost from its cost per sample.
+    doubled = [torch.cat([value, value]) if is_batch else value for value, is_batch in zip(values, batched)]
+    if compute_scale is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        compute_scale = max(1.0, world / cores) if rt.device == "cpu" else 1.0
     layouts, report = _smp.plan_layouts(
-        graph._graph, values, rt.config, world, profiled, int(global_batch_size or 0),
+        graph._graph, values, profiled, doubled, 2 * profiled, rt.config, world, int(global_batch_size or 0),
         -1.0 if memory_limit_mb is None else float(memory_limit_mb), float(optimizer_moments), latency_us * 1e-6,
-        -1.0 if link_gbps is None else link_gbps * 1e9)
+        -1.0 if link_gbps is None else link_gbps * 1e9, float(compute_scale),
+        _optimizer_seconds_per_byte(torch.device(rt.device)) * compute_scale)
     return Plan(layouts, report)

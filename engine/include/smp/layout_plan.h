@@ -26,32 +26,47 @@ struct Layout {
   std::string config_json() const;  // the smp keys that ask for it
 };
 
-// What a step's communication costs, per transfer between stages and per byte the replicas reduce (ring
-// all-reduce: each rank sends and receives 2 (dp - 1) / dp of its gradient bytes).
-struct CommunicationCosts {
+// What the job's step costs beside the profile: per transfer between stages and per byte the replicas reduce (ring
+// all-reduce: each rank sends and receives 2 (dp - 1) / dp of its gradient bytes), and how much slower a rank
+// computes in the job than the profile measured it alone (ranks sharing a host's cores: ranks / cores).
+// The optimizer's step: seconds per byte of the parameters a rank updates (AdamW on this device, measured).
+struct PlanningCosts {
   double latency_s = 50e-6;
   double p2p_bytes_per_s = 1e9;
   double all_reduce_bytes_per_s = 1e9;
+  double compute_scale = 1.0;
+  double optimizer_s_per_byte = 0.0;
+};
+
+// The model's nodes measured (profile_graph) on a microbatch of `batch` samples and, when given, of `larger_batch`:
+// a node's time is then a fixed part plus a part per sample, through the two (a stage call costs something however
+// small its microbatch); with one measurement, all of it per sample. Bytes that grow with the batch are per sample.
+struct ModelProfile {
+  std::vector<ModuleProfile> modules;
+  int batch = 1;
+  std::vector<ModuleProfile> larger;
+  int larger_batch = 0;
+  // The profile on a microbatch of `samples`, compute times `compute_scale`.
+  std::vector<ModuleProfile> at(int samples, double compute_scale = 1.0) const;
 };
 
 struct LayoutPrediction {
   Layout layout;
   std::string rejected;  // empty when it fits and partitions
-  double step_s = 0.0;   // the pipeline's makespan plus what the replicas' reduction adds after it
+  double step_s = 0.0;   // the pipeline's makespan, then the replicas' reduction and the optimizer step
   double pipeline_s = 0.0;
   double gradient_sync_s = 0.0;  // the all-reduce (and ZeRO-1's broadcast) after the last backward, not overlapped
+  double optimizer_s = 0.0;      // the fullest rank's optimizer step
   double bubble_fraction = 0.0;
   std::vector<double> memory_mib;  // per pipeline rank: parameters, gradients, optimizer state, activations held
   double peak_memory_mib() const;
 };
 
-// `profiles`: the model's nodes measured on a microbatch of `profiled_batch` samples (profile_graph); times and
-// activation bytes are scaled linearly to each layout's microbatch. `base`: the job's config (global_batch_size,
+// `profile`: the model's, scaled to each layout's microbatch. `base`: the job's config (global_batch_size,
 // memory_limit_mb, memory_weight, partition_overrides...; its layout keys are replaced). `optimizer_moments`: the
 // optimizer's state per parameter, in parameter sizes (Adam 2, SGD with momentum 1). Fitting layouts come first,
 // fastest first; a layout the partition search cannot place is rejected with its reason.
-std::vector<LayoutPrediction> plan_layouts(const std::vector<ModuleProfile>& profiles, int profiled_batch,
-                                           const Config& base, int world_size, const CommunicationCosts& costs = {},
+std::vector<LayoutPrediction> plan_layouts(const ModelProfile& profile, const Config& base, int world_size, const PlanningCosts& costs = {},
                                            double optimizer_moments = 2.0);
 
 // A table a person reads: the first `shown` fitting layouts, then the rejected ones with why, and the choice.

@@ -27,17 +27,11 @@ std::vector<int> divisors(int n) {
   return found;
 }
 
-// The profile at `scale` times the profiled microbatch: compute and the bytes that grow with the batch; the
-// parameters stay.
-std::vector<ModuleProfile> scaled(std::vector<ModuleProfile> profiles, double scale) {
-  for (auto& module : profiles) {
-    module.forward_s *= scale;
-    module.backward_s *= scale;
-    module.assumed_loss_s *= scale;
-    module.output_bytes = static_cast<std::int64_t>(static_cast<double>(module.output_bytes) * scale);
-    module.activation_bytes = static_cast<std::int64_t>(static_cast<double>(module.activation_bytes) * scale);
-  }
-  return profiles;
+// Through (batch, small) and (larger_batch, large), never below zero or falling with the batch.
+double through(double small, double large, int batch, int larger_batch, int samples) {
+  if (larger_batch <= batch) return small * samples / batch;
+  const double per_sample = std::max(0.0, (large - small) / (larger_batch - batch));
+  return std::max(0.0, small - per_sample * batch) + per_sample * samples;
 }
 
 Config config_of(const Layout& layout, const Config& base) {
@@ -58,8 +52,8 @@ Config config_of(const Layout& layout, const Config& base) {
   return config;
 }
 
-void predict(LayoutPrediction& prediction, const std::vector<ModuleProfile>& profiles, int profiled_batch,
-             const Config& base, const CommunicationCosts& costs, double optimizer_moments) {
+void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Config& base,
+             const PlanningCosts& costs, double optimizer_moments) {
   const Layout& layout = prediction.layout;
   const Config config = config_of(layout, base);
   const int per_microbatch = base.global_batch_size / layout.replicas / layout.microbatches;
@@ -68,8 +62,7 @@ void predict(LayoutPrediction& prediction, const std::vector<ModuleProfile>& pro
   const int shards = layout.shard_optimizer_state ? layout.replicas : 1;
   StagePlan plan;
   try {
-    plan = plan_stages(scaled(profiles, static_cast<double>(per_microbatch) / profiled_batch), config,
-                       activation_copies(schedule), shards);
+    plan = plan_stages(profile.at(per_microbatch, costs.compute_scale), config, activation_copies(schedule), shards);
   } catch (const std::exception& error) {
     prediction.rejected = error.what();
     return;
@@ -123,7 +116,9 @@ void predict(LayoutPrediction& prediction, const std::vector<ModuleProfile>& pro
     const double passes = 2.0 * share + (layout.shard_optimizer_state ? share : 0.0);
     prediction.gradient_sync_s = costs.latency_s * 2 * (layout.replicas - 1) + passes * bytes / costs.all_reduce_bytes_per_s;
   }
-  prediction.step_s = prediction.pipeline_s + prediction.gradient_sync_s;
+  const double fullest = *std::max_element(rank_parameter_bytes.begin(), rank_parameter_bytes.end());
+  prediction.optimizer_s = costs.optimizer_s_per_byte * fullest / shards;
+  prediction.step_s = prediction.pipeline_s + prediction.gradient_sync_s + prediction.optimizer_s;
   if (base.memory_limit_mb > 0 && prediction.peak_memory_mib() > base.memory_limit_mb) {
     char why[128];
     std::snprintf(why, sizeof why, "needs %.0f MiB on its fullest rank, memory_limit_mb is %.0f",
@@ -133,6 +128,23 @@ void predict(LayoutPrediction& prediction, const std::vector<ModuleProfile>& pro
 }
 
 }  // namespace
+
+std::vector<ModuleProfile> ModelProfile::at(int samples, double compute_scale) const {
+  const bool two = larger.size() == modules.size() && larger_batch > batch;
+  std::vector<ModuleProfile> result = modules;
+  for (std::size_t i = 0; i < result.size(); ++i) {
+    auto& module = result[i];
+    const ModuleProfile& large = two ? larger[i] : modules[i];
+    const int larger_samples = two ? larger_batch : 0;
+    module.forward_s = compute_scale * through(module.forward_s, large.forward_s, batch, larger_samples, samples);
+    module.backward_s = compute_scale * through(module.backward_s, large.backward_s, batch, larger_samples, samples);
+    module.assumed_loss_s =
+        compute_scale * through(module.assumed_loss_s, large.assumed_loss_s, batch, larger_samples, samples);
+    module.output_bytes = module.output_bytes * samples / batch;
+    module.activation_bytes = module.activation_bytes * samples / batch;
+  }
+  return result;
+}
 
 std::string Layout::describe() const {
   std::ostringstream text;
@@ -155,17 +167,16 @@ double LayoutPrediction::peak_memory_mib() const {
   return memory_mib.empty() ? 0.0 : *std::max_element(memory_mib.begin(), memory_mib.end());
 }
 
-std::vector<LayoutPrediction> plan_layouts(const std::vector<ModuleProfile>& profiles, int profiled_batch,
-                                           const Config& base, int world_size, const CommunicationCosts& costs,
-                                           double optimizer_moments) {
-  if (profiles.empty() || profiled_batch < 1 || world_size < 1) {
+std::vector<LayoutPrediction> plan_layouts(const ModelProfile& profile, const Config& base, int world_size,
+                                           const PlanningCosts& costs, double optimizer_moments) {
+  if (profile.modules.empty() || profile.batch < 1 || world_size < 1) {
     throw ConfigError("plan_layouts: needs a profiled model, its microbatch size and a world size");
   }
   if (base.global_batch_size < 1) {
     throw ConfigError(base.source + ": planning a layout needs \"global_batch_size\" (the batch a step takes)");
   }
   std::vector<LayoutPrediction> predictions;
-  const int modules = static_cast<int>(profiles.size());
+  const int modules = static_cast<int>(profile.modules.size());
   for (int partitions : divisors(world_size)) {
     const int replicas = world_size / partitions;
     if (base.global_batch_size % replicas != 0) continue;
@@ -186,7 +197,7 @@ std::vector<LayoutPrediction> plan_layouts(const std::vector<ModuleProfile>& pro
             LayoutPrediction prediction;
             prediction.layout = {partitions, replicas, choice.virtual_stages, microbatches, choice.name, recompute,
                                  sharded};
-            predict(prediction, profiles, profiled_batch, base, costs, optimizer_moments);
+            predict(prediction, profile, base, costs, optimizer_moments);
             predictions.push_back(std::move(prediction));
           }
         }

@@ -1,0 +1,174 @@
+"""smp.plan's predictions against measured steps: a model planned for 4 processes, then every layout of a grid
+trained by a 4-process job on this machine (median step after warm-up). Reports, per layout, predicted and
+measured step, and over the grid the median absolute error, the rank correlation (Spearman) and where the
+planner's choice among the grid falls against the fastest measured.
+
+  python bench/bench_plan.py --model llama [--steps 6]     (a driver: it launches the jobs with smprun)
+
+Inside the jobs: --predict (one process: smp.plan, the layouts as JSON) and --train CONFIG (one layout).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORLD, GLOBAL_BATCH, LENGTH = 4, 16, 64
+
+
+def build(name):
+    import transformers as hf
+    torch.manual_seed(0)
+    if name == "llama":
+        config = hf.LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=8,
+                                num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=LENGTH)
+        return hf.LlamaForCausalLM(config)
+    if name == "gpt2":
+        config = hf.GPT2Config(vocab_size=1024, n_embd=256, n_layer=8, n_head=8, n_positions=LENGTH)
+        return hf.GPT2LMHeadModel(config)
+    raise SystemExit(f"unknown model {name}")
+
+
+def batch(samples, generator):
+    ids = torch.randint(0, 1024, (samples, LENGTH), generator=generator)
+    return {"input_ids": ids, "labels": ids}
+
+
+def measure_link():
+    """The all-reduce's bandwidth between the 4 processes, in ring terms (each sends 2 (n - 1) / n of the bytes):
+    the median of 5 all-reduces of 16 MiB."""
+    import smp
+    runtime = smp.init({"ddp": True})
+    tensor = torch.ones(1 << 22)
+    times = []
+    for _ in range(7):
+        started = time.perf_counter()
+        runtime.all_reduce_sum(tensor)
+        times.append(time.perf_counter() - started)
+    seconds = sorted(times[2:])[2]
+    n = runtime.world_size
+    print(json.dumps({"rank": runtime.rank, "gbps": 2 * (n - 1) / n * tensor.nbytes / seconds / 1e9}), flush=True)
+
+
+def predict(name, link_gbps):
+    import smp
+    smp.init({"global_batch_size": GLOBAL_BATCH})
+    found = smp.plan(build(name), batch(2, torch.Generator().manual_seed(1)), world_size=WORLD, link_gbps=link_gbps)
+    print(json.dumps({"layouts": found.layouts, "report": found.report}), flush=True)
+
+
+def train(name, keys, steps):
+    import smp
+    runtime = smp.init({**json.loads(keys), "global_batch_size": GLOBAL_BATCH})
+    data = torch.Generator().manual_seed(1)
+    sample = batch(GLOBAL_BATCH // runtime.data_parallel_degree // runtime.config.microbatches, data)
+    model = smp.DistributedModel(build(name), sample)
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    times = []
+    for step in range(steps + 2):
+        inputs = batch(GLOBAL_BATCH, data)
+        started = time.perf_counter()
+        optimizer.zero_grad()
+        model.train_step(inputs)
+        optimizer.step()
+        if step >= 2:
+            times.append(time.perf_counter() - started)
+    print(json.dumps({"rank": runtime.rank, "step_ms": statistics.median(times) * 1e3}), flush=True)
+
+
+def job(processes, *args):
+    smprun = os.environ.get("SMP_SMPRUN", os.path.join(HERE, "..", "build", "bin", "smprun"))
+    result = subprocess.run([smprun, "-n", str(processes), "--no-prefix", "--timeout", "300", "--", sys.executable,
+                             os.path.abspath(__file__), *args], capture_output=True, text=True, timeout=400)
+    if result.returncode != 0:
+        sys.exit(f"bench_plan {' '.join(args)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+def grid(layouts):
+    """Each pipeline depth with each schedule at 2 microbatches per stage (and 1 per stage), recompute once, ZeRO-1
+    once: the layouts a person would try, from the planner's list (the fitting ones, with their predictions)."""
+    chosen = []
+    for layout in layouts:
+        if layout["rejected"] is not None:
+            continue
+        keys = json.loads(layout["config"])
+        stages = keys["partitions"] * keys["virtual_stages"]
+        if keys["activation_checkpointing"] or keys["shard_optimizer_state"]:
+            continue
+        if keys["partitions"] == 1 and keys["microbatches"] not in (1, 2):
+            continue
+        if keys["partitions"] > 1 and keys["microbatches"] not in (stages, 2 * stages):
+            continue
+        chosen.append(layout)
+    for extra in ("recompute", "ZeRO-1"):
+        match = [l for l in layouts if l["rejected"] is None and l["layout"].endswith(extra)
+                 and l["layout"].startswith("pp 2 x dp 2, 1f1b, m 4")]
+        chosen += match[:1]
+    return chosen
+
+
+def spearman(xs, ys):
+    def ranks(values):
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        rank = [0.0] * len(values)
+        for position, index in enumerate(order):
+            rank[index] = float(position)
+        return rank
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    covariance = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    return covariance / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+
+
+def drive(name, steps):
+    link = statistics.median(r["gbps"] for r in job(WORLD, "--measure-link"))
+    print(f"all-reduce between the {WORLD} processes: {link:.2f} GB/s", flush=True)
+    planned = job(1, "--model", name, "--predict", "--link-gbps", str(link))[0]
+    rows = []
+    for layout in grid(planned["layouts"]):
+        ranks = job(WORLD, "--model", name, "--train", layout["config"], "--steps", str(steps))
+        measured = statistics.median(r["step_ms"] for r in ranks)
+        rows.append((layout, measured))
+        print(f"  {layout['layout']:<44} predicted {layout['step_ms']:8.1f} ms  measured {measured:8.1f} ms  "
+              f"({(layout['step_ms'] - measured) / measured * 100:+.0f}%)", flush=True)
+    predicted = [layout["step_ms"] for layout, _ in rows]
+    measured = [m for _, m in rows]
+    errors = sorted(abs(p - m) / m for p, m in zip(predicted, measured))
+    choice = min(range(len(rows)), key=lambda i: predicted[i])
+    print(json.dumps({"model": name, "layouts": len(rows), "link_gbps": link,
+                      "median_abs_error": statistics.median(errors),
+                      "spearman": spearman(predicted, measured),
+                      "choice": rows[choice][0]["layout"],
+                      "choice_over_best_measured": measured[choice] / min(measured),
+                      "best_measured": rows[measured.index(min(measured))][0]["layout"]}), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama")
+    parser.add_argument("--predict", action="store_true")
+    parser.add_argument("--train")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--measure-link", action="store_true")
+    parser.add_argument("--link-gbps", type=float)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.measure_link:
+        measure_link()
+    elif args.predict:
+        predict(args.model, args.link_gbps)
+    elif args.train:
+        train(args.model, args.train, args.steps)
+    else:
+        drive(args.model, args.steps)
+
+
+if __name__ == "__main__":
+    main()
