@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/ThreadLocalState.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -189,6 +190,9 @@ class PipelineExecutor::Step {
     const at::ThreadLocalState caller_state;  // grad mode, autocast, dispatch keys as this thread has them
     auto forward = std::async(std::launch::async, [&, caller_state] {
       const at::ThreadLocalStateGuard same_state(caller_state);
+      // A new thread's current GPU is device 0 whatever this rank's is: new tensors of the forward go to its own.
+      c10::OptionalDeviceGuard same_device;
+      if (!executor_.pipeline_.device().is_cpu()) same_device.reset_device(executor_.pipeline_.device());
       const comm::SecondLane own_collectives;
       event.start_us = now_us();
       compute_forward(action, entry, call);
