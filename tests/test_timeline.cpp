@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -56,6 +57,21 @@ TEST_CASE("timeline: Chrome trace and SVG", "[timeline]") {
   const auto svg = to_svg(two_ranks(), "1f1b <test> & co");
   CHECK_THAT(svg, Contains("<svg") && Contains("</svg>") && Contains("1f1b &lt;test> &amp; co"));
   CHECK_THAT(svg, Contains("replica 0 stage-rank 1") && Contains("#4e79a7"));
+}
+
+TEST_CASE("timeline: an overlapped pair's forward has a row of its own and counts once as busy", "[timeline]") {
+  // Rank 0 runs B of stage 0 from 0 to 10 and, beside it on the second lane, F of stage 1 from 5 to 12.
+  RankTimeline rank{0, 0, 0, {{"B", 0, 0, 0, 10}, {"F", 1, 1, 5, 12, -1, true}}};
+  CHECK(summarize({rank}, 0).busy_us == 12);
+  CHECK(RankTimeline::from_json(rank.to_json()).events[1].second_lane);
+  CHECK_FALSE(RankTimeline::from_json(rank.to_json()).events[0].second_lane);
+  std::set<int> threads;
+  const auto trace = nlohmann::json::parse(to_chrome_trace({rank}));
+  for (const auto& event : trace.at("traceEvents")) {
+    if (event.at("ph") == "X") threads.insert(event.at("tid").get<int>());
+  }
+  CHECK(threads.size() == 2);
+  CHECK_THAT(to_svg({rank}, "pairs"), Contains("microbatch 1 (overlapped)"));
 }
 
 TEST_CASE("timeline: files are written whole or not at all", "[timeline]") {

@@ -203,10 +203,13 @@ std::string to_svg(const std::vector<RankTimeline>& ranks, const std::string& ti
       if (!is_compute(event.kind)) continue;
       const double x = label_width + (event.start_us - first) * scale;
       const double width = std::max(0.5, (event.end_us - event.start_us) * scale);
-      svg << "<rect x=\"" << x << "\" y=\"" << y + 2 << "\" width=\"" << width << "\" height=\"" << row_height - 4
+      // An overlapped pair's forward covers the upper half of the backward it ran beside.
+      const double bar_height = event.second_lane ? (row_height - 4) / 2 : row_height - 4;
+      svg << "<rect x=\"" << x << "\" y=\"" << y + 2 << "\" width=\"" << width << "\" height=\"" << bar_height
           << "\" fill=\"" << colour_of(event.kind) << "\" stroke=\"white\" stroke-width=\"0.5\"><title>" << event.kind
-          << " stage " << event.stage << " microbatch " << event.microbatch << "</title></rect>\n";
-      if (width > 14) {
+          << " stage " << event.stage << " microbatch " << event.microbatch
+          << (event.second_lane ? " (overlapped)" : "") << "</title></rect>\n";
+      if (width > 14 && !event.second_lane) {
         svg << "<text x=\"" << x + width / 2 << "\" y=\"" << y + row_height * 0.65
             << "\" text-anchor=\"middle\" fill=\"white\">" << event.microbatch << "</text>\n";
       }
