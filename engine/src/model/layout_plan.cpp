@@ -109,14 +109,14 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
         ((2.0 + optimizer_moments / shards) * parameter_bytes[stage] + copies * activation_bytes[stage]) / kMiB;
     rank_parameter_bytes[rank] += parameter_bytes[stage];
   }
+  // The rank with the most parameters reduces the most and steps the longest.
+  const double fullest = *std::max_element(rank_parameter_bytes.begin(), rank_parameter_bytes.end());
   if (layout.replicas > 1) {
-    const double bytes = *std::max_element(rank_parameter_bytes.begin(), rank_parameter_bytes.end());
     const double share = static_cast<double>(layout.replicas - 1) / layout.replicas;
     // ZeRO-1 broadcasts each parameter from its owner after the step: one more (dp - 1) / dp of the bytes.
     const double passes = 2.0 * share + (layout.shard_optimizer_state ? share : 0.0);
-    prediction.gradient_sync_s = costs.latency_s * 2 * (layout.replicas - 1) + passes * bytes / costs.all_reduce_bytes_per_s;
+    prediction.gradient_sync_s = costs.latency_s * 2 * (layout.replicas - 1) + passes * fullest / costs.all_reduce_bytes_per_s;
   }
-  const double fullest = *std::max_element(rank_parameter_bytes.begin(), rank_parameter_bytes.end());
   prediction.optimizer_s = costs.optimizer_s_per_byte * fullest / shards;
   prediction.step_s = prediction.pipeline_s + prediction.gradient_sync_s + prediction.optimizer_s;
   if (base.memory_limit_mb > 0 && prediction.peak_memory_mib() > base.memory_limit_mb) {
