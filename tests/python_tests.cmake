@@ -5,6 +5,22 @@ if(NOT SMP_PYTHON_PACKAGE_DIR)
   return()
 endif()
 
+# The jobs' ranks start as forks of one interpreter that imported torch, transformers and smp once
+# (tests/python/warm_pool.py): ctest starts it before the first Python test it runs and stops it after the last, in any
+# selection of tests. Named after this build, so that two builds' runs never share one.
+string(SHA1 smp_build_hash "${CMAKE_BINARY_DIR}")
+string(SUBSTRING "${smp_build_hash}" 0 12 smp_warm_pool)
+set(smp_python_environment
+    "PYTHONPATH=${SMP_PYTHON_PACKAGE_DIR};OMP_NUM_THREADS=1;PYTHONUNBUFFERED=1;SMP_SMPRUN=$<TARGET_FILE:smprun>")
+foreach(action start stop)
+  add_test(NAME python_warm_pool_${action}
+           COMMAND ${SMP_PYTHON_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/python/warm_pool.py ${action} ${smp_warm_pool})
+  set_tests_properties(python_warm_pool_${action} PROPERTIES
+    TIMEOUT 150 LABELS "python;quick" ENVIRONMENT "${smp_python_environment}")
+endforeach()
+set_tests_properties(python_warm_pool_start PROPERTIES FIXTURES_SETUP smp_warm_pool)
+set_tests_properties(python_warm_pool_stop PROPERTIES FIXTURES_CLEANUP smp_warm_pool)
+
 # smp_pytest(file test timeout [quick]): "quick" puts the test in the inner-loop tier too (ctest -L quick).
 function(smp_pytest file test timeout)
   set(labels python ${ARGN})
@@ -14,7 +30,8 @@ function(smp_pytest file test timeout)
   set_tests_properties(python_${test} PROPERTIES
     TIMEOUT ${timeout}
     LABELS "${labels}"
-    ENVIRONMENT "PYTHONPATH=${SMP_PYTHON_PACKAGE_DIR};OMP_NUM_THREADS=1;PYTHONUNBUFFERED=1;SMP_SMPRUN=$<TARGET_FILE:smprun>")
+    FIXTURES_REQUIRED smp_warm_pool
+    ENVIRONMENT "${smp_python_environment};SMP_WARM_POOL=${smp_warm_pool}")
 endfunction()
 
 

@@ -19,6 +19,12 @@ def smprun():
 
 
 @pytest.fixture
+def python(tmp_path):
+    """The interpreter a checking script starts its jobs' ranks with (jobs.python_executable)."""
+    return jobs.python_executable(str(tmp_path))
+
+
+@pytest.fixture
 def job(tmp_path):
     """job(processes, script, *args) -> jobs.Job: see jobs.launcher."""
     return jobs.launcher(tmp_path)

@@ -39,6 +39,25 @@ class Job:
         return lines[-1] if lines else f"exit status {self.returncode}, nothing on stderr"
 
 
+def python_command():
+    """How a rank's interpreter starts: a fork of the warm pool's (warm_pool.py) where SMP_WARM_POOL names one, a new
+    python where not (the same job either way)."""
+    if os.environ.get("SMP_WARM_POOL"):
+        return [sys.executable, os.path.join(HERE, "warm_pool.py"), "run"]
+    return [sys.executable]
+
+
+def python_executable(directory):
+    """python_command() as one executable, for the checking scripts that launch jobs themselves."""
+    if not os.environ.get("SMP_WARM_POOL"):
+        return sys.executable
+    path = os.path.join(directory, "python")
+    with open(path, "w") as file:
+        file.write("#!/bin/sh\nexec " + " ".join(f"'{part}'" for part in python_command()) + ' "$@"\n')
+    os.chmod(path, 0o755)
+    return path
+
+
 def launcher(tmp_path):
     """run(processes, script, *args): runs tests/python/SCRIPT with ARGS in PROCESSES ranks (0: one plain process,
     for scripts that launch jobs themselves) and returns a Job."""
@@ -48,7 +67,7 @@ def launcher(tmp_path):
         reports.mkdir()
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", SMP_TEST_REPORTS=str(reports))
         path = script if os.path.isabs(script) else os.path.join(HERE, script)
-        command = [sys.executable, path, *map(str, args)]
+        command = [*python_command(), path, *map(str, args)]
         if processes > 0:
             command = [smprun_path(), "-n", str(processes), "--timeout", str(timeout), "--"] + command
         try:

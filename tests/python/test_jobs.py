@@ -2,14 +2,13 @@
 loaded by plain PyTorch and transformers. The checking scripts launch their jobs themselves."""
 
 import os
-import sys
 
 from jobs import REPO, assert_passed
 
 
-def test_example_2x4_equals_one_process(job, smprun):
+def test_example_2x4_equals_one_process(job, smprun, python):
     """examples/python/hybrid_2x4.py as the 2x4 job and as one process: the same losses and accuracy."""
-    finished = job(0, "example_check.py", smprun, sys.executable,
+    finished = job(0, "example_check.py", smprun, python,
                    os.path.join(REPO, "examples", "python", "hybrid_2x4.py"),
                    os.path.join(REPO, "examples", "hybrid_2x4.json"), timeout=440)
     assert finished.returncode == 0, finished.error
@@ -27,25 +26,25 @@ def test_example_hf_causal_lm(job):
     assert sum(int(count) for count in counts.split(",")) == 8 * 24 * 2, finished.output
 
 
-def test_checkpoint_resume_equals_pytorch(job, smprun):
+def test_checkpoint_resume_equals_pytorch(job, smprun, python):
     """smp.Checkpointer saves every step; a second job resumes; both against plain PyTorch."""
-    finished = job(0, "checkpoint_check.py", smprun, sys.executable, timeout=340)
+    finished = job(0, "checkpoint_check.py", smprun, python, timeout=340)
     assert finished.returncode == 0, finished.error
 
 
-def test_sharded_checkpoint_resume_equals_pytorch(job, smprun):
+def test_sharded_checkpoint_resume_equals_pytorch(job, smprun, python):
     """The same with two replicas sharding the optimizer state: a shard file per replica, each loaded by its owner."""
-    finished = job(0, "checkpoint_check.py", smprun, sys.executable, "--sharded", timeout=340)
+    finished = job(0, "checkpoint_check.py", smprun, python, "--sharded", timeout=340)
     assert finished.returncode == 0, finished.error
 
 
-def test_tensor_parallel_checkpoint_resume_equals_pytorch(job, smprun):
+def test_tensor_parallel_checkpoint_resume_equals_pytorch(job, smprun, python):
     """The same with each stage split over two tensor-parallel ranks: a file per shard, the export whole."""
-    finished = job(0, "checkpoint_check.py", smprun, sys.executable, "--tp", timeout=340)
+    finished = job(0, "checkpoint_check.py", smprun, python, "--tp", timeout=340)
     assert finished.returncode == 0, finished.error
 
 
-def test_meta_checkpoint_resume_and_safetensors_export(job, smprun):
+def test_meta_checkpoint_resume_and_safetensors_export(job, smprun, python):
     """Meta-built models resume equal to uninterrupted training (batch norm statistics included); the safetensors
     export loads with from_pretrained and into a job of another partitioning."""
-    assert_passed(job(0, "export_check.py", smprun, sys.executable, timeout=440))
+    assert_passed(job(0, "export_check.py", smprun, python, timeout=440))

@@ -2,7 +2,6 @@
 step's loss, evaluation and outputs, and every parameter after training (pipeline_worker.py), in jobs of 1 to 4
 processes; the API's errors (api_checks.py); schedules read from files."""
 
-import sys
 
 import pytest
 
@@ -77,8 +76,8 @@ def test_gpu_pipeline_equals_pytorch(job):
     assert_passed(finished)
 
 
-def test_all_reduce_then_exit(job, smprun):
+def test_all_reduce_then_exit(job, smprun, python):
     """Jobs that all-reduce a Python tensor as their last act end cleanly (exit_check.py launches six: the old
     fault, in 9 of 20 jobs, would let all six pass 3% of the time)."""
-    finished = job(0, "exit_check.py", smprun, sys.executable)
+    finished = job(0, "exit_check.py", smprun, python)
     assert finished.returncode == 0, finished.error
