@@ -323,6 +323,16 @@ PYBIND11_MODULE(_smp, module) {
       .def_readonly("sequence_parallel", &Config::sequence_parallel)
       .def_readonly("expert_parallel_degree", &Config::expert_parallel_degree)
       .def_readonly("source", &Config::source)
+      .def_readonly("text", &Config::text)
+      .def_readonly("auto_keys", &Config::auto_keys)
+      .def_readonly("virtual_stages", &Config::virtual_stages)
+      .def_readonly("ddp", &Config::ddp)
+      .def_readonly("shard_optimizer_state", &Config::shard_optimizer_state)
+      .def_readonly("tensor_parallel_degree", &Config::tensor_parallel_degree)
+      .def_readonly("checkpointed_stages", &Config::checkpointed_stages)
+      .def_readonly("checkpointed_modules", &Config::checkpointed_modules)
+      .def("schedule_name", &Config::schedule_name)
+      .def_static("planned_keys", &Config::planned_keys)
       .def_readonly("partition_overrides", &Config::partition_overrides)
       .def("num_stages", &Config::num_stages)
       .def("check_sections", &Config::check_sections, py::arg("known"));
@@ -345,6 +355,7 @@ PYBIND11_MODULE(_smp, module) {
       .def_property_readonly("device", [](const Runtime& runtime) { return runtime.device().str(); })
       .def_property_readonly("config", &Runtime::config, py::return_value_policy::reference_internal)
       .def("replica_slice", &Runtime::replica_slice, py::arg("global_batch"))
+      .def("_adopt_layout", &Runtime::adopt_layout, py::arg("chosen"), py::call_guard<py::gil_scoped_release>())
       // Sums a CPU tensor in place over every rank of the job (each calls it): for metrics, e.g. counts that only
       // the ranks running the last stage have.
       .def(

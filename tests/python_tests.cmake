@@ -77,6 +77,7 @@ smp_pytest(test_expert_parallel.py ep2_x_pp2_meta_equal_materialized 320)
 smp_pytest(test_expert_parallel.py ep2_with_tensor_parallelism_equal_pytorch 320)
 smp_pytest(test_expert_parallel.py dualpipe_v_overlapped_pairs_equal_pytorch 320)
 smp_pytest(test_planning.py plan_ranks_layouts_and_rejects_by_memory 200)
+smp_pytest(test_planning.py auto_layout_fits_the_memory_limit_and_trains_equal_pytorch 320)
 
 smp_pytest(test_tensor_parallel.py tensor_parallel_layers_plans_and_errors 320)
 smp_pytest(test_tensor_parallel.py tensor_parallel_real_models_equal_pytorch 320)

@@ -217,3 +217,31 @@ TEST_CASE("config: README's config table lists every key the reader takes, and n
   const std::set<std::string> read(keys.begin(), keys.end());
   CHECK(documented == read);
 }
+
+TEST_CASE("config: \"auto\" layout keys are left to the planner, with a provisional layout until then", "[config]") {
+  const Config planned = parse(R"({"partitions": "auto", "microbatches": "auto", "ddp": "auto",
+      "activation_checkpointing": "auto", "global_batch_size": 16})");
+  CHECK(planned.auto_keys == std::vector<std::string>{"partitions", "microbatches", "ddp", "activation_checkpointing"});
+  CHECK_THAT(planned.describe(), Contains("planned when the model is known: partitions microbatches"));
+  // Every rank a replica where replicas are allowed.
+  const Config replicas = planned.provisional_layout(4);
+  CHECK(replicas.partitions == 1);
+  CHECK(replicas.ddp);
+  CHECK(replicas.microbatches == 1);
+  CHECK(replicas.replicas_for_world(4) == 4);
+  CHECK(replicas.auto_keys == planned.auto_keys);  // still to be chosen
+  // Without replicas, every rank a stage.
+  const Config stages = parse(R"({"partitions": "auto", "ddp": false, "global_batch_size": 8})").provisional_layout(4);
+  CHECK(stages.partitions == 4);
+  CHECK_FALSE(stages.ddp);
+  // Keys fixed beside "auto" are read as ever.
+  CHECK(parse(R"({"pipeline": "auto", "partitions": 2, "global_batch_size": 8})").partitions == 2);
+
+  CHECK_THROWS_WITH(parse(R"({"partitions": "auto"})"),
+                    Contains("\"partitions\": \"auto\" needs \"global_batch_size\""));
+  CHECK_THROWS_WITH(parse(R"({"microbatches": "auto", "global_batch_size": 8, "schedule_file": "s.csv"})"),
+                    Contains("\"schedule_file\" fixes stages"));
+  // Keys the planner does not choose take no "auto".
+  CHECK_THROWS_WITH(parse(R"({"tensor_parallel_degree": "auto", "global_batch_size": 8})"),
+                    Contains("tensor_parallel_degree"));
+}

@@ -359,4 +359,11 @@ TEST_CASE("a bad config fails before any communication, naming the key", "[train
   CHECK(result.status != 0);
   CHECK_THAT(result.output, Contains("world size 4 is not a multiple of \"partitions\" (3)"));
   CHECK(result.seconds < 30);
+
+  // A C++ program cannot plan yet: "auto" is refused, not trained under the provisional layout.
+  const auto planned = write_config("planned", R"({"partitions": "auto", "global_batch_size": 8})");
+  const auto refused = run_command(std::string(SMPRUN_PATH) + " -n 2 -- " + WORKER_PATH + " --config " + planned, 60);
+  INFO(refused.output);
+  CHECK(refused.status != 0);
+  CHECK_THAT(refused.output, Contains("\"partitions\": \"auto\" layouts are planned by the Python front end"));
 }

@@ -173,6 +173,11 @@ class DistributedModel(torch.nn.Module):
         super().__init__()
         rt = runtime()
         started = time.perf_counter()
+        # "auto" layout keys: chosen now that the model is known, the same on every rank (smp.plan's prediction).
+        self.planned = None
+        if rt.config.auto_keys:
+            from ._planning import adopt_planned_layout
+            self.planned = adopt_planned_layout(model, sample)
         if rt.tensor_parallel_degree > 1:
             _shard_for_tensor_parallelism(model, tp_plan)
         elif tp_plan is not None and rt.rank == 0:

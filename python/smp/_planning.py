@@ -2,13 +2,14 @@
 partition it, its step predicted by the schedule simulator and its memory per rank by the partition search's
 model, ranked; a report, without training."""
 
+import json
 import os
 import time
 
 import torch
 
 from . import _smp
-from ._distributed_model import graph_of
+from ._smp import ConfigError
 from ._state import runtime
 
 
@@ -58,6 +59,7 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     The optimizer's step is timed here (AdamW) per parameter byte. Predictions assume the zero-bubble split halves
     a backward and the all-reduce follows the last backward without overlap; tensor parallelism is not among the
     layouts yet."""
+    from ._distributed_model import graph_of
     rt = runtime()
     world = world_size or rt.world_size
     # Cut as finely as the most stages considered: two per rank.
@@ -76,3 +78,85 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
         -1.0 if link_gbps is None else link_gbps * 1e9, float(compute_scale),
         _optimizer_seconds_per_byte(torch.device(rt.device)) * compute_scale)
     return Plan(layouts, report)
+
+
+def _layout_of(config, world_size):
+    """What a config asks of the pipeline and the replicas, comparable between a planned layout and the job's."""
+    tensor_parallel = config.tensor_parallel_degree
+    replicas = world_size // (config.partitions * tensor_parallel) if config.ddp else 1
+    every_stage = list(range(config.num_stages()))
+    recompute = ("all" if sorted(config.checkpointed_stages) == every_stage else
+                 tuple(sorted(config.checkpointed_stages)) + tuple(config.checkpointed_modules))
+    return (config.partitions, replicas, config.virtual_stages, config.microbatches, config.schedule_name(),
+            recompute if config.checkpointed_stages or config.checkpointed_modules else "none",
+            config.shard_optimizer_state and replicas > 1)
+
+
+def _broadcast_text(rt, text):
+    """Rank 0's `text` on every rank (the others pass anything), over the world group."""
+    data = list(text.encode()) if rt.rank == 0 else []
+    size = torch.tensor([float(len(data))], dtype=torch.float64)
+    rt.all_reduce_sum(size)
+    values = torch.zeros(int(size.item()), dtype=torch.float64)
+    if rt.rank == 0 and data:
+        values.copy_(torch.tensor(data, dtype=torch.float64))
+    rt.all_reduce_sum(values)
+    return bytes(int(value) for value in values.tolist()).decode()
+
+
+def _choose(model, sample, rt):
+    """Rank 0's choice: (the chosen config's text, the chosen layout's row, the report)."""
+    given = json.loads(rt.config.text)
+    section = given["smp"] if "smp" in given else given
+    found = plan(model, sample)
+    fixed = [key for key in _smp.Config.planned_keys() if key in section and key not in rt.config.auto_keys]
+    reasons = []
+    for row in found.layouts:
+        if row["rejected"] is not None:
+            continue
+        proposed = json.loads(row["config"])
+        merged = dict(section, **{key: proposed[key] for key in rt.config.auto_keys})
+        document = dict(given, smp=merged) if "smp" in given else merged
+        text = json.dumps(document)
+        try:
+            chosen = _smp.Config.from_json_text(text, rt.config.source)
+        except ConfigError as error:
+            reasons.append(f"{row['layout']}: {error}")
+            continue
+        # The prediction holds for the keys the config fixes only where the layout has them too.
+        if _layout_of(chosen, rt.world_size) == _layout_of(_smp.Config.from_json_text(row["config"], "<plan>"),
+                                                           rt.world_size):
+            return text, row, found.report
+        reasons.append(f"{row['layout']}: not what the fixed keys {fixed} ask")
+    raise ConfigError(f"{rt.config.source}: no planned layout of {rt.world_size} ranks fits"
+                      + (f" and keeps {', '.join(fixed)} as given" if fixed else "")
+                      + ":\n" + found.report + ("\n" + "\n".join(reasons[:5]) if reasons else ""))
+
+
+def adopt_planned_layout(model, sample):
+    """For a config with "auto" layout keys: rank 0 plans (smp.plan) among the layouts that keep what the config
+    fixes, and every rank adopts its choice before the model is partitioned. Returns what was chosen: {"config": the
+    layout's keys, "layout", "predicted_step_ms", "memory_mib" per pipeline rank, "report" (rank 0's table, on
+    every rank)}."""
+    rt = runtime()
+    if rt.tensor_parallel_degree > 1 or rt.expert_parallel_degree > 1:
+        raise ConfigError(f"{rt.config.source}: \"{rt.config.auto_keys[0]}\": \"auto\" plans pipeline and data "
+                          "parallel layouts only; with tensor_parallel_degree or expert_parallel_degree above 1 give "
+                          "the layout keys")
+    message = {}
+    if rt.rank == 0:
+        try:
+            text, row, report = _choose(model, sample, rt)
+            message = {"text": text, "config": json.loads(row["config"]), "layout": row["layout"],
+                       "predicted_step_ms": row["step_ms"], "memory_mib": row["memory_mib"], "report": report}
+        except Exception as error:  # noqa: BLE001 - every rank must hear of it, then rank 0 raises it itself
+            _broadcast_text(rt, json.dumps({"error": f"{type(error).__name__}: {error}"}))
+            raise
+    message = json.loads(_broadcast_text(rt, json.dumps(message)))
+    if "error" in message:
+        raise ConfigError(f"rank 0 could not plan the layout: {message['error']}")
+    rt._adopt_layout(_smp.Config.from_json_text(message.pop("text"), rt.config.source))
+    if rt.rank == 0:
+        print(f"smp: planned layout {message['layout']}, predicted step {message['predicted_step_ms']:.1f} ms\n"
+              f"{message['report']}", flush=True)
+    return message

@@ -16,6 +16,8 @@ Exits 0 only then.
                  a smaller batch of N samples, as an epoch's last
   --meta         build the models on the meta device: each rank makes its own stages real, and plain PyTorch trains
                  the same model made real by smp.materialize (the same seed)
+  --plan RANKS   only print the fastest layout smp.plan predicts for each model on RANKS ranks (its config's
+                 global_batch_size, a sample of global_batch_size / RANKS), as JSON, and exit
   --rtol R       parameters within 1e-6 + R * max |plain| (default 1e-5); under bf16 or fp16 (against float32
                  PyTorch) losses within R relative too
 """
@@ -202,6 +204,36 @@ def microbatch_of(inputs, index, count):
     return {key: value.chunk(count)[index] for key, value in inputs.items()}
 
 
+def planned_layout_failures(model, runtime, config):
+    """The planner's layout, adopted alike by every rank: each pipeline rank held by as many ranks as there are
+    replicas, the choice within the config's memory limit."""
+    failures = []
+    if model.planned is None or runtime.config.auto_keys:
+        return ["the \"auto\" keys were not planned"]
+    partitions, replicas = runtime.config.partitions, runtime.data_parallel_degree
+    if partitions * replicas != runtime.world_size:
+        failures.append(f"pp {partitions} x dp {replicas} is not the world of {runtime.world_size}")
+    held = torch.zeros(partitions, dtype=torch.float64)
+    held[runtime.pp_rank] = 1
+    runtime.all_reduce_sum(held)
+    if held.tolist() != [float(replicas)] * partitions:
+        failures.append(f"ranks per pipeline rank {held.tolist()}, not {replicas} each")
+    limit = config.get("memory_limit_mb")
+    if limit and max(model.planned["memory_mib"]) > limit:
+        failures.append(f"the chosen {model.planned['layout']} needs {max(model.planned['memory_mib']):.2f} MiB, "
+                        f"over the limit of {limit}")
+    return failures
+
+
+def print_fastest_layout(name, ranks):
+    """--plan RANKS: the fastest layout smp.plan predicts for the model on RANKS ranks, and its peak memory."""
+    torch.manual_seed(0)
+    net = vision_model(name) if name in VISION else language_model(name)
+    sample, _ = batch(name, 2, torch.Generator().manual_seed(5))
+    best = smp.plan(net, sample, world_size=ranks).best
+    print(json.dumps({"model": name, "layout": best["layout"], "peak_mib": max(best["memory_mib"])}), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", required=True)
@@ -213,10 +245,15 @@ def main():
     parser.add_argument("--lengths", help="comma-separated sequence lengths, one step each (language models), in "
                                           "place of --steps steps of the sample's length")
     parser.add_argument("--short-last", type=int, help="the last step's global batch, smaller than the others")
+    parser.add_argument("--plan", type=int, help="print the fastest layout on this many ranks (smp.plan) and exit")
     args = parser.parse_args()
     config = json.loads(args.smp)
     torch.set_num_threads(1)
     runtime = smp.init(config)
+    if args.plan:
+        for name in args.models.split(","):
+            print_fastest_layout(name, args.plan)
+        return
     failures = []
     for name in args.models.split(","):
         failures += [f"{name}: {failure}" for failure in train_and_compare(name, args, config, runtime)]
@@ -224,7 +261,10 @@ def main():
 
 
 def train_and_compare(name, args, config, runtime):
-    microbatches, replicas = config["microbatches"], runtime.data_parallel_degree
+    # Under "auto" layout keys the layout is the planner's, known once the model is: until then one rank's share.
+    planned = bool(runtime.config.auto_keys)
+    microbatches, replicas = (1, runtime.world_size) if planned else (config["microbatches"],
+                                                                       runtime.data_parallel_degree)
     global_batch = config["global_batch_size"]
     vision = name in VISION
     own = args.loss == "own" and not vision
@@ -254,13 +294,16 @@ def train_and_compare(name, args, config, runtime):
                                               for m in net.modules())
     loss_tolerance = args.rtol if config.get("bf16") or config.get("fp16") else 1e-5
     model = smp.DistributedModel(net, sample_inputs, init_fn=net_init)
+    failures = []
+    if planned:
+        microbatches, replicas = runtime.config.microbatches, runtime.data_parallel_degree
+        failures += planned_layout_failures(model, runtime, config)
     optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.01, momentum=0.9)
     loss = None if own else function_loss(name)
     if runtime.rank == 0:
         print(f"{name}:\n{model.partition_report()}")
 
-    failures = []
     if args.meta:
         # This rank made real exactly the parameters of its own stages; the rest stayed on the meta device.
         real = {path for path, p in net.named_parameters() if not p.is_meta}

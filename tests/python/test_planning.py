@@ -1,8 +1,32 @@
 """smp.plan: layouts predicted by simulation for a captured Hugging Face model, ranked, and rejected by the memory
-limit (plan_check.py, one process)."""
+limit (plan_check.py, one process); "auto" layout keys: the job trains in the layout rank 0 planned, adopted by
+every rank (real_models.py)."""
 
-from jobs import assert_passed
+import json
+
+from jobs import assert_passed, smp_keys
+
+PLANNED = ("partitions", "microbatches", "pipeline", "ddp", "activation_checkpointing", "shard_optimizer_state")
 
 
 def test_plan_ranks_layouts_and_rejects_by_memory(job):
     assert_passed(job(1, "plan_check.py"))
+
+
+def rank0_lines(output, prefix):
+    return [line.split("] ", 1)[1] for line in output.splitlines()
+            if line.startswith("[rank 0] ") and line.split("] ", 1)[1].startswith(prefix)]
+
+
+def test_auto_layout_fits_the_memory_limit_and_trains_equal_pytorch(job):
+    """With every layout key "auto" and a memory limit just under what the fastest layout needs, the job trains in
+    another layout that fits, on every rank alike, and equals plain PyTorch."""
+    keys = smp_keys(global_batch_size=8)
+    planned = job(1, "real_models.py", "--models", "gpt2", "--plan", "4", "--smp", keys)
+    assert planned.returncode == 0, planned.output
+    fastest = json.loads(rank0_lines(planned.stdout, '{"model"')[0])
+    config = dict(json.loads(keys), memory_limit_mb=fastest["peak_mib"] - 0.01, **{key: "auto" for key in PLANNED})
+    finished = job(4, "real_models.py", "--models", "gpt2", "--steps", "2", "--smp", json.dumps(config))
+    assert_passed(finished)
+    chosen = rank0_lines(finished.stdout, "smp: planned layout ")
+    assert chosen and f"layout {fastest['layout']}, predicted" not in chosen[0], finished.output

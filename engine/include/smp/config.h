@@ -82,6 +82,9 @@ struct Config {
   int global_batch_size = 0;     // 0: not fixed in the config (train_step checks every batch it gets)
   double comm_timeout_s = 300.0; // every blocking wait fails after this long, naming the peer
   std::string log_level = "info";
+  // Layout keys given as "auto" (planned_keys()), in the order read: the planner chooses them once the model is
+  // known (smp.DistributedModel), every rank adopting rank 0's choice. Until then provisional_layout() stands in.
+  std::vector<std::string> auto_keys;
   std::string source = "<config>";  // file name used in error messages
   std::string text;                 // the document as given, kept in checkpoint manifests
   // Top-level sections beside "smp" that belong to the application (e.g. "model"); see application().
@@ -94,6 +97,13 @@ struct Config {
   static Config from_file(const std::string& path);
   // Every key the reader takes, aliases included, in the order it reads them (README's config table lists each).
   static std::vector<std::string> keys();
+
+  // The keys that may be "auto": those the planner chooses (smp::plan_layouts' Layout).
+  static const std::vector<std::string>& planned_keys();
+  // This config with its "auto" keys replaced by a layout any world of `world_size` ranks can start with (every
+  // rank a replica, one microbatch, its given schedule): what the job runs under until the layout is chosen. Its
+  // auto_keys stay: the choice is still to come.
+  Config provisional_layout(int world_size) const;
 
   // The data-parallel degree for a world size, as SMP defines it, or ConfigError naming the fix.
   int replicas_for_world(int world_size) const;

@@ -35,6 +35,11 @@ class Runtime {
   static std::shared_ptr<Runtime> init(const Config& config, const comm::LaunchInfo& launch);
 
   const Config& config() const { return config_; }
+  // A config given "auto" layout keys starts under its provisional layout (Config::provisional_layout); once the
+  // planner has chosen, every rank calls this with the same chosen config (those keys filled in) at the same point:
+  // the topology and the pipeline, replica, tensor- and expert-parallel groups are made anew for it. ConfigError
+  // when nothing was left to choose or the choice does not fit the world.
+  void adopt_layout(const Config& chosen);
   const Topology& topology() const { return topology_; }
   const comm::LaunchInfo& launch() const { return launch_; }
   int rank() const { return launch_.rank; }
@@ -77,6 +82,8 @@ class Runtime {
 
  private:
   Runtime(const Config& config, const comm::LaunchInfo& launch);
+  // The groups of the current topology; `prefix` keeps a later layout's apart from earlier ones in the store.
+  void make_layout_groups(const std::string& prefix);
   // Refuses to go on with a store that another job (another SMP_JOB_ID or TORCHELASTIC_RUN_ID) hosts.
   void check_job_identity(const std::string& where);
 
@@ -95,6 +102,7 @@ class Runtime {
   std::shared_ptr<comm::Communicator> expert_data_parallel_;
   int exchanges_ = 0;
   std::string bind_host_;
+  int layout_generation_ = 0;  // layouts adopted after the first (adopt_layout)
 };
 
 }  // namespace smp

@@ -379,6 +379,26 @@ Config Config::from_json_text(const std::string& text, const std::string& source
                       (nearest.empty() ? std::string(" (see README for the keys)") : " (did you mean \"" + nearest + "\"?)"));
   }
 
+  // "auto" layout keys are left to their defaults here and chosen by the planner later.
+  for (const std::string& name : Config::planned_keys()) {
+    if (smp_keys.contains(name) && smp_keys[name] == "auto") {
+      config.auto_keys.push_back(name);
+      smp_keys.erase(name);
+    }
+  }
+  if (!config.auto_keys.empty()) {
+    if (!smp_keys.contains("global_batch_size")) {
+      throw ConfigError(source + ": key \"" + config.auto_keys.front() +
+                        "\": \"auto\" needs \"global_batch_size\" (the batch each layout is planned for)");
+    }
+    for (const char* fixed : {"schedule_file", "partition_overrides", "default_partition"}) {
+      if (smp_keys.contains(fixed)) {
+        throw ConfigError(source + ": key \"" + fixed + "\" fixes stages, which \"" + config.auto_keys.front() +
+                          "\": \"auto\" leaves to the planner; give the layout keys instead");
+      }
+    }
+  }
+
   const Reader read(smp_keys, source);
   for (const Key& key : key_table()) {
     if (read.has(key.name)) key.read(read, config);
@@ -392,6 +412,27 @@ Config Config::from_json_text(const std::string& text, const std::string& source
     read.fail("global_batch_size", std::to_string(config.global_batch_size) + " does not split into " +
                                        std::to_string(config.microbatches) + " microbatches");
   }
+  return config;
+}
+
+const std::vector<std::string>& Config::planned_keys() {
+  static const std::vector<std::string> keys = {"partitions",   "microbatches", "pipeline", "virtual_stages",
+                                                "ddp",          "activation_checkpointing", "shard_optimizer_state"};
+  return keys;
+}
+
+Config Config::provisional_layout(int world_size) const {
+  Config config = *this;
+  const auto is_auto = [&](const char* key) {
+    return std::find(auto_keys.begin(), auto_keys.end(), key) != auto_keys.end();
+  };
+  if (is_auto("partitions")) {
+    // Every rank a replica where replicas may be had; else every rank a stage.
+    const bool replicas_allowed = is_auto("ddp") || ddp;
+    config.partitions = replicas_allowed ? 1 : std::max(1, world_size / std::max(1, tensor_parallel_degree));
+  }
+  if (is_auto("ddp")) config.ddp = world_size > config.partitions * tensor_parallel_degree;
+  if (is_auto("microbatches")) config.microbatches = 1;
   return config;
 }
 
@@ -463,6 +504,11 @@ std::string Config::describe() const {
        << " auto_partition=" << (auto_partition ? "true" : "false") << " seed=" << seed << " device=" << device
        << " backend=" << backend;
   if (global_batch_size > 0) text << " global_batch_size=" << global_batch_size;
+  if (!auto_keys.empty()) {
+    text << " (planned when the model is known:";
+    for (const auto& key : auto_keys) text << " " << key;
+    text << ")";
+  }
   return text.str();
 }
 

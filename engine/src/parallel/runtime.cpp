@@ -97,15 +97,15 @@ std::shared_ptr<Runtime> Runtime::init(const Config& config, const comm::LaunchI
   return std::shared_ptr<Runtime>(new Runtime(config, launch));
 }
 
-Runtime::Runtime(const Config& config, const comm::LaunchInfo& launch)
-    : config_(config),
+Runtime::Runtime(const Config& given, const comm::LaunchInfo& launch)
+    : config_(given.auto_keys.empty() ? given : given.provisional_layout(launch.world_size)),
       launch_(launch),
-      topology_(config, launch.world_size),
+      topology_(config_, launch.world_size),
       coordinates_(topology_.coordinates_of(launch.rank)),
       // Decided after the rendezvous when only the other processes can tell (may_have_own_gpu); every other
       // device error comes before any communication.
-      device_(may_have_own_gpu(config, launch) ? c10::Device(c10::kCPU) : choose_device(config, launch, false)),
-      nccl_(device_.is_cuda() && nccl_for_gpus(config)) {
+      device_(may_have_own_gpu(config_, launch) ? c10::Device(c10::kCPU) : choose_device(config_, launch, false)),
+      nccl_(device_.is_cuda() && nccl_for_gpus(config_)) {
   log::configure(launch_.rank, config_.log_level);
 #ifdef __GLIBC__
   // Overlapped pairs allocate a forward's activations on a second thread and free them on this one. glibc gives
@@ -188,10 +188,19 @@ Runtime::Runtime(const Config& config, const comm::LaunchInfo& launch)
   for (int rank = 0; rank < launch_.world_size; ++rank) everyone[rank] = rank;
   // The world group carries control values (losses, flags) that live on the CPU.
   world_ = comm::make_gloo_group(store_, everyone, launch_.rank, "world", bind_host_, timeout_of(config_));
+  make_layout_groups("");
+  if (launch_.rank == 0) {
+    log::info("config " + config_.source + ": " + config_.describe());
+    log::info(topology_.describe() + " (launched by " + launch_.launcher + ")");
+    log::info("device " + device_.str() + ", " + (nccl_ ? "NCCL" : "Gloo") + " between ranks");
+  }
+}
+
+void Runtime::make_layout_groups(const std::string& prefix) {
   const auto pipeline_members = topology_.group(Axis::pipeline, coordinates_);
-  pipeline_ = make_group(pipeline_members, "pipeline/" + join(pipeline_members));
+  pipeline_ = make_group(pipeline_members, prefix + "pipeline/" + join(pipeline_members));
   const auto replica_members = topology_.group(Axis::data, coordinates_);
-  data_parallel_ = make_group(replica_members, "data_parallel/" + join(replica_members));
+  data_parallel_ = make_group(replica_members, prefix + "data_parallel/" + join(replica_members));
   const auto shard_members = topology_.group(Axis::tensor, coordinates_);
   // Overlapped forwards and backwards post the collectives inside their compute from two threads: each thread its
   // own communicator of the group (laned_communicator.h).
@@ -200,18 +209,34 @@ Runtime::Runtime(const Config& config, const comm::LaunchInfo& launch)
     if (!config_.overlap_forward_backward || members.size() < 2) return group;
     return comm::make_laned(std::move(group), make_group(members, name + "/second_lane/" + join(members)));
   };
-  tensor_parallel_ = group_of(shard_members, "tensor_parallel");
-  expert_parallel_ = group_of(topology_.expert_parallel_group(coordinates_), "expert_parallel");
+  tensor_parallel_ = group_of(shard_members, prefix + "tensor_parallel");
+  expert_parallel_ = group_of(topology_.expert_parallel_group(coordinates_), prefix + "expert_parallel");
   if (topology_.expert_parallel_degree() == 1) {
     expert_data_parallel_ = data_parallel_;
   } else {
     const auto holders = topology_.expert_data_parallel_group(coordinates_);
-    expert_data_parallel_ = make_group(holders, "expert_data_parallel/" + join(holders));
+    expert_data_parallel_ = make_group(holders, prefix + "expert_data_parallel/" + join(holders));
   }
+}
+
+void Runtime::adopt_layout(const Config& chosen) {
+  if (config_.auto_keys.empty()) {
+    throw ConfigError(config_.source + ": the layout was chosen already (no \"auto\" keys are left to plan)");
+  }
+  if (!chosen.auto_keys.empty()) {
+    throw ConfigError(chosen.source + ": a chosen layout cannot leave keys \"auto\" (" + chosen.auto_keys.front() + ")");
+  }
+  Topology topology(chosen, launch_.world_size);
+  // Every rank adopts the same layout at once; the groups of the provisional one go, and the new ones take names
+  // of their own in the store.
+  config_ = chosen;
+  topology_ = topology;
+  coordinates_ = topology_.coordinates_of(launch_.rank);
+  ++layout_generation_;
+  make_layout_groups("layout" + std::to_string(layout_generation_) + "/");
   if (launch_.rank == 0) {
-    log::info("config " + config_.source + ": " + config_.describe());
-    log::info(topology_.describe() + " (launched by " + launch_.launcher + ")");
-    log::info("device " + device_.str() + ", " + (nccl_ ? "NCCL" : "Gloo") + " between ranks");
+    log::info("layout chosen: " + config_.describe());
+    log::info(topology_.describe());
   }
 }
 
