@@ -537,6 +537,15 @@ PYBIND11_MODULE(_smp, module) {
       py::arg("config"), py::arg("world_size"), py::arg("global_batch_size"), py::arg("memory_limit_mb"),
       py::arg("optimizer_moments"), py::arg("latency_s"), py::arg("bytes_per_s"), py::arg("compute_scale"),
       py::arg("optimizer_s_per_byte"));
+  // A planned layout's keys (Layout::config_json) in place of the config's "auto" ones, or None when the layout
+  // differs from what the config fixes (smp::adopting_layout).
+  module.def(
+      "adopting_layout",
+      [](const Config& given, const std::string& layout_keys, int world_size) -> py::object {
+        auto chosen = adopting_layout(given, layout_keys, world_size);
+        return chosen ? py::cast(*chosen) : py::none();
+      },
+      py::arg("given"), py::arg("layout_keys"), py::arg("world_size"));
   module.def("recomputing", &recomputing);
   // Whether this thread runs without collectives (rank 0 profiling alone, WithoutCollectives).
   module.def("without_collectives", &without_collectives);

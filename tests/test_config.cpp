@@ -218,7 +218,7 @@ TEST_CASE("config: README's config table lists every key the reader takes, and n
   CHECK(documented == read);
 }
 
-TEST_CASE("config: \"auto\" layout keys are left to the planner, with a provisional layout until then", "[config]") {
+TEST_CASE("config: auto layout keys are left to the planner, with a provisional layout until then", "[config]") {
   const Config planned = parse(R"({"partitions": "auto", "microbatches": "auto", "ddp": "auto",
       "activation_checkpointing": "auto", "global_batch_size": 16})");
   CHECK(planned.auto_keys == std::vector<std::string>{"partitions", "microbatches", "ddp", "activation_checkpointing"});

@@ -359,11 +359,23 @@ TEST_CASE("a bad config fails before any communication, naming the key", "[train
   CHECK(result.status != 0);
   CHECK_THAT(result.output, Contains("world size 4 is not a multiple of \"partitions\" (3)"));
   CHECK(result.seconds < 30);
+}
 
-  // A C++ program cannot plan yet: "auto" is refused, not trained under the provisional layout.
-  const auto planned = write_config("planned", R"({"partitions": "auto", "global_batch_size": 8})");
-  const auto refused = run_command(std::string(SMPRUN_PATH) + " -n 2 -- " + WORKER_PATH + " --config " + planned, 60);
+TEST_CASE("auto layout keys: rank 0 plans, every rank adopts the layout and trains like one process",
+          "[training][multiprocess][plan]") {
+  const auto planned = write_config("planned", R"({"partitions": "auto", "microbatches": "auto", "pipeline": "auto",
+      "ddp": "auto", "global_batch_size": 16, "seed": 5, "device": "cpu"})");
+  const auto result = run_worker(4, planned, "--model mlp");
+  check_clean_run(result, 4);
+  CHECK_THAT(result.output, Contains("planned layout pp "));
+  CHECK_THAT(result.output, Contains("layout chosen: "));
+
+  // Rank 0's failure to plan reaches every rank, naming it: no layout fits a memory limit this low.
+  const auto tight = write_config("tight", R"({"partitions": "auto", "global_batch_size": 16, "memory_limit_mb": 0.001,
+      "seed": 5, "device": "cpu", "comm_timeout_s": 30})");
+  const auto refused = run_worker(2, tight, "--model mlp");
   INFO(refused.output);
   CHECK(refused.status != 0);
-  CHECK_THAT(refused.output, Contains("\"partitions\": \"auto\" layouts are planned by the Python front end"));
+  CHECK_THAT(refused.output, Contains("rank 0 could not plan the layout"));
+  CHECK_THAT(refused.output, Contains("no planned layout of 2 ranks fits"));
 }

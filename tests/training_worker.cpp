@@ -362,7 +362,7 @@ int run(int argc, char** argv) {
   // keep_outputs: the rank that runs the last stage gets its replica's outputs, in order; the others get none.
   const auto stages_here = distributed.stages();
   const bool runs_last_stage =
-      std::find(stages_here.begin(), stages_here.end(), config.num_stages() - 1) != stages_here.end();
+      std::find(stages_here.begin(), stages_here.end(), runtime->config().num_stages() - 1) != stages_here.end();
   auto check_outputs = [&](const std::string& when, const at::Tensor& outputs, const at::Tensor& whole_expected) {
     // Under tensor parallelism the GPT's logits come back as this rank's share of the vocabulary.
     const at::Tensor expected = runtime->topology().tensor_parallel_degree() > 1 && whole_expected.dim() > 0

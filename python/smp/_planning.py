@@ -80,18 +80,6 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     return Plan(layouts, report)
 
 
-def _layout_of(config, world_size):
-    """What a config asks of the pipeline and the replicas, comparable between a planned layout and the job's."""
-    tensor_parallel = config.tensor_parallel_degree
-    replicas = world_size // (config.partitions * tensor_parallel) if config.ddp else 1
-    every_stage = list(range(config.num_stages()))
-    recompute = ("all" if sorted(config.checkpointed_stages) == every_stage else
-                 tuple(sorted(config.checkpointed_stages)) + tuple(config.checkpointed_modules))
-    return (config.partitions, replicas, config.virtual_stages, config.microbatches, config.schedule_name(),
-            recompute if config.checkpointed_stages or config.checkpointed_modules else "none",
-            config.shard_optimizer_state and replicas > 1)
-
-
 def _broadcast_text(rt, text):
     """Rank 0's `text` on every rank (the others pass anything), over the world group."""
     data = list(text.encode()) if rt.rank == 0 else []
@@ -106,31 +94,21 @@ def _broadcast_text(rt, text):
 
 def _choose(model, sample, rt):
     """Rank 0's choice: (the chosen config's text, the chosen layout's row, the report)."""
-    given = json.loads(rt.config.text)
-    section = given["smp"] if "smp" in given else given
     found = plan(model, sample)
-    fixed = [key for key in _smp.Config.planned_keys() if key in section and key not in rt.config.auto_keys]
     reasons = []
     for row in found.layouts:
         if row["rejected"] is not None:
             continue
-        proposed = json.loads(row["config"])
-        merged = dict(section, **{key: proposed[key] for key in rt.config.auto_keys})
-        document = dict(given, smp=merged) if "smp" in given else merged
-        text = json.dumps(document)
         try:
-            chosen = _smp.Config.from_json_text(text, rt.config.source)
+            chosen = _smp.adopting_layout(rt.config, row["config"], rt.world_size)
         except ConfigError as error:
             reasons.append(f"{row['layout']}: {error}")
             continue
-        # The prediction holds for the keys the config fixes only where the layout has them too.
-        if _layout_of(chosen, rt.world_size) == _layout_of(_smp.Config.from_json_text(row["config"], "<plan>"),
-                                                           rt.world_size):
-            return text, row, found.report
-        reasons.append(f"{row['layout']}: not what the fixed keys {fixed} ask")
-    raise ConfigError(f"{rt.config.source}: no planned layout of {rt.world_size} ranks fits"
-                      + (f" and keeps {', '.join(fixed)} as given" if fixed else "")
-                      + ":\n" + found.report + ("\n" + "\n".join(reasons[:5]) if reasons else ""))
+        if chosen is not None:
+            return chosen.text, row, found.report
+        reasons.append(f"{row['layout']}: not what the keys the config fixes ask")
+    raise ConfigError(f"{rt.config.source}: no planned layout of {rt.world_size} ranks fits and keeps the layout keys "
+                      "the config gives:\n" + found.report + ("\n" + "\n".join(reasons[:5]) if reasons else ""))
 
 
 def adopt_planned_layout(model, sample):

@@ -6,7 +6,9 @@
 // step time. The report is what `smp.plan` prints.
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "smp/config.h"
@@ -68,6 +70,16 @@ struct LayoutPrediction {
 // fastest first; a layout the partition search cannot place is rejected with its reason.
 std::vector<LayoutPrediction> plan_layouts(const ModelProfile& profile, const Config& base, int world_size, const PlanningCosts& costs = {},
                                            double optimizer_moments = 2.0);
+
+// `given`, a config with "auto" layout keys (Config::auto_keys), with those keys set from `layout_keys` (a layout's
+// Layout::config_json()): the config a job adopting that layout trains under; nullopt when the layout differs from
+// what `given` fixes (its prediction would not hold). ConfigError when the result is no valid config.
+std::optional<Config> adopting_layout(const Config& given, const std::string& layout_keys, int world_size);
+
+// For a job whose config has "auto" keys: the fastest fitting prediction it can adopt, with the config it then
+// trains under. ConfigError with the report and the reasons when there is none.
+std::pair<LayoutPrediction, Config> choose_layout(const std::vector<LayoutPrediction>& predictions, const Config& given,
+                                                  int world_size);
 
 // A table a person reads: the first `shown` fitting layouts, then the rejected ones with why, and the choice.
 std::string layout_report(const std::vector<LayoutPrediction>& predictions, int shown = 15);

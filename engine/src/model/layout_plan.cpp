@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cstdio>
 #include <sstream>
+#include <tuple>
+
+#include <nlohmann/json.hpp>
 
 #include "smp/scheduler/simulator.h"
 
@@ -252,6 +255,53 @@ std::string layout_report(const std::vector<LayoutPrediction>& predictions, int 
          << "), config " << best.layout.config_json() << "\n";
   }
   return text.str();
+}
+
+namespace {
+
+// What a config asks of the pipeline and the replicas, the same for a planned layout's config and the job's.
+auto layout_asked(const Config& config, int world_size) {
+  const int replicas = config.ddp ? world_size / (config.partitions * config.tensor_parallel_degree) : 1;
+  std::vector<int> stages = config.checkpointed_stages;
+  std::sort(stages.begin(), stages.end());
+  const bool every_stage = static_cast<int>(stages.size()) == config.num_stages() && config.checkpointed_modules.empty();
+  const bool none = stages.empty() && config.checkpointed_modules.empty();
+  const int recompute = none ? 0 : every_stage ? 1 : 2;  // 2: some, which no planned layout is
+  return std::make_tuple(config.partitions, replicas, config.virtual_stages, config.microbatches,
+                         config.schedule_name(), recompute, config.shard_optimizer_state && replicas > 1);
+}
+
+}  // namespace
+
+std::optional<Config> adopting_layout(const Config& given, const std::string& layout_keys, int world_size) {
+  nlohmann::json document = nlohmann::json::parse(given.text);
+  nlohmann::json& section = document.contains("smp") ? document["smp"] : document;
+  const nlohmann::json keys = nlohmann::json::parse(layout_keys);
+  for (const auto& key : given.auto_keys) section[key] = keys.at(key);
+  Config chosen = Config::from_json_text(document.dump(), given.source);
+  const Config planned = Config::from_json_text(layout_keys, "<planned layout>");
+  if (layout_asked(chosen, world_size) != layout_asked(planned, world_size)) return std::nullopt;
+  return chosen;
+}
+
+std::pair<LayoutPrediction, Config> choose_layout(const std::vector<LayoutPrediction>& predictions, const Config& given,
+                                                  int world_size) {
+  std::vector<std::string> reasons;
+  for (const auto& prediction : predictions) {
+    if (!prediction.rejected.empty()) continue;
+    try {
+      if (auto chosen = adopting_layout(given, prediction.layout.config_json(), world_size)) {
+        return {prediction, *chosen};
+      }
+      reasons.push_back(prediction.layout.describe() + ": not what the keys the config fixes ask");
+    } catch (const ConfigError& error) {
+      reasons.push_back(prediction.layout.describe() + ": " + error.what());
+    }
+  }
+  std::string text = given.source + ": no planned layout of " + std::to_string(world_size) +
+                     " ranks fits and keeps the layout keys the config gives:\n" + layout_report(predictions);
+  for (std::size_t index = 0; index < reasons.size() && index < 5; ++index) text += "\n" + reasons[index];
+  throw ConfigError(text);
 }
 
 }  // namespace smp

@@ -19,6 +19,7 @@
 #include "pipeline/activation_checkpoint.h"
 #include "training/distributed_model_internal.h"
 #include "training/gradient_sync.h"
+#include "training/planned_layout.h"
 #include "smp/tp.h"
 
 namespace smp {
@@ -77,17 +78,10 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
 
 DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const ModelInputs& sample,
                                    const MaterializeNodes& materialize)
-    : runtime_(std::move(runtime)),
+    : runtime_(with_planned_layout(std::move(runtime), model, sample)),
       // More stages than nodes: cut finer along the module tree first.
       model_(model.expanded_to(static_cast<std::size_t>(runtime_->config().num_stages()))) {
   const Config& config = runtime_->config();
-  // Python's smp.DistributedModel plans and adopts the layout before it gets here; the provisional one must not
-  // train as if chosen.
-  if (!config.auto_keys.empty()) {
-    throw ConfigError(config.source + ": key \"" + config.auto_keys.front() +
-                      "\": \"auto\" layouts are planned by the Python front end (smp.DistributedModel) only so far; "
-                      "give the layout keys in a C++ program (smp.plan reports the best)");
-  }
   if (config.fp16) loss_scale_ = kInitialLossScale;
   if (model_.nodes().empty()) throw ConfigError("the model has no modules; nothing to train");
   if (sample.size() != model_.input_names().size()) {

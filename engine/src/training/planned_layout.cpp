@@ -1,0 +1,77 @@
+#include "training/planned_layout.h"
+
+#include <algorithm>
+#include <thread>
+
+#include "smp/collectives.h"
+#include "smp/layout_plan.h"
+#include "smp/log.h"
+#include "smp/stage_plan.h"
+
+namespace smp {
+
+namespace {
+
+constexpr const char* kKey = "planned_layout";
+
+// Rank 0's choice: the chosen config's document.
+std::string plan_on_rank0(const Runtime& runtime, const GraphModel& model, const ModelInputs& sample) {
+  const Config& config = runtime.config();
+  const int world = runtime.world_size();
+  // Cut as finely as the most stages considered (two per rank), and profiled alone (no peers take part).
+  const GraphModel fine = model.expanded_to(static_cast<std::size_t>(2 * world));
+  const int batch = !sample.empty() && sample.front().defined() && sample.front().dim() > 0
+                        ? static_cast<int>(sample.front().size(0))
+                        : 1;
+  ModelProfile profile;
+  {
+    const WithoutCollectives alone;
+    profile = {profile_graph(fine, sample, 3), batch, {}, 0};
+  }
+  PlanningCosts costs;
+  costs.p2p_bytes_per_s = costs.all_reduce_bytes_per_s = config.link_bandwidth_gbps * 1e9;
+  if (runtime.device().is_cpu()) {
+    // Ranks sharing this host's cores compute that much slower than the profile measured alone.
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    costs.compute_scale = std::max(1.0, static_cast<double>(runtime.launch().local_world_size) / cores);
+  }
+  const auto predictions = plan_layouts(profile, config, world, costs);
+  auto [prediction, chosen] = choose_layout(predictions, config, world);
+  log::info("planned layout " + prediction.layout.describe() + " (\"auto\" keys of " + config.source + ")\n" +
+            layout_report(predictions));
+  return chosen.text;
+}
+
+}  // namespace
+
+std::shared_ptr<Runtime> with_planned_layout(std::shared_ptr<Runtime> runtime, const GraphModel& model,
+                                             const ModelInputs& sample) {
+  const Config& config = runtime->config();
+  if (config.auto_keys.empty()) return runtime;
+  if (config.tensor_parallel_degree > 1 || config.expert_parallel_degree > 1) {
+    throw ConfigError(config.source + ": key \"" + config.auto_keys.front() +
+                      "\": \"auto\" plans pipeline and data-parallel layouts only; with tensor_parallel_degree or "
+                      "expert_parallel_degree above 1 give the layout keys");
+  }
+  std::string text;
+  if (runtime->rank() == 0) {
+    try {
+      text = plan_on_rank0(*runtime, model, sample);
+    } catch (const std::exception& error) {
+      runtime->publish(kKey, std::string("error\n") + error.what());
+      throw;
+    }
+    runtime->publish(kKey, "config\n" + text);
+  } else {
+    const std::string message = runtime->fetch(kKey);
+    const auto newline = message.find('\n');
+    if (message.compare(0, newline, "config") != 0) {
+      throw ConfigError("rank 0 could not plan the layout: " + message.substr(newline + 1));
+    }
+    text = message.substr(newline + 1);
+  }
+  runtime->adopt_layout(Config::from_json_text(text, config.source));
+  return runtime;
+}
+
+}  // namespace smp
