@@ -49,7 +49,7 @@ function(smp_multiprocess_test name)
     EXAMPLE_CONFIG="${PROJECT_SOURCE_DIR}/examples/hybrid_2x4.json"
     TP_WORKER_PATH="$<TARGET_FILE:tp_worker>")
   add_dependencies(${name} smprun training_worker tp_worker hybrid_2x4 smp_schedule smp_checkpoint)
-  catch_discover_tests(${name} PROPERTIES TIMEOUT 600)
+  catch_discover_tests(${name} PROPERTIES TIMEOUT 600 COST 100)  # before the unit tests (python_tests.cmake)
 endfunction()
 smp_multiprocess_test(test_training)
 smp_multiprocess_test(test_faults)

@@ -27,8 +27,11 @@ function(smp_pytest file test timeout)
   add_test(NAME python_${test}
            COMMAND ${SMP_PYTHON_EXECUTABLE} -m pytest -q -p no:cacheprovider
                    ${CMAKE_CURRENT_FUNCTION_LIST_DIR}/python/${file}::test_${test})
+  # COST orders a first run (no timings yet) under ctest --parallel: the long jobs first, the unit tests filling in
+  # beside them at the end. The time limit is set in proportion to a test's length, so it serves.
   set_tests_properties(python_${test} PROPERTIES
     TIMEOUT ${timeout}
+    COST ${timeout}
     LABELS "${labels}"
     FIXTURES_REQUIRED smp_warm_pool
     ENVIRONMENT "${smp_python_environment};SMP_WARM_POOL=${smp_warm_pool}")

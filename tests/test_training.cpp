@@ -370,12 +370,15 @@ TEST_CASE("auto layout keys: rank 0 plans, every rank adopts the layout and trai
   CHECK_THAT(result.output, Contains("planned layout pp "));
   CHECK_THAT(result.output, Contains("layout chosen: "));
 
-  // Rank 0's failure to plan reaches every rank, naming it: no layout fits a memory limit this low.
+  // Rank 0's failure to plan ends the job, its first line naming why (the other ranks, waiting for the choice, say
+  // "rank 0 could not plan the layout" unless the launcher stopped them first): no layout fits this memory limit.
   const auto tight = write_config("tight", R"({"partitions": "auto", "global_batch_size": 16, "memory_limit_mb": 0.001,
       "seed": 5, "device": "cpu", "comm_timeout_s": 30})");
   const auto refused = run_worker(2, tight, "--model mlp");
   INFO(refused.output);
   CHECK(refused.status != 0);
-  CHECK_THAT(refused.output, Contains("rank 0 could not plan the layout"));
-  CHECK_THAT(refused.output, Contains("no planned layout of 2 ranks fits"));
+  CHECK_THAT(refused.output, Contains("error: "));
+  CHECK_THAT(refused.output, Contains("no planned layout of 2 ranks fits and keeps the layout keys the config gives ("));
+  CHECK_THAT(refused.output, Contains("considered; pp "));
+  CHECK_THAT(refused.output, Contains("memory limit"));
 }

@@ -174,7 +174,7 @@ class DistributedModel(torch.nn.Module):
         rt = runtime()
         started = time.perf_counter()
         # "auto" layout keys: chosen now that the model is known, the same on every rank (smp.plan's prediction).
-        self.planned = None
+        self.planned, self._planned_steps = None, []
         if rt.config.auto_keys:
             from ._planning import adopt_planned_layout
             self.planned = adopt_planned_layout(model, sample)
@@ -264,8 +264,25 @@ class DistributedModel(torch.nn.Module):
         along its first dimension (0-dim ones give one value per microbatch); None on the other ranks.
         replica_share=True: the inputs and targets are already this replica's share (runtime().dp_rank's part of
         the global batch, every replica's the same size), so that each replica loads only its own data."""
-        return self._engine_step(self._model.train_step, inputs, targets, loss, keep_outputs, replica_share,
-                                 "train_step")
+        result = self._engine_step(self._model.train_step, inputs, targets, loss, keep_outputs, replica_share,
+                                   "train_step")
+        if self.planned is not None and "measured_step_ms" not in self.planned:
+            self._note_planned_step(result.seconds)
+        return result
+
+    def _note_planned_step(self, seconds):
+        """A planned layout's measured step beside its prediction: the median of steps 2 to 5 (the first warms up),
+        in .planned["measured_step_ms"], and printed by rank 0."""
+        self._planned_steps.append(seconds * 1e3)
+        if len(self._planned_steps) < 5:
+            return
+        middle = sorted(self._planned_steps[1:])[1:3]
+        self.planned["measured_step_ms"] = sum(middle) / 2
+        if runtime().rank == 0:
+            planned = self.planned
+            print(f"smp: planned layout {planned['layout']}: train_step measured {planned['measured_step_ms']:.1f} ms "
+                  f"(median of steps 2-5), predicted {planned['predicted_step_ms'] - planned['optimizer_ms']:.1f} ms "
+                  f"(+{planned['optimizer_ms']:.1f} ms predicted for the optimizer's step)", flush=True)
 
     def evaluate(self, inputs, targets=None, loss=None, keep_outputs=False, replica_share=False):
         """The mean loss over the global batch without gradients (validation), taken like train_step by every rank:

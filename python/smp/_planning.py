@@ -114,8 +114,8 @@ def _choose(model, sample, rt):
 def adopt_planned_layout(model, sample):
     """For a config with "auto" layout keys: rank 0 plans (smp.plan) among the layouts that keep what the config
     fixes, and every rank adopts its choice before the model is partitioned. Returns what was chosen: {"config": the
-    layout's keys, "layout", "predicted_step_ms", "memory_mib" per pipeline rank, "report" (rank 0's table, on
-    every rank)}."""
+    layout's keys, "layout", "predicted_step_ms" (of which "optimizer_ms"), "memory_mib" per pipeline rank, "report"
+    (rank 0's table, on every rank)}; the model adds "measured_step_ms" after its fifth train_step."""
     rt = runtime()
     if rt.tensor_parallel_degree > 1 or rt.expert_parallel_degree > 1:
         raise ConfigError(f"{rt.config.source}: \"{rt.config.auto_keys[0]}\": \"auto\" plans pipeline and data "
@@ -126,7 +126,8 @@ def adopt_planned_layout(model, sample):
         try:
             text, row, report = _choose(model, sample, rt)
             message = {"text": text, "config": json.loads(row["config"]), "layout": row["layout"],
-                       "predicted_step_ms": row["step_ms"], "memory_mib": row["memory_mib"], "report": report}
+                       "predicted_step_ms": row["step_ms"], "optimizer_ms": row["optimizer_ms"],
+                       "memory_mib": row["memory_mib"], "report": report}
         except Exception as error:  # noqa: BLE001 - every rank must hear of it, then rank 0 raises it itself
             _broadcast_text(rt, json.dumps({"error": f"{type(error).__name__}: {error}"}))
             raise

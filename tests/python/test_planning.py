@@ -20,13 +20,16 @@ def rank0_lines(output, prefix):
 
 def test_auto_layout_fits_the_memory_limit_and_trains_equal_pytorch(job):
     """With every layout key "auto" and a memory limit just under what the fastest layout needs, the job trains in
-    another layout that fits, on every rank alike, and equals plain PyTorch."""
+    another layout that fits, on every rank alike, equals plain PyTorch, and reports its measured step beside the
+    predicted one."""
     keys = smp_keys(global_batch_size=8)
     planned = job(1, "real_models.py", "--models", "gpt2", "--plan", "4", "--smp", keys)
     assert planned.returncode == 0, planned.output
     fastest = json.loads(rank0_lines(planned.stdout, '{"model"')[0])
     config = dict(json.loads(keys), memory_limit_mb=fastest["peak_mib"] - 0.01, **{key: "auto" for key in PLANNED})
-    finished = job(4, "real_models.py", "--models", "gpt2", "--steps", "2", "--smp", json.dumps(config))
+    finished = job(4, "real_models.py", "--models", "gpt2", "--steps", "5", "--smp", json.dumps(config))
     assert_passed(finished)
     chosen = rank0_lines(finished.stdout, "smp: planned layout ")
     assert chosen and f"layout {fastest['layout']}, predicted" not in chosen[0], finished.output
+    # After five steps, the measured step beside the prediction.
+    assert any("train_step measured" in line and "predicted" in line for line in chosen), finished.output

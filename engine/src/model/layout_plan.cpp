@@ -298,8 +298,16 @@ std::pair<LayoutPrediction, Config> choose_layout(const std::vector<LayoutPredic
       reasons.push_back(prediction.layout.describe() + ": " + error.what());
     }
   }
+  // The first line must say why on its own: a rank's error line is the message's first.
+  const auto rejected = std::find_if(predictions.begin(), predictions.end(),
+                                     [](const LayoutPrediction& prediction) { return !prediction.rejected.empty(); });
+  const std::string example = !reasons.empty()                 ? reasons.front()
+                              : rejected != predictions.end() ? rejected->layout.describe() + ": " + rejected->rejected
+                                                               : "none planned";
   std::string text = given.source + ": no planned layout of " + std::to_string(world_size) +
-                     " ranks fits and keeps the layout keys the config gives:\n" + layout_report(predictions);
+                     " ranks fits and keeps the layout keys the config gives (" +
+                     std::to_string(predictions.size()) + " considered; " + example + ")\n" +
+                     layout_report(predictions);
   for (std::size_t index = 0; index < reasons.size() && index < 5; ++index) text += "\n" + reasons[index];
   throw ConfigError(text);
 }

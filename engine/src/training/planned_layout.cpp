@@ -36,9 +36,9 @@ std::string plan_on_rank0(const Runtime& runtime, const GraphModel& model, const
     costs.compute_scale = std::max(1.0, static_cast<double>(runtime.launch().local_world_size) / cores);
   }
   const auto predictions = plan_layouts(profile, config, world, costs);
+  log::info("layouts planned for the \"auto\" keys of " + config.source + ":\n" + layout_report(predictions));
   auto [prediction, chosen] = choose_layout(predictions, config, world);
-  log::info("planned layout " + prediction.layout.describe() + " (\"auto\" keys of " + config.source + ")\n" +
-            layout_report(predictions));
+  log::info("planned layout " + prediction.layout.describe());
   return chosen.text;
 }
 
