@@ -305,7 +305,7 @@ def run_in_fork(request):
 
 def start(name, preload, idle_exit_s):
     stop(name)
-    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"smp-warm-pool-{os.getuid()}.log"), "w")
+    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"smp-warm-pool-{name}.log"), "w")
     server = subprocess.Popen([sys.executable, os.path.abspath(__file__), "serve", name, "--preload", preload,
                                "--idle-exit", str(idle_exit_s)], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                               start_new_session=True)
@@ -339,7 +339,10 @@ def stop(name):
 def serve(name, preload, idle_exit_s):
     import importlib
     for module in filter(None, preload.split(",")):
-        importlib.import_module(module)
+        try:
+            importlib.import_module(module)
+        except ImportError as error:  # a family this transformers lacks: its jobs import it (and fail) themselves
+            print(f"warm_pool: not preloaded: {module}: {error}", flush=True)
     if len(os.listdir("/proc/self/task")) != 1:
         sys.exit("warm_pool: the imports started threads; forking would copy them half-way (set OMP_NUM_THREADS=1)")
     server = Server(name, idle_exit_s)
