@@ -356,6 +356,13 @@ PYBIND11_MODULE(_smp, module) {
       .def_property_readonly("config", &Runtime::config, py::return_value_policy::reference_internal)
       .def("replica_slice", &Runtime::replica_slice, py::arg("global_batch"))
       .def("_adopt_layout", &Runtime::adopt_layout, py::arg("chosen"), py::call_guard<py::gil_scoped_release>())
+      // Runtime::from_rank0 with a Python callable (called with the GIL held, on rank 0 only).
+      .def(
+          "_from_rank0",
+          [](Runtime& runtime, const std::string& key, const py::function& make) {
+            return runtime.from_rank0(key, [&] { return make().cast<std::string>(); });
+          },
+          py::arg("key"), py::arg("make"))
       // Sums a CPU tensor in place over every rank of the job (each calls it): for metrics, e.g. counts that only
       // the ranks running the last stage have.
       .def(

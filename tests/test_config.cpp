@@ -241,6 +241,8 @@ TEST_CASE("config: auto layout keys are left to the planner, with a provisional 
                     Contains("\"partitions\": \"auto\" needs \"global_batch_size\""));
   CHECK_THROWS_WITH(parse(R"({"microbatches": "auto", "global_batch_size": 8, "schedule_file": "s.csv"})"),
                     Contains("\"schedule_file\" fixes stages"));
+  CHECK_THROWS_WITH(parse(R"({"ddp": "auto", "tensor_parallel_degree": 2, "global_batch_size": 8})"),
+                    Contains("\"auto\" plans pipeline and data-parallel layouts only"));
   // Keys the planner does not choose take no "auto".
   CHECK_THROWS_WITH(parse(R"({"tensor_parallel_degree": "auto", "global_batch_size": 8})"),
                     Contains("tensor_parallel_degree"));

@@ -371,7 +371,7 @@ TEST_CASE("auto layout keys: rank 0 plans, every rank adopts the layout and trai
   CHECK_THAT(result.output, Contains("layout chosen: "));
 
   // Rank 0's failure to plan ends the job, its first line naming why (the other ranks, waiting for the choice, say
-  // "rank 0 could not plan the layout" unless the launcher stopped them first): no layout fits this memory limit.
+  // "rank 0 failed: ..." unless the launcher stopped them first): no layout fits this memory limit.
   const auto tight = write_config("tight", R"({"partitions": "auto", "global_batch_size": 16, "memory_limit_mb": 0.001,
       "seed": 5, "device": "cpu", "comm_timeout_s": 30})");
   const auto refused = run_worker(2, tight, "--model mlp");

@@ -80,18 +80,6 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     return Plan(layouts, report)
 
 
-def _broadcast_text(rt, text):
-    """Rank 0's `text` on every rank (the others pass anything), over the world group."""
-    data = list(text.encode()) if rt.rank == 0 else []
-    size = torch.tensor([float(len(data))], dtype=torch.float64)
-    rt.all_reduce_sum(size)
-    values = torch.zeros(int(size.item()), dtype=torch.float64)
-    if rt.rank == 0 and data:
-        values.copy_(torch.tensor(data, dtype=torch.float64))
-    rt.all_reduce_sum(values)
-    return bytes(int(value) for value in values.tolist()).decode()
-
-
 def _choose(model, sample, rt):
     """Rank 0's choice: (the chosen config's text, the chosen layout's row, the report)."""
     found = plan(model, sample)
@@ -117,23 +105,14 @@ def adopt_planned_layout(model, sample):
     layout's keys, "layout", "predicted_step_ms" (of which "optimizer_ms"), "memory_mib" per pipeline rank, "report"
     (rank 0's table, on every rank)}; the model adds "measured_step_ms" after its fifth train_step."""
     rt = runtime()
-    if rt.tensor_parallel_degree > 1 or rt.expert_parallel_degree > 1:
-        raise ConfigError(f"{rt.config.source}: \"{rt.config.auto_keys[0]}\": \"auto\" plans pipeline and data "
-                          "parallel layouts only; with tensor_parallel_degree or expert_parallel_degree above 1 give "
-                          "the layout keys")
-    message = {}
-    if rt.rank == 0:
-        try:
-            text, row, report = _choose(model, sample, rt)
-            message = {"text": text, "config": json.loads(row["config"]), "layout": row["layout"],
-                       "predicted_step_ms": row["step_ms"], "optimizer_ms": row["optimizer_ms"],
-                       "memory_mib": row["memory_mib"], "report": report}
-        except Exception as error:  # noqa: BLE001 - every rank must hear of it, then rank 0 raises it itself
-            _broadcast_text(rt, json.dumps({"error": f"{type(error).__name__}: {error}"}))
-            raise
-    message = json.loads(_broadcast_text(rt, json.dumps(message)))
-    if "error" in message:
-        raise ConfigError(f"rank 0 could not plan the layout: {message['error']}")
+
+    def choose():
+        text, row, report = _choose(model, sample, rt)
+        return json.dumps({"text": text, "config": json.loads(row["config"]), "layout": row["layout"],
+                           "predicted_step_ms": row["step_ms"], "optimizer_ms": row["optimizer_ms"],
+                           "memory_mib": row["memory_mib"], "report": report})
+
+    message = json.loads(rt._from_rank0("planned_layout", choose))
     rt._adopt_layout(_smp.Config.from_json_text(message.pop("text"), rt.config.source))
     if rt.rank == 0:
         print(f"smp: planned layout {message['layout']}, predicted step {message['predicted_step_ms']:.1f} ms\n"

@@ -2,6 +2,7 @@
 // The process's place in the job: config, topology, and the communicators built on them.
 // smp::Runtime::init() is the first call of every smp program (SMP's smp.init()).
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -76,6 +77,9 @@ class Runtime {
   // Small control messages (the partition plan): rank `from` publishes, the others wait up to the timeout.
   void publish(const std::string& key, const std::string& value);
   std::string fetch(const std::string& key);
+  // What `make` returns on rank 0, on every rank (the others wait up to the timeout). When it throws there, the
+  // others throw ConfigError naming rank 0's reason, and rank 0 rethrows its own.
+  std::string from_rank0(const std::string& key, const std::function<std::string()>& make);
 
   // This replica's contiguous share of a global batch (dimension 0), or ConfigError if it does not split.
   at::Tensor replica_slice(const at::Tensor& global_batch) const;

@@ -408,6 +408,11 @@ Config Config::from_json_text(const std::string& text, const std::string& source
     read.fail("default_partition", "must be below the number of stages (" + std::to_string(config.num_stages()) +
                                        "), got " + std::to_string(config.default_partition));
   }
+  if (!config.auto_keys.empty() && (config.tensor_parallel_degree > 1 || config.expert_parallel_degree > 1)) {
+    throw ConfigError(source + ": key \"" + config.auto_keys.front() +
+                      "\": \"auto\" plans pipeline and data-parallel layouts only; with tensor_parallel_degree or "
+                      "expert_parallel_degree above 1 give the layout keys");
+  }
   if (config.global_batch_size > 0 && config.global_batch_size % config.microbatches != 0) {
     read.fail("global_batch_size", std::to_string(config.global_batch_size) + " does not split into " +
                                        std::to_string(config.microbatches) + " microbatches");

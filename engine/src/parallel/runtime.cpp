@@ -276,6 +276,26 @@ std::string Runtime::fetch(const std::string& key) {
   }
 }
 
+std::string Runtime::from_rank0(const std::string& key, const std::function<std::string()>& make) {
+  if (rank() == 0) {
+    std::string value;
+    try {
+      value = make();
+    } catch (const std::exception& error) {
+      publish(key, std::string("error\n") + error.what());
+      throw;
+    }
+    publish(key, "value\n" + value);
+    return value;
+  }
+  const std::string message = fetch(key);
+  const auto newline = message.find('\n');
+  if (message.compare(0, newline, "value") != 0) {
+    throw ConfigError("rank 0 failed: " + message.substr(newline + 1));
+  }
+  return message.substr(newline + 1);
+}
+
 at::Tensor Runtime::replica_slice(const at::Tensor& global_batch) const {
   const int replicas = topology_.data_parallel_degree();
   const int64_t size = global_batch.size(0);

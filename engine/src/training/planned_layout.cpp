@@ -12,8 +12,6 @@ namespace smp {
 
 namespace {
 
-constexpr const char* kKey = "planned_layout";
-
 // Rank 0's choice: the chosen config's document.
 std::string plan_on_rank0(const Runtime& runtime, const GraphModel& model, const ModelInputs& sample) {
   const Config& config = runtime.config();
@@ -48,28 +46,8 @@ std::shared_ptr<Runtime> with_planned_layout(std::shared_ptr<Runtime> runtime, c
                                              const ModelInputs& sample) {
   const Config& config = runtime->config();
   if (config.auto_keys.empty()) return runtime;
-  if (config.tensor_parallel_degree > 1 || config.expert_parallel_degree > 1) {
-    throw ConfigError(config.source + ": key \"" + config.auto_keys.front() +
-                      "\": \"auto\" plans pipeline and data-parallel layouts only; with tensor_parallel_degree or "
-                      "expert_parallel_degree above 1 give the layout keys");
-  }
-  std::string text;
-  if (runtime->rank() == 0) {
-    try {
-      text = plan_on_rank0(*runtime, model, sample);
-    } catch (const std::exception& error) {
-      runtime->publish(kKey, std::string("error\n") + error.what());
-      throw;
-    }
-    runtime->publish(kKey, "config\n" + text);
-  } else {
-    const std::string message = runtime->fetch(kKey);
-    const auto newline = message.find('\n');
-    if (message.compare(0, newline, "config") != 0) {
-      throw ConfigError("rank 0 could not plan the layout: " + message.substr(newline + 1));
-    }
-    text = message.substr(newline + 1);
-  }
+  const std::string text =
+      runtime->from_rank0("planned_layout", [&] { return plan_on_rank0(*runtime, model, sample); });
   runtime->adopt_layout(Config::from_json_text(text, config.source));
   return runtime;
 }
