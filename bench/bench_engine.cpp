@@ -1,10 +1,77 @@
 // The engine's own cost on the CPU, against plain LibTorch (bench_gpu measures the same on a GPU). Prints one JSON line
-// each: the time per schedule action smp adds (eight one-layer stages in one process), and a small GPT stage's speed.
+// each: the time per schedule action smp adds (eight one-layer stages in one process), a small GPT stage's speed, and
+// the zero-bubble split's cost: a middle stage's input-gradient pass (I) plus weight-gradient pass (W) against one
+// backward (B), at two sizes.
 
+#include <ATen/Parallel.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include "pipeline/split_backward.h"
 #include "smp/main.h"
 #include "step_timing.h"
 
 namespace {
+
+double ms_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+}
+
+// The GPT's blocks (no embedding, no head) as one stage fed hidden states that need their gradient, as a middle
+// stage's are: B, then I and W on a fresh forward, alternating, medians over `rounds`. Also I alone as plain autograd
+// computes it (torch::autograd::grad to the input): what I would cost without recording W's inputs.
+void print_split_backward(const smp::examples::GptOptions& options, int64_t batch, int rounds) {
+  auto model = smp::examples::make_gpt(options).materialize(3);
+  std::vector<at::Tensor> parameters;
+  for (const auto& [name, parameter] : model.named_parameters()) parameters.push_back(parameter);
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(7);
+  const auto tokens = at::randint(options.vocab_size, {batch, options.context}, generator, at::kLong);
+  const auto& nodes = model.nodes();
+  const at::Tensor hidden = nodes.front().forward({tokens}).detach().requires_grad_(true);
+  auto stage = [&] {
+    at::Tensor h = hidden;
+    for (std::size_t k = 1; k + 1 < nodes.size(); ++k) h = nodes[k].forward({h});
+    return h;
+  };
+  auto clear = [&] {
+    for (auto& parameter : parameters) parameter.mutable_grad() = at::Tensor();
+    hidden.mutable_grad() = at::Tensor();
+  };
+  std::vector<double> b, i, w, plain_i;
+  for (int round = 0; round < rounds + 2; ++round) {
+    clear();
+    at::Tensor out = stage();
+    const at::Tensor grad = at::randn_like(out);
+    auto start = std::chrono::steady_clock::now();
+    torch::autograd::backward({out}, {grad});
+    const double b_ms = ms_since(start);
+    clear();
+    out = stage();
+    start = std::chrono::steady_clock::now();
+    auto [input_grads, weight_pass] = smp::WeightPass::run_input_pass({out}, {grad}, {hidden}, parameters);
+    const double i_ms = ms_since(start);
+    out = at::Tensor();
+    start = std::chrono::steady_clock::now();
+    weight_pass.run();
+    const double w_ms = ms_since(start);
+    clear();
+    out = stage();
+    start = std::chrono::steady_clock::now();
+    (void)torch::autograd::grad({out}, {hidden}, {grad}, /*retain_graph=*/true);
+    const double plain_i_ms = ms_since(start);
+    if (round < 2) continue;
+    b.push_back(b_ms), i.push_back(i_ms), w.push_back(w_ms), plain_i.push_back(plain_i_ms);
+  }
+  auto median = [](std::vector<double> values) {
+    std::sort(values.begin(), values.end());
+    return values[values.size() / 2];
+  };
+  std::printf("{\"bench\": \"split_backward\", \"d_model\": %lld, \"context\": %lld, \"batch\": %lld, \"layers\": %lld, "
+              "\"b_ms\": %.3f, \"i_ms\": %.3f, \"w_ms\": %.3f, \"plain_i_ms\": %.3f, \"i_plus_w_over_b\": %.3f}\n",
+              static_cast<long long>(options.d_model), static_cast<long long>(options.context),
+              static_cast<long long>(batch), static_cast<long long>(options.layers), median(b), median(i), median(w),
+              median(plain_i), (median(i) + median(w)) / median(b));
+  std::fflush(stdout);
+}
 
 int run(int, char**) {
   const c10::Device cpu(c10::kCPU);
@@ -12,6 +79,9 @@ int run(int, char**) {
   // vocabulary 256, context 128, d_model 256, 4 heads, 4 layers: 3.3M parameters
   const smp::examples::GptOptions options{256, 128, 256, 4, 4};
   smp_bench::print_gpt_stage(cpu, options, /*batch=*/8, /*bf16=*/false, /*warmup=*/2, /*measured=*/9);
+  at::set_num_threads(1);  // as each rank of a job on this host
+  print_split_backward({256, 64, 128, 4, 4}, /*batch=*/4, /*rounds=*/15);  // run_benchmarks' pipeline GPT's size
+  print_split_backward(options, /*batch=*/4, /*rounds=*/9);
   return 0;
 }
 

@@ -189,6 +189,21 @@ print(f"{r['overhead_us_per_action']:.1f} us per schedule action ({r['actions_pe
 r = next(l for l in lines if l["bench"] == "gpt_stage")
 print(f"a GPT stage ({r['parameters'] / 1e6:.1f}M parameters, {r['tokens']:.0f} tokens, one stage, one microbatch): "
       f"smp {r['smp_step_ms']:.1f} ms, plain {r['plain_step_ms']:.1f} ms a step, ratio {r['ratio']:.3f}")
+for r in (l for l in lines if l["bench"] == "split_backward"):
+    print(f"zero-bubble split, a middle stage of {r['layers']} blocks (d {r['d_model']}, {r['batch']} x {r['context']} "
+          f"tokens, 1 thread): B {r['b_ms']:.2f} ms, I {r['i_ms']:.2f} + W {r['w_ms']:.2f} ms = "
+          f"{r['i_plus_w_over_b']:.3f} B (plain autograd's I alone {r['plain_i_ms']:.2f} ms)")
+
+section("devices that differ: 2 stages (GPT d 128, 8 blocks, 1F1B, m 8), rank 1 emulating a device 2x slower "
+        "(emulated_slowdown); the even partition against device_speeds \"measure\"; 3 alternating rounds, medians")
+slow = {"partitions": 2, "microbatches": 8, "pipeline": "interleaved", "emulated_slowdown": [1, 2]}
+rounds = {"even": [], "measured": []}
+for _ in range(3):
+    rounds["even"].append(bench_pipeline(slow, 2)["median_step_s"])
+    rounds["measured"].append(bench_pipeline(dict(slow, device_speeds="measure"), 2)["median_step_s"])
+even, measured = sorted(rounds["even"])[1], sorted(rounds["measured"])[1]
+print(f"even split {even * 1e3:.1f} ms, in proportion to the measured speeds {measured * 1e3:.1f} ms a step: "
+      f"{even / measured:.2f}x faster (ideal for a 1 : 0.5 pair, the model divisible at will: 1.5x)")
 
 section("partitioner: ours vs the optimum (exact DP on chains, exhaustive on small DAGs) and the baselines")
 result = run([f"{BIN}/bench_partition"], timeout=900)

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "smp/config.h"
+#include "smp/topology.h"
 
 using smp::Config;
 using smp::ConfigError;
@@ -246,4 +247,22 @@ TEST_CASE("config: auto layout keys are left to the planner, with a provisional 
   // Keys the planner does not choose take no "auto".
   CHECK_THROWS_WITH(parse(R"({"tensor_parallel_degree": "auto", "global_batch_size": 8})"),
                     Contains("tensor_parallel_degree"));
+}
+
+TEST_CASE("config: devices that differ, per rank; a list of the wrong length is named once the world is known",
+          "[config]") {
+  const auto given = smp::Config::from_json_text(
+      R"({"device_speeds": [1, 0.5], "device_memory_mb": [0, 512], "emulated_slowdown": [1, 2]})", "t");
+  CHECK(given.device_speeds == std::vector<double>{1.0, 0.5});
+  CHECK(given.device_memory_mb == std::vector<double>{0.0, 512.0});
+  CHECK(given.emulated_slowdown == std::vector<double>{1.0, 2.0});
+  CHECK_FALSE(given.measure_device_speeds);
+  CHECK(smp::Config::from_json_text(R"({"device_speeds": "measure"})", "t").measure_device_speeds);
+  CHECK_THROWS_WITH(smp::Config::from_json_text(R"({"device_speeds": [1, 0]})", "t"),
+                    Catch::Contains("key \"device_speeds\": entry 1 must be a number in"));
+  CHECK_THROWS_WITH(smp::Config::from_json_text(R"({"device_speeds": "fast"})", "t"),
+                    Catch::Contains("or \"measure\""));
+  CHECK_THROWS_WITH(smp::Config::from_json_text(R"({"emulated_slowdown": [0.5]})", "t"),
+                    Catch::Contains("key \"emulated_slowdown\": entry 0"));
+  CHECK_THROWS_WITH(smp::Topology(given, 4), Catch::Contains("key \"device_speeds\": has 2 entries, one per rank, but the job has 4 ranks"));
 }

@@ -404,6 +404,34 @@ TEST_CASE("stages that hold more microbatches get fewer layers") {
   }
 }
 
+TEST_CASE("devices that differ: a faster stage gets more layers, a smaller one fewer") {
+  const ModuleGraph graph = equal_layers(24, 16 * kMiB);
+  SECTION("layers in proportion to the speeds") {
+    GraphPartitionOptions options = stages(3, 0.0);
+    options.stage_speeds = {1.0, 2.0, 1.0};
+    const GraphPartition split = partition_graph(graph, options);
+    CHECK(layers_per_stage(split, 3) == std::vector<int>{6, 12, 6});
+    // On its own device every stage takes the same time.
+    CHECK(split.stage_compute_s[0] == Approx(split.stage_compute_s[1]));
+    CHECK(split.stage_compute_s[1] == Approx(split.stage_compute_s[2]));
+  }
+  SECTION("a device with less memory holds fewer layers, the others take the rest") {
+    GraphPartitionOptions options = stages(2, 0.0);
+    const double layer_bytes = graph.nodes[0].memory_bytes + graph.nodes[0].activation_bytes;
+    options.stage_memory_limit_bytes = {8.5 * layer_bytes, 0.0};  // the second: no limit
+    const GraphPartition split = partition_graph(graph, options);
+    CHECK(layers_per_stage(split, 2) == std::vector<int>{8, 16});
+    CHECK(split.stage_memory_bytes[0] <= options.stage_memory_limit_bytes[0]);
+  }
+  SECTION("bad speeds and per-stage lists of the wrong length are named") {
+    GraphPartitionOptions options = stages(2, 0.0);
+    options.stage_speeds = {1.0, 0.0};
+    CHECK_THROWS_WITH(partition_graph(graph, options), Contains("stage_speeds of stage 1 must be finite and positive"));
+    options.stage_speeds = {1.0, 1.0, 1.0};
+    CHECK_THROWS_WITH(partition_graph(graph, options), Contains("one entry per stage (2) or none"));
+  }
+}
+
 TEST_CASE("with per-stage factors partition_graph stays exact on chains and near the optimum on DAGs") {
   std::mt19937_64 random(5);
   int dag_cases = 0, dag_within_two_percent = 0, dag_limit_misses = 0;
@@ -418,6 +446,8 @@ TEST_CASE("with per-stage factors partition_graph stays exact on chains and near
         for (int stage = 0; stage < num_stages; ++stage) {
           options.activation_copies.push_back(static_cast<double>(1 + random() % 4));
           options.recomputes.push_back(random() % 3 == 0);
+          // Devices that differ, on half the cases: speeds from 0.5 to 2.
+          if (seed % 2 == 0) options.stage_speeds.push_back(0.5 * static_cast<double>(1 + random() % 4));
         }
         if (seed % 3 == 0) {  // a pin the edges allow: the node at position i on stage i * k / n
           const int node = static_cast<int>(random() % graph.nodes.size());
@@ -427,6 +457,10 @@ TEST_CASE("with per-stage factors partition_graph stays exact on chains and near
         if (seed % 5 == 0) {  // a memory limit that binds: 90% of the largest stage of an unlimited optimum
           const GraphPartition unlimited = optimal_partition_exhaustive(graph, options);
           options.memory_limit_bytes = 0.9 * max_of(unlimited.stage_memory_bytes);
+          if (seed % 2 == 0) {  // and one device with more memory than the others
+            options.stage_memory_limit_bytes.assign(num_stages, 0.0);
+            options.stage_memory_limit_bytes[random() % num_stages] = 1.5 * options.memory_limit_bytes;
+          }
         }
         INFO("seed " << seed << (is_chain ? ", chain, " : ", DAG, ") << num_stages << " stages");
         double optimum;

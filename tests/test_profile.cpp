@@ -244,3 +244,50 @@ TEST_CASE("layouts are planned by simulation, ranked by predicted step, and reje
     CHECK(fullest_bytes >= 8.0 * (1 << 20) / prediction.layout.partitions - 1.0);
   }
 }
+
+TEST_CASE("devices that differ: stages get the model in proportion to their device's speed and memory",
+          "[profile][plan]") {
+  const auto modules = equal_chain(12, 1 << 20, 1 << 20);
+  // 4 ranks as 2 stages x 2 replicas; rank 3 (stage 1 of replica 1, placement "cluster") is half as fast, and
+  // stage 1 goes as fast as its slowest holder.
+  const smp::Config config = smp::Config::from_json_text(
+      R"({"partitions": 2, "ddp": true, "memory_weight": 0, "device_speeds": [1, 1, 1, 0.5]})", "test");
+  const smp::Topology topology(config, 4);
+  const auto devices = smp::stage_devices(config, topology, {0, 1}, {});
+  CHECK(devices.speeds == std::vector<double>{1.0, 0.5});
+  CHECK(devices.memory_mb.empty());
+  const smp::StagePlan plan = smp::plan_stages(modules, config, {}, 1, &devices);
+  CHECK(plan.modules_of_stage(0).size() == 8);
+  CHECK(plan.modules_of_stage(1).size() == 4);
+  CHECK(plan.stage_time(0) == Approx(plan.stage_time(1)));  // each on its own device
+  CHECK_THAT(plan.report(), Catch::Matchers::Contains("on a device of speed 0.5"));
+  CHECK(smp::StagePlan::from_json(plan.to_json()).stage_speeds == plan.stage_speeds);
+  // The same speeds given as measured ones (one per rank) override the config's.
+  CHECK(smp::stage_devices(config, topology, {0, 1}, {0.25, 1, 1, 1}).speeds == std::vector<double>{0.25, 1.0});
+
+  // A rank with less memory: its stage holds fewer modules (each 4 MiB of state and 1 MiB of activations).
+  const smp::Config small = smp::Config::from_json_text(
+      R"({"partitions": 2, "memory_weight": 0, "device_memory_mb": [100, 21]})", "test");
+  const auto small_devices = smp::stage_devices(small, smp::Topology(small, 2), {0, 1}, {});
+  CHECK(small_devices.memory_mb == std::vector<double>{100.0, 21.0});
+  const smp::StagePlan fitted = smp::plan_stages(modules, small, {}, 1, &small_devices);
+  CHECK(fitted.modules_of_stage(1).size() == 4);
+  // A 0 entry takes memory_limit_mb; a limit nothing fits names the stages' limits.
+  const smp::Config tight = smp::Config::from_json_text(
+      R"({"partitions": 2, "memory_limit_mb": 8, "device_memory_mb": [0, 4]})", "test");
+  const auto tight_devices = smp::stage_devices(tight, smp::Topology(tight, 2), {0, 1}, {});
+  CHECK(tight_devices.memory_mb == std::vector<double>{8.0, 4.0});
+  CHECK_THROWS_WITH(smp::plan_stages(modules, tight, {}, 1, &tight_devices),
+                    Catch::Matchers::Contains("cannot partition the model"));
+
+  // The planner predicts each layout on its devices: with the last rank slow, a pipeline that gives it a short
+  // stage beats the replicas, which all wait for it.
+  const smp::Config planned = smp::Config::from_json_text(
+      R"({"global_batch_size": 16, "memory_weight": 0, "device_speeds": [1, 0.25]})", "test");
+  const auto predictions = smp::plan_layouts({modules, 2}, planned, 2, {0.0, 1e9, 1e9});
+  const smp::Config alike = smp::Config::from_json_text(R"({"global_batch_size": 16, "memory_weight": 0})", "test");
+  const auto even = smp::plan_layouts({modules, 2}, alike, 2, {0.0, 1e9, 1e9});
+  REQUIRE(predictions.front().rejected.empty());
+  CHECK(predictions.front().layout.partitions == 2);
+  CHECK(predictions.front().step_s > even.front().step_s);
+}

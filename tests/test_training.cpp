@@ -382,3 +382,22 @@ TEST_CASE("auto layout keys: rank 0 plans, every rank adopts the layout and trai
   CHECK_THAT(refused.output, Contains("considered; pp "));
   CHECK_THAT(refused.output, Contains("memory limit"));
 }
+
+TEST_CASE("devices that differ: a measured slow rank gets a shorter stage, and the job trains like one process",
+          "[training][multiprocess][plan]") {
+  // Rank 1 emulates a device 3 times slower; the ranks measure their speeds at start-up.
+  const auto config = write_config("slow_rank", R"({"partitions": 2, "microbatches": 4, "global_batch_size": 16,
+      "memory_weight": 0, "device_speeds": "measure", "emulated_slowdown": [1, 3], "seed": 5, "device": "cpu"})");
+  const auto result = run_worker(2, config, "--model gpt --steps 2 --rtol 0.02");
+  check_clean_run(result, 2);
+  CHECK_THAT(result.output, Contains("device speeds measured, by rank: 1.000, 0."));
+  CHECK_THAT(result.output, Contains("on a device of speed 0."));
+  const auto modules_on = [&](int stage) {
+    const std::string marker = "stage " + std::to_string(stage) + ": modules ";
+    const auto at = result.output.find(marker);
+    REQUIRE(at != std::string::npos);
+    const auto open = result.output.find(" (", at + marker.size());
+    return std::stoi(result.output.substr(open + 2));
+  };
+  CHECK(modules_on(0) > modules_on(1));
+}

@@ -54,14 +54,34 @@ Adjacency::Adjacency(const ModuleGraph& graph)
 CostModel::CostModel(const ModuleGraph& graph, const GraphPartitionOptions& options)
     : activation_copies(options.activation_copies.empty() ? std::vector<double>(options.num_stages, 1.0)
                                                           : options.activation_copies),
-      recomputes(std::max(options.num_stages, 0), 0) {
+      recomputes(std::max(options.num_stages, 0), 0),
+      compute_factors(std::max(options.num_stages, 0), 1.0) {
   // evaluate() builds a cost model without validate(): the per-stage factors must fit before they are indexed.
-  if (activation_copies.size() != recomputes.size() ||
-      (!options.recomputes.empty() && options.recomputes.size() != recomputes.size())) {
-    throw PartitionError("activation_copies and recomputes need one entry per stage (" +
-                         std::to_string(options.num_stages) + "), got " +
-                         std::to_string(options.activation_copies.size()) + " and " +
-                         std::to_string(options.recomputes.size()));
+  const std::size_t stages_given = recomputes.size();
+  auto sized = [&](std::size_t size) { return size == 0 || size == stages_given; };
+  if (activation_copies.size() != stages_given || !sized(options.recomputes.size()) ||
+      !sized(options.stage_speeds.size()) || !sized(options.stage_memory_limit_bytes.size())) {
+    throw PartitionError("activation_copies, recomputes, stage_speeds and stage_memory_limit_bytes need one entry "
+                         "per stage (" + std::to_string(options.num_stages) + ") or none, got " +
+                         std::to_string(options.activation_copies.size()) + ", " +
+                         std::to_string(options.recomputes.size()) + ", " +
+                         std::to_string(options.stage_speeds.size()) + " and " +
+                         std::to_string(options.stage_memory_limit_bytes.size()));
+  }
+  for (std::size_t stage = 0; stage < options.stage_speeds.size(); ++stage) {
+    const double speed = options.stage_speeds[stage];
+    if (!(std::isfinite(speed) && speed > 0)) {
+      throw PartitionError("stage_speeds of " + stage_text(static_cast<int>(stage)) +
+                           " must be finite and positive, got " + std::to_string(speed));
+    }
+    compute_factors[stage] = 1.0 / speed;
+  }
+  for (std::size_t stage = 0; stage < options.stage_memory_limit_bytes.size(); ++stage) {
+    if (!valid_amount(options.stage_memory_limit_bytes[stage])) {
+      throw PartitionError("stage_memory_limit_bytes of " + stage_text(static_cast<int>(stage)) +
+                           " must be finite and non-negative, got " +
+                           std::to_string(options.stage_memory_limit_bytes[stage]));
+    }
   }
   for (std::size_t stage = 0; stage < activation_copies.size(); ++stage) {
     if (!valid_amount(activation_copies[stage])) {
@@ -86,13 +106,19 @@ CostModel::CostModel(const ModuleGraph& graph, const GraphPartitionOptions& opti
     total_compute_s += node.compute_s + mean_recomputes * node.recompute_s;
     total_memory_bytes += node.memory_bytes + mean_activation_copies * node.activation_bytes;
   }
+  // The time term's scale: a stage's share of the whole when every stage's time is equal, total / sum of speeds.
+  double speeds = 0;
+  for (double factor : compute_factors) speeds += 1.0 / factor;
   const double stages = options.num_stages, w = options.memory_weight;
-  if (total_compute_s > 0) per_compute_s = (1 - w) * stages / total_compute_s;
+  if (total_compute_s > 0) per_compute_s = (1 - w) * speeds / total_compute_s;
   if (options.bandwidth_bytes_per_s > 0) per_sent_byte = per_compute_s / options.bandwidth_bytes_per_s;
   if (total_memory_bytes > 0) per_memory_byte = w * stages / total_memory_bytes;
-  if (options.memory_limit_bytes > 0) {
-    memory_limit_bytes = options.memory_limit_bytes * (1 + 1e-9);
-    split_memory_limit_bytes = options.memory_limit_bytes * (1 + 1e-10);
+  memory_limits.assign(compute_factors.size(), kInfinity);
+  split_memory_limits.assign(compute_factors.size(), kInfinity);
+  for (std::size_t stage = 0; stage < memory_limits.size(); ++stage) {
+    const double own = stage < options.stage_memory_limit_bytes.size() ? options.stage_memory_limit_bytes[stage] : 0.0;
+    const double limit = own > 0 ? own : options.memory_limit_bytes;
+    if (limit > 0) memory_limits[stage] = limit * (1 + 1e-9), split_memory_limits[stage] = limit * (1 + 1e-10);
   }
 }
 
@@ -171,19 +197,24 @@ StageBounds validate(const ModuleGraph& graph, const Adjacency& adjacency, const
     }
   }
 
-  if (options.memory_limit_bytes > 0) {
-    // A node fits if it fits alone on the stage that holds the fewest activation copies.
-    double fewest_copies = options.activation_copies.empty() ? 1.0 : options.activation_copies.front();
-    for (double copies : options.activation_copies) fewest_copies = std::min(fewest_copies, copies);
-    auto alone = [&](int node) { return graph.nodes[node].memory_bytes + fewest_copies * graph.nodes[node].activation_bytes; };
-    int largest = 0;
-    for (int node = 1; node < num_nodes; ++node) {
-      if (alone(node) > alone(largest)) largest = node;
+  const CostModel costs(graph, options);  // checks the per-stage factors
+  auto limit_of = [&](int stage) {  // 0: none
+    const auto& own = options.stage_memory_limit_bytes;
+    return own.empty() || own[stage] == 0 ? options.memory_limit_bytes : own[stage];
+  };
+  for (int node = 0; node < num_nodes; ++node) {
+    // A node fits if it fits alone on some stage; the message names the stage it comes closest on.
+    double closest_need = 0, closest_limit = 0;
+    bool fits = false;
+    for (int stage = 0; stage < num_stages && !fits; ++stage) {
+      const double limit = limit_of(stage);
+      const double need = graph.nodes[node].memory_bytes + costs.activation_copies[stage] * graph.nodes[node].activation_bytes;
+      fits = limit == 0 || need <= limit;
+      if (stage == 0 || need - limit < closest_need - closest_limit) closest_need = need, closest_limit = limit;
     }
-    if (alone(largest) > options.memory_limit_bytes) {
-      throw PartitionError("module " + node_label(graph, largest) + " alone needs " + std::to_string(alone(largest)) +
-                           " bytes, over the per-stage memory limit of " +
-                           std::to_string(options.memory_limit_bytes) + " bytes");
+    if (!fits) {
+      throw PartitionError("module " + node_label(graph, node) + " alone needs " + std::to_string(closest_need) +
+                           " bytes, over the per-stage memory limit of " + std::to_string(closest_limit) + " bytes");
     }
   }
 

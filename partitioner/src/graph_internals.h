@@ -48,14 +48,14 @@ struct StageTotals {
 struct CostModel {
   CostModel(const ModuleGraph& graph, const GraphPartitionOptions& options);
   double stage_compute_s(int stage, const StageTotals& totals) const {
-    return totals.compute_s + (recomputes[stage] ? totals.recompute_s : 0.0);
+    return compute_factors[stage] * (totals.compute_s + (recomputes[stage] ? totals.recompute_s : 0.0));
   }
   double stage_memory_bytes(int stage, const StageTotals& totals) const {
     return totals.memory_bytes + activation_copies[stage] * totals.activation_bytes;
   }
   double stage_cost(int stage, const StageTotals& totals) const {
     const double memory_bytes = stage_memory_bytes(stage, totals);
-    if (memory_bytes > memory_limit_bytes) return kInfinity;
+    if (memory_bytes > memory_limits[stage]) return kInfinity;
     return per_compute_s * stage_compute_s(stage, totals) + per_memory_byte * memory_bytes +
            per_sent_byte * totals.sent_bytes;
   }
@@ -68,10 +68,11 @@ struct CostModel {
   // The limit with a little slack: sums taken in different orders (the split's sliding window, a stage's totals
   // times its copies) differ in their last bits, and a stage exactly at the limit must be feasible to every part
   // of the search. The split gets less slack than the judge, so that whatever it accepts the judge accepts too.
-  double memory_limit_bytes = kInfinity;        // stage_cost: the limit plus 1e-9 of it
-  double split_memory_limit_bytes = kInfinity;  // the contiguous split: the limit plus 1e-10 of it
+  std::vector<double> memory_limits;        // per stage, for stage_cost: the limit plus 1e-9 of it
+  std::vector<double> split_memory_limits;  // per stage, for the contiguous split: the limit plus 1e-10 of it
   std::vector<double> activation_copies;  // per stage, filled in (1 each when the options give none)
   std::vector<char> recomputes;           // per stage, 0 or 1
+  std::vector<double> compute_factors;    // per stage: 1 / its device's speed
   double mean_activation_copies = 1, mean_recomputes = 0;
 };
 
@@ -116,8 +117,9 @@ struct StageBounds {
 StageBounds validate(const ModuleGraph& graph, const Adjacency& adjacency, const GraphPartitionOptions& options);
 
 // One topological order of the graph laid out as positions, for the contiguous split. A segment that becomes
-// stage t costs, per position, node_cost + activation_copies[t] * activation_cost + recomputes[t] *
-// recompute_cost, plus its sends; its memory is memory_bytes + activation_copies[t] * activation_bytes.
+// stage t costs, per position, node_cost + activation_copies[t] * activation_cost + compute_factors[t] *
+// (compute_cost + recomputes[t] * recompute_cost), plus its sends; its memory is memory_bytes +
+// activation_copies[t] * activation_bytes, within memory_limits[t].
 struct LinearProblem {
   // A producer's segment pays `cost` for sending an output as long as one of its consumers (in this group) lies
   // beyond the segment, that is while the segment ends at or before `last_consumer`.
@@ -125,15 +127,17 @@ struct LinearProblem {
     int producer, last_consumer;
     double cost;
   };
-  std::vector<double> node_cost;        // the compute and memory terms of the node at each position
+  std::vector<double> node_cost;        // the memory term of the node at each position (any cost alike on every stage)
+  std::vector<double> compute_cost;     // per position (empty: none): its compute term on a device of speed 1
   std::vector<double> activation_cost;  // per position (empty: none): the memory term of one activation copy
   std::vector<double> recompute_cost;   // per position (empty: none): the compute term of its recomputation
   std::vector<Send> sends;
   std::vector<double> memory_bytes;      // for the memory limit
   std::vector<double> activation_bytes;  // per position (empty: none)
-  double memory_limit_bytes = kInfinity;
+  std::vector<double> memory_limits;      // per stage (empty: none)
   std::vector<double> activation_copies;  // per stage (empty: 1 each)
   std::vector<char> recomputes;           // per stage (empty: none)
+  std::vector<double> compute_factors;    // per stage (empty: 1 each)
   std::vector<int> pinned;           // -1 or the required stage; never decreasing along the positions
 };
 

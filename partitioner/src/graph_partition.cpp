@@ -135,9 +135,10 @@ LinearProblem linear_problem(const ModuleGraph& graph, const Adjacency& adjacenc
   std::vector<int> position_of(num_nodes);
   for (int position = 0; position < num_nodes; ++position) position_of[order[position]] = position;
   LinearProblem problem;
-  problem.memory_limit_bytes = costs.split_memory_limit_bytes;
+  problem.memory_limits = costs.split_memory_limits;
   problem.activation_copies = costs.activation_copies;
   problem.recomputes = costs.recomputes;
+  problem.compute_factors = costs.compute_factors;
   std::vector<std::tuple<int, int, double>> consumers;  // (group, position, bytes)
   for (int position = 0; position < num_nodes; ++position) {
     const int node = order[position];
@@ -156,7 +157,8 @@ LinearProblem linear_problem(const ModuleGraph& graph, const Adjacency& adjacenc
       problem.sends.push_back(send);
     }
     const GraphNode& info = graph.nodes[node];
-    problem.node_cost.push_back(costs.per_compute_s * info.compute_s + costs.per_memory_byte * info.memory_bytes);
+    problem.node_cost.push_back(costs.per_memory_byte * info.memory_bytes);
+    problem.compute_cost.push_back(costs.per_compute_s * info.compute_s);
     problem.activation_cost.push_back(costs.per_memory_byte * info.activation_bytes);
     problem.recompute_cost.push_back(costs.per_compute_s * info.recompute_s);
     problem.memory_bytes.push_back(info.memory_bytes);
@@ -174,10 +176,23 @@ std::vector<int> stage_of_node_from(const std::vector<int>& order, const std::ve
   return stage_of_node;
 }
 
+std::string memory_limits_text(const GraphPartitionOptions& options) {
+  if (options.stage_memory_limit_bytes.empty()) {
+    return "the memory limit of " + std::to_string(options.memory_limit_bytes) + " bytes";
+  }
+  std::string text = "its memory limit (";
+  for (std::size_t stage = 0; stage < options.stage_memory_limit_bytes.size(); ++stage) {
+    const double own = options.stage_memory_limit_bytes[stage];
+    text += (stage ? ", " : "") + std::to_string(own > 0 ? own : options.memory_limit_bytes);
+  }
+  return text + " bytes by stage)";
+}
+
 [[noreturn]] void throw_no_split(const ModuleGraph& graph, const GraphPartitionOptions& options,
                                  LinearProblem problem) {
-  if (problem.memory_limit_bytes < detail::kInfinity) {
-    problem.memory_limit_bytes = detail::kInfinity;
+  if (std::any_of(problem.memory_limits.begin(), problem.memory_limits.end(),
+                  [](double limit) { return limit < detail::kInfinity; })) {
+    problem.memory_limits.assign(problem.memory_limits.size(), detail::kInfinity);
     if (detail::split_min_bottleneck(problem, options.num_stages)) {
       const double fewest_copies =
           *std::min_element(problem.activation_copies.begin(), problem.activation_copies.end());
@@ -186,8 +201,8 @@ std::vector<int> stage_of_node_from(const std::vector<int>& order, const std::ve
       // Exact on chains and on small graphs; on larger DAGs the search may miss a split that exists, so it says
       // what it found.
       throw PartitionError("found no split of the " + std::to_string(graph.nodes.size()) + " modules into " +
-                           std::to_string(options.num_stages) + " stages that keeps every stage within the memory "
-                           "limit of " + std::to_string(options.memory_limit_bytes) + " bytes (the modules need " +
+                           std::to_string(options.num_stages) + " stages that keeps every stage within " +
+                           memory_limits_text(options) + " (the modules need " +
                            std::to_string(total_bytes) + " bytes in all, with the fewest activation copies)");
     }
   }

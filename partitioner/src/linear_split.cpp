@@ -12,7 +12,8 @@
 // the union over an interval of starts, shifted by one: an incrementally built sparse table answers that union in
 // O(1) words.
 //
-// When stages cost differently (activation copies per stage, recomputation), the interval depends on the stage.
+// When stages cost differently (activation copies per stage, recomputation, devices of different speed or memory),
+// the interval depends on the stage.
 // Then each stage's segment ending at j tries the latest position where the stages before it can end: O(n k)
 // plus O(log n) per distinct start tried (see feasible_per_stage).
 
@@ -120,7 +121,8 @@ class SegmentSearch {
       factors.cost_prefix.assign(num_positions_ + 1, 0.0);
       for (int u = 0; u < num_positions_; ++u) {
         node_cost[u] = problem.node_cost[u] + factors.copies * term(problem.activation_cost, u) +
-                       factors.recomputes * term(problem.recompute_cost, u);
+                       factors.compute_factor *
+                           (term(problem.compute_cost, u) + factors.recomputes * term(problem.recompute_cost, u));
         factors.cost_prefix[u + 1] = factors.cost_prefix[u] + node_cost[u];
       }
       if (classes_.size() == 1) factors.node_costs = FenwickTree(node_cost);  // feasible_for_one_class's descent
@@ -131,7 +133,7 @@ class SegmentSearch {
       double memory = 0;
       for (int start = 0, end = 1; end <= num_positions_; ++end) {
         memory += memory_at(end - 1);
-        while (start < end && memory > problem.memory_limit_bytes) memory -= memory_at(start++);
+        while (start < end && memory > factors.memory_limit) memory -= memory_at(start++);
         factors.first_start_by_memory[end] = start;
       }
     }
@@ -251,23 +253,31 @@ class SegmentSearch {
     return counts_.has(num_positions_, num_stages_);
   }
 
-  // Stages whose factors are equal form a class, with its own costs. When no position has an activation or
-  // recomputation term the factors cannot matter, and all stages form one class.
+  // Stages whose factors are equal form a class, with its own costs. Factors that no position's terms use cannot
+  // matter (without activation terms, every stage's copies are alike): the fewer classes, the faster the search.
   void group_stages_by_factors() {
-    bool factors_matter = false;
-    for (const auto* values : {&problem_.activation_cost, &problem_.recompute_cost, &problem_.activation_bytes}) {
-      for (double value : *values) factors_matter = factors_matter || value != 0;
-    }
+    auto any_nonzero = [](std::initializer_list<const std::vector<double>*> lists) {
+      for (const auto* values : lists) {
+        for (double value : *values) {
+          if (value != 0) return true;
+        }
+      }
+      return false;
+    };
+    const bool copies_matter = any_nonzero({&problem_.activation_cost, &problem_.activation_bytes});
+    const bool recomputes_matter = any_nonzero({&problem_.recompute_cost});
+    const bool speeds_matter = any_nonzero({&problem_.compute_cost, &problem_.recompute_cost});
     class_of_stage_.assign(num_stages_, 0);
     latest_end_.assign(num_stages_ + 1, -1);
     for (int stage = 0; stage < num_stages_; ++stage) {
       FactorClass factors;
-      if (factors_matter) {
-        factors.copies = problem_.activation_copies.empty() ? 1.0 : problem_.activation_copies[stage];
-        factors.recomputes = !problem_.recomputes.empty() && problem_.recomputes[stage] ? 1.0 : 0.0;
-      }
+      if (copies_matter) factors.copies = problem_.activation_copies.empty() ? 1.0 : problem_.activation_copies[stage];
+      if (recomputes_matter) factors.recomputes = !problem_.recomputes.empty() && problem_.recomputes[stage] ? 1.0 : 0.0;
+      if (speeds_matter && !problem_.compute_factors.empty()) factors.compute_factor = problem_.compute_factors[stage];
+      if (!problem_.memory_limits.empty()) factors.memory_limit = problem_.memory_limits[stage];
       auto same = std::find_if(classes_.begin(), classes_.end(), [&](const FactorClass& other) {
-        return other.copies == factors.copies && other.recomputes == factors.recomputes;
+        return other.copies == factors.copies && other.recomputes == factors.recomputes &&
+               other.compute_factor == factors.compute_factor && other.memory_limit == factors.memory_limit;
       });
       if (same == classes_.end()) same = classes_.insert(classes_.end(), factors);
       class_of_stage_[stage] = static_cast<int>(same - classes_.begin());
@@ -287,9 +297,9 @@ class SegmentSearch {
     }
   }
 
-  // The stages that share activation copies and recomputation, and what their segments cost.
+  // The stages that share activation copies, recomputation and their device, and what their segments cost.
   struct FactorClass {
-    double copies = 1.0, recomputes = 0.0;
+    double copies = 1.0, recomputes = 0.0, compute_factor = 1.0, memory_limit = kInfinity;
     FenwickTree node_costs{{}};              // per position, under these factors; sends apart
     std::vector<double> cost_prefix;         // the same, summed: cost_prefix[j] over positions < j
     std::vector<int> first_start_by_memory;  // per segment end: the memory limit's earliest start

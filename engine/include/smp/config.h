@@ -78,6 +78,16 @@ struct Config {
   double memory_weight = 0.2;
   double memory_limit_mb = 0;        // per rank, for the partition search (parameters, gradients, Adam state)
   double link_bandwidth_gbps = 10;   // GB/s between stages, to weigh what a cut sends against compute
+  // Devices that differ, one entry per rank (empty: alike): relative compute speed, and memory in MiB (0: the
+  // rank takes memory_limit_mb). A pipeline rank counts its slowest and smallest device over its replicas and
+  // tensor-parallel shards; its stages get the model in proportion (plan_stages).
+  std::vector<double> device_speeds;
+  bool measure_device_speeds = false;  // "device_speeds": "measure": each rank times the same work at start-up
+  std::vector<double> device_memory_mb;
+  // Benchmarks and tests: per rank (empty: none), a factor >= 1 by which its compute actions (and the speed
+  // measurement) are stretched, by sleeping (factor - 1) times each one's duration after it: a slow device on a
+  // host whose devices are alike.
+  std::vector<double> emulated_slowdown;
   std::uint64_t seed = 0;
   int global_batch_size = 0;     // 0: not fixed in the config (train_step checks every batch it gets)
   double comm_timeout_s = 300.0; // every blocking wait fails after this long, naming the peer

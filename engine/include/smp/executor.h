@@ -47,7 +47,13 @@ struct StageCallbacks {
   // When set, called at the end of every action, so that its timeline event spans the device's work and not only
   // the host's (GPU kernels run asynchronously); used on the traced step only.
   std::function<void()> synchronize;
+  // config.emulated_slowdown's factor for this rank: every compute action is stretched by it.
+  double emulated_slowdown = 1.0;
 };
+
+// A slow device emulated on a fast one (config.emulated_slowdown): after `busy_seconds` of work, sleeps
+// (factor - 1) times as long.
+void emulate_slow_device(double busy_seconds, double factor);
 
 struct MicrobatchData {
   std::vector<ModelInputs> inputs;  // the model's inputs, one set per microbatch

@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "smp/scheduler/schedule.h"
+#include "smp/topology.h"
 
 namespace smp {
 
@@ -36,6 +37,8 @@ struct StagePlan {
   // Per stage (empty: 1 each): the microbatches whose activations it holds at once, as the partition search
   // counted them (1 on a checkpointed stage, which holds one microbatch's at a time while it recomputes).
   std::vector<double> activation_copies;
+  // Per stage (empty: alike): the relative speed of the device it runs on; stage_time is the time there.
+  std::vector<double> stage_speeds;
 
   std::vector<int> modules_of_stage(int stage) const;
   double stage_time(int stage) const;
@@ -78,7 +81,22 @@ std::vector<double> activation_copies(const sched::Schedule& schedule);
 // config.checkpointed_modules count their output alone as activations and their forward time twice.
 // `optimizer_state_shards`: the replicas the optimizer state is split over (shard_optimizer_state), each rank
 // holding that share of the two moments.
+// `devices` (StageDevices; empty: alike): the speed and memory of the device each stage runs on; a faster stage
+// gets more of the model, a smaller one less.
+struct StageDevices;
 StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
-                      std::vector<double> activation_copies = {}, int optimizer_state_shards = 1);
+                      std::vector<double> activation_copies = {}, int optimizer_state_shards = 1,
+                      const StageDevices* devices = nullptr);
+
+// Per stage, the device it runs on: the speed of its pipeline rank's slowest device (relative; 1 when alike) and
+// the memory limit of its smallest, in MiB for the rank (0: none). From config.device_speeds (or `speeds`, one per
+// rank: measured ones) and config.device_memory_mb, through the topology and the schedule's stage_to_rank.
+struct StageDevices {
+  std::vector<double> speeds;
+  std::vector<double> memory_mb;
+  bool alike() const;
+};
+StageDevices stage_devices(const Config& config, const Topology& topology, const std::vector<int>& stage_to_rank,
+                           const std::vector<double>& speeds);
 
 }  // namespace smp

@@ -59,6 +59,9 @@ class Topology {
   std::vector<int> expert_data_parallel_group(const Coordinates& member) const;
 
   std::string describe() const;  // the rank table, for the start-of-job log
+  // Per pipeline rank, the least of `per_rank` (one value per rank) over the ranks at that position (its replicas
+  // and shards): a stage goes as fast as its slowest holder, and fits the smallest.
+  std::vector<double> least_per_pipeline_rank(const std::vector<double>& per_rank) const;
 
  private:
   int world_size_;

@@ -93,6 +93,24 @@ class Reader {
 
   const json& raw(const std::string& key) const { return object_.at(key); }
 
+  // A non-empty list of numbers in [low, high]; `expected` says what the list is.
+  std::vector<double> reals(const std::string& key, double low, double high, const std::string& expected) const {
+    const json& value = object_.at(key);
+    if (!value.is_array() || value.empty()) fail(key, "expected " + expected + ", got " + shown(value));
+    std::vector<double> numbers;
+    for (std::size_t i = 0; i < value.size(); ++i) {
+      const json& item = value[i];
+      const double number = item.is_number() ? item.get<double>() : std::nan("");
+      if (!std::isfinite(number) || number < low || number > high) {
+        std::ostringstream problem;
+        problem << "entry " << i << " must be a number in [" << low << ", " << high << "], got " << shown(item);
+        fail(key, problem.str());
+      }
+      numbers.push_back(number);
+    }
+    return numbers;
+  }
+
  private:
   static std::string shown(const json& value) {
     std::string text = value.dump(-1, ' ', false, json::error_handler_t::replace);
@@ -294,6 +312,18 @@ const std::vector<Key>& key_table() {
       {"memory_limit_mb", [](const Reader& r, Config& c) { c.memory_limit_mb = r.real("memory_limit_mb", 0.0, 1e12); }},
       {"link_bandwidth_gbps",
        [](const Reader& r, Config& c) { c.link_bandwidth_gbps = r.real("link_bandwidth_gbps", 0.0, 1e6); }},
+      {"device_speeds",
+       [](const Reader& r, Config& c) {
+         if (r.raw("device_speeds") == "measure") {
+           c.measure_device_speeds = true;
+         } else {
+           c.device_speeds = r.reals("device_speeds", 1e-6, 1e6, "a list of relative speeds, one per rank, or \"measure\"");
+         }
+       }},
+      {"device_memory_mb",
+       [](const Reader& r, Config& c) { c.device_memory_mb = r.reals("device_memory_mb", 0.0, 1e12, "a list of MiB, one per rank"); }},
+      {"emulated_slowdown",
+       [](const Reader& r, Config& c) { c.emulated_slowdown = r.reals("emulated_slowdown", 1.0, 1e3, "a list of factors, one per rank"); }},
       {"seed",
        [](const Reader& r, Config& c) {
          c.seed = static_cast<std::uint64_t>(r.integer("seed", 0, std::numeric_limits<long long>::max()));

@@ -1,6 +1,9 @@
 #include "smp/topology.h"
 
+#include <algorithm>
+#include <limits>
 #include <sstream>
+#include <utility>
 
 namespace smp {
 
@@ -28,6 +31,25 @@ Topology::Topology(const Config& config, int world_size)
     strides_[static_cast<int>(axis_of(*letter))] = stride;
     stride *= degree(axis_of(*letter));
   }
+  const std::pair<const char*, const std::vector<double>*> per_rank_keys[] = {
+      {"device_speeds", &config.device_speeds},
+      {"device_memory_mb", &config.device_memory_mb},
+      {"emulated_slowdown", &config.emulated_slowdown}};
+  for (const auto& [key, values] : per_rank_keys) {
+    if (!values->empty() && static_cast<int>(values->size()) != world_size) {
+      throw ConfigError(config.source + ": key \"" + key + "\": has " + std::to_string(values->size()) +
+                        " entries, one per rank, but the job has " + std::to_string(world_size) + " ranks");
+    }
+  }
+}
+
+std::vector<double> Topology::least_per_pipeline_rank(const std::vector<double>& per_rank) const {
+  std::vector<double> least(static_cast<std::size_t>(pipeline_degree()), std::numeric_limits<double>::infinity());
+  for (int rank = 0; rank < world_size_ && rank < static_cast<int>(per_rank.size()); ++rank) {
+    double& slot = least[static_cast<std::size_t>(coordinates_of(rank).pp_rank)];
+    slot = std::min(slot, per_rank[static_cast<std::size_t>(rank)]);
+  }
+  return least;
 }
 
 int Topology::rank_of(Coordinates c) const {

@@ -55,7 +55,7 @@ Config config_of(const Layout& layout, const Config& base) {
   return config;
 }
 
-void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Config& base,
+void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Config& base, int world_size,
              const PlanningCosts& costs, double optimizer_moments) {
   const Layout& layout = prediction.layout;
   const Config config = config_of(layout, base);
@@ -64,8 +64,11 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
                                                         layout.microbatches, layout.virtual_stages, 0);
   const int shards = layout.shard_optimizer_state ? layout.replicas : 1;
   StagePlan plan;
+  StageDevices devices;
   try {
-    plan = plan_stages(profile.at(per_microbatch, costs.compute_scale), config, activation_copies(schedule), shards);
+    devices = stage_devices(config, Topology(config, world_size), schedule.stage_to_rank, {});
+    plan = plan_stages(profile.at(per_microbatch, costs.compute_scale), config, activation_copies(schedule), shards,
+                       &devices);
   } catch (const std::exception& error) {
     prediction.rejected = error.what();
     return;
@@ -87,6 +90,10 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
       parameter_bytes[stage] += static_cast<double>(profile.parameter_bytes);
       activation_bytes[stage] += static_cast<double>(profile.activation_bytes + profile.output_bytes);
     }
+    // On a slower device, everything it computes takes longer.
+    const double slowness = devices.speeds.empty() ? 1.0 : 1.0 / devices.speeds[static_cast<std::size_t>(stage)];
+    forward *= slowness;
+    backward *= slowness;
     const double recompute = layout.recompute ? forward : 0.0;
     auto& cost = simulated.stages[static_cast<std::size_t>(stage)];
     cost.forward = forward;
@@ -122,11 +129,19 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   }
   prediction.optimizer_s = costs.optimizer_s_per_byte * fullest / shards;
   prediction.step_s = prediction.pipeline_s + prediction.gradient_sync_s + prediction.optimizer_s;
-  if (base.memory_limit_mb > 0 && prediction.peak_memory_mib() > base.memory_limit_mb) {
-    char why[128];
-    std::snprintf(why, sizeof why, "needs %.0f MiB on its fullest rank, memory_limit_mb is %.0f",
-                  prediction.peak_memory_mib(), base.memory_limit_mb);
-    prediction.rejected = why;
+  for (int rank = 0; rank < layout.partitions; ++rank) {
+    // The rank's own device, where devices differ in memory (its first stage's: a rank's stages share it).
+    double limit = base.memory_limit_mb;
+    for (int stage = 0; stage < stages && !devices.memory_mb.empty(); ++stage) {
+      if (schedule.stage_to_rank.at(stage) == rank) limit = devices.memory_mb[static_cast<std::size_t>(stage)];
+    }
+    if (limit > 0 && prediction.memory_mib[rank] > limit) {
+      char why[160];
+      std::snprintf(why, sizeof why, "needs %.0f MiB on pipeline rank %d, whose memory limit is %.0f MiB",
+                    prediction.memory_mib[rank], rank, limit);
+      prediction.rejected = why;
+      break;
+    }
   }
 }
 
@@ -200,7 +215,7 @@ std::vector<LayoutPrediction> plan_layouts(const ModelProfile& profile, const Co
             LayoutPrediction prediction;
             prediction.layout = {partitions, replicas, choice.virtual_stages, microbatches, choice.name, recompute,
                                  sharded};
-            predict(prediction, profile, base, costs, optimizer_moments);
+            predict(prediction, profile, base, world_size, costs, optimizer_moments);
             predictions.push_back(std::move(prediction));
           }
         }

@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -71,7 +73,7 @@ std::int64_t StagePlan::stage_sent_bytes(int stage) const {
 double StagePlan::stage_time(int stage) const {
   double total = 0.0;
   for (int i : modules_of_stage(stage)) total += modules[i].forward_s + modules[i].backward_s;
-  return total;
+  return static_cast<int>(stage_speeds.size()) == num_stages ? total / stage_speeds[stage] : total;
 }
 
 std::string StagePlan::report() const {
@@ -99,6 +101,10 @@ std::string StagePlan::report() const {
                   format_bytes(static_cast<double>(parameter_bytes)).c_str(),
                   format_bytes(static_cast<double>(kept_bytes)).c_str(), copies, stage_time(stage) * 1e3,
                   stage + 1 < num_stages ? format_bytes(static_cast<double>(stage_sent_bytes(stage))).c_str() : "-");
+    if (static_cast<int>(stage_speeds.size()) == num_stages) {
+      const std::size_t used = std::strlen(numbers);
+      std::snprintf(numbers + used, sizeof numbers - used, ", on a device of speed %.3g", stage_speeds[stage]);
+    }
     // Module names may be long: only the numbers go through a fixed buffer.
     text << "\n  stage " << stage << ": modules " << modules[members.front()].name << ".."
          << modules[members.back()].name << " (" << members.size() << numbers;
@@ -117,6 +123,7 @@ std::string StagePlan::to_json() const {
   document["num_stages"] = num_stages;
   document["stage_of_module"] = stage_of_module;
   document["activation_copies"] = activation_copies;
+  if (!stage_speeds.empty()) document["stage_speeds"] = stage_speeds;
   for (const auto& module : modules) {
     document["modules"].push_back({{"name", module.name},
                                    {"forward_s", module.forward_s},
@@ -136,6 +143,7 @@ StagePlan StagePlan::from_json(const std::string& text) {
   plan.num_stages = document.at("num_stages").get<int>();
   plan.stage_of_module = document.at("stage_of_module").get<std::vector<int>>();
   plan.activation_copies = document.value("activation_copies", std::vector<double>{});
+  plan.stage_speeds = document.value("stage_speeds", std::vector<double>{});
   for (const auto& module : document.at("modules")) {
     plan.modules.push_back({module.at("name").get<std::string>(), module.at("forward_s").get<double>(),
                             module.at("backward_s").get<double>(), module.at("parameter_bytes").get<std::int64_t>(),
@@ -195,8 +203,38 @@ std::vector<double> activation_copies(const sched::Schedule& schedule) {
   return copies;
 }
 
+bool StageDevices::alike() const {
+  auto all_equal = [](const std::vector<double>& values) {
+    return std::all_of(values.begin(), values.end(), [&](double value) { return value == values.front(); });
+  };
+  return all_equal(speeds) && all_equal(memory_mb);
+}
+
+StageDevices stage_devices(const Config& config, const Topology& topology, const std::vector<int>& stage_to_rank,
+                           const std::vector<double>& speeds) {
+  StageDevices devices;
+  const std::vector<double>& per_rank_speeds = speeds.empty() ? config.device_speeds : speeds;
+  if (!per_rank_speeds.empty()) {
+    const auto least = topology.least_per_pipeline_rank(per_rank_speeds);
+    for (int rank : stage_to_rank) devices.speeds.push_back(least.at(static_cast<std::size_t>(rank)));
+  }
+  if (!config.device_memory_mb.empty()) {
+    std::vector<double> memory = config.device_memory_mb;
+    // A rank without its own figure has memory_limit_mb, or no limit.
+    for (double& megabytes : memory) {
+      if (megabytes == 0) megabytes = config.memory_limit_mb > 0 ? config.memory_limit_mb : std::numeric_limits<double>::infinity();
+    }
+    const auto least = topology.least_per_pipeline_rank(memory);
+    for (int rank : stage_to_rank) {
+      const double megabytes = least.at(static_cast<std::size_t>(rank));
+      devices.memory_mb.push_back(std::isfinite(megabytes) ? megabytes : 0.0);
+    }
+  }
+  return devices;
+}
+
 StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
-                      std::vector<double> activation_copies, int optimizer_state_shards) {
+                      std::vector<double> activation_copies, int optimizer_state_shards, const StageDevices* devices) {
   if (optimizer_state_shards < 1) throw std::invalid_argument("plan_stages: optimizer_state_shards must be positive");
   const int num_modules = static_cast<int>(modules.size());
   const int num_stages = config.num_stages();
@@ -273,6 +311,18 @@ StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
   options.pinned = pinned;
   options.activation_copies = activation_copies;
   options.recomputes = recomputes;
+  if (devices != nullptr) {
+    for (const auto* values : {&devices->speeds, &devices->memory_mb}) {
+      if (!values->empty() && static_cast<int>(values->size()) != num_stages) {
+        throw std::invalid_argument("plan_stages: devices given for " + std::to_string(values->size()) +
+                                    " stages, the config has " + std::to_string(num_stages));
+      }
+    }
+    options.stage_speeds = devices->speeds;
+    for (double megabytes : devices->memory_mb) {
+      options.stage_memory_limit_bytes.push_back(megabytes * 1024.0 * 1024.0 / config.virtual_stages);
+    }
+  }
   StagePlan plan;
   try {
     plan.stage_of_module = part::partition_graph(graph, options).stage_of_node;
@@ -289,6 +339,7 @@ StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
   plan.modules = std::move(modules);
   plan.num_stages = num_stages;
   plan.activation_copies = std::move(activation_copies);
+  if (devices != nullptr && !devices->speeds.empty() && !devices->alike()) plan.stage_speeds = devices->speeds;
   return plan;
 }
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <thread>
 #include <climits>
 #include <future>
 #include <map>
@@ -71,6 +72,12 @@ struct Stash {
 };
 
 }  // namespace
+
+void emulate_slow_device(double busy_seconds, double factor) {
+  if (factor > 1.0 && busy_seconds > 0.0) {
+    std::this_thread::sleep_for(std::chrono::duration<double>(busy_seconds * (factor - 1.0)));
+  }
+}
 
 bool recomputing() { return recomputing_now; }
 
@@ -174,6 +181,9 @@ class PipelineExecutor::Step {
                         action.peer_stage};
     (this->*kHandlers[static_cast<std::size_t>(action.kind)])(index);
     if (stages_.synchronize) stages_.synchronize();
+    if (stages_.emulated_slowdown > 1.0 && sched::is_compute(action.kind)) {
+      emulate_slow_device((now_us() - event.start_us) * 1e-6, stages_.emulated_slowdown);
+    }
     event.end_us = now_us();
     stats_.events.push_back(std::move(event));
   }

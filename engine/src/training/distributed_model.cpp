@@ -19,6 +19,7 @@
 #include "pipeline/activation_checkpoint.h"
 #include "training/distributed_model_internal.h"
 #include "training/gradient_sync.h"
+#include "training/device_speeds.h"
 #include "training/planned_layout.h"
 #include "smp/tp.h"
 
@@ -91,6 +92,7 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
   auto schedule = make_schedule(config);
   model_.set_build_seed(static_cast<std::uint64_t>(config.seed));
   exchange_ = "model" + std::to_string(runtime_->next_exchange()) + "/";
+  const std::vector<double> speeds = device_speeds(*runtime_, exchange_);
   if (runtime_->rank() == 0) {
     // Measured once every rank has built what it builds before this (a Python model's capture): the profile must
     // not share the cores with them.
@@ -112,7 +114,13 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
       count += static_cast<std::size_t>(std::count(profile.parameter_shapes.begin(), profile.parameter_shapes.end(), ';'));
     }
     model_signature_ = std::to_string(count) + " parameters, crc32 " + std::to_string(crc32(shapes.data(), shapes.size()));
-    plan_ = plan_stages(std::move(profiles), config, copies, optimizer_state_shards());
+    const StageDevices devices = stage_devices(config, runtime_->topology(), schedule.stage_to_rank, speeds);
+    if (config.measure_device_speeds) {
+      std::string measured;
+      for (double speed : speeds) measured += (measured.empty() ? "" : ", ") + std::to_string(speed).substr(0, 5);
+      log::info("device speeds measured, by rank: " + measured);
+    }
+    plan_ = plan_stages(std::move(profiles), config, copies, optimizer_state_shards(), &devices);
     runtime_->publish(exchange_ + "model_signature", model_signature_);
     runtime_->publish(exchange_ + "stage_plan", plan_.to_json());
   } else {
@@ -315,6 +323,9 @@ StageCallbacks DistributedModel::stage_callbacks() {
     return run_stage(stage, model_inputs, from_producers);
   };
   callbacks.parameters = [this](int stage) { return stages_.at(stage).parameters; };
+  if (const auto& slowdown = runtime_->config().emulated_slowdown; !slowdown.empty()) {
+    callbacks.emulated_slowdown = slowdown.at(static_cast<std::size_t>(runtime_->rank()));
+  }
   callbacks.buffers = [this](int stage) {
     std::vector<at::Tensor> buffers;
     std::set<const void*> seen;  // a module shared by two nodes counts once

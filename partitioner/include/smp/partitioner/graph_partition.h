@@ -44,23 +44,30 @@ struct GraphPartitionOptions {
   // of p stages holds p and the last one; the same node costs more memory on an earlier stage.
   std::vector<double> activation_copies;
   std::vector<bool> recomputes;      // per stage (empty: none): its backward runs its forward again
+  // Devices that differ. Per stage (empty: alike): the relative compute speed of the device the stage runs on (its
+  // compute there takes compute_s / speed; sends are not sped up), and that device's memory limit in bytes (0:
+  // memory_limit_bytes). A faster stage gets more of the model, in proportion.
+  std::vector<double> stage_speeds;
+  std::vector<double> stage_memory_limit_bytes;
 };
 
 // The objective: the bottleneck, the largest per-stage cost, where with w = memory_weight and k = num_stages
 //
-//   time_s(stage)       = compute_s(stage) [+ recompute_s(stage) if it recomputes] + sent_bytes(stage) / bandwidth
+//   time_s(stage)       = (compute_s(stage) [+ recompute_s(stage) if it recomputes]) / stage_speeds[stage]
+//                         + sent_bytes(stage) / bandwidth
 //   memory_bytes(stage) = memory_bytes of its nodes + activation_copies[stage] * activation_bytes of its nodes
-//   cost(stage)         = (1 - w) * time_s(stage) / (total time / k) + w * memory_bytes(stage) / (total memory / k)
+//   cost(stage)         = (1 - w) * time_s(stage) / (total time / sum of speeds)
+//                         + w * memory_bytes(stage) / (total memory / k)
 //
 // sent_bytes(stage) counts the tensors its nodes send to other stages: a node's output goes once to each stage
 // that consumes it (the largest of its edges into that stage). The means are taken over the graph's totals (with
 // the stages' mean activation copies and share of recomputing stages), not the partition's, so that every
 // partition is measured on the same scale (a partition that sends more is charged
 // for it, not normalized by it); a term whose total is 0 is dropped. A stage over memory_limit_bytes costs
-// +infinity (infeasible).
+// +infinity (infeasible); so does one over its own stage_memory_limit_bytes.
 struct GraphPartition {
   std::vector<int> stage_of_node;  // stage(from) <= stage(to) for every edge; every stage non-empty
-  std::vector<double> stage_compute_s;     // recomputation included
+  std::vector<double> stage_compute_s;     // recomputation included, on the stage's device (its speed)
   std::vector<double> stage_memory_bytes;  // activation copies included
   std::vector<double> stage_sent_bytes;
   std::vector<double> stage_cost;  // the objective's per-stage cost (above)
