@@ -249,7 +249,7 @@ TEST_CASE("config: auto layout keys are left to the planner, with a provisional 
                     Contains("tensor_parallel_degree"));
 }
 
-TEST_CASE("config: devices that differ, per rank; a list of the wrong length is named once the world is known",
+TEST_CASE("config: devices that differ are given per rank and a list of the wrong length is named once the world is known",
           "[config]") {
   const auto given = smp::Config::from_json_text(
       R"({"device_speeds": [1, 0.5], "device_memory_mb": [0, 512], "emulated_slowdown": [1, 2]})", "t");
@@ -264,5 +264,6 @@ TEST_CASE("config: devices that differ, per rank; a list of the wrong length is 
                     Catch::Contains("or \"measure\""));
   CHECK_THROWS_WITH(smp::Config::from_json_text(R"({"emulated_slowdown": [0.5]})", "t"),
                     Catch::Contains("key \"emulated_slowdown\": entry 0"));
-  CHECK_THROWS_WITH(smp::Topology(given, 4), Catch::Contains("key \"device_speeds\": has 2 entries, one per rank, but the job has 4 ranks"));
+  const auto four_stages = smp::Config::from_json_text(R"({"partitions": 4, "device_speeds": [1, 0.5]})", "t");
+  CHECK_THROWS_WITH(smp::Topology(four_stages, 4), Catch::Contains("key \"device_speeds\": has 2 entries, one per rank, but the job has 4 ranks"));
 }

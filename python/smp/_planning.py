@@ -55,6 +55,8 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     config's link_bandwidth_gbps) and latency_us price transfers between stages and the replicas' all-reduce.
     compute_scale is how much slower each rank computes in the job than here alone: by default, on the CPU, the
     ranks per core of this host when there are more ranks than cores (a job of one host), else 1.
+    Devices that differ: the config's device_speeds list (one per rank of world_size) and device_memory_mb predict
+    each layout on its devices (a slow rank's replicas wait for it; a pipeline gives it a shorter stage).
     The model is profiled on the sample and on twice its samples: a node costs a fixed part plus a part per sample.
     The optimizer's step is timed here (AdamW) per parameter byte. Predictions assume the zero-bubble split halves
     a backward and the all-reduce follows the last backward without overlap; tensor parallelism is not among the
