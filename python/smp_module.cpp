@@ -324,6 +324,7 @@ PYBIND11_MODULE(_smp, module) {
       .def_readonly("expert_parallel_degree", &Config::expert_parallel_degree)
       .def_readonly("source", &Config::source)
       .def_readonly("text", &Config::text)
+      .def_readonly("trace_dir", &Config::trace_dir)
       .def_readonly("auto_keys", &Config::auto_keys)
       .def_readonly("virtual_stages", &Config::virtual_stages)
       .def_readonly("ddp", &Config::ddp)
@@ -499,6 +500,10 @@ PYBIND11_MODULE(_smp, module) {
         return DistributedModel::batched_inputs(defined_or_not(inputs), targets.value_or(at::Tensor()));
       },
       py::arg("inputs"), py::arg("targets"));
+  module.def(
+      "write_file_atomically",
+      [](const std::string& path, const std::string& contents) { write_file_atomically(path, contents); },
+      py::arg("path"), py::arg("contents"));
   // smp.plan: profiles the graph on the sample (alone, as rank 0 profiles in a job) and predicts every layout.
   module.def(
       "plan_layouts",
@@ -536,6 +541,7 @@ PYBIND11_MODULE(_smp, module) {
           row["bubble"] = prediction.bubble_fraction;
           row["memory_mib"] = prediction.memory_mib;
           row["rejected"] = prediction.rejected.empty() ? py::object(py::none()) : py::str(prediction.rejected);
+          row["timeline_svg"] = prediction.timeline_svg.empty() ? py::object(py::none()) : py::str(prediction.timeline_svg);
           layouts.append(row);
         }
         return py::make_tuple(layouts, layout_report(predictions));

@@ -188,6 +188,10 @@ TEST_CASE("layouts are planned by simulation, ranked by predicted step, and reje
     CHECK(prediction.rejected.empty());
   }
   for (std::size_t i = 1; i < predictions.size(); ++i) CHECK(predictions[i - 1].step_s <= predictions[i].step_s);
+  // The choice's simulated step is drawn, one row per pipeline rank; no other layout's.
+  CHECK_THAT(predictions.front().timeline_svg,
+             Catch::Matchers::StartsWith("<svg") && Catch::Matchers::Contains("planned: " + predictions.front().layout.describe()));
+  for (std::size_t i = 1; i < predictions.size(); ++i) CHECK(predictions[i].timeline_svg.empty());
   const auto find = [&](int pp, const std::string& pipeline, int m, bool recompute, bool sharded) {
     for (const auto& prediction : predictions) {
       const auto& layout = prediction.layout;

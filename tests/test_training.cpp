@@ -1,6 +1,9 @@
 // Multi-process tests: real processes under smprun, Gloo over loopback, ports picked at run time by smprun,
 // one intra-op thread per process, every run bounded by `timeout`.
 
+#include <filesystem>
+#include <iterator>
+
 #include "multiprocess.h"
 
 using Catch::Matchers::Contains;
@@ -363,12 +366,19 @@ TEST_CASE("a bad config fails before any communication, naming the key", "[train
 
 TEST_CASE("auto layout keys: rank 0 plans, every rank adopts the layout and trains like one process",
           "[training][multiprocess][plan]") {
+  const std::string traces = scratch_path("planned_traces");
+  std::filesystem::remove_all(traces);
   const auto planned = write_config("planned", R"({"partitions": "auto", "microbatches": "auto", "pipeline": "auto",
-      "ddp": "auto", "global_batch_size": 16, "seed": 5, "device": "cpu"})");
+      "ddp": "auto", "global_batch_size": 16, "seed": 5, "device": "cpu", "trace_dir": ")" + traces + R"("})");
   const auto result = run_worker(4, planned, "--model mlp");
   check_clean_run(result, 4);
   CHECK_THAT(result.output, Contains("planned layout pp "));
   CHECK_THAT(result.output, Contains("layout chosen: "));
+  // The chosen layout's simulated step, drawn where the job's traces go.
+  std::ifstream svg(traces + "/planned_layout.svg");
+  REQUIRE(svg);
+  const std::string drawn((std::istreambuf_iterator<char>(svg)), std::istreambuf_iterator<char>());
+  CHECK_THAT(drawn, Catch::Matchers::StartsWith("<svg") && Contains("planned: pp "));
 
   // Rank 0's failure to plan ends the job, its first line naming why (the other ranks, waiting for the choice, say
   // "rank 0 failed: ..." unless the launcher stopped them first): no layout fits this memory limit.

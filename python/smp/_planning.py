@@ -16,7 +16,8 @@ from ._state import runtime
 class Plan:
     """What smp.plan found: .layouts, every layout considered as a dict (layout, config: the smp keys that ask for
     it, step_ms, pipeline_ms, gradient_sync_ms, bubble, memory_mib per pipeline rank, rejected: why not, or
-    None), fitting ones first, fastest first; .best, the first that fits (None when none does); str(): the report."""
+    None), fitting ones first, fastest first; .best, the first that fits (None when none does); .timeline_svg, the
+    best's simulated step drawn as an SVG (one row per pipeline rank; None when none fits); str(): the report."""
 
     def __init__(self, layouts, report):
         self.layouts = layouts
@@ -25,6 +26,10 @@ class Plan:
     @property
     def best(self):
         return next((layout for layout in self.layouts if layout["rejected"] is None), None)
+
+    @property
+    def timeline_svg(self):
+        return self.best["timeline_svg"] if self.best else None
 
     def __str__(self):
         return self.report
@@ -110,6 +115,10 @@ def adopt_planned_layout(model, sample):
 
     def choose():
         text, row, report = _choose(model, sample, rt)
+        # Drawn for the fastest fitting layout: the choice unless the config fixes some keys.
+        if row.get("timeline_svg") and rt.config.trace_dir:
+            os.makedirs(rt.config.trace_dir, exist_ok=True)
+            _smp.write_file_atomically(os.path.join(rt.config.trace_dir, "planned_layout.svg"), row["timeline_svg"])
         return json.dumps({"text": text, "config": json.loads(row["config"]), "layout": row["layout"],
                            "predicted_step_ms": row["step_ms"], "optimizer_ms": row["optimizer_ms"],
                            "memory_mib": row["memory_mib"], "report": report})

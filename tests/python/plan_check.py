@@ -38,6 +38,11 @@ def main():
             failures.append(f"{layout['layout']}: not 4 ranks, or memory of {len(layout['memory_mib'])} ranks")
     if "chosen: " + found.best["layout"] not in str(found):
         failures.append("the report does not name the choice")
+    svg = found.timeline_svg or ""
+    if not svg.startswith("<svg") or "planned: " + found.best["layout"] not in svg:
+        failures.append(f"the best layout's simulated timeline is no SVG naming it: {svg[:120]!r}")
+    if any(layout["timeline_svg"] for layout in found.layouts[1:]):
+        failures.append("a timeline drawn for a layout other than the best")
 
     limit = max(found.best["memory_mib"]) - 0.01
     limited = smp.plan(net, sample, world_size=4, memory_limit_mb=limit)

@@ -62,6 +62,9 @@ struct LayoutPrediction {
   double bubble_fraction = 0.0;
   std::vector<double> memory_mib;  // per pipeline rank: parameters, gradients, optimizer state, activations held
   double peak_memory_mib() const;
+  // The chosen layout's (the first that fits) simulated step as a timeline SVG (to_svg: one row per pipeline rank,
+  // its predicted compute and waits); empty for the others.
+  std::string timeline_svg;
 };
 
 // `profile`: the model's, scaled to each layout's microbatch. `base`: the job's config (global_batch_size,
@@ -80,6 +83,11 @@ std::optional<Config> adopting_layout(const Config& given, const std::string& la
 // trains under. ConfigError with the report and the reasons when there is none.
 std::pair<LayoutPrediction, Config> choose_layout(const std::vector<LayoutPrediction>& predictions, const Config& given,
                                                   int world_size);
+
+// `layout`'s simulated step, as plan_layouts predicts it, drawn as a timeline SVG (to_svg: one row per pipeline
+// rank, its compute and its waits); empty when the layout does not fit.
+std::string layout_timeline_svg(const ModelProfile& profile, const Config& base, int world_size, const Layout& layout,
+                                const PlanningCosts& costs = {}, double optimizer_moments = 2.0);
 
 // A table a person reads: the first `shown` fitting layouts, then the rejected ones with why, and the choice.
 std::string layout_report(const std::vector<LayoutPrediction>& predictions, int shown = 15);

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "smp/scheduler/simulator.h"
+#include "smp/timeline.h"
 
 namespace smp {
 namespace {
@@ -55,8 +56,9 @@ Config config_of(const Layout& layout, const Config& base) {
   return config;
 }
 
+// `timeline`, when given, gets the simulated step: one row per pipeline rank.
 void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Config& base, int world_size,
-             const PlanningCosts& costs, double optimizer_moments) {
+             const PlanningCosts& costs, double optimizer_moments, std::vector<RankTimeline>* timeline = nullptr) {
   const Layout& layout = prediction.layout;
   const Config config = config_of(layout, base);
   const int per_microbatch = base.global_batch_size / layout.replicas / layout.microbatches;
@@ -107,6 +109,19 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   const auto result = sched::simulate(lowered, sched::StageGraph::chain(stages), simulated);
   prediction.pipeline_s = result.makespan;
   prediction.bubble_fraction = result.bubble_fraction;
+  if (timeline != nullptr) {
+    for (std::size_t rank = 0; rank < lowered.ranks.size(); ++rank) {
+      RankTimeline row;
+      row.rank = row.pp_rank = static_cast<int>(rank);
+      for (std::size_t index = 0; index < lowered.ranks[rank].size(); ++index) {
+        const auto& action = lowered.ranks[rank][index];
+        const auto& timing = result.timings[rank][index];
+        row.events.push_back({sched::to_string(action.kind), action.stage, action.microbatch, timing.start * 1e6,
+                              timing.end * 1e6, action.peer_stage});
+      }
+      timeline->push_back(std::move(row));
+    }
+  }
 
   // Per pipeline rank: what its stages hold (as the partition search's memory model counts it), and the bytes
   // its replicas reduce after the step.
@@ -230,7 +245,24 @@ std::vector<LayoutPrediction> plan_layouts(const ModelProfile& profile, const Co
     if (a.peak_memory_mib() != b.peak_memory_mib()) return a.peak_memory_mib() < b.peak_memory_mib();
     return a.layout.microbatches < b.layout.microbatches;
   });
+  if (!predictions.empty() && predictions.front().rejected.empty()) {
+    predictions.front().timeline_svg =
+        layout_timeline_svg(profile, base, world_size, predictions.front().layout, costs, optimizer_moments);
+  }
   return predictions;
+}
+
+std::string layout_timeline_svg(const ModelProfile& profile, const Config& base, int world_size, const Layout& layout,
+                                const PlanningCosts& costs, double optimizer_moments) {
+  LayoutPrediction prediction{layout};
+  std::vector<RankTimeline> timeline;
+  predict(prediction, profile, base, world_size, costs, optimizer_moments, &timeline);
+  if (!prediction.rejected.empty()) return {};
+  char title[256];
+  std::snprintf(title, sizeof title, "planned: %s, simulated step %.1f ms (pipeline %.1f ms, bubble %.1f%%)",
+                layout.describe().c_str(), prediction.step_s * 1e3, prediction.pipeline_s * 1e3,
+                prediction.bubble_fraction * 100);
+  return to_svg(timeline, title);
 }
 
 std::string layout_report(const std::vector<LayoutPrediction>& predictions, int shown) {

@@ -1,12 +1,14 @@
 #include "training/planned_layout.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <thread>
 
 #include "smp/collectives.h"
 #include "smp/layout_plan.h"
 #include "smp/log.h"
 #include "smp/stage_plan.h"
+#include "smp/timeline.h"
 
 namespace smp {
 
@@ -37,6 +39,12 @@ std::string plan_on_rank0(const Runtime& runtime, const GraphModel& model, const
   log::info("layouts planned for the \"auto\" keys of " + config.source + ":\n" + layout_report(predictions));
   auto [prediction, chosen] = choose_layout(predictions, config, world);
   log::info("planned layout " + prediction.layout.describe());
+  if (!config.trace_dir.empty()) {
+    std::filesystem::create_directories(config.trace_dir);
+    const std::string path = config.trace_dir + "/planned_layout.svg";
+    write_file_atomically(path, layout_timeline_svg(profile, config, world, prediction.layout, costs));
+    log::info("wrote the planned layout's simulated step to " + path);
+  }
   return chosen.text;
 }
 
