@@ -370,10 +370,11 @@ TEST_CASE("auto layout keys: rank 0 plans, every rank adopts the layout and trai
   std::filesystem::remove_all(traces);
   const auto planned = write_config("planned", R"({"partitions": "auto", "microbatches": "auto", "pipeline": "auto",
       "ddp": "auto", "global_batch_size": 16, "seed": 5, "device": "cpu", "trace_dir": ")" + traces + R"("})");
-  const auto result = run_worker(4, planned, "--model mlp");
+  const auto result = run_worker(4, planned, "--model mlp --steps 5");
   check_clean_run(result, 4);
   CHECK_THAT(result.output, Contains("planned layout pp "));
   CHECK_THAT(result.output, Contains("layout chosen: "));
+  CHECK_THAT(result.output, Contains("train_step measured "));  // after step 5, beside the prediction
   // The chosen layout's simulated step, drawn where the job's traces go.
   std::ifstream svg(traces + "/planned_layout.svg");
   REQUIRE(svg);

@@ -4,6 +4,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,14 @@ class Runtime {
   // the topology and the pipeline, replica, tensor- and expert-parallel groups are made anew for it. ConfigError
   // when nothing was left to choose or the choice does not fit the world.
   void adopt_layout(const Config& chosen);
+  // On rank 0 of a C++ job whose layout was planned (with_planned_layout): the layout and its predicted train_step,
+  // which DistributedModel logs beside the measured one after five steps.
+  struct PlannedStep {
+    std::string layout;
+    double predicted_s = 0.0;
+  };
+  void note_planned_step(PlannedStep planned) { planned_step_ = std::move(planned); }
+  const std::optional<PlannedStep>& planned_step() const { return planned_step_; }
   const Topology& topology() const { return topology_; }
   const comm::LaunchInfo& launch() const { return launch_; }
   int rank() const { return launch_.rank; }
@@ -107,6 +116,7 @@ class Runtime {
   int exchanges_ = 0;
   std::string bind_host_;
   int layout_generation_ = 0;  // layouts adopted after the first (adopt_layout)
+  std::optional<PlannedStep> planned_step_;
 };
 
 }  // namespace smp

@@ -15,7 +15,7 @@ namespace smp {
 namespace {
 
 // Rank 0's choice: the chosen config's document.
-std::string plan_on_rank0(const Runtime& runtime, const GraphModel& model, const ModelInputs& sample) {
+std::string plan_on_rank0(Runtime& runtime, const GraphModel& model, const ModelInputs& sample) {
   const Config& config = runtime.config();
   const int world = runtime.world_size();
   // Cut as finely as the most stages considered (two per rank), and profiled alone (no peers take part).
@@ -39,6 +39,8 @@ std::string plan_on_rank0(const Runtime& runtime, const GraphModel& model, const
   log::info("layouts planned for the \"auto\" keys of " + config.source + ":\n" + layout_report(predictions));
   auto [prediction, chosen] = choose_layout(predictions, config, world);
   log::info("planned layout " + prediction.layout.describe());
+  // The C++ plan has no optimizer term: its step is what train_step takes.
+  runtime.note_planned_step({prediction.layout.describe(), prediction.step_s});
   if (!config.trace_dir.empty()) {
     std::filesystem::create_directories(config.trace_dir);
     const std::string path = config.trace_dir + "/planned_layout.svg";
