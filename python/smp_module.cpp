@@ -31,6 +31,7 @@
 #include "smp/expert_shards.h"
 #include "smp/graph_model.h"
 #include "smp/layout_plan.h"
+#include "smp/planned_layout.h"
 #include "smp/runtime.h"
 #include "smp/tp.h"
 
@@ -357,6 +358,20 @@ PYBIND11_MODULE(_smp, module) {
       .def_property_readonly("config", &Runtime::config, py::return_value_policy::reference_internal)
       .def("replica_slice", &Runtime::replica_slice, py::arg("global_batch"))
       .def("_adopt_layout", &Runtime::adopt_layout, py::arg("chosen"), py::call_guard<py::gil_scoped_release>())
+      // The links and compute slowdown for planning this job (every rank calls it at once).
+      .def(
+          "_measured_planning_costs",
+          [](Runtime& runtime) {
+            PlanningCosts costs;
+            {
+              py::gil_scoped_release released;
+              costs = measured_planning_costs(runtime);
+            }
+            py::dict measured;
+            measured["latency_s"] = costs.latency_s;
+            measured["bytes_per_s"] = costs.p2p_bytes_per_s;
+            return measured;
+          })
       // Runtime::from_rank0 with a Python callable (called with the GIL held, on rank 0 only).
       .def(
           "_from_rank0",

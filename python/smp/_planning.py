@@ -87,9 +87,9 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     return Plan(layouts, report)
 
 
-def _choose(model, sample, rt):
+def _choose(model, sample, rt, links):
     """Rank 0's choice: (the chosen config's text, the chosen layout's row, the report)."""
-    found = plan(model, sample)
+    found = plan(model, sample, link_gbps=links["bytes_per_s"] / 1e9, latency_us=links["latency_s"] * 1e6)
     reasons = []
     for row in found.layouts:
         if row["rejected"] is not None:
@@ -112,9 +112,10 @@ def adopt_planned_layout(model, sample):
     layout's keys, "layout", "predicted_step_ms" (of which "optimizer_ms"), "memory_mib" per pipeline rank, "report"
     (rank 0's table, on every rank)}; the model adds "measured_step_ms" after its fifth train_step."""
     rt = runtime()
+    links = rt._measured_planning_costs()  # every rank at once
 
     def choose():
-        text, row, report = _choose(model, sample, rt)
+        text, row, report = _choose(model, sample, rt, links)
         # Drawn for the fastest fitting layout: the choice unless the config fixes some keys.
         if row.get("timeline_svg") and rt.config.trace_dir:
             os.makedirs(rt.config.trace_dir, exist_ok=True)

@@ -20,7 +20,7 @@
 #include "training/distributed_model_internal.h"
 #include "training/gradient_sync.h"
 #include "training/device_speeds.h"
-#include "training/planned_layout.h"
+#include "smp/planned_layout.h"
 #include "smp/tp.h"
 
 namespace smp {

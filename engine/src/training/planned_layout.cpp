@@ -1,8 +1,13 @@
-#include "training/planned_layout.h"
+#include "smp/planned_layout.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <thread>
+#include <vector>
+
+#include <ATen/ATen.h>
 
 #include "smp/collectives.h"
 #include "smp/layout_plan.h"
@@ -15,7 +20,8 @@ namespace smp {
 namespace {
 
 // Rank 0's choice: the chosen config's document.
-std::string plan_on_rank0(Runtime& runtime, const GraphModel& model, const ModelInputs& sample) {
+std::string plan_on_rank0(Runtime& runtime, const GraphModel& model, const ModelInputs& sample,
+                          const PlanningCosts& costs) {
   const Config& config = runtime.config();
   const int world = runtime.world_size();
   // Cut as finely as the most stages considered (two per rank), and profiled alone (no peers take part).
@@ -28,13 +34,10 @@ std::string plan_on_rank0(Runtime& runtime, const GraphModel& model, const Model
     const WithoutCollectives alone;
     profile = {profile_graph(fine, sample, 3), batch, {}, 0};
   }
-  PlanningCosts costs;
-  costs.p2p_bytes_per_s = costs.all_reduce_bytes_per_s = config.link_bandwidth_gbps * 1e9;
-  if (runtime.device().is_cpu()) {
-    // Ranks sharing this host's cores compute that much slower than the profile measured alone.
-    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    costs.compute_scale = std::max(1.0, static_cast<double>(runtime.launch().local_world_size) / cores);
-  }
+  char links[160];
+  std::snprintf(links, sizeof links, "links measured over the %d ranks: latency %.1f us, %.2f GB/s", world,
+                costs.latency_s * 1e6, costs.p2p_bytes_per_s / 1e9);
+  log::info(links);
   const auto predictions = plan_layouts(profile, config, world, costs);
   log::info("layouts planned for the \"auto\" keys of " + config.source + ":\n" + layout_report(predictions));
   auto [prediction, chosen] = choose_layout(predictions, config, world);
@@ -52,12 +55,70 @@ std::string plan_on_rank0(Runtime& runtime, const GraphModel& model, const Model
 
 }  // namespace
 
+PlanningCosts measured_planning_costs(Runtime& runtime) {
+  PlanningCosts costs;
+  costs.p2p_bytes_per_s = costs.all_reduce_bytes_per_s = runtime.config().link_bandwidth_gbps * 1e9;
+  if (runtime.device().is_cpu()) {
+    // Ranks sharing this host's cores compute that much slower than the profile measured alone.
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    costs.compute_scale = std::max(1.0, static_cast<double>(runtime.launch().local_world_size) / cores);
+  }
+  const int ranks = runtime.world_size();
+  if (ranks < 2) return costs;
+  auto median_seconds = [&](const at::Tensor& tensor) {
+    std::vector<double> times;
+    for (int round = 0; round < 7; ++round) {
+      const auto start = std::chrono::steady_clock::now();
+      runtime.world().all_reduce_sum(tensor);
+      runtime.world().synchronize();
+      if (round >= 2) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    std::sort(times.begin(), times.end());
+    return times[times.size() / 2];
+  };
+  const auto options = at::TensorOptions().device(runtime.device());
+  const double scalar_s = median_seconds(at::zeros({1}, options));
+  const at::Tensor large = at::zeros({1 << 20}, options);
+  const double large_s = median_seconds(large);
+  const double steps = 2.0 * (ranks - 1);
+  costs.latency_s = scalar_s / steps;
+  // A transfer between two stages: half a ping-pong's round trip of 1 KiB between neighbours (0 and 1, 2 and 3, ...;
+  // an odd last rank keeps the all-reduce's figure).
+  comm::Communicator& world = runtime.world();
+  std::vector<std::pair<int, int>> channels;
+  for (int rank = 0; rank + 1 < ranks; rank += 2) channels.insert(channels.end(), {{rank, rank + 1}, {rank + 1, rank}});
+  world.connect(channels);
+  const int me = runtime.rank(), partner = me ^ 1;
+  if (partner < ranks) {
+    const at::Tensor ping = at::zeros({256}, options);
+    std::vector<double> round_trips;
+    for (int round = 0; round < 12; ++round) {
+      const auto start = std::chrono::steady_clock::now();
+      if (me % 2 == 0) {
+        world.isend(ping, partner, 1)->wait();
+        world.irecv(ping, partner, 2)->wait();
+      } else {
+        world.irecv(ping, partner, 1)->wait();
+        world.isend(ping, partner, 2)->wait();
+      }
+      world.synchronize();
+      if (round >= 2) round_trips.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    std::sort(round_trips.begin(), round_trips.end());
+    costs.latency_s = round_trips[round_trips.size() / 2] / 2;
+  }
+  const double bytes = steps / ranks * static_cast<double>(large.nbytes());
+  if (large_s > scalar_s) costs.p2p_bytes_per_s = costs.all_reduce_bytes_per_s = bytes / (large_s - scalar_s);
+  return costs;
+}
+
 std::shared_ptr<Runtime> with_planned_layout(std::shared_ptr<Runtime> runtime, const GraphModel& model,
                                              const ModelInputs& sample) {
   const Config& config = runtime->config();
   if (config.auto_keys.empty()) return runtime;
+  const PlanningCosts costs = measured_planning_costs(*runtime);
   const std::string text =
-      runtime->from_rank0("planned_layout", [&] { return plan_on_rank0(*runtime, model, sample); });
+      runtime->from_rank0("planned_layout", [&] { return plan_on_rank0(*runtime, model, sample, costs); });
   runtime->adopt_layout(Config::from_json_text(text, config.source));
   return runtime;
 }

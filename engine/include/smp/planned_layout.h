@@ -5,6 +5,7 @@
 
 #include "smp/executor.h"
 #include "smp/graph_model.h"
+#include "smp/layout_plan.h"
 #include "smp/runtime.h"
 
 namespace smp {
@@ -12,6 +13,12 @@ namespace smp {
 // When the runtime's config has "auto" layout keys: rank 0 profiles `model` on `sample` (one microbatch), plans
 // (plan_layouts) and chooses (choose_layout), every rank adopts the chosen config (Runtime::adopt_layout) before the
 // model is cut. Returns the runtime. Rank 0's failure reaches every rank as a ConfigError naming it.
+// Collective over the world (every rank calls it at once): the links between the ranks, measured as a transfer's
+// latency (half the round trip of 1 KiB between ranks 2k and 2k + 1) and the all-reduce's bandwidth in ring terms
+// (4 MiB against a scalar: each rank sends 2 (n - 1) / n of the bytes), medians after 2 untimed; and on a CPU host
+// with more ranks than cores, how much slower each computes than alone (ranks / cores). The planner's costs.
+PlanningCosts measured_planning_costs(Runtime& runtime);
+
 std::shared_ptr<Runtime> with_planned_layout(std::shared_ptr<Runtime> runtime, const GraphModel& model,
                                              const ModelInputs& sample);
 
