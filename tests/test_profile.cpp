@@ -15,6 +15,7 @@
 #include <torch/nn/modules/linear.h>
 
 #include "profiled_model.h"
+#include "smp/cluster_plan.h"
 #include "smp/config.h"
 #include "smp/graph_model.h"
 #include "smp/layout_plan.h"
@@ -294,4 +295,62 @@ TEST_CASE("devices that differ: stages get the model in proportion to their devi
   REQUIRE(predictions.front().rejected.empty());
   CHECK(predictions.front().layout.partitions == 2);
   CHECK(predictions.front().step_s > even.front().step_s);
+}
+
+TEST_CASE("plans beyond this machine: a decoder's shape on a described cluster", "[plan]") {
+  const auto llama8b = smp::DecoderShape::from_json_text(
+      R"({"name": "Llama-3 8B", "layers": 32, "hidden": 4096, "ffn": 14336, "heads": 32, "kv_heads": 8,
+          "vocab": 128256, "sequence": 8192})", "llama3_8b.json");
+  CHECK(llama8b.parameters() == Approx(8.03e9).epsilon(0.001));  // Meta's count
+  CHECK(llama8b.flops_per_token() == Approx(6 * llama8b.parameters() + 12.0 * 32 * 4096 * 8192));
+  const auto node = smp::ClusterSpec::from_json_text(R"({"nodes": 1, "devices_per_node": 8})", "h100.json");
+
+  // One sequence's costs: the blocks' products at peak x efficiency, halved by tp, plus tp's all-reduces.
+  const auto whole = smp::decoder_profile(llama8b, node, 1), halves = smp::decoder_profile(llama8b, node, 2);
+  REQUIRE(whole.modules.size() == 34);  // embedding, 32 blocks, head
+  const auto& block = whole.modules[1];
+  CHECK(block.backward_s == Approx(2 * block.forward_s));
+  CHECK(halves.modules[1].forward_s > block.forward_s / 2);  // the all-reduces are not free
+  CHECK(halves.modules[1].parameter_bytes == block.parameter_bytes / 2);
+  CHECK(halves.modules[1].activation_bytes < block.activation_bytes);
+
+  const auto planned = smp::plan_on_cluster(llama8b, node, 8);
+  REQUIRE_FALSE(planned.empty());
+  REQUIRE(planned.front().prediction.rejected.empty());
+  bool some_rejected = false;
+  for (const auto& cluster_prediction : planned) {
+    const auto& layout = cluster_prediction.prediction.layout;
+    CHECK(layout.tensor_parallel * layout.partitions * layout.replicas == 8);
+    if (!cluster_prediction.prediction.rejected.empty()) {
+      some_rejected = true;
+      continue;
+    }
+    CHECK(cluster_prediction.prediction.peak_memory_mib() <= 80 * 1024.0);
+    CHECK(cluster_prediction.mfu > 0.0);
+    CHECK(cluster_prediction.mfu < 1.0);
+  }
+  CHECK(some_rejected);  // 8B whole on one 80 GiB device with Adam does not fit
+  const std::string report = smp::cluster_report(planned, llama8b, node, 8);
+  CHECK_THAT(report, Catch::Matchers::Contains("chosen: " + planned.front().prediction.layout.describe()));
+  CHECK_THAT(report, Catch::Matchers::Contains("tokens/s/dev"));
+
+  // Across nodes, slower links between them make a layout that crosses them slower; inside one node they do not
+  // matter.
+  auto slow_links = node;
+  slow_links.inter_node_gbps = 1;
+  auto two_nodes = node, two_slow_nodes = slow_links;
+  two_nodes.nodes = two_slow_nodes.nodes = 2;
+  const auto fastest_step = [](const std::vector<smp::ClusterPrediction>& predictions) {
+    return predictions.front().prediction.step_s;
+  };
+  CHECK(fastest_step(smp::plan_on_cluster(llama8b, slow_links, 8)) == Approx(fastest_step(planned)));
+  CHECK(fastest_step(smp::plan_on_cluster(llama8b, two_slow_nodes, 16)) >
+        fastest_step(smp::plan_on_cluster(llama8b, two_nodes, 16)));
+
+  CHECK_THROWS_WITH(smp::ClusterSpec::from_json_text(R"({"nodes": 0})", "c.json"),
+                    Catch::Matchers::Contains("c.json: key \"nodes\": expected a positive integer"));
+  CHECK_THROWS_WITH(smp::ClusterSpec::from_json_text(R"({"node": 2})", "c.json"),
+                    Catch::Matchers::Contains("unknown key \"node\""));
+  CHECK_THROWS_WITH(smp::DecoderShape::from_json_text(R"({"hidden": 100, "heads": 3})", "m.json"),
+                    Catch::Matchers::Contains("must divide"));
 }

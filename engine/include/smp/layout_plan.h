@@ -24,7 +24,8 @@ struct Layout {
   std::string pipeline = "simple";  // the config's name of the schedule
   bool recompute = false;           // every stage checkpointed (activation_checkpointing: true)
   bool shard_optimizer_state = false;
-  std::string describe() const;     // "pp 2 x dp 2, zb_v, m 8, recompute, ZeRO-1"
+  int tensor_parallel = 1;  // planned on a cluster (plan_on_cluster) only: ranks per tensor-parallel group
+  std::string describe() const;     // "pp 2 x dp 2, zb_v, m 8, recompute, ZeRO-1" ("tp 8 x pp 2 x ..." with tp)
   std::string config_json() const;  // the smp keys that ask for it
 };
 
@@ -38,6 +39,11 @@ struct PlanningCosts {
   double all_reduce_bytes_per_s = 1e9;
   double compute_scale = 1.0;
   double optimizer_s_per_byte = 0.0;
+  // Several nodes (ranks_per_node > 0): a pipeline longer than a node sends between nodes, and replicas of a world
+  // larger than a node reduce across nodes (the ring is as fast as its slowest link), at these costs.
+  int ranks_per_node = 0;
+  double inter_node_latency_s = 0.0;
+  double inter_node_bytes_per_s = 0.0;
 };
 
 // The model's nodes measured (profile_graph) on a microbatch of `batch` samples and, when given, of `larger_batch`:

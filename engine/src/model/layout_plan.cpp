@@ -104,7 +104,11 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
     cost.backward_weight = backward / 2;
     largest_transfer = std::max(largest_transfer, static_cast<double>(plan.stage_sent_bytes(stage)));
   }
-  simulated.p2p = {costs.latency_s, largest_transfer, costs.p2p_bytes_per_s};
+  const bool across_nodes = costs.ranks_per_node > 0 && costs.inter_node_bytes_per_s > 0;
+  const bool pipeline_across = across_nodes && layout.partitions > costs.ranks_per_node;
+  const bool replicas_across = across_nodes && world_size > costs.ranks_per_node;
+  simulated.p2p = {pipeline_across ? costs.inter_node_latency_s : costs.latency_s, largest_transfer,
+                   pipeline_across ? costs.inter_node_bytes_per_s : costs.p2p_bytes_per_s};
   const auto lowered = sched::lower_communication(schedule, sched::StageGraph::chain(stages));
   const auto result = sched::simulate(lowered, sched::StageGraph::chain(stages), simulated);
   prediction.pipeline_s = result.makespan;
@@ -140,7 +144,9 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
     const double share = static_cast<double>(layout.replicas - 1) / layout.replicas;
     // ZeRO-1 broadcasts each parameter from its owner after the step: one more (dp - 1) / dp of the bytes.
     const double passes = 2.0 * share + (layout.shard_optimizer_state ? share : 0.0);
-    prediction.gradient_sync_s = costs.latency_s * 2 * (layout.replicas - 1) + passes * fullest / costs.all_reduce_bytes_per_s;
+    const double latency = replicas_across ? costs.inter_node_latency_s : costs.latency_s;
+    const double bytes_per_s = replicas_across ? costs.inter_node_bytes_per_s : costs.all_reduce_bytes_per_s;
+    prediction.gradient_sync_s = latency * 2 * (layout.replicas - 1) + passes * fullest / bytes_per_s;
   }
   prediction.optimizer_s = costs.optimizer_s_per_byte * fullest / shards;
   prediction.step_s = prediction.pipeline_s + prediction.gradient_sync_s + prediction.optimizer_s;
@@ -181,6 +187,7 @@ std::vector<ModuleProfile> ModelProfile::at(int samples, double compute_scale) c
 
 std::string Layout::describe() const {
   std::ostringstream text;
+  if (tensor_parallel > 1) text << "tp " << tensor_parallel << " x ";
   text << "pp " << partitions << " x dp " << replicas << ", " << pipeline << ", m " << microbatches;
   if (recompute) text << ", recompute";
   if (shard_optimizer_state) text << ", ZeRO-1";
@@ -192,7 +199,9 @@ std::string Layout::config_json() const {
   text << "{\"partitions\": " << partitions << ", \"virtual_stages\": " << virtual_stages << ", \"microbatches\": "
        << microbatches << ", \"pipeline\": \"" << pipeline << "\", \"ddp\": " << (replicas > 1 ? "true" : "false")
        << ", \"activation_checkpointing\": " << (recompute ? "true" : "false")
-       << ", \"shard_optimizer_state\": " << (shard_optimizer_state ? "true" : "false") << "}";
+       << ", \"shard_optimizer_state\": " << (shard_optimizer_state ? "true" : "false");
+  if (tensor_parallel > 1) text << ", \"tensor_parallel_degree\": " << tensor_parallel;
+  text << "}";
   return text.str();
 }
 
