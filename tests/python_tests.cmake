@@ -43,6 +43,7 @@ smp_pytest(test_pipelines.py sequential_2_stages_x_2_replicas_equals_pytorch 320
 smp_pytest(test_pipelines.py graph_4_stages_with_skips_equals_pytorch 320)
 smp_pytest(test_pipelines.py traced_model_equals_pytorch 320)
 smp_pytest(test_pipelines.py traced_bf16_matches_float32 320)
+smp_pytest(test_pipelines.py slow_rank_measured_gets_less_and_equals_pytorch 320 quick)
 smp_pytest(test_pipelines.py torchscript_sequential_equals_pytorch 320)
 smp_pytest(test_pipelines.py torchscript_graph_interleaved_equals_pytorch 320)
 smp_pytest(test_pipelines.py sharded_optimizer_state_equals_pytorch 320)

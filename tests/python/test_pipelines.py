@@ -34,6 +34,17 @@ def test_traced_bf16_matches_float32(job):
                       smp_keys(partitions=2, microbatches=4, global_batch_size=8, bf16=True)))
 
 
+def test_slow_rank_measured_gets_less_and_equals_pytorch(job):
+    """Devices that differ: rank 1 emulates a device 3 times slower, the ranks measure their speeds, and the
+    partition gives rank 1's stage fewer modules; training still equals plain PyTorch."""
+    finished = job(2, "pipeline_worker.py", "--model", "sequential", "--smp",
+                   smp_keys(partitions=2, microbatches=4, global_batch_size=8, memory_weight=0,
+                            device_speeds="measure", emulated_slowdown=[1, 3]))
+    assert_passed(finished)
+    assert "device speeds measured, by rank: 1.000, 0." in finished.output, finished.output
+    assert "on a device of speed 0." in finished.output, finished.output
+
+
 def test_torchscript_sequential_equals_pytorch(job):
     assert_passed(job(2, "pipeline_worker.py", "--model", "sequential", "--script", "--smp",
                       smp_keys(partitions=2, microbatches=4, global_batch_size=8)))
