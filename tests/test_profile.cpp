@@ -19,6 +19,7 @@
 #include "smp/config.h"
 #include "smp/graph_model.h"
 #include "smp/layout_plan.h"
+#include "smp/planned_layout.h"
 #include "smp/stage_plan.h"
 
 TEST_CASE("profiling counts what a module's forward keeps for backward", "[profile]") {
@@ -353,4 +354,41 @@ TEST_CASE("plans beyond this machine: a decoder's shape on a described cluster",
                     Catch::Matchers::Contains("unknown key \"node\""));
   CHECK_THROWS_WITH(smp::DecoderShape::from_json_text(R"({"hidden": 100, "heads": 3})", "m.json"),
                     Catch::Matchers::Contains("must divide"));
+}
+
+TEST_CASE("the planner's profile times the zero-bubble split, and ZB layouts are predicted with it", "[profile][plan]") {
+  const smp::GraphModel model = smp_test::linear_then_gelu(32);
+  const auto profiles = smp::profile_graph(model, std::vector<at::Tensor>{at::randn({8, 16})}, 2, smp::split_backward_timer());
+  REQUIRE(profiles.size() == 2);
+  for (const auto& profile : profiles) {
+    INFO(profile.name);
+    CHECK(profile.backward_input_s > 0.0);
+    CHECK(profile.backward_weight_s > 0.0);
+  }
+  CHECK(smp::profile_graph(model, at::randn({8, 16}), 1)[1].backward_input_s == 0.0);  // without the timer
+
+  // 8 equal modules whose I and W each cost their whole B (a split twice the backward): every zero-bubble layout
+  // is predicted slower than with the halves the paper assumes, the others alike.
+  auto halves = equal_chain(8, 1 << 20, 1 << 20);
+  auto doubled = halves;
+  for (auto& module : doubled) module.backward_input_s = module.backward_weight_s = module.backward_s;
+  const smp::Config config = smp::Config::from_json_text(R"({"global_batch_size": 16})", "test");
+  const auto assumed = smp::plan_layouts({halves, 2}, config, 4, {0.0, 1e9, 1e9});
+  const auto profiled = smp::plan_layouts({doubled, 2}, config, 4, {0.0, 1e9, 1e9});
+  int zero_bubble = 0;
+  for (const auto& with_split : profiled) {
+    for (const auto& with_halves : assumed) {
+      if (with_split.layout.describe() != with_halves.layout.describe()) continue;
+      const bool splits = with_split.layout.pipeline == "zb_h1" || with_split.layout.pipeline == "zb_v" ||
+                          with_split.layout.pipeline == "dualpipe_v";
+      INFO(with_split.layout.describe());
+      if (splits) {
+        CHECK(with_split.step_s > with_halves.step_s);
+        ++zero_bubble;
+      } else {
+        CHECK(with_split.step_s == Approx(with_halves.step_s));
+      }
+    }
+  }
+  CHECK(zero_bubble > 0);
 }

@@ -6,6 +6,7 @@
 #include "smp/executor.h"
 #include "smp/graph_model.h"
 #include "smp/layout_plan.h"
+#include "smp/stage_plan.h"
 #include "smp/runtime.h"
 
 namespace smp {
@@ -18,6 +19,9 @@ namespace smp {
 // (4 MiB against a scalar: each rank sends 2 (n - 1) / n of the bytes), medians after 2 untimed; and on a CPU host
 // with more ranks than cores, how much slower each computes than alone (ranks / cores). The planner's costs.
 PlanningCosts measured_planning_costs(Runtime& runtime);
+
+// profile_graph's SplitBackwardTimer as the zero-bubble schedules run it (smp::WeightPass): the planner's profile.
+SplitBackwardTimer split_backward_timer();
 
 std::shared_ptr<Runtime> with_planned_layout(std::shared_ptr<Runtime> runtime, const GraphModel& model,
                                              const ModelInputs& sample);

@@ -2,6 +2,8 @@
 // Which modules of a chain model run on which pipeline stage, and why: the profile behind the choice.
 
 #include <cstdint>
+#include <functional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -28,6 +30,10 @@ struct ModuleProfile {
   std::string parameter_shapes;
   // Part of forward_s + backward_s: the loss train_step will compute on this node's output, assumed (profile_graph).
   double assumed_loss_s = 0.0;
+  // The zero-bubble split of backward_s, when profiled with a SplitBackwardTimer (0 otherwise): the input-gradient
+  // pass (I) and the weight-gradient pass (W), which together cost more than backward_s on small operations.
+  double backward_input_s = 0.0;
+  double backward_weight_s = 0.0;
 };
 
 struct StagePlan {
@@ -58,8 +64,14 @@ struct StagePlan {
 // (ModuleProfile::assumed_loss_s). Runs on the sample's device: each module goes there for its own
 // measurement and back after; a node built on demand is built for it alone (GraphModel::built_apart) and dropped.
 // Throws ModelError naming the node that fails on the sample.
+// Times a node's split backward: given its output (seeded with ones), its inputs and its parameters, runs I then W
+// and returns their seconds. The planner's callers pass one (smp::WeightPass's, which this room does not see).
+using SplitBackwardTimer = std::function<std::pair<double, double>(
+    const at::Tensor& output, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& parameters)>;
+// With `time_split`, each node's I and W are timed too (backward_input_s, backward_weight_s), on a forward of
+// their own in each round.
 std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vector<at::Tensor>& sample,
-                                         int repeats = 3);  // one tensor per model input
+                                         int repeats = 3, const SplitBackwardTimer& time_split = nullptr);  // one tensor per model input
 std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tensor& sample, int repeats = 3);
 
 // Which of the modules (their names, in model order) config.checkpointed_modules selects: a name selects that

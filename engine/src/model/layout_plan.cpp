@@ -75,8 +75,9 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
     prediction.rejected = error.what();
     return;
   }
-  // Per stage: its compute as the partition search sees it, split for the zero-bubble schedules as the paper
-  // assumes (I + W = B, half each; a recompute runs before I).
+  // Per stage: its compute as the partition search sees it, split for the zero-bubble schedules as profiled (I and
+  // W timed through smp::WeightPass, which on small operations cost more together than B), else as the paper
+  // assumes (I + W = B, half each); a recompute runs before I.
   const int stages = plan.num_stages;
   sched::SimulationCosts simulated;
   simulated.stages.resize(static_cast<std::size_t>(stages));
@@ -84,11 +85,13 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   std::vector<double> activation_bytes(static_cast<std::size_t>(stages), 0.0);
   double largest_transfer = 0.0;
   for (int stage = 0; stage < stages; ++stage) {
-    double forward = 0.0, backward = 0.0;
+    double forward = 0.0, backward = 0.0, input_pass = 0.0, weight_pass = 0.0;
     for (int module : plan.modules_of_stage(stage)) {
       const auto& profile = plan.modules[static_cast<std::size_t>(module)];
       forward += profile.forward_s;
       backward += profile.backward_s;
+      input_pass += profile.backward_input_s;
+      weight_pass += profile.backward_weight_s;
       parameter_bytes[stage] += static_cast<double>(profile.parameter_bytes);
       activation_bytes[stage] += static_cast<double>(profile.activation_bytes + profile.output_bytes);
     }
@@ -96,12 +99,15 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
     const double slowness = devices.speeds.empty() ? 1.0 : 1.0 / devices.speeds[static_cast<std::size_t>(stage)];
     forward *= slowness;
     backward *= slowness;
+    const bool split_profiled = input_pass + weight_pass > 0.0;
+    input_pass = split_profiled ? input_pass * slowness : backward / 2;
+    weight_pass = split_profiled ? weight_pass * slowness : backward / 2;
     const double recompute = layout.recompute ? forward : 0.0;
     auto& cost = simulated.stages[static_cast<std::size_t>(stage)];
     cost.forward = forward;
     cost.backward = backward + recompute;
-    cost.backward_input = backward / 2 + recompute;
-    cost.backward_weight = backward / 2;
+    cost.backward_input = input_pass + recompute;
+    cost.backward_weight = weight_pass;
     largest_transfer = std::max(largest_transfer, static_cast<double>(plan.stage_sent_bytes(stage)));
   }
   const bool across_nodes = costs.ranks_per_node > 0 && costs.inter_node_bytes_per_s > 0;
@@ -177,6 +183,10 @@ std::vector<ModuleProfile> ModelProfile::at(int samples, double compute_scale) c
     const int larger_samples = two ? larger_batch : 0;
     module.forward_s = compute_scale * through(module.forward_s, large.forward_s, batch, larger_samples, samples);
     module.backward_s = compute_scale * through(module.backward_s, large.backward_s, batch, larger_samples, samples);
+    module.backward_input_s =
+        compute_scale * through(module.backward_input_s, large.backward_input_s, batch, larger_samples, samples);
+    module.backward_weight_s =
+        compute_scale * through(module.backward_weight_s, large.backward_weight_s, batch, larger_samples, samples);
     module.assumed_loss_s =
         compute_scale * through(module.assumed_loss_s, large.assumed_loss_s, batch, larger_samples, samples);
     module.output_bytes = module.output_bytes * samples / batch;

@@ -245,7 +245,8 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tens
   return profile_graph(model, std::vector<at::Tensor>{sample}, repeats);
 }
 
-std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vector<at::Tensor>& sample, int repeats) {
+std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vector<at::Tensor>& sample, int repeats,
+                                         const SplitBackwardTimer& time_split) {
   if (sample.size() != model.input_names().size()) {
     throw ModelError("the sample has " + std::to_string(sample.size()) + " inputs, the model takes " +
                      std::to_string(model.input_names().size()));
@@ -283,6 +284,7 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
     double forward_s, backward_s;
     std::int64_t activation_bytes;
     at::Tensor output;
+    double backward_input_s, backward_weight_s;
   };
   std::map<std::string, Measured> measured;
   // Untimed rounds first: first calls pay for allocations and lazy initialisation, and TorchScript modules (the
@@ -320,6 +322,8 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
       profile.forward_s = found->second.forward_s;
       profile.backward_s = found->second.backward_s;
       profile.activation_bytes = found->second.activation_bytes;
+      profile.backward_input_s = found->second.backward_input_s;
+      profile.backward_weight_s = found->second.backward_weight_s;
       profile.output_bytes = found->second.output.numel() * static_cast<std::int64_t>(found->second.output.element_size());
       profiles.push_back(profile);
       values[node.name] = found->second.output;
@@ -329,7 +333,7 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
       continue;
     }
     const ModuleVisit visit(*node.module, device);
-    std::vector<double> forward_times, backward_times;
+    std::vector<double> forward_times, backward_times, input_pass_times, weight_pass_times;
     std::int64_t activation_bytes = -1;  // the least over the rounds: the first pays for one-time allocations
     at::Tensor output;
     for (int repeat = -kUntimedRounds; repeat < repeats; ++repeat) {
@@ -358,6 +362,20 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
         if (output.requires_grad()) torch::autograd::backward({output}, {at::ones_like(output)});
         settle();
         backward_s = seconds_since(start);
+        if (time_split && output.requires_grad() && repeat >= 0) {
+          for (const auto& parameter : node.module->parameters()) {
+            if (parameter.grad().defined()) parameter.mutable_grad() = at::Tensor();
+          }
+          std::vector<at::Tensor> fresh;
+          for (const auto& argument : arguments) {
+            at::Tensor leaf = argument.defined() ? argument.detach().clone() : argument;
+            if (leaf.defined() && at::isFloatingType(leaf.scalar_type())) leaf.requires_grad_(true);
+            fresh.push_back(GraphModel::writable_input(leaf));
+          }
+          const auto [input_s, weight_s] = time_split(node.forward(fresh), fresh, node.module->parameters());
+          input_pass_times.push_back(input_s);
+          weight_pass_times.push_back(weight_s);
+        }
       } catch (const std::exception& error) {  // LibTorch's, or TorchScript's interpreter's
         std::string shapes;
         for (const auto& argument : arguments) shapes += (shapes.empty() ? "" : ", ") + c10::str(argument.sizes());
@@ -374,11 +392,18 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
     }
     profile.forward_s = least(forward_times);
     profile.backward_s = least(backward_times);
+    if (!input_pass_times.empty()) {
+      profile.backward_input_s = least(input_pass_times);
+      profile.backward_weight_s = least(weight_pass_times);
+    }
     profile.output_bytes = output.numel() * static_cast<std::int64_t>(output.element_size());
     profile.activation_bytes = std::max<std::int64_t>(activation_bytes, 0);
     profiles.push_back(profile);
     values[node.name] = output.detach();
-    if (!key.empty()) measured[key] = {profile.forward_s, profile.backward_s, profile.activation_bytes, values[node.name]};
+    if (!key.empty()) {
+      measured[key] = {profile.forward_s, profile.backward_s, profile.activation_bytes, values[node.name],
+                       profile.backward_input_s, profile.backward_weight_s};
+    }
     for (const auto& input : node.inputs) {
       if (last_reader.at(input) == index) values.erase(input);
     }

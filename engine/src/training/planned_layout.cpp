@@ -8,6 +8,9 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/DeviceAccelerator.h>
+
+#include "pipeline/split_backward.h"
 
 #include "smp/collectives.h"
 #include "smp/layout_plan.h"
@@ -32,7 +35,7 @@ std::string plan_on_rank0(Runtime& runtime, const GraphModel& model, const Model
   ModelProfile profile;
   {
     const WithoutCollectives alone;
-    profile = {profile_graph(fine, sample, 3), batch, {}, 0};
+    profile = {profile_graph(fine, sample, 3, split_backward_timer()), batch, {}, 0};
   }
   char links[160];
   std::snprintf(links, sizeof links, "links measured over the %d ranks: latency %.1f us, %.2f GB/s", world,
@@ -54,6 +57,24 @@ std::string plan_on_rank0(Runtime& runtime, const GraphModel& model, const Model
 }
 
 }  // namespace
+
+SplitBackwardTimer split_backward_timer() {
+  return [](const at::Tensor& output, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& parameters) {
+    const c10::Device device = output.device();
+    auto settle = [&] {
+      if (!device.is_cpu()) at::accelerator::synchronizeDevice(device.index());
+    };
+    settle();
+    auto start = std::chrono::steady_clock::now();
+    auto [gradients, weight_pass] = WeightPass::run_input_pass({output}, {at::ones_like(output)}, inputs, parameters);
+    settle();
+    const double input_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    start = std::chrono::steady_clock::now();
+    weight_pass.run();
+    settle();
+    return std::make_pair(input_s, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  };
+}
 
 PlanningCosts measured_planning_costs(Runtime& runtime) {
   PlanningCosts costs;
