@@ -65,21 +65,41 @@ def predict(name, link_gbps):
 
 def train(name, keys, steps):
     import smp
+    from smp import _smp
     runtime = smp.init({**json.loads(keys), "global_batch_size": GLOBAL_BATCH})
     data = torch.Generator().manual_seed(1)
     sample = batch(GLOBAL_BATCH // runtime.data_parallel_degree // runtime.config.microbatches, data)
     model = smp.DistributedModel(build(name), sample)
-    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = smp.DistributedOptimizer(adamw)
     times = []
-    for step in range(steps + 2):
-        inputs = batch(GLOBAL_BATCH, data)
-        started = time.perf_counter()
+
+    def step():
         optimizer.zero_grad()
-        model.train_step(inputs)
+        model.train_step(batch(GLOBAL_BATCH, data))
         optimizer.step()
-        if step >= 2:
+
+    for index in range(steps + 2):
+        started = time.perf_counter()
+        step()
+        if index >= 2:
             times.append(time.perf_counter() - started)
-    print(json.dumps({"rank": runtime.rank, "step_ms": statistics.median(times) * 1e3}), flush=True)
+    # Memory after the timing (counting slows allocation): what the rank holds between steps (parameters and the
+    # optimizer's state, counted from its tensors) plus the most a step allocates on top (gradients, activations,
+    # temporaries), against the planner's prediction for this pipeline rank.
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    held += sum(t.numel() * t.element_size() for state in adamw.state.values() for t in state.values()
+                if torch.is_tensor(t))
+    optimizer.zero_grad(set_to_none=True)
+    meter = _smp.CpuTensorMeter()
+    meter.reset_peak()
+    before = meter.live_bytes
+    step()
+    optimizer.zero_grad(set_to_none=True)
+    peak_mib = (held + meter.peak_bytes - before) / 2**20
+    del meter
+    print(json.dumps({"rank": runtime.rank, "pp_rank": runtime.pp_rank, "step_ms": statistics.median(times) * 1e3,
+                      "peak_mib": peak_mib}), flush=True)
 
 
 def job(processes, *args):
@@ -135,15 +155,25 @@ def drive(name, steps):
     for layout in grid(planned["layouts"]):
         ranks = job(WORLD, "--model", name, "--train", layout["config"], "--steps", str(steps))
         measured = statistics.median(r["step_ms"] for r in ranks)
-        rows.append((layout, measured))
+        # Per pipeline rank, its fullest replica's measured memory against the prediction.
+        memory = {}
+        for r in ranks:
+            memory[r["pp_rank"]] = max(memory.get(r["pp_rank"], 0.0), r["peak_mib"])
+        memory_errors = [(layout["memory_mib"][pp] - mib) / mib for pp, mib in memory.items()]
+        rows.append((layout, measured, memory_errors))
         print(f"  {layout['layout']:<44} predicted {layout['step_ms']:8.1f} ms  measured {measured:8.1f} ms  "
-              f"({(layout['step_ms'] - measured) / measured * 100:+.0f}%)", flush=True)
-    predicted = [layout["step_ms"] for layout, _ in rows]
-    measured = [m for _, m in rows]
+              f"({(layout['step_ms'] - measured) / measured * 100:+.0f}%); memory per pipeline rank predicted "
+              f"{', '.join(f'{m:.1f}' for m in layout['memory_mib'])} MiB, measured "
+              f"{', '.join(f'{memory[pp]:.1f}' for pp in sorted(memory))} MiB", flush=True)
+    predicted = [layout["step_ms"] for layout, _, _ in rows]
+    measured = [m for _, m, _ in rows]
+    memory_errors = sorted(abs(e) for _, _, errors in rows for e in errors)
     errors = sorted(abs(p - m) / m for p, m in zip(predicted, measured))
     choice = min(range(len(rows)), key=lambda i: predicted[i])
     print(json.dumps({"model": name, "layouts": len(rows), "link_gbps": link,
                       "median_abs_error": statistics.median(errors),
+                      "memory_median_abs_error": statistics.median(memory_errors),
+                      "memory_worst_abs_error": memory_errors[-1],
                       "spearman": spearman(predicted, measured),
                       "choice": rows[choice][0]["layout"],
                       "choice_over_best_measured": measured[choice] / min(measured),

@@ -25,6 +25,7 @@
 #include "smp/collectives.h"
 #include "smp/comm/communicator.h"
 #include "smp/config.h"
+#include "smp/cpu_tensor_meter.h"
 #include "smp/distributed_model.h"
 #include "smp/errors.h"
 #include "smp/executor.h"
@@ -515,6 +516,12 @@ PYBIND11_MODULE(_smp, module) {
         return DistributedModel::batched_inputs(defined_or_not(inputs), targets.value_or(at::Tensor()));
       },
       py::arg("inputs"), py::arg("targets"));
+  // Counts CPU tensor bytes while open (benchmarks: a step's memory beside the planner's prediction).
+  py::class_<CpuTensorMeter>(module, "CpuTensorMeter")
+      .def(py::init<>())
+      .def_property_readonly("live_bytes", &CpuTensorMeter::live_bytes)
+      .def_property_readonly("peak_bytes", &CpuTensorMeter::peak_bytes)
+      .def("reset_peak", &CpuTensorMeter::reset_peak);
   module.def(
       "write_file_atomically",
       [](const std::string& path, const std::string& contents) { write_file_atomically(path, contents); },

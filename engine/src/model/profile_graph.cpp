@@ -1,6 +1,7 @@
 // Profiling a graph model for its partition: each node's forward and backward time, its parameters, and what its
 // forward keeps for backward (profile_graph in smp/stage_plan.h).
 #include "smp/stage_plan.h"
+#include "smp/cpu_tensor_meter.h"
 
 #include <algorithm>
 #include <atomic>
@@ -27,85 +28,6 @@
 
 namespace smp {
 namespace {
-
-// Counts the bytes of the CPU tensors allocated while it is installed and not yet freed: how the profiler sees what a
-// module's forward keeps alive for backward. Its pointers are plain (context == data, as raw_allocate requires), so
-// it remembers each allocation of the base allocator by address; memory may outlive the installation.
-class CountingCpuAllocator final : public c10::Allocator {
- public:
-  static CountingCpuAllocator& instance() {
-    static CountingCpuAllocator allocator;
-    return allocator;
-  }
-  std::int64_t live_bytes() const { return live_.load(); }
-
-  c10::DataPtr allocate(size_t bytes) override {
-    c10::DataPtr memory = base_->allocate(bytes);
-    void* data = memory.get();
-    if (data == nullptr) return memory;  // nothing allocated (zero bytes)
-    const c10::Device device = memory.device();
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      allocations_[data] = {std::move(memory), static_cast<std::int64_t>(bytes)};
-    }
-    live_ += static_cast<std::int64_t>(bytes);
-    return {data, data, &release, device};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return &release; }
-  void copy_data(void* destination, const void* source, std::size_t count) const override {
-    base_->copy_data(destination, source, count);
-  }
-
-  // While one exists, CPU tensors come from the counting allocator.
-  class Installed {
-   public:
-    // Nested or concurrent profiles share the outermost installation (only the first one installs and restores).
-    Installed() {
-      std::lock_guard<std::mutex> lock(installation_mutex());
-      auto& counting = instance();
-      if (counting.installations_++ > 0) return;
-      counting.base_ = c10::GetCPUAllocator();
-      c10::SetCPUAllocator(&counting, kPriority);
-    }
-    ~Installed() {
-      std::lock_guard<std::mutex> lock(installation_mutex());
-      auto& counting = instance();
-      if (--counting.installations_ == 0) c10::SetCPUAllocator(counting.base_, kPriority);
-    }
-    Installed(const Installed&) = delete;
-    Installed& operator=(const Installed&) = delete;
-  };
-
- private:
-  static constexpr std::uint8_t kPriority = 255;  // above LibTorch's own registration, and restored at the same
-  struct Allocation {
-    c10::DataPtr memory;
-    std::int64_t bytes = 0;
-  };
-  static void release(void* data) {
-    auto& self = instance();
-    Allocation allocation;
-    {
-      std::lock_guard<std::mutex> lock(self.mutex_);
-      auto found = self.allocations_.find(data);
-      if (found == self.allocations_.end()) return;
-      allocation = std::move(found->second);
-      self.allocations_.erase(found);
-    }
-    self.live_ -= allocation.bytes;
-  }  // the base allocator's deleter frees the memory here
-
-  static std::mutex& installation_mutex() {
-    static std::mutex mutex;
-    return mutex;
-  }
-
-  c10::Allocator* base_ = nullptr;
-  int installations_ = 0;
-  std::atomic<std::int64_t> live_{0};
-  std::mutex mutex_;
-  std::unordered_map<void*, Allocation> allocations_;
-};
 
 // The least of the timed rounds: noise on a shared machine (other processes, frequency changes, page faults) only
 // ever adds time, so the minimum is the estimate that repeats best from run to run.
@@ -273,10 +195,9 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
   }
   // What each forward keeps alive for its backward: CPU tensors through a counting allocator, a GPU's from its
   // caching allocator's statistics.
-  std::optional<CountingCpuAllocator::Installed> counting;
-  if (!on_accelerator) counting.emplace();
-  const auto& meter = CountingCpuAllocator::instance();
-  auto live_bytes = [&] { return on_accelerator ? device_allocated_bytes(device) : meter.live_bytes(); };
+  std::optional<CpuTensorMeter> meter;
+  if (!on_accelerator) meter.emplace();
+  auto live_bytes = [&] { return on_accelerator ? device_allocated_bytes(device) : meter->live_bytes(); };
   std::set<const void*> counted;  // a tied parameter's bytes count once, at its first node
   // Nodes of equal profile keys on inputs of equal shapes compute the same thing: one measurement for all of them,
   // so that noise cannot tell identical blocks apart (and profiling a deep model takes a few blocks' time).
