@@ -194,6 +194,23 @@ for r in (l for l in lines if l["bench"] == "split_backward"):
           f"tokens, 1 thread): B {r['b_ms']:.2f} ms, I {r['i_ms']:.2f} + W {r['w_ms']:.2f} ms = "
           f"{r['i_plus_w_over_b']:.3f} B (plain autograd's I alone {r['plain_i_ms']:.2f} ms)")
 
+section("zero-bubble schedules where the bubble is large: 4 stages, m = 4 (4 processes on this host), GPT d 256, "
+        "context 128, 8 blocks; 1F1B against ZB-H1 and ZB-V; 3 alternating rounds, medians")
+bubble_model = dict(MODEL, d_model=256, context=128)
+zero_bubble_cases = [("1f1b", {"pipeline": "interleaved"}), ("zb_h1", {"pipeline": "zero_bubble"}),
+                     ("zb_v", {"pipeline": "zb_v", "virtual_stages": 2})]
+zero_bubble_rounds = {name: [] for name, _ in zero_bubble_cases}
+for _ in range(3):
+    for name, keys in zero_bubble_cases:
+        zero_bubble_rounds[name].append(
+            bench_pipeline(dict({"partitions": 4, "microbatches": 4}, **keys), 4, model=bubble_model,
+                           global_batch=16)["median_step_s"])
+one_f_one_b_step = sorted(zero_bubble_rounds["1f1b"])[1]
+for name, _ in zero_bubble_cases:
+    step = sorted(zero_bubble_rounds[name])[1]
+    print(f"{name:<6} {step * 1e3:8.1f} ms a step ({one_f_one_b_step / step:.3f} of 1F1B's speed; rounds "
+          f"{', '.join(f'{t * 1e3:.1f}' for t in zero_bubble_rounds[name])})")
+
 section("devices that differ: 2 stages (GPT d 128, 8 blocks, 1F1B, m 8), rank 1 emulating a device 2x slower "
         "(emulated_slowdown); the even partition against device_speeds \"measure\"; 3 alternating rounds, medians")
 slow = {"partitions": 2, "microbatches": 8, "pipeline": "interleaved", "emulated_slowdown": [1, 2]}

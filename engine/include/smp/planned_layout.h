@@ -16,7 +16,7 @@ namespace smp {
 // model is cut. Returns the runtime. Rank 0's failure reaches every rank as a ConfigError naming it.
 // Collective over the world (every rank calls it at once): the links between the ranks, measured as a transfer's
 // latency (half the round trip of 1 KiB between ranks 2k and 2k + 1) and the all-reduce's bandwidth in ring terms
-// (4 MiB against a scalar: each rank sends 2 (n - 1) / n of the bytes), medians after 2 untimed; and on a CPU host
+// (4 MiB against a scalar: each rank sends 2 (n - 1) / n of the bytes), the fastest of the rounds after 2 untimed; and on a CPU host
 // with more ranks than cores, how much slower each computes than alone (ranks / cores). The planner's costs.
 PlanningCosts measured_planning_costs(Runtime& runtime);
 
