@@ -46,6 +46,14 @@ void read_keys(const json& object, const std::string& source, const std::map<std
   }
 }
 
+json parsed(const std::string& text, const std::string& source) {
+  try {
+    return json::parse(text);
+  } catch (const json::parse_error& error) {
+    throw ConfigError(source + ": not valid JSON: " + error.what());
+  }
+}
+
 std::vector<int> divisors(int n) {
   std::vector<int> found;
   for (int d = 1; d <= n; ++d) {
@@ -63,12 +71,7 @@ double ring_all_reduce_s(double bytes, int members, double latency_s, double byt
 }  // namespace
 
 ClusterSpec ClusterSpec::from_json_text(const std::string& text, const std::string& source) {
-  json object;
-  try {
-    object = json::parse(text);
-  } catch (const json::parse_error& error) {
-    throw ConfigError(source + ": not valid JSON: " + error.what());
-  }
+  const json object = parsed(text, source);
   ClusterSpec spec;
   read_keys(object, source,
             {{"device_memory_gib", &spec.device_memory_gib}, {"peak_tflops", &spec.peak_tflops},
@@ -99,12 +102,7 @@ double DecoderShape::flops_per_token() const {
 }
 
 DecoderShape DecoderShape::from_json_text(const std::string& text, const std::string& source) {
-  json object;
-  try {
-    object = json::parse(text);
-  } catch (const json::parse_error& error) {
-    throw ConfigError(source + ": not valid JSON: " + error.what());
-  }
+  const json object = parsed(text, source);
   DecoderShape shape;
   read_keys(object, source, {},
             {{"layers", &shape.layers}, {"hidden", &shape.hidden}, {"ffn", &shape.ffn}, {"heads", &shape.heads},
