@@ -26,6 +26,7 @@
 #include "smp/comm/communicator.h"
 #include "smp/config.h"
 #include "smp/cpu_tensor_meter.h"
+#include "smp/device_speeds.h"
 #include "smp/distributed_model.h"
 #include "smp/errors.h"
 #include "smp/executor.h"
@@ -373,6 +374,10 @@ PYBIND11_MODULE(_smp, module) {
             measured["bytes_per_s"] = costs.p2p_bytes_per_s;
             return measured;
           })
+      // Per rank, the speeds the config gives or measures (every rank calls it at once; measured once per job).
+      .def(
+          "_device_speeds", [](Runtime& runtime) { return device_speeds(runtime, "planned_layout/"); },
+          py::call_guard<py::gil_scoped_release>())
       // Runtime::from_rank0 with a Python callable (called with the GIL held, on rank 0 only).
       .def(
           "_from_rank0",
@@ -532,9 +537,10 @@ PYBIND11_MODULE(_smp, module) {
       [](const GraphModel& graph, const OptionalTensors& sample, int sample_batch, const OptionalTensors& larger,
          int larger_batch, const Config& config, int world_size, int global_batch_size, double memory_limit_mb,
          double optimizer_moments, double latency_s, double bytes_per_s, double compute_scale,
-         double optimizer_s_per_byte) {
-        // Overrides of the job's config (0 / negative: the config's).
+         double optimizer_s_per_byte, const std::vector<double>& device_speeds) {
+        // Overrides of the job's config (0 / negative / empty: the config's).
         Config base = config;
+        if (!device_speeds.empty()) base.device_speeds = device_speeds;
         if (global_batch_size > 0) base.global_batch_size = global_batch_size;
         if (memory_limit_mb >= 0) base.memory_limit_mb = memory_limit_mb;
         if (bytes_per_s <= 0) bytes_per_s = base.link_bandwidth_gbps * 1e9;
@@ -571,7 +577,7 @@ PYBIND11_MODULE(_smp, module) {
       py::arg("graph"), py::arg("sample"), py::arg("sample_batch"), py::arg("larger"), py::arg("larger_batch"),
       py::arg("config"), py::arg("world_size"), py::arg("global_batch_size"), py::arg("memory_limit_mb"),
       py::arg("optimizer_moments"), py::arg("latency_s"), py::arg("bytes_per_s"), py::arg("compute_scale"),
-      py::arg("optimizer_s_per_byte"));
+      py::arg("optimizer_s_per_byte"), py::arg("device_speeds") = std::vector<double>{});
   // A planned layout's keys (Layout::config_json) in place of the config's "auto" ones, or None when the layout
   // differs from what the config fixes (smp::adopting_layout).
   module.def(

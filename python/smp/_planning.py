@@ -51,7 +51,7 @@ def _optimizer_seconds_per_byte(device, optimizer=torch.optim.AdamW):
 
 
 def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb=None, optimizer_moments=2.0,
-         link_gbps=None, latency_us=50.0, compute_scale=None):
+         link_gbps=None, latency_us=50.0, compute_scale=None, device_speeds=None):
     """Predicts every layout of `world_size` ranks (default: this job's) for `model` on `sample` (one microbatch):
     pipeline stages x data-parallel replicas, schedule (GPipe, 1F1B, ZB-H1; interleaved 1F1B, ZB-V and DualPipeV at
     two stages per rank), microbatches, recompute, ZeRO-1. The model is captured and profiled here, in this process
@@ -60,8 +60,9 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     config's link_bandwidth_gbps) and latency_us price transfers between stages and the replicas' all-reduce.
     compute_scale is how much slower each rank computes in the job than here alone: by default, on the CPU, the
     ranks per core of this host when there are more ranks than cores (a job of one host), else 1.
-    Devices that differ: the config's device_speeds list (one per rank of world_size) and device_memory_mb predict
-    each layout on its devices (a slow rank's replicas wait for it; a pipeline gives it a shorter stage).
+    Devices that differ: device_speeds (one per rank of world_size; default the config's list) and the config's
+    device_memory_mb predict each layout on its devices (a slow rank's replicas wait for it; a pipeline gives it a
+    shorter stage). A job with "auto" keys and "device_speeds": "measure" passes the speeds its ranks measured.
     The model is profiled on the sample and on twice its samples: a node costs a fixed part plus a part per sample.
     The optimizer's step is timed here (AdamW) per parameter byte. Predictions assume the zero-bubble split halves
     a backward and the all-reduce follows the last backward without overlap; tensor parallelism is not among the
@@ -83,13 +84,14 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
         graph._graph, values, profiled, doubled, 2 * profiled, rt.config, world, int(global_batch_size or 0),
         -1.0 if memory_limit_mb is None else float(memory_limit_mb), float(optimizer_moments), latency_us * 1e-6,
         -1.0 if link_gbps is None else link_gbps * 1e9, float(compute_scale),
-        _optimizer_seconds_per_byte(torch.device(rt.device)) * compute_scale)
+        _optimizer_seconds_per_byte(torch.device(rt.device)) * compute_scale, list(device_speeds or []))
     return Plan(layouts, report)
 
 
-def _choose(model, sample, rt, links):
+def _choose(model, sample, rt, links, speeds):
     """Rank 0's choice: (the chosen config's text, the chosen layout's row, the report)."""
-    found = plan(model, sample, link_gbps=links["bytes_per_s"] / 1e9, latency_us=links["latency_s"] * 1e6)
+    found = plan(model, sample, link_gbps=links["bytes_per_s"] / 1e9, latency_us=links["latency_s"] * 1e6,
+                 device_speeds=speeds)
     reasons = []
     for row in found.layouts:
         if row["rejected"] is not None:
@@ -113,9 +115,10 @@ def adopt_planned_layout(model, sample):
     (rank 0's table, on every rank)}; the model adds "measured_step_ms" after its fifth train_step."""
     rt = runtime()
     links = rt._measured_planning_costs()  # every rank at once
+    speeds = rt._device_speeds()  # measured here for "measure", and kept for the partition after
 
     def choose():
-        text, row, report = _choose(model, sample, rt, links)
+        text, row, report = _choose(model, sample, rt, links, speeds)
         # Drawn for the fastest fitting layout: the choice unless the config fixes some keys.
         if row.get("timeline_svg") and rt.config.trace_dir:
             os.makedirs(rt.config.trace_dir, exist_ok=True)

@@ -49,6 +49,10 @@ class Runtime {
     double predicted_s = 0.0;
   };
   void note_planned_step(PlannedStep planned) { planned_step_ = std::move(planned); }
+  // Speeds measured for "device_speeds": "measure" (device_speeds in training/device_speeds.h), once per job: the
+  // planner of "auto" keys and the partition of the model use the same.
+  void remember_device_speeds(std::vector<double> speeds) { measured_device_speeds_ = std::move(speeds); }
+  const std::optional<std::vector<double>>& measured_device_speeds() const { return measured_device_speeds_; }
   const std::optional<PlannedStep>& planned_step() const { return planned_step_; }
   const Topology& topology() const { return topology_; }
   const comm::LaunchInfo& launch() const { return launch_; }
@@ -117,6 +121,7 @@ class Runtime {
   std::string bind_host_;
   int layout_generation_ = 0;  // layouts adopted after the first (adopt_layout)
   std::optional<PlannedStep> planned_step_;
+  std::optional<std::vector<double>> measured_device_speeds_;
 };
 
 }  // namespace smp

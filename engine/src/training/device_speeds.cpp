@@ -1,4 +1,4 @@
-#include "training/device_speeds.h"
+#include "smp/device_speeds.h"
 
 #include <algorithm>
 #include <chrono>
@@ -35,6 +35,7 @@ double probe_seconds(c10::Device device, double slowdown) {
 std::vector<double> device_speeds(Runtime& runtime, const std::string& exchange) {
   const Config& config = runtime.config();
   if (!config.measure_device_speeds) return config.device_speeds;
+  if (runtime.measured_device_speeds()) return *runtime.measured_device_speeds();
   const int world = runtime.world_size(), me = runtime.rank();
   // Every rank measures at once, as the job will compute: first a barrier through the store.
   runtime.publish(exchange + "speed_probe/" + std::to_string(me), "");
@@ -50,6 +51,7 @@ std::vector<double> device_speeds(Runtime& runtime, const std::string& exchange)
     speed /= fastest;
     if (speed >= 0.9) speed = 1.0;
   }
+  runtime.remember_device_speeds(speeds);
   return speeds;
 }
 

@@ -19,7 +19,7 @@
 #include "pipeline/activation_checkpoint.h"
 #include "training/distributed_model_internal.h"
 #include "training/gradient_sync.h"
-#include "training/device_speeds.h"
+#include "smp/device_speeds.h"
 #include "smp/planned_layout.h"
 #include "smp/tp.h"
 

@@ -11,6 +11,7 @@
 #include <ATen/DeviceAccelerator.h>
 
 #include "pipeline/split_backward.h"
+#include "smp/device_speeds.h"
 
 #include "smp/collectives.h"
 #include "smp/layout_plan.h"
@@ -24,8 +25,10 @@ namespace {
 
 // Rank 0's choice: the chosen config's document.
 std::string plan_on_rank0(Runtime& runtime, const GraphModel& model, const ModelInputs& sample,
-                          const PlanningCosts& costs) {
-  const Config& config = runtime.config();
+                          const PlanningCosts& costs, const std::vector<double>& speeds) {
+  // Measured speeds stand in for "measure" in what the planner reads (a list, one per rank).
+  Config config = runtime.config();
+  if (config.measure_device_speeds) config.device_speeds = speeds;
   const int world = runtime.world_size();
   // Cut as finely as the most stages considered (two per rank), and profiled alone (no peers take part).
   const GraphModel fine = model.expanded_to(static_cast<std::size_t>(2 * world));
@@ -43,7 +46,7 @@ std::string plan_on_rank0(Runtime& runtime, const GraphModel& model, const Model
   log::info(links);
   const auto predictions = plan_layouts(profile, config, world, costs);
   log::info("layouts planned for the \"auto\" keys of " + config.source + ":\n" + layout_report(predictions));
-  auto [prediction, chosen] = choose_layout(predictions, config, world);
+  auto [prediction, chosen] = choose_layout(predictions, runtime.config(), world);
   log::info("planned layout " + prediction.layout.describe());
   // The C++ plan has no optimizer term: its step is what train_step takes.
   runtime.note_planned_step({prediction.layout.describe(), prediction.step_s});
@@ -137,8 +140,9 @@ std::shared_ptr<Runtime> with_planned_layout(std::shared_ptr<Runtime> runtime, c
   const Config& config = runtime->config();
   if (config.auto_keys.empty()) return runtime;
   const PlanningCosts costs = measured_planning_costs(*runtime);
+  const std::vector<double> speeds = device_speeds(*runtime, "planned_layout/");
   const std::string text =
-      runtime->from_rank0("planned_layout", [&] { return plan_on_rank0(*runtime, model, sample, costs); });
+      runtime->from_rank0("planned_layout", [&] { return plan_on_rank0(*runtime, model, sample, costs, speeds); });
   runtime->adopt_layout(Config::from_json_text(text, config.source));
   return runtime;
 }

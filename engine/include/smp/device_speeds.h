@@ -13,6 +13,7 @@ namespace smp {
 // Per rank, its relative speed (the fastest 1): config.device_speeds, or with "measure" the same matrix products
 // timed on every rank at once, each rank's stretched by its emulated_slowdown. Empty when the config gives neither.
 // Measured speeds within 10% of the fastest count as equal to it: a shared host's noise must not move the cut.
+// Measured once per job (Runtime::remember_device_speeds): a later call returns them without measuring.
 std::vector<double> device_speeds(Runtime& runtime, const std::string& exchange);
 
 }  // namespace smp
