@@ -190,9 +190,10 @@ fi
 
 targets=()
 (($#)) && targets=(--target "$@")
-say "building ${*:-all} with $(nproc) jobs"
+jobs=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # GNU nproc reports OMP_NUM_THREADS where set
+say "building ${*:-all} with $jobs jobs"
 build_log=$(mktemp)
-if ! cmake --build "$build" --parallel "$(nproc)" "${targets[@]}" 2>&1 | tee "$build_log"; then
+if ! cmake --build "$build" --parallel "$jobs" "${targets[@]}" 2>&1 | tee "$build_log"; then
   [ -n "$out" ] && cp "$build_log" "$out/build_gpu.txt"
   # The C++ GPU tests must still run when only the Python package fails to build here (ninja names every failed
   # object after FAILED:); any other failure is the build's.
@@ -201,7 +202,7 @@ if ! cmake --build "$build" --parallel "$(nproc)" "${targets[@]}" 2>&1 | tee "$b
     say "the Python package FAILED to build here; building the rest without it (its log: build_gpu_python.txt)"
     [ -n "$out" ] && cp "$build_log" "$out/build_gpu_python.txt"
     configure OFF
-    logged build_gpu.txt cmake --build "$build" --parallel "$(nproc)" "${targets[@]}" || die "build failed (see above)"
+    logged build_gpu.txt cmake --build "$build" --parallel "$jobs" "${targets[@]}" || die "build failed (see above)"
   else
     die "build failed (see above)"
   fi

@@ -31,7 +31,8 @@ if [ ! -f "$build/CMakeCache.txt" ]; then
   say "configuring $build"
   cmake -S "$repo/fuzz" -B "$build" "${generator[@]}" -DCMAKE_CXX_COMPILER=clang++ >&2
 fi
-jobs=${SMP_JOBS:-$(nproc)}
+# GNU nproc reports OMP_NUM_THREADS where a caller set it (to 1 for multi-process jobs): count the cores instead.
+jobs=${SMP_JOBS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}
 say "building ($jobs jobs)"
 cmake --build "$build" --parallel "$jobs" >&2
 

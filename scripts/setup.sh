@@ -52,7 +52,8 @@ if [ ! -f "$build/CMakeCache.txt" ]; then
   cmake -S "$repo" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" \
     -DPython3_EXECUTABLE="$venv/bin/python" >&2
 fi
-jobs=${SMP_JOBS:-$(nproc)}
+# GNU nproc reports OMP_NUM_THREADS where a caller set it (to 1 for multi-process jobs): count the cores instead.
+jobs=${SMP_JOBS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}
 say "building ($jobs jobs)"
 cmake --build "$build" --parallel "$jobs" >&2
 say "ready: $build/bin"

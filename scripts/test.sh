@@ -7,6 +7,7 @@ set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${SMP_BUILD:-$repo/build}
 "$repo/scripts/setup.sh"
+# Counted before OMP_NUM_THREADS is set: GNU nproc reports OMP_NUM_THREADS when it is set, which ran every test alone.
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 export OMP_NUM_THREADS=1
-cores=$(nproc)
 ctest --test-dir "$build" --output-on-failure --timeout 900 --parallel "${CTEST_PARALLEL_LEVEL:-$((cores < 8 ? cores : 8))}" "$@"
