@@ -537,7 +537,7 @@ PYBIND11_MODULE(_smp, module) {
       [](const GraphModel& graph, const OptionalTensors& sample, int sample_batch, const OptionalTensors& larger,
          int larger_batch, const Config& config, int world_size, int global_batch_size, double memory_limit_mb,
          double optimizer_moments, double latency_s, double bytes_per_s, double compute_scale,
-         double optimizer_s_per_byte, const std::vector<double>& device_speeds) {
+         double optimizer_s_per_byte, const std::vector<double>& device_speeds, double shared_processors) {
         // Overrides of the job's config (0 / negative / empty: the config's).
         Config base = config;
         if (!device_speeds.empty()) base.device_speeds = device_speeds;
@@ -554,7 +554,8 @@ PYBIND11_MODULE(_smp, module) {
             profile.larger_batch = larger_batch;
           }
           predictions = plan_layouts(profile, base, world_size,
-                                     {latency_s, bytes_per_s, bytes_per_s, compute_scale, optimizer_s_per_byte},
+                                     {latency_s, bytes_per_s, bytes_per_s, compute_scale, optimizer_s_per_byte,
+                                      shared_processors},
                                      optimizer_moments);
         }
         py::list layouts;
@@ -577,7 +578,8 @@ PYBIND11_MODULE(_smp, module) {
       py::arg("graph"), py::arg("sample"), py::arg("sample_batch"), py::arg("larger"), py::arg("larger_batch"),
       py::arg("config"), py::arg("world_size"), py::arg("global_batch_size"), py::arg("memory_limit_mb"),
       py::arg("optimizer_moments"), py::arg("latency_s"), py::arg("bytes_per_s"), py::arg("compute_scale"),
-      py::arg("optimizer_s_per_byte"), py::arg("device_speeds") = std::vector<double>{});
+      py::arg("optimizer_s_per_byte"), py::arg("device_speeds") = std::vector<double>{},
+      py::arg("shared_processors") = 0.0);
   // A planned layout's keys (Layout::config_json) in place of the config's "auto" ones, or None when the layout
   // differs from what the config fixes (smp::adopting_layout).
   module.def(

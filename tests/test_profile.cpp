@@ -251,6 +251,38 @@ TEST_CASE("layouts are planned by simulation, ranked by predicted step, and reje
   }
 }
 
+TEST_CASE("ranks that outnumber their cores share them: a pipeline's fill and drain run faster than its steady state",
+          "[profile][plan]") {
+  const auto modules = equal_chain(8, 1 << 20, 1 << 20);
+  const smp::Config config = smp::Config::from_json_text(R"({"global_batch_size": 16})", "test");
+  const auto predicted = [&](const smp::PlanningCosts& costs, int pp, const std::string& pipeline, int m) {
+    for (const auto& prediction : smp::plan_layouts({modules, 2}, config, 4, costs)) {
+      const auto& layout = prediction.layout;
+      if (layout.partitions == pp && layout.pipeline == pipeline && layout.microbatches == m && !layout.recompute &&
+          !layout.shard_optimizer_state) {
+        return prediction;
+      }
+    }
+    FAIL("no layout pp " << pp << " " << pipeline << " m " << m);
+    return smp::LayoutPrediction{};
+  };
+  const smp::PlanningCosts own{0.0, 1e9, 1e9, 1.0, 1e-9};
+  smp::PlanningCosts two_cores = own, four_cores = own, twice_slower = own;
+  two_cores.shared_processors = 2.0;
+  four_cores.shared_processors = 4.0;
+  twice_slower.compute_scale = 2.0;
+  twice_slower.optimizer_s_per_byte *= 2.0;
+  // Four replicas on two cores: always all four computing, each at half speed.
+  CHECK(predicted(two_cores, 1, "gpipe", 1).pipeline_s == Approx(predicted(twice_slower, 1, "gpipe", 1).pipeline_s));
+  CHECK(predicted(two_cores, 1, "gpipe", 1).optimizer_s == Approx(2.0 * predicted(own, 1, "gpipe", 1).optimizer_s));
+  // Four stages and four microbatches: fill and drain with fewer than three ranks busy run at full speed.
+  const double shared = predicted(two_cores, 4, "gpipe", 4).pipeline_s;
+  CHECK(shared > predicted(own, 4, "gpipe", 4).pipeline_s * 1.2);
+  CHECK(shared < predicted(twice_slower, 4, "gpipe", 4).pipeline_s * 0.9);
+  // As many cores as ranks: nothing is shared.
+  CHECK(predicted(four_cores, 4, "1f1b", 8).step_s == Approx(predicted(own, 4, "1f1b", 8).step_s));
+}
+
 TEST_CASE("devices that differ: stages get the model in proportion to their device's speed and memory",
           "[profile][plan]") {
   const auto modules = equal_chain(12, 1 << 20, 1 << 20);

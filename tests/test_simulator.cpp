@@ -187,6 +187,75 @@ TEST_CASE("a deadlock names every stuck rank and what it waits for", "[simulator
                                    "SEND_F(stage 1 -> 2, mb 0) from rank 1"));
 }
 
+namespace {
+
+// Every generator's schedule for these sizes (two stages per rank where a generator takes several).
+std::vector<Schedule> every_generator(int ranks, int microbatches) {
+  std::vector<Schedule> schedules;
+  for (const ScheduleKind& kind : schedule_kinds()) {
+    const int virtual_stages = kind.stages_per_rank == 1 ? 1 : 2;
+    schedules.push_back(kind.make(ranks, microbatches, virtual_stages, 0));
+  }
+  return schedules;
+}
+
+}  // namespace
+
+TEST_CASE("shared processors: as many as ranks change nothing, one does all the work back to back",
+          "[simulator][shared]") {
+  for (int ranks : {2, 3, 4}) {
+    for (int microbatches : {1, 4, 8}) {
+      for (const Schedule& generated : every_generator(ranks, microbatches)) {
+        INFO(generated.name << " ranks=" << ranks << " microbatches=" << microbatches);
+        const StageGraph graph = StageGraph::chain(generated.num_stages);
+        const Schedule lowered = lower_communication(generated, graph);
+        SimulationCosts costs = SimulationCosts::uniform(generated.num_stages, StageCosts{1.0, 2.0, 1.25, 0.75});
+        const SimulationResult own = simulate(lowered, graph, costs);
+        costs.processors = ranks;
+        const SimulationResult enough = simulate(lowered, graph, costs);
+        CHECK_THAT(enough.makespan, WithinAbs(own.makespan, kTolerance));
+        for (std::size_t rank = 0; rank < own.timings.size(); ++rank) {
+          for (std::size_t index = 0; index < own.timings[rank].size(); ++index) {
+            CHECK_THAT(enough.timings[rank][index].start, WithinAbs(own.timings[rank][index].start, kTolerance));
+            CHECK_THAT(enough.timings[rank][index].end, WithinAbs(own.timings[rank][index].end, kTolerance));
+          }
+        }
+        CHECK(enough.peak_in_flight == own.peak_in_flight);
+        // One processor is never idle while a rank can compute, and free transfers leave it nothing to wait for.
+        costs.processors = 1.0;
+        double work = 0.0;
+        for (double busy : own.busy_time) work += busy;
+        CHECK_THAT(simulate(lowered, graph, costs).makespan, WithinAbs(work, 1e-6));
+      }
+    }
+  }
+}
+
+TEST_CASE("shared processors: a pipeline's fill and drain run at full speed, its steady state shares",
+          "[simulator][shared]") {
+  // GPipe, 2 ranks, 2 microbatches, F = 1, B = 2, on 1 processor: F0 alone (1), then F1 on rank 0 beside F0 on
+  // rank 1 at half speed each (ending at 3), F1 on rank 1 alone (4), B1 on rank 1 alone (6), B1 on rank 0 beside B0
+  // on rank 1 (ending at 10), B0 on rank 0 alone (12): 12, the total work. On 1.5 processors, the two shared
+  // stretches run at 0.75: F's at 1 + 4/3, B's at 6 + 8/3, then B0 alone: 10.666...
+  const StageGraph graph = StageGraph::chain(2);
+  SimulationCosts costs = textbook_costs(2);
+  costs.processors = 1.0;
+  CHECK_THAT(simulate(make_gpipe(2, 2), graph, costs).makespan, WithinAbs(12.0, kTolerance));
+  costs.processors = 1.5;
+  CHECK_THAT(simulate(make_gpipe(2, 2), graph, costs).makespan, WithinAbs(10.0, kTolerance));
+  CHECK(simulate(make_gpipe(2, 2), graph, textbook_costs(2)).makespan == 9.0);
+}
+
+TEST_CASE("shared processors: a deadlock is still named", "[simulator][shared]") {
+  const StageGraph graph = StageGraph::chain(3);
+  Schedule lowered = lower_communication(make_gpipe(3, 1), graph);
+  std::swap(lowered.ranks[0][1], lowered.ranks[0][2]);
+  SimulationCosts costs = textbook_costs(3);
+  costs.processors = 2.0;
+  REQUIRE_THROWS_WITH(simulate(lowered, graph, costs),
+                      Contains("deadlocks") && Contains("rank 0 waits at action #1 RECV_B(stage 0 <- 1, mb 0)"));
+}
+
 TEST_CASE("simulate rejects costs that do not fit", "[simulator]") {
   const StageGraph graph = StageGraph::chain(2);
   const Schedule schedule = make_gpipe(2, 2);
@@ -194,6 +263,9 @@ TEST_CASE("simulate rejects costs that do not fit", "[simulator]") {
   SimulationCosts negative = SimulationCosts::uniform(2);
   negative.stages[1].backward = -1.0;
   REQUIRE_THROWS_WITH(simulate(schedule, graph, negative), Contains("stage 1 backward"));
+  SimulationCosts no_processors = SimulationCosts::uniform(2);
+  no_processors.processors = -1.0;
+  REQUIRE_THROWS_WITH(simulate(schedule, graph, no_processors), Contains("processors"));
   P2PCosts no_bandwidth;
   no_bandwidth.bytes_per_transfer = 1024.0;
   REQUIRE_THROWS_WITH(simulate(schedule, graph, SimulationCosts::uniform(2, StageCosts{}, no_bandwidth)),

@@ -51,15 +51,16 @@ def _optimizer_seconds_per_byte(device, optimizer=torch.optim.AdamW):
 
 
 def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb=None, optimizer_moments=2.0,
-         link_gbps=None, latency_us=50.0, compute_scale=None, device_speeds=None):
+         link_gbps=None, latency_us=50.0, compute_scale=1.0, device_speeds=None, shared_cores=None):
     """Predicts every layout of `world_size` ranks (default: this job's) for `model` on `sample` (one microbatch):
     pipeline stages x data-parallel replicas, schedule (GPipe, 1F1B, ZB-H1; interleaved 1F1B, ZB-V and DualPipeV at
     two stages per rank), microbatches, recompute, ZeRO-1. The model is captured and profiled here, in this process
     (call smp.init first; one process will do). global_batch_size and memory_limit_mb default to the config's;
     optimizer_moments is the optimizer's state per parameter (Adam 2, SGD with momentum 1); link_gbps (default the
     config's link_bandwidth_gbps) and latency_us price transfers between stages and the replicas' all-reduce.
-    compute_scale is how much slower each rank computes in the job than here alone: by default, on the CPU, the
-    ranks per core of this host when there are more ranks than cores (a job of one host), else 1.
+    compute_scale is how much slower each rank computes in the job than here alone. shared_cores: the processors the
+    job's ranks share (by default, on the CPU, this host's cores when the ranks outnumber them, a job of one host;
+    0: a device per rank); each rank then computes at cores / ranks computing at once, at most 1.
     Devices that differ: device_speeds (one per rank of world_size; default the config's list) and the config's
     device_memory_mb predict each layout on its devices (a slow rank's replicas wait for it; a pipeline gives it a
     shorter stage). A job with "auto" keys and "device_speeds": "measure" passes the speeds its ranks measured.
@@ -77,14 +78,15 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     profiled = next((value.shape[0] for value, is_batch in zip(values, batched) if is_batch), 1)
     # A second profile on twice the samples tells a stage call's fixed cost from its cost per sample.
     doubled = [torch.cat([value, value]) if is_batch else value for value, is_batch in zip(values, batched)]
-    if compute_scale is None:
+    if shared_cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        compute_scale = max(1.0, world / cores) if rt.device == "cpu" else 1.0
+        shared_cores = cores if rt.device == "cpu" and world > cores else 0
     layouts, report = _smp.plan_layouts(
         graph._graph, values, profiled, doubled, 2 * profiled, rt.config, world, int(global_batch_size or 0),
         -1.0 if memory_limit_mb is None else float(memory_limit_mb), float(optimizer_moments), latency_us * 1e-6,
         -1.0 if link_gbps is None else link_gbps * 1e9, float(compute_scale),
-        _optimizer_seconds_per_byte(torch.device(rt.device)) * compute_scale, list(device_speeds or []))
+        _optimizer_seconds_per_byte(torch.device(rt.device)) * compute_scale, list(device_speeds or []),
+        float(shared_cores))
     return Plan(layouts, report)
 
 

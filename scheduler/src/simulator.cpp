@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <string>
 
@@ -33,6 +34,7 @@ void check_costs(const SimulationCosts& costs, int num_stages) {
     check(cost.backward_input, which + "backward_input");
     check(cost.backward_weight, which + "backward_weight");
   }
+  check(costs.processors, "processors");
   check(costs.p2p.latency_s, "latency_s");
   check(costs.p2p.bytes_per_transfer, "bytes_per_transfer");
   if (costs.p2p.bytes_per_transfer > 0 && !(costs.p2p.bandwidth_bytes_per_s > 0))
@@ -54,47 +56,25 @@ double compute_cost(const StageCosts& cost, ActionKind kind) {
   }
 }
 
-// Ranks never contend for links here, so each rank's timeline depends only on its own order and on when its
-// messages arrive. That makes the step a dataflow problem: run each rank as far as it can go, park it on the
-// first message that has not been sent yet, and wake it when that message is sent. Every action is visited
-// once (plus once per wake-up), and the order in which ranks are advanced does not change any time.
-class Simulation {
- public:
-  Simulation(const Schedule& schedule, const StageGraph& graph, const SimulationCosts& costs)
+// What both simulations keep: messages' arrival times, each rank's place in its actions, and the result.
+class SimulationState {
+ protected:
+  SimulationState(const Schedule& schedule, const StageGraph& graph, const SimulationCosts& costs)
       : schedule_(schedule),
         costs_(costs),
         transfers_(graph, schedule.num_microbatches),
         implicit_transfers_(!detail::has_transfers(schedule)),
         arrival_(static_cast<std::size_t>(transfers_.num_messages()), kNotSent),
-        waiting_rank_(static_cast<std::size_t>(transfers_.num_messages()), -1),
         next_action_(static_cast<std::size_t>(schedule.num_ranks), 0),
         clock_(static_cast<std::size_t>(schedule.num_ranks), 0.0),
         awaited_(static_cast<std::size_t>(schedule.num_ranks)),
-        in_flight_(static_cast<std::size_t>(schedule.num_ranks), 0),
-        forward_only_(schedule.forward_only) {
+        in_flight_(static_cast<std::size_t>(schedule.num_ranks), 0) {
     result_.busy_time.assign(static_cast<std::size_t>(schedule.num_ranks), 0.0);
     result_.peak_in_flight.assign(static_cast<std::size_t>(schedule.num_ranks), 0);
     result_.timings.resize(static_cast<std::size_t>(schedule.num_ranks));
     for (int rank = 0; rank < schedule.num_ranks; ++rank) result_.timings[rank].resize(schedule.ranks[rank].size());
   }
 
-  SimulationResult run() {
-    std::vector<int> runnable(static_cast<std::size_t>(schedule_.num_ranks));
-    std::iota(runnable.begin(), runnable.end(), 0);
-    while (!runnable.empty()) {
-      const int rank = runnable.back();
-      runnable.pop_back();
-      advance(rank, runnable);
-    }
-    throw_if_stuck();
-
-    result_.makespan = *std::max_element(clock_.begin(), clock_.end());
-    const double busy = std::accumulate(result_.busy_time.begin(), result_.busy_time.end(), 0.0);
-    if (result_.makespan > 0) result_.bubble_fraction = 1.0 - busy / (schedule_.num_ranks * result_.makespan);
-    return std::move(result_);
-  }
-
- private:
   static constexpr double kNotSent = -1.0;
 
   double transfer_time(const Action& transfer) const {
@@ -103,60 +83,56 @@ class Simulation {
     return p2p.latency_s + (p2p.bytes_per_transfer > 0 ? p2p.bytes_per_transfer / p2p.bandwidth_bytes_per_s : 0.0);
   }
 
-  // Runs `rank` until it finishes or reaches a message that has not been sent yet.
-  void advance(int rank, std::vector<int>& runnable) {
-    const std::vector<Action>& actions = schedule_.ranks[rank];
-    std::size_t& next = next_action_[rank];
-    for (; next < actions.size(); ++next) {
-      const Action& action = actions[next];
-      double inputs_ready = clock_[rank];
-      bool blocked = false;
-      const auto need = [&](const Action& receive, int message) {
-        if (blocked) return;
-        if (arrival_[message] == kNotSent) {
-          blocked = true;
-          waiting_rank_[message] = rank;
-          awaited_[rank] = receive;
-        } else {
-          inputs_ready = std::max(inputs_ready, arrival_[message]);
-        }
-      };
-      if (action.kind == ActionKind::RecvForward || action.kind == ActionKind::RecvBackward)
-        need(action, transfers_.message_of(action));
-      else if (implicit_transfers_)
-        transfers_.for_each_receive(action, need);
-      if (blocked) return;
+  // The messages `action` waits for, visited as visit(const Action& receive, int message).
+  template <typename Visit>
+  void for_each_receive(const Action& action, Visit&& visit) const {
+    if (action.kind == ActionKind::RecvForward || action.kind == ActionKind::RecvBackward)
+      visit(action, transfers_.message_of(action));
+    else if (implicit_transfers_)
+      transfers_.for_each_receive(action, visit);
+  }
 
-      const bool compute = is_compute(action.kind);
-      const double duration = compute_cost(costs_.stages[action.stage], action.kind);
-      // A RECV spans the wait; a compute action starts once its inputs are there.
-      const double start = compute ? inputs_ready : clock_[rank];
-      const double end = inputs_ready + duration;
-      result_.timings[rank][next] = {start, end};
-      clock_[rank] = end;
-
-      const auto send = [&](const Action& transfer, int message) {
-        arrival_[message] = end + transfer_time(transfer);
-        if (waiting_rank_[message] >= 0) {
-          runnable.push_back(waiting_rank_[message]);
-          waiting_rank_[message] = -1;
-        }
-      };
-      if (action.kind == ActionKind::SendForward || action.kind == ActionKind::SendBackward)
-        send(action, transfers_.message_of(action));
-      else if (implicit_transfers_)
-        transfers_.for_each_send(action, send);
-
-      if (compute) {
-        result_.busy_time[rank] += duration;
-        track_activations(rank, action.kind);
-      }
+  // `rank`'s action `index` ran from `start` to `end`: its messages leave, and a compute action counts.
+  template <typename OnSent>
+  void finish(int rank, std::size_t index, double start, double end, OnSent&& on_sent) {
+    const Action& action = schedule_.ranks[rank][index];
+    result_.timings[rank][index] = {start, end};
+    clock_[rank] = end;
+    const auto send = [&](const Action& transfer, int message) {
+      arrival_[message] = end + transfer_time(transfer);
+      on_sent(message);
+    };
+    if (action.kind == ActionKind::SendForward || action.kind == ActionKind::SendBackward)
+      send(action, transfers_.message_of(action));
+    else if (implicit_transfers_)
+      transfers_.for_each_send(action, send);
+    if (is_compute(action.kind)) {
+      result_.busy_time[rank] += end - start;
+      track_activations(rank, action.kind);
     }
   }
 
+  SimulationResult result() {
+    throw_if_stuck();
+    result_.makespan = *std::max_element(clock_.begin(), clock_.end());
+    const double busy = std::accumulate(result_.busy_time.begin(), result_.busy_time.end(), 0.0);
+    if (result_.makespan > 0) result_.bubble_fraction = 1.0 - busy / (schedule_.num_ranks * result_.makespan);
+    return std::move(result_);
+  }
+
+  const Schedule& schedule_;
+  const SimulationCosts& costs_;
+  const detail::TransferMap transfers_;
+  const bool implicit_transfers_;  // compute-only: each compute action does its own receives and sends
+  std::vector<double> arrival_;    // per message
+  std::vector<std::size_t> next_action_;
+  std::vector<double> clock_;    // per rank: when its last action ended
+  std::vector<Action> awaited_;  // per rank: the receive it is parked on
+
+ private:
   void track_activations(int rank, ActionKind kind) {
     int& held = in_flight_[rank];
-    if (forward_only_) return;  // an evaluation step keeps nothing for a backward
+    if (schedule_.forward_only) return;  // an evaluation step keeps nothing for a backward
     if (kind == ActionKind::Forward) {
       ++held;
       result_.peak_in_flight[rank] = std::max(result_.peak_in_flight[rank], held);
@@ -187,18 +163,148 @@ class Simulation {
     if (!stuck.empty()) throw ScheduleError("schedule '" + schedule_.name + "' deadlocks: " + stuck);
   }
 
-  const Schedule& schedule_;
-  const SimulationCosts& costs_;
-  const detail::TransferMap transfers_;
-  const bool implicit_transfers_;  // compute-only: each compute action does its own receives and sends
-  std::vector<double> arrival_;    // per message
-  std::vector<int> waiting_rank_;  // per message: the rank parked on it, -1 if none
-  std::vector<std::size_t> next_action_;
-  std::vector<double> clock_;    // per rank: when its last action ended
-  std::vector<Action> awaited_;  // per rank: the receive it is parked on
   std::vector<int> in_flight_;
-  bool forward_only_;
   SimulationResult result_;
+};
+
+// Ranks with devices of their own never contend, and links are not shared, so each rank's timeline depends only on
+// its own order and on when its messages arrive. That makes the step a dataflow problem: run each rank as far as it
+// can go, park it on the first message that has not been sent yet, and wake it when that message is sent. Every
+// action is visited once (plus once per wake-up), and the order in which ranks are advanced does not change any time.
+class Simulation : SimulationState {
+ public:
+  Simulation(const Schedule& schedule, const StageGraph& graph, const SimulationCosts& costs)
+      : SimulationState(schedule, graph, costs),
+        waiting_rank_(static_cast<std::size_t>(transfers_.num_messages()), -1) {}
+
+  SimulationResult run() {
+    std::vector<int> runnable(static_cast<std::size_t>(schedule_.num_ranks));
+    std::iota(runnable.begin(), runnable.end(), 0);
+    while (!runnable.empty()) {
+      const int rank = runnable.back();
+      runnable.pop_back();
+      advance(rank, runnable);
+    }
+    return result();
+  }
+
+ private:
+  // Runs `rank` until it finishes or reaches a message that has not been sent yet.
+  void advance(int rank, std::vector<int>& runnable) {
+    const std::vector<Action>& actions = schedule_.ranks[rank];
+    std::size_t& next = next_action_[rank];
+    for (; next < actions.size(); ++next) {
+      const Action& action = actions[next];
+      double inputs_ready = clock_[rank];
+      bool blocked = false;
+      for_each_receive(action, [&](const Action& receive, int message) {
+        if (blocked) return;
+        if (arrival_[message] == kNotSent) {
+          blocked = true;
+          waiting_rank_[message] = rank;
+          awaited_[rank] = receive;
+        } else {
+          inputs_ready = std::max(inputs_ready, arrival_[message]);
+        }
+      });
+      if (blocked) return;
+      const bool compute = is_compute(action.kind);
+      // A RECV spans the wait; a compute action starts once its inputs are there.
+      const double start = compute ? inputs_ready : clock_[rank];
+      finish(rank, next, start, inputs_ready + compute_cost(costs_.stages[action.stage], action.kind),
+             [&](int message) {
+               if (waiting_rank_[message] >= 0) {
+                 runnable.push_back(waiting_rank_[message]);
+                 waiting_rank_[message] = -1;
+               }
+             });
+    }
+  }
+
+  std::vector<int> waiting_rank_;  // per message: the rank parked on it, -1 if none
+};
+
+// Ranks sharing processors: how fast one computes depends on how many compute beside it, so the step runs in time
+// order. Between two events (a compute action ending, a message arriving) the set of computing ranks is fixed and each
+// progresses at min(1, processors / that many); O(actions x ranks).
+class SharedSimulation : SimulationState {
+ public:
+  SharedSimulation(const Schedule& schedule, const StageGraph& graph, const SimulationCosts& costs)
+      : SimulationState(schedule, graph, costs),
+        remaining_(static_cast<std::size_t>(schedule.num_ranks), kIdle),
+        started_(static_cast<std::size_t>(schedule.num_ranks), 0.0) {}
+
+  SimulationResult run() {
+    double now = 0.0;
+    for (;;) {
+      // Until nothing moves: a message sent now may free a rank that was looked at before its sender.
+      for (bool moved = true; moved;) {
+        moved = false;
+        for (int rank = 0; rank < schedule_.num_ranks; ++rank) moved |= start_what_can(rank, now);
+      }
+      int computing = 0;
+      for (double work : remaining_) computing += work != kIdle;
+      double next = std::numeric_limits<double>::infinity();
+      const double rate = computing > 0 ? std::min(1.0, costs_.processors / computing) : 0.0;
+      for (double work : remaining_) {
+        if (work != kIdle) next = std::min(next, now + work / rate);
+      }
+      for (int rank = 0; rank < schedule_.num_ranks; ++rank) {  // a message on its way to a waiting rank
+        if (remaining_[rank] != kIdle || next_action_[rank] == schedule_.ranks[rank].size()) continue;
+        for_each_receive(schedule_.ranks[rank][next_action_[rank]], [&](const Action&, int message) {
+          if (arrival_[message] > now) next = std::min(next, arrival_[message]);
+        });
+      }
+      if (!std::isfinite(next)) break;  // every rank is done, or waits for a message nobody will send
+      for (int rank = 0; rank < schedule_.num_ranks; ++rank) {
+        if (remaining_[rank] == kIdle) continue;
+        remaining_[rank] -= (next - now) * rate;
+        // The ranks that end now: those the step was computed for, less what rounding left.
+        if (remaining_[rank] <= 1e-12 * std::max(1.0, next)) {
+          remaining_[rank] = kIdle;
+          finish(rank, next_action_[rank]++, started_[rank], next, [](int) {});
+        }
+      }
+      now = next;
+    }
+    return result();
+  }
+
+ private:
+  static constexpr double kIdle = -1.0;  // remaining_: the rank is not computing
+
+  // Runs `rank`'s actions that take no processor time, up to a compute action it starts or a message that is not
+  // there; whether it did anything.
+  bool start_what_can(int rank, double now) {
+    const std::vector<Action>& actions = schedule_.ranks[rank];
+    std::size_t& next = next_action_[rank];
+    const std::size_t first = next;
+    const bool was_computing = remaining_[rank] != kIdle;
+    while (remaining_[rank] == kIdle && next < actions.size()) {
+      const Action& action = actions[next];
+      bool ready = true;
+      for_each_receive(action, [&](const Action& receive, int message) {
+        if (ready && (arrival_[message] == kNotSent || arrival_[message] > now)) {
+          ready = false;
+          awaited_[rank] = receive;
+        }
+      });
+      if (!ready) break;
+      const double work = compute_cost(costs_.stages[action.stage], action.kind);
+      if (is_compute(action.kind) && work > 0) {
+        remaining_[rank] = work;
+        started_[rank] = now;
+        break;
+      }
+      // A RECV spans the wait since the rank's previous action ended.
+      finish(rank, next, is_compute(action.kind) ? now : clock_[rank], now, [](int) {});
+      ++next;
+    }
+    return next != first || was_computing != (remaining_[rank] != kIdle);
+  }
+
+  std::vector<double> remaining_;  // per rank: work left in the compute action it runs, kIdle if none
+  std::vector<double> started_;    // per rank: when that action started
 };
 
 }  // namespace
@@ -206,6 +312,7 @@ class Simulation {
 namespace detail {
 
 SimulationResult simulate_checked(const Schedule& schedule, const StageGraph& graph, const SimulationCosts& costs) {
+  if (costs.processors > 0) return SharedSimulation(schedule, graph, costs).run();
   return Simulation(schedule, graph, costs).run();
 }
 

@@ -115,6 +115,10 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   const bool replicas_across = across_nodes && world_size > costs.ranks_per_node;
   simulated.p2p = {pipeline_across ? costs.inter_node_latency_s : costs.latency_s, largest_transfer,
                    pipeline_across ? costs.inter_node_bytes_per_s : costs.p2p_bytes_per_s};
+  // The host's processors divided evenly among the pipelines (replicas, tensor-parallel ranks) it holds.
+  const int host_ranks = costs.ranks_per_node > 0 ? std::min(costs.ranks_per_node, world_size) : world_size;
+  const double sharing = costs.shared_processors > 0 ? std::max(1.0, host_ranks / costs.shared_processors) : 1.0;
+  if (sharing > 1.0) simulated.processors = layout.partitions / sharing;
   const auto lowered = sched::lower_communication(schedule, sched::StageGraph::chain(stages));
   const auto result = sched::simulate(lowered, sched::StageGraph::chain(stages), simulated);
   prediction.pipeline_s = result.makespan;
@@ -154,7 +158,7 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
     const double bytes_per_s = replicas_across ? costs.inter_node_bytes_per_s : costs.all_reduce_bytes_per_s;
     prediction.gradient_sync_s = latency * 2 * (layout.replicas - 1) + passes * fullest / bytes_per_s;
   }
-  prediction.optimizer_s = costs.optimizer_s_per_byte * fullest / shards;
+  prediction.optimizer_s = costs.optimizer_s_per_byte * fullest / shards * sharing;
   prediction.step_s = prediction.pipeline_s + prediction.gradient_sync_s + prediction.optimizer_s;
   for (int rank = 0; rank < layout.partitions; ++rank) {
     // The rank's own device, where devices differ in memory (its first stage's: a rank's stages share it).

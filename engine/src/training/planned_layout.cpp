@@ -83,9 +83,9 @@ PlanningCosts measured_planning_costs(Runtime& runtime) {
   PlanningCosts costs;
   costs.p2p_bytes_per_s = costs.all_reduce_bytes_per_s = runtime.config().link_bandwidth_gbps * 1e9;
   if (runtime.device().is_cpu()) {
-    // Ranks sharing this host's cores compute that much slower than the profile measured alone.
+    // Ranks that outnumber this host's cores share them (one intra-op thread each).
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    costs.compute_scale = std::max(1.0, static_cast<double>(runtime.launch().local_world_size) / cores);
+    if (runtime.launch().local_world_size > cores) costs.shared_processors = cores;
   }
   const int ranks = runtime.world_size();
   if (ranks < 2) return costs;

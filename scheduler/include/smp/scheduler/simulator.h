@@ -31,6 +31,10 @@ struct P2PCosts {
 struct SimulationCosts {
   std::vector<StageCosts> stages;  // one entry per stage
   P2PCosts p2p;
+  // Processors the ranks share; 0: each rank has its own. More ranks than cores on one host (or several ranks on
+  // one GPU) each compute at min(1, processors / ranks computing at that moment) of their own speed, as a fair
+  // scheduler divides them: a pipeline's fill and drain, with few ranks busy, run faster than its steady state.
+  double processors = 0.0;
 
   // Every stage costs the same.
   static SimulationCosts uniform(int num_stages, const StageCosts& stage = {}, const P2PCosts& p2p = {});
