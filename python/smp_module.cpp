@@ -589,6 +589,13 @@ PYBIND11_MODULE(_smp, module) {
         return chosen ? py::cast(*chosen) : py::none();
       },
       py::arg("given"), py::arg("layout_keys"), py::arg("world_size"));
+  // smp.tp.shard_of: the engine's cut, so that both languages shard (and checkpoints reassemble) alike.
+  module.def(
+      "tp_shard_of",
+      [](const at::Tensor& whole, int64_t dim, int64_t blocks, int64_t rank, int64_t degree) {
+        return tp::shard_of(whole, dim, rank, degree, blocks);
+      },
+      py::arg("whole"), py::arg("dim"), py::arg("blocks"), py::arg("rank"), py::arg("degree"));
   module.def("recomputing", &recomputing);
   // Whether this thread runs without collectives (rank 0 profiling alone, WithoutCollectives).
   module.def("without_collectives", &without_collectives);

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import _smp
 from ._smp import ConfigError
 from ._state import runtime as _runtime, runtime_or_none
 
@@ -187,14 +188,7 @@ def shard_of(whole, dim, blocks=1, of=None):
     block order. A new tensor (never a view of `whole`). of=(tp rank, degree): that rank's shard instead (offline,
     without a job)."""
     shard_rank, shards = of if of is not None else (rank(), degree())
-    dim = dim % whole.dim()
-    size = whole.shape[dim]
-    if size % blocks or (size // blocks) % shards:
-        raise ConfigError(f"dimension {dim} of size {size} in {blocks} block(s) does not divide by "
-                          f"\"tensor_parallel_degree\" {shards}")
-    blocked = whole.unflatten(dim, (blocks, size // blocks))
-    shard = blocked.chunk(shards, dim + 1)[shard_rank]
-    return shard.flatten(dim, dim + 1).clone(memory_format=torch.contiguous_format)
+    return _smp.tp_shard_of(whole, dim, blocks, shard_rank, shards)
 
 
 def whole_shape(tensor):

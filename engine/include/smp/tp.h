@@ -73,6 +73,9 @@ std::vector<at::Tensor> sequence_parallel_parameters_in(torch::nn::Module& modul
 // With `blocks` > 1 the dimension holds that many blocks one after the other (a fused query/key/value projection's
 // output features: 3), and the shard is this rank's part of each block, in block order.
 at::Tensor shard_of(const at::Tensor& whole, int64_t dim, const Group& group, int64_t blocks = 1);
+// The same for tensor-parallel rank `rank` of `degree` (offline, without a group: checkpoints, Python's smp.tp).
+// ConfigError when the dimension's blocks do not divide by the degree.
+at::Tensor shard_of(const at::Tensor& whole, int64_t dim, int64_t rank, int64_t degree, int64_t blocks = 1);
 
 // The whole tensor of which `shards` are every rank's (in rank order) shard_of(whole, dim, ·, blocks): what an export
 // of a tensor-parallel checkpoint writes.

@@ -197,20 +197,20 @@ at::Tensor scatter_last_dim(const at::Tensor& input, const Group& group) {
 }
 
 at::Tensor shard_of(const at::Tensor& whole, int64_t dim, const Group& group, int64_t blocks) {
+  return shard_of(whole, dim, group->rank(), group->size(), blocks);
+}
+
+at::Tensor shard_of(const at::Tensor& whole, int64_t dim, int64_t rank, int64_t degree, int64_t blocks) {
   dim = dim < 0 ? dim + whole.dim() : dim;
-  if (whole.size(dim) % blocks != 0) {
-    throw ConfigError("shard_of: dimension " + std::to_string(dim) + " of size " + std::to_string(whole.size(dim)) +
-                      " is not " + std::to_string(blocks) + " blocks");
+  const int64_t size = whole.size(dim);
+  if (blocks < 1 || size % blocks != 0 || (size / blocks) % degree != 0) {
+    throw ConfigError("dimension " + std::to_string(dim) + " of size " + std::to_string(size) + " in " +
+                      std::to_string(blocks) + " block(s) does not divide by \"tensor_parallel_degree\" " +
+                      std::to_string(degree));
   }
-  auto sizes = whole.sizes().vec();
-  sizes[static_cast<std::size_t>(dim)] /= blocks;
-  sizes.insert(sizes.begin() + dim, blocks);
-  const at::Tensor blocked = whole.reshape(sizes);
-  per_rank(blocked.size(dim + 1), group, "shard_of", "dimension " + std::to_string(dim) + " of size");
-  const at::Tensor shard = blocked.chunk(group->size(), dim + 1)[static_cast<std::size_t>(group->rank())];
-  auto shard_sizes = whole.sizes().vec();
-  shard_sizes[static_cast<std::size_t>(dim)] /= group->size();
-  return shard.reshape(shard_sizes).clone(at::MemoryFormat::Contiguous);  // its own storage, never a view of `whole`
+  const at::Tensor blocked = whole.unflatten(dim, {blocks, size / blocks});
+  const at::Tensor shard = blocked.chunk(degree, dim + 1)[static_cast<std::size_t>(rank)];
+  return shard.flatten(dim, dim + 1).clone(at::MemoryFormat::Contiguous);  // its own storage, never a view of `whole`
 }
 
 at::Tensor whole_of(const std::vector<at::Tensor>& shards, int64_t dim, int64_t blocks) {
