@@ -77,6 +77,9 @@ struct LayoutPrediction {
   std::string timeline_svg;
 };
 
+// The divisors of n, ascending: the degrees n ranks (or devices of a node) divide into.
+std::vector<int> divisors(int n);
+
 // `profile`: the model's, scaled to each layout's microbatch. `base`: the job's config (global_batch_size,
 // memory_limit_mb, memory_weight, partition_overrides...; its layout keys are replaced). `optimizer_moments`: the
 // optimizer's state per parameter, in parameter sizes (Adam 2, SGD with momentum 1). Fitting layouts come first,

@@ -54,14 +54,6 @@ json parsed(const std::string& text, const std::string& source) {
   }
 }
 
-std::vector<int> divisors(int n) {
-  std::vector<int> found;
-  for (int d = 1; d <= n; ++d) {
-    if (n % d == 0) found.push_back(d);
-  }
-  return found;
-}
-
 // Ring all-reduce of `bytes` over `members`: 2 (n - 1) steps of latency, 2 (n - 1) / n of the bytes each way.
 double ring_all_reduce_s(double bytes, int members, double latency_s, double bytes_per_s) {
   if (members < 2) return 0.0;

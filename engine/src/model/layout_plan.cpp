@@ -23,14 +23,6 @@ struct ScheduleChoice {
 constexpr ScheduleChoice kSchedules[] = {{"gpipe", 1},  {"1f1b", 1},       {"zb_h1", 1},
                                          {"interleaved_1f1b", 2}, {"zb_v", 2}, {"dualpipe_v", 2}};
 
-std::vector<int> divisors(int n) {
-  std::vector<int> found;
-  for (int d = 1; d <= n; ++d) {
-    if (n % d == 0) found.push_back(d);
-  }
-  return found;
-}
-
 // Through (batch, small) and (larger_batch, large), never below zero or falling with the batch.
 double through(double small, double large, int batch, int larger_batch, int samples) {
   if (larger_batch <= batch) return small * samples / batch;
@@ -177,6 +169,14 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
 }
 
 }  // namespace
+
+std::vector<int> divisors(int n) {
+  std::vector<int> found;
+  for (int d = 1; d <= n; ++d) {
+    if (n % d == 0) found.push_back(d);
+  }
+  return found;
+}
 
 std::vector<ModuleProfile> ModelProfile::at(int samples, double compute_scale) const {
   const bool two = larger.size() == modules.size() && larger_batch > batch;
