@@ -43,6 +43,7 @@
 #include "smp/stage_plan.h"
 #include "checkpoint/optimizer_snapshot.h"
 #include "pipeline/split_backward.h"
+#include "training/loss_scaler.h"
 
 namespace {
 
@@ -794,4 +795,25 @@ TEST_CASE("device choice: GPUs bound per process through CUDA_VISIBLE_DEVICES ar
   CHECK_FALSE(smp::gpus_assigned_per_process({"0", ""}));           // a process that sees every GPU
   CHECK_FALSE(smp::gpus_assigned_per_process({"0,1", "2,3"}));      // several each: LOCAL_RANK picks among them
   CHECK_FALSE(smp::gpus_assigned_per_process({"0"}));               // one process: nothing to tell apart
+}
+
+TEST_CASE("fp16's loss scale halves on an overflow, doubles after a run of good steps, and is 1 without fp16",
+          "[loss_scale]") {
+  smp::LossScaler scaler(true);
+  CHECK(scaler.scale() == smp::LossScaler::kInitialScale);
+  for (long long step = 1; step < smp::LossScaler::kGrowthInterval; ++step) scaler.stepped();
+  CHECK(scaler.scale() == smp::LossScaler::kInitialScale);
+  scaler.overflowed();
+  CHECK(scaler.scale() == smp::LossScaler::kInitialScale / 2);
+  CHECK(scaler.steps_since_change() == 0);
+  for (long long step = 0; step < smp::LossScaler::kGrowthInterval; ++step) scaler.stepped();
+  CHECK(scaler.scale() == smp::LossScaler::kInitialScale);
+  scaler.restore(8.0, 5);
+  CHECK(scaler.scale() == 8.0);
+  CHECK(scaler.steps_since_change() == 5);
+
+  smp::LossScaler plain(false);
+  for (long long step = 0; step < 3 * smp::LossScaler::kGrowthInterval; ++step) plain.stepped();
+  plain.restore(8.0, 5);
+  CHECK(plain.scale() == 1.0);
 }

@@ -54,6 +54,7 @@ struct StepOutput {
 };
 
 class GradientSync;
+class LossScaler;
 
 class DistributedModel {
  public:
@@ -117,8 +118,8 @@ class DistributedModel {
   const std::string& model_signature() const { return model_signature_; }
   bool last_step_skipped() const { return last_step_skipped_; }
   // fp16 dynamic loss scaling: the scale and the steps since it last changed (checkpoints keep both).
-  double loss_scale() const { return loss_scale_; }
-  long long steps_since_scale_change() const { return good_steps_; }
+  double loss_scale() const;
+  long long steps_since_scale_change() const;
   void restore_loss_scale(double scale, long long steps_since_change);
   // The next train_step is step `step` of the job (after a resume), for messages and trace_step.
   void resume_at(long long step);
@@ -207,8 +208,7 @@ class DistributedModel {
   std::optional<FoundCheckpoint> resumed_from_;
   std::string model_signature_;
   bool last_step_skipped_ = false;
-  double loss_scale_ = 1.0;  // fp16 only
-  long long good_steps_ = 0;
+  std::unique_ptr<LossScaler> loss_scaler_;  // fp16's dynamic scale (1 without fp16)
 };
 
 }  // namespace smp

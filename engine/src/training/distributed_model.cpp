@@ -17,7 +17,7 @@
 #include "smp/scheduler/simulator.h"
 #include "pipeline/autocast_scope.h"
 #include "pipeline/activation_checkpoint.h"
-#include "training/distributed_model_internal.h"
+#include "training/loss_scaler.h"
 #include "training/gradient_sync.h"
 #include "smp/device_speeds.h"
 #include "smp/planned_layout.h"
@@ -83,7 +83,7 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
       // More stages than nodes: cut finer along the module tree first.
       model_(model.expanded_to(static_cast<std::size_t>(runtime_->config().num_stages()))) {
   const Config& config = runtime_->config();
-  if (config.fp16) loss_scale_ = kInitialLossScale;
+  loss_scaler_ = std::make_unique<LossScaler>(config.fp16);
   if (model_.nodes().empty()) throw ConfigError("the model has no modules; nothing to train");
   if (sample.size() != model_.input_names().size()) {
     throw ModelError("the sample has " + std::to_string(sample.size()) + " inputs, the model takes " +
@@ -259,6 +259,10 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
 }
 
 DistributedModel::~DistributedModel() = default;
+
+double DistributedModel::loss_scale() const { return loss_scaler_->scale(); }
+
+long long DistributedModel::steps_since_scale_change() const { return loss_scaler_->steps_since_change(); }
 
 StageOutputs DistributedModel::run_stage(int stage, const ModelInputs& model_inputs,
                                          const TensorsByStage& from_producers) {

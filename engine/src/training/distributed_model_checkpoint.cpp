@@ -8,6 +8,7 @@
 #include "smp/checkpoint_files.h"
 #include "smp/log.h"
 #include "smp/tp.h"
+#include "training/loss_scaler.h"
 
 namespace smp {
 
@@ -64,9 +65,7 @@ void DistributedModel::load_parameters(const std::string& path) { load_state(ten
 void DistributedModel::resume_at(long long step) { step_ = step; }
 
 void DistributedModel::restore_loss_scale(double scale, long long steps_since_change) {
-  if (!runtime_->config().fp16) return;  // the scale only exists for fp16
-  loss_scale_ = scale;
-  good_steps_ = steps_since_change;
+  loss_scaler_->restore(scale, steps_since_change);
 }
 
 }  // namespace smp

@@ -15,7 +15,7 @@
 
 #include "smp/log.h"
 #include "smp/timeline.h"
-#include "training/distributed_model_internal.h"
+#include "training/loss_scaler.h"
 #include "training/gradient_sync.h"
 #include "smp/tp.h"
 
@@ -241,7 +241,7 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   const Config& config = runtime_->config();
   MicrobatchData data = microbatch_data("train_step", inputs, targets, loss, batched);
   data.keep_outputs = keep_outputs;
-  data.loss_scale = loss_scale_;
+  data.loss_scale = loss_scaler_->scale();
   const c10::Device device = runtime_->device();
 
   StageCallbacks callbacks = stage_callbacks();
@@ -297,7 +297,7 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
       stats.events.push_back(std::move(collective));
     }
     std::tie(output.gradient_buckets, output.buckets_overlapped) = gradients_->finish();
-    const bool gradients_finite = gradients_->finite_unscaling(loss_scale_);
+    const bool gradients_finite = gradients_->finite_unscaling(loss_scaler_->scale());
     // One world all-reduce: slot 0 sums the last stages' losses (every rank learns the mean over replicas),
     // slot 1 + r is set by rank r when its gradients are not finite.
     loss_total = at::zeros({1 + runtime_->world_size()}, at::kDouble);
@@ -321,11 +321,10 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   last_step_skipped_ = false;
   if (config.fp16 && std::isfinite(output.loss) && !bad_ranks.empty()) {
     // An fp16 overflow under a too large loss scale, not a broken model: skip the step, lower the scale.
-    loss_scale_ /= 2.0;
-    good_steps_ = 0;
+    loss_scaler_->overflowed();
     if (runtime_->rank() == 0) {
       char scale[32];
-      std::snprintf(scale, sizeof scale, "%g", loss_scale_);
+      std::snprintf(scale, sizeof scale, "%g", loss_scaler_->scale());
       log::info("step " + std::to_string(step_) + ": fp16 gradients overflowed; skipping the step, loss scale now " +
                 scale);
     }
@@ -347,7 +346,7 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
     last_step_skipped_ = true;
     output.skipped = true;
   }
-  if (config.fp16 && !output.skipped && ++good_steps_ % kLossScaleGrowthInterval == 0) loss_scale_ *= 2.0;
+  if (!output.skipped) loss_scaler_->stepped();
   earlier.add_this_step();
   ++step_;
   output.peak_stashed_microbatches = stats.peak_stashed_microbatches;
