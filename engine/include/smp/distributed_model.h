@@ -203,7 +203,6 @@ class DistributedModel {
   // replicas holding the same experts.
   std::vector<std::unique_ptr<OptimizerShards>> shards_;
   long long step_ = 0;  // steps run so far, for error messages
-  std::vector<double> planned_step_seconds_;  // a planned layout's steps 2 to 5, to set beside the prediction
   std::string exchange_;  // prefix of this model's store keys
   std::optional<FoundCheckpoint> resumed_from_;
   std::string model_signature_;

@@ -17,11 +17,15 @@ namespace smp {
 // Collective over the world (every rank calls it at once): the links between the ranks, measured as a transfer's
 // latency (half the round trip of 1 KiB between ranks 2k and 2k + 1) and the all-reduce's bandwidth in ring terms
 // (4 MiB against a scalar: each rank sends 2 (n - 1) / n of the bytes), the fastest of the rounds after 2 untimed; and on a CPU host
-// with more ranks than cores, how much slower each computes than alone (ranks / cores). The planner's costs.
+// with more ranks than cores, the cores they share. The planner's costs.
 PlanningCosts measured_planning_costs(Runtime& runtime);
 
 // profile_graph's SplitBackwardTimer as the zero-bubble schedules run it (smp::WeightPass): the planner's profile.
 SplitBackwardTimer split_backward_timer();
+
+// On the rank that planned: train_step `step` (counted from 0) took `seconds`; after steps 2 to 5 (the first warms up), logs their
+// median beside the plan's prediction. Nothing where no layout was planned.
+void log_step_against_plan(Runtime& runtime, long long step, double seconds);
 
 std::shared_ptr<Runtime> with_planned_layout(std::shared_ptr<Runtime> runtime, const GraphModel& model,
                                              const ModelInputs& sample);

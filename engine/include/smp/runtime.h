@@ -47,6 +47,7 @@ class Runtime {
   struct PlannedStep {
     std::string layout;
     double predicted_s = 0.0;
+    std::vector<double> measured_s;  // steps 2 to 5 (log_step_against_plan)
   };
   void note_planned_step(PlannedStep planned) { planned_step_ = std::move(planned); }
   // Speeds measured for "device_speeds": "measure" (device_speeds in training/device_speeds.h), once per job: the
@@ -54,6 +55,7 @@ class Runtime {
   void remember_device_speeds(std::vector<double> speeds) { measured_device_speeds_ = std::move(speeds); }
   const std::optional<std::vector<double>>& measured_device_speeds() const { return measured_device_speeds_; }
   const std::optional<PlannedStep>& planned_step() const { return planned_step_; }
+  std::optional<PlannedStep>& planned_step() { return planned_step_; }
   const Topology& topology() const { return topology_; }
   const comm::LaunchInfo& launch() const { return launch_; }
   int rank() const { return launch_.rank; }

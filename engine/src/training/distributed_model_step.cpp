@@ -14,6 +14,7 @@
 #include <c10/util/StringUtil.h>
 
 #include "smp/log.h"
+#include "smp/planned_layout.h"
 #include "smp/timeline.h"
 #include "training/loss_scaler.h"
 #include "training/gradient_sync.h"
@@ -357,18 +358,7 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   output.sends_posted = stats.sends_posted;
   output.peak_sends_held = stats.peak_sends_held;
   output.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  if (const auto& planned = runtime_->planned_step(); planned && step_ >= 2 && step_ <= 5) {
-    planned_step_seconds_.push_back(output.seconds);  // steps 2 to 5: the first warms up
-    if (planned_step_seconds_.size() == 4) {
-      std::sort(planned_step_seconds_.begin(), planned_step_seconds_.end());
-      char line[256];
-      std::snprintf(line, sizeof line,
-                    "planned layout %s: train_step measured %.1f ms (median of steps 2-5), predicted %.1f ms",
-                    planned->layout.c_str(), (planned_step_seconds_[1] + planned_step_seconds_[2]) / 2 * 1e3,
-                    planned->predicted_s * 1e3);
-      log::info(line);
-    }
-  }
+  log_step_against_plan(*runtime_, step_ - 1, output.seconds);
   return output;
 }
 

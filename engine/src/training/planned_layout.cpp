@@ -135,6 +135,19 @@ PlanningCosts measured_planning_costs(Runtime& runtime) {
   return costs;
 }
 
+void log_step_against_plan(Runtime& runtime, long long step, double seconds) {
+  auto& planned = runtime.planned_step();
+  if (!planned || step < 1 || step > 4) return;  // counted from 0
+  auto& measured = planned->measured_s;
+  measured.push_back(seconds);
+  if (measured.size() != 4) return;
+  std::sort(measured.begin(), measured.end());
+  char line[256];
+  std::snprintf(line, sizeof line, "planned layout %s: train_step measured %.1f ms (median of steps 2-5), predicted %.1f ms",
+                planned->layout.c_str(), (measured[1] + measured[2]) / 2 * 1e3, planned->predicted_s * 1e3);
+  log::info(line);
+}
+
 std::shared_ptr<Runtime> with_planned_layout(std::shared_ptr<Runtime> runtime, const GraphModel& model,
                                              const ModelInputs& sample) {
   const Config& config = runtime->config();
