@@ -44,6 +44,7 @@
 #include "checkpoint/optimizer_snapshot.h"
 #include "pipeline/split_backward.h"
 #include "training/loss_scaler.h"
+#include "training/nonfinite_steps.h"
 
 namespace {
 
@@ -816,4 +817,25 @@ TEST_CASE("fp16's loss scale halves on an overflow, doubles after a run of good 
   for (long long step = 0; step < 3 * smp::LossScaler::kGrowthInterval; ++step) plain.stepped();
   plain.restore(8.0, 5);
   CHECK(plain.scale() == 1.0);
+}
+
+TEST_CASE("a non-finite step: an fp16 overflow is skipped, anything else stops the job unless told to skip",
+          "[loss_scale]") {
+  smp::Config fp16;
+  fp16.fp16 = true;
+  smp::LossScaler scaler(true);
+  CHECK_FALSE(smp::skips_step(fp16, 3, 1.5, "", scaler, false));
+  CHECK(scaler.steps_since_change() == 1);
+  CHECK(smp::skips_step(fp16, 4, 1.5, "rank 1 (stage-rank 1)", scaler, false));
+  CHECK(scaler.scale() == smp::LossScaler::kInitialScale / 2);
+  // A non-finite loss is no overflow, under fp16 or not.
+  CHECK_THROWS_WITH(smp::skips_step(fp16, 5, std::nan(""), "", scaler, false),
+                    Catch::Matchers::Contains("step 5: the loss is nan") &&
+                        Catch::Matchers::Contains("\"nonfinite\": \"skip\""));
+  smp::Config plain;
+  smp::LossScaler unscaled(false);
+  CHECK_THROWS_AS(smp::skips_step(plain, 6, 2.0, "rank 0 (stage-rank 0)", unscaled, false), smp::NonFiniteError);
+  plain.skip_nonfinite_steps = true;
+  CHECK(smp::skips_step(plain, 6, 2.0, "rank 0 (stage-rank 0)", unscaled, false));
+  CHECK(unscaled.scale() == 1.0);
 }

@@ -16,8 +16,9 @@
 #include "smp/log.h"
 #include "smp/planned_layout.h"
 #include "smp/timeline.h"
-#include "training/loss_scaler.h"
 #include "training/gradient_sync.h"
+#include "training/loss_scaler.h"
+#include "training/nonfinite_steps.h"
 #include "smp/tp.h"
 
 namespace smp {
@@ -319,35 +320,13 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
                    std::to_string(where.pp_rank) + ")";
     }
   }
-  last_step_skipped_ = false;
-  if (config.fp16 && std::isfinite(output.loss) && !bad_ranks.empty()) {
-    // An fp16 overflow under a too large loss scale, not a broken model: skip the step, lower the scale.
-    loss_scaler_->overflowed();
-    if (runtime_->rank() == 0) {
-      char scale[32];
-      std::snprintf(scale, sizeof scale, "%g", loss_scaler_->scale());
-      log::info("step " + std::to_string(step_) + ": fp16 gradients overflowed; skipping the step, loss scale now " +
-                scale);
-    }
+  output.skipped = skips_step(config, step_, output.loss, bad_ranks, *loss_scaler_, runtime_->rank() == 0);
+  if (output.skipped) {
     for (auto& [name, parameter] : named_parameters_) {
       if (parameter.grad().defined()) parameter.mutable_grad().zero_();
     }
-    last_step_skipped_ = true;
-    output.skipped = true;
-  } else if (!std::isfinite(output.loss) || !bad_ranks.empty()) {
-    const std::string what = "step " + std::to_string(step_) + ": " +
-                             (!std::isfinite(output.loss) ? "the loss is " + std::to_string(output.loss) : std::string()) +
-                             (!std::isfinite(output.loss) && !bad_ranks.empty() ? "; " : "") +
-                             (bad_ranks.empty() ? "" : "non-finite gradients on " + bad_ranks);
-    if (!config.skip_nonfinite_steps) throw NonFiniteError(what + " (set \"nonfinite\": \"skip\" to skip such steps)");
-    if (runtime_->rank() == 0) log::warn(what + "; skipping the step");
-    for (auto& [name, parameter] : named_parameters_) {
-      if (parameter.grad().defined()) parameter.mutable_grad().zero_();
-    }
-    last_step_skipped_ = true;
-    output.skipped = true;
   }
-  if (!output.skipped) loss_scaler_->stepped();
+  last_step_skipped_ = output.skipped;
   earlier.add_this_step();
   ++step_;
   output.peak_stashed_microbatches = stats.peak_stashed_microbatches;

@@ -1,0 +1,37 @@
+#include "training/nonfinite_steps.h"
+
+#include <cmath>
+#include <cstdio>
+
+#include "smp/errors.h"
+#include "smp/log.h"
+
+namespace smp {
+
+bool skips_step(const Config& config, long long step, double loss, const std::string& nonfinite_ranks,
+                LossScaler& scaler, bool logs) {
+  const bool loss_finite = std::isfinite(loss);
+  if (loss_finite && nonfinite_ranks.empty()) {
+    scaler.stepped();
+    return false;
+  }
+  if (config.fp16 && loss_finite) {
+    scaler.overflowed();
+    if (logs) {
+      char scale[32];
+      std::snprintf(scale, sizeof scale, "%g", scaler.scale());
+      log::info("step " + std::to_string(step) + ": fp16 gradients overflowed; skipping the step, loss scale now " +
+                scale);
+    }
+    return true;
+  }
+  const std::string what = "step " + std::to_string(step) + ": " +
+                           (!loss_finite ? "the loss is " + std::to_string(loss) : std::string()) +
+                           (!loss_finite && !nonfinite_ranks.empty() ? "; " : "") +
+                           (nonfinite_ranks.empty() ? "" : "non-finite gradients on " + nonfinite_ranks);
+  if (!config.skip_nonfinite_steps) throw NonFiniteError(what + " (set \"nonfinite\": \"skip\" to skip such steps)");
+  if (logs) log::warn(what + "; skipping the step");
+  return true;
+}
+
+}  // namespace smp
