@@ -3,7 +3,7 @@ trained by a 4-process job on this machine (median step after warm-up). Reports,
 measured step, and over the grid the median absolute error, the rank correlation (Spearman) and where the
 planner's choice among the grid falls against the fastest measured.
 
-  python bench/bench_plan.py --model llama [--steps 6]     (a driver: it launches the jobs with smprun)
+  python bench/bench_plan.py --model llama|gpt2|resnet [--steps 6]     (a driver: it launches the jobs with smprun)
 
 Inside the jobs: --predict (one process: smp.plan, the layouts as JSON) and --train CONFIG (one layout).
 """
@@ -20,6 +20,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD, GLOBAL_BATCH, LENGTH = 4, 16, 64
+IMAGE, CLASSES = 64, 10
 
 
 def build(name):
@@ -32,12 +33,19 @@ def build(name):
     if name == "gpt2":
         config = hf.GPT2Config(vocab_size=1024, n_embd=256, n_layer=8, n_head=8, n_positions=LENGTH)
         return hf.GPT2LMHeadModel(config)
+    if name == "resnet":  # a CNN: torchvision's ResNet-18 on 64 x 64 images, 10 classes, batch norm in every block
+        import torchvision
+        return torchvision.models.resnet18(num_classes=CLASSES)
     raise SystemExit(f"unknown model {name}")
 
 
-def batch(samples, generator):
+def batch(samples, generator, name="llama"):
+    """(inputs, targets, loss): a language model's ids as inputs and labels (its own loss), or images and classes."""
+    if name == "resnet":
+        images = torch.randn(samples, 3, IMAGE, IMAGE, generator=generator)
+        return images, torch.randint(0, CLASSES, (samples,), generator=generator), torch.nn.functional.cross_entropy
     ids = torch.randint(0, 1024, (samples, LENGTH), generator=generator)
-    return {"input_ids": ids, "labels": ids}
+    return {"input_ids": ids, "labels": ids}, None, None
 
 
 def measure_link():
@@ -60,7 +68,8 @@ def measure_link():
 def predict(name, link_gbps):
     import smp
     smp.init({"global_batch_size": GLOBAL_BATCH})
-    found = smp.plan(build(name), batch(2, torch.Generator().manual_seed(1)), world_size=WORLD, link_gbps=link_gbps)
+    found = smp.plan(build(name), batch(2, torch.Generator().manual_seed(1), name)[0], world_size=WORLD,
+                     link_gbps=link_gbps)
     print(json.dumps({"layouts": found.layouts, "report": found.report}), flush=True)
 
 
@@ -69,7 +78,7 @@ def train(name, keys, steps):
     from smp import _smp
     runtime = smp.init({**json.loads(keys), "global_batch_size": GLOBAL_BATCH})
     data = torch.Generator().manual_seed(1)
-    sample = batch(GLOBAL_BATCH // runtime.data_parallel_degree // runtime.config.microbatches, data)
+    sample = batch(GLOBAL_BATCH // runtime.data_parallel_degree // runtime.config.microbatches, data, name)[0]
     model = smp.DistributedModel(build(name), sample)
     adamw = torch.optim.AdamW(model.parameters(), lr=1e-4)
     optimizer = smp.DistributedOptimizer(adamw)
@@ -77,7 +86,8 @@ def train(name, keys, steps):
 
     def step():
         optimizer.zero_grad()
-        model.train_step(batch(GLOBAL_BATCH, data))
+        inputs, targets, loss = batch(GLOBAL_BATCH, data, name)
+        model.train_step(inputs, targets, loss)
         optimizer.step()
 
     for index in range(steps + 2):

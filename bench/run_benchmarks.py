@@ -293,19 +293,21 @@ for overlap in (True, False):
           + ", ".join(f"{r['peak_growth_mib']:.0f}" for r in last) + " MiB")
 print(f"overlapped / in sequence: {medians[True] / medians[False]:.3f}")
 
-section("smp.plan's predictions against measured steps: a Hugging Face Llama (8 layers, d 256) planned for 4 "
-        "processes, then each layout of a grid trained by a 4-process job")
-result = subprocess.run([PYTHON, f"{REPO}/bench/bench_plan.py", "--model", "llama"], capture_output=True, text=True,
-                        env=dict(CAPTURE_ENV, SMP_SMPRUN=f"{BIN}/smprun"), timeout=1800)
-if result.returncode != 0:
-    sys.exit(f"bench_plan.py failed:\n{result.stdout}\n{result.stderr}")
-for line in result.stdout.splitlines():
-    if not line.startswith("{"):
-        print(line)
-r = json.loads(result.stdout.splitlines()[-1])
-print(f"over {r['layouts']} layouts: median absolute error {r['median_abs_error'] * 100:.0f}%, rank correlation "
-      f"{r['spearman']:.2f}; the planner's choice ({r['choice']}) measured {r['choice_over_best_measured']:.2f}x the "
-      f"fastest measured ({r['best_measured']})")
+section("smp.plan's predictions against measured steps: a Hugging Face Llama (8 layers, d 256) and torchvision's "
+        "ResNet-18 (64 x 64 images) planned for 4 processes, then each layout of a grid trained by a 4-process job")
+for model in ("llama", "resnet"):
+    result = subprocess.run([PYTHON, f"{REPO}/bench/bench_plan.py", "--model", model], capture_output=True, text=True,
+                            env=dict(CAPTURE_ENV, SMP_SMPRUN=f"{BIN}/smprun"), timeout=1800)
+    if result.returncode != 0:
+        sys.exit(f"bench_plan.py failed:\n{result.stdout}\n{result.stderr}")
+    for line in result.stdout.splitlines():
+        if not line.startswith("{"):
+            print(line)
+    r = json.loads(result.stdout.splitlines()[-1])
+    print(f"{model} over {r['layouts']} layouts: median absolute error {r['median_abs_error'] * 100:.0f}%, rank "
+          f"correlation {r['spearman']:.2f}; the planner's choice ({r['choice']}) measured "
+          f"{r['choice_over_best_measured']:.2f}x the fastest measured ({r['best_measured']}); memory per rank "
+          f"median error {r['memory_median_abs_error'] * 100:.0f}%")
 
 section("memory: a GPT-2 of 0.78 GiB (16 layers, d 1024) built on the meta device, 4 stages (each rank makes its own real)")
 for r in sorted(python_job(4, "bench_memory.py", "--layers", "16", "--width", "1024"), key=lambda r: r["rank"]):
