@@ -39,9 +39,10 @@ struct PlanningCosts {
   double all_reduce_bytes_per_s = 1e9;
   double compute_scale = 1.0;
   double optimizer_s_per_byte = 0.0;
-  // Processors a host's ranks share when they outnumber them (CPU cores; 0: each rank a device of its own): a rank
-  // computes at min(1, processors / ranks computing at once), so a pipeline's fill and drain run faster than its
-  // steady state, and the optimizer steps of every rank at once take ranks / processors as long.
+  // Processors a host's ranks (ranks_per_node of them, or the whole world when 0) share when they outnumber them
+  // (CPU cores; 0: each rank a device of its own): a rank computes at min(1, processors / ranks computing at once),
+  // so a pipeline's fill and drain run faster than its steady state, and the optimizer steps of every rank at once
+  // take ranks / processors as long.
   double shared_processors = 0.0;
   // Several nodes (ranks_per_node > 0): a pipeline longer than a node sends between nodes, and replicas of a world
   // larger than a node reduce across nodes (the ring is as fast as its slowest link), at these costs.

@@ -85,7 +85,10 @@ PlanningCosts measured_planning_costs(Runtime& runtime) {
   if (runtime.device().is_cpu()) {
     // Ranks that outnumber this host's cores share them (one intra-op thread each).
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    if (runtime.launch().local_world_size > cores) costs.shared_processors = cores;
+    if (runtime.launch().local_world_size > cores) {
+      costs.shared_processors = cores;
+      costs.ranks_per_node = runtime.launch().local_world_size;  // the ranks that share them (no inter-node costs)
+    }
   }
   const int ranks = runtime.world_size();
   if (ranks < 2) return costs;
