@@ -385,18 +385,20 @@ def train_and_compare(name, args, config, runtime):
                 failures.append(f"{path} holds {held[path].shape[0]} experts")
     if config.get("shard_optimizer_state") and replicas > 1:
         # ZeRO-1: of the replicas holding a parameter (the same tensor-parallel shard, the same share of the
-        # experts), exactly one replica's optimizer keeps its state.
+        # experts, the same pipeline rank's copy of a tied one), exactly one replica's optimizer keeps its state.
         local = dict(model.named_parameters())
         kept = {id(p) for group in optimizer.param_groups for p in group["params"]}
         names = sorted(plain)
         keepers = torch.tensor([float(name in local and id(local[name]) in kept) for name in names],
                                dtype=torch.float64)
+        holders = torch.tensor([float(name in local) for name in names], dtype=torch.float64)
         runtime.all_reduce_sum(keepers)
-        for name, count in zip(names, keepers.tolist()):
-            expected = config.get("tensor_parallel_degree", 1) * (
-                experts_shared if ".experts." in name and "shared" not in name else 1)
+        runtime.all_reduce_sum(holders)
+        for name, count, held_by in zip(names, keepers.tolist(), holders.tolist()):
+            # Every rank holding it, over the replicas; a share of the experts is held by its own replicas only.
+            expected = held_by / replicas * (experts_shared if ".experts." in name and "shared" not in name else 1)
             if count != expected:
-                failures.append(f"{name}: {count:.0f} optimizers keep its state, not {expected}")
+                failures.append(f"{name}: {count:.0f} optimizers keep its state, not {expected:.0f}")
     checked = 0
     for path, parameter in model.named_parameters():
         if path not in plain:
