@@ -3,7 +3,7 @@ trained by a 4-process job on this machine (median step after warm-up). Reports,
 measured step, and over the grid the median absolute error, the rank correlation (Spearman) and where the
 planner's choice among the grid falls against the fastest measured.
 
-  python bench/bench_plan.py --model llama|gpt2|resnet [--steps 6]     (a driver: it launches the jobs with smprun)
+  python bench/bench_plan.py --model llama|gpt2|gpt|resnet [--steps 6]     (a driver: it launches the jobs with smprun)
 
 Inside the jobs: --predict (one process: smp.plan, the layouts as JSON) and --train CONFIG (one layout).
 """
@@ -21,6 +21,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD, GLOBAL_BATCH, LENGTH = 4, 16, 64
 IMAGE, CLASSES = 64, 10
+sys.path.insert(0, os.path.join(HERE, "..", "examples", "python"))  # the example's GPT (hybrid_2x4)
 
 
 def build(name):
@@ -33,6 +34,9 @@ def build(name):
     if name == "gpt2":
         config = hf.GPT2Config(vocab_size=1024, n_embd=256, n_layer=8, n_head=8, n_positions=LENGTH)
         return hf.GPT2LMHeadModel(config)
+    if name == "gpt":  # the example's GPT (examples/python/hybrid_2x4.py), widened to the others' size
+        from hybrid_2x4 import GPT
+        return GPT(vocab_size=256, context=LENGTH, width=256, heads=8, layers=8)
     if name == "resnet":  # a CNN: torchvision's ResNet-18 on 64 x 64 images, 10 classes, batch norm in every block
         import torchvision
         return torchvision.models.resnet18(num_classes=CLASSES)
@@ -41,6 +45,10 @@ def build(name):
 
 def batch(samples, generator, name="llama"):
     """(inputs, targets, loss): a language model's ids as inputs and labels (its own loss), or images and classes."""
+    if name == "gpt":
+        from hybrid_2x4 import next_byte_loss
+        tokens = torch.randint(0, 256, (samples, LENGTH + 1), generator=generator)
+        return tokens[:, :-1], tokens[:, 1:], next_byte_loss
     if name == "resnet":
         images = torch.randn(samples, 3, IMAGE, IMAGE, generator=generator)
         return images, torch.randint(0, CLASSES, (samples,), generator=generator), torch.nn.functional.cross_entropy
