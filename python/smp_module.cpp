@@ -548,9 +548,9 @@ PYBIND11_MODULE(_smp, module) {
         {
           py::gil_scoped_release released;
           const WithoutCollectives alone;
-          ModelProfile profile{profile_graph(graph, defined_or_not(sample), 3, split_backward_timer()), sample_batch, {}, 0};
+          ModelProfile profile{profile_graph(graph, defined_or_not(sample), 3, split_backward_timer(), /*scale_to_whole=*/true), sample_batch, {}, 0};
           if (larger_batch > sample_batch) {
-            profile.larger = profile_graph(graph, defined_or_not(larger), 3, split_backward_timer());
+            profile.larger = profile_graph(graph, defined_or_not(larger), 3, split_backward_timer(), /*scale_to_whole=*/true);
             profile.larger_batch = larger_batch;
           }
           predictions = plan_layouts(profile, base, world_size,

@@ -69,9 +69,12 @@ struct StagePlan {
 using SplitBackwardTimer = std::function<std::pair<double, double>(
     const at::Tensor& output, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& parameters)>;
 // With `time_split`, each node's I and W are timed too (backward_input_s, backward_weight_s), on a forward of
-// their own in each round.
+// their own in each round. With `scale_to_whole`, the nodes' times are scaled so that they sum to one forward and
+// one backward of the whole model on the sample (the planner's: nodes timed alone sum to less); not where the
+// model cannot run whole on the sample's device.
 std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vector<at::Tensor>& sample,
-                                         int repeats = 3, const SplitBackwardTimer& time_split = nullptr);  // one tensor per model input
+                                         int repeats = 3, const SplitBackwardTimer& time_split = nullptr,
+                                         bool scale_to_whole = false);  // one tensor per model input
 std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tensor& sample, int repeats = 3);
 
 // Which of the modules (their names, in model order) config.checkpointed_modules selects: a name selects that

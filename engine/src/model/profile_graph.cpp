@@ -161,6 +161,65 @@ void charge_assumed_loss(const GraphModel& model, const std::map<std::string, at
   charged.assumed_loss_s = forward_s + backward_s;
 }
 
+// Nodes timed one at a time, each on inputs it just saw, with its backward right after its forward, sum to less than
+// the model takes whole: there a backward finds its activations long out of the caches, and each node's inputs come
+// cold from the one before. A plan predicts whole steps, so the nodes are scaled, forward and backward apart, to
+// one pass of the whole model on the same sample (the least of `repeats`), their relative costs kept. Not done
+// (factors 1) where the model cannot run whole here: a node built on demand, or a module on another device.
+void scale_to_whole_model(const GraphModel& model, const std::vector<at::Tensor>& sample, c10::Device device,
+                          std::vector<ModuleProfile>& profiles, int repeats, int untimed_rounds,
+                          const std::function<void()>& settle) {
+  for (const auto& node : model.nodes()) {
+    if (!node.built()) return;
+    const auto home = device_of(*node.module);
+    if (home && *home != device) return;
+  }
+  double forward_sum = 0, backward_sum = 0;
+  for (const auto& profile : profiles) {
+    forward_sum += profile.forward_s;
+    backward_sum += profile.backward_s;
+  }
+  if (forward_sum <= 0 || backward_sum <= 0) return;
+  std::vector<double> forward_times, backward_times;
+  for (int repeat = -untimed_rounds; repeat < repeats; ++repeat) {
+    settle();
+    auto start = std::chrono::steady_clock::now();
+    const std::vector<at::Tensor> outputs = model.forward(sample);
+    settle();
+    const double forward_s = seconds_since(start);
+    std::vector<at::Tensor> roots, seeds;
+    for (const auto& output : outputs) {
+      if (output.defined() && output.requires_grad()) {
+        roots.push_back(output);
+        seeds.push_back(at::ones_like(output));
+      }
+    }
+    start = std::chrono::steady_clock::now();
+    if (!roots.empty()) torch::autograd::backward(roots, seeds);
+    settle();
+    const double backward_s = seconds_since(start);
+    if (roots.empty()) return;
+    if (repeat < 0) continue;
+    forward_times.push_back(forward_s);
+    backward_times.push_back(backward_s);
+  }
+  for (const auto& node : model.nodes()) {
+    for (const auto& parameter : node.module->parameters()) {
+      if (parameter.grad().defined()) parameter.mutable_grad() = at::Tensor();
+    }
+  }
+  const double forward_factor = least(forward_times) / forward_sum;
+  const double backward_factor = least(backward_times) / backward_sum;
+  for (auto& profile : profiles) {
+    profile.forward_s *= forward_factor;
+    profile.backward_s *= backward_factor;
+    profile.backward_input_s *= backward_factor;
+    profile.backward_weight_s *= backward_factor;
+  }
+  log::debug("profile scaled to the whole model: forward x " + std::to_string(forward_factor) + ", backward x " +
+             std::to_string(backward_factor));
+}
+
 }  // namespace
 
 std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tensor& sample, int repeats) {
@@ -168,7 +227,7 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tens
 }
 
 std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vector<at::Tensor>& sample, int repeats,
-                                         const SplitBackwardTimer& time_split) {
+                                         const SplitBackwardTimer& time_split, bool scale_to_whole) {
   if (sample.size() != model.input_names().size()) {
     throw ModelError("the sample has " + std::to_string(sample.size()) + " inputs, the model takes " +
                      std::to_string(model.input_names().size()));
@@ -330,6 +389,8 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
     }
   }
   measured.clear();
+  meter.reset();  // the whole model runs as training runs it, without counting
+  if (repeats > 0 && scale_to_whole) scale_to_whole_model(model, sample, device, profiles, repeats, kUntimedRounds, settle);
   if (repeats > 0) charge_assumed_loss(model, values, profiles, repeats, kUntimedRounds, settle);
   values.clear();
   // The cached blocks go back to the device: processes sharing a GPU (over Gloo) need them more than rank 0 does.
