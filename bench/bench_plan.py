@@ -11,6 +11,7 @@ Inside the jobs: --predict (one process: smp.plan, the layouts as JSON) and --tr
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -117,8 +118,11 @@ def train(name, keys, steps):
     optimizer.zero_grad(set_to_none=True)
     peak_mib = (held + meter.peak_bytes - before) / 2**20
     del meter
+    # The job's own cut (it profiles again before it cuts), "first..last" per stage as the plan gives its own.
+    stages = [first if first == last else f"{first}..{last}"
+              for first, last in re.findall(r"stage \d+: modules (\S+)\.\.(\S+) \(", model.partition_report())]
     print(json.dumps({"rank": runtime.rank, "pp_rank": runtime.pp_rank, "step_ms": statistics.median(times) * 1e3,
-                      "peak_mib": peak_mib}), flush=True)
+                      "peak_mib": peak_mib, "stages": stages}), flush=True)
 
 
 def job(processes, *args):
@@ -171,6 +175,7 @@ def drive(name, steps):
     print(f"all-reduce between the {WORLD} processes: {link:.2f} GB/s", flush=True)
     planned = job(1, "--model", name, "--predict", "--link-gbps", str(link))[0]
     rows = []
+    cuts_differ = 0
     for layout in grid(planned["layouts"]):
         ranks = job(WORLD, "--model", name, "--train", layout["config"], "--steps", str(steps))
         measured = statistics.median(r["step_ms"] for r in ranks)
@@ -184,6 +189,10 @@ def drive(name, steps):
               f"({(layout['step_ms'] - measured) / measured * 100:+.0f}%); memory per pipeline rank predicted "
               f"{', '.join(f'{m:.1f}' for m in layout['memory_mib'])} MiB, measured "
               f"{', '.join(f'{memory[pp]:.1f}' for pp in sorted(memory))} MiB", flush=True)
+        if ranks[0]["stages"] != layout["stages"]:
+            print(f"    the job cut elsewhere: planned {', '.join(layout['stages'])}; job {', '.join(ranks[0]['stages'])}",
+                  flush=True)
+        cuts_differ += ranks[0]["stages"] != layout["stages"]
     predicted = [layout["step_ms"] for layout, _, _ in rows]
     measured = [m for _, m, _ in rows]
     memory_errors = sorted(abs(e) for _, _, errors in rows for e in errors)
@@ -196,7 +205,8 @@ def drive(name, steps):
                       "spearman": spearman(predicted, measured),
                       "choice": rows[choice][0]["layout"],
                       "choice_over_best_measured": measured[choice] / min(measured),
-                      "best_measured": rows[measured.index(min(measured))][0]["layout"]}), flush=True)
+                      "best_measured": rows[measured.index(min(measured))][0]["layout"],
+                      "jobs_cut_elsewhere": cuts_differ}), flush=True)
 
 
 def main():

@@ -537,7 +537,8 @@ PYBIND11_MODULE(_smp, module) {
       [](const GraphModel& graph, const OptionalTensors& sample, int sample_batch, const OptionalTensors& larger,
          int larger_batch, const Config& config, int world_size, int global_batch_size, double memory_limit_mb,
          double optimizer_moments, double latency_s, double bytes_per_s, double compute_scale,
-         double optimizer_s_per_byte, const std::vector<double>& device_speeds, double shared_processors) {
+         double optimizer_s_per_byte, const std::vector<double>& device_speeds, double shared_processors,
+         bool optimizer_foreach) {
         // Overrides of the job's config (0 / negative / empty: the config's).
         Config base = config;
         if (!device_speeds.empty()) base.device_speeds = device_speeds;
@@ -553,22 +554,23 @@ PYBIND11_MODULE(_smp, module) {
             profile.larger = profile_graph(graph, defined_or_not(larger), 3, split_backward_timer(), /*scale_to_whole=*/true);
             profile.larger_batch = larger_batch;
           }
-          predictions = plan_layouts(profile, base, world_size,
-                                     {latency_s, bytes_per_s, bytes_per_s, compute_scale, optimizer_s_per_byte,
-                                      shared_processors},
-                                     optimizer_moments);
+          PlanningCosts costs{latency_s, bytes_per_s, bytes_per_s, compute_scale, optimizer_s_per_byte,
+                              shared_processors};
+          costs.optimizer_foreach = optimizer_foreach;
+          predictions = plan_layouts(profile, base, world_size, costs, optimizer_moments);
         }
         py::list layouts;
         for (const auto& prediction : predictions) {
           py::dict row;
           row["layout"] = prediction.layout.describe();
-          row["config"] = prediction.layout.config_json();
+          row["config"] = prediction.config_json();
           row["step_ms"] = prediction.step_s * 1e3;
           row["pipeline_ms"] = prediction.pipeline_s * 1e3;
           row["gradient_sync_ms"] = prediction.gradient_sync_s * 1e3;
           row["optimizer_ms"] = prediction.optimizer_s * 1e3;
           row["bubble"] = prediction.bubble_fraction;
           row["memory_mib"] = prediction.memory_mib;
+          row["stages"] = prediction.stages;
           row["rejected"] = prediction.rejected.empty() ? py::object(py::none()) : py::str(prediction.rejected);
           row["timeline_svg"] = prediction.timeline_svg.empty() ? py::object(py::none()) : py::str(prediction.timeline_svg);
           layouts.append(row);
@@ -579,7 +581,7 @@ PYBIND11_MODULE(_smp, module) {
       py::arg("config"), py::arg("world_size"), py::arg("global_batch_size"), py::arg("memory_limit_mb"),
       py::arg("optimizer_moments"), py::arg("latency_s"), py::arg("bytes_per_s"), py::arg("compute_scale"),
       py::arg("optimizer_s_per_byte"), py::arg("device_speeds") = std::vector<double>{},
-      py::arg("shared_processors") = 0.0);
+      py::arg("shared_processors") = 0.0, py::arg("optimizer_foreach") = false);
   // A planned layout's keys (Layout::config_json) in place of the config's "auto" ones, or None when the layout
   // differs from what the config fixes (smp::adopting_layout).
   module.def(

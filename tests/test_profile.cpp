@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -214,6 +215,19 @@ TEST_CASE("layouts are planned by simulation, ranked by predicted step, and reje
   // ZeRO-1 keeps a quarter of Adam's two moments per replica: 8 MiB of parameters, 12 MiB of moments less.
   CHECK(find(1, "gpipe", 1, false, true).peak_memory_mib() ==
         Approx(data_parallel.peak_memory_mib() - 2.0 * 8 * 3 / 4));
+  // Adam's step holds temporaries once the activations are gone: two of the largest parameter's size when it
+  // steps one parameter at a time, a copy of the rank's parameters when it steps all at once (foreach).
+  auto large_weights = equal_chain(8, 1 << 20, 1 << 10);
+  for (auto& module : large_weights) module.largest_parameter_bytes = 1 << 20;
+  smp::PlanningCosts foreach_costs{0.0, 1e9, 1e9};
+  foreach_costs.optimizer_foreach = true;
+  for (const auto& [costs, scratch_mib] : {std::pair{smp::PlanningCosts{0.0, 1e9, 1e9}, 2.0}, std::pair{foreach_costs, 8.0}}) {
+    for (const auto& prediction : smp::plan_layouts({large_weights, 2}, config, 4, costs)) {
+      const auto& layout = prediction.layout;
+      if (layout.partitions != 1 || layout.shard_optimizer_state || layout.recompute) continue;
+      CHECK(prediction.peak_memory_mib() == Approx(4.0 * 8 + scratch_mib));  // parameters, gradients, two moments
+    }
+  }
   // Recompute trades time for activations.
   const auto kept = find(2, "1f1b", 4, false, false), recomputed = find(2, "1f1b", 4, true, false);
   CHECK(recomputed.peak_memory_mib() < kept.peak_memory_mib());
@@ -251,6 +265,62 @@ TEST_CASE("layouts are planned by simulation, ranked by predicted step, and reje
     const double fullest_bytes = prediction.optimizer_s / 1e-9 * (prediction.layout.shard_optimizer_state ? 4 : 1);
     CHECK(fullest_bytes >= 8.0 * (1 << 20) / prediction.layout.partitions - 1.0);
   }
+}
+
+TEST_CASE("a planned layout carries its cut, and a job adopting it partitions as planned", "[profile][plan]") {
+  // Unequal modules, so that a cut of the job's own could fall elsewhere than the plan's.
+  auto modules = equal_chain(8, 1 << 20, 1 << 20);
+  for (int i = 0; i < 8; ++i) modules[i].forward_s = modules[i].backward_s = i < 4 ? 1e-3 : 3e-3;
+  const smp::Config given = smp::Config::from_json_text(
+      R"({"global_batch_size": 16, "partitions": "auto", "microbatches": "auto", "pipeline": "auto"})", "test");
+  const auto predictions = smp::plan_layouts({modules, 2}, given, 4, {0.0, 1e9, 1e9});
+  const auto four = std::find_if(predictions.begin(), predictions.end(),
+                                 [](const smp::LayoutPrediction& p) {
+                                   return p.layout.partitions == 4 && p.layout.virtual_stages == 1 && p.rejected.empty();
+                                 });
+  REQUIRE(four != predictions.end());
+  REQUIRE(four->stages.size() == 4);
+  CHECK_THAT(four->config_json(), Catch::Matchers::Contains("\"partition_overrides\""));
+  const auto adopted = smp::adopting_layout(given, four->config_json(), 4);
+  REQUIRE(adopted);
+  CHECK(adopted->partition_overrides == four->cut);
+  // The job's own profile weighs the modules the other way round; its cut is still the plan's.
+  auto reversed = modules;
+  for (int i = 0; i < 8; ++i) reversed[i].forward_s = reversed[i].backward_s = modules[7 - i].forward_s;
+  const auto job = smp::plan_stages(smp::ModelProfile{reversed, 2}.at(2), *adopted);
+  smp::Config unpinned = *adopted;
+  unpinned.partition_overrides.clear();
+  CHECK(smp::plan_stages(smp::ModelProfile{reversed, 2}.at(2), unpinned).stage_of_module != job.stage_of_module);
+  for (int stage = 0; stage < 4; ++stage) {
+    const auto members = job.modules_of_stage(stage);
+    const std::string& first = job.modules[members.front()].name;
+    CHECK(four->stages[stage] == (members.size() == 1 ? first : first + ".." + job.modules[members.back()].name));
+  }
+
+  // A module called twice, its second call on the next stage ("b" and "b#1", as a ResNet block's relu after its
+  // residual sum): its path selects both calls, so it pins nothing; the modules around it do.
+  smp::StagePlan plan;
+  for (const char* name : {"a", "b", "b#1", "c"}) {
+    plan.modules.push_back({});
+    plan.modules.back().name = name;
+  }
+  plan.stage_of_module = {0, 0, 1, 1};
+  plan.num_stages = 2;
+  CHECK(smp::pinned_cut(plan) == std::map<std::string, int>{{"a", 0}, {"c", 1}});
+
+  // A C++ job's model is cut as deep as its pins name: the Sequential holding a pinned path is expanded to reach it.
+  smp::GraphModel graph("x");
+  graph.add("in", torch::nn::Linear(4, 4), {"x"});
+  torch::nn::Sequential block(torch::nn::Linear(4, 4), torch::nn::GELU(), torch::nn::Linear(4, 4));
+  graph.add("block", block.ptr(), [block](const std::vector<at::Tensor>& in) mutable { return block->forward(in[0]); },
+            {"in"});
+  graph.add("out", torch::nn::Linear(4, 4), {"block"});
+  std::vector<std::string> names;
+  const smp::GraphModel expanded = graph.expanded_to_paths({"block.2"});
+  for (const auto& node : expanded.nodes()) names.push_back(node.name);
+  CHECK(names == std::vector<std::string>{"in", "block.0", "block.1", "block.2", "out"});
+  CHECK(graph.expanded_to_paths({"block", "out"}).nodes().size() == 3);  // already nodes
+  CHECK(graph.expanded_to_paths({"head"}).nodes().size() == 3);          // no such module: plan_stages names it
 }
 
 TEST_CASE("ranks that outnumber their cores share them: a pipeline's fill and drain run faster than its steady state",

@@ -15,8 +15,8 @@ from ._state import runtime
 
 class Plan:
     """What smp.plan found: .layouts, every layout considered as a dict (layout, config: the smp keys that ask for
-    it, step_ms, pipeline_ms, gradient_sync_ms, bubble, memory_mib per pipeline rank, rejected: why not, or
-    None), fitting ones first, fastest first; .best, the first that fits (None when none does); .timeline_svg, the
+    it, step_ms, pipeline_ms, gradient_sync_ms, bubble, memory_mib per pipeline rank, stages: each stage's
+    modules as cut, "first..last", rejected: why not, or None), fitting ones first, fastest first; .best, the first that fits (None when none does); .timeline_svg, the
     best's simulated step drawn as an SVG (one row per pipeline rank; None when none fits); str(): the report."""
 
     def __init__(self, layouts, report):
@@ -78,7 +78,8 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     shorter stage). A job with "auto" keys and "device_speeds": "measure" passes the speeds its ranks measured.
     The model is profiled on the sample and on twice its samples: a node costs a fixed part plus a part per sample.
     Nodes timed alone are scaled to one pass of the whole model. The optimizer's step is timed here (AdamW, on
-    the model's parameter shapes) per parameter byte. Predictions take the zero-bubble split as profiled (I and W
+    the model's parameter shapes) per parameter byte; its temporaries (Adam's) as torch.optim's default holds them
+    on this device (one parameter at a time on a CPU, all at once on a GPU). Predictions take the zero-bubble split as profiled (I and W
     per node) and assume the all-reduce follows the last backward without overlap; tensor parallelism is not among
     the layouts yet."""
     from ._distributed_model import graph_of
@@ -100,7 +101,7 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
         -1.0 if link_gbps is None else link_gbps * 1e9, float(compute_scale),
         _optimizer_seconds_per_byte(torch.device(rt.device), [tuple(p.shape) for p in model.parameters()])
         * compute_scale, list(device_speeds or []),
-        float(shared_cores))
+        float(shared_cores), rt.device != "cpu")  # torch.optim steps all parameters at once on a GPU (foreach)
     return Plan(layouts, report)
 
 

@@ -2,6 +2,7 @@
 ranks; every layout is one of 4 ranks, fitting ones come fastest first, and a memory limit under the fastest's peak
 rejects it, naming the limit, and chooses one that fits. Exits 0 when every check holds; prints each failure."""
 
+import json
 import sys
 
 import torch
@@ -30,8 +31,8 @@ def main():
     if any(a["step_ms"] > b["step_ms"] for a, b in zip(fitting, fitting[1:])):
         failures.append("fitting layouts are not in order of predicted step")
     for layout in found.layouts:
-        keys = layout["config"]
-        if '"partitions": ' not in keys or not layout["layout"].startswith("pp "):
+        keys = json.loads(layout["config"])
+        if "partitions" not in keys or not layout["layout"].startswith("pp "):
             failures.append(f"layout {layout} lacks its config")
         pp, dp = (int(part.split()[1]) for part in layout["layout"].split(",")[0].split(" x "))
         if pp * dp != 4 or len(layout["memory_mib"]) != pp:

@@ -157,6 +157,9 @@ class GraphModel {
   // Expands Sequential nodes, largest parameter count first, until there are at least `nodes` of them or nothing
   // is left to expand: granularity follows the module tree.
   GraphModel expanded_to(std::size_t nodes) const;
+  // Expands the Sequential nodes that hold one of `paths` ("layer4.0.conv2" inside node "layer4") until a node is
+  // at or under each path, where the module tree allows: partition_overrides name modules at any depth.
+  GraphModel expanded_to_paths(const std::vector<std::string>& paths) const;
 
   const std::string& input_name() const { return input_names_.front(); }  // the first input
   const std::vector<std::string>& input_names() const { return input_names_; }

@@ -6,6 +6,7 @@
 // step time. The report is what `smp.plan` prints.
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -49,6 +50,11 @@ struct PlanningCosts {
   int ranks_per_node = 0;
   double inter_node_latency_s = 0.0;
   double inter_node_bytes_per_s = 0.0;
+  // How the optimizer steps, for the temporaries of Adam's step (sqrt of the second moment, then its quotient),
+  // which a rank holds after its activations are gone: false, one parameter at a time (LibTorch's optimizers,
+  // torch.optim's on a CPU), two of the rank's largest parameter; true, all of a rank's at once (torch.optim's
+  // foreach default on a GPU), one copy of its parameters.
+  bool optimizer_foreach = false;
 };
 
 // The model's nodes measured (profile_graph) on a microbatch of `batch` samples and, when given, of `larger_batch`:
@@ -71,12 +77,24 @@ struct LayoutPrediction {
   double gradient_sync_s = 0.0;  // the all-reduce (and ZeRO-1's broadcast) after the last backward, not overlapped
   double optimizer_s = 0.0;      // the fullest rank's optimizer step
   double bubble_fraction = 0.0;
-  std::vector<double> memory_mib;  // per pipeline rank: parameters, gradients, optimizer state, activations held
+  // Per pipeline rank: parameters, gradients, optimizer state, and the more of the activations held at once and the
+  // optimizer step's temporaries.
+  std::vector<double> memory_mib;
+  std::vector<std::string> stages;  // per stage, its modules as the partition search cut them: "first..last"
+  // The cut as partition_overrides (each stage's first and last module pinned to it): a job adopting the layout
+  // trains the stages its memory and step were predicted for, rather than cutting again from a profile of its own.
+  std::map<std::string, int> cut;
+  // The layout's keys with the cut ("partition_overrides"): what a job adopts.
+  std::string config_json() const;
   double peak_memory_mib() const;
   // The chosen layout's (the first that fits) simulated step as a timeline SVG (to_svg: one row per pipeline rank,
   // its predicted compute and waits); empty for the others.
   std::string timeline_svg;
 };
+
+// A stage plan's cut as partition_overrides (LayoutPrediction::cut): pins that make plan_stages cut the same way
+// whatever profile it is given.
+std::map<std::string, int> pinned_cut(const StagePlan& plan);
 
 // The divisors of n, ascending: the degrees n ranks (or devices of a node) divide into.
 std::vector<int> divisors(int n);

@@ -296,6 +296,27 @@ GraphModel GraphModel::expanded_to(std::size_t nodes) const {
   return result;
 }
 
+GraphModel GraphModel::expanded_to_paths(const std::vector<std::string>& paths) const {
+  auto under = [](const std::string& name, const std::string& path) {
+    return name.size() > path.size() && name.compare(0, path.size(), path) == 0 && name[path.size()] == '.';
+  };
+  GraphModel result = *this;
+  for (const auto& path : paths) {
+    for (;;) {
+      int holder = -1;
+      bool reached = false;
+      for (int i = 0; i < static_cast<int>(result.nodes_.size()) && !reached; ++i) {
+        const std::string& name = result.nodes_[i].name;
+        reached = name == path || under(name, path);
+        if (under(path, name) && result.expandable(i)) holder = i;
+      }
+      if (reached || holder < 0) break;
+      result = result.expanded(result.nodes_[holder].name);
+    }
+  }
+  return result;
+}
+
 GraphModel GraphModel::from_sequential(const torch::nn::Sequential& model, std::string input_name) {
   GraphModel graph(std::move(input_name));
   const auto children = model->named_children();

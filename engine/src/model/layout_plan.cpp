@@ -71,6 +71,13 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   // W timed through smp::WeightPass, which on small operations cost more together than B), else as the paper
   // assumes (I + W = B, half each); a recompute runs before I.
   const int stages = plan.num_stages;
+  for (int stage = 0; stage < stages; ++stage) {
+    const auto members = plan.modules_of_stage(stage);
+    const std::string& first = plan.modules[static_cast<std::size_t>(members.front())].name;
+    const std::string& last = plan.modules[static_cast<std::size_t>(members.back())].name;
+    prediction.stages.push_back(members.size() == 1 ? first : first + ".." + last);
+  }
+  prediction.cut = pinned_cut(plan);
   sched::SimulationCosts simulated;
   simulated.stages.resize(static_cast<std::size_t>(stages));
   std::vector<double> parameter_bytes(static_cast<std::size_t>(stages), 0.0);
@@ -131,14 +138,28 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
 
   // Per pipeline rank: what its stages hold (as the partition search's memory model counts it), and the bytes
   // its replicas reduce after the step.
-  prediction.memory_mib.assign(static_cast<std::size_t>(layout.partitions), 0.0);
-  std::vector<double> rank_parameter_bytes(static_cast<std::size_t>(layout.partitions), 0.0);
+  const auto ranks = static_cast<std::size_t>(layout.partitions);
+  std::vector<double> rank_parameter_bytes(ranks, 0.0), held_bytes(ranks, 0.0), activations_held(ranks, 0.0),
+      largest_parameter(ranks, 0.0);
   for (int stage = 0; stage < stages; ++stage) {
     const int rank = schedule.stage_to_rank.at(stage);
     const double copies = layout.recompute ? 1.0 : plan.activation_copies.at(stage);
-    prediction.memory_mib[rank] +=
-        ((2.0 + optimizer_moments / shards) * parameter_bytes[stage] + copies * activation_bytes[stage]) / kMiB;
+    held_bytes[rank] += (2.0 + optimizer_moments / shards) * parameter_bytes[stage];
+    activations_held[rank] += copies * activation_bytes[stage];
     rank_parameter_bytes[rank] += parameter_bytes[stage];
+    for (int module : plan.modules_of_stage(stage)) {
+      largest_parameter[rank] = std::max(
+          largest_parameter[rank], static_cast<double>(plan.modules[static_cast<std::size_t>(module)].largest_parameter_bytes));
+    }
+  }
+  prediction.memory_mib.assign(ranks, 0.0);
+  for (std::size_t rank = 0; rank < ranks; ++rank) {
+    // Adam's step (two moments) holds temporaries once the step's activations are gone: a ResNet stage of two
+    // 9 MiB convolutions held 19 MiB more than its parameters, gradients, moments and activations.
+    const double scratch = optimizer_moments < 2.0          ? 0.0
+                           : costs.optimizer_foreach ? rank_parameter_bytes[rank] / shards
+                                                     : 2.0 * largest_parameter[rank];
+    prediction.memory_mib[rank] = (held_bytes[rank] + std::max(activations_held[rank], scratch)) / kMiB;
   }
   // The rank with the most parameters reduces the most and steps the longest.
   const double fullest = *std::max_element(rank_parameter_bytes.begin(), rank_parameter_bytes.end());
@@ -169,6 +190,31 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
 }
 
 }  // namespace
+
+// Each stage's first and last modules, or the nearest inside it whose path selects modules of that stage alone. A
+// path selects every call of its module ("layer4.1.relu" and its second call "layer4.1.relu#1", which a ResNet
+// block makes after its residual sum) and every part of it, and those may lie in two stages: such a path would
+// contradict the cut. Where a boundary module is one, the job may move what lies between the pins by a module.
+std::map<std::string, int> pinned_cut(const StagePlan& plan) {
+  auto alone_in = [&](const std::string& path, int stage) {
+    if (path.find('#') != std::string::npos) return false;  // a call's own name: not a path a capture keeps
+    for (std::size_t i = 0; i < plan.modules.size(); ++i) {
+      if (cut_from(plan.modules[i].name, path) && plan.stage_of_module[i] != stage) return false;
+    }
+    return true;
+  };
+  std::map<std::string, int> cut;
+  for (int stage = 0; stage < plan.num_stages; ++stage) {
+    const auto members = plan.modules_of_stage(stage);
+    const auto first = std::find_if(members.begin(), members.end(),
+                                    [&](int i) { return alone_in(plan.modules[static_cast<std::size_t>(i)].name, stage); });
+    const auto last = std::find_if(members.rbegin(), members.rend(),
+                                   [&](int i) { return alone_in(plan.modules[static_cast<std::size_t>(i)].name, stage); });
+    if (first != members.end()) cut[plan.modules[static_cast<std::size_t>(*first)].name] = stage;
+    if (last != members.rend()) cut[plan.modules[static_cast<std::size_t>(*last)].name] = stage;
+  }
+  return cut;
+}
 
 std::vector<int> divisors(int n) {
   std::vector<int> found;
@@ -217,6 +263,12 @@ std::string Layout::config_json() const {
   if (tensor_parallel > 1) text << ", \"tensor_parallel_degree\": " << tensor_parallel;
   text << "}";
   return text.str();
+}
+
+std::string LayoutPrediction::config_json() const {
+  nlohmann::json keys = nlohmann::json::parse(layout.config_json());
+  if (!cut.empty()) keys["partition_overrides"] = cut;
+  return keys.dump();
 }
 
 double LayoutPrediction::peak_memory_mib() const {
@@ -323,6 +375,11 @@ std::string layout_report(const std::vector<LayoutPrediction>& predictions, int 
     std::snprintf(line, sizeof line, "%.1f ms", best.step_s * 1e3);
     text << "chosen: " << best.layout.describe() << " (the fastest predicted that fits: " << line
          << "), config " << best.layout.config_json() << "\n";
+    if (best.stages.size() > 1) {
+      text << "        stages:";
+      for (std::size_t stage = 0; stage < best.stages.size(); ++stage) text << " " << stage << ": " << best.stages[stage];
+      text << "\n";
+    }
   }
   return text.str();
 }
@@ -348,6 +405,8 @@ std::optional<Config> adopting_layout(const Config& given, const std::string& la
   nlohmann::json& section = document.contains("smp") ? document["smp"] : document;
   const nlohmann::json keys = nlohmann::json::parse(layout_keys);
   for (const auto& key : given.auto_keys) section[key] = keys.at(key);
+  // The planned cut, which a config with "auto" keys cannot give itself (Config refuses both at once).
+  if (keys.contains("partition_overrides")) section["partition_overrides"] = keys["partition_overrides"];
   Config chosen = Config::from_json_text(document.dump(), given.source);
   const Config planned = Config::from_json_text(layout_keys, "<planned layout>");
   if (layout_asked(chosen, world_size) != layout_asked(planned, world_size)) return std::nullopt;
@@ -360,7 +419,7 @@ std::pair<LayoutPrediction, Config> choose_layout(const std::vector<LayoutPredic
   for (const auto& prediction : predictions) {
     if (!prediction.rejected.empty()) continue;
     try {
-      if (auto chosen = adopting_layout(given, prediction.layout.config_json(), world_size)) {
+      if (auto chosen = adopting_layout(given, prediction.config_json(), world_size)) {
         return {prediction, *chosen};
       }
       reasons.push_back(prediction.layout.describe() + ": not what the keys the config fixes ask");

@@ -284,7 +284,9 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
     const bool built_apart = !model.nodes()[index].built();
     for (const auto& [name, parameter] : GraphModel::own_parameters(node)) {
       if (built_apart || counted.insert(parameter.unsafeGetTensorImpl()).second) {
-        profile.parameter_bytes += parameter.numel() * static_cast<std::int64_t>(parameter.element_size());
+        const std::int64_t bytes = parameter.numel() * static_cast<std::int64_t>(parameter.element_size());
+        profile.parameter_bytes += bytes;
+        profile.largest_parameter_bytes = std::max(profile.largest_parameter_bytes, bytes);
         profile.parameter_shapes += name + ":";
         for (auto size : parameter.sizes()) profile.parameter_shapes += std::to_string(size) + ",";
         profile.parameter_shapes += ";";

@@ -155,16 +155,10 @@ StagePlan StagePlan::from_json(const std::string& text) {
   return plan;
 }
 
-namespace {
-
-// Whether node `name` was cut from the module at `path`: the module itself, a part of it (a captured model's
-// "model.layers.5" may be cut into "model.layers.5.self_attn" ...), or a second output of it ("model.layers.5#1").
 bool cut_from(const std::string& name, const std::string& path) {
   return name == path || (name.size() > path.size() && name.compare(0, path.size(), path) == 0 &&
                           (name[path.size()] == '.' || name[path.size()] == '#'));
 }
-
-}  // namespace
 
 std::vector<bool> checkpointed_modules(const std::vector<std::string>& module_names, const Config& config) {
   std::vector<bool> selected(module_names.size(), false);

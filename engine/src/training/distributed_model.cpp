@@ -68,6 +68,12 @@ sched::Schedule lower_and_validate(sched::Schedule schedule, const sched::StageG
   return schedule;
 }
 
+std::vector<std::string> pinned_paths(const Config& config) {
+  std::vector<std::string> paths;
+  for (const auto& [path, stage] : config.partition_overrides) paths.push_back(path);
+  return paths;
+}
+
 }  // namespace
 
 DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, const torch::nn::Sequential& model,
@@ -80,8 +86,9 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
 DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const ModelInputs& sample,
                                    const MaterializeNodes& materialize)
     : runtime_(with_planned_layout(std::move(runtime), model, sample)),
-      // More stages than nodes: cut finer along the module tree first.
-      model_(model.expanded_to(static_cast<std::size_t>(runtime_->config().num_stages()))) {
+      // More stages than nodes: cut finer along the module tree first, and as deep as partition_overrides name.
+      model_(model.expanded_to(static_cast<std::size_t>(runtime_->config().num_stages()))
+                 .expanded_to_paths(pinned_paths(runtime_->config()))) {
   const Config& config = runtime_->config();
   loss_scaler_ = std::make_unique<LossScaler>(config.fp16);
   if (model_.nodes().empty()) throw ConfigError("the model has no modules; nothing to train");
