@@ -15,9 +15,10 @@ from ._state import runtime
 
 class Plan:
     """What smp.plan found: .layouts, every layout considered as a dict (layout, config: the smp keys that ask for
-    it, step_ms, pipeline_ms, gradient_sync_ms, bubble, memory_mib per pipeline rank, stages: each stage's
-    modules as cut, "first..last", rejected: why not, or None), fitting ones first, fastest first; .best, the first that fits (None when none does); .timeline_svg, the
-    best's simulated step drawn as an SVG (one row per pipeline rank; None when none fits); str(): the report."""
+    it, the cut as "partition_overrides" among them, step_ms, pipeline_ms, gradient_sync_ms, bubble, memory_mib per
+    pipeline rank, stages: each stage's modules as cut, "first..last", rejected: why not, or None), fitting ones
+    first, fastest first; .best, the first that fits (None when none does); .timeline_svg, the best's simulated step
+    drawn as an SVG (one row per pipeline rank; None when none fits); str(): the report."""
 
     def __init__(self, layouts, report):
         self.layouts = layouts

@@ -81,7 +81,7 @@ struct LayoutPrediction {
   // optimizer step's temporaries.
   std::vector<double> memory_mib;
   std::vector<std::string> stages;  // per stage, its modules as the partition search cut them: "first..last"
-  // The cut as partition_overrides (each stage's first and last module pinned to it): a job adopting the layout
+  // The cut as partition_overrides (every module pinned to its stage): a job adopting the layout
   // trains the stages its memory and step were predicted for, rather than cutting again from a profile of its own.
   std::map<std::string, int> cut;
   // The layout's keys with the cut ("partition_overrides"): what a job adopts.

@@ -191,10 +191,10 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
 
 }  // namespace
 
-// Each stage's first and last modules, or the nearest inside it whose path selects modules of that stage alone. A
-// path selects every call of its module ("layer4.1.relu" and its second call "layer4.1.relu#1", which a ResNet
-// block makes after its residual sum) and every part of it, and those may lie in two stages: such a path would
-// contradict the cut. Where a boundary module is one, the job may move what lies between the pins by a module.
+// Every module whose path selects modules of its own stage alone. Not each stage's first and last alone: in a DAG
+// those leave a parallel branch free (a ResNet block's convolutions beside its downsample moved a stage on). A path
+// selects every call of its module ("layer4.1.relu" and its second call "layer4.1.relu#1", which a ResNet block makes
+// after its residual sum) and every part of it, and those may lie in two stages: such a path pins nothing.
 std::map<std::string, int> pinned_cut(const StagePlan& plan) {
   auto alone_in = [&](const std::string& path, int stage) {
     if (path.find('#') != std::string::npos) return false;  // a call's own name: not a path a capture keeps
@@ -204,14 +204,8 @@ std::map<std::string, int> pinned_cut(const StagePlan& plan) {
     return true;
   };
   std::map<std::string, int> cut;
-  for (int stage = 0; stage < plan.num_stages; ++stage) {
-    const auto members = plan.modules_of_stage(stage);
-    const auto first = std::find_if(members.begin(), members.end(),
-                                    [&](int i) { return alone_in(plan.modules[static_cast<std::size_t>(i)].name, stage); });
-    const auto last = std::find_if(members.rbegin(), members.rend(),
-                                   [&](int i) { return alone_in(plan.modules[static_cast<std::size_t>(i)].name, stage); });
-    if (first != members.end()) cut[plan.modules[static_cast<std::size_t>(*first)].name] = stage;
-    if (last != members.rend()) cut[plan.modules[static_cast<std::size_t>(*last)].name] = stage;
+  for (std::size_t i = 0; i < plan.modules.size(); ++i) {
+    if (alone_in(plan.modules[i].name, plan.stage_of_module[i])) cut[plan.modules[i].name] = plan.stage_of_module[i];
   }
   return cut;
 }
