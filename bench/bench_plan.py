@@ -118,7 +118,8 @@ def train(name, keys, steps):
     optimizer.zero_grad(set_to_none=True)
     peak_mib = (held + meter.peak_bytes - before) / 2**20
     del meter
-    # The job's own cut (it profiles again before it cuts), "first..last" per stage as the plan gives its own.
+    # The job's cut, "first..last" per stage as the plan gives its own: the plan's pins, and where a module called
+    # twice sits on a boundary (unpinnable), the job's own profile.
     stages = [first if first == last else f"{first}..{last}"
               for first, last in re.findall(r"stage \d+: modules (\S+)\.\.(\S+) \(", model.partition_report())]
     print(json.dumps({"rank": runtime.rank, "pp_rank": runtime.pp_rank, "step_ms": statistics.median(times) * 1e3,
