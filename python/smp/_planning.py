@@ -80,9 +80,9 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     The model is profiled on the sample and on twice its samples: a node costs a fixed part plus a part per sample.
     Nodes timed alone are scaled to one pass of the whole model. The optimizer's step is timed here (AdamW, on
     the model's parameter shapes) per parameter byte; its temporaries (Adam's) as torch.optim's default holds them
-    on this device (one parameter at a time on a CPU, all at once on a GPU). Predictions take the zero-bubble split as profiled (I and W
-    per node) and assume the all-reduce follows the last backward without overlap; tensor parallelism is not among
-    the layouts yet."""
+    on this device (one parameter at a time on a CPU, all at once on a GPU). Predictions take the zero-bubble split
+    as profiled (I and W per node) and assume the all-reduce follows the last backward without overlap; tensor
+    parallelism is not among the layouts yet."""
     from ._distributed_model import graph_of
     rt = runtime()
     world = world_size or rt.world_size

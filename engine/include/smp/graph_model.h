@@ -236,4 +236,9 @@ class GraphModel {
   RunFuser run_fuser_;
 };
 
+// Whether node `name` was cut from the module at `path`, which partition_overrides and checkpointed_modules name:
+// the module itself, a part of it (a captured model's "model.layers.5" may be cut into "model.layers.5.self_attn"
+// ...), or a second output or call of it ("model.layers.5#1").
+bool cut_from(const std::string& name, const std::string& path);
+
 }  // namespace smp

@@ -78,11 +78,6 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
                                          bool scale_to_whole = false);  // one tensor per model input
 std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tensor& sample, int repeats = 3);
 
-// Whether node `name` was cut from the module at `path`, which partition_overrides and checkpointed_modules name:
-// the module itself, a part of it (a captured model's "model.layers.5" may be cut into "model.layers.5.self_attn"
-// ...), or a second output or call of it ("model.layers.5#1").
-bool cut_from(const std::string& name, const std::string& path);
-
 // Which of the modules (their names, in model order) config.checkpointed_modules selects: a name selects that
 // module and the children "<name>.<child>" a Sequential node was expanded into. Throws ConfigError naming a name
 // that selects nothing.

@@ -296,10 +296,12 @@ GraphModel GraphModel::expanded_to(std::size_t nodes) const {
   return result;
 }
 
+bool cut_from(const std::string& name, const std::string& path) {
+  return name == path || (name.size() > path.size() && name.compare(0, path.size(), path) == 0 &&
+                          (name[path.size()] == '.' || name[path.size()] == '#'));
+}
+
 GraphModel GraphModel::expanded_to_paths(const std::vector<std::string>& paths) const {
-  auto under = [](const std::string& name, const std::string& path) {
-    return name.size() > path.size() && name.compare(0, path.size(), path) == 0 && name[path.size()] == '.';
-  };
   GraphModel result = *this;
   for (const auto& path : paths) {
     for (;;) {
@@ -307,8 +309,8 @@ GraphModel GraphModel::expanded_to_paths(const std::vector<std::string>& paths) 
       bool reached = false;
       for (int i = 0; i < static_cast<int>(result.nodes_.size()) && !reached; ++i) {
         const std::string& name = result.nodes_[i].name;
-        reached = name == path || under(name, path);
-        if (under(path, name) && result.expandable(i)) holder = i;
+        reached = cut_from(name, path);
+        if (cut_from(path, name) && result.expandable(i)) holder = i;
       }
       if (reached || holder < 0) break;
       result = result.expanded(result.nodes_[holder].name);

@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "smp/graph_model.h"
 #include "smp/scheduler/simulator.h"
 #include "smp/timeline.h"
 

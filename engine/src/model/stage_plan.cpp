@@ -155,11 +155,6 @@ StagePlan StagePlan::from_json(const std::string& text) {
   return plan;
 }
 
-bool cut_from(const std::string& name, const std::string& path) {
-  return name == path || (name.size() > path.size() && name.compare(0, path.size(), path) == 0 &&
-                          (name[path.size()] == '.' || name[path.size()] == '#'));
-}
-
 std::vector<bool> checkpointed_modules(const std::vector<std::string>& module_names, const Config& config) {
   std::vector<bool> selected(module_names.size(), false);
   for (const auto& wanted : config.checkpointed_modules) {
