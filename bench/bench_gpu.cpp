@@ -5,6 +5,8 @@
 //   nccl_transfer    NCCL send/receive time vs bytes (the one-rank channel: a send to oneself through NCCL), and the
 //                    same transfer through NCCL called directly: per transfer alone (us) and posted back to back
 //                    (issue_us). `bench_gpu nccl` runs only this.
+//   nccl_all_reduce  an all-reduce on smp's one-rank group against NCCL's own on a blocking and on a non-blocking
+//                    communicator: what the group's communicator (created non-blocking) costs per collective.
 
 #include <algorithm>
 #include <chrono>
@@ -83,6 +85,11 @@ class RawNcclSelf {
     stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, 0).stream();
   }
   ~RawNcclSelf() { ncclCommDestroy(comm_); }
+  void all_reduce(const at::Tensor& tensor) {
+    check(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), ncclFloat32, ncclSum, comm_, stream_));
+    wait_ready();
+    C10_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
   void transfer(const at::Tensor& source, const at::Tensor& target) {
     check(ncclGroupStart());
     check(ncclSend(source.data_ptr(), source.numel(), ncclFloat32, 0, comm_, stream_));
@@ -140,6 +147,28 @@ void nccl_transfer() {
   }
 }
 
+void nccl_all_reduce() {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  auto host = smp::comm::make_gloo_group(store, {0}, 0, "bench_all_reduce", "127.0.0.1", std::chrono::seconds(60), kGpu);
+  auto group = smp::comm::make_nccl_group(store, host, kGpu);
+#ifdef SMP_BENCH_RAW_NCCL
+  RawNcclSelf blocking(true), non_blocking(false);
+#endif
+  for (int64_t bytes = 4 << 10; bytes <= (16 << 20); bytes *= 16) {
+    const at::Tensor tensor = at::randn({bytes / 4}, kGpu);
+    const double smp_s = median_seconds(5, 50, [&] { group->iall_reduce_sum(tensor)->wait(); });
+    std::printf("{\"bench\": \"nccl_all_reduce\", \"bytes\": %lld, \"us\": %.1f", static_cast<long long>(bytes),
+                smp_s * 1e6);
+#ifdef SMP_BENCH_RAW_NCCL
+    const double raw_s = median_seconds(5, 50, [&] { blocking.all_reduce(tensor); });
+    const double raw_non_blocking_s = median_seconds(5, 50, [&] { non_blocking.all_reduce(tensor); });
+    std::printf(", \"raw_nccl_us\": %.1f, \"raw_nonblocking_us\": %.1f", raw_s * 1e6, raw_non_blocking_s * 1e6);
+#endif
+    std::printf("}\n");
+    std::fflush(stdout);
+  }
+}
+
 int run(int argc, char** argv) {
   if (torch::cuda::device_count() == 0) {
     std::printf("SKIPPED: bench_gpu needs a CUDA device (run it on a GPU machine: scripts/device_gpu.sh)\n");
@@ -147,12 +176,14 @@ int run(int argc, char** argv) {
   }
   if (argc > 1 && std::string(argv[1]) == "nccl") {
     nccl_transfer();
+    nccl_all_reduce();
     return 0;
   }
   smp_bench::print_engine_overhead(kGpu);
   gpt_stage(false);
   gpt_stage(true);
   nccl_transfer();
+  nccl_all_reduce();
   return 0;
 }
 

@@ -1,4 +1,4 @@
-"""smp against torch.distributed.pipelining, side by side, on the CPU: the same GPT-style model (the C++ example's:
+"""smp against torch.distributed.pipelining, side by side, on the CPU (or one GPU): the same GPT-style model (the C++ example's:
 embedding, blocks as pre-norm attention and MLP residuals, an untied output layer), the same global batch,
 microbatches and schedule (1F1B), 2 pipeline processes of one intra-op thread each. Engines:
 
@@ -12,11 +12,16 @@ microbatches and schedule (1F1B), 2 pipeline processes of one intra-op thread ea
               sharing caches, memory bandwidth or a host's physical core), which no pipeline can win back; the
               ratios against it say how much of the gap to the ideal is that
 
+With --device cuda every process runs on the one GPU of the machine (LOCAL_RANK's where there are several): the
+pipelines over NCCL (2.30 or later shares one GPU among processes; scripts/device_gpu.sh preloads it), every step
+ending with the GPU's work done. The processes then share the GPU's SMs as on the CPU they share its cores:
+plain-pair says what that costs.
+
 Runs alternate (each engine once per round, each round starting one engine later, several rounds) and each
 reports its median step over the measured steps; the raw transport latency is a torch.distributed send/recv
 ping-pong of one activation microbatch between the same two processes, measured by the peer's job (the least of
 the rounds' medians). Prints throughput ratios per config. Run by scripts/bench.sh; by hand:
-python bench/bench_peers.py BUILD/bin [--rounds N] [--steps N].
+python bench/bench_peers.py BUILD/bin [--rounds N] [--steps N] [--device cuda] [--only NAME].
 
 A worker mode runs inside each job: python bench/bench_peers.py --worker ENGINE --config JSON.
 """
@@ -121,11 +126,24 @@ def batch(config, step):
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def timed_steps(step, warmup, steps):
+def device_of(config):
+    if config["device"] == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+
+
+def settle(device):
+    """Waits for the device's queued work, so that a step's time includes it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_steps(step, warmup, steps, device=torch.device("cpu")):
     times = []
     for index in range(warmup + steps):
         started = time.perf_counter()
         step(index)
+        settle(device)
         if index >= warmup:
             times.append(time.perf_counter() - started)
     return times
@@ -140,12 +158,18 @@ def report(engine, config, times, **extra):
 def worker_peer(config, warmup, steps):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-    dist.init_process_group("gloo")
+    device = device_of(config)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = Gpt(**config)
+    model = Gpt(**config).to(device)
     # The raw transport: one activation microbatch there and back, between the same two processes.
-    activation = torch.zeros(config["batch"] // config["microbatches"], config["context"], config["width"])
+    activation = torch.zeros(config["batch"] // config["microbatches"], config["context"], config["width"],
+                             device=device)
     trips = []
     for _ in range(50):
         started = time.perf_counter()
@@ -155,6 +179,7 @@ def worker_peer(config, warmup, steps):
         else:
             dist.recv(activation, 0)
             dist.send(activation, 0)
+        settle(device)
         trips.append(time.perf_counter() - started)
     one_way_s = statistics.median(trips[10:]) / 2
     # An even split by hand: half the blocks each, the embedding first, the output layer last.
@@ -163,7 +188,7 @@ def worker_peer(config, warmup, steps):
         stage_module = torch.nn.Sequential(model.embed, *model.blocks[:half])
     else:
         stage_module = torch.nn.Sequential(*model.blocks[half:], model.head)
-    stage = PipelineStage(stage_module, rank, world, torch.device("cpu"))
+    stage = PipelineStage(stage_module, rank, world, device)
     schedule = Schedule1F1B(stage, config["microbatches"], loss_fn=loss_fn)
     optimizer = torch.optim.SGD(stage_module.parameters(), lr=1e-3)
 
@@ -171,12 +196,12 @@ def worker_peer(config, warmup, steps):
         inputs, targets = batch(config, index)
         optimizer.zero_grad()
         if rank == 0:
-            schedule.step(inputs)
+            schedule.step(inputs.to(device))
         else:
-            schedule.step(target=targets, losses=[])
+            schedule.step(target=targets.to(device), losses=[])
         optimizer.step()
 
-    times = timed_steps(step, warmup, steps)
+    times = timed_steps(step, warmup, steps, device)
     if rank == 0:
         report("peer", config, times, one_way_latency_ms=one_way_s * 1e3,
                activation_kib=activation.numel() * 4 / 1024)
@@ -186,7 +211,7 @@ def worker_peer(config, warmup, steps):
 def worker_smp(config, warmup, steps, trace_dir):
     import smp
     keys = {"partitions": 2, "microbatches": config["microbatches"], "pipeline": "interleaved",
-            "global_batch_size": config["batch"], "seed": 0, "device": "cpu"}
+            "global_batch_size": config["batch"], "seed": 0, "device": config["device"]}
     if trace_dir:
         keys.update(trace_dir=trace_dir, trace_step=warmup + steps - 1)
     runtime = smp.init(keys)
@@ -202,25 +227,27 @@ def worker_smp(config, warmup, steps, trace_dir):
         model.train_step(inputs, targets, loss_fn)
         optimizer.step()
 
-    times = timed_steps(step, warmup, steps)
+    times = timed_steps(step, warmup, steps, device_of(config))
     if runtime.rank == 0:
         report("smp-python", config, times)
 
 
 def worker_plain(config, warmup, steps):
+    device = device_of(config)
     torch.manual_seed(0)
-    model = Gpt(**config)
+    model = Gpt(**config).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     microbatches = config["microbatches"]
 
     def step(index):
         inputs, targets = batch(config, index)
+        inputs, targets = inputs.to(device), targets.to(device)
         optimizer.zero_grad()
         for chunk, target in zip(inputs.chunk(microbatches), targets.chunk(microbatches)):
             (loss_fn(model(chunk), target) / microbatches).backward()
         optimizer.step()
 
-    report("plain", config, timed_steps(step, warmup, steps))
+    report("plain", config, timed_steps(step, warmup, steps, device))
 
 
 def run_job(command, env, timeout=900):
@@ -240,6 +267,7 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--trace-dir")
     parser.add_argument("--only", help="a substring of one config's name")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.worker:
@@ -255,11 +283,14 @@ def main():
     binaries = args.bin
     python = sys.executable
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.join(os.path.dirname(binaries), "python"))
+    if args.device == "cuda":  # the peer's two ranks on one GPU (smp's runtime sets this itself)
+        env.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
     smprun = [f"{binaries}/smprun", "-n", "2", "--no-prefix", "--timeout", "600", "--"]
     this = os.path.abspath(__file__)
     for name, config in CONFIGS.items():
         if args.only and args.only not in name:
             continue
+        config = dict(config, device=args.device)
         results = {engine: [] for engine in ("peer", "smp-python", "smp-cpp", "plain", "plain-pair")}
         latencies, spreads = [], {engine: [] for engine in results}
         timeline = {}
@@ -275,7 +306,7 @@ def main():
                              "heads": max(1, config["width"] // 64), "layers": config["layers"],
                              "tie_embeddings": False}
                     keys = {"partitions": 2, "microbatches": config["microbatches"], "pipeline": "interleaved",
-                            "global_batch_size": config["batch"], "seed": 0, "device": "cpu"}
+                            "global_batch_size": config["batch"], "seed": 0, "device": args.device}
                     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
                         json.dump({"smp": keys, "model": model}, file)
                     result = run_job(smprun + [f"{binaries}/bench_pipeline", "--config", file.name, "--warmup",
@@ -310,7 +341,7 @@ def main():
         median = {engine: statistics.median(values) for engine, values in results.items()}
         p, m = 2, config["microbatches"]
         ideal = m / (m + p - 1) * p
-        print(f"\n{name} ({args.rounds} alternating rounds, medians; samples/s):")
+        print(f"\n{name} on {args.device} ({args.rounds} alternating rounds, medians; samples/s):")
         for engine, value in median.items():
             print(f"  {engine:<11}{value:9.1f}  (runs: {', '.join(f'{v:.1f}' for v in results[engine])}; "
                   f"step spread max/min {max(spreads[engine]):.2f})")

@@ -12,6 +12,11 @@
 #   SMP_GPU_PYTHON_PACKAGE=OFF do not build the Python package (default ON: built when that python has headers;
 #                              should its build fail, the rest is built and tested without it)
 #   SMP_GPU_BENCH_TIMEOUT=S    seconds bench_gpu may run (default 540)
+#   SMP_GPU_BENCH_ARGS="..."   bench_gpu's arguments ("nccl": only the NCCL transfers and all-reduces)
+#   SMP_GPU_SKIP_PEERS=1       do not run bench/bench_peers.py --device cuda (smp against torch.distributed.pipelining,
+#                              2 ranks on the GPU; needs the Python package and an NCCL that shares the GPU)
+#   SMP_GPU_PEERS_ARGS="..."   its arguments after --device cuda (default: --only "d256 x 8 layers" --rounds 2)
+#   SMP_GPU_PEERS_TIMEOUT=S    seconds it may run (default 300)
 #   SMP_GPU_CONFIGURE_ONLY=1   stop after configuring (checks that every dependency resolves)
 #   SMP_GPU_PREBUILT=DIR       do not build here: run the GPU tests and benchmark from DIR, a build directory made on
 #                              the development machine (x86-64, against the same CUDA build of torch; carry
@@ -23,7 +28,11 @@
 # build directory survives between calls while the machine stays warm (30 s after a call): SMP_GPU_SKIP_TESTS=1
 # SMP_GPU_SKIP_BENCH=1 (configure and build), then SMP_GPU_SKIP_BENCH=1 (tests), then SMP_GPU_SKIP_TESTS=1 (bench).
 #   SMP_GPU_DEPS_ROOT=DIR      where the .debs are unpacked (default /tmp/smp-deps)
-#   OUT                        when set, logs go there: build_gpu.txt, ctest_gpu.txt, bench_gpu.txt
+#   SMP_GPU_NCCL=FILE|none     the NCCL the tests and benchmark load in place of the torch wheel's (LD_PRELOAD), so
+#                              that several ranks share the one GPU (2.30 and later); default .deps/nccl/libnccl.so.2.xz
+#                              when scripts/device_prepare.sh --nccl made it. Without one, the NCCL jobs of several
+#                              processes check the refusal instead and the Python ones are skipped.
+#   OUT                        when set, logs go there: build_gpu.txt, ctest_gpu.txt, bench_gpu.txt, bench_peers_gpu.txt
 #                              (and build_gpu_python.txt when the Python package failed to build)
 set -euo pipefail
 
@@ -220,6 +229,43 @@ for built in "$build"/bin/* "$build"/tests/test_gpu "$build"/python/smp/_smp*.so
 done
 fi
 
+nccl_shares_gpu=0
+# The NCCL that torch's calls bind to, as ncclGetVersion says (23007 for 2.30.7); torch.cuda.nccl.version() is the
+# one torch was built against. torch's import also opens the wheel's copy by its path, but the preloaded one's
+# symbols come first.
+loaded_nccl_version() {
+  timeout 120 "$python" -c 'import ctypes, torch
+version = ctypes.c_int(0)
+ctypes.CDLL("libnccl.so.2").ncclGetVersion(ctypes.byref(version))
+print(version.value)'
+}
+# --- the NCCL the tests load ----------------------------------------------------------------------------------
+nccl=${SMP_GPU_NCCL:-$repo/.deps/nccl/libnccl.so.2.xz}
+if [ "$nccl" != none ] && [ -e "$nccl" ]; then
+  if [[ $nccl == *.xz ]]; then
+    unpacked=$root/nccl/libnccl.so.2
+    if [ ! -e "$unpacked" ] || [ "$nccl" -nt "$unpacked" ]; then
+      mkdir -p "$(dirname "$unpacked")"
+      if command -v xz >/dev/null; then xz -dc "$nccl" >"$unpacked.part"
+      else "$python" -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+             "$nccl" "$unpacked.part"
+      fi || die "cannot unpack $nccl"
+      mv "$unpacked.part" "$unpacked"
+    fi
+    nccl=$unpacked
+  fi
+  # Preloaded, not put on the library path: libtorch_cuda's RPATH, which comes before LD_LIBRARY_PATH, names the
+  # wheel's copy.
+  export LD_PRELOAD=$nccl${LD_PRELOAD:+:$LD_PRELOAD}
+  loaded=$(loaded_nccl_version) || die "python with $nccl preloaded failed"
+  say "NCCL $loaded loaded from $nccl (LD_PRELOAD)"
+  ((loaded >= 23000)) && nccl_shares_gpu=1
+elif [ "$nccl" != none ] && [ -n "${SMP_GPU_NCCL:-}" ]; then
+  die "SMP_GPU_NCCL=$nccl does not exist"
+else
+  say "the torch wheel's NCCL $(loaded_nccl_version || echo '?'): one rank per GPU (no .deps/nccl: scripts/device_prepare.sh --nccl)"
+fi
+
 # --- tests and benchmark: both run even when the other fails; the exit status is the first failure ----------
 status=0
 if [ "${SMP_GPU_SKIP_TESTS:-0}" = 1 ]; then
@@ -252,11 +298,31 @@ if [ "${SMP_GPU_SKIP_BENCH:-0}" = 1 ]; then
 elif [ -x "$build/bin/bench_gpu" ]; then
   say "bench_gpu"
   bench_status=0
-  logged bench_gpu.txt timeout -k 10 "${SMP_GPU_BENCH_TIMEOUT:-540}" "$build/bin/bench_gpu" || bench_status=$?
+  bench_args=()
+  [ -n "${SMP_GPU_BENCH_ARGS:-}" ] && read -r -a bench_args <<<"$SMP_GPU_BENCH_ARGS"
+  logged bench_gpu.txt timeout -k 10 "${SMP_GPU_BENCH_TIMEOUT:-540}" "$build/bin/bench_gpu" "${bench_args[@]}" ||
+    bench_status=$?
   ((bench_status == 0)) || say "bench_gpu FAILED (status $bench_status; 124 is the timeout)"
   ((status != 0)) || status=$bench_status
 else
   say "no $build/bin/bench_gpu; benchmark skipped"
+fi
+# smp (C++ and Python) against torch.distributed.pipelining, 2 ranks sharing the GPU over NCCL, and one process.
+if [ "${SMP_GPU_SKIP_PEERS:-0}" = 1 ]; then
+  say "side-by-side benchmark skipped (SMP_GPU_SKIP_PEERS=1)"
+elif [ "$nccl_shares_gpu" != 1 ]; then
+  say "side-by-side benchmark skipped: its two ranks share the GPU over NCCL, which needs NCCL 2.30 or later"
+elif [ -z "$(ls "$build"/python/smp/_smp*.so 2>/dev/null)" ]; then
+  say "no Python package in $build; side-by-side benchmark skipped"
+else
+  peers_args=(--device cuda --only "d256 x 8 layers" --rounds 2)
+  [ -n "${SMP_GPU_PEERS_ARGS:-}" ] && read -r -a peers_args <<<"--device cuda $SMP_GPU_PEERS_ARGS"
+  say "bench_peers ${peers_args[*]}"
+  peers_status=0
+  logged bench_peers_gpu.txt timeout -k 10 "${SMP_GPU_PEERS_TIMEOUT:-300}" "$python" bench/bench_peers.py "$build/bin" \
+    "${peers_args[@]}" || peers_status=$?
+  ((peers_status == 0)) || say "bench_peers FAILED (status $peers_status; 124 is the timeout)"
+  ((status != 0)) || status=$peers_status
 fi
 say "done (status $status)"
 exit "$status"

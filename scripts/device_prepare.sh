@@ -2,12 +2,32 @@
 # Runs on the development machine (Debian 12, apt access). Downloads, without installing, the .deb files that the
 # GPU machine lacks into <repo>/.deps/debs/, for scripts/device_gpu.sh to unpack there with `dpkg -x` (that
 # machine has no package registry). Idempotent: a package whose .deb is already there is skipped.
+#
+#   scripts/device_prepare.sh [--nccl NCCL_SOURCE] [--nccl-arch 90]
+#
+# --nccl also builds NCCL (2.30 or later: several ranks of different processes on one GPU) from a checkout of
+# github.com/NVIDIA/nccl for one GPU architecture (sm_90: H100, H200) and the collectives smp calls, and puts the
+# library, stripped and xz-compressed, in .deps/nccl/ for scripts/device_gpu.sh to load in place of the torch
+# wheel's 2.28. Why not the PyPI wheel (nvidia-nccl-cu13 2.30.7): its libnccl.so.2 is 252 MB, 194 MB after strip
+# and xz (its fatbins are compressed already), and a device call carries 64 MiB; this build is 12.9 MB stripped,
+# 10 MB compressed (2.30.7, sm_90). It takes about 15 minutes on 2 cores, kept under ~/.cache/smp/nccl-build.
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 debs=$repo/.deps/debs
 
 say() { printf '[device-prepare] %s\n' "$*" >&2; }
+
+nccl_source=
+nccl_arch=90
+while (($#)); do
+  case $1 in
+    --nccl) nccl_source=${2:?--nccl needs the NCCL source directory}; shift 2 ;;
+    --nccl-arch) nccl_arch=${2:?--nccl-arch needs a compute capability such as 90}; shift 2 ;;
+    -h | --help) sed -n '2,14p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    *) say "unknown argument: $1 (see --help)"; exit 2 ;;
+  esac
+done
 
 # Names as Debian 12 (bookworm) spells them; checked with `apt-cache depends` / `apt-cache show`.
 # Dependencies the GPU machine already has (libc6, libstdc++6, libgcc-s1) are left out on purpose.
@@ -66,10 +86,43 @@ for package in "${packages[@]}"; do
   printf '  %8.1f KiB  %-20s %s\n' "$(du -b "$debs/$package.deb" | awk '{ print $1 / 1024 }')" "$package" \
     "$(dpkg-deb -f "$debs/$package.deb" Version)" >&2
 done
-total=$(du -cb "$debs"/*.deb | tail -n 1 | cut -f 1)
+# The collectives smp's communicators call (comm/src/nccl_communicator.cpp: sums, gathers, broadcasts, point to
+# point); the others' kernels are most of NCCL's build time and size.
+nccl_functions="AllReduce Sum * * *|ReduceScatter Sum * * *|Reduce Sum * * *|AllGather * *|AllGatherV * *|Broadcast * *|SendRecv"
+if [ -n "$nccl_source" ]; then
+  [ -f "$nccl_source/makefiles/version.mk" ] || { say "--nccl $nccl_source: not an NCCL checkout (no makefiles/version.mk)"; exit 1; }
+  version=$(awk '/^NCCL_(MAJOR|MINOR|PATCH)/ { printf "%s%s", sep, $3; sep = "." }' "$nccl_source/makefiles/version.mk")
+  minor=$(cut -d . -f 2 <<<"$version")
+  ((minor >= 30)) || { say "NCCL $version: ranks share a GPU from 2.30 on; check out a newer NCCL"; exit 1; }
+  command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
+  nccl_build=${SMP_NCCL_BUILD:-$HOME/.cache/smp/nccl-build}/$version-sm$nccl_arch
+  mkdir -p "$nccl_build"
+  say "building NCCL $version for sm_$nccl_arch in $nccl_build (a first build takes about 15 minutes on 2 cores)"
+  cuda_home=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+  # The CUDA toolkit's include directory may hold an older NCCL's nccl_device/ headers, which its -I would put ahead
+  # of the checkout's own (a 2.30 build then fails on NCCL_GIN_MAX_CONNECTIONS): the toolkit's headers but those.
+  cuda_include=$nccl_build/cuda-include
+  rm -rf "$cuda_include" && mkdir -p "$cuda_include"
+  for entry in "$cuda_home"/include/*; do
+    case $(basename "$entry") in nccl*) ;; *) ln -s "$entry" "$cuda_include/" ;; esac
+  done
+  start=$SECONDS
+  make -C "$nccl_source" -j "$(nproc)" src.build BUILDDIR="$nccl_build" CUDA_HOME="$cuda_home" CUDA_INC="$cuda_include" \
+    NVCC_GENCODE="-gencode=arch=compute_$nccl_arch,code=sm_$nccl_arch" ONLY_FUNCS="$nccl_functions" >"$nccl_build/make.log" 2>&1 ||
+    { tail -n 30 "$nccl_build/make.log" >&2; say "NCCL build failed (log: $nccl_build/make.log)"; exit 1; }
+  say "built in $((SECONDS - start)) s"
+  mkdir -p "$repo/.deps/nccl"
+  strip --strip-unneeded -o "$repo/.deps/nccl/libnccl.so.2" "$(readlink -f "$nccl_build/lib/libnccl.so.2")"
+  rm -f "$repo/.deps/nccl/libnccl.so.2.xz"
+  xz -T0 -6 "$repo/.deps/nccl/libnccl.so.2"
+  echo "$version" >"$repo/.deps/nccl/VERSION"
+  say "NCCL $version: $(du -b "$repo/.deps/nccl/libnccl.so.2.xz" | awk '{ printf "%.1f MiB", $1 / 1048576 }') in .deps/nccl"
+fi
+
+total=$(du -cb "$debs"/*.deb "$repo"/.deps/nccl/*.xz 2>/dev/null | tail -n 1 | cut -f 1)
 say "total: $(awk -v b="$total" 'BEGIN { printf "%.1f MiB", b / 1048576 }') in $debs"
-if ((total > 40 * 1024 * 1024)); then
-  say "more than 40 MiB: the device tool carries at most 64 MiB of working tree; remove stale .debs from $debs"
+if ((total > 48 * 1024 * 1024)); then
+  say "more than 48 MiB: the device tool carries at most 64 MiB of working tree; remove stale .debs from $debs"
   exit 1
 fi
 say "next: a device \`run\` call with carry [\".deps\"] and command \"bash scripts/device_gpu.sh\""

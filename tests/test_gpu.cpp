@@ -1,6 +1,8 @@
 // GPU tests: the NCCL communicator, pipelines on CUDA, mixed precision on the GPU, the example's model on the GPU.
 // They need one CUDA device; without one the program says so and exits 77, which ctest reports as skipped.
-// One GPU means NCCL runs one rank per process; multi-process jobs here share the GPU over Gloo.
+// Multi-process jobs share the one GPU: over Gloo always, over NCCL where the loaded NCCL is 2.30 or later
+// (scripts/device_gpu.sh loads one built by scripts/device_prepare.sh --nccl); with an older NCCL those tests
+// check the refusal instead.
 
 #include "catch_torch.h"
 
@@ -36,8 +38,28 @@ std::shared_ptr<smp::comm::Communicator> one_rank_nccl_group(
 }
 
 std::string gpu_config(int pp, int dp, int microbatches, const std::string& pipeline, int global_batch,
-                       const std::string& extra_keys = "") {
-  return smp_config(pp, dp, microbatches, pipeline, "cluster", global_batch, 60, extra_keys, "cuda");
+                       const std::string& extra_keys = "", double timeout_s = 60) {
+  return smp_config(pp, dp, microbatches, pipeline, "cluster", global_batch, timeout_s, extra_keys, "cuda");
+}
+
+// Whether processes can share this GPU over NCCL: the loaded library (not the headers built against) decides.
+bool nccl_shares_the_gpu() {
+  return smp::comm::nccl_available() && smp::comm::nccl_version() >= smp::comm::kNcclSharesGpusFrom;
+}
+
+// A job of ranks sharing the GPU over NCCL, bounded well below the program's own limit: should NCCL hang, the
+// other cases still run within the device call.
+Result run_shared_gpu_worker(int processes, const std::string& config, const std::string& flags) {
+  return run_command(std::string(SMPRUN_PATH) + " -n " + std::to_string(processes) + " -- " + WORKER_PATH +
+                         " --config " + config + " " + flags,
+                     150);
+}
+
+bool skip_unless_nccl_shares_the_gpu() {
+  if (nccl_shares_the_gpu()) return false;
+  WARN("NCCL " << smp::comm::nccl_version() << " is loaded: ranks of several processes cannot share the GPU over "
+       "NCCL before 2.30, so these jobs are not run (scripts/device_gpu.sh loads a newer one)");
+  return true;
 }
 
 }  // namespace
@@ -163,13 +185,72 @@ TEST_CASE("a GPU job resumes from its checkpoint and trains on like single-GPU t
   CHECK_THAT(resumed.output, Contains("resumed from " + dir + "/step-00000001"));
 }
 
-TEST_CASE("NCCL needs a GPU per process: a second process on a one-GPU host is told so", "[gpu][config]") {
-  if (torch::cuda::device_count() != 1) return;  // only meaningful with exactly one GPU
+TEST_CASE("two processes on one GPU over NCCL: shared from NCCL 2.30 on, refused before, naming the version",
+          "[gpu][config][nccl]") {
+  if (torch::cuda::device_count() != 1 || !smp::comm::nccl_available()) return;  // one GPU, two processes
   const auto config = write_config("gpu_nccl_two", gpu_config(2, 1, 2, "interleaved", 4));
-  const auto result = run_worker(2, config);
+  const auto result = run_shared_gpu_worker(2, config, "--model gpt --steps 3 --rtol 1e-4");
   INFO(result.output);
-  CHECK(result.status != 0);
-  CHECK_THAT(result.output, Contains("NCCL needs one GPU per process"));
+  if (nccl_shares_the_gpu()) {
+    check_clean_run(result, 2);
+    CHECK_THAT(result.output, Contains("several ranks per GPU"));
+  } else {
+    CHECK(result.status != 0);
+    CHECK_THAT(result.output, Contains("needs one GPU per process (2.30 and later can share one)"));
+  }
+}
+
+// NCCL between processes: the two-rank channels split from the group's communicator and their grouped first
+// transfers, gradient all-reduce over replicas, tensor parallelism's collectives, and the watchdog across processes.
+TEST_CASE("pipelines across processes sharing the GPU over NCCL train like single-GPU training", "[gpu][nccl][multirank]") {
+  if (skip_unless_nccl_shares_the_gpu()) return;
+  SECTION("2 stages, 1F1B") {
+    const auto config = write_config("nccl_2", gpu_config(2, 1, 4, "interleaved", 8, R"(, "backend": "nccl")"));
+    check_clean_run(run_shared_gpu_worker(2, config, "--model gpt --steps 3 --rtol 1e-4"), 2);
+  }
+  SECTION("4 stages, interleaved v=2, AdamW") {
+    const auto config = write_config("nccl_4v2", gpu_config(4, 1, 8, "interleaved", 16,
+                                                            R"(, "backend": "nccl", "virtual_stages": 2)"));
+    check_clean_run(run_shared_gpu_worker(4, config, "--model mlp --optimizer adamw --steps 3 --rtol 1e-3"), 4);
+  }
+  SECTION("2 stages x 2 replicas, zero bubble: the gradients all-reduced over NCCL") {
+    const auto config = write_config("nccl_2x2", gpu_config(2, 2, 2, "zero_bubble", 8, R"(, "backend": "nccl")"));
+    check_clean_run(run_shared_gpu_worker(4, config, "--model residual --steps 3 --clip 0.5 --rtol 1e-4"), 4);
+  }
+  SECTION("tp 2 x pp 2: all-gather and reduce-scatter over NCCL") {
+    const auto config = write_config("nccl_tp2pp2", gpu_config(2, 1, 4, "interleaved", 8,
+                                                               R"(, "backend": "nccl", "tensor_parallel_degree": 2)"));
+    check_clean_run(run_shared_gpu_worker(4, config, "--model gpt --optimizer adamw --steps 3 --clip 0.5 --rtol 1e-3"), 4);
+  }
+}
+
+TEST_CASE("a killed or hung rank ends an NCCL job on the shared GPU within the timeout, naming it",
+          "[gpu][nccl][multirank][faults]") {
+  if (skip_unless_nccl_shares_the_gpu()) return;
+  SECTION("killed") {
+    const auto config = write_config("nccl_kill", gpu_config(2, 2, 2, "interleaved", 8, R"(, "backend": "nccl")", 20));
+    const auto result = run_command(std::string(SMPRUN_PATH) + " --grace 2 -n 4 -- " + WORKER_PATH + " --config " +
+                                        config + " --steps 6 --kill-rank 1 --kill-step 3",
+                                    120);
+    INFO(result.output);
+    CHECK(result.status != 0);
+    CHECK(result.status != 124);
+    CHECK_THAT(result.output, Contains("rank 1 was killed by signal SIGKILL"));
+    CHECK(result.seconds < 20 + 10);
+  }
+  SECTION("hung") {
+    // Rank 1 stops answering without exiting; its peers' transfers are bounded by the watchdog, not by the launcher.
+    const auto config = write_config("nccl_stop", gpu_config(2, 2, 2, "interleaved", 8, R"(, "backend": "nccl")", 5));
+    const auto result = run_command(std::string(SMPRUN_PATH) + " --grace 2 -n 4 -- " + WORKER_PATH + " --config " +
+                                        config + " --steps 4 --stop-rank 1 --stop-step 2",
+                                    120);
+    INFO(result.output);
+    CHECK(result.status != 0);
+    CHECK(result.status != 124);
+    CHECK_THAT(result.output, Contains("rank 1") && (Contains("timed out") || Contains("failed")));
+    CHECK_THAT(result.output, !Contains("rank 1 exited with status"));  // ended by its peers' timeout, not itself
+    CHECK(result.seconds < 5 + 2 + 20);
+  }
 }
 
 TEST_CASE("bf16 and fp16 on the GPU match float32 within tolerance", "[gpu][precision]") {
@@ -203,11 +284,14 @@ TEST_CASE("the 2x4 example's model trains on the GPU with the CPU's losses", "[g
   };
   const auto cpu = run_example("example_cpu", "cpu", 1, "");
   const auto gpu = run_example("example_gpu", "cuda", 1, "");
-  // All eight ranks of the 2x4 job on the one GPU, over Gloo.
+  // All eight ranks of the 2x4 job on the one GPU, over Gloo, and over NCCL where it can share the GPU.
   const auto hybrid = run_example("example_gpu_2x4", "cuda", 8, R"("backend": "gloo", )");
+  const auto over_nccl = nccl_shares_the_gpu() ? run_example("example_gpu_2x4_nccl", "cuda", 8, R"("backend": "nccl", )")
+                                               : gpu;
   for (std::size_t i = 0; i < cpu.size(); ++i) {
     CHECK(gpu[i] == Approx(cpu[i]).epsilon(1e-3));
     CHECK(hybrid[i] == Approx(gpu[i]).epsilon(1e-3));
+    CHECK(over_nccl[i] == Approx(gpu[i]).epsilon(1e-3));
   }
   CHECK(gpu.back() < gpu.front());
 }

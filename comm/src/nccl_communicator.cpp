@@ -550,6 +550,11 @@ class NcclCommunicator final : public Communicator {
 
 bool nccl_available() { return true; }
 
+int nccl_version() {
+  int version = 0;
+  return ncclGetVersion(&version) == ncclSuccess ? version : 0;
+}
+
 std::shared_ptr<Communicator> make_nccl_group(const c10::intrusive_ptr<c10d::Store>& store,
                                               std::shared_ptr<Communicator> host_group, c10::Device device) {
   return std::make_shared<NcclCommunicator>(store, std::move(host_group), device);

@@ -5,6 +5,7 @@
 namespace smp::comm {
 
 bool nccl_available() { return false; }
+int nccl_version() { return 0; }
 
 std::shared_ptr<Communicator> make_nccl_group(const c10::intrusive_ptr<c10d::Store>&, std::shared_ptr<Communicator>,
                                               c10::Device device) {

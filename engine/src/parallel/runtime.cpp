@@ -48,6 +48,35 @@ bool may_have_own_gpu(const Config& config, const comm::LaunchInfo& launch) {
          visible.find(',') == std::string::npos && torch::cuda::device_count() == 1;
 }
 
+std::string nccl_version_text(int version) {
+  return std::to_string(version / 10000) + "." + std::to_string(version / 100 % 100) + "." + std::to_string(version % 100);
+}
+
+// More processes than GPUs on a host with "device": "cuda": NCCL before 2.30 refuses two ranks on one GPU (and
+// would say so only inside communicator creation); 2.30 and later share one when NCCL_MULTI_RANK_GPU_ENABLE is 1,
+// which the user asked for by starting more processes than GPUs, so it is set here unless they set it otherwise.
+// NCCL reads it when its first communicator is created, after this.
+void allow_nccl_to_share_gpus(const Config& config, const comm::LaunchInfo& launch, int gpus) {
+  const std::string where = config.source + ": rank " + std::to_string(launch.rank) + " has LOCAL_RANK " +
+                            std::to_string(launch.local_rank) + " but its host has " + std::to_string(gpus) +
+                            " CUDA device(s)";
+  const int version = comm::nccl_version();
+  if (version < comm::kNcclSharesGpusFrom) {
+    throw ConfigError(where + ": NCCL " + nccl_version_text(version) +
+                      " needs one GPU per process (2.30 and later can share one). Start at most " +
+                      std::to_string(gpus) + " processes per host, load NCCL 2.30 or later, or set "
+                      "\"backend\": \"gloo\" to share GPUs");
+  }
+  const char* setting = std::getenv("NCCL_MULTI_RANK_GPU_ENABLE");
+  if (setting == nullptr) {
+    ::setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1", 0);
+  } else if (std::string(setting) != "1") {
+    throw ConfigError(where + " and NCCL_MULTI_RANK_GPU_ENABLE=" + setting +
+                      " forbids NCCL to share one: unset it, start at most " + std::to_string(gpus) +
+                      " processes per host, or set \"backend\": \"gloo\"");
+  }
+}
+
 // "auto" takes a GPU when every process of this host can have its own (hosts are assumed alike), else the CPU.
 // NCCL needs one GPU per process; Gloo can share one among the processes of a host (tests on a one-GPU machine).
 // `own_gpu`: the launcher gave each process of this host a GPU of its own, the only one it sees.
@@ -63,12 +92,7 @@ c10::Device choose_device(const Config& config, const comm::LaunchInfo& launch, 
     throw ConfigError(config.source + ": key \"device\" is \"cuda\", but rank " + std::to_string(launch.rank) +
                       " sees no CUDA device (check CUDA_VISIBLE_DEVICES and the driver), or set \"device\": \"auto\"");
   }
-  if (launch.local_rank >= gpus && nccl_for_gpus(config)) {
-    throw ConfigError(config.source + ": rank " + std::to_string(launch.rank) + " has LOCAL_RANK " +
-                      std::to_string(launch.local_rank) + " but its host has " + std::to_string(gpus) +
-                      " CUDA device(s): NCCL needs one GPU per process. Start at most " + std::to_string(gpus) +
-                      " processes per host, or set \"backend\": \"gloo\" to share GPUs");
-  }
+  if (launch.local_rank >= gpus && nccl_for_gpus(config)) allow_nccl_to_share_gpus(config, launch, gpus);
   return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(launch.local_rank % gpus));
 }
 
@@ -192,7 +216,10 @@ Runtime::Runtime(const Config& given, const comm::LaunchInfo& launch)
   if (launch_.rank == 0) {
     log::info("config " + config_.source + ": " + config_.describe());
     log::info(topology_.describe() + " (launched by " + launch_.launcher + ")");
-    log::info("device " + device_.str() + ", " + (nccl_ ? "NCCL" : "Gloo") + " between ranks");
+    const bool shared = nccl_ && device_.is_cuda() && launch_.local_world_size > torch::cuda::device_count();
+    log::info("device " + device_.str() + ", " +
+              (nccl_ ? "NCCL " + nccl_version_text(comm::nccl_version()) : std::string("Gloo")) + " between ranks" +
+              (shared ? " (several ranks per GPU: NCCL_MULTI_RANK_GPU_ENABLE=1)" : ""));
   }
 }
 

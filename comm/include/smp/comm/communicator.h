@@ -107,6 +107,11 @@ std::shared_ptr<Communicator> make_nccl_group(const c10::intrusive_ptr<c10d::Sto
                                               std::shared_ptr<Communicator> host_group, c10::Device device);
 // Whether this build can make NCCL groups.
 bool nccl_available();
+// The loaded NCCL library's version (ncclGetVersion: 23007 for 2.30.7), which may be newer than the one built
+// against; 0 in a build without NCCL.
+int nccl_version();
+// From this version on, NCCL lets ranks of several processes share one GPU (with NCCL_MULTI_RANK_GPU_ENABLE=1).
+constexpr int kNcclSharesGpusFrom = 23000;
 
 // The first line of an exception's message, without LibTorch's C++ backtrace.
 std::string brief_message(const std::exception& error);
