@@ -53,12 +53,12 @@ std::string nccl_version_text(int version) {
 }
 
 // More processes than GPUs on a host with "device": "cuda": NCCL before 2.30 refuses two ranks on one GPU (and
-// would say so only inside communicator creation); 2.30 and later share one when NCCL_MULTI_RANK_GPU_ENABLE is 1,
-// which the user asked for by starting more processes than GPUs, so it is set here unless they set it otherwise.
-// NCCL reads it when its first communicator is created, after this.
+// would say so only inside communicator creation); 2.30 and later share one when NCCL_MULTI_RANK_GPU_ENABLE is 1
+// in every process of the host (each checks all its peers), which the user asked for by starting more processes
+// than GPUs, so it is set here unless they set it otherwise. NCCL reads it at its first communicator, after this.
 void allow_nccl_to_share_gpus(const Config& config, const comm::LaunchInfo& launch, int gpus) {
-  const std::string where = config.source + ": rank " + std::to_string(launch.rank) + " has LOCAL_RANK " +
-                            std::to_string(launch.local_rank) + " but its host has " + std::to_string(gpus) +
+  const std::string where = config.source + ": rank " + std::to_string(launch.rank) + "'s host runs " +
+                            std::to_string(launch.local_world_size) + " processes but has " + std::to_string(gpus) +
                             " CUDA device(s)";
   const int version = comm::nccl_version();
   if (version < comm::kNcclSharesGpusFrom) {
@@ -92,7 +92,7 @@ c10::Device choose_device(const Config& config, const comm::LaunchInfo& launch, 
     throw ConfigError(config.source + ": key \"device\" is \"cuda\", but rank " + std::to_string(launch.rank) +
                       " sees no CUDA device (check CUDA_VISIBLE_DEVICES and the driver), or set \"device\": \"auto\"");
   }
-  if (launch.local_rank >= gpus && nccl_for_gpus(config)) allow_nccl_to_share_gpus(config, launch, gpus);
+  if (launch.local_world_size > gpus && nccl_for_gpus(config)) allow_nccl_to_share_gpus(config, launch, gpus);
   return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(launch.local_rank % gpus));
 }
 
