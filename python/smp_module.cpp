@@ -599,7 +599,7 @@ PYBIND11_MODULE(_smp, module) {
       },
       py::arg("whole"), py::arg("dim"), py::arg("blocks"), py::arg("rank"), py::arg("degree"));
   module.def("recomputing", &recomputing);
-  // Whether this thread runs without collectives (rank 0 profiling alone, WithoutCollectives).
+  // Whether the process runs without collectives (rank 0 profiling alone, WithoutCollectives).
   module.def("without_collectives", &without_collectives);
   module.def("export_checkpoint", &export_checkpoint, py::arg("checkpoint_directory"), py::arg("output_file"),
              py::call_guard<py::gil_scoped_release>());

@@ -31,6 +31,7 @@
 
 #include "profiled_model.h"
 #include "smp/checkpoint.h"
+#include "smp/collectives.h"
 #include "smp/comm/communicator.h"
 #include "smp/comm/launch_info.h"
 #include "smp/config.h"
@@ -838,4 +839,26 @@ TEST_CASE("a non-finite step: an fp16 overflow is skipped, anything else stops t
   plain.skip_nonfinite_steps = true;
   CHECK(smp::skips_step(plain, 6, 2.0, "rank 0 (stage-rank 0)", unscaled, false));
   CHECK(unscaled.scale() == 1.0);
+}
+
+TEST_CASE("collectives stay off in every thread while rank 0 profiles alone", "[tp][profile]") {
+  // On a GPU, autograd runs backward (a tensor-parallel gradient's all-reduce) in a thread of its own.
+  auto seen_elsewhere = [] {
+    bool off = false;
+    std::thread other([&] { off = smp::without_collectives(); });
+    other.join();
+    return off;
+  };
+  CHECK_FALSE(seen_elsewhere());
+  {
+    const smp::WithoutCollectives alone;
+    CHECK(seen_elsewhere());
+    {
+      const smp::WithoutCollectives nested;
+      CHECK(smp::without_collectives());
+    }
+    CHECK(smp::without_collectives());
+  }
+  CHECK_FALSE(smp::without_collectives());
+  CHECK_FALSE(seen_elsewhere());
 }

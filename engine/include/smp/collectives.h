@@ -42,9 +42,9 @@ class CollectiveObserver {
 };
 
 // The collectives skip communication (an all-reduce passes its input on, an all-gather repeats this rank's shard,
-// an experts layer runs its own experts on every token) while one lives in this thread: rank 0 profiles nodes
-// alone, at their shards' cost, with its peers elsewhere.
-bool without_collectives();  // whether one lives in this thread
+// an experts layer runs its own experts on every token) while one lives, in any thread of the process (backward may
+// run in autograd's device threads): rank 0 profiles nodes alone, at their shards' cost, with its peers elsewhere.
+bool without_collectives();  // whether one lives
 class WithoutCollectives {
  public:
   WithoutCollectives();

@@ -14,7 +14,11 @@ namespace smp {
 
 namespace {
 
-thread_local bool collectives_off = false;
+// Process-wide, not per thread: on a GPU, autograd runs backward functions (a tensor-parallel gradient's all-reduce)
+// in its own device thread, which a thread-local flag would not reach, so rank 0 profiling alone waited in NCCL for
+// peers that were waiting for its profile (seen on an H200, tp 2 x pp 2). Only rank 0's profiling sets it, while
+// nothing else of the process communicates.
+std::atomic<bool> collectives_off{false};
 std::array<std::atomic<int64_t>, 4> bytes_moved{};  // by CollectiveCounter
 std::mutex observer_mutex;
 CollectiveObserver::Report observer;  // under observer_mutex
@@ -47,10 +51,10 @@ CollectiveObserver::~CollectiveObserver() {
   observer = nullptr;
 }
 
-bool without_collectives() { return collectives_off; }
+bool without_collectives() { return collectives_off.load(); }
 
-WithoutCollectives::WithoutCollectives() : before_(collectives_off) { collectives_off = true; }
-WithoutCollectives::~WithoutCollectives() { collectives_off = before_; }
+WithoutCollectives::WithoutCollectives() : before_(collectives_off.exchange(true)) {}
+WithoutCollectives::~WithoutCollectives() { collectives_off.store(before_); }
 
 at::Tensor exchange_rows(const at::Tensor& input, const std::vector<int64_t>& output_rows,
                          const std::vector<int64_t>& input_rows, comm::Communicator& group, bool counted) {
