@@ -5,11 +5,14 @@
 //   nccl_transfer    NCCL send/receive time vs bytes (the one-rank channel: a send to oneself through NCCL), and the
 //                    same transfer through NCCL called directly: per transfer alone (us) and posted back to back
 //                    (issue_us). `bench_gpu nccl` runs only this.
-//   nccl_all_reduce  an all-reduce on smp's one-rank group against NCCL's own on a blocking and on a non-blocking
-//                    communicator: what the group's communicator (created non-blocking) costs per collective.
+//   nccl_all_reduce  an all-reduce on smp's group against NCCL's own on a blocking and on a non-blocking
+//                    communicator of the same ranks: what the group's communicator (created non-blocking) costs per
+//                    collective. One rank here; `smprun -n N -- bench_gpu collectives` runs it over N processes
+//                    (sharing one GPU needs NCCL 2.30 or later), where NCCL launches a kernel for each.
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <cstdio>
 #include <functional>
 #include <stdexcept>
@@ -17,12 +20,16 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/cuda.h>
 
 #include "common/gpt.h"
 #include "smp/comm/communicator.h"
+#include "smp/comm/launch_info.h"
+#include "smp/config.h"
+#include "smp/runtime.h"
 #include "smp/main.h"
 #include "step_timing.h"
 
@@ -71,20 +78,25 @@ TransferTimes time_transfers(const std::function<void()>& transfer) {
 }
 
 #ifdef SMP_BENCH_RAW_NCCL
-// NCCL's own send to itself, on a one-rank communicator: blocking as NCCL makes it by default, or non-blocking as
-// smp's are (so that a dead peer can be timed out).
-class RawNcclSelf {
+// NCCL called directly: blocking as NCCL makes communicators by default, or non-blocking as smp creates its groups'
+// (so that a dead peer can be timed out). One rank (sends to itself) unless an id, size and rank are given.
+class RawNccl {
  public:
-  explicit RawNcclSelf(bool blocking) {
-    ncclUniqueId id;
-    check(ncclGetUniqueId(&id));
+  explicit RawNccl(bool blocking) : RawNccl(blocking, unique_id(), 1, 0, kGpu) {}
+  RawNccl(bool blocking, const ncclUniqueId& id, int size, int rank, c10::Device device) {
+    c10::cuda::CUDAGuard guard(device);
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = blocking ? 1 : 0;
-    check(ncclCommInitRankConfig(&comm_, 1, id, 0, &config));
+    check(ncclCommInitRankConfig(&comm_, size, id, rank, &config));
     wait_ready();
-    stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, 0).stream();
+    stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index()).stream();
   }
-  ~RawNcclSelf() { ncclCommDestroy(comm_); }
+  ~RawNccl() { ncclCommDestroy(comm_); }
+  static ncclUniqueId unique_id() {
+    ncclUniqueId id;
+    check(ncclGetUniqueId(&id));
+    return id;
+  }
   void all_reduce(const at::Tensor& tensor) {
     check(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), ncclFloat32, ncclSum, comm_, stream_));
     wait_ready();
@@ -120,7 +132,7 @@ void nccl_transfer() {
   auto group = smp::comm::make_nccl_group(store, host, kGpu);
   group->connect({{0, 0}});
 #ifdef SMP_BENCH_RAW_NCCL
-  RawNcclSelf blocking(true), non_blocking(false);
+  RawNccl blocking(true), non_blocking(false);
 #endif
   for (int64_t bytes = 4 << 10; bytes <= (256 << 20); bytes *= 4) {
     const at::Tensor source = at::randn({bytes / 4}, kGpu), target = at::empty({bytes / 4}, kGpu);
@@ -147,26 +159,60 @@ void nccl_transfer() {
   }
 }
 
-void nccl_all_reduce() {
+// `group` and the raw communicators span the same ranks; every rank runs this, and rank 0 prints.
+void nccl_all_reduce(smp::comm::Communicator& group, const std::function<std::string(const std::string&)>& share_id) {
+  const c10::Device device = group.device();
+#ifdef SMP_BENCH_RAW_NCCL
+  auto raw = [&](bool blocking, const std::string& name) {
+    ncclUniqueId id{};
+    std::string bytes = group.rank() == 0 ? std::string(RawNccl::unique_id().internal, sizeof(id.internal)) : "";
+    bytes = share_id(name + "|" + bytes);
+    std::memcpy(id.internal, bytes.data(), sizeof(id.internal));
+    return std::make_unique<RawNccl>(blocking, id, group.size(), group.rank(), device);
+  };
+  const auto blocking = raw(true, "blocking");
+  const auto non_blocking = raw(false, "non_blocking");
+#endif
+  for (int64_t bytes = 4 << 10; bytes <= (16 << 20); bytes *= 16) {
+    const at::Tensor tensor = at::randn({bytes / 4}, device);
+    const double smp_s = median_seconds(5, 50, [&] { group.iall_reduce_sum(tensor)->wait(); });
+    if (group.rank() == 0) {
+      std::printf("{\"bench\": \"nccl_all_reduce\", \"ranks\": %d, \"bytes\": %lld, \"us\": %.1f", group.size(),
+                  static_cast<long long>(bytes), smp_s * 1e6);
+    }
+#ifdef SMP_BENCH_RAW_NCCL
+    const double raw_s = median_seconds(5, 50, [&] { blocking->all_reduce(tensor); });
+    const double raw_non_blocking_s = median_seconds(5, 50, [&] { non_blocking->all_reduce(tensor); });
+    if (group.rank() == 0) {
+      std::printf(", \"raw_nccl_us\": %.1f, \"raw_nonblocking_us\": %.1f", raw_s * 1e6, raw_non_blocking_s * 1e6);
+    }
+#endif
+    if (group.rank() == 0) {
+      std::printf("}\n");
+      std::fflush(stdout);
+    }
+  }
+}
+
+void nccl_all_reduce_one_rank() {
   auto store = c10::make_intrusive<c10d::HashStore>();
   auto host = smp::comm::make_gloo_group(store, {0}, 0, "bench_all_reduce", "127.0.0.1", std::chrono::seconds(60), kGpu);
   auto group = smp::comm::make_nccl_group(store, host, kGpu);
-#ifdef SMP_BENCH_RAW_NCCL
-  RawNcclSelf blocking(true), non_blocking(false);
-#endif
-  for (int64_t bytes = 4 << 10; bytes <= (16 << 20); bytes *= 16) {
-    const at::Tensor tensor = at::randn({bytes / 4}, kGpu);
-    const double smp_s = median_seconds(5, 50, [&] { group->iall_reduce_sum(tensor)->wait(); });
-    std::printf("{\"bench\": \"nccl_all_reduce\", \"bytes\": %lld, \"us\": %.1f", static_cast<long long>(bytes),
-                smp_s * 1e6);
-#ifdef SMP_BENCH_RAW_NCCL
-    const double raw_s = median_seconds(5, 50, [&] { blocking.all_reduce(tensor); });
-    const double raw_non_blocking_s = median_seconds(5, 50, [&] { non_blocking.all_reduce(tensor); });
-    std::printf(", \"raw_nccl_us\": %.1f, \"raw_nonblocking_us\": %.1f", raw_s * 1e6, raw_non_blocking_s * 1e6);
-#endif
-    std::printf("}\n");
-    std::fflush(stdout);
-  }
+  nccl_all_reduce(*group, [](const std::string& value) { return value.substr(value.find('|') + 1); });
+}
+
+// Under a launcher: the job's ranks as one data-parallel group over NCCL, ids shared through the job's store.
+void nccl_collectives() {
+  const int world = smp::comm::LaunchInfo::from_environment().world_size;
+  const auto runtime = smp::Runtime::init(smp::Config::from_json_text(
+      R"({"partitions": 1, "ddp": true, "microbatches": 1, "device": "cuda", "backend": "nccl", "global_batch_size": )" +
+          std::to_string(world) + "}",
+      "bench_gpu collectives"));
+  nccl_all_reduce(runtime->data_parallel(), [&](const std::string& value) {
+    const std::string name = "bench_gpu/" + value.substr(0, value.find('|'));
+    if (runtime->rank() == 0) runtime->publish(name, value.substr(value.find('|') + 1));
+    return runtime->rank() == 0 ? value.substr(value.find('|') + 1) : runtime->fetch(name);
+  });
 }
 
 int run(int argc, char** argv) {
@@ -176,14 +222,18 @@ int run(int argc, char** argv) {
   }
   if (argc > 1 && std::string(argv[1]) == "nccl") {
     nccl_transfer();
-    nccl_all_reduce();
+    nccl_all_reduce_one_rank();
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "collectives") {
+    nccl_collectives();
     return 0;
   }
   smp_bench::print_engine_overhead(kGpu);
   gpt_stage(false);
   gpt_stage(true);
   nccl_transfer();
-  nccl_all_reduce();
+  nccl_all_reduce_one_rank();
   return 0;
 }
 

@@ -13,6 +13,8 @@
 #                              should its build fail, the rest is built and tested without it)
 #   SMP_GPU_BENCH_TIMEOUT=S    seconds bench_gpu may run (default 540)
 #   SMP_GPU_BENCH_ARGS="..."   bench_gpu's arguments ("nccl": only the NCCL transfers and all-reduces)
+#   SMP_GPU_SKIP_LLAMA=1       do not run bench/bench_llama_gpu.py (a 1B bf16 Llama, 2 stages on the GPU against one
+#                              process; needs transformers there); SMP_GPU_LLAMA_TIMEOUT=S (default 300)
 #   SMP_GPU_SKIP_PEERS=1       do not run bench/bench_peers.py --device cuda (smp against torch.distributed.pipelining,
 #                              2 ranks on the GPU; needs the Python package and an NCCL that shares the GPU)
 #   SMP_GPU_PEERS_ARGS="..."   its arguments after --device cuda (default: --only "d256 x 8 layers" --rounds 2)
@@ -32,7 +34,8 @@
 #                              that several ranks share the one GPU (2.30 and later); default .deps/nccl/libnccl.so.2.xz
 #                              when scripts/device_prepare.sh --nccl made it. Without one, the NCCL jobs of several
 #                              processes check the refusal instead and the Python ones are skipped.
-#   OUT                        when set, logs go there: build_gpu.txt, ctest_gpu.txt, bench_gpu.txt, bench_peers_gpu.txt
+#   OUT                        when set, logs go there: build_gpu.txt, ctest_gpu.txt, bench_gpu.txt, bench_gpu_collectives.txt,
+#                              bench_llama_gpu.txt, bench_peers_gpu.txt
 #                              (and build_gpu_python.txt when the Python package failed to build)
 set -euo pipefail
 
@@ -118,6 +121,33 @@ for library in "$deps/lib/$arch"/*.so.*; do
   fi
 done
 export SMP_FORTUNES_DIR=$deps/share/games/fortunes
+
+# Python packages this machine's python lacks (transformers for the Llama benchmark), from the wheels
+# scripts/device_prepare.sh --wheels put in .deps/wheels: unpacked (a wheel is a zip of its importable files) into
+# $root/pylib, which goes first on PYTHONPATH; a distribution the python has already is left to it.
+shopt -s nullglob
+wheels=("$repo"/.deps/wheels/*.whl)
+shopt -u nullglob
+if ((${#wheels[@]})); then
+  added=$("$python" - "$root/pylib" "${wheels[@]}" <<'PYTHON'
+import importlib.metadata, os, sys, zipfile
+target, added = sys.argv[1], []
+os.makedirs(target, exist_ok=True)
+for wheel in sys.argv[2:]:
+    name = os.path.basename(wheel).split("-")[0]
+    try:
+        importlib.metadata.version(name.replace("_", "-"))
+        continue
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    zipfile.ZipFile(wheel).extractall(target)
+    added.append(name)
+print(" ".join(added) or "none")
+PYTHON
+) || die "cannot unpack the wheels in .deps/wheels"
+  export PYTHONPATH=$root/pylib${PYTHONPATH:+:$PYTHONPATH}
+  say "python packages added from .deps/wheels: $added"
+fi
 
 # --- configure and build --------------------------------------------------------------------------------------
 torch_info=$(timeout 300 "$python" -c 'import torch
@@ -304,9 +334,33 @@ elif [ -x "$build/bin/bench_gpu" ]; then
     bench_status=$?
   ((bench_status == 0)) || say "bench_gpu FAILED (status $bench_status; 124 is the timeout)"
   ((status != 0)) || status=$bench_status
+  if [ "$nccl_shares_gpu" = 1 ]; then  # collectives between 2 processes: NCCL launches a kernel for each
+    say "bench_gpu collectives (2 ranks)"
+    bench_status=0
+    logged bench_gpu_collectives.txt timeout -k 10 120 "$build/bin/smprun" -n 2 --no-prefix -- \
+      "$build/bin/bench_gpu" collectives || bench_status=$?
+    ((bench_status == 0)) || say "bench_gpu collectives FAILED (status $bench_status; 124 is the timeout)"
+    ((status != 0)) || status=$bench_status
+  fi
 else
   say "no $build/bin/bench_gpu; benchmark skipped"
 fi
+# A 1B-parameter Llama-shaped model in bf16, 2 stages sharing the GPU, against one process.
+if [ "${SMP_GPU_SKIP_LLAMA:-0}" = 1 ]; then
+  say "Llama benchmark skipped (SMP_GPU_SKIP_LLAMA=1)"
+elif [ "$nccl_shares_gpu" != 1 ] || [ -z "$(ls "$build"/python/smp/_smp*.so 2>/dev/null)" ]; then
+  say "Llama benchmark skipped: it needs the Python package and an NCCL that shares the GPU (2.30 or later)"
+elif ! "$python" -c 'import transformers, safetensors' 2>/dev/null; then
+  say "Llama benchmark skipped: $python has no transformers or safetensors"
+else
+  say "bench_llama_gpu"
+  llama_status=0
+  logged bench_llama_gpu.txt timeout -k 10 "${SMP_GPU_LLAMA_TIMEOUT:-300}" "$python" bench/bench_llama_gpu.py \
+    "$build/bin" --timeout "$((${SMP_GPU_LLAMA_TIMEOUT:-300} - 60))" || llama_status=$?
+  ((llama_status == 0)) || say "bench_llama_gpu FAILED (status $llama_status; 124 is the timeout)"
+  ((status != 0)) || status=$llama_status
+fi
+
 # smp (C++ and Python) against torch.distributed.pipelining, 2 ranks sharing the GPU over NCCL, and one process.
 if [ "${SMP_GPU_SKIP_PEERS:-0}" = 1 ]; then
   say "side-by-side benchmark skipped (SMP_GPU_SKIP_PEERS=1)"

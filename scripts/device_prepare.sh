@@ -3,7 +3,7 @@
 # GPU machine lacks into <repo>/.deps/debs/, for scripts/device_gpu.sh to unpack there with `dpkg -x` (that
 # machine has no package registry). Idempotent: a package whose .deb is already there is skipped.
 #
-#   scripts/device_prepare.sh [--nccl NCCL_SOURCE] [--nccl-arch 90]
+#   scripts/device_prepare.sh [--nccl NCCL_SOURCE] [--nccl-arch 90] [--wheels [--wheels-python 3.12]]
 #
 # --nccl also builds NCCL (2.30 or later: several ranks of different processes on one GPU) from a checkout of
 # github.com/NVIDIA/nccl for one GPU architecture (sm_90: H100, H200) and the collectives smp calls, and puts the
@@ -11,6 +11,10 @@
 # wheel's 2.28. Why not the PyPI wheel (nvidia-nccl-cu13 2.30.7): its libnccl.so.2 is 252 MB, 194 MB after strip
 # and xz (its fatbins are compressed already), and a device call carries 64 MiB; this build is 12.9 MB stripped,
 # 10 MB compressed (2.30.7, sm_90). It takes about 15 minutes on 2 cores, kept under ~/.cache/smp/nccl-build.
+#
+# --wheels also downloads transformers and safetensors (this venv's versions) with the wheels they need, for the
+# GPU machine's python (3.12 there on 2026-11-27), into .deps/wheels/: device_gpu.sh unpacks those its python lacks
+# (the Llama benchmark needs them). About 44 MiB, numpy's 16 of it.
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -20,11 +24,15 @@ say() { printf '[device-prepare] %s\n' "$*" >&2; }
 
 nccl_source=
 nccl_arch=90
+wheels=0
+wheels_python=3.12
 while (($#)); do
   case $1 in
     --nccl) nccl_source=${2:?--nccl needs the NCCL source directory}; shift 2 ;;
     --nccl-arch) nccl_arch=${2:?--nccl-arch needs a compute capability such as 90}; shift 2 ;;
-    -h | --help) sed -n '2,14p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    --wheels) wheels=1; shift ;;
+    --wheels-python) wheels_python=${2:?--wheels-python needs a version such as 3.12}; shift 2 ;;
+    -h | --help) sed -n '2,18p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) say "unknown argument: $1 (see --help)"; exit 2 ;;
   esac
 done
@@ -119,10 +127,25 @@ if [ -n "$nccl_source" ]; then
   say "NCCL $version: $(du -b "$repo/.deps/nccl/libnccl.so.2.xz" | awk '{ printf "%.1f MiB", $1 / 1048576 }') in .deps/nccl"
 fi
 
-total=$(du -cb "$debs"/*.deb "$repo"/.deps/nccl/*.xz 2>/dev/null | tail -n 1 | cut -f 1)
-say "total: $(awk -v b="$total" 'BEGIN { printf "%.1f MiB", b / 1048576 }') in $debs"
-if ((total > 48 * 1024 * 1024)); then
-  say "more than 48 MiB: the device tool carries at most 64 MiB of working tree; remove stale .debs from $debs"
+if ((wheels)); then
+  venv_python=${SMP_VENV:-$HOME/.cache/smp/venv}/bin/python
+  [ -x "$venv_python" ] || { say "--wheels: no $venv_python (run scripts/setup.sh first)"; exit 1; }
+  pins=$("$venv_python" -c 'import importlib.metadata as m; print(" ".join(f"{n}=={m.version(n)}" for n in ("transformers", "safetensors")))')
+  rm -rf "$repo/.deps/wheels" && mkdir -p "$repo/.deps/wheels"
+  say "downloading wheels for python $wheels_python: $pins (and what they need)"
+  # shellcheck disable=SC2086  # $pins is a list of requirements
+  "$venv_python" -m pip download -q --only-binary=:all: --python-version "$wheels_python" --platform any \
+    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+    -d "$repo/.deps/wheels" $pins
+fi
+
+shopt -s nullglob
+carried=("$debs"/*.deb "$repo"/.deps/nccl/*.xz "$repo"/.deps/wheels/*.whl)
+shopt -u nullglob
+total=$(du -cb "${carried[@]}" | tail -n 1 | cut -f 1)
+say "total: $(awk -v b="$total" 'BEGIN { printf "%.1f MiB", b / 1048576 }') in $repo/.deps"
+if ((total > 60 * 1024 * 1024)); then
+  say "more than 60 MiB: the device tool carries at most 64 MiB with the working tree; remove stale files from .deps"
   exit 1
 fi
 say "next: a device \`run\` call with carry [\".deps\"] and command \"bash scripts/device_gpu.sh\""
