@@ -32,6 +32,7 @@
 #include "profiled_model.h"
 #include "smp/checkpoint.h"
 #include "smp/collectives.h"
+#include "smp/executor.h"
 #include "smp/comm/communicator.h"
 #include "smp/comm/launch_info.h"
 #include "smp/config.h"
@@ -861,4 +862,32 @@ TEST_CASE("collectives stay off in every thread while rank 0 profiles alone", "[
   }
   CHECK_FALSE(smp::without_collectives());
   CHECK_FALSE(seen_elsewhere());
+}
+
+TEST_CASE("a module sees recomputing() only while it runs again for its backward, checkpointed as a stage or alone",
+          "[checkpoint][recompute]") {
+  // A module's own counters (tokens routed per expert) skip the recompute by it.
+  for (const std::string checkpointing : {R"(true)", R"(["counted"])"}) {
+    DYNAMIC_SECTION("activation_checkpointing " << checkpointing) {
+      const auto config = smp::Config::from_json_text(
+          R"({"device": "cpu", "microbatches": 2, "activation_checkpointing": )" + checkpointing + "}", "test config");
+      auto runtime = smp::Runtime::init(config, smp::comm::LaunchInfo{});
+      auto seen = std::make_shared<std::vector<bool>>();
+      torch::nn::Linear linear(3, 4);
+      smp::GraphModel net("x");
+      net.add("counted", linear.ptr(),
+              [linear, seen](const std::vector<at::Tensor>& x) mutable {
+                seen->push_back(smp::recomputing());
+                return linear->forward(x[0]);
+              },
+              {"x"});
+      net.add("out", torch::nn::Linear(4, 2), {"counted"});
+      smp::DistributedModel model(runtime, net, at::zeros({2, 3}));
+      seen->clear();  // the profile's runs
+      model.train_step(at::randn({4, 3}), at::randn({4, 2}),
+                       [](const at::Tensor& output, const at::Tensor& target) { return at::mse_loss(output, target); });
+      CHECK(*seen == std::vector<bool>{false, true, false, true});  // 1F1B on one stage: F0 B0 F1 B1
+      CHECK_FALSE(smp::recomputing());
+    }
+  }
 }

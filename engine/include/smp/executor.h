@@ -21,8 +21,8 @@ using LossFunction = std::function<at::Tensor(const at::Tensor& output, const at
 // the model itself: `target` is undefined when the step has no targets.
 using OutputsLossFunction = std::function<at::Tensor(const std::vector<at::Tensor>& outputs, const at::Tensor& target)>;
 
-// True on the thread running a checkpointed stage's forward again for its backward: a module's own counters (tokens
-// routed per expert) count each microbatch's forward once.
+// True on the thread running a checkpointed stage's or module's forward again for its backward (RecomputeScope): a
+// module's own counters (tokens routed per expert) count each microbatch's forward once.
 bool recomputing();
 
 // One microbatch of the model's inputs, in GraphModel::input_names() order.

@@ -16,17 +16,28 @@
 #include <torch/nn/module.h>
 
 #include "smp/errors.h"
+#include "smp/executor.h"
 
 namespace smp {
 
+namespace {
+// Per thread: a recompute runs in the thread that runs its backward (on a GPU, autograd's device thread), while
+// another thread (an overlapped forward) may be running a first forward at the same time.
+thread_local bool recomputing_now = false;
+}  // namespace
+
+bool recomputing() { return recomputing_now; }
+
 RecomputeScope::RecomputeScope(const RandomState& first_run, const std::vector<at::Tensor>& buffers,
                                c10::Device device)
-    : before_(RandomState::capture(device)) {
+    : before_(RandomState::capture(device)), was_recomputing_(recomputing_now) {
   for (const auto& buffer : buffers) buffers_.emplace_back(buffer, buffer.clone());
   first_run.restore();
+  recomputing_now = true;
 }
 
 RecomputeScope::~RecomputeScope() {
+  recomputing_now = was_recomputing_;
   before_.restore();
   // Below autograd's version counting, as batch norm's own kernel updates them: the recomputed graph saved these
   // tensors and would refuse a backward through them after a counted in-place write.

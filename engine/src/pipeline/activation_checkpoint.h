@@ -18,9 +18,9 @@
 
 namespace smp {
 
-// Around a forward run again: sets the random generators to what the first run drew from; when it ends, puts the
-// generators back as they were before it (the sequence goes on as if there had been no recompute) and `buffers`
-// as the first run left them.
+// Around a forward run again: sets the random generators to what the first run drew from, and recomputing() on this
+// thread; when it ends, puts the generators back as they were before it (the sequence goes on as if there had been
+// no recompute) and `buffers` as the first run left them.
 class RecomputeScope {
  public:
   RecomputeScope(const RandomState& first_run, const std::vector<at::Tensor>& buffers, c10::Device device);
@@ -30,6 +30,7 @@ class RecomputeScope {
 
  private:
   RandomState before_;
+  bool was_recomputing_;
   std::vector<std::pair<at::Tensor, at::Tensor>> buffers_;  // (live, as the first run left it)
 };
 

@@ -26,19 +26,6 @@ namespace {
 
 using sched::ActionKind;
 
-thread_local bool recomputing_now = false;
-
-class RecomputingScope {
- public:
-  explicit RecomputingScope(bool recompute) : before_(recomputing_now) { recomputing_now = recompute; }
-  ~RecomputingScope() { recomputing_now = before_; }
-  RecomputingScope(const RecomputingScope&) = delete;
-  RecomputingScope& operator=(const RecomputingScope&) = delete;
-
- private:
-  bool before_;
-};
-
 enum class Direction { Activation = 0, Gradient = 1 };
 
 // Every (direction, producer stage, consumer stage, microbatch) has its own tag range, so messages can never be
@@ -78,8 +65,6 @@ void emulate_slow_device(double busy_seconds, double factor) {
     std::this_thread::sleep_for(std::chrono::duration<double>(busy_seconds * (factor - 1.0)));
   }
 }
-
-bool recomputing() { return recomputing_now; }
 
 PipelineExecutor::PipelineExecutor(sched::Schedule schedule, sched::StageGraph graph, comm::Communicator& pipeline,
                                    std::vector<int> checkpointed_stages, bool overlap_forward_backward)
@@ -427,7 +412,6 @@ class PipelineExecutor::Step {
 
   // recompute: the backward of a checkpointed stage running its forward again, whose output was kept already.
   void run_forward(int stage, int microbatch, Stash& entry, bool recompute) {
-    RecomputingScope scope(recompute);
     auto produced = stages_.forward(stage, data_.inputs.at(microbatch), entry.inputs);
     entry.outputs = std::move(produced.to_consumers);
     entry.outputs_ready = true;
