@@ -93,10 +93,12 @@ inline std::string smp_config(int pp, int dp, int microbatches, const std::strin
   return json.str();
 }
 
-inline Result run_worker(int processes, const std::string& config, const std::string& flags = "") {
-  return run_command(std::string(SMPRUN_PATH) + " -n " + std::to_string(processes) + " -- " + WORKER_PATH +
-                         " --config " + config + " " + flags,
-                     240);
+// `launcher_flags` go to smprun (--grace 2: a stopped rank is killed 2 s after its peers failed).
+inline Result run_worker(int processes, const std::string& config, const std::string& flags = "", int timeout_s = 240,
+                         const std::string& launcher_flags = "") {
+  return run_command(std::string(SMPRUN_PATH) + " " + launcher_flags + " -n " + std::to_string(processes) + " -- " +
+                         WORKER_PATH + " --config " + config + " " + flags,
+                     timeout_s);
 }
 
 inline std::vector<double> step_losses(const std::string& output) {

@@ -99,9 +99,7 @@ TEST_CASE("a killed rank stops the job; resuming gives the uninterrupted losses 
 
 TEST_CASE("a rank that stops answering makes the others fail within the timeout and names it", "[faults]") {
   const auto config = write_config("stopped", smp_config(2, 2, 2, "interleaved", "cluster", 8, 5));
-  const auto result = run_command(std::string(SMPRUN_PATH) + " --grace 2 -n 4 -- " + WORKER_PATH + " --config " +
-                                      config + " --steps 4 --stop-rank 1 --stop-step 2",
-                                  120);
+  const auto result = run_worker(4, config, "--steps 4 --stop-rank 1 --stop-step 2", 120, "--grace 2");
   INFO(result.output);
   CHECK(result.status != 0);
   CHECK(result.status != 124);

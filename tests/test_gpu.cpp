@@ -47,13 +47,9 @@ bool nccl_shares_the_gpu() {
   return smp::comm::nccl_available() && smp::comm::nccl_version() >= smp::comm::kNcclSharesGpusFrom;
 }
 
-// A job of ranks sharing the GPU over NCCL, bounded well below the program's own limit: should NCCL hang, the
+// Jobs of ranks sharing the GPU over NCCL are bounded well below the program's own limit: should NCCL hang, the
 // other cases still run within the device call.
-Result run_shared_gpu_worker(int processes, const std::string& config, const std::string& flags) {
-  return run_command(std::string(SMPRUN_PATH) + " -n " + std::to_string(processes) + " -- " + WORKER_PATH +
-                         " --config " + config + " " + flags,
-                     150);
-}
+constexpr int kSharedGpuJobTimeout = 150;
 
 bool skip_unless_nccl_shares_the_gpu() {
   if (nccl_shares_the_gpu()) return false;
@@ -189,7 +185,7 @@ TEST_CASE("two processes on one GPU over NCCL: shared from NCCL 2.30 on, refused
           "[gpu][config][nccl]") {
   if (torch::cuda::device_count() != 1 || !smp::comm::nccl_available()) return;  // one GPU, two processes
   const auto config = write_config("gpu_nccl_two", gpu_config(2, 1, 2, "interleaved", 4));
-  const auto result = run_shared_gpu_worker(2, config, "--model gpt --steps 3 --rtol 1e-4");
+  const auto result = run_worker(2, config, "--model gpt --steps 3 --rtol 1e-4", kSharedGpuJobTimeout);
   INFO(result.output);
   if (nccl_shares_the_gpu()) {
     check_clean_run(result, 2);
@@ -204,23 +200,31 @@ TEST_CASE("two processes on one GPU over NCCL: shared from NCCL 2.30 on, refused
 // transfers, gradient all-reduce over replicas, tensor parallelism's collectives, and the watchdog across processes.
 TEST_CASE("pipelines across processes sharing the GPU over NCCL train like single-GPU training", "[gpu][nccl][multirank]") {
   if (skip_unless_nccl_shares_the_gpu()) return;
-  SECTION("2 stages, 1F1B") {
-    const auto config = write_config("nccl_2", gpu_config(2, 1, 4, "interleaved", 8, R"(, "backend": "nccl")"));
-    check_clean_run(run_shared_gpu_worker(2, config, "--model gpt --steps 3 --rtol 1e-4"), 2);
-  }
-  SECTION("4 stages, interleaved v=2, AdamW") {
-    const auto config = write_config("nccl_4v2", gpu_config(4, 1, 8, "interleaved", 16,
-                                                            R"(, "backend": "nccl", "virtual_stages": 2)"));
-    check_clean_run(run_shared_gpu_worker(4, config, "--model mlp --optimizer adamw --steps 3 --rtol 1e-3"), 4);
-  }
-  SECTION("2 stages x 2 replicas, zero bubble: the gradients all-reduced over NCCL") {
-    const auto config = write_config("nccl_2x2", gpu_config(2, 2, 2, "zero_bubble", 8, R"(, "backend": "nccl")"));
-    check_clean_run(run_shared_gpu_worker(4, config, "--model residual --steps 3 --clip 0.5 --rtol 1e-4"), 4);
-  }
-  SECTION("tp 2 x pp 2: all-gather and reduce-scatter over NCCL") {
-    const auto config = write_config("nccl_tp2pp2", gpu_config(2, 1, 4, "interleaved", 8,
-                                                               R"(, "backend": "nccl", "tensor_parallel_degree": 2)"));
-    check_clean_run(run_shared_gpu_worker(4, config, "--model gpt --optimizer adamw --steps 3 --clip 0.5 --rtol 1e-3"), 4);
+  struct Case {
+    const char* label;
+    int pp, dp, microbatches;
+    const char* pipeline;
+    const char* extra_keys;
+    const char* flags;
+  };
+  const Case cases[] = {
+      {"2 stages, 1F1B", 2, 1, 4, "interleaved", "", "--model gpt --steps 3 --rtol 1e-4"},
+      {"4 stages, interleaved v=2, AdamW", 4, 1, 8, "interleaved", R"(, "virtual_stages": 2)",
+       "--model mlp --optimizer adamw --steps 3 --rtol 1e-3"},
+      {"2 stages x 2 replicas, zero bubble: the gradients all-reduced over NCCL", 2, 2, 2, "zero_bubble", "",
+       "--model residual --steps 3 --clip 0.5 --rtol 1e-4"},
+      {"tp 2 x pp 2: all-gather and reduce-scatter over NCCL", 2, 1, 4, "interleaved", R"(, "tensor_parallel_degree": 2)",
+       "--model gpt --optimizer adamw --steps 3 --clip 0.5 --rtol 1e-3"},
+  };
+  for (const auto& c : cases) {
+    DYNAMIC_SECTION(c.label) {
+      const bool tensor_parallel = std::string(c.extra_keys).find("tensor_parallel") != std::string::npos;
+      const int ranks = c.pp * c.dp * (tensor_parallel ? 2 : 1);
+      const auto config = write_config("nccl_" + std::to_string(&c - cases),
+                                       gpu_config(c.pp, c.dp, c.microbatches, c.pipeline, c.dp * c.microbatches * 2,
+                                                  std::string(R"(, "backend": "nccl")") + c.extra_keys));
+      check_clean_run(run_worker(ranks, config, c.flags, kSharedGpuJobTimeout), ranks);
+    }
   }
 }
 
@@ -229,9 +233,7 @@ TEST_CASE("a killed or hung rank ends an NCCL job on the shared GPU within the t
   if (skip_unless_nccl_shares_the_gpu()) return;
   SECTION("killed") {
     const auto config = write_config("nccl_kill", gpu_config(2, 2, 2, "interleaved", 8, R"(, "backend": "nccl")", 20));
-    const auto result = run_command(std::string(SMPRUN_PATH) + " --grace 2 -n 4 -- " + WORKER_PATH + " --config " +
-                                        config + " --steps 6 --kill-rank 1 --kill-step 3",
-                                    120);
+    const auto result = run_worker(4, config, "--steps 6 --kill-rank 1 --kill-step 3", 120, "--grace 2");
     INFO(result.output);
     CHECK(result.status != 0);
     CHECK(result.status != 124);
@@ -241,9 +243,7 @@ TEST_CASE("a killed or hung rank ends an NCCL job on the shared GPU within the t
   SECTION("hung") {
     // Rank 1 stops answering without exiting; its peers' transfers are bounded by the watchdog, not by the launcher.
     const auto config = write_config("nccl_stop", gpu_config(2, 2, 2, "interleaved", 8, R"(, "backend": "nccl")", 5));
-    const auto result = run_command(std::string(SMPRUN_PATH) + " --grace 2 -n 4 -- " + WORKER_PATH + " --config " +
-                                        config + " --steps 4 --stop-rank 1 --stop-step 2",
-                                    120);
+    const auto result = run_worker(4, config, "--steps 4 --stop-rank 1 --stop-step 2", 120, "--grace 2");
     INFO(result.output);
     CHECK(result.status != 0);
     CHECK(result.status != 124);
