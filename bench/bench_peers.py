@@ -27,6 +27,7 @@ A worker mode runs inside each job: python bench/bench_peers.py --worker ENGINE 
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -138,21 +139,63 @@ def settle(device):
         torch.cuda.synchronize(device)
 
 
+# The wall-clock span of the last timed_steps' measured steps (time.time()), for the GPU's busy fraction.
+measured_window = (0.0, 0.0)
+
+
 def timed_steps(step, warmup, steps, device=torch.device("cpu")):
+    global measured_window
     times = []
     for index in range(warmup + steps):
+        if index == warmup:
+            window_start = time.time()
         started = time.perf_counter()
         step(index)
         settle(device)
         if index >= warmup:
             times.append(time.perf_counter() - started)
+    measured_window = (window_start, time.time())
     return times
 
 
 def report(engine, config, times, **extra):
     median = statistics.median(times)
     print(json.dumps({"engine": engine, "median_step_s": median, "samples_per_s": config["batch"] / median,
-                      "spread": max(times) / min(times), **extra}), flush=True)
+                      "spread": max(times) / min(times), "window": measured_window, **extra}), flush=True)
+
+
+class GpuBusy:
+    """nvidia-smi's utilization.gpu (the share of each sample period in which a kernel ran) sampled every 100 ms
+    while a job runs; busy(window) averages the samples inside a worker's measured steps. Without nvidia-smi,
+    busy() is None."""
+
+    def __enter__(self):
+        try:
+            self.sampler = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,utilization.gpu",
+                                             "--format=csv,noheader,nounits", "-lms", "100"],
+                                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.sampler = None
+        self.samples = []
+        return self
+
+    def __exit__(self, *error):
+        if self.sampler is None:
+            return
+        self.sampler.terminate()
+        output, _ = self.sampler.communicate()
+        import datetime
+        for line in output.splitlines():
+            try:
+                stamp, percent = (part.strip() for part in line.split(","))
+                when = datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                self.samples.append((when, float(percent)))
+            except ValueError:
+                continue  # a line cut off by terminate()
+
+    def busy(self, window):
+        inside = [percent for when, percent in self.samples if window[0] <= when <= window[1]]
+        return statistics.mean(inside) / 100 if inside else None
 
 
 def worker_peer(config, warmup, steps):
@@ -293,6 +336,7 @@ def main():
         config = dict(config, device=args.device)
         results = {engine: [] for engine in ("peer", "smp-python", "smp-cpp", "plain", "plain-pair")}
         latencies, spreads = [], {engine: [] for engine in results}
+        busy = {engine: [] for engine in results}  # the GPU's, over rank 0's measured steps
         timeline = {}
         engines = list(results)
         for round_index in range(args.rounds):
@@ -322,9 +366,12 @@ def main():
                     traced = engine == "smp-python" and round_index == args.rounds - 1
                     if traced:
                         command += ["--trace-dir", traces]
-                    result = run_job(command if engine == "plain" else smprun + command, env)
+                    with GpuBusy() if args.device == "cuda" else contextlib.nullcontext() as gpu:
+                        result = run_job(command if engine == "plain" else smprun + command, env)
                 lines = [json.loads(l) for l in result.stdout.splitlines() if l.startswith("{")]
                 line = lines[0]
+                if gpu is not None and gpu.busy(line["window"]) is not None:
+                    busy[engine].append(gpu.busy(line["window"]))
                 results[engine].append(statistics.mean(each["samples_per_s"] for each in lines))
                 spreads[engine].append(max(each["spread"] for each in lines))
                 if engine == "peer":
@@ -349,8 +396,11 @@ def main():
               f"{median['smp-python'] / median['peer']:.3f}; of the ideal {ideal:.3f} x plain: smp-cpp "
               f"{median['smp-cpp'] / median['plain'] / ideal:.3f}, smp-python "
               f"{median['smp-python'] / median['plain'] / ideal:.3f}, peer {median['peer'] / median['plain'] / ideal:.3f}")
-        busy = median["plain-pair"] / median["plain"]
-        print(f"  one process with the other core busy runs at {busy:.3f} of plain alone; of the ideal against that: "
+        if any(busy.values()):
+            print("  GPU busy during the measured steps (nvidia-smi utilization.gpu, mean over rank 0's steps): " +
+                  ", ".join(f"{engine} {statistics.median(values):.2f}" for engine, values in busy.items() if values))
+        shared = median["plain-pair"] / median["plain"]
+        print(f"  one process with the other core busy runs at {shared:.3f} of plain alone; of the ideal against that: "
               f"smp-cpp {median['smp-cpp'] / median['plain-pair'] / ideal:.3f}, smp-python "
               f"{median['smp-python'] / median['plain-pair'] / ideal:.3f}, peer "
               f"{median['peer'] / median['plain-pair'] / ideal:.3f}")

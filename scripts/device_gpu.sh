@@ -17,7 +17,7 @@
 #                              process; needs transformers there); SMP_GPU_LLAMA_TIMEOUT=S (default 300)
 #   SMP_GPU_SKIP_PEERS=1       do not run bench/bench_peers.py --device cuda (smp against torch.distributed.pipelining,
 #                              2 ranks on the GPU; needs the Python package and an NCCL that shares the GPU)
-#   SMP_GPU_PEERS_ARGS="..."   its arguments after --device cuda (default: --only "d256 x 8 layers" --rounds 2)
+#   SMP_GPU_PEERS_ARGS="..."   its arguments after --device cuda (default: --only "d256 x 8 layers" --rounds 2 --steps 30)
 #   SMP_GPU_PEERS_TIMEOUT=S    seconds it may run (default 300)
 #   SMP_GPU_CONFIGURE_ONLY=1   stop after configuring (checks that every dependency resolves)
 #   SMP_GPU_PREBUILT=DIR       do not build here: run the GPU tests and benchmark from DIR, a build directory made on
@@ -369,7 +369,7 @@ elif [ "$nccl_shares_gpu" != 1 ]; then
 elif [ -z "$(ls "$build"/python/smp/_smp*.so 2>/dev/null)" ]; then
   say "no Python package in $build; side-by-side benchmark skipped"
 else
-  peers_args=(--device cuda --only "d256 x 8 layers" --rounds 2)
+  peers_args=(--device cuda --only "d256 x 8 layers" --rounds 2 --steps 30)
   [ -n "${SMP_GPU_PEERS_ARGS:-}" ] && read -r -a peers_args <<<"--device cuda $SMP_GPU_PEERS_ARGS"
   say "bench_peers ${peers_args[*]}"
   peers_status=0
