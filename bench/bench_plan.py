@@ -58,27 +58,21 @@ def batch(samples, generator, name="llama"):
 
 
 def measure_link():
-    """The all-reduce's bandwidth between the 4 processes, in ring terms (each sends 2 (n - 1) / n of the bytes):
-    the median of 9 all-reduces of 16 MiB after 2 untimed, as a job measures its links. The fastest took half the
-    median where 4 processes share 2 cores, and predictions from it fell short of data-parallel steps."""
+    """The links as an "auto" job measures them before it plans (Runtime._measured_planning_costs, every rank at
+    once): the bandwidth of a 4 MiB all-reduce over a scalar one and the latency of a ping-pong between neighbours,
+    medians of their rounds."""
     import smp
     runtime = smp.init({"ddp": True})
-    tensor = torch.ones(1 << 22)
-    times = []
-    for _ in range(11):
-        started = time.perf_counter()
-        runtime.all_reduce_sum(tensor)
-        times.append(time.perf_counter() - started)
-    seconds = statistics.median(times[2:])
-    n = runtime.world_size
-    print(json.dumps({"rank": runtime.rank, "gbps": 2 * (n - 1) / n * tensor.nbytes / seconds / 1e9}), flush=True)
+    links = runtime._measured_planning_costs()
+    print(json.dumps({"rank": runtime.rank, "gbps": links["bytes_per_s"] / 1e9, "latency_us": links["latency_s"] * 1e6}),
+          flush=True)
 
 
-def predict(name, link_gbps):
+def predict(name, link_gbps, latency_us):
     import smp
     smp.init({"global_batch_size": GLOBAL_BATCH})
     found = smp.plan(build(name), batch(2, torch.Generator().manual_seed(1), name)[0], world_size=WORLD,
-                     link_gbps=link_gbps)
+                     link_gbps=link_gbps, latency_us=latency_us)
     print(json.dumps({"layouts": found.layouts, "report": found.report}), flush=True)
 
 
@@ -172,9 +166,12 @@ def spearman(xs, ys):
 
 
 def drive(name, steps):
-    link = statistics.median(r["gbps"] for r in job(WORLD, "--measure-link"))
-    print(f"all-reduce between the {WORLD} processes: {link:.2f} GB/s", flush=True)
-    planned = job(1, "--model", name, "--predict", "--link-gbps", str(link))[0]
+    measured = job(WORLD, "--measure-link")
+    link = statistics.median(r["gbps"] for r in measured)
+    latency = statistics.median(r["latency_us"] for r in measured)
+    print(f"links between the {WORLD} processes, as an auto job measures them: {link:.2f} GB/s, latency "
+          f"{latency:.0f} us", flush=True)
+    planned = job(1, "--model", name, "--predict", "--link-gbps", str(link), "--latency-us", str(latency))[0]
     rows = []
     cuts_differ = 0
     for layout in grid(planned["layouts"]):
@@ -199,7 +196,7 @@ def drive(name, steps):
     memory_errors = sorted(abs(e) for _, _, errors in rows for e in errors)
     errors = sorted(abs(p - m) / m for p, m in zip(predicted, measured))
     choice = min(range(len(rows)), key=lambda i: predicted[i])
-    print(json.dumps({"model": name, "layouts": len(rows), "link_gbps": link,
+    print(json.dumps({"model": name, "layouts": len(rows), "link_gbps": link, "latency_us": latency,
                       "median_abs_error": statistics.median(errors),
                       "memory_median_abs_error": statistics.median(memory_errors),
                       "memory_worst_abs_error": memory_errors[-1],
@@ -218,12 +215,13 @@ def main():
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--measure-link", action="store_true")
     parser.add_argument("--link-gbps", type=float)
+    parser.add_argument("--latency-us", type=float, default=50.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.measure_link:
         measure_link()
     elif args.predict:
-        predict(args.model, args.link_gbps)
+        predict(args.model, args.link_gbps, args.latency_us)
     elif args.train:
         train(args.model, args.train, args.steps)
     else:
