@@ -404,33 +404,6 @@ PYBIND11_MODULE(_smp, module) {
             tensor.copy_(owned);
           },
           py::arg("tensor"), py::call_guard<py::gil_scoped_release>())
-      // The tensor-parallel group's collectives without autograd, for smp.tp's operations (autograd is theirs). The
-      // result is a copy of the transport's tensor, for the reason all_reduce_sum gives.
-      .def(
-          "_tp_all_reduce",
-          [](Runtime& runtime, const at::Tensor& tensor) {
-            return tp::all_reduced(tensor, runtime.tensor_parallel_group()).clone();
-          },
-          py::arg("tensor"), py::call_guard<py::gil_scoped_release>())
-      .def(
-          "_tp_all_gather",
-          [](Runtime& runtime, const at::Tensor& tensor, int64_t dim) {
-            return tp::all_gathered(tensor, dim, runtime.tensor_parallel_group()).clone();
-          },
-          py::arg("tensor"), py::arg("dim"), py::call_guard<py::gil_scoped_release>())
-      .def(
-          "_tp_reduce_scatter",
-          [](Runtime& runtime, const at::Tensor& tensor, int64_t dim) {
-            return tp::reduce_scattered(tensor, dim, runtime.tensor_parallel_group()).clone();
-          },
-          py::arg("tensor"), py::arg("dim"), py::call_guard<py::gil_scoped_release>())
-      // smp.tp.vocab_parallel_cross_entropy: the engine's, over the tensor-parallel group (autograd is its).
-      .def(
-          "_vocab_parallel_cross_entropy",
-          [](Runtime& runtime, const at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index) {
-            return tp::vocab_parallel_cross_entropy(logits, targets, runtime.tensor_parallel_group(), ignore_index);
-          },
-          py::arg("logits"), py::arg("targets"), py::arg("ignore_index"), py::call_guard<py::gil_scoped_release>())
       // Rows of `tensor` to the members of the expert-parallel group, for smp.ep's all_to_all (autograd is its).
       .def(
           "_ep_all_to_all",
@@ -598,6 +571,57 @@ PYBIND11_MODULE(_smp, module) {
         return tp::shard_of(whole, dim, rank, degree, blocks);
       },
       py::arg("whole"), py::arg("dim"), py::arg("blocks"), py::arg("rank"), py::arg("degree"));
+  // smp.tp's collectives and layers: the engine's (tp.h), over the process's tensor-parallel group. Called under
+  // torch.export too, whose tracing sees the operators they dispatch (the GIL is taken back where it needs it).
+  const auto release = py::call_guard<py::gil_scoped_release>();
+  module.def("tp_copy_to_shards", [](const at::Tensor& x) { return tp::copy_to_shards(x, tp::process_group()); },
+             release);
+  module.def("tp_reduce_from_shards",
+             [](const at::Tensor& x) { return tp::reduce_from_shards(x, tp::process_group()); }, release);
+  module.def("tp_gather_last_dim", [](const at::Tensor& x) { return tp::gather_last_dim(x, tp::process_group()); },
+             release);
+  module.def("tp_scatter_last_dim", [](const at::Tensor& x) { return tp::scatter_last_dim(x, tp::process_group()); },
+             release);
+  module.def("tp_scatter_sequence", [](const at::Tensor& x) { return tp::scatter_sequence(x, tp::process_group()); },
+             release);
+  module.def(
+      "tp_gather_sequence",
+      [](const at::Tensor& x, bool for_whole) { return tp::gather_sequence(x, tp::process_group(), for_whole); },
+      py::arg("x"), py::arg("for_whole"), release);
+  module.def("tp_reduce_scatter_sequence",
+             [](const at::Tensor& x) { return tp::reduce_scatter_sequence(x, tp::process_group()); }, release);
+  module.def(
+      "tp_column_parallel_linear",
+      [](const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, bool gather_output,
+         bool input_gathered, bool transposed) {
+        using Input = tp::ColumnParallelOptions::Input;
+        return tp::column_parallel_linear(x, weight, bias.value_or(at::Tensor()), tp::process_group(),
+                                          {input_gathered ? Input::already_gathered : Input::whole, gather_output,
+                                           transposed});
+      },
+      py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("gather_output"), py::arg("input_gathered"),
+      py::arg("transposed"), release);
+  module.def(
+      "tp_row_parallel_linear",
+      [](const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, bool input_is_parallel,
+         bool sequence_parallel, bool transposed) {
+        return tp::row_parallel_linear(x, weight, bias.value_or(at::Tensor()), tp::process_group(),
+                                       {input_is_parallel, sequence_parallel, transposed});
+      },
+      py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("input_is_parallel"), py::arg("sequence_parallel"),
+      py::arg("transposed"), release);
+  module.def(
+      "tp_vocab_parallel_embedding",
+      [](const at::Tensor& ids, const at::Tensor& weight, int64_t first_id, std::optional<int64_t> padding_idx) {
+        return tp::vocab_parallel_embedding(ids, weight, first_id, tp::process_group(), padding_idx.value_or(-1));
+      },
+      py::arg("ids"), py::arg("weight"), py::arg("first_id"), py::arg("padding_idx"), release);
+  module.def(
+      "tp_vocab_parallel_cross_entropy",
+      [](const at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index) {
+        return tp::vocab_parallel_cross_entropy(logits, targets, tp::process_group(), ignore_index);
+      },
+      py::arg("logits"), py::arg("targets"), py::arg("ignore_index"), release);
   module.def("recomputing", &recomputing);
   // Whether the process runs without collectives (rank 0 profiling alone, WithoutCollectives).
   module.def("without_collectives", &without_collectives);

@@ -1,6 +1,7 @@
-// Launched by test_tensor_parallel under smprun: a small transformer (vocabulary-parallel embedding, attention with
-// the heads split, a column/row-parallel MLP, a gathered column layer feeding a scattered row layer, a
-// column-parallel output layer and the vocabulary-parallel cross entropy) trained on every rank of one
+// Launched by test_tensor_parallel under smprun: a small transformer (vocabulary-parallel embedding with a padding id,
+// attention with the heads split, a column/row-parallel MLP, a gathered column layer feeding a scattered row layer, a
+// stretch split along a dimension and gathered for computation whole on every rank, a column-parallel output layer
+// and the vocabulary-parallel cross entropy) trained on every rank of one
 // tensor-parallel group, against the same model whole, trained the plain LibTorch way in this process from the same
 // weights on the same batches. Prints "rank R: N tensors checked, M mismatches" and exits 0 only when the losses
 // and every shard agree.
@@ -23,11 +24,12 @@
 
 namespace {
 
-constexpr int64_t kVocabulary = 32, kWidth = 16, kHeads = 4, kLength = 6, kBatch = 4;
+constexpr int64_t kVocabulary = 32, kWidth = 16, kHeads = 4, kLength = 6, kBatch = 4, kPadding = 3;
 
 // The model whole, as single-process LibTorch runs it.
 struct Whole : torch::nn::Module {
-  torch::nn::Embedding embed{register_module("embed", torch::nn::Embedding(kVocabulary, kWidth))};
+  torch::nn::Embedding embed{
+      register_module("embed", torch::nn::Embedding(torch::nn::EmbeddingOptions(kVocabulary, kWidth).padding_idx(kPadding)))};
   torch::nn::LayerNorm norm1{register_module("norm1", torch::nn::LayerNorm(std::vector<int64_t>{kWidth}))};
   torch::nn::Linear query{register_module("query", torch::nn::Linear(kWidth, kWidth))};
   torch::nn::Linear key{register_module("key", torch::nn::Linear(kWidth, kWidth))};
@@ -51,6 +53,7 @@ struct Whole : torch::nn::Module {
     h = h + projection(attended.transpose(1, 2).reshape({kBatch, kLength, kWidth}));
     h = h + contract(at::gelu(expand(norm2(h))));
     h = h + narrow(at::tanh(widen(h)));
+    h = h + at::tanh(h);
     return at::cross_entropy_loss(head(h).reshape({-1, kVocabulary}), targets.reshape({-1}));
   }
 };
@@ -59,7 +62,7 @@ struct Whole : torch::nn::Module {
 struct Sharded : torch::nn::Module {
   explicit Sharded(const smp::tp::Group& group)
       : group(group),
-        embed(register_module("embed", smp::tp::VocabParallelEmbedding(kVocabulary, kWidth, group))),
+        embed(register_module("embed", smp::tp::VocabParallelEmbedding(kVocabulary, kWidth, group, kPadding))),
         norm1(register_module("norm1", torch::nn::LayerNorm(std::vector<int64_t>{kWidth}))),
         attention(register_module("attention", smp::tp::SelfAttention(kWidth, kHeads, group))),
         norm2(register_module("norm2", torch::nn::LayerNorm(std::vector<int64_t>{kWidth}))),
@@ -74,6 +77,10 @@ struct Sharded : torch::nn::Module {
     h = h + attention(norm1(h));
     h = h + contract(at::gelu(expand(norm2(h))));
     h = h + narrow(at::tanh(widen(h)));  // gathered whole, then each rank's slice again
+    // Split along the width (dimension 1 here, as sequence parallelism splits sequences), then gathered for what
+    // follows whole on every rank: each rank's gradient is whole, and it keeps its slice.
+    const at::Tensor split = smp::tp::scatter_sequence(h.transpose(1, 2).contiguous(), group);
+    h = h + smp::tp::gather_sequence(at::tanh(split), group, /*for_whole=*/true).transpose(1, 2);
     return smp::tp::vocab_parallel_cross_entropy(head(h), targets, group);
   }
 
@@ -147,6 +154,24 @@ int check_collectives(smp::comm::Communicator& group) {
   return mismatches;
 }
 
+// The operators' shapes without data (what a torch.export capture sees) and their refusals.
+int check_operator_shapes(const smp::tp::Group& group) {
+  const int64_t n = group->size();
+  const at::Tensor meta = at::empty({2, 4 * n, 3}, at::device(at::kMeta));
+  int mismatches = 0;
+  mismatches += smp::tp::gather_last_dim(meta, group).sizes() != at::IntArrayRef({2, 4 * n, 3 * n});
+  mismatches += smp::tp::scatter_sequence(meta, group).sizes() != at::IntArrayRef({2, 4, 3});
+  mismatches += smp::tp::gather_sequence(meta, group, true).sizes() != at::IntArrayRef({2, 4 * n * n, 3});
+  mismatches += smp::tp::reduce_from_shards(meta, group).sizes() != meta.sizes();
+  try {
+    smp::tp::reduce_scatter_sequence(at::empty({2, 4 * n + 1, 3}, at::device(at::kMeta)), group);
+    ++mismatches;  // a sequence that does not split must be refused
+  } catch (const smp::ConfigError& error) {
+    mismatches += std::string(error.what()).find("does not split") == std::string::npos;
+  }
+  return mismatches;
+}
+
 int run(int argc, char** argv) {
   std::string config_path;
   int steps = 3;
@@ -157,7 +182,7 @@ int run(int argc, char** argv) {
   }
   auto runtime = smp::Runtime::init(smp::Config::from_file(config_path));
   const auto group = runtime->tensor_parallel_group();
-  int mismatches = check_collectives(*group);
+  int mismatches = check_collectives(*group) + check_operator_shapes(group);
 
   at::manual_seed(runtime->config().seed);
   auto whole = std::make_shared<Whole>();

@@ -22,11 +22,10 @@ import re
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
 
 from . import _smp
 from ._smp import ConfigError
-from ._state import runtime as _runtime, runtime_or_none
+from ._state import runtime_or_none
 
 __all__ = ["Colwise", "Rowwise", "VocabParallel", "Replicated", "Divide", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "apply_plan", "builtin_plan", "shard_of", "copy_to_shards", "reduce_from_shards",
@@ -48,100 +47,26 @@ def rank():
     return 0 if initialized is None else initialized.tp_rank
 
 
-# The collectives as operations torch.export keeps in a captured graph (so that a captured model's node calls them),
-# with their autograd. Their implementations call the engine's (which skip communication while rank 0 profiles a
-# node alone, count bytes and show in timelines).
-
-def _own_slice(x, dim):
-    width = x.shape[dim] // degree()
-    return x.narrow(dim, rank() * width, width).contiguous()
-
-
-def _collective(name, forward, backward, dim=None, grows=True):
-    """Registers smp::NAME, forward(x), with backward(gradient) as its gradient. Its output is x's shape, with
-    dimension `dim` (if any) times the degree when it grows, else divided by it."""
-    def run(x: Tensor) -> Tensor:
-        return forward(x)
-    operation = torch.library.custom_op(f"smp::{name}", run, mutates_args=())
-
-    @operation.register_fake
-    def _(x):
-        shape = list(x.shape)
-        if dim is not None:
-            shape[dim] = shape[dim] * degree() if grows else shape[dim] // degree()
-        return x.new_empty(shape)
-
-    operation.register_autograd(lambda context, gradient: backward(gradient))
-    return operation
-
-
-def _all_reduced(x):
-    return _runtime()._tp_all_reduce(x)
-
-
-def _all_gathered(dim):
-    return lambda x: _runtime()._tp_all_gather(x, dim)
-
-
-def _reduce_scattered(x):
-    return _runtime()._tp_reduce_scatter(x, SEQUENCE)
-
-
-def _sliced(dim):
-    return lambda x: _own_slice(x, dim)
-
-
-# Sequence parallelism: activations between a row layer and the next column layer split along the sequence
-# (dimension 1). Backward runs eagerly, so it calls the engine's collectives directly.
-SEQUENCE = 1
-
-# An operation's output may not be its input: copy_to_shards clones.
-_copy_to_shards = _collective("tp_copy_to_shards", lambda x: x.clone(), _all_reduced)
-_reduce_from_shards = _collective("tp_reduce_from_shards", _all_reduced, lambda gradient: gradient)
-_gather_last_dim = _collective("tp_gather_last_dim", _all_gathered(-1), _sliced(-1), dim=-1)
-_scatter_last_dim = _collective("tp_scatter_last_dim", _sliced(-1), _all_gathered(-1), dim=-1, grows=False)
-_scatter_sequence = _collective("tp_scatter_sequence", _sliced(SEQUENCE), _all_gathered(SEQUENCE), dim=SEQUENCE,
-                                grows=False)
-_gather_sequence = _collective("tp_gather_sequence", _all_gathered(SEQUENCE), _reduce_scattered, dim=SEQUENCE)
-# What follows is whole on every rank (it ends sequence parallelism): each rank's gradient is already the whole
-# one, of which it keeps its slice.
-_gather_sequence_for_whole = _collective("tp_gather_sequence_for_whole", _all_gathered(SEQUENCE), _sliced(SEQUENCE),
-                                         dim=SEQUENCE)
-_reduce_scatter_sequence = _collective("tp_reduce_scatter_sequence", _reduce_scattered, _all_gathered(SEQUENCE),
-                                       dim=SEQUENCE, grows=False)
-
-
-def _check_sequence(x):
-    if x.dim() < 2 or x.shape[SEQUENCE] % degree():
-        raise ConfigError(f"sequence parallelism: a sequence of {x.shape[SEQUENCE] if x.dim() > 1 else 'no'} "
-                          f"positions does not split over \"tensor_parallel_degree\" {degree()} (its length must "
-                          "divide by it)")
-
+# The collectives, each paired with the one its gradient takes, are the engine's operators (torch.ops.smp.tp_*,
+# engine/src/parallel/tp_collectives.cpp): C++ layers and these call the same, and a torch.export capture keeps them
+# as nodes. They skip communication while rank 0 profiles a node alone, count bytes and show in timelines.
 
 def scatter_sequence(x):
     """This rank's slice of the sequence: slice forward, all-gather backward (where sequence parallelism begins)."""
-    if degree() == 1:
-        return x
-    _check_sequence(x)
-    return _scatter_sequence(x)
+    return _smp.tp_scatter_sequence(x)
 
 
 def gather_sequence(x, for_whole=False):
     """The slices put together: all-gather forward, reduce-scatter backward (before column layers, whose gradients
     are partial). for_whole: before computation whole on every rank (where sequence parallelism ends), whose
     gradient each rank has whole: this rank's slice of it backward."""
-    if degree() == 1:
-        return x
-    return _gather_sequence_for_whole(x) if for_whole else _gather_sequence(x)
+    return _smp.tp_gather_sequence(x, for_whole)
 
 
 def reduce_scatter_sequence(x):
     """Partial sums added up and split along the sequence: reduce-scatter forward, all-gather backward (after a row
     layer)."""
-    if degree() == 1:
-        return x
-    _check_sequence(x)
-    return _reduce_scatter_sequence(x)
+    return _smp.tp_reduce_scatter_sequence(x)
 
 
 def _sees_sequence_slice(parameter):
@@ -164,22 +89,22 @@ def collective_bytes():
 
 def copy_to_shards(x):
     """The input whole on every rank, about to meet sharded weights: identity forward, gradients summed backward."""
-    return x if degree() == 1 else _copy_to_shards(x)
+    return _smp.tp_copy_to_shards(x)
 
 
 def reduce_from_shards(x):
     """Partial sums of every rank added up: all-reduce forward, identity backward."""
-    return x if degree() == 1 else _reduce_from_shards(x)
+    return _smp.tp_reduce_from_shards(x)
 
 
 def gather_last_dim(x):
     """The shards of the last dimension put together: all-gather forward, this rank's slice backward."""
-    return x if degree() == 1 else _gather_last_dim(x)
+    return _smp.tp_gather_last_dim(x)
 
 
 def scatter_last_dim(x):
     """This rank's slice of the last dimension: slice forward, all-gather backward."""
-    return x if degree() == 1 else _scatter_last_dim(x)
+    return _smp.tp_scatter_last_dim(x)
 
 
 def shard_of(whole, dim, blocks=1, of=None):
@@ -276,14 +201,8 @@ class ColumnParallelLinear(_FromWhole):
         self.bias = _shard_parameter(whole.bias, 0, self.blocks) if whole.bias is not None else None
 
     def forward(self, x):
-        if not self.input_gathered:
-            x = copy_to_shards(x)
-        if self.transposed:
-            y = x @ self.weight if self.bias is None else torch.addmm(
-                self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
-        else:
-            y = F.linear(x, self.weight, self.bias)
-        return gather_last_dim(y) if self.gather_output else y
+        return _smp.tp_column_parallel_linear(x, self.weight, self.bias, self.gather_output, self.input_gathered,
+                                              self.transposed)
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features} of {self.out_features * degree()}"
@@ -316,11 +235,8 @@ class RowParallelLinear(_FromWhole):
             _sees_sequence_slice(self.bias)
 
     def forward(self, x):
-        if not self.input_is_parallel:
-            x = scatter_last_dim(x)
-        partial = x @ self.weight if self.transposed else F.linear(x, self.weight)
-        y = reduce_scatter_sequence(partial) if self.sequence_parallel else reduce_from_shards(partial)
-        return y if self.bias is None else y + self.bias
+        return _smp.tp_row_parallel_linear(x, self.weight, self.bias, self.input_is_parallel, self.sequence_parallel,
+                                           self.transposed)
 
     def extra_repr(self):
         return f"in_features={self.in_features} of {self.in_features * degree()}, out_features={self.out_features}"
@@ -340,18 +256,14 @@ class VocabParallelEmbedding(_FromWhole):
                               f"\"tensor_parallel_degree\" {degree()}")
         self.rows = whole.num_embeddings // degree()
         self.first = rank() * self.rows
-        padding = whole.padding_idx
-        self.padding_idx = padding - self.first if padding is not None and 0 <= padding - self.first < self.rows \
-            else None
+        self.padding_idx = whole.padding_idx  # a whole-vocabulary id: no gradient for its row, on its rank
         self._cut(whole)
 
     def _cut(self, whole):
         self.weight = _shard_parameter(whole.weight, 0, 1)
 
     def forward(self, ids):
-        outside = (ids < self.first) | (ids >= self.first + self.rows)
-        rows = F.embedding((ids - self.first).masked_fill(outside, 0), self.weight, self.padding_idx)
-        return reduce_from_shards(rows.masked_fill(outside.unsqueeze(-1), 0.0))
+        return _smp.tp_vocab_parallel_embedding(ids, self.weight, self.first, self.padding_idx)
 
     def extra_repr(self):
         return f"rows {self.first}..{self.first + self.rows - 1} of {self.rows * degree()}"
@@ -365,7 +277,7 @@ def vocab_parallel_cross_entropy(logits, targets, ignore_index=-100):
     and Python compute one loss."""
     if degree() == 1:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index)
-    return _runtime()._vocab_parallel_cross_entropy(logits, targets, ignore_index)
+    return _smp.tp_vocab_parallel_cross_entropy(logits, targets, ignore_index)
 
 
 # Styles: what a plan does to the module at a path.

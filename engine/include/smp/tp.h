@@ -30,7 +30,10 @@ namespace smp::tp {
 
 using Group = std::shared_ptr<comm::Communicator>;
 
-// The collectives as autograd functions, for layers of one's own:
+// The collectives, each paired with the one its gradient takes (autograd functions), for layers of one's own. They are
+// the dispatcher's operators torch.ops.smp.tp_NAME(input, group=0) (tp_collectives.cpp), which Python's smp.tp calls
+// and a torch.export capture keeps as nodes; they count their bytes, report to the CollectiveObserver and skip
+// communication under WithoutCollectives. A group of one rank passes the input on.
 // the input whole on every rank, about to be used by sharded weights: identity forward, gradients summed backward.
 at::Tensor copy_to_shards(const at::Tensor& input, const Group& group);
 // partial sums of every rank added up: all-reduce forward, identity backward.
@@ -40,24 +43,51 @@ at::Tensor gather_last_dim(const at::Tensor& input, const Group& group);
 // this rank's slice of the last dimension: slice forward, all-gather backward.
 at::Tensor scatter_last_dim(const at::Tensor& input, const Group& group);
 
-// The collectives alone, without autograd, for autograd written elsewhere (Python's tensor-parallel operations):
-// the sum over the group (a new tensor), the shards along `dim` put together, and the sum over the group split
-// along `dim`, this rank's part (reduce-scatter). They count their bytes, report to the observer and skip
-// communication under WithoutCollectives, as the functions above do.
-at::Tensor all_reduced(const at::Tensor& input, const Group& group);
-at::Tensor all_gathered(const at::Tensor& shard, int64_t dim, const Group& group);
-at::Tensor reduce_scattered(const at::Tensor& whole, int64_t dim, const Group& group);
-
 // Sequence parallelism (Megatron's): between a row layer and the next column layer, activations are split along the
 // sequence (dimension 1) over the group, so that norms, dropout and residual adds hold and compute 1/tp of them.
+constexpr int64_t kSequenceDim = 1;
 // this rank's slice of the sequence: slice forward, all-gather backward (where the split begins).
 at::Tensor scatter_sequence(const at::Tensor& input, const Group& group);
 // the slices put together: all-gather forward, reduce-scatter backward (before a column layer, in place of
-// copy_to_shards).
-at::Tensor gather_sequence(const at::Tensor& input, const Group& group);
+// copy_to_shards). for_whole: before computation that is whole on every rank (where the split ends), whose gradient
+// every rank holds whole: this rank's slice of it backward.
+at::Tensor gather_sequence(const at::Tensor& input, const Group& group, bool for_whole = false);
 // partial sums added up and split: reduce-scatter forward, all-gather backward (after a row layer, in place of
 // reduce_from_shards).
 at::Tensor reduce_scatter_sequence(const at::Tensor& input, const Group& group);
+
+// The operators name groups by number: 0 is the process's tensor-parallel group (the Runtime sets it, anew for each
+// layout it adopts), others are registered on first use. Groups are held weakly.
+void use_as_process_group(const Group& group);
+Group process_group();  // null before a runtime set one
+int64_t group_handle(const Group& group);
+
+// The layers' computation, for modules of either language (C++'s below, Python's smp.tp): the collectives around a
+// matrix product, over `group`.
+struct ColumnParallelOptions {
+  enum class Input {
+    whole,             // the same on every rank: copy_to_shards (its gradients summed backward)
+    sequence_slice,    // this rank's slice of the sequence (sequence parallelism): gather_sequence first
+    already_gathered,  // gathered by the caller, once for several layers (query, key and value): as it is
+  };
+  Input input = Input::whole;
+  bool gather_output = false;  // the output whole (all-gathered) instead of this rank's features
+  bool transposed = false;     // the weight stored [in, out] (Hugging Face's Conv1D) rather than [out, in]
+};
+at::Tensor column_parallel_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
+                                  const Group& group, const ColumnParallelOptions& options = {});
+struct RowParallelOptions {
+  bool input_is_parallel = true;   // false: the input is whole, each rank takes its slice of the last dimension
+  bool sequence_parallel = false;  // the output split along the sequence (reduce-scatter), the bias added to it
+  bool transposed = false;
+};
+// The bias is whole on every rank, added once after the sum.
+at::Tensor row_parallel_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
+                               const Group& group, const RowParallelOptions& options = {});
+// This rank's rows [first_id, first_id + rows) of the vocabulary looked up, the others zero, summed over the group.
+// padding_idx (a whole-vocabulary id, -1 for none): its row, if this rank's, takes no gradient.
+at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& weight, int64_t first_id,
+                                    const Group& group, int64_t padding_idx = -1);
 
 // A module whose parameters are whole on every rank of the group but see only this rank's part of the sequence (a
 // norm under sequence parallelism): their gradients are partial, summed over the group once per step by
@@ -153,9 +183,9 @@ TORCH_MODULE(RowParallelLinear);
 // summed over the group.
 class VocabParallelEmbeddingImpl : public torch::nn::Module, public Sharded {
  public:
-  VocabParallelEmbeddingImpl(int64_t vocabulary, int64_t dimension, Group group);
-  // This rank's rows of `whole_weight` [vocabulary, dimension].
-  VocabParallelEmbeddingImpl(const at::Tensor& whole_weight, Group group);
+  VocabParallelEmbeddingImpl(int64_t vocabulary, int64_t dimension, Group group, int64_t padding_idx = -1);
+  // This rank's rows of `whole_weight` [vocabulary, dimension]. padding_idx: an id whose row takes no gradient.
+  VocabParallelEmbeddingImpl(const at::Tensor& whole_weight, Group group, int64_t padding_idx = -1);
   at::Tensor forward(const at::Tensor& ids);
   std::vector<ShardLayout> shard_layouts() const override;
   at::Tensor weight;  // [vocabulary / tp, dimension]: ids [first_id, first_id + vocabulary / tp)
@@ -163,6 +193,7 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module, public Sharded {
  private:
   Group group_;
   int64_t first_id_;
+  int64_t padding_idx_;
 };
 TORCH_MODULE(VocabParallelEmbedding);
 

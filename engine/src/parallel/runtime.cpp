@@ -21,6 +21,7 @@
 #include "smp/comm/laned_communicator.h"
 #include "smp/comm/sockets.h"
 #include "smp/log.h"
+#include "smp/tp.h"
 
 namespace smp {
 namespace {
@@ -237,6 +238,7 @@ void Runtime::make_layout_groups(const std::string& prefix) {
     return comm::make_laned(std::move(group), make_group(members, name + "/second_lane/" + join(members)));
   };
   tensor_parallel_ = group_of(shard_members, prefix + "tensor_parallel");
+  tp::use_as_process_group(tensor_parallel_);  // what the tensor-parallel operators use by default
   expert_parallel_ = group_of(topology_.expert_parallel_group(coordinates_), prefix + "expert_parallel");
   if (topology_.expert_parallel_degree() == 1) {
     expert_data_parallel_ = data_parallel_;

@@ -1,14 +1,8 @@
 #include "smp/tp.h"
 
-#include <atomic>
-#include <chrono>
-#include <cmath>
-#include <mutex>
 #include <utility>
 
 #include <ATen/ATen.h>
-#include <torch/autograd.h>
-#include <torch/custom_class.h>
 
 #include "smp/collectives.h"
 #include "smp/config.h"
@@ -16,110 +10,6 @@
 namespace smp::tp {
 
 namespace {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-// The group travels with the autograd context to backward, which runs after forward has returned.
-struct HeldGroup : torch::CustomClassHolder {
-  explicit HeldGroup(Group held) : group(std::move(held)) {}
-  Group group;
-};
-c10::IValue hold(const Group& group) { return c10::IValue::make_capsule(c10::make_intrusive<HeldGroup>(group)); }
-Group held(const c10::IValue& value) { return c10::static_intrusive_pointer_cast<HeldGroup>(value.toCapsule())->group; }
-
-at::Tensor summed(const at::Tensor& tensor, const Group& group) {
-  at::Tensor sum = tensor.contiguous().clone();
-  if (without_collectives()) return sum;
-  run_collective("TP_ALL_REDUCE", static_cast<int64_t>(sum.nbytes()), CollectiveCounter::all_reduced,
-                 [&] { group->all_reduce_sum(sum); });
-  return sum;
-}
-
-void all_gathered(const at::Tensor& whole, const at::Tensor& shard, const Group& group) {
-  run_collective("TP_ALL_GATHER", static_cast<int64_t>(whole.nbytes()), CollectiveCounter::all_gathered,
-             [&] { group->all_gather(whole, shard); });
-}
-
-
-// The shards along `dim` of every rank put together (all-gather), and the sum over ranks of `whole` split along
-// `dim`, this rank's part (reduce-scatter); the transports work along dimension 0.
-at::Tensor gathered_along(const at::Tensor& shard, int64_t dim, const Group& group) {
-  if (without_collectives()) return at::cat(std::vector<at::Tensor>(static_cast<std::size_t>(group->size()), shard), dim);
-  const at::Tensor front = shard.movedim(dim, 0).contiguous();
-  auto sizes = front.sizes().vec();
-  sizes[0] *= group->size();
-  at::Tensor whole = at::empty(sizes, front.options());
-  all_gathered(whole, front, group);
-  return whole.movedim(0, dim).contiguous();
-}
-
-at::Tensor reduce_scattered_along(const at::Tensor& whole, int64_t dim, const Group& group) {
-  const int64_t width = whole.size(dim) / group->size();
-  if (without_collectives()) return whole.narrow(dim, group->rank() * width, width).contiguous();
-  const at::Tensor front = whole.movedim(dim, 0).contiguous();
-  auto sizes = front.sizes().vec();
-  sizes[0] = width;
-  at::Tensor shard = at::empty(sizes, front.options());
-  run_collective("TP_REDUCE_SCATTER", static_cast<int64_t>(front.nbytes()), CollectiveCounter::reduce_scattered,
-             [&] { group->reduce_scatter_sum(shard, front); });
-  return shard.movedim(0, dim).contiguous();
-}
-
-at::Tensor own_slice(const at::Tensor& whole, int64_t dim, const Group& group) {
-  const int64_t width = whole.size(dim) / group->size();
-  return whole.narrow(dim, group->rank() * width, width).contiguous();
-}
-
-at::Tensor gathered_last_dim(const at::Tensor& shard, const Group& group) {
-  return gathered_along(shard, shard.dim() - 1, group);
-}
-
-at::Tensor own_slice_last_dim(const at::Tensor& whole, const Group& group) { return own_slice(whole, -1, group); }
-
-constexpr int64_t kSequenceDim = 1;
-
-// The sequence's length must divide by the group: each rank holds an equal slice.
-void check_sequence(const at::Tensor& input, const Group& group) {
-  if (input.dim() < 2 || input.size(kSequenceDim) % group->size() != 0) {
-    const std::string length = input.dim() < 2 ? "no" : std::to_string(input.size(kSequenceDim));
-    throw ConfigError("sequence parallelism: a sequence of " + length +
-                      " positions does not split over \"tensor_parallel_degree\" " + std::to_string(group->size()) +
-                      " (its length must divide by it)");
-  }
-}
-
-at::Tensor unchanged(const at::Tensor& tensor, const Group&) { return tensor; }
-at::Tensor own_sequence_slice(const at::Tensor& whole, const Group& group) {
-  return own_slice(whole, kSequenceDim, group);
-}
-at::Tensor gathered_sequence(const at::Tensor& slice, const Group& group) {
-  return gathered_along(slice, kSequenceDim, group);
-}
-at::Tensor reduce_scattered_sequence(const at::Tensor& whole, const Group& group) {
-  return reduce_scattered_along(whole, kSequenceDim, group);
-}
-
-// A collective as an autograd function: Forward on the input and Backward on its gradient, over the same group.
-using Transform = at::Tensor (*)(const at::Tensor&, const Group&);
-template <Transform Forward, Transform Backward>
-struct Collective : torch::autograd::Function<Collective<Forward, Backward>> {
-  static at::Tensor forward(AutogradContext* context, const at::Tensor& input, const Group& group) {
-    context->saved_data["group"] = hold(group);
-    return Forward(input, group);
-  }
-  static variable_list backward(AutogradContext* context, variable_list gradients) {
-    return {Backward(gradients[0], held(context->saved_data["group"])), at::Tensor()};
-  }
-};
-
-using CopyToShards = Collective<unchanged, summed>;
-using ReduceFromShards = Collective<summed, unchanged>;
-using GatherLastDim = Collective<gathered_last_dim, own_slice_last_dim>;
-using ScatterLastDim = Collective<own_slice_last_dim, gathered_last_dim>;
-using ScatterSequence = Collective<own_sequence_slice, gathered_sequence>;
-using GatherSequence = Collective<gathered_sequence, reduce_scattered_sequence>;
-using ReduceScatterSequence = Collective<reduce_scattered_sequence, gathered_sequence>;
 
 // The share of `size` on each of the group's ranks; ConfigError naming the layer when it does not divide.
 int64_t per_rank(int64_t size, const Group& group, const std::string& layer, const std::string& what) {
@@ -129,6 +19,13 @@ int64_t per_rank(int64_t size, const Group& group, const std::string& layer, con
                       std::to_string(ranks));
   }
   return size / ranks;
+}
+
+// A whole embedding's weight, drawn as torch::nn::Embedding draws it: normal, the padding row zero.
+at::Tensor drawn_embedding(int64_t vocabulary, int64_t dimension, int64_t padding_idx) {
+  at::Tensor weight = at::randn({vocabulary, dimension});
+  if (padding_idx >= 0) weight[padding_idx].zero_();
+  return weight;
 }
 
 }  // namespace
@@ -151,49 +48,6 @@ std::vector<at::Tensor> sequence_parallel_parameters_in(torch::nn::Module& modul
     }
   }
   return parameters;
-}
-
-at::Tensor all_reduced(const at::Tensor& input, const Group& group) {
-  return group->size() == 1 ? input.clone() : summed(input, group);
-}
-at::Tensor all_gathered(const at::Tensor& shard, int64_t dim, const Group& group) {
-  return group->size() == 1 ? shard.clone() : gathered_along(shard, c10::maybe_wrap_dim(dim, shard.dim()), group);
-}
-at::Tensor reduce_scattered(const at::Tensor& whole, int64_t dim, const Group& group) {
-  if (group->size() == 1) return whole.clone();
-  dim = c10::maybe_wrap_dim(dim, whole.dim());
-  if (whole.size(dim) % group->size() != 0) {
-    throw ConfigError("reduce-scatter: dimension " + std::to_string(dim) + " of size " +
-                      std::to_string(whole.size(dim)) + " does not split over \"tensor_parallel_degree\" " + std::to_string(group->size()));
-  }
-  return reduce_scattered_along(whole, dim, group);
-}
-
-at::Tensor scatter_sequence(const at::Tensor& input, const Group& group) {
-  if (group->size() == 1) return input;
-  check_sequence(input, group);
-  return ScatterSequence::apply(input, group);
-}
-at::Tensor gather_sequence(const at::Tensor& input, const Group& group) {
-  return group->size() == 1 ? input : GatherSequence::apply(input, group);
-}
-at::Tensor reduce_scatter_sequence(const at::Tensor& input, const Group& group) {
-  if (group->size() == 1) return input;
-  check_sequence(input, group);
-  return ReduceScatterSequence::apply(input, group);
-}
-
-at::Tensor copy_to_shards(const at::Tensor& input, const Group& group) {
-  return group->size() == 1 ? input : CopyToShards::apply(input, group);
-}
-at::Tensor reduce_from_shards(const at::Tensor& input, const Group& group) {
-  return group->size() == 1 ? input : ReduceFromShards::apply(input, group);
-}
-at::Tensor gather_last_dim(const at::Tensor& input, const Group& group) {
-  return group->size() == 1 ? input : GatherLastDim::apply(input, group);
-}
-at::Tensor scatter_last_dim(const at::Tensor& input, const Group& group) {
-  return group->size() == 1 ? input : ScatterLastDim::apply(input, group);
 }
 
 at::Tensor shard_of(const at::Tensor& whole, int64_t dim, const Group& group, int64_t blocks) {
@@ -223,6 +77,43 @@ at::Tensor whole_of(const std::vector<at::Tensor>& shards, int64_t dim, int64_t 
   return at::cat(blocked, d + 1).flatten(d, d + 1);
 }
 
+at::Tensor column_parallel_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
+                                  const Group& group, const ColumnParallelOptions& options) {
+  using Input = ColumnParallelOptions::Input;
+  const at::Tensor whole = options.input == Input::whole            ? copy_to_shards(input, group)
+                           : options.input == Input::sequence_slice ? gather_sequence(input, group)
+                                                                     : input;
+  at::Tensor output;
+  if (!options.transposed) {
+    output = at::linear(whole, weight, bias);
+  } else if (bias.defined()) {  // as Conv1D computes, so that a sharded Hugging Face model rounds as its whole one
+    std::vector<c10::SymInt> shape = whole.sym_sizes().vec();
+    shape.back() = -1;
+    output = at::addmm(bias, whole.reshape_symint({-1, whole.sym_size(-1)}), weight).view_symint(shape);
+  } else {
+    output = at::matmul(whole, weight);
+  }
+  return options.gather_output ? gather_last_dim(output, group) : output;
+}
+
+at::Tensor row_parallel_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
+                               const Group& group, const RowParallelOptions& options) {
+  const at::Tensor shard = options.input_is_parallel ? input : scatter_last_dim(input, group);
+  const at::Tensor partial = options.transposed ? at::matmul(shard, weight) : at::linear(shard, weight);
+  const at::Tensor output =
+      options.sequence_parallel ? reduce_scatter_sequence(partial, group) : reduce_from_shards(partial, group);
+  return bias.defined() ? output + bias : output;
+}
+
+at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& weight, int64_t first_id,
+                                    const Group& group, int64_t padding_idx) {
+  const int64_t rows = weight.size(0);
+  const int64_t local_padding = padding_idx >= first_id && padding_idx < first_id + rows ? padding_idx - first_id : -1;
+  const at::Tensor elsewhere = (ids < first_id) | (ids >= first_id + rows);
+  const at::Tensor found = at::embedding(weight, (ids - first_id).masked_fill(elsewhere, 0), local_padding);
+  return reduce_from_shards(found.masked_fill(elsewhere.unsqueeze(-1), 0.0), group);
+}
+
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in_features, int64_t out_features, Group group, bool bias,
                                                    bool gather_output)
     : ColumnParallelLinearImpl(torch::nn::Linear(torch::nn::LinearOptions(in_features, out_features).bias(bias)),
@@ -244,9 +135,10 @@ std::vector<ShardLayout> ColumnParallelLinearImpl::shard_layouts() const {
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
-  const at::Tensor whole = sequence_parallel_ ? gather_sequence(input, group_) : copy_to_shards(input, group_);
-  const at::Tensor output = at::linear(whole, weight, bias);
-  return gather_output_ ? gather_last_dim(output, group_) : output;
+  using Input = ColumnParallelOptions::Input;
+  return column_parallel_linear(input, weight, bias, group_,
+                                {.input = sequence_parallel_ ? Input::sequence_slice : Input::whole,
+                                 .gather_output = gather_output_});
 }
 
 RowParallelLinearImpl::RowParallelLinearImpl(int64_t in_features, int64_t out_features, Group group, bool bias,
@@ -271,19 +163,17 @@ std::vector<at::Tensor> RowParallelLinearImpl::sequence_parallel_parameters() co
 }
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
-  const at::Tensor shard = input_is_parallel_ ? input : scatter_last_dim(input, group_);
-  // The bias is added once, after the partial products are summed.
-  const at::Tensor partial = at::linear(shard, weight);
-  const at::Tensor output =
-      sequence_parallel_ ? reduce_scatter_sequence(partial, group_) : reduce_from_shards(partial, group_);
-  return bias.defined() ? output + bias : output;
+  return row_parallel_linear(input, weight, bias, group_,
+                             {.input_is_parallel = input_is_parallel_, .sequence_parallel = sequence_parallel_});
 }
 
-VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t vocabulary, int64_t dimension, Group group)
-    : VocabParallelEmbeddingImpl(at::randn({vocabulary, dimension}), std::move(group)) {}  // as torch::nn::Embedding
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t vocabulary, int64_t dimension, Group group,
+                                                       int64_t padding_idx)
+    : VocabParallelEmbeddingImpl(drawn_embedding(vocabulary, dimension, padding_idx), std::move(group), padding_idx) {}
 
-VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const at::Tensor& whole_weight, Group group)
-    : group_(std::move(group)) {
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const at::Tensor& whole_weight, Group group,
+                                                       int64_t padding_idx)
+    : group_(std::move(group)), padding_idx_(padding_idx) {
   const int64_t local = per_rank(whole_weight.size(0), group_, "VocabParallelEmbedding", "vocabulary");
   first_id_ = group_->rank() * local;
   const at::NoGradGuard no_grad;
@@ -293,9 +183,7 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const at::Tensor& whole_w
 std::vector<ShardLayout> VocabParallelEmbeddingImpl::shard_layouts() const { return {{weight, 0, 1}}; }
 
 at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
-  const at::Tensor elsewhere = (ids < first_id_) | (ids >= first_id_ + weight.size(0));
-  const at::Tensor rows = at::embedding(weight, (ids - first_id_).masked_fill(elsewhere, 0));
-  return reduce_from_shards(rows.masked_fill(elsewhere.unsqueeze(-1), 0.0), group_);
+  return vocab_parallel_embedding(ids, weight, first_id_, group_, padding_idx_);
 }
 
 SelfAttentionImpl::SelfAttentionImpl(int64_t d_model, int64_t heads, Group group) {
@@ -326,6 +214,7 @@ at::Tensor SelfAttentionImpl::forward(const at::Tensor& input) {
 
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, const Group& group,
                                         int64_t ignore_index) {
+  const int64_t ranks = group->size();
   const int64_t local = logits.size(-1);
   const int64_t first_id = group->rank() * local;
   const at::Tensor rows = logits.reshape({-1, local}).to(at::isReducedFloatingType(logits.scalar_type())
@@ -333,13 +222,8 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
   const at::Tensor ids = targets.reshape({-1});
   // The largest logit over the whole vocabulary, for a stable exponent; it cancels out, so it takes no gradient.
   const at::Tensor local_max = std::get<0>(rows.detach().max(-1)).contiguous();
-  at::Tensor maxima = at::empty({group->size() * local_max.size(0)}, local_max.options());
-  if (group->size() == 1 || without_collectives()) {
-    maxima = local_max.repeat({group->size()});
-  } else {
-    all_gathered(maxima, local_max, group);
-  }
-  const at::Tensor shifted = rows - std::get<0>(maxima.view({group->size(), -1}).max(0)).unsqueeze(1);
+  const at::Tensor maxima = gather_last_dim(local_max, group);  // every rank's, one after the other
+  const at::Tensor shifted = rows - std::get<0>(maxima.view({ranks, -1}).max(0)).unsqueeze(1);
   const at::Tensor sum_exp = reduce_from_shards(shifted.exp().sum(-1), group);
   const at::Tensor elsewhere = (ids < first_id) | (ids >= first_id + local);
   const at::Tensor picked =
