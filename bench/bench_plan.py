@@ -64,15 +64,15 @@ def measure_link():
     import smp
     runtime = smp.init({"ddp": True})
     links = runtime._measured_planning_costs()
-    print(json.dumps({"rank": runtime.rank, "gbps": links["bytes_per_s"] / 1e9, "latency_us": links["latency_s"] * 1e6}),
-          flush=True)
+    print(json.dumps({"rank": runtime.rank, "gbps": links["bytes_per_s"] / 1e9, "latency_us": links["latency_s"] * 1e6,
+                      "processors": links["shared_processors"]}), flush=True)
 
 
-def predict(name, link_gbps, latency_us):
+def predict(name, link_gbps, latency_us, processors):
     import smp
     smp.init({"global_batch_size": GLOBAL_BATCH})
     found = smp.plan(build(name), batch(2, torch.Generator().manual_seed(1), name)[0], world_size=WORLD,
-                     link_gbps=link_gbps, latency_us=latency_us)
+                     link_gbps=link_gbps, latency_us=latency_us, shared_cores=processors or None)
     print(json.dumps({"layouts": found.layouts, "report": found.report}), flush=True)
 
 
@@ -169,9 +169,11 @@ def drive(name, steps):
     measured = job(WORLD, "--measure-link")
     link = statistics.median(r["gbps"] for r in measured)
     latency = statistics.median(r["latency_us"] for r in measured)
+    processors = measured[0]["processors"]
     print(f"links between the {WORLD} processes, as an auto job measures them: {link:.2f} GB/s, latency "
-          f"{latency:.0f} us", flush=True)
-    planned = job(1, "--model", name, "--predict", "--link-gbps", str(link), "--latency-us", str(latency))[0]
+          f"{latency:.0f} us; the {WORLD} ranks computing at once had {processors:.2f} processors", flush=True)
+    planned = job(1, "--model", name, "--predict", "--link-gbps", str(link), "--latency-us", str(latency),
+                  "--processors", str(processors))[0]
     rows = []
     cuts_differ = 0
     for layout in grid(planned["layouts"]):
@@ -197,6 +199,7 @@ def drive(name, steps):
     errors = sorted(abs(p - m) / m for p, m in zip(predicted, measured))
     choice = min(range(len(rows)), key=lambda i: predicted[i])
     print(json.dumps({"model": name, "layouts": len(rows), "link_gbps": link, "latency_us": latency,
+                      "processors": processors,
                       "median_abs_error": statistics.median(errors),
                       "memory_median_abs_error": statistics.median(memory_errors),
                       "memory_worst_abs_error": memory_errors[-1],
@@ -216,12 +219,13 @@ def main():
     parser.add_argument("--measure-link", action="store_true")
     parser.add_argument("--link-gbps", type=float)
     parser.add_argument("--latency-us", type=float, default=50.0)
+    parser.add_argument("--processors", type=float, default=0.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.measure_link:
         measure_link()
     elif args.predict:
-        predict(args.model, args.link_gbps, args.latency_us)
+        predict(args.model, args.link_gbps, args.latency_us, args.processors)
     elif args.train:
         train(args.model, args.train, args.steps)
     else:

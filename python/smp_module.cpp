@@ -372,6 +372,7 @@ PYBIND11_MODULE(_smp, module) {
             py::dict measured;
             measured["latency_s"] = costs.latency_s;
             measured["bytes_per_s"] = costs.p2p_bytes_per_s;
+            measured["shared_processors"] = costs.shared_processors;  // 0: each rank has its own
             return measured;
           })
       // Per rank, the speeds the config gives or measures (every rank calls it at once; measured once per job).

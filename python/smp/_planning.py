@@ -73,7 +73,8 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     config's link_bandwidth_gbps) and latency_us price transfers between stages and the replicas' all-reduce.
     compute_scale is how much slower each rank computes in the job than here alone. shared_cores: the processors the
     job's ranks share (by default, on the CPU, this host's cores when the ranks outnumber them, a job of one host;
-    0: a device per rank); each rank then computes at cores / ranks computing at once, at most 1.
+    0: a device per rank); each rank then computes at cores / ranks computing at once, at most 1. An "auto" job
+    passes what its ranks measured computing at once (other tenants of the host and memory contention included).
     Devices that differ: device_speeds (one per rank of world_size; default the config's list) and the config's
     device_memory_mb predict each layout on its devices (a slow rank's replicas wait for it; a pipeline gives it a
     shorter stage). A job with "auto" keys and "device_speeds": "measure" passes the speeds its ranks measured.
@@ -109,7 +110,7 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
 def _choose(model, sample, rt, links, speeds):
     """Rank 0's choice: (the chosen config's text, the chosen layout's row, the report)."""
     found = plan(model, sample, link_gbps=links["bytes_per_s"] / 1e9, latency_us=links["latency_s"] * 1e6,
-                 device_speeds=speeds)
+                 device_speeds=speeds, shared_cores=links["shared_processors"] or None)
     reasons = []
     for row in found.layouts:
         if row["rejected"] is not None:
@@ -129,8 +130,8 @@ def _choose(model, sample, rt, links, speeds):
 def adopt_planned_layout(model, sample):
     """For a config with "auto" layout keys: rank 0 plans (smp.plan) among the layouts that keep what the config
     fixes, and every rank adopts its choice before the model is partitioned. Returns what was chosen: {"config": the
-    layout's keys, "layout", "predicted_step_ms" (of which "optimizer_ms"), "memory_mib" per pipeline rank, "report"
-    (rank 0's table, on every rank)}; the model adds "measured_step_ms" after its fifth train_step."""
+    layout's keys, "layout", "predicted_step_ms" (of which "optimizer_ms"), "memory_mib" per pipeline rank, "links"
+    (what the ranks measured: latency_s, bytes_per_s, shared_processors), "report" (rank 0's table, on every rank)}; the model adds "measured_step_ms" after its fifth train_step."""
     rt = runtime()
     links = rt._measured_planning_costs()  # every rank at once
     speeds = rt._device_speeds()  # measured here for "measure", and kept for the partition after
@@ -143,11 +144,15 @@ def adopt_planned_layout(model, sample):
             _smp.write_file_atomically(os.path.join(rt.config.trace_dir, "planned_layout.svg"), row["timeline_svg"])
         return json.dumps({"text": text, "config": json.loads(row["config"]), "layout": row["layout"],
                            "predicted_step_ms": row["step_ms"], "optimizer_ms": row["optimizer_ms"],
-                           "memory_mib": row["memory_mib"], "report": report})
+                           "memory_mib": row["memory_mib"], "links": links, "report": report})
 
     message = json.loads(rt._from_rank0("planned_layout", choose))
     rt._adopt_layout(_smp.Config.from_json_text(message.pop("text"), rt.config.source))
     if rt.rank == 0:
+        measured = message["links"]
+        shared = (f"; the ranks computing at once had {measured['shared_processors']:.2f} processors"
+                  if measured["shared_processors"] else "")
         print(f"smp: planned layout {message['layout']}, predicted step {message['predicted_step_ms']:.1f} ms\n"
-              f"{message['report']}", flush=True)
+              f"smp: links measured: latency {measured['latency_s'] * 1e6:.1f} us, "
+              f"{measured['bytes_per_s'] / 1e9:.2f} GB/s{shared}\n{message['report']}", flush=True)
     return message

@@ -31,5 +31,11 @@ def test_auto_layout_fits_the_memory_limit_and_trains_equal_pytorch(job):
     assert_passed(finished)
     chosen = rank0_lines(finished.stdout, "smp: planned layout ")
     assert chosen and f"layout {fastest['layout']}, predicted" not in chosen[0], finished.output
+    # Four ranks on this host's cores: planned with the processors they had computing at once, measured.
+    links = rank0_lines(finished.stdout, "smp: links measured: ")
+    assert links, finished.output
+    if "processors" in links[0]:
+        processors = float(links[0].split(" had ")[1].split()[0])
+        assert 0.5 <= processors <= 4, links[0]
     # After five steps, the measured step beside the prediction.
     assert any("train_step measured" in line and "predicted" in line for line in chosen), finished.output

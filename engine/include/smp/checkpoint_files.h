@@ -5,8 +5,11 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Dict.h>
@@ -49,5 +52,23 @@ FullModel read_full_model(const std::string& full_model_file);
 // The tensors of a full-model file, or of safetensors (SafetensorsSource::is_safetensors), to load with
 // DistributedModel::load_state.
 TensorSource tensor_source(const std::string& path);
+
+// Which of a rank's tensors are its part of a whole one: tensor-parallel shards (name -> (dim, blocks), as
+// tp::shard_of cuts) and shares of a layer's experts (along dimension 0).
+struct RankShards {
+  std::map<std::string, std::pair<std::int64_t, std::int64_t>> tensor_parallel;
+  int tp_rank = 0;
+  int tp_degree = 1;
+  std::set<std::string> experts;
+  int ep_rank = 0;
+  int ep_degree = 1;
+};
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+// Copies each of `parameters` and `buffers` (a rank's, by the whole model's names) from `source`: a tensor of its
+// own shape as it is, a whole one cut to this rank's part. Every name and shape is checked before anything is
+// copied: CheckpointError names a missing or mis-shaped tensor and its file. Buffers stay as they are when the
+// source has none.
+void load_rank_state(const TensorSource& source, const NamedTensors& parameters, const NamedTensors& buffers,
+                     const RankShards& shards);
 
 }  // namespace smp

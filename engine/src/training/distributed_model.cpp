@@ -1,5 +1,6 @@
 // A DistributedModel's construction: the schedule and plan every rank agrees on, this rank's stages built from
-// them, and running one of those stages; steps, gradients, checkpoints and the timeline have files of their own.
+// them, and running one of those stages; state adopted from elsewhere (load_rank_state does the loading); steps,
+// gradients and the timeline have files of their own.
 #include "smp/distributed_model.h"
 
 #include <algorithm>
@@ -270,6 +271,21 @@ DistributedModel::~DistributedModel() = default;
 double DistributedModel::loss_scale() const { return loss_scaler_->scale(); }
 
 long long DistributedModel::steps_since_scale_change() const { return loss_scaler_->steps_since_change(); }
+
+void DistributedModel::restore_loss_scale(double scale, long long steps_since_change) {
+  loss_scaler_->restore(scale, steps_since_change);
+}
+
+void DistributedModel::resume_at(long long step) { step_ = step; }
+
+void DistributedModel::load_state(const TensorSource& source) {
+  const Topology& topology = runtime_->topology();
+  load_rank_state(source, named_parameters_, named_buffers_,
+                  {shard_dims(), runtime_->tp_rank(), topology.tensor_parallel_degree(), expert_shard_names(),
+                   runtime_->ep_rank(), topology.expert_parallel_degree()});
+}
+
+void DistributedModel::load_parameters(const std::string& path) { load_state(tensor_source(path)); }
 
 StageOutputs DistributedModel::run_stage(int stage, const ModelInputs& model_inputs,
                                          const TensorsByStage& from_producers) {

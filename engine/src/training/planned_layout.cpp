@@ -40,9 +40,13 @@ std::string plan_on_rank0(Runtime& runtime, const GraphModel& model, const Model
     const WithoutCollectives alone;
     profile = {profile_graph(fine, sample, 3, split_backward_timer(), /*scale_to_whole=*/true), batch, {}, 0};
   }
-  char links[160];
-  std::snprintf(links, sizeof links, "links measured over the %d ranks: latency %.1f us, %.2f GB/s", world,
-                costs.latency_s * 1e6, costs.p2p_bytes_per_s / 1e9);
+  char links[200];
+  const int written = std::snprintf(links, sizeof links, "links measured over the %d ranks: latency %.1f us, %.2f GB/s",
+                                    world, costs.latency_s * 1e6, costs.p2p_bytes_per_s / 1e9);
+  if (costs.shared_processors > 0 && written > 0 && written < static_cast<int>(sizeof links)) {
+    std::snprintf(links + written, sizeof links - static_cast<std::size_t>(written),
+                  "; the ranks computing at once had %.2f processors", costs.shared_processors);
+  }
   log::info(links);
   const auto predictions = plan_layouts(profile, config, world, costs);
   log::info("layouts planned for the \"auto\" keys of " + config.source + ":\n" + layout_report(predictions));
@@ -57,6 +61,48 @@ std::string plan_on_rank0(Runtime& runtime, const GraphModel& model, const Model
     log::info("wrote the planned layout's simulated step to " + path);
   }
   return chosen.text;
+}
+
+// The processors the host's ranks get at once, measured rather than counted: a fixed amount of matrix work timed on
+// rank 0 alone (as the profile runs, its peers waiting) and on every rank at once; each rank's speed then is the
+// share alone / at once of a processor, and their sum the processors the ranks have (at most `cores`). Other
+// tenants of the host and memory contention show in it; the count of cores does not. The median of 3 rounds.
+double processors_at_once(Runtime& runtime, int cores) {
+  const at::Tensor left = at::rand({192, 192}), right = at::rand({192, 192});
+  const auto timed_work = [&] {
+    const auto start = std::chrono::steady_clock::now();
+    at::Tensor product = left;
+    for (int i = 0; i < 24; ++i) product = at::mm(product, right).div_(96.0);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  comm::Communicator& world = runtime.world();
+  const int ranks = runtime.world_size();
+  const auto barrier = [&] {
+    at::Tensor token = at::zeros({1});
+    world.all_reduce_sum(token);
+  };
+  std::vector<double> estimates;
+  for (int round = 0; round < 3; ++round) {
+    // Alone: the others wait on the store (a blocked socket, not a spinning wait).
+    const std::string key = "processors_at_once/" + std::to_string(runtime.next_exchange());
+    double alone_s = 0.0;
+    if (runtime.rank() == 0) {
+      timed_work();  // warm
+      std::vector<double> alone;
+      for (int repeat = 0; repeat < 3; ++repeat) alone.push_back(timed_work());
+      alone_s = *std::min_element(alone.begin(), alone.end());
+      runtime.publish(key, std::to_string(alone_s));
+    } else {
+      alone_s = std::stod(runtime.fetch(key));
+    }
+    barrier();
+    const double at_once_s = timed_work();
+    at::Tensor speed = at::full({1}, alone_s / std::max(at_once_s, 1e-9), at::kFloat);
+    world.all_reduce_sum(speed);
+    estimates.push_back(speed.item<double>());
+  }
+  std::sort(estimates.begin(), estimates.end());
+  return std::clamp(estimates[1], 0.5, static_cast<double>(std::min(cores, ranks)));
 }
 
 }  // namespace
@@ -86,8 +132,11 @@ PlanningCosts measured_planning_costs(Runtime& runtime) {
     // Ranks that outnumber this host's cores share them (one intra-op thread each).
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     if (runtime.launch().local_world_size > cores) {
-      costs.shared_processors = cores;
       costs.ranks_per_node = runtime.launch().local_world_size;  // the ranks that share them (no inter-node costs)
+      // One host (every rank counts), else its cores: the ranks of other hosts cannot be told apart here.
+      costs.shared_processors = runtime.launch().local_world_size == runtime.world_size()
+                                    ? processors_at_once(runtime, cores)
+                                    : cores;
     }
   }
   const int ranks = runtime.world_size();
