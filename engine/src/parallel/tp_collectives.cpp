@@ -77,12 +77,14 @@ at::Tensor gathered_along(const at::Tensor& shard, int64_t dim, const Group& gro
   at::Tensor whole = at::empty(sizes, front.options());
   run_collective("TP_ALL_GATHER", static_cast<int64_t>(whole.nbytes()), CollectiveCounter::all_gathered,
                  [&] { group->all_gather(whole, front); });
-  return whole.movedim(0, dim).contiguous();  // a new tensor: movedim(0, 0) would hand out the transport's
+  return whole.movedim(0, dim).clone(at::MemoryFormat::Contiguous);  // never the transport's (along dimension 0)
 }
 
+// A new tensor, never a view of `whole` (an operator's output may not alias its input, and a slice along an outer
+// dimension is contiguous already).
 at::Tensor own_slice(const at::Tensor& whole, int64_t dim, const Group& group) {
   const int64_t width = whole.size(dim) / group->size();
-  return whole.narrow(dim, group->rank() * width, width).contiguous();
+  return whole.narrow(dim, group->rank() * width, width).clone(at::MemoryFormat::Contiguous);
 }
 
 at::Tensor reduce_scattered_along(const at::Tensor& whole, int64_t dim, const Group& group) {
