@@ -1,10 +1,17 @@
 // The engine's own cost on the CPU, against plain LibTorch (bench_gpu measures the same on a GPU). Prints one JSON line
 // each: the time per schedule action smp adds (eight one-layer stages in one process), a small GPT stage's speed, and
 // the zero-bubble split's cost: a middle stage's input-gradient pass (I) plus weight-gradient pass (W) against one
-// backward (B), at two sizes.
+// backward (B), at two sizes. `bench_engine --split-nodes` prints instead where B, I and W spend their time, by
+// autograd node kind (hooks around every node: the totals run higher than unhooked).
 
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/autograd.h>
+
+#include <map>
+#include <set>
+#include <string>
+
+#include <torch/csrc/autograd/function.h>
 
 #include "pipeline/split_backward.h"
 #include "smp/main.h"
@@ -73,7 +80,99 @@ void print_split_backward(const smp::examples::GptOptions& options, int64_t batc
   std::fflush(stdout);
 }
 
-int run(int, char**) {
+// Milliseconds per node kind, summed over the nodes a pass runs: a pre-hook starts each node's clock, a post-hook
+// stops it. The hooks stay on the graph, so that W's runs land in the table current when it runs.
+struct NodeTimes {
+  std::map<std::string, double>* into = nullptr;
+  std::map<const torch::autograd::Node*, std::chrono::steady_clock::time_point> started;
+};
+
+void time_every_node(const at::Tensor& root, NodeTimes* times) {
+  struct Start final : torch::autograd::FunctionPreHook {
+    Start(NodeTimes* times, const torch::autograd::Node* node) : times(times), node(node) {}
+    torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+      times->started[node] = std::chrono::steady_clock::now();
+      return grads;
+    }
+    NodeTimes* times;
+    const torch::autograd::Node* node;
+  };
+  struct Stop final : torch::autograd::FunctionPostHook {
+    Stop(NodeTimes* times, const torch::autograd::Node* node) : times(times), node(node) {}
+    torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                              const torch::autograd::variable_list&) override {
+      (*times->into)[node->name()] += ms_since(times->started.at(node));
+      return outputs;
+    }
+    NodeTimes* times;
+    const torch::autograd::Node* node;
+  };
+  std::vector<torch::autograd::Node*> stack{root.grad_fn().get()};
+  std::set<torch::autograd::Node*> seen;
+  while (!stack.empty()) {
+    torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    if (node == nullptr || !seen.insert(node).second) continue;
+    node->add_pre_hook(std::make_unique<Start>(times, node));
+    node->add_post_hook(std::make_unique<Stop>(times, node));
+    for (const auto& edge : node->next_edges()) {
+      if (edge.is_valid()) stack.push_back(edge.function.get());
+    }
+  }
+}
+
+// The same middle stage as print_split_backward: B, then I and W on another forward, per node kind, mean over rounds.
+void print_split_nodes(const smp::examples::GptOptions& options, int64_t batch, int rounds) {
+  auto model = smp::examples::make_gpt(options).materialize(3);
+  std::vector<at::Tensor> parameters;
+  for (const auto& [name, parameter] : model.named_parameters()) parameters.push_back(parameter);
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(7);
+  const auto tokens = at::randint(options.vocab_size, {batch, options.context}, generator, at::kLong);
+  const auto& nodes = model.nodes();
+  const at::Tensor hidden = nodes.front().forward({tokens}).detach().requires_grad_(true);
+  auto stage = [&] {
+    at::Tensor h = hidden;
+    for (std::size_t k = 1; k + 1 < nodes.size(); ++k) h = nodes[k].forward({h});
+    return h;
+  };
+  std::map<std::string, double> b, i, w;
+  for (int round = 0; round < rounds; ++round) {
+    for (auto& parameter : parameters) parameter.mutable_grad() = at::Tensor();
+    NodeTimes times;
+    at::Tensor out = stage();
+    const at::Tensor grad = at::randn_like(out);
+    times.into = &b;
+    time_every_node(out, &times);
+    torch::autograd::backward({out}, {grad});
+    for (auto& parameter : parameters) parameter.mutable_grad() = at::Tensor();
+    out = stage();
+    times.into = &i;
+    time_every_node(out, &times);
+    auto [input_grads, weight_pass] = smp::WeightPass::run_input_pass({out}, {grad}, {hidden}, parameters);
+    out = at::Tensor();
+    times.into = &w;
+    weight_pass.run();
+  }
+  for (const auto& [pass, table] : {std::pair{"B", &b}, std::pair{"I", &i}, std::pair{"W", &w}}) {
+    std::printf("{\"bench\": \"split_nodes\", \"d_model\": %lld, \"pass\": \"%s\"",
+                static_cast<long long>(options.d_model), pass);
+    double total = 0.0;
+    for (const auto& [kind, ms] : *table) {
+      std::printf(", \"%s\": %.3f", kind.c_str(), ms / rounds);
+      total += ms;
+    }
+    std::printf(", \"total\": %.3f}\n", total / rounds);
+  }
+  std::fflush(stdout);
+}
+
+int run(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "--split-nodes") {
+    at::set_num_threads(1);
+    print_split_nodes({256, 64, 128, 4, 4}, /*batch=*/4, /*rounds=*/50);
+    print_split_nodes({256, 128, 256, 4, 4}, /*batch=*/4, /*rounds=*/10);
+    return 0;
+  }
   const c10::Device cpu(c10::kCPU);
   smp_bench::print_engine_overhead(cpu);
   // vocabulary 256, context 128, d_model 256, 4 heads, 4 layers: 3.3M parameters

@@ -36,6 +36,7 @@
 #include "smp/comm/communicator.h"
 #include "smp/comm/launch_info.h"
 #include "smp/config.h"
+#include "smp/cpu_tensor_meter.h"
 #include "smp/distributed_model.h"
 #include "smp/distributed_optimizer.h"
 #include "smp/graph_model.h"
@@ -146,6 +147,86 @@ TEST_CASE("split backward: I then W equals one backward, W runs the weight nodes
   }
   SECTION("an input without gradient: W falls back to one backward pass") {
     check_split_equals_plain(false, false, Tie::None, false);
+  }
+}
+
+namespace {
+
+// Layers whose weight work is partly cheap: a layer norm's scale and shift, a scale multiplied in, a bias added after
+// a matrix product. `shared_scale`: every layer multiplies by the first layer's scale (one parameter fed from several
+// cheap nodes, which W must then compute).
+struct NormedLayer {
+  at::Tensor gamma, beta, weight, bias, scale;
+};
+
+std::vector<NormedLayer> make_normed_layers(int count, int64_t width) {
+  at::manual_seed(5);
+  std::vector<NormedLayer> layers;
+  for (int i = 0; i < count; ++i) {
+    layers.push_back({(1 + 0.1 * at::randn({width})).requires_grad_(true), (0.1 * at::randn({width})).requires_grad_(true),
+                      (at::randn({width, width}) * 0.3).requires_grad_(true), at::randn({width}).requires_grad_(true),
+                      (1 + 0.1 * at::randn({width})).requires_grad_(true)});
+  }
+  return layers;
+}
+
+at::Tensor normed_stage(const at::Tensor& input, const std::vector<NormedLayer>& layers, bool shared_scale) {
+  at::Tensor x = input;
+  for (const auto& layer : layers) {
+    const at::Tensor normed = at::layer_norm(x, {x.size(-1)}, layer.gamma, layer.beta);
+    const at::Tensor& scale = shared_scale ? layers.front().scale : layer.scale;
+    x = at::tanh(at::matmul(normed, layer.weight.t()) + layer.bias) * scale + x;
+  }
+  return x;
+}
+
+}  // namespace
+
+TEST_CASE("split backward: I computes cheap weight work itself, frees what W will not read, and W accumulates it",
+          "[split_backward]") {
+  const bool shared_scale = GENERATE(false, true);
+  INFO("shared scale: " << shared_scale);
+  const auto layers = make_normed_layers(3, 32);
+  std::vector<at::Tensor> parameters;
+  for (const auto& layer : layers) {
+    for (const auto& parameter : {layer.gamma, layer.beta, layer.weight, layer.bias}) parameters.push_back(parameter);
+    if (!shared_scale || &layer == &layers.front()) parameters.push_back(layer.scale);
+  }
+  const at::Tensor input = at::randn({64, 32}).requires_grad_(true);
+  const at::Tensor output_grad = at::randn({64, 32});
+  torch::autograd::backward({normed_stage(input, layers, shared_scale)}, {output_grad});
+  std::vector<at::Tensor> expected;
+  for (const auto& parameter : parameters) expected.push_back(parameter.grad().clone());
+  const at::Tensor expected_input_grad = input.grad().clone();
+  clear_grads(parameters);
+  clear_grads({input});
+
+  // A hook on one bias: it must run once, in W, however the bias's node is split.
+  int bias_hook_calls = 0;
+  layers[1].bias.register_hook([&](const at::Tensor& grad) {
+    ++bias_hook_calls;
+    return grad;
+  });
+  const smp::CpuTensorMeter meter;
+  const std::int64_t before = meter.live_bytes();
+  at::Tensor out = normed_stage(input, layers, shared_scale);
+  const std::int64_t held_by_forward = meter.live_bytes() - before;  // the activations the graph saved, and out
+  auto [input_grads, weight_pass] = smp::WeightPass::run_input_pass({out}, {output_grad}, {input}, parameters);
+  REQUIRE(weight_pass.runs_weight_nodes_only());
+  for (const auto& parameter : parameters) CHECK_FALSE(parameter.grad().defined());
+  CHECK(at::allclose(input_grads[0], expected_input_grad, 1e-5, 1e-6));
+  out = at::Tensor();
+  // Between I and W the graph holds what W reads (each matrix product's input and the gradient that reached it) and
+  // the cheap parameters' gradients, not the norms' and tanh's saved tensors: less than the forward kept. (A scale
+  // shared by every layer is computed in W, whose multiplications then keep tanh's outputs.)
+  const std::int64_t held_for_w = meter.live_bytes() - before - input_grads[0].nbytes();
+  if (!shared_scale) CHECK(held_for_w < held_by_forward * 3 / 4);
+  weight_pass.run();
+  CHECK(bias_hook_calls == 1);
+  for (std::size_t i = 0; i < parameters.size(); ++i) {
+    INFO("parameter " << i);
+    REQUIRE(parameters[i].grad().defined());
+    CHECK(at::allclose(parameters[i].grad(), expected[i], 1e-5, 1e-6));
   }
 }
 

@@ -152,7 +152,8 @@ def adopt_planned_layout(model, sample):
         measured = message["links"]
         shared = (f"; the ranks computing at once had {measured['shared_processors']:.2f} processors"
                   if measured["shared_processors"] else "")
-        print(f"smp: planned layout {message['layout']}, predicted step {message['predicted_step_ms']:.1f} ms\n"
+        print(f"smp: planned layout {message['layout']}, predicted step {message['predicted_step_ms']:.1f} ms, "
+              f"peak {max(message['memory_mib']):.3f} MiB per rank\n"
               f"smp: links measured: latency {measured['latency_s'] * 1e6:.1f} us, "
               f"{measured['bytes_per_s'] / 1e9:.2f} GB/s{shared}\n{message['report']}", flush=True)
     return message

@@ -1,7 +1,9 @@
 #include "pipeline/split_backward.h"
 
 #include <algorithm>
+#include <iterator>
 #include <set>
+#include <string>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -27,6 +29,32 @@ struct CaptureHook final : torch::autograd::FunctionPreHook {
     return grads;
   }
   variable_list* slot;
+};
+
+// Weight nodes whose weight-side work is cheap beside what I does at the node anyway: a bias add, a norm's scale and
+// shift (reductions of what I reads to compute the input's gradient). W running them again from memory I left cold
+// cost more than they save (a GPT stage's bias sums took 2.7 times as long in W as in one backward), so I computes
+// their weight-side gradients too, captured without accumulating, and W starts below them. Others (matrix products,
+// a checkpointed module, anything unknown) leave their weight-side work to W.
+bool weight_work_is_cheap(const Node& node) {
+  static const std::unordered_set<std::string> cheap = {
+      "AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "MulBackward0", "MulBackward1",
+      "DivBackward0", "DivBackward1", "NativeLayerNormBackward0", "FusedRmsNormBackward0", "NativeGroupNormBackward0",
+      "NativeBatchNormBackward0", "NativeBatchNormLegitBackward0", "NativeBatchNormLegitBackward1",
+      "BatchNormWithUpdateBackward0", "BatchNormNoUpdateBackward0"};
+  return cheap.count(node.name()) > 0;
+}
+
+// Frees a node's saved tensors once I has run it, where W will not run it again: I keeps the graph for W, and
+// without this it would keep every activation of the stage until W, not just what W reads (the zero-bubble
+// schedules' memory), and the allocator would find no freed memory to reuse during I.
+struct ReleaseAfterInputPass final : torch::autograd::FunctionPostHook {
+  explicit ReleaseAfterInputPass(Node* node) : node(node) {}
+  variable_list operator()(const variable_list& outputs, const variable_list& /*inputs*/) override {
+    node->release_variables();
+    return outputs;
+  }
+  Node* node;
 };
 
 // A weight node's edges to its input-gradient side, which W cuts: W then runs every weight node in one engine call
@@ -118,43 +146,102 @@ std::pair<std::vector<at::Tensor>, WeightPass> WeightPass::run_input_pass(const 
     }
     parameters_only[node] = only;
   }
-  std::vector<Node*> weight_nodes;
+  std::vector<Edge> input_edges;
+  std::vector<std::size_t> differentiable;
+  std::unordered_set<const Node*> input_functions;
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].requires_grad()) continue;
+    input_edges.push_back(torch::autograd::impl::gradient_edge(inputs[i]));
+    input_functions.insert(input_edges.back().function.get());
+    differentiable.push_back(i);
+  }
+  // The nodes I runs: those below the roots that lead to a differentiable input.
+  std::unordered_map<const Node*, bool> leads_to_input;
+  for (Node* node : post_order) {  // children before parents
+    const auto& edges = node->next_edges();
+    leads_to_input[node] = std::any_of(edges.begin(), edges.end(), [&](const Edge& child) {
+      return child.is_valid() && (input_functions.count(child.function.get()) || leads_to_input.at(child.function.get()));
+    });
+  }
+
+  std::vector<Node*> weight_nodes;      // W runs them again, for their weight outputs
+  std::vector<Edge> below_cheap_nodes;  // I captures what flows along them; W starts there
+  // W by weight nodes needs I to run every node W starts at or below, no stage output that depends on parameters
+  // alone (its gradient reaches no weight node), and no hooks on the weight nodes' incoming gradients (I ran them
+  // already; W would run them again): all known before I runs.
+  bool by_weight_nodes = !root_edges.empty() && !input_edges.empty();
+  for (const auto& edge : root_edges) {
+    if (edge.is_valid() && parameters_only.at(edge.function.get())) by_weight_nodes = false;
+  }
+  // I captures below a cheap node only where the edge goes straight to a parameter that nothing else feeds: a capture
+  // makes every node above it run in I, and a parameter fed from elsewhere too (a tied weight) would then get that
+  // other gradient in I and again in W.
+  std::unordered_map<const Node*, int> edges_into;
+  for (Node* node : post_order) {
+    for (const auto& child : node->next_edges()) {
+      if (child.is_valid()) ++edges_into[child.function.get()];
+    }
+  }
   for (Node* node : post_order) {
     if (parameters_only.at(node)) continue;
     const auto& edges = node->next_edges();
-    if (std::any_of(edges.begin(), edges.end(),
-                    [&](const Edge& child) { return child.is_valid() && parameters_only.at(child.function.get()); })) {
+    auto weight_side = [&](const Edge& child) { return child.is_valid() && parameters_only.at(child.function.get()); };
+    if (std::none_of(edges.begin(), edges.end(), weight_side)) continue;
+    if (!leads_to_input.at(node) || input_functions.count(node)) by_weight_nodes = false;
+    // A hook on a parameter's incoming gradient would run when I captures it and again when W accumulates it.
+    const bool capturable = std::all_of(edges.begin(), edges.end(), [&](const Edge& child) {
+      if (!weight_side(child)) return true;
+      Node* below = child.function.get();
+      return accumulators.count(below) && edges_into.at(below) == 1 && below->tensor_pre_hooks().empty() &&
+             below->retains_grad_hooks().empty();
+    });
+    if (weight_work_is_cheap(*node) && capturable) {
+      std::copy_if(edges.begin(), edges.end(), std::back_inserter(below_cheap_nodes), weight_side);
+    } else {
       weight_nodes.push_back(node);
+      if (!node->tensor_pre_hooks().empty() || !node->retains_grad_hooks().empty()) by_weight_nodes = false;
     }
   }
+  if (weight_nodes.empty() && below_cheap_nodes.empty()) by_weight_nodes = false;
+  if (!by_weight_nodes) below_cheap_nodes.clear();  // the fallback's one backward pass computes everything
 
   // I, recording what reaches each weight node.
   std::vector<variable_list> captured(weight_nodes.size());
-  std::vector<std::pair<Node*, torch::autograd::FunctionPreHook*>> hooks;
-  for (std::size_t i = 0; i < weight_nodes.size(); ++i) {
-    auto hook = std::make_unique<CaptureHook>(&captured[i]);
-    hooks.emplace_back(weight_nodes[i], hook.get());
-    weight_nodes[i]->add_pre_hook(std::move(hook));
+  std::vector<std::pair<Node*, torch::autograd::FunctionPreHook*>> pre_hooks;
+  std::vector<std::pair<Node*, torch::autograd::FunctionPostHook*>> post_hooks;
+  if (by_weight_nodes) {
+    for (std::size_t i = 0; i < weight_nodes.size(); ++i) {
+      auto hook = std::make_unique<CaptureHook>(&captured[i]);
+      pre_hooks.emplace_back(weight_nodes[i], hook.get());
+      weight_nodes[i]->add_pre_hook(std::move(hook));
+    }
+    const std::unordered_set<const Node*> rerun(weight_nodes.begin(), weight_nodes.end());
+    for (Node* node : post_order) {
+      if (parameters_only.at(node) || rerun.count(node) || !leads_to_input.at(node)) continue;
+      auto hook = std::make_unique<ReleaseAfterInputPass>(node);
+      post_hooks.emplace_back(node, hook.get());
+      node->add_post_hook(std::move(hook));
+    }
   }
   auto remove_hooks = [&] {
-    for (const auto& [node, hook] : hooks) {
+    for (const auto& [node, hook] : pre_hooks) {
       auto& list = node->pre_hooks();
       list.erase(std::remove_if(list.begin(), list.end(), [&](const auto& held) { return held.get() == hook; }),
                  list.end());
     }
+    for (const auto& [node, hook] : post_hooks) {
+      auto& list = node->post_hooks();
+      list.erase(std::remove_if(list.begin(), list.end(), [&](const auto& held) { return held.get() == hook; }),
+                 list.end());
+    }
   };
-  std::vector<Edge> input_edges;
-  std::vector<std::size_t> differentiable;
-  for (std::size_t i = 0; i < inputs.size(); ++i) {
-    if (!inputs[i].requires_grad()) continue;
-    input_edges.push_back(torch::autograd::impl::gradient_edge(inputs[i]));
-    differentiable.push_back(i);
-  }
-  variable_list input_grads;
+  std::vector<Edge> outputs_of_i = input_edges;
+  outputs_of_i.insert(outputs_of_i.end(), below_cheap_nodes.begin(), below_cheap_nodes.end());
+  variable_list grads_of_i;
   try {
     if (!input_edges.empty() && !root_edges.empty()) {
-      input_grads = torch::autograd::Engine::get_default_engine().execute(
-          root_edges, root_grads, /*keep_graph=*/true, /*create_graph=*/false, /*accumulate_grad=*/false, input_edges);
+      grads_of_i = torch::autograd::Engine::get_default_engine().execute(
+          root_edges, root_grads, /*keep_graph=*/true, /*create_graph=*/false, /*accumulate_grad=*/false, outputs_of_i);
     }
   } catch (...) {
     remove_hooks();
@@ -162,50 +249,22 @@ std::pair<std::vector<at::Tensor>, WeightPass> WeightPass::run_input_pass(const 
   }
   remove_hooks();
   std::vector<at::Tensor> gradients(inputs.size());
-  for (std::size_t k = 0; k < differentiable.size() && k < input_grads.size(); ++k) {
-    gradients[differentiable[k]] = input_grads[k];
+  for (std::size_t k = 0; k < differentiable.size() && k < grads_of_i.size(); ++k) {
+    gradients[differentiable[k]] = grads_of_i[k];
   }
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     if (!gradients[i].defined()) gradients[i] = at::zeros_like(inputs[i]);
   }
+  if (!by_weight_nodes) return {gradients, std::move(pass)};
 
-  // W by weight nodes needs every one of them to have been reached by I, no stage output that depends on
-  // parameters alone (its gradient reaches no weight node), and no hooks on the weight nodes' incoming gradients
-  // (I ran them already; W would run them again).
-  for (const auto& edge : root_edges) {
-    if (edge.is_valid() && parameters_only.at(edge.function.get())) return {gradients, std::move(pass)};
-  }
-  for (Node* node : weight_nodes) {
-    if (!node->tensor_pre_hooks().empty() || !node->retains_grad_hooks().empty()) return {gradients, std::move(pass)};
-  }
-  const bool all_captured = !weight_nodes.empty() &&
-                            std::all_of(captured.begin(), captured.end(), [](const variable_list& grads) {
-                              return std::any_of(grads.begin(), grads.end(), [](const at::Tensor& g) { return g.defined(); });
-                            });
-  if (!all_captured) return {gradients, std::move(pass)};
-
-  // W: every weight node, seeded with what reached it in I, to the parameters below it (one engine call, so that
-  // what reaches a parameter from several weight nodes, a tied weight's uses, is summed before it accumulates once).
+  // W: every weight node, seeded with what reached it in I, and every edge below a cheap node, seeded with what I
+  // captured there, to the parameters below them (one engine call, so that what reaches a parameter from several
+  // places, a tied weight's uses, is summed before it accumulates once). A weight node that only undefined
+  // gradients reached has nothing to give, as in one backward pass.
   std::set<std::size_t> reached;
   std::unordered_set<const Node*> seen;
-  for (std::size_t i = 0; i < weight_nodes.size(); ++i) {
-    for (std::size_t slot = 0; slot < captured[i].size(); ++slot) {
-      if (!captured[i][slot].defined()) continue;
-      state.roots_of_w.emplace_back(weight_nodes[i]->getptr(), static_cast<uint32_t>(slot));
-      state.grads_of_w.push_back(captured[i][slot]);
-    }
-    InputSide side{weight_nodes[i]->getptr(), {}};
-    std::vector<const Node*> stack;
-    const auto& edges = weight_nodes[i]->next_edges();
-    for (uint32_t index = 0; index < edges.size(); ++index) {
-      if (!edges[index].is_valid()) continue;
-      if (parameters_only.at(edges[index].function.get())) {
-        stack.push_back(edges[index].function.get());
-      } else {
-        side.edges.push_back(index);
-      }
-    }
-    state.input_sides.push_back(std::move(side));
+  auto reach_parameters_below = [&](const Node* start) {
+    std::vector<const Node*> stack{start};
     while (!stack.empty()) {
       const Node* node = stack.back();
       stack.pop_back();
@@ -216,6 +275,31 @@ std::pair<std::vector<at::Tensor>, WeightPass> WeightPass::run_input_pass(const 
         if (child.is_valid()) stack.push_back(child.function.get());
       }
     }
+  };
+  for (std::size_t i = 0; i < weight_nodes.size(); ++i) {
+    for (std::size_t slot = 0; slot < captured[i].size(); ++slot) {
+      if (!captured[i][slot].defined()) continue;
+      state.roots_of_w.emplace_back(weight_nodes[i]->getptr(), static_cast<uint32_t>(slot));
+      state.grads_of_w.push_back(captured[i][slot]);
+    }
+    InputSide side{weight_nodes[i]->getptr(), {}};
+    const auto& edges = weight_nodes[i]->next_edges();
+    for (uint32_t index = 0; index < edges.size(); ++index) {
+      if (!edges[index].is_valid()) continue;
+      if (parameters_only.at(edges[index].function.get())) {
+        reach_parameters_below(edges[index].function.get());
+      } else {
+        side.edges.push_back(index);
+      }
+    }
+    state.input_sides.push_back(std::move(side));
+  }
+  for (std::size_t k = 0; k < below_cheap_nodes.size(); ++k) {
+    const at::Tensor& grad = grads_of_i.at(differentiable.size() + k);
+    if (!grad.defined()) continue;
+    state.roots_of_w.push_back(below_cheap_nodes[k]);
+    state.grads_of_w.push_back(grad);
+    reach_parameters_below(below_cheap_nodes[k].function.get());
   }
   for (std::size_t parameter : reached) {
     state.accumulators_of_w.push_back(torch::autograd::impl::gradient_edge(trainable[parameter]));

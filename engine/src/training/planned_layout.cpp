@@ -51,7 +51,10 @@ std::string plan_on_rank0(Runtime& runtime, const GraphModel& model, const Model
   const auto predictions = plan_layouts(profile, config, world, costs);
   log::info("layouts planned for the \"auto\" keys of " + config.source + ":\n" + layout_report(predictions));
   auto [prediction, chosen] = choose_layout(predictions, runtime.config(), world);
-  log::info("planned layout " + prediction.layout.describe());
+  char chosen_line[160];
+  std::snprintf(chosen_line, sizeof chosen_line, ", predicted step %.1f ms, peak %.3f MiB per rank",
+                prediction.step_s * 1e3, prediction.peak_memory_mib());
+  log::info("planned layout " + prediction.layout.describe() + chosen_line);
   // The C++ plan has no optimizer term: its step is what train_step takes.
   runtime.note_planned_step({prediction.layout.describe(), prediction.step_s, {}});
   if (!config.trace_dir.empty()) {
