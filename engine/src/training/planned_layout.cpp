@@ -11,6 +11,7 @@
 #include <ATen/DeviceAccelerator.h>
 
 #include "pipeline/split_backward.h"
+#include "training/timed_work.h"
 #include "smp/device_speeds.h"
 
 #include "smp/collectives.h"
@@ -66,23 +67,13 @@ std::string plan_on_rank0(Runtime& runtime, const GraphModel& model, const Model
   return chosen.text;
 }
 
-// The processors the host's ranks get at once, measured rather than counted: a model-sized amount of matrix work
-// (8 blocks of a d 256 MLP on 256 rows: 12 MB of weights, more than a core's caches) timed on rank 0 alone, as the
-// profile runs with its peers waiting, then repeated by every rank at once for the same window; each rank's speed
-// is the share alone / at once of a processor, and their sum the processors the ranks have (at most the cores).
-// Other tenants of the host, cache and memory contention and switching between ranks show in it; a count of cores
-// does not (4 ranks on 2 cores computed at 1.7 processors' speed, not 2). The median of 3 rounds.
+// The processors the host's ranks get at once, measured rather than counted: model-sized matrix work (TimedMatrixWork)
+// timed on rank 0 alone, as the profile runs with its peers waiting, then repeated by every rank at once for the same
+// window; each rank's speed is the share alone / at once of a processor, and their sum the processors the ranks have
+// (at most the cores). Other tenants of the host, cache and memory contention and switching between ranks show in it;
+// a count of cores does not (4 ranks on 2 cores computed at 1.7 processors' speed, not 2). The median of 3 rounds.
 double processors_at_once(Runtime& runtime, int cores) {
-  std::vector<at::Tensor> up, down;
-  for (int block = 0; block < 8; ++block) {
-    up.push_back(at::rand({256, 688}) / 16.0);
-    down.push_back(at::rand({688, 256}) / 26.0);
-  }
-  const at::Tensor rows = at::rand({256, 256});
-  const auto work = [&] {
-    at::Tensor hidden = rows;
-    for (std::size_t block = 0; block < up.size(); ++block) hidden = at::mm(at::silu(at::mm(hidden, up[block])), down[block]);
-  };
+  const TimedMatrixWork work(c10::Device(c10::kCPU));
   using Clock = std::chrono::steady_clock;
   const auto seconds_since = [](Clock::time_point start) {
     return std::chrono::duration<double>(Clock::now() - start).count();
@@ -95,13 +86,7 @@ double processors_at_once(Runtime& runtime, int cores) {
     const std::string key = "processors_at_once/" + std::to_string(runtime.next_exchange());
     double alone_s = 0.0;
     if (runtime.rank() == 0) {
-      work();  // warm
-      alone_s = 1e9;
-      for (int repeat = 0; repeat < 3; ++repeat) {
-        const auto start = Clock::now();
-        work();
-        alone_s = std::min(alone_s, seconds_since(start));
-      }
+      alone_s = work.fastest_seconds(3);
       runtime.publish(key, std::to_string(alone_s));
     } else {
       alone_s = std::stod(runtime.fetch(key));
@@ -112,7 +97,7 @@ double processors_at_once(Runtime& runtime, int cores) {
     const auto start = Clock::now();
     int passes = 0;
     while (seconds_since(start) < 24 * alone_s) {
-      work();
+      work.run();
       ++passes;
     }
     at::Tensor speed = at::full({1}, passes * alone_s / seconds_since(start), at::kFloat);
