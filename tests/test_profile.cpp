@@ -510,6 +510,8 @@ TEST_CASE("the planner's profile times the zero-bubble split, and ZB layouts are
     INFO(profile.name);
     CHECK(profile.backward_input_s > 0.0);
     CHECK(profile.backward_weight_s > 0.0);
+    CHECK(profile.weight_pass_bytes >= 0);
+    CHECK(profile.weight_pass_bytes <= profile.activation_bytes);
   }
   CHECK(smp::profile_graph(model, at::randn({8, 16}), 1)[1].backward_input_s == 0.0);  // without the timer
 
@@ -537,4 +539,32 @@ TEST_CASE("the planner's profile times the zero-bubble split, and ZB layouts are
     }
   }
   CHECK(zero_bubble > 0);
+
+  // Modules whose W reads a quarter of what their forward keeps: every zero-bubble layout of several stages is
+  // predicted to need less memory on some rank and more on none (its later stages free the rest at I; the first
+  // holds everything to W), the others the same as without the measurement.
+  auto quartered = halves;
+  for (auto& module : quartered) module.weight_pass_bytes = module.activation_bytes / 4;
+  const auto freed = smp::plan_layouts({quartered, 2}, config, 4, {0.0, 1e9, 1e9});
+  int lighter = 0;
+  for (const auto& with_share : freed) {
+    for (const auto& whole : assumed) {
+      if (with_share.layout.describe() != whole.layout.describe() || !with_share.rejected.empty()) continue;
+      INFO(with_share.layout.describe());
+      REQUIRE(with_share.memory_mib.size() == whole.memory_mib.size());
+      const bool splits = with_share.layout.pipeline == "zb_h1" || with_share.layout.pipeline == "zb_v" ||
+                          with_share.layout.pipeline == "dualpipe_v";
+      bool less_somewhere = false;
+      for (std::size_t rank = 0; rank < whole.memory_mib.size(); ++rank) {
+        CHECK(with_share.memory_mib[rank] <= whole.memory_mib[rank] + 1e-9);
+        less_somewhere = less_somewhere || with_share.memory_mib[rank] < whole.memory_mib[rank] - 1e-6;
+      }
+      if (splits && with_share.layout.partitions > 1 && !with_share.layout.recompute) {
+        lighter += less_somewhere;
+      } else if (!splits) {
+        CHECK_FALSE(less_somewhere);
+      }
+    }
+  }
+  CHECK(lighter > 0);
 }

@@ -168,8 +168,18 @@ TEST_CASE("split backward: activations are freed by W, not I", "[simulator]") {
   CHECK_THAT(result.makespan, WithinAbs(8.0, kTolerance));
   CHECK(result.busy_time == std::vector<double>{6.0, 6.0});
   CHECK(result.peak_in_flight == std::vector<int>{2, 2});
+  CHECK(result.peak_activations == std::vector<double>{2.0, 2.0});
   CHECK_THAT(result.timings[0][2].start, WithinAbs(3.0, kTolerance));
   CHECK_THAT(result.timings[0][3].start, WithinAbs(5.0, kTolerance));
+
+  // When I frees all but a quarter of a microbatch's activations (what W reads), rank 1 holds at most F1's whole
+  // and I0's quarter; rank 0 keeps everything to W (its share 1: a first stage's W is its whole backward).
+  SimulationCosts freed = SimulationCosts::uniform(2, unit);
+  freed.weight_pass_share = {1.0, 0.25};
+  const SimulationResult held = simulate(schedule, graph, freed);
+  CHECK(held.peak_in_flight == std::vector<int>{2, 2});
+  CHECK_THAT(held.peak_activations[0], WithinAbs(2.0, kTolerance));
+  CHECK_THAT(held.peak_activations[1], WithinAbs(1.25, kTolerance));
 }
 
 TEST_CASE("a deadlock names every stuck rank and what it waits for", "[simulator]") {
@@ -266,6 +276,11 @@ TEST_CASE("simulate rejects costs that do not fit", "[simulator]") {
   SimulationCosts no_processors = SimulationCosts::uniform(2);
   no_processors.processors = -1.0;
   REQUIRE_THROWS_WITH(simulate(schedule, graph, no_processors), Contains("processors"));
+  SimulationCosts shares = SimulationCosts::uniform(2);
+  shares.weight_pass_share = {1.0};
+  REQUIRE_THROWS_WITH(simulate(schedule, graph, shares), Contains("1 weight_pass_share entries for 2 stages"));
+  shares.weight_pass_share = {1.0, 1.5};
+  REQUIRE_THROWS_WITH(simulate(schedule, graph, shares), Contains("weight_pass_share must be within [0, 1]"));
   P2PCosts no_bandwidth;
   no_bandwidth.bytes_per_transfer = 1024.0;
   REQUIRE_THROWS_WITH(simulate(schedule, graph, SimulationCosts::uniform(2, StageCosts{}, no_bandwidth)),

@@ -34,6 +34,13 @@ void check_costs(const SimulationCosts& costs, int num_stages) {
     check(cost.backward_input, which + "backward_input");
     check(cost.backward_weight, which + "backward_weight");
   }
+  if (!costs.weight_pass_share.empty() && static_cast<int>(costs.weight_pass_share.size()) != num_stages)
+    throw ScheduleError("simulation costs: " + std::to_string(costs.weight_pass_share.size()) +
+                        " weight_pass_share entries for " + std::to_string(num_stages) + " stages");
+  for (double share : costs.weight_pass_share) {
+    if (!(share >= 0 && share <= 1))
+      throw ScheduleError("simulation costs: weight_pass_share must be within [0, 1], got " + std::to_string(share));
+  }
   check(costs.processors, "processors");
   check(costs.p2p.latency_s, "latency_s");
   check(costs.p2p.bytes_per_transfer, "bytes_per_transfer");
@@ -68,9 +75,11 @@ class SimulationState {
         next_action_(static_cast<std::size_t>(schedule.num_ranks), 0),
         clock_(static_cast<std::size_t>(schedule.num_ranks), 0.0),
         awaited_(static_cast<std::size_t>(schedule.num_ranks)),
-        in_flight_(static_cast<std::size_t>(schedule.num_ranks), 0) {
+        in_flight_(static_cast<std::size_t>(schedule.num_ranks), 0),
+        activations_(static_cast<std::size_t>(schedule.num_ranks), 0.0) {
     result_.busy_time.assign(static_cast<std::size_t>(schedule.num_ranks), 0.0);
     result_.peak_in_flight.assign(static_cast<std::size_t>(schedule.num_ranks), 0);
+    result_.peak_activations.assign(static_cast<std::size_t>(schedule.num_ranks), 0.0);
     result_.timings.resize(static_cast<std::size_t>(schedule.num_ranks));
     for (int rank = 0; rank < schedule.num_ranks; ++rank) result_.timings[rank].resize(schedule.ranks[rank].size());
   }
@@ -108,7 +117,7 @@ class SimulationState {
       transfers_.for_each_send(action, send);
     if (is_compute(action.kind)) {
       result_.busy_time[rank] += end - start;
-      track_activations(rank, action.kind);
+      track_activations(rank, action);
     }
   }
 
@@ -130,14 +139,31 @@ class SimulationState {
   std::vector<Action> awaited_;  // per rank: the receive it is parked on
 
  private:
-  void track_activations(int rank, ActionKind kind) {
+  void track_activations(int rank, const Action& action) {
     int& held = in_flight_[rank];
+    double& activations = activations_[rank];
     if (schedule_.forward_only) return;  // an evaluation step keeps nothing for a backward
-    if (kind == ActionKind::Forward) {
-      ++held;
-      result_.peak_in_flight[rank] = std::max(result_.peak_in_flight[rank], held);
-    } else if (kind == ActionKind::Backward || kind == ActionKind::BackwardWeight) {
-      --held;
+    const double share = costs_.weight_pass_share.empty() ? 1.0 : costs_.weight_pass_share.at(action.stage);
+    switch (action.kind) {
+      case ActionKind::Forward:
+        ++held;
+        activations += 1.0;
+        result_.peak_in_flight[rank] = std::max(result_.peak_in_flight[rank], held);
+        result_.peak_activations[rank] = std::max(result_.peak_activations[rank], activations);
+        break;
+      case ActionKind::Backward:
+        --held;
+        activations -= 1.0;
+        break;
+      case ActionKind::BackwardInput:
+        activations -= 1.0 - share;
+        break;
+      case ActionKind::BackwardWeight:
+        --held;
+        activations -= share;
+        break;
+      default:
+        break;
     }
   }
 
@@ -164,6 +190,7 @@ class SimulationState {
   }
 
   std::vector<int> in_flight_;
+  std::vector<double> activations_;
   SimulationResult result_;
 };
 

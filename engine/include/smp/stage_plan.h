@@ -34,6 +34,9 @@ struct ModuleProfile {
   // pass (I) and the weight-gradient pass (W), which together cost more than backward_s on small operations.
   double backward_input_s = 0.0;
   double backward_weight_s = 0.0;
+  // Of activation_bytes, what its graph still holds between I and W (what W reads: its matrix products' inputs and
+  // the gradients that reached them); -1 when not profiled with a SplitBackwardTimer.
+  std::int64_t weight_pass_bytes = -1;
   std::int64_t largest_parameter_bytes = 0;  // of those parameter_bytes counts
 };
 
@@ -66,9 +69,15 @@ struct StagePlan {
 // measurement and back after; a node built on demand is built for it alone (GraphModel::built_apart) and dropped.
 // Throws ModelError naming the node that fails on the sample.
 // Times a node's split backward: given its output (seeded with ones), its inputs and its parameters, runs I then W
-// and returns their seconds. The planner's callers pass one (smp::WeightPass's, which this room does not see).
-using SplitBackwardTimer = std::function<std::pair<double, double>(
-    const at::Tensor& output, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& parameters)>;
+// and returns their seconds, and `live_bytes()` between them (less the input gradients I returned). The planner's
+// callers pass one (smp::WeightPass's, which this room does not see).
+struct SplitBackwardTiming {
+  double input_s = 0.0, weight_s = 0.0;
+  std::int64_t live_bytes_between = 0;
+};
+using SplitBackwardTimer = std::function<SplitBackwardTiming(
+    const at::Tensor& output, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& parameters,
+    const std::function<std::int64_t()>& live_bytes)>;
 // With `time_split`, each node's I and W are timed too (backward_input_s, backward_weight_s), on a forward of
 // their own in each round. With `scale_to_whole`, the nodes' times are scaled so that they sum to one forward and
 // one backward of the whole model on the sample (the planner's: nodes timed alone sum to less); not where the
@@ -86,7 +95,13 @@ std::vector<bool> checkpointed_modules(const std::vector<std::string>& module_na
 // Per stage of `schedule`: the microbatches whose activations it holds at once (under 1F1B, p - rank), as the
 // partition search counts them: a rank's virtual stages share its count. From the compute actions alone, so that
 // a schedule file's own transfers, which may follow skips the chain does not have, do not matter.
-std::vector<double> activation_copies(const sched::Schedule& schedule);
+// `weight_pass_share`: of a microbatch's activations, what a stage after the first still holds from its I until its
+// W under the zero-bubble split (the first stage's input takes no gradient: its W is the whole backward, and it
+// holds everything); 1 counts the microbatch whole until W.
+std::vector<double> activation_copies(const sched::Schedule& schedule, double weight_pass_share = 1.0);
+// What the profiled modules hold from I until W, over what their forwards keep (weight_pass_bytes over
+// activation_bytes); 1 when the profile has no split timings.
+double weight_pass_share(const std::vector<ModuleProfile>& modules);
 
 // Splits a profiled graph into config.num_stages() stages, each stage only feeding later ones: balanced by
 // forward + backward time mixed with memory by memory_weight when auto_partition is true, else every module on

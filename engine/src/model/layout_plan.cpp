@@ -62,8 +62,8 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   StageDevices devices;
   try {
     devices = stage_devices(config, Topology(config, world_size), schedule.stage_to_rank, {});
-    plan = plan_stages(profile.at(per_microbatch, costs.compute_scale), config, activation_copies(schedule), shards,
-                       &devices);
+    const auto modules = profile.at(per_microbatch, costs.compute_scale);
+    plan = plan_stages(modules, config, activation_copies(schedule, weight_pass_share(modules)), shards, &devices);
   } catch (const std::exception& error) {
     prediction.rejected = error.what();
     return;
@@ -236,6 +236,7 @@ std::vector<ModuleProfile> ModelProfile::at(int samples, double compute_scale) c
         compute_scale * through(module.assumed_loss_s, large.assumed_loss_s, batch, larger_samples, samples);
     module.output_bytes = module.output_bytes * samples / batch;
     module.activation_bytes = module.activation_bytes * samples / batch;
+    if (module.weight_pass_bytes > 0) module.weight_pass_bytes = module.weight_pass_bytes * samples / batch;
   }
   return result;
 }

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <utility>
 #include <string>
 #include <unordered_map>
 
@@ -265,6 +266,7 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
     std::int64_t activation_bytes;
     at::Tensor output;
     double backward_input_s, backward_weight_s;
+    std::int64_t weight_pass_bytes;
   };
   std::map<std::string, Measured> measured;
   // Untimed rounds first: first calls pay for allocations and lazy initialisation, and TorchScript modules (the
@@ -306,6 +308,7 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
       profile.activation_bytes = found->second.activation_bytes;
       profile.backward_input_s = found->second.backward_input_s;
       profile.backward_weight_s = found->second.backward_weight_s;
+      profile.weight_pass_bytes = found->second.weight_pass_bytes;
       profile.output_bytes = found->second.output.numel() * static_cast<std::int64_t>(found->second.output.element_size());
       profiles.push_back(profile);
       values[node.name] = found->second.output;
@@ -316,6 +319,7 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
     }
     const ModuleVisit visit(*node.module, device);
     std::vector<double> forward_times, backward_times, input_pass_times, weight_pass_times;
+    std::int64_t weight_pass_bytes = -1;  // the least over the rounds, as activation_bytes
     std::int64_t activation_bytes = -1;  // the least over the rounds: the first pays for one-time allocations
     at::Tensor output;
     for (int repeat = -kUntimedRounds; repeat < repeats; ++repeat) {
@@ -354,9 +358,17 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
             if (leaf.defined() && at::isFloatingType(leaf.scalar_type())) leaf.requires_grad_(true);
             fresh.push_back(GraphModel::writable_input(leaf));
           }
-          const auto [input_s, weight_s] = time_split(node.forward(fresh), fresh, node.module->parameters());
-          input_pass_times.push_back(input_s);
-          weight_pass_times.push_back(weight_s);
+          const std::int64_t before_split = live_bytes();
+          at::Tensor split_output = node.forward(fresh);
+          const std::int64_t split_output_bytes =
+              split_output.numel() * static_cast<std::int64_t>(split_output.element_size());
+          const SplitBackwardTiming timing =
+              time_split(std::exchange(split_output, at::Tensor()), fresh, node.module->parameters(), live_bytes);
+          input_pass_times.push_back(timing.input_s);
+          weight_pass_times.push_back(timing.weight_s);
+          // The output is still held while the timer runs (its caller's argument); it is not an activation.
+          const std::int64_t held = std::max<std::int64_t>(timing.live_bytes_between - before_split - split_output_bytes, 0);
+          weight_pass_bytes = weight_pass_bytes < 0 ? held : std::min(weight_pass_bytes, held);
         }
       } catch (const std::exception& error) {  // LibTorch's, or TorchScript's interpreter's
         std::string shapes;
@@ -377,6 +389,7 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
     if (!input_pass_times.empty()) {
       profile.backward_input_s = least(input_pass_times);
       profile.backward_weight_s = least(weight_pass_times);
+      profile.weight_pass_bytes = std::min(weight_pass_bytes, std::max<std::int64_t>(activation_bytes, 0));
     }
     profile.output_bytes = output.numel() * static_cast<std::int64_t>(output.element_size());
     profile.activation_bytes = std::max<std::int64_t>(activation_bytes, 0);
@@ -384,7 +397,7 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
     values[node.name] = output.detach();
     if (!key.empty()) {
       measured[key] = {profile.forward_s, profile.backward_s, profile.activation_bytes, values[node.name],
-                       profile.backward_input_s, profile.backward_weight_s};
+                       profile.backward_input_s, profile.backward_weight_s, profile.weight_pass_bytes};
     }
     for (const auto& input : node.inputs) {
       if (last_reader.at(input) == index) values.erase(input);

@@ -173,23 +173,39 @@ std::vector<bool> checkpointed_modules(const std::vector<std::string>& module_na
   return selected;
 }
 
-std::vector<double> activation_copies(const sched::Schedule& schedule) {
+std::vector<double> activation_copies(const sched::Schedule& schedule, double weight_pass_share) {
   sched::Schedule compute = schedule;
   for (auto& actions : compute.ranks) {
     actions.erase(std::remove_if(actions.begin(), actions.end(),
                                  [](const sched::Action& action) { return !sched::is_compute(action.kind); }),
                   actions.end());
   }
-  const auto in_flight = sched::simulate(compute, sched::StageGraph::chain(schedule.num_stages),
-                                         sched::SimulationCosts::uniform(schedule.num_stages))
-                             .peak_in_flight;
+  auto costs = sched::SimulationCosts::uniform(schedule.num_stages);
+  const bool shared = schedule.split_backward && weight_pass_share < 1.0;
+  if (shared) {
+    costs.weight_pass_share.assign(static_cast<std::size_t>(schedule.num_stages), std::clamp(weight_pass_share, 0.0, 1.0));
+    costs.weight_pass_share.front() = 1.0;
+  }
+  const auto simulated = sched::simulate(compute, sched::StageGraph::chain(schedule.num_stages), costs);
   std::vector<double> copies(static_cast<std::size_t>(schedule.num_stages), 1.0);
   for (int stage = 0; stage < schedule.num_stages; ++stage) {
     const int rank = schedule.stage_to_rank.at(stage);
     const double stages_on_rank = static_cast<double>(schedule.stages_of_rank(rank).size());
-    copies[stage] = std::max(1.0, std::ceil(in_flight.at(rank) / stages_on_rank));
+    // Whole microbatches without the split; with it, the share a pending W holds counts as it is.
+    copies[stage] = shared ? std::max(1.0, simulated.peak_activations.at(rank) / stages_on_rank)
+                           : std::max(1.0, std::ceil(simulated.peak_in_flight.at(rank) / stages_on_rank));
   }
   return copies;
+}
+
+double weight_pass_share(const std::vector<ModuleProfile>& modules) {
+  double held = 0.0, kept = 0.0;
+  for (const auto& module : modules) {
+    if (module.weight_pass_bytes < 0) continue;
+    held += static_cast<double>(module.weight_pass_bytes);
+    kept += static_cast<double>(module.activation_bytes);
+  }
+  return kept > 0 ? std::min(1.0, held / kept) : 1.0;
 }
 
 bool StageDevices::alike() const {

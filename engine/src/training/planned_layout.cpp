@@ -111,20 +111,27 @@ double processors_at_once(Runtime& runtime, int cores) {
 }  // namespace
 
 SplitBackwardTimer split_backward_timer() {
-  return [](const at::Tensor& output, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& parameters) {
+  return [](const at::Tensor& output, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& parameters,
+            const std::function<std::int64_t()>& live_bytes) {
     const c10::Device device = output.device();
     auto settle = [&] {
       if (!device.is_cpu()) at::accelerator::synchronizeDevice(device.index());
     };
     settle();
+    SplitBackwardTiming timing;
     auto start = std::chrono::steady_clock::now();
     auto [gradients, weight_pass] = WeightPass::run_input_pass({output}, {at::ones_like(output)}, inputs, parameters);
     settle();
-    const double input_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    timing.input_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    timing.live_bytes_between = live_bytes();
+    for (const auto& gradient : gradients) {
+      if (gradient.defined()) timing.live_bytes_between -= gradient.numel() * static_cast<std::int64_t>(gradient.element_size());
+    }
     start = std::chrono::steady_clock::now();
     weight_pass.run();
     settle();
-    return std::make_pair(input_s, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    timing.weight_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return timing;
   };
 }
 

@@ -35,6 +35,10 @@ struct SimulationCosts {
   // one GPU) each compute at min(1, processors / ranks computing at that moment) of their own speed, as a fair
   // scheduler divides them: a pipeline's fill and drain, with few ranks busy, run faster than its steady state.
   double processors = 0.0;
+  // Per stage (empty: 1 each): the share of a microbatch's activations that it still holds from its I until its W
+  // (the zero-bubble input pass frees what the weight pass does not read). Only SimulationResult::peak_activations
+  // reads it.
+  std::vector<double> weight_pass_share;
 
   // Every stage costs the same.
   static SimulationCosts uniform(int num_stages, const StageCosts& stage = {}, const P2PCosts& p2p = {});
@@ -52,6 +56,9 @@ struct SimulationResult {
   // Per rank: the most (stage, microbatch) pairs whose activations it held at once, i.e. whose F had run and
   // whose B (or W) had not. Two stages of one rank holding the same microbatch count twice.
   std::vector<int> peak_in_flight;
+  // Per rank: the most microbatches' activations it held at once, a microbatch between its I and its W counting
+  // as its stage's weight_pass_share of one (peak_in_flight counts it whole).
+  std::vector<double> peak_activations;
   std::vector<std::vector<ActionTiming>> timings;  // [rank][action index], the shape of Schedule::ranks
 };
 
