@@ -24,21 +24,34 @@ double ms_since(std::chrono::steady_clock::time_point start) {
 }
 
 // The GPT's blocks (no embedding, no head) as one stage fed hidden states that need their gradient, as a middle
-// stage's are: B, then I and W on a fresh forward, alternating, medians over `rounds`. Also I alone as plain autograd
-// computes it (torch::autograd::grad to the input): what I would cost without recording W's inputs.
-void print_split_backward(const smp::examples::GptOptions& options, int64_t batch, int rounds) {
-  auto model = smp::examples::make_gpt(options).materialize(3);
+// stage's are.
+struct MiddleStage {
+  smp::GraphModel model;
   std::vector<at::Tensor> parameters;
-  for (const auto& [name, parameter] : model.named_parameters()) parameters.push_back(parameter);
-  auto generator = at::make_generator<at::CPUGeneratorImpl>(7);
-  const auto tokens = at::randint(options.vocab_size, {batch, options.context}, generator, at::kLong);
-  const auto& nodes = model.nodes();
-  const at::Tensor hidden = nodes.front().forward({tokens}).detach().requires_grad_(true);
-  auto stage = [&] {
+  at::Tensor hidden;
+
+  MiddleStage(const smp::examples::GptOptions& options, int64_t batch)
+      : model(smp::examples::make_gpt(options).materialize(3)) {
+    for (const auto& [name, parameter] : model.named_parameters()) parameters.push_back(parameter);
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(7);
+    const auto tokens = at::randint(options.vocab_size, {batch, options.context}, generator, at::kLong);
+    hidden = model.nodes().front().forward({tokens}).detach().requires_grad_(true);
+  }
+  at::Tensor forward() const {
+    const auto& nodes = model.nodes();
     at::Tensor h = hidden;
     for (std::size_t k = 1; k + 1 < nodes.size(); ++k) h = nodes[k].forward({h});
     return h;
-  };
+  }
+};
+
+// A middle stage's B, then I and W on a fresh forward, alternating, medians over `rounds`. Also I alone as plain autograd
+// computes it (torch::autograd::grad to the input): what I would cost without recording W's inputs.
+void print_split_backward(const smp::examples::GptOptions& options, int64_t batch, int rounds) {
+  MiddleStage middle(options, batch);
+  auto& parameters = middle.parameters;
+  const at::Tensor& hidden = middle.hidden;
+  auto stage = [&] { return middle.forward(); };
   auto clear = [&] {
     for (auto& parameter : parameters) parameter.mutable_grad() = at::Tensor();
     hidden.mutable_grad() = at::Tensor();
@@ -123,18 +136,10 @@ void time_every_node(const at::Tensor& root, NodeTimes* times) {
 
 // The same middle stage as print_split_backward: B, then I and W on another forward, per node kind, mean over rounds.
 void print_split_nodes(const smp::examples::GptOptions& options, int64_t batch, int rounds) {
-  auto model = smp::examples::make_gpt(options).materialize(3);
-  std::vector<at::Tensor> parameters;
-  for (const auto& [name, parameter] : model.named_parameters()) parameters.push_back(parameter);
-  auto generator = at::make_generator<at::CPUGeneratorImpl>(7);
-  const auto tokens = at::randint(options.vocab_size, {batch, options.context}, generator, at::kLong);
-  const auto& nodes = model.nodes();
-  const at::Tensor hidden = nodes.front().forward({tokens}).detach().requires_grad_(true);
-  auto stage = [&] {
-    at::Tensor h = hidden;
-    for (std::size_t k = 1; k + 1 < nodes.size(); ++k) h = nodes[k].forward({h});
-    return h;
-  };
+  MiddleStage middle(options, batch);
+  auto& parameters = middle.parameters;
+  const at::Tensor& hidden = middle.hidden;
+  auto stage = [&] { return middle.forward(); };
   std::map<std::string, double> b, i, w;
   for (int round = 0; round < rounds; ++round) {
     for (auto& parameter : parameters) parameter.mutable_grad() = at::Tensor();
