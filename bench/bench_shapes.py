@@ -1,6 +1,6 @@
 """What changing sequence lengths cost a captured model: an unmodified Hugging Face Llama (8 layers, d 256, random
 weights) on 2 pipeline stages, captured twice in the same job, once with dynamic shapes (smp's default) and once on
-the sample's shapes alone (as before; the export's dynamic shapes turned off). Steps alternate between the two
+the sample's shapes alone (dynamic_shapes="none"). Steps alternate between the two
 models so that the machine's drift hits both alike. Prints one JSON line (rank 0):
 
 - capture_s: DistributedModel's capture of each (export and nodes);
@@ -19,7 +19,6 @@ import time
 import torch
 
 import smp
-from smp import _exporting
 
 SAMPLE_LENGTH = 64
 NEW_LENGTHS = (40, 96, 128)
@@ -29,15 +28,7 @@ def build(config, sample, dynamic):
     import transformers as hf
     torch.manual_seed(0)
     net = hf.LlamaForCausalLM(config)
-    free = _exporting._every_dimension_free
-    if not dynamic:
-        def fixed(*_):
-            raise RuntimeError("dynamic shapes turned off for the benchmark")
-        _exporting._every_dimension_free = fixed
-    try:
-        model = smp.DistributedModel(net, sample)
-    finally:
-        _exporting._every_dimension_free = free
+    model = smp.DistributedModel(net, sample, dynamic_shapes=None if dynamic else "none")
     optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
     return model, optimizer
 

@@ -21,7 +21,7 @@ def _contains_scripted(model):
     return any(isinstance(m, torch.jit.ScriptModule) for m in model.modules())
 
 
-def _capture(model, sample, stages, pinned):
+def _capture(model, sample, stages, pinned, dynamic_shapes=None):
     """A model with a forward of its own as an engine graph and its IO: torch.export first (any depth, keyword
     inputs, any output); torch.fx when export cannot take it (or the model has TorchScript children, which export
     does not enter) and the model takes one tensor."""
@@ -33,7 +33,7 @@ def _capture(model, sample, stages, pinned):
         try:
             graph, leaf_inputs, output_spec, shapes = exporting.capture(
                 model, args, kwargs, stages, pinned, GraphModel, torch.device(runtime().device),
-                (runtime().expert_parallel_degree, runtime().ep_rank))
+                (runtime().expert_parallel_degree, runtime().ep_rank), dynamic_shapes)
             return graph, CapturedIO(model, args, kwargs, leaf_inputs, output_spec, exporting.split_sample, shapes)
         except CaptureError as error:
             export_error = error
@@ -80,8 +80,9 @@ def _materializer(model, graph, rt, init_fn):
     return materialize_local
 
 
-def graph_of(model, sample, stages, pinned):
-    """The smp.GraphModel a model runs as, and how its inputs and outputs map to the graph's, for `stages` stages."""
+def graph_of(model, sample, stages, pinned, dynamic_shapes=None):
+    """The smp.GraphModel a model runs as, and how its inputs and outputs map to the graph's, for `stages` stages;
+    `dynamic_shapes` says which input dimensions a captured model lets change (smp._exporting.dynamic_shapes)."""
     if isinstance(model, GraphModel):
         return model, GraphIO(model.input_names, model._several_outputs)
     if _is_sequential(model):
@@ -92,7 +93,7 @@ def graph_of(model, sample, stages, pinned):
         raise TypeError(f"pass an nn.Sequential or an smp.GraphModel, got {_kind(model)}: script its children, "
                         "not the model, or pass the model unscripted (smp traces its forward)")
     if isinstance(model, torch.nn.Module):
-        return _capture(model, sample, stages, pinned)
+        return _capture(model, sample, stages, pinned, dynamic_shapes)
     raise TypeError(f"expected a torch.nn.Module or an smp.GraphModel, got {type(model).__name__}")
 
 
@@ -154,6 +155,13 @@ class DistributedModel(torch.nn.Module):
     tuple of positional arguments, or a dict of keyword arguments (input_ids, attention_mask, labels, ...). Rank 0
     profiles the modules on it and all ranks adopt its partition.
 
+    Later steps may bring other shapes where the capture lets them change: by default the first dimension of every
+    input (an epoch's short last batch) and every dimension of integer and boolean inputs and of inputs of one or
+    two dimensions (a sequence length), but not an image's size (the other dimensions of a floating input of three or
+    more);
+    `dynamic_shapes` "all" frees every dimension (an image's size too, at a slower capture), "none" none, and
+    {input name: dimensions} the named ones besides the default's.
+
     It is an nn.Module holding this rank's share: named_parameters(), parameters(), named_buffers() and state_dict()
     give this rank's tensors (the ones the engine trains, no copies) under their names in the full model, in the
     model's order; load_state_dict() takes a full model's state_dict (each rank copies its own) or this rank's.
@@ -169,7 +177,7 @@ class DistributedModel(torch.nn.Module):
     classes) hold this rank's share of their experts, and tokens reach the others' by all-to-all (smp.ep).
     """
 
-    def __init__(self, model, sample, init_fn=None, tp_plan=None):
+    def __init__(self, model, sample, init_fn=None, tp_plan=None, dynamic_shapes=None):
         super().__init__()
         rt = runtime()
         started = time.perf_counter()
@@ -187,7 +195,8 @@ class DistributedModel(torch.nn.Module):
             raise ConfigError(f"\"expert_parallel_degree\" {rt.expert_parallel_degree} divides the experts of a "
                               "captured mixture-of-experts model (a module with a forward of its own, such as a "
                               f"Hugging Face one), not a {_kind(model)}")
-        graph, io_ = graph_of(model, sample, rt.config.num_stages(), list(rt.config.partition_overrides))
+        graph, io_ = graph_of(model, sample, rt.config.num_stages(), list(rt.config.partition_overrides),
+                              dynamic_shapes)
         self._io = io_
         self._graph = graph
         # Non-persistent buffers (a rotary table) stay out of checkpoints and exports, as out of state_dict.

@@ -28,7 +28,7 @@ from . import _expert_parallel, _routing
 from ._captured_node import (_ASSERTS, CapturedNode, _attribute, _is_op, _mutates_first_argument, placeholder_name,
                              run_fuser)
 from ._data_flow import READS_METADATA_ONLY, data_flow, is_random
-from ._exporting import export_as_if_on, export_model, real_constant
+from ._exporting import dynamic_shapes, export_as_if_on, export_model, real_constant
 from ._input_limits import InputShapes, TableLookups
 from ._smp import ModelError
 
@@ -131,13 +131,15 @@ def _merge_tensor_parallel_copies(graph):
                 graph.erase_node(node)
 
 
-def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=torch.device("cpu"), experts=(1, 0)):
+def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=torch.device("cpu"), experts=(1, 0),
+            dynamic=None):
     """Exports `model` on the sample (args, kwargs) and builds the engine's graph: returns (graph, input leaves,
     output spec, input shapes), where the input leaves say for each leaf of the flattened (args, kwargs) the engine input name it
     feeds (None for leaves baked into the capture), the output spec how the model's outputs are rebuilt from the
     engine's output tensors, and the InputShapes each microbatch is checked against. A model on the meta device is
     exported as if on `device`, where the job runs it. `experts`: (expert-parallel degree, this rank's place in its
-    group); above 1, the experts modules are divided over the group (smp._expert_parallel)."""
+    group); above 1, the experts modules are divided over the group (smp._expert_parallel). `dynamic`: which input
+    dimensions may change (smp._exporting.dynamic_shapes' choice)."""
     name = type(model).__name__
     expert_degree, expert_rank = experts
     divided = _expert_parallel.experts_modules(model) if expert_degree > 1 else {}
@@ -155,10 +157,11 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
     cached = getattr(config, "use_cache", None)
     if cached:
         config.use_cache = False
+    free, held = dynamic_shapes(model, args, kwargs, dynamic)
     try:
         with torch.random.fork_rng(devices=[]), _expert_parallel.opaque_for_export(divided):
-            exported, fixed_because = (export_as_if_on(device, model, args, kwargs) if on_meta else
-                                        export_model(model, args, kwargs))
+            exported, fixed_because = (export_as_if_on(device, model, args, kwargs, free) if on_meta else
+                                        export_model(model, args, kwargs, free))
     finally:
         for module, mode in modes:
             module.training = mode
@@ -212,15 +215,18 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
         raise ModelError(f"{name}: the export has {len(user_inputs)} inputs for {len(leaves)} sample values")
     input_names = {}
     leaf_inputs = []
+    held_by_input = {}
     for leaf, node in zip(leaves, user_inputs):
         if isinstance(leaf, torch.Tensor):
             input_names[node] = node.name
             leaf_inputs.append(node.name)
+            held_by_input[node.name] = held.get(id(leaf), set())
         else:
             attributes[node] = (None, leaf)  # baked in: the value the sample had
             leaf_inputs.append(None)
 
-    shapes = InputShapes.of(exported, [node for node in user_inputs if node in input_names], fixed_because)
+    shapes = InputShapes.of(exported, [node for node in user_inputs if node in input_names], fixed_because,
+                            held_by_input)
     for node in list(graph.nodes):
         if _is_op(node) and node.target in _ASSERTS and not node.users:
             graph.erase_node(node)

@@ -98,13 +98,14 @@ class InputShapes:
     """What shapes the captured code takes, per engine input: each dimension either fixed (the sample's size) or a
     symbol of the export with the range it allows; inputs that share a symbol must agree on it."""
 
-    def __init__(self, dimensions, fixed_because):
+    def __init__(self, dimensions, fixed_because, held=None):
         self.dimensions = dimensions  # input name -> [int, or (symbol, low, high)]
         self.fixed_because = fixed_because  # why export could not let any shape change, or None
+        self.held = held or {}  # input name -> the dimensions smp kept at the sample's size (dynamic_shapes)
         self.lookups = None  # TableLookups, set once the graph is planned
 
     @classmethod
-    def of(cls, exported, inputs, fixed_because):
+    def of(cls, exported, inputs, fixed_because, held=None):
         ranges = {str(symbol): bounds for symbol, bounds in exported.range_constraints.items()}
         dimensions = {}
         for node in inputs:
@@ -121,7 +122,7 @@ class InputShapes:
                 low = 0 if low is None else low
                 sizes.append((symbol, low, high))
             dimensions[node.name] = sizes
-        return cls(dimensions, fixed_because)
+        return cls(dimensions, fixed_because, held)
 
     def check(self, name, shape, what):
         """Raises ConfigError when a microbatch's input `name` of `shape` is one the captured code cannot take."""
@@ -133,8 +134,14 @@ class InputShapes:
         for dim, (size, allowed) in enumerate(zip(shape, sizes)):
             if isinstance(allowed, int):
                 if size != allowed:
-                    why = (f"the model could not be captured with changing shapes ({self.fixed_because})"
-                           if self.fixed_because else "the model's code fixes it (export kept it constant)")
+                    if dim in self.held.get(name, ()):
+                        why = ("smp captured it at the sample's size (by default, all but the first of a floating-"
+                               "point input of three or more dimensions); smp.DistributedModel(..., "
+                               f"dynamic_shapes={{'{name}': [{dim}]}}) lets it change")
+                    elif self.fixed_because:
+                        why = f"the model could not be captured with changing shapes ({self.fixed_because})"
+                    else:
+                        why = "the model's code fixes it (export kept it constant)"
                     raise ConfigError(f"{what}: input '{name}' gives microbatches of shape {tuple(shape)}, but its "
                                       f"dimension {dim} must be {allowed}, the sample's: {why}")
                 continue

@@ -372,6 +372,12 @@ def main():
     logits = keyword.evaluate(keyword_batch(4), keep_outputs=True).outputs["logits"]
     if tuple(logits.shape) != (4, 3):
         failures.append(f"evaluate(keep_outputs=True) of a dict output: logits of shape {tuple(logits.shape)}")
+    fixed = smp.DistributedModel(KeywordModel(), keyword_batch(2), dynamic_shapes="none")
+    expect_error("another length where dynamic_shapes is \"none\"", smp.ConfigError,
+                 "dynamic_shapes={'input_ids': [1]}",
+                 lambda: fixed.train_step({"input_ids": torch.randint(0, 10, (4, 9)), "attention_mask": torch.ones(4, 9),
+                                           "labels": torch.randint(0, 3, (4,))}))
+    dynamic_shapes_choices()
 
     class DataDependent(torch.nn.Module):
         def __init__(self):
@@ -535,6 +541,41 @@ def main():
     fused_runs()
     pytorch_conventions()
     return report.finish(failures)
+
+
+def dynamic_shapes_choices():
+    """An image's size stays the sample's unless dynamic_shapes frees it; the batch changes either way."""
+    def image_model():
+        torch.manual_seed(5)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(),
+                                   torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, 3))
+
+    class Images(torch.nn.Module):  # a forward of its own: captured with torch.export
+        def __init__(self):
+            super().__init__()
+            self.net = image_model()
+
+        def forward(self, x):
+            return self.net(x)
+
+    images = torch.randn(6, 3, 12, 10)
+    targets = torch.randint(0, 3, (6,))
+    default = smp.DistributedModel(Images(), torch.randn(2, 3, 8, 8))
+    default.train_step(torch.randn(6, 3, 8, 8), targets, F.cross_entropy)  # microbatches of 3: the batch changes
+    expect_error("an image of another size, by default", smp.ConfigError, "dynamic_shapes={'x': [2]}",
+                 lambda: default.train_step(images, targets, F.cross_entropy))
+    plain = Images()
+    freed = smp.DistributedModel(Images(), torch.randn(2, 3, 8, 8), dynamic_shapes={"x": [2, -1]})
+    loss = freed.train_step(images, targets, F.cross_entropy).loss
+    expected = F.cross_entropy(plain(images), targets).item()
+    if abs(loss - expected) > 1e-5 * abs(expected):
+        failures.append(f"dynamic_shapes {{'x': [2, -1]}}: loss {loss} on 12 x 10 images, plain PyTorch {expected}")
+    expect_error("dynamic_shapes of an unknown kind", smp.ConfigError, "dynamic_shapes must be",
+                 lambda: smp.DistributedModel(Images(), torch.randn(2, 3, 8, 8), dynamic_shapes="some"))
+    expect_error("dynamic_shapes naming no input", smp.ConfigError, "'pixels', which the sample does not give",
+                 lambda: smp.DistributedModel(Images(), torch.randn(2, 3, 8, 8), dynamic_shapes={"pixels": [2]}))
+    expect_error("dynamic_shapes naming no dimension", smp.ConfigError, "dimension 4",
+                 lambda: smp.DistributedModel(Images(), torch.randn(2, 3, 8, 8), dynamic_shapes={"x": [4]}))
 
 
 def fused_runs():
