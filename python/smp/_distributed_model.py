@@ -155,12 +155,10 @@ class DistributedModel(torch.nn.Module):
     tuple of positional arguments, or a dict of keyword arguments (input_ids, attention_mask, labels, ...). Rank 0
     profiles the modules on it and all ranks adopt its partition.
 
-    Later steps may bring other shapes where the capture lets them change: by default the first dimension of every
-    input (an epoch's short last batch) and every dimension of integer and boolean inputs and of inputs of one or
-    two dimensions (a sequence length), but not an image's size (the other dimensions of a floating input of three or
-    more);
-    `dynamic_shapes` "all" frees every dimension (an image's size too, at a slower capture), "none" none, and
-    {input name: dimensions} the named ones besides the default's.
+    Later steps may bring other shapes where the model lets them change (a sequence length, an epoch's short last
+    batch): every input dimension is left to torch.export, unless `dynamic_shapes` says which: "batch" the first
+    alone, "none" none (quicker captures), {input name: dimensions} those of the named inputs ({"pixel_values": [0]}:
+    an image's size held, a much quicker capture for Swin or DenseNet).
 
     It is an nn.Module holding this rank's share: named_parameters(), parameters(), named_buffers() and state_dict()
     give this rank's tensors (the ones the engine trains, no copies) under their names in the full model, in the

@@ -135,9 +135,8 @@ class InputShapes:
             if isinstance(allowed, int):
                 if size != allowed:
                     if dim in self.held.get(name, ()):
-                        why = ("smp captured it at the sample's size (by default, all but the first of a floating-"
-                               "point input of three or more dimensions); smp.DistributedModel(..., "
-                               f"dynamic_shapes={{'{name}': [{dim}]}}) lets it change")
+                        why = ("smp.DistributedModel's dynamic_shapes held it at the sample's size (dynamic_shapes "
+                               f"{{'{name}': [..., {dim}]}} or \"all\" lets it change)")
                     elif self.fixed_because:
                         why = f"the model could not be captured with changing shapes ({self.fixed_because})"
                     else:

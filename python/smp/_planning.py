@@ -87,8 +87,9 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     from ._distributed_model import graph_of
     rt = runtime()
     world = world_size or rt.world_size
-    # Cut as finely as the most stages considered: two per rank.
-    graph, io_ = graph_of(model, sample, 2 * world, list(rt.config.partition_overrides))
+    # Cut as finely as the most stages considered: two per rank. Profiled on the sample and on twice its samples
+    # alone: only the batch may change (a quicker capture).
+    graph, io_ = graph_of(model, sample, 2 * world, list(rt.config.partition_overrides), dynamic_shapes="batch")
     values = io_.engine_inputs(sample, "sample")
     batched = _smp.batched_inputs(values, None)
     profiled = next((value.shape[0] for value, is_batch in zip(values, batched) if is_batch), 1)
