@@ -183,7 +183,7 @@ class DistributedModel(torch.nn.Module):
         self.planned, self._planned_steps = None, []
         if rt.config.auto_keys:
             from ._planning import adopt_planned_layout
-            self.planned = adopt_planned_layout(model, sample)
+            self.planned = adopt_planned_layout(model, sample, dynamic_shapes)
         if rt.tensor_parallel_degree > 1:
             _shard_for_tensor_parallelism(model, tp_plan)
         elif tp_plan is not None and rt.rank == 0:

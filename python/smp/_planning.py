@@ -64,7 +64,8 @@ def _optimizer_seconds_per_byte(device, shapes, optimizer=torch.optim.AdamW, mos
 
 
 def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb=None, optimizer_moments=2.0,
-         link_gbps=None, latency_us=50.0, compute_scale=1.0, device_speeds=None, shared_cores=None):
+         link_gbps=None, latency_us=50.0, compute_scale=1.0, device_speeds=None, shared_cores=None,
+         dynamic_shapes=None):
     """Predicts every layout of `world_size` ranks (default: this job's) for `model` on `sample` (one microbatch):
     pipeline stages x data-parallel replicas, schedule (GPipe, 1F1B, ZB-H1; interleaved 1F1B, ZB-V and DualPipeV at
     two stages per rank), microbatches, recompute, ZeRO-1. The model is captured and profiled here, in this process
@@ -83,13 +84,14 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     the model's parameter shapes) per parameter byte; its temporaries (Adam's) as torch.optim's default holds them
     on this device (one parameter at a time on a CPU, all at once on a GPU). Predictions take the zero-bubble split
     as profiled (I and W per node) and assume the all-reduce follows the last backward without overlap; tensor
-    parallelism is not among the layouts yet."""
+    parallelism is not among the layouts yet. dynamic_shapes: as smp.DistributedModel will be given it (the plan's
+    cut names the captured graph's nodes)."""
     from ._distributed_model import graph_of
     rt = runtime()
     world = world_size or rt.world_size
-    # Cut as finely as the most stages considered: two per rank. Profiled on the sample and on twice its samples
-    # alone: only the batch may change (a quicker capture).
-    graph, io_ = graph_of(model, sample, 2 * world, list(rt.config.partition_overrides), dynamic_shapes="batch")
+    # Cut as finely as the most stages considered: two per rank. Captured as the job will capture it: the plan's cut
+    # names the graph's nodes, and which dimensions may change decides some of them.
+    graph, io_ = graph_of(model, sample, 2 * world, list(rt.config.partition_overrides), dynamic_shapes)
     values = io_.engine_inputs(sample, "sample")
     batched = _smp.batched_inputs(values, None)
     profiled = next((value.shape[0] for value, is_batch in zip(values, batched) if is_batch), 1)
@@ -108,10 +110,10 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     return Plan(layouts, report)
 
 
-def _choose(model, sample, rt, links, speeds):
+def _choose(model, sample, rt, links, speeds, dynamic_shapes):
     """Rank 0's choice: (the chosen config's text, the chosen layout's row, the report)."""
     found = plan(model, sample, link_gbps=links["bytes_per_s"] / 1e9, latency_us=links["latency_s"] * 1e6,
-                 device_speeds=speeds, shared_cores=links["shared_processors"] or None)
+                 device_speeds=speeds, shared_cores=links["shared_processors"] or None, dynamic_shapes=dynamic_shapes)
     reasons = []
     for row in found.layouts:
         if row["rejected"] is not None:
@@ -128,7 +130,7 @@ def _choose(model, sample, rt, links, speeds):
                       "the config gives:\n" + found.report + ("\n" + "\n".join(reasons[:5]) if reasons else ""))
 
 
-def adopt_planned_layout(model, sample):
+def adopt_planned_layout(model, sample, dynamic_shapes=None):
     """For a config with "auto" layout keys: rank 0 plans (smp.plan) among the layouts that keep what the config
     fixes, and every rank adopts its choice before the model is partitioned. Returns what was chosen: {"config": the
     layout's keys, "layout", "predicted_step_ms" (of which "optimizer_ms"), "memory_mib" per pipeline rank, "links"
@@ -138,7 +140,7 @@ def adopt_planned_layout(model, sample):
     speeds = rt._device_speeds()  # measured here for "measure", and kept for the partition after
 
     def choose():
-        text, row, report = _choose(model, sample, rt, links, speeds)
+        text, row, report = _choose(model, sample, rt, links, speeds, dynamic_shapes)
         # Drawn for the fastest fitting layout: the choice unless the config fixes some keys.
         if row.get("timeline_svg") and rt.config.trace_dir:
             os.makedirs(rt.config.trace_dir, exist_ok=True)
