@@ -101,50 +101,43 @@ std::pair<std::vector<at::Tensor>, WeightPass> WeightPass::run_input_pass(const 
   }
   state.parameters = trainable;
 
-  // The graph below the roots, in an order where every node comes after all nodes that feed it (reverse of a
-  // depth-first post-order from the roots).
-  std::unordered_set<const Node*> accumulators;
-  std::unordered_map<const Node*, std::size_t> parameter_of;
+  std::unordered_map<const Node*, std::size_t> parameter_of;  // by its gradient accumulator
   for (std::size_t i = 0; i < trainable.size(); ++i) {
-    const auto accumulator = torch::autograd::impl::grad_accumulator(trainable[i]);
-    accumulators.insert(accumulator.get());
-    parameter_of[accumulator.get()] = i;
+    parameter_of[torch::autograd::impl::grad_accumulator(trainable[i]).get()] = i;
   }
+  auto is_accumulator = [&](const Node* node) { return parameter_of.count(node) > 0; };
   std::vector<Edge> root_edges;
   for (const auto& root : roots) root_edges.push_back(torch::autograd::impl::gradient_edge(root));
+  // What I and W need to know of each node: whether everything below it ends in this stage's parameter
+  // accumulators ("parameters only"), whether I runs it (it leads to a differentiable input), and how many edges
+  // come into it. One entry per node below the roots, made as the walk first meets it.
+  struct NodeFacts {
+    bool parameters_only = false;
+    bool leads_to_input = false;
+    int edges_into = 0;
+  };
+  std::unordered_map<const Node*, NodeFacts> facts;
+  // The graph below the roots, in an order where every node comes after all nodes that feed it (reverse of a
+  // depth-first post-order from the roots).
   std::vector<Node*> post_order;
   {
-    std::unordered_set<const Node*> visited;
     std::vector<std::pair<Node*, std::size_t>> stack;  // node, next edge to look at
     for (const auto& edge : root_edges) {
-      if (!edge.is_valid() || !visited.insert(edge.function.get()).second) continue;
+      if (!edge.is_valid() || !facts.try_emplace(edge.function.get()).second) continue;
       stack.emplace_back(edge.function.get(), 0);
       while (!stack.empty()) {
         auto& [node, next] = stack.back();
         if (next < node->next_edges().size()) {
           const Edge& child = node->next_edges()[next++];
-          if (child.is_valid() && visited.insert(child.function.get()).second) stack.emplace_back(child.function.get(), 0);
+          if (child.is_valid() && facts.try_emplace(child.function.get()).second) {
+            stack.emplace_back(child.function.get(), 0);
+          }
         } else {
           post_order.push_back(node);
           stack.pop_back();
         }
       }
     }
-  }
-  // A node "feeds only parameters" when everything below it ends in this stage's parameter accumulators.
-  std::unordered_map<const Node*, bool> parameters_only;
-  for (Node* node : post_order) {  // children before parents
-    if (accumulators.count(node)) {
-      parameters_only[node] = true;
-      continue;
-    }
-    bool only = false;
-    for (const auto& child : node->next_edges()) {
-      if (!child.is_valid()) continue;
-      only = parameters_only.at(child.function.get());
-      if (!only) break;
-    }
-    parameters_only[node] = only;
   }
   std::vector<Edge> input_edges;
   std::vector<std::size_t> differentiable;
@@ -155,14 +148,21 @@ std::pair<std::vector<at::Tensor>, WeightPass> WeightPass::run_input_pass(const 
     input_functions.insert(input_edges.back().function.get());
     differentiable.push_back(i);
   }
-  // The nodes I runs: those below the roots that lead to a differentiable input.
-  std::unordered_map<const Node*, bool> leads_to_input;
   for (Node* node : post_order) {  // children before parents
-    const auto& edges = node->next_edges();
-    leads_to_input[node] = std::any_of(edges.begin(), edges.end(), [&](const Edge& child) {
-      return child.is_valid() && (input_functions.count(child.function.get()) || leads_to_input.at(child.function.get()));
-    });
+    NodeFacts& own = facts.at(node);
+    bool has_children = false;
+    bool children_parameters_only = true;
+    for (const auto& child : node->next_edges()) {
+      if (!child.is_valid()) continue;
+      NodeFacts& below = facts.at(child.function.get());
+      ++below.edges_into;
+      has_children = true;
+      children_parameters_only = children_parameters_only && below.parameters_only;
+      own.leads_to_input = own.leads_to_input || input_functions.count(child.function.get()) || below.leads_to_input;
+    }
+    own.parameters_only = is_accumulator(node) || (has_children && children_parameters_only);
   }
+  auto parameters_only = [&](const Node* node) { return facts.at(node).parameters_only; };
 
   std::vector<Node*> weight_nodes;      // W runs them again, for their weight outputs
   std::vector<Edge> below_cheap_nodes;  // I captures what flows along them; W starts there
@@ -171,28 +171,22 @@ std::pair<std::vector<at::Tensor>, WeightPass> WeightPass::run_input_pass(const 
   // already; W would run them again): all known before I runs.
   bool by_weight_nodes = !root_edges.empty() && !input_edges.empty();
   for (const auto& edge : root_edges) {
-    if (edge.is_valid() && parameters_only.at(edge.function.get())) by_weight_nodes = false;
+    if (edge.is_valid() && parameters_only(edge.function.get())) by_weight_nodes = false;
   }
   // I captures below a cheap node only where the edge goes straight to a parameter that nothing else feeds: a capture
   // makes every node above it run in I, and a parameter fed from elsewhere too (a tied weight) would then get that
   // other gradient in I and again in W.
-  std::unordered_map<const Node*, int> edges_into;
   for (Node* node : post_order) {
-    for (const auto& child : node->next_edges()) {
-      if (child.is_valid()) ++edges_into[child.function.get()];
-    }
-  }
-  for (Node* node : post_order) {
-    if (parameters_only.at(node)) continue;
+    if (parameters_only(node)) continue;
     const auto& edges = node->next_edges();
-    auto weight_side = [&](const Edge& child) { return child.is_valid() && parameters_only.at(child.function.get()); };
+    auto weight_side = [&](const Edge& child) { return child.is_valid() && parameters_only(child.function.get()); };
     if (std::none_of(edges.begin(), edges.end(), weight_side)) continue;
-    if (!leads_to_input.at(node) || input_functions.count(node)) by_weight_nodes = false;
+    if (!facts.at(node).leads_to_input || input_functions.count(node)) by_weight_nodes = false;
     // A hook on a parameter's incoming gradient would run when I captures it and again when W accumulates it.
     const bool capturable = std::all_of(edges.begin(), edges.end(), [&](const Edge& child) {
       if (!weight_side(child)) return true;
       Node* below = child.function.get();
-      return accumulators.count(below) && edges_into.at(below) == 1 && below->tensor_pre_hooks().empty() &&
+      return is_accumulator(below) && facts.at(below).edges_into == 1 && below->tensor_pre_hooks().empty() &&
              below->retains_grad_hooks().empty();
     });
     if (weight_work_is_cheap(*node) && capturable) {
@@ -217,7 +211,7 @@ std::pair<std::vector<at::Tensor>, WeightPass> WeightPass::run_input_pass(const 
     }
     const std::unordered_set<const Node*> rerun(weight_nodes.begin(), weight_nodes.end());
     for (Node* node : post_order) {
-      if (parameters_only.at(node) || rerun.count(node) || !leads_to_input.at(node)) continue;
+      if (parameters_only(node) || rerun.count(node) || !facts.at(node).leads_to_input) continue;
       auto hook = std::make_unique<ReleaseAfterInputPass>(node);
       post_hooks.emplace_back(node, hook.get());
       node->add_post_hook(std::move(hook));
@@ -286,7 +280,7 @@ std::pair<std::vector<at::Tensor>, WeightPass> WeightPass::run_input_pass(const 
     const auto& edges = weight_nodes[i]->next_edges();
     for (uint32_t index = 0; index < edges.size(); ++index) {
       if (!edges[index].is_valid()) continue;
-      if (parameters_only.at(edges[index].function.get())) {
+      if (parameters_only(edges[index].function.get())) {
         reach_parameters_below(edges[index].function.get());
       } else {
         side.edges.push_back(index);
