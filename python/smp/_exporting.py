@@ -51,9 +51,11 @@ def dynamic_shapes(model, args, kwargs, choice=None):
         raise ConfigError(f"dynamic_shapes names {', '.join(map(repr, unknown))}, which the sample does not give "
                           f"{type(model).__name__}'s forward (it gives {', '.join(map(repr, bound))})")
     held = {}
+    anything_free = False
 
     def free_of(name):
         def free(value):
+            nonlocal anything_free
             if not isinstance(value, torch.Tensor) or value.dim() == 0:
                 return None
             if choice == "none":
@@ -70,18 +72,23 @@ def dynamic_shapes(model, args, kwargs, choice=None):
                                       f"{value.dim()} dimensions")
                 dims.add(dim % value.dim())
             held[id(value)] = set(range(value.dim())) - dims
+            anything_free = anything_free or bool(dims)
             return {dim: torch.export.Dim.AUTO for dim in sorted(dims)} or None
         return free
 
     # By the forward's parameter names, as export binds the inputs: keyword arguments a forward takes through
     # **kwargs (use_cache given to a BERT) sit under that parameter's name.
-    return {name: pytree.tree_map(free_of(name), value) for name, value in bound.items()}, held
+    shapes = {name: pytree.tree_map(free_of(name), value) for name, value in bound.items()}
+    # Nothing free: no dynamic_shapes at all, so that export_model exports once, on the sample's shapes.
+    return (shapes if anything_free else None), held
 
 
 def export_model(model, args, kwargs, shapes):
     """The model exported so that its inputs' shapes may change where `shapes` (dynamic_shapes' first) lets them and
     the model allows (a sequence length, the batch of a short last step), else on the sample's shapes: (exported
-    program, why the shapes are fixed or None)."""
+    program, why the shapes are fixed or None). `shapes` None: on the sample's shapes alone."""
+    if shapes is None:
+        return _export_fixed(model, args, kwargs), None
     try:
         return _export(model, args, kwargs, dynamic_shapes=shapes), None
     except ConfigError:

@@ -2,6 +2,7 @@
 partition it, its step predicted by the schedule simulator and its memory per rank by the partition search's
 model, ranked; a report, without training."""
 
+import collections.abc
 import json
 import os
 import time
@@ -87,6 +88,11 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     parallelism is not among the layouts yet. dynamic_shapes: as smp.DistributedModel will be given it (the plan's
     cut names the captured graph's nodes)."""
     from ._distributed_model import graph_of
+    if dynamic_shapes == "none" or (isinstance(dynamic_shapes, collections.abc.Mapping) and
+                                    any(0 not in dims for dims in dynamic_shapes.values())):
+        raise ConfigError(f"dynamic_shapes {dynamic_shapes!r}: smp.plan (and an \"auto\" layout) profiles the model on "
+                          "the sample and on twice its samples, so every input's first dimension must stay free "
+                          "(\"all\", \"batch\", or 0 among each named input's dimensions)")
     rt = runtime()
     world = world_size or rt.world_size
     # Cut as finely as the most stages considered: two per rank. Captured as the job will capture it: the plan's cut

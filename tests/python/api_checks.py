@@ -570,6 +570,8 @@ def dynamic_shapes_choices():
     held.train_step(torch.randn(6, 3, 8, 8), targets, F.cross_entropy)  # microbatches of 3: the batch changes
     expect_error("an image of another size where dynamic_shapes holds it", smp.ConfigError,
                  "dynamic_shapes {'x': [..., 2]}", lambda: held.train_step(images, targets, F.cross_entropy))
+    expect_error("a plan where dynamic_shapes holds the batch", smp.ConfigError, "first dimension must stay free",
+                 lambda: smp.plan(Images(), sample, world_size=2, dynamic_shapes={"x": [2, 3]}))
     expect_error("dynamic_shapes of an unknown kind", smp.ConfigError, "dynamic_shapes must be",
                  lambda: smp.DistributedModel(Images(), sample, dynamic_shapes="some"))
     expect_error("dynamic_shapes naming no input", smp.ConfigError, "'pixels', which the sample does not give",
