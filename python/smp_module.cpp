@@ -505,12 +505,41 @@ PYBIND11_MODULE(_smp, module) {
       "write_file_atomically",
       [](const std::string& path, const std::string& contents) { write_file_atomically(path, contents); },
       py::arg("path"), py::arg("contents"));
-  // smp.plan: profiles the graph on the sample (alone, as rank 0 profiles in a job) and predicts every layout.
+  // smp.plan: the graph profiled on the sample (alone, as rank 0 profiles in a job), then every layout predicted.
+  py::class_<ModelProfile>(module, "ModelProfile")
+      .def_property_readonly("nodes", [](const ModelProfile& profile) { return profile.modules.size(); })
+      .def_property_readonly("tp_collectives", [](const ModelProfile& profile) {
+        std::int64_t collectives = 0;
+        for (const auto& node : profile.modules) collectives += node.tp_forward_collectives + node.tp_backward_collectives;
+        return collectives;
+      });
+  module.def(
+      "profile_for_planning",
+      [](const GraphModel& graph, const OptionalTensors& sample, int sample_batch, const OptionalTensors& larger,
+         int larger_batch) {
+        py::gil_scoped_release released;
+        const WithoutCollectives alone;
+        ModelProfile profile{profile_graph(graph, defined_or_not(sample), 3, split_backward_timer(), /*scale_to_whole=*/true), sample_batch, {}, 0};
+        if (larger_batch > sample_batch) {
+          profile.larger = profile_graph(graph, defined_or_not(larger), 3, split_backward_timer(), /*scale_to_whole=*/true);
+          profile.larger_batch = larger_batch;
+        }
+        return profile;
+      },
+      py::arg("graph"), py::arg("sample"), py::arg("sample_batch"), py::arg("larger"), py::arg("larger_batch"));
+  // The process's tensor-parallel group as a stand-in of `degree` ranks while the context lives (tp::ProfiledDegree).
+  struct ProfiledDegreeScope {
+    int degree;
+    std::unique_ptr<tp::ProfiledDegree> held;
+  };
+  py::class_<ProfiledDegreeScope>(module, "ProfiledDegree")
+      .def(py::init([](int degree) { return ProfiledDegreeScope{degree, nullptr}; }), py::arg("degree"))
+      .def("__enter__", [](ProfiledDegreeScope& scope) { scope.held = std::make_unique<tp::ProfiledDegree>(scope.degree); })
+      .def("__exit__", [](ProfiledDegreeScope& scope, const py::args&) { scope.held.reset(); });
   module.def(
       "plan_layouts",
-      [](const GraphModel& graph, const OptionalTensors& sample, int sample_batch, const OptionalTensors& larger,
-         int larger_batch, const Config& config, int world_size, int global_batch_size, double memory_limit_mb,
-         double optimizer_moments, double latency_s, double bytes_per_s, double compute_scale,
+      [](const std::map<int, ModelProfile>& by_degree, const Config& config, int world_size, int global_batch_size,
+         double memory_limit_mb, double optimizer_moments, double latency_s, double bytes_per_s, double compute_scale,
          double optimizer_s_per_byte, const std::vector<double>& device_speeds, double shared_processors,
          bool optimizer_foreach) {
         // Overrides of the job's config (0 / negative / empty: the config's).
@@ -522,16 +551,10 @@ PYBIND11_MODULE(_smp, module) {
         std::vector<LayoutPrediction> predictions;
         {
           py::gil_scoped_release released;
-          const WithoutCollectives alone;
-          ModelProfile profile{profile_graph(graph, defined_or_not(sample), 3, split_backward_timer(), /*scale_to_whole=*/true), sample_batch, {}, 0};
-          if (larger_batch > sample_batch) {
-            profile.larger = profile_graph(graph, defined_or_not(larger), 3, split_backward_timer(), /*scale_to_whole=*/true);
-            profile.larger_batch = larger_batch;
-          }
           PlanningCosts costs{latency_s, bytes_per_s, bytes_per_s, compute_scale, optimizer_s_per_byte,
                               shared_processors};
           costs.optimizer_foreach = optimizer_foreach;
-          predictions = plan_layouts(profile, base, world_size, costs, optimizer_moments);
+          predictions = plan_layouts(by_degree, base, world_size, costs, optimizer_moments);
         }
         py::list layouts;
         for (const auto& prediction : predictions) {
@@ -551,8 +574,7 @@ PYBIND11_MODULE(_smp, module) {
         }
         return py::make_tuple(layouts, layout_report(predictions));
       },
-      py::arg("graph"), py::arg("sample"), py::arg("sample_batch"), py::arg("larger"), py::arg("larger_batch"),
-      py::arg("config"), py::arg("world_size"), py::arg("global_batch_size"), py::arg("memory_limit_mb"),
+      py::arg("by_degree"), py::arg("config"), py::arg("world_size"), py::arg("global_batch_size"), py::arg("memory_limit_mb"),
       py::arg("optimizer_moments"), py::arg("latency_s"), py::arg("bytes_per_s"), py::arg("compute_scale"),
       py::arg("optimizer_s_per_byte"), py::arg("device_speeds") = std::vector<double>{},
       py::arg("shared_processors") = 0.0, py::arg("optimizer_foreach") = false);

@@ -242,11 +242,21 @@ TEST_CASE("config: auto layout keys are left to the planner, with a provisional 
                     Contains("\"partitions\": \"auto\" needs \"global_batch_size\""));
   CHECK_THROWS_WITH(parse(R"({"microbatches": "auto", "global_batch_size": 8, "schedule_file": "s.csv"})"),
                     Contains("\"schedule_file\" fixes stages"));
-  CHECK_THROWS_WITH(parse(R"({"ddp": "auto", "tensor_parallel_degree": 2, "global_batch_size": 8})"),
-                    Contains("\"auto\" plans pipeline and data-parallel layouts only"));
+  // Tensor parallelism is planned too, or fixed beside "auto" keys; expert parallelism is not.
+  CHECK(parse(R"({"ddp": "auto", "tensor_parallel_degree": 2, "global_batch_size": 8})").tensor_parallel_degree == 2);
+  const Config tp_planned = parse(R"({"tensor_parallel_degree": "auto", "global_batch_size": 8})");
+  CHECK(tp_planned.auto_keys == std::vector<std::string>{"tensor_parallel_degree"});
+  // Until planned: without replicas (ddp is false) and one stage, the tensor-parallel ranks fill the world; with
+  // replicas allowed every rank is one.
+  CHECK(tp_planned.provisional_layout(4).tensor_parallel_degree == 4);
+  CHECK(parse(R"({"tensor_parallel_degree": "auto", "ddp": "auto", "global_batch_size": 8})")
+            .provisional_layout(4)
+            .tensor_parallel_degree == 1);
+  CHECK_THROWS_WITH(parse(R"({"ddp": "auto", "expert_parallel_degree": 2, "global_batch_size": 8})"),
+                    Contains("with expert_parallel_degree above 1 give the layout keys"));
   // Keys the planner does not choose take no "auto".
-  CHECK_THROWS_WITH(parse(R"({"tensor_parallel_degree": "auto", "global_batch_size": 8})"),
-                    Contains("tensor_parallel_degree"));
+  CHECK_THROWS_WITH(parse(R"({"expert_parallel_degree": "auto", "global_batch_size": 8})"),
+                    Contains("expert_parallel_degree"));
 }
 
 TEST_CASE("config: devices that differ are given per rank and a list of the wrong length is named once the world is known",

@@ -24,6 +24,8 @@
 #include "smp/layout_plan.h"
 #include "smp/planned_layout.h"
 #include "smp/stage_plan.h"
+#include "smp/collectives.h"
+#include "smp/tp.h"
 
 TEST_CASE("profiling counts what a module's forward keeps for backward", "[profile]") {
   constexpr int64_t kBatch = 8, kWidth = 32;
@@ -567,4 +569,77 @@ TEST_CASE("the planner's profile times the zero-bubble split, and ZB layouts are
     }
   }
   CHECK(lighter > 0);
+}
+
+TEST_CASE("tensor-parallel layouts: a shard profiled alone counts its collectives, and the plan prices them",
+          "[profile][plan][tp]") {
+  {
+    // A column then a row layer of degree 2, built and profiled as rank 0 of a group that is not there.
+    const smp::tp::ProfiledDegree degree(2);
+    const smp::WithoutCollectives alone;
+    const auto group = smp::tp::process_group();
+    REQUIRE(group->size() == 2);
+    smp::GraphModel model("x");
+    model.add("up", smp::tp::ColumnParallelLinear(16, 64, group), {"x"});
+    model.add("down", smp::tp::RowParallelLinear(64, 16, group), {"up"});
+    const auto profiles = smp::profile_graph(model, at::randn({8, 16}), 1);
+    REQUIRE(profiles.size() == 2);
+    // The column layer's input gradient is summed over the group (backward), the row layer's output (forward):
+    // one all-reduce each of 8 x 16 floats, a ring moving twice that.
+    CHECK(profiles[0].tp_forward_collectives == 0);
+    CHECK(profiles[0].tp_backward_collectives == 1);
+    CHECK(profiles[0].tp_backward_ring_bytes == 2 * 8 * 16 * 4);
+    CHECK(profiles[1].tp_forward_collectives == 1);
+    CHECK(profiles[1].tp_forward_ring_bytes == 2 * 8 * 16 * 4);
+    CHECK(profiles[1].tp_backward_collectives == 0);
+    CHECK(profiles[0].parameter_bytes == (32 * 16 + 32) * 4);  // the shard's
+    CHECK_THROWS_WITH(group->barrier(), Catch::Matchers::Contains("moves nothing"));
+  }
+  CHECK((smp::tp::process_group() == nullptr || smp::tp::process_group()->size() == 1));  // the one before
+
+  // Two modules of 1 ms each way on 2 samples; at degree 2 each computes half, holds half, and runs one all-reduce
+  // of 1 MB (ring bytes 2 MB) per pass.
+  const auto whole = equal_chain(2, 1 << 20, 1 << 20);
+  auto shard = equal_chain(2, 1 << 19, 1 << 19);
+  for (auto& module : shard) {
+    module.forward_s = module.backward_s = 0.5e-3;
+    module.tp_forward_collectives = module.tp_backward_collectives = 1;
+    module.tp_forward_ring_bytes = module.tp_backward_ring_bytes = 2000000;
+  }
+  const smp::Config config = smp::Config::from_json_text(R"({"global_batch_size": 4})", "test");
+  const smp::PlanningCosts links{10e-6, 1e9, 1e9};
+  const auto predictions = smp::plan_layouts(std::map<int, smp::ModelProfile>{{1, {whole, 2}}, {2, {shard, 2}}},
+                                             config, 2, links);
+  const smp::LayoutPrediction* tensor_parallel = nullptr;
+  for (const auto& prediction : predictions) {
+    const auto& layout = prediction.layout;
+    CHECK(layout.tensor_parallel * layout.partitions * layout.replicas == 2);
+    if (layout.tensor_parallel == 2 && layout.microbatches == 1 && !layout.recompute) tensor_parallel = &prediction;
+  }
+  REQUIRE(tensor_parallel != nullptr);
+  CHECK(tensor_parallel->layout.describe() == "tp 2 x pp 1 x dp 1, gpipe, m 1");
+  // A microbatch of 4 samples: per module and pass 1 ms of compute and 2 x 10 us + 4 MB x 1/2 / 1 GB/s = 2.02 ms of
+  // collectives; two modules, forward and backward.
+  CHECK(tensor_parallel->step_s == Approx(4 * (1e-3 + 2.02e-3)));
+  CHECK(tensor_parallel->peak_memory_mib() < 4.0 * 2 + 4.0);  // half of 4 x 2 MiB of parameters and state, and more
+  // The job adopts the degree with the rest of the layout.
+  const smp::Config given = smp::Config::from_json_text(
+      R"({"global_batch_size": 4, "tensor_parallel_degree": "auto", "partitions": "auto", "ddp": "auto",
+          "pipeline": "auto"})", "test");
+  const auto adopted = smp::adopting_layout(given, tensor_parallel->config_json(), 2);
+  REQUIRE(adopted.has_value());
+  CHECK(adopted->tensor_parallel_degree == 2);
+  CHECK_FALSE(adopted->ddp);
+  CHECK_FALSE(smp::adopting_layout(smp::Config::from_json_text(
+      R"({"global_batch_size": 4, "tensor_parallel_degree": 1, "partitions": "auto", "ddp": "auto",
+          "pipeline": "auto"})", "test"),
+      tensor_parallel->config_json(), 2).has_value());
+
+  // Devices given per rank are not divided among tensor-parallel groups: those layouts are rejected, saying so.
+  smp::Config uneven = config;
+  uneven.device_speeds = {1.0, 0.5};
+  for (const auto& prediction : smp::plan_layouts(std::map<int, smp::ModelProfile>{{1, {whole, 2}}, {2, {shard, 2}}},
+                                                  uneven, 2, links)) {
+    if (prediction.layout.tensor_parallel == 2) CHECK_THAT(prediction.rejected, Catch::Matchers::Contains("tensor parallelism"));
+  }
 }

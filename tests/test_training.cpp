@@ -392,6 +392,15 @@ TEST_CASE("auto layout keys: rank 0 plans, every rank adopts the layout and trai
   CHECK_THAT(refused.output, Contains("no planned layout of 2 ranks fits and keeps the layout keys the config gives ("));
   CHECK_THAT(refused.output, Contains("considered; pp "));
   CHECK_THAT(refused.output, Contains("memory limit"));
+
+  // A C++ model's tensor-parallel layers hold the group they were built with: its layout plans without them.
+  const auto tensor_parallel = write_config("tp_auto", R"({"tensor_parallel_degree": "auto", "ddp": "auto",
+      "global_batch_size": 16, "seed": 5, "device": "cpu", "comm_timeout_s": 30})");
+  const auto tp_refused = run_worker(2, tensor_parallel, "--model mlp");
+  INFO(tp_refused.output);
+  CHECK(tp_refused.status != 0);
+  CHECK_THAT(tp_refused.output, Contains("key \"tensor_parallel_degree\": a C++ model plans \"auto\" layouts without "
+                                         "tensor parallelism"));
 }
 
 TEST_CASE("devices that differ: a measured slow rank gets a shorter stage, and the job trains like one process",

@@ -125,9 +125,9 @@ def _no_loss(output, target):
     return torch.zeros((), device=leaves[0].device if leaves else "cpu")
 
 
-def _shard_for_tensor_parallelism(model, plan):
-    """Applies the tensor-parallel plan (the user's, else the model's own) to `model` in place. A GraphModel's
-    modules are the user's: built with smp.tp's layers."""
+def _shard_for_tensor_parallelism(model, plan, announce=True):
+    """Applies the tensor-parallel plan (the user's, else the model's own) to `model` in place, at smp.tp.degree().
+    A GraphModel's modules are the user's: built with smp.tp's layers."""
     from . import tp
     if isinstance(model, GraphModel):
         if plan is not None:
@@ -140,7 +140,7 @@ def _shard_for_tensor_parallelism(model, plan):
     if plan and runtime().config.sequence_parallel:
         plan = tp.sequence_parallel_plan(model, plan)
     applied = tp.apply_plan(model, plan, strict=given) if plan else {}
-    if runtime().rank == 0 and applied:
+    if announce and runtime().rank == 0 and applied:
         print(f"smp: tensor parallelism over {tp.degree()} ranks: {len(applied)} modules sharded or adjusted by "
               f"{'the given' if given else 'the built-in'} plan", flush=True)
     if not any(hasattr(parameter, "_smp_shard") for parameter in model.parameters()):
@@ -183,7 +183,7 @@ class DistributedModel(torch.nn.Module):
         self.planned, self._planned_steps = None, []
         if rt.config.auto_keys:
             from ._planning import adopt_planned_layout
-            self.planned = adopt_planned_layout(model, sample, dynamic_shapes)
+            self.planned = adopt_planned_layout(model, sample, dynamic_shapes, tp_plan)
         if rt.tensor_parallel_degree > 1:
             _shard_for_tensor_parallelism(model, tp_plan)
         elif tp_plan is not None and rt.rank == 0:

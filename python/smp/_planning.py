@@ -3,6 +3,8 @@ partition it, its step predicted by the schedule simulator and its memory per ra
 model, ranked; a report, without training."""
 
 import collections.abc
+import contextlib
+import copy
 import json
 import os
 import time
@@ -19,11 +21,13 @@ class Plan:
     it, the cut as "partition_overrides" among them, step_ms, pipeline_ms, gradient_sync_ms, bubble, memory_mib per
     pipeline rank, stages: each stage's modules as cut, "first..last", rejected: why not, or None), fitting ones
     first, fastest first; .best, the first that fits (None when none does); .timeline_svg, the best's simulated step
-    drawn as an SVG (one row per pipeline rank; None when none fits); str(): the report."""
+    drawn as an SVG (one row per pipeline rank; None when none fits); .unplanned_degrees, {tensor-parallel degree:
+    why the model cannot be sharded so}; str(): the report."""
 
-    def __init__(self, layouts, report):
+    def __init__(self, layouts, report, unplanned_degrees=None):
         self.layouts = layouts
         self.report = report
+        self.unplanned_degrees = unplanned_degrees or {}  # {tensor-parallel degree: why the model cannot take it}
 
     @property
     def best(self):
@@ -64,30 +68,73 @@ def _optimizer_seconds_per_byte(device, shapes, optimizer=torch.optim.AdamW, mos
     return sorted(times[2:])[2] / sum(parameter.nbytes for parameter in parameters)
 
 
+def _candidate_degrees(model, tp_plan, world, config):
+    """The tensor-parallel degrees to plan: the config's when it fixes one; when it says "auto", every divisor of
+    the world a plan can shard `model` at (its own plan, a Hugging Face model's, or `tp_plan`), else 1 alone."""
+    from . import tp
+    from ._distributed_model import GraphModel
+    if "tensor_parallel_degree" not in config.auto_keys:
+        return [config.tensor_parallel_degree]
+    shardable = isinstance(model, torch.nn.Module) and not isinstance(model, GraphModel) and \
+        (tp_plan is not None or tp.builtin_plan(model) is not None)
+    return [degree for degree in range(1, world + 1) if world % degree == 0 and (degree == 1 or shardable)]
+
+
+def _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, config):
+    """`model` captured and profiled as rank 0 of a tensor-parallel group of `degree` would capture and profile it:
+    a sharded copy for a degree the job has not adopted, its collectives counted, not run."""
+    from . import tp
+    from ._distributed_model import GraphModel, _shard_for_tensor_parallelism, graph_of
+    # The model comes unsharded (DistributedModel shards it once the layout is chosen), unless it is an
+    # smp.GraphModel, whose tensor-parallel layers were built for the job's degree.
+    if isinstance(model, GraphModel) and degree != tp.degree():
+        raise ConfigError(f"tensor_parallel_degree {degree}: an smp.GraphModel's tensor-parallel layers were built "
+                          f"for degree {tp.degree()}")
+    sharded_here = degree > 1 and not isinstance(model, GraphModel)
+    with tp._profiled_at(degree) if sharded_here else contextlib.nullcontext():
+        if sharded_here:
+            model = copy.deepcopy(model)
+            _shard_for_tensor_parallelism(model, tp_plan, announce=False)
+        # Cut as finely as the most stages considered: two per rank. Captured as the job will capture it: the plan's
+        # cut names the graph's nodes, and which dimensions may change decides some of them.
+        graph, io_ = graph_of(model, sample, 2 * world, list(config.partition_overrides), dynamic_shapes)
+        values = io_.engine_inputs(sample, "sample")
+        batched = _smp.batched_inputs(values, None)
+        profiled = next((value.shape[0] for value, is_batch in zip(values, batched) if is_batch), 1)
+        # A second profile on twice the samples tells a stage call's fixed cost from its cost per sample.
+        doubled = [torch.cat([value, value]) if is_batch else value for value, is_batch in zip(values, batched)]
+        return _smp.profile_for_planning(graph._graph, values, profiled, doubled, 2 * profiled)
+
+
 def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb=None, optimizer_moments=2.0,
          link_gbps=None, latency_us=50.0, compute_scale=1.0, device_speeds=None, shared_cores=None,
-         dynamic_shapes=None):
+         dynamic_shapes=None, tp_plan=None, tensor_parallel_degrees=None):
     """Predicts every layout of `world_size` ranks (default: this job's) for `model` on `sample` (one microbatch):
-    pipeline stages x data-parallel replicas, schedule (GPipe, 1F1B, ZB-H1; interleaved 1F1B, ZB-V and DualPipeV at
-    two stages per rank), microbatches, recompute, ZeRO-1. The model is captured and profiled here, in this process
-    (call smp.init first; one process will do). global_batch_size and memory_limit_mb default to the config's;
-    optimizer_moments is the optimizer's state per parameter (Adam 2, SGD with momentum 1); link_gbps (default the
-    config's link_bandwidth_gbps) and latency_us price transfers between stages and the replicas' all-reduce.
-    compute_scale is how much slower each rank computes in the job than here alone. shared_cores: the processors the
-    job's ranks share (by default, on the CPU, this host's cores when the ranks outnumber them, a job of one host;
-    0: a device per rank); each rank then computes at cores / ranks computing at once, at most 1. An "auto" job
-    passes what its ranks measured computing at once (other tenants of the host and memory contention included).
+    tensor-parallel degree x pipeline stages x data-parallel replicas, schedule (GPipe, 1F1B, ZB-H1; interleaved
+    1F1B, ZB-V and DualPipeV at two stages per rank), microbatches, recompute, ZeRO-1. The model is captured and
+    profiled here, in this process (call smp.init first; one process will do). global_batch_size and memory_limit_mb
+    default to the config's; optimizer_moments is the optimizer's state per parameter (Adam 2, SGD with momentum 1);
+    link_gbps (default the config's link_bandwidth_gbps) and latency_us price transfers between stages, the
+    replicas' all-reduce and the tensor-parallel collectives. compute_scale is how much slower each rank computes in
+    the job than here alone. shared_cores: the processors the job's ranks share (by default, on the CPU, this host's
+    cores when the ranks outnumber them, a job of one host; 0: a device per rank); each rank then computes at cores /
+    ranks computing at once, at most 1. An "auto" job passes what its ranks measured computing at once (other
+    tenants of the host and memory contention included).
+    Tensor parallelism: tensor_parallel_degrees (default: the config's degree, or with "tensor_parallel_degree":
+    "auto" every divisor of the world that `tp_plan` or the model's own plan shards it at). For each degree above 1
+    a copy of the model is sharded as rank 0 of that degree would hold it, captured and profiled alone: a shard's
+    compute, parameters and activations, and its collectives counted and priced on the links as rings; a degree the
+    model cannot take (heads that do not divide) is left out, in .unplanned_degrees and the report.
     Devices that differ: device_speeds (one per rank of world_size; default the config's list) and the config's
     device_memory_mb predict each layout on its devices (a slow rank's replicas wait for it; a pipeline gives it a
-    shorter stage). A job with "auto" keys and "device_speeds": "measure" passes the speeds its ranks measured.
+    shorter stage); not with tensor parallelism. A job with "auto" keys and "device_speeds": "measure" passes the
+    speeds its ranks measured.
     The model is profiled on the sample and on twice its samples: a node costs a fixed part plus a part per sample.
     Nodes timed alone are scaled to one pass of the whole model. The optimizer's step is timed here (AdamW, on
     the model's parameter shapes) per parameter byte; its temporaries (Adam's) as torch.optim's default holds them
     on this device (one parameter at a time on a CPU, all at once on a GPU). Predictions take the zero-bubble split
-    as profiled (I and W per node) and assume the all-reduce follows the last backward without overlap; tensor
-    parallelism is not among the layouts yet. dynamic_shapes: as smp.DistributedModel will be given it (the plan's
-    cut names the captured graph's nodes)."""
-    from ._distributed_model import graph_of
+    as profiled (I and W per node) and assume the all-reduce follows the last backward without overlap.
+    dynamic_shapes: as smp.DistributedModel will be given it (the plan's cut names the captured graph's nodes)."""
     if dynamic_shapes == "none" or (isinstance(dynamic_shapes, collections.abc.Mapping) and
                                     any(0 not in dims for dims in dynamic_shapes.values())):
         raise ConfigError(f"dynamic_shapes {dynamic_shapes!r}: smp.plan (and an \"auto\" layout) profiles the model on "
@@ -95,31 +142,40 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
                           "(\"all\", \"batch\", or 0 among each named input's dimensions)")
     rt = runtime()
     world = world_size or rt.world_size
-    # Cut as finely as the most stages considered: two per rank. Captured as the job will capture it: the plan's cut
-    # names the graph's nodes, and which dimensions may change decides some of them.
-    graph, io_ = graph_of(model, sample, 2 * world, list(rt.config.partition_overrides), dynamic_shapes)
-    values = io_.engine_inputs(sample, "sample")
-    batched = _smp.batched_inputs(values, None)
-    profiled = next((value.shape[0] for value, is_batch in zip(values, batched) if is_batch), 1)
-    # A second profile on twice the samples tells a stage call's fixed cost from its cost per sample.
-    doubled = [torch.cat([value, value]) if is_batch else value for value, is_batch in zip(values, batched)]
+    degrees = list(tensor_parallel_degrees or _candidate_degrees(model, tp_plan, world, rt.config))
+    if any(degree < 1 or world % degree for degree in degrees):
+        raise ConfigError(f"tensor_parallel_degrees {degrees}: each must divide the world of {world} ranks")
+    profiles, unplanned = {}, {}
+    for degree in degrees:
+        try:
+            profiles[degree] = _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, rt.config)
+        except ConfigError as error:
+            if len(degrees) == 1:
+                raise
+            unplanned[degree] = str(error)
+    if not profiles:
+        raise ConfigError("smp.plan: no tensor-parallel degree could be planned: " +
+                          "; ".join(f"{degree}: {why}" for degree, why in unplanned.items()))
     if shared_cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         shared_cores = cores if rt.device == "cpu" and world > cores else 0
     layouts, report = _smp.plan_layouts(
-        graph._graph, values, profiled, doubled, 2 * profiled, rt.config, world, int(global_batch_size or 0),
+        profiles, rt.config, world, int(global_batch_size or 0),
         -1.0 if memory_limit_mb is None else float(memory_limit_mb), float(optimizer_moments), latency_us * 1e-6,
         -1.0 if link_gbps is None else link_gbps * 1e9, float(compute_scale),
         _optimizer_seconds_per_byte(torch.device(rt.device), [tuple(p.shape) for p in model.parameters()])
         * compute_scale, list(device_speeds or []),
         float(shared_cores), rt.device != "cpu")  # torch.optim steps all parameters at once on a GPU (foreach)
-    return Plan(layouts, report)
+    for degree, why in unplanned.items():
+        report += f"tp {degree}: not planned: {why}\n"
+    return Plan(layouts, report, unplanned)
 
 
-def _choose(model, sample, rt, links, speeds, dynamic_shapes):
+def _choose(model, sample, rt, links, speeds, dynamic_shapes, tp_plan):
     """Rank 0's choice: (the chosen config's text, the chosen layout's row, the report)."""
     found = plan(model, sample, link_gbps=links["bytes_per_s"] / 1e9, latency_us=links["latency_s"] * 1e6,
-                 device_speeds=speeds, shared_cores=links["shared_processors"] or None, dynamic_shapes=dynamic_shapes)
+                 device_speeds=speeds, shared_cores=links["shared_processors"] or None, dynamic_shapes=dynamic_shapes,
+                 tp_plan=tp_plan)
     reasons = []
     for row in found.layouts:
         if row["rejected"] is not None:
@@ -136,7 +192,7 @@ def _choose(model, sample, rt, links, speeds, dynamic_shapes):
                       "the config gives:\n" + found.report + ("\n" + "\n".join(reasons[:5]) if reasons else ""))
 
 
-def adopt_planned_layout(model, sample, dynamic_shapes=None):
+def adopt_planned_layout(model, sample, dynamic_shapes=None, tp_plan=None):
     """For a config with "auto" layout keys: rank 0 plans (smp.plan) among the layouts that keep what the config
     fixes, and every rank adopts its choice before the model is partitioned. Returns what was chosen: {"config": the
     layout's keys, "layout", "predicted_step_ms" (of which "optimizer_ms"), "memory_mib" per pipeline rank, "links"
@@ -146,7 +202,7 @@ def adopt_planned_layout(model, sample, dynamic_shapes=None):
     speeds = rt._device_speeds()  # measured here for "measure", and kept for the partition after
 
     def choose():
-        text, row, report = _choose(model, sample, rt, links, speeds, dynamic_shapes)
+        text, row, report = _choose(model, sample, rt, links, speeds, dynamic_shapes, tp_plan)
         # Drawn for the fastest fitting layout: the choice unless the config fixes some keys.
         if row.get("timeline_svg") and rt.config.trace_dir:
             os.makedirs(rt.config.trace_dir, exist_ok=True)

@@ -18,6 +18,7 @@ The layers also serve models written for tensor parallelism: ``ColumnParallelLin
 ``nn.Sequential`` or a ``GraphModel``, and ``vocab_parallel_cross_entropy`` as the loss of sharded logits.
 """
 
+import contextlib
 import re
 
 import torch
@@ -35,16 +36,39 @@ __all__ = ["Colwise", "Rowwise", "VocabParallel", "Replicated", "Divide", "Colum
            "local_part", "collective_bytes"]
 
 
+# The degree the planner shards, captures and profiles a copy of the model at (as rank 0 of it), while it does.
+_profiled_degree = None
+
+
 def degree():
     """The config's tensor_parallel_degree (1 before smp.init)."""
+    if _profiled_degree is not None:
+        return _profiled_degree
     initialized = runtime_or_none()
     return 1 if initialized is None else initialized.tensor_parallel_degree
 
 
 def rank():
     """This rank's place in its tensor-parallel group."""
+    if _profiled_degree is not None:
+        return 0
     initialized = runtime_or_none()
     return 0 if initialized is None else initialized.tp_rank
+
+
+@contextlib.contextmanager
+def _profiled_at(shards):
+    """Sharding, capture and profile as rank 0 of `shards` ranks would do them, in this process alone: degree() and
+    rank() say so, and the collectives' group is a stand-in of that size that moves nothing (they run only under the
+    profile's WithoutCollectives, which counts them for the planner)."""
+    global _profiled_degree
+    before = _profiled_degree
+    _profiled_degree = shards
+    try:
+        with _smp.ProfiledDegree(shards):
+            yield
+    finally:
+        _profiled_degree = before
 
 
 # The collectives, each paired with the one its gradient takes, are the engine's operators (torch.ops.smp.tp_*,

@@ -60,6 +60,32 @@ def main():
                             f"{limit:.2f}, and is not rejected")
         elif layout["rejected"] is not None and "memory" not in layout["rejected"]:
             failures.append(f"{layout['layout']} rejected for another reason: {layout['rejected']}")
+
+    # Tensor parallelism among the layouts: each degree's copy sharded by Llama's own plan and profiled alone; 4 does
+    # not divide its 2 key-value heads and is left out, saying why.
+    sharded = smp.plan(net, sample, world_size=4, tensor_parallel_degrees=[1, 2, 4])
+    print(sharded, flush=True)
+    degrees = {}
+    for layout in sharded.layouts:
+        keys = json.loads(layout["config"])
+        degree = keys["tensor_parallel_degree"]
+        degrees[degree] = degrees.get(degree, 0) + 1
+        replicas = layout["layout"].split(" x dp ")[1].split(",")[0]
+        if degree * keys["partitions"] * int(replicas) != 4:
+            failures.append(f"{layout['layout']}: not 4 ranks")
+        if degree > 1 and not layout["layout"].startswith(f"tp {degree} x pp "):
+            failures.append(f"{layout['layout']}: does not name its tensor-parallel degree {degree}")
+    if set(degrees) != {1, 2}:
+        failures.append(f"layouts of tensor-parallel degrees {sorted(degrees)}, not 1 and 2")
+    if "2 heads do not divide" not in sharded.unplanned_degrees.get(4, "") or "tp 4: not planned" not in str(sharded):
+        failures.append(f"degree 4 is not left out naming the heads: {sharded.unplanned_degrees}")
+    # A shard holds half of the sharded layers' parameters, state and activations: recomputing microbatches of the
+    # same 4 samples (one held at a time), a tp 2 layout's ranks hold less than the whole model's.
+    whole = next(layout for layout in sharded.layouts if layout["layout"] == "pp 1 x dp 4, gpipe, m 1, recompute")
+    halves = next(layout for layout in sharded.layouts
+                  if layout["layout"] == "tp 2 x pp 1 x dp 2, gpipe, m 2, recompute")
+    if not max(halves["memory_mib"]) < max(whole["memory_mib"]):
+        failures.append(f"tp 2 needs {halves['memory_mib']} MiB, not less than one process's {whole['memory_mib']}")
     sys.exit(report.finish(failures, label="plan_check"))
 
 

@@ -206,18 +206,21 @@ def microbatch_of(inputs, index, count):
 
 def planned_layout_failures(model, runtime, config):
     """The planner's layout, adopted alike by every rank: each pipeline rank held by as many ranks as there are
-    replicas, the choice within the config's memory limit."""
+    replicas times tensor-parallel ranks, the choice within the config's memory limit."""
     failures = []
     if model.planned is None or runtime.config.auto_keys:
         return ["the \"auto\" keys were not planned"]
     partitions, replicas = runtime.config.partitions, runtime.data_parallel_degree
-    if partitions * replicas != runtime.world_size:
-        failures.append(f"pp {partitions} x dp {replicas} is not the world of {runtime.world_size}")
+    shards = runtime.tensor_parallel_degree
+    if shards * partitions * replicas != runtime.world_size:
+        failures.append(f"tp {shards} x pp {partitions} x dp {replicas} is not the world of {runtime.world_size}")
     held = torch.zeros(partitions, dtype=torch.float64)
     held[runtime.pp_rank] = 1
     runtime.all_reduce_sum(held)
-    if held.tolist() != [float(replicas)] * partitions:
-        failures.append(f"ranks per pipeline rank {held.tolist()}, not {replicas} each")
+    if held.tolist() != [float(replicas * shards)] * partitions:
+        failures.append(f"ranks per pipeline rank {held.tolist()}, not {replicas * shards} each")
+    if shards > 1 and not any(hasattr(parameter, "_smp_shard") for parameter in model.parameters()):
+        failures.append(f"tensor_parallel_degree {shards} planned, and no parameter is a shard")
     limit = config.get("memory_limit_mb")
     if limit and max(model.planned["memory_mib"]) > limit:
         failures.append(f"the chosen {model.planned['layout']} needs {max(model.planned['memory_mib']):.2f} MiB, "

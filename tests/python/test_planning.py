@@ -43,3 +43,14 @@ def test_auto_layout_fits_the_memory_limit_and_trains_equal_pytorch(job):
         assert 0.5 <= processors <= 4, links[0]
     # After five steps, the measured step beside the prediction.
     assert any("train_step measured" in line and "predicted" in line for line in chosen), finished.output
+
+
+def test_auto_tensor_parallel_degree_shards_the_model_and_trains_equal_pytorch(job):
+    """"tensor_parallel_degree": "auto" among the planned keys: with one stage and no replicas on 2 ranks the only
+    layout is tp 2, which the job adopts, sharding the model by its own plan, and trains equal to plain PyTorch."""
+    config = dict(json.loads(smp_keys(global_batch_size=8)), tensor_parallel_degree="auto", partitions=1, ddp=False,
+                  microbatches="auto")
+    finished = job(2, "real_models.py", "--models", "gpt2", "--steps", "3", "--smp", json.dumps(config))
+    assert_passed(finished)
+    chosen = rank0_lines(finished.stdout, "smp: planned layout ")
+    assert chosen and chosen[0].startswith("smp: planned layout tp 2 x pp 1 x dp 1, "), finished.output

@@ -45,6 +45,16 @@ class CollectiveObserver {
 // an experts layer runs its own experts on every token) while one lives, in any thread of the process (backward may
 // run in autograd's device threads): rank 0 profiles nodes alone, at their shards' cost, with its peers elsewhere.
 bool without_collectives();  // whether one lives
+
+// The collectives skipped while a WithoutCollectives lived, counted since the process started: what a profile
+// prices them by for a tensor-parallel layout (the planner). ring_bytes is what a ring moves per rank times
+// n / (n - 1) for a group of n: twice an all-reduce's payload, an all-gather's or reduce-scatter's whole tensor.
+struct SkippedCollectives {
+  int64_t count = 0;
+  int64_t ring_bytes = 0;
+};
+SkippedCollectives skipped_collectives();
+void count_skipped_collective(int64_t ring_bytes);
 class WithoutCollectives {
  public:
   WithoutCollectives();

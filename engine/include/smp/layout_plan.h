@@ -25,7 +25,7 @@ struct Layout {
   std::string pipeline = "simple";  // the config's name of the schedule
   bool recompute = false;           // every stage checkpointed (activation_checkpointing: true)
   bool shard_optimizer_state = false;
-  int tensor_parallel = 1;  // planned on a cluster (plan_on_cluster) only: ranks per tensor-parallel group
+  int tensor_parallel = 1;  // ranks per tensor-parallel group (each holding a shard of the planned layers)
   std::string describe() const;     // "pp 2 x dp 2, zb_v, m 8, recompute, ZeRO-1" ("tp 8 x pp 2 x ..." with tp)
   std::string config_json() const;  // the smp keys that ask for it
 };
@@ -105,6 +105,14 @@ std::vector<int> divisors(int n);
 // fastest first; a layout the partition search cannot place is rejected with its reason.
 std::vector<LayoutPrediction> plan_layouts(const ModelProfile& profile, const Config& base, int world_size, const PlanningCosts& costs = {},
                                            double optimizer_moments = 2.0);
+// With tensor parallelism: the model's profile at each degree considered (sharded for it: a shard's compute,
+// parameters and activations, its collectives counted, not run), and for each degree tp dividing world_size every
+// layout of the world_size / tp groups as above. A group computes as one rank of the pipeline; its collectives are
+// priced on `costs`' all-reduce links, and the processors a host shares (costs.shared_processors, ranks_per_node)
+// count per group.
+std::vector<LayoutPrediction> plan_layouts(const std::map<int, ModelProfile>& by_degree, const Config& base,
+                                           int world_size, const PlanningCosts& costs = {},
+                                           double optimizer_moments = 2.0);
 
 // `given`, a config with "auto" layout keys (Config::auto_keys), with those keys set from `layout_keys` (a layout's
 // Layout::config_json()): the config a job adopting that layout trains under; nullopt when the layout differs from
@@ -117,7 +125,8 @@ std::pair<LayoutPrediction, Config> choose_layout(const std::vector<LayoutPredic
                                                   int world_size);
 
 // `layout`'s simulated step, as plan_layouts predicts it, drawn as a timeline SVG (to_svg: one row per pipeline
-// rank, its compute and its waits); empty when the layout does not fit.
+// rank, its compute and its waits); empty when the layout does not fit. `profile`: at the layout's tensor-parallel
+// degree.
 std::string layout_timeline_svg(const ModelProfile& profile, const Config& base, int world_size, const Layout& layout,
                                 const PlanningCosts& costs = {}, double optimizer_moments = 2.0);
 

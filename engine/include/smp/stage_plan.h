@@ -38,6 +38,11 @@ struct ModuleProfile {
   // the gradients that reached them); -1 when not profiled with a SplitBackwardTimer.
   std::int64_t weight_pass_bytes = -1;
   std::int64_t largest_parameter_bytes = 0;  // of those parameter_bytes counts
+  // The tensor-parallel collectives its forward and its backward run, when profiled at a degree above 1 with them
+  // skipped (WithoutCollectives): how many, and their bytes as smp::SkippedCollectives counts them, per microbatch
+  // of the profile. The planner prices them on the measured links; forward_s and backward_s leave them out.
+  std::int64_t tp_forward_collectives = 0, tp_backward_collectives = 0;
+  std::int64_t tp_forward_ring_bytes = 0, tp_backward_ring_bytes = 0;
 };
 
 struct StagePlan {

@@ -60,6 +60,21 @@ at::Tensor reduce_scatter_sequence(const at::Tensor& input, const Group& group);
 // layout it adopts), others are registered on first use. Groups are held weakly.
 void use_as_process_group(const Group& group);
 Group process_group();  // null before a runtime set one
+
+// While one lives, the process's group is a stand-in of `degree` ranks, this process its rank 0, that moves nothing
+// (a transfer on it throws): the planner shards, captures and profiles a model at a degree the job has not adopted,
+// its collectives skipped (WithoutCollectives) and counted. The group before it comes back after.
+class ProfiledDegree {
+ public:
+  explicit ProfiledDegree(int degree);
+  ~ProfiledDegree();
+  ProfiledDegree(const ProfiledDegree&) = delete;
+  ProfiledDegree& operator=(const ProfiledDegree&) = delete;
+
+ private:
+  Group before_;
+  Group stand_in_;
+};
 int64_t group_handle(const Group& group);
 
 // The layers' computation, for modules of either language (C++'s below, Python's smp.tp): the collectives around a

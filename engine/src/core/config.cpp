@@ -438,9 +438,9 @@ Config Config::from_json_text(const std::string& text, const std::string& source
     read.fail("default_partition", "must be below the number of stages (" + std::to_string(config.num_stages()) +
                                        "), got " + std::to_string(config.default_partition));
   }
-  if (!config.auto_keys.empty() && (config.tensor_parallel_degree > 1 || config.expert_parallel_degree > 1)) {
+  if (!config.auto_keys.empty() && config.expert_parallel_degree > 1) {
     throw ConfigError(source + ": key \"" + config.auto_keys.front() +
-                      "\": \"auto\" plans pipeline and data-parallel layouts only; with tensor_parallel_degree or "
+                      "\": \"auto\" plans tensor-parallel, pipeline and data-parallel layouts; with "
                       "expert_parallel_degree above 1 give the layout keys");
   }
   if (config.global_batch_size > 0 && config.global_batch_size % config.microbatches != 0) {
@@ -451,8 +451,9 @@ Config Config::from_json_text(const std::string& text, const std::string& source
 }
 
 const std::vector<std::string>& Config::planned_keys() {
-  static const std::vector<std::string> keys = {"partitions",   "microbatches", "pipeline", "virtual_stages",
-                                                "ddp",          "activation_checkpointing", "shard_optimizer_state"};
+  static const std::vector<std::string> keys = {"partitions", "microbatches",   "pipeline",
+                                                "virtual_stages", "ddp", "activation_checkpointing",
+                                                "shard_optimizer_state", "tensor_parallel_degree"};
   return keys;
 }
 
@@ -466,7 +467,11 @@ Config Config::provisional_layout(int world_size) const {
     const bool replicas_allowed = is_auto("ddp") || ddp;
     config.partitions = replicas_allowed ? 1 : std::max(1, world_size / std::max(1, tensor_parallel_degree));
   }
-  if (is_auto("ddp")) config.ddp = world_size > config.partitions * tensor_parallel_degree;
+  if (is_auto("ddp")) config.ddp = world_size > config.partitions * config.tensor_parallel_degree;
+  // Without replicas and with the stages fixed, the tensor-parallel ranks fill the world.
+  if (is_auto("tensor_parallel_degree") && !config.ddp && world_size % config.partitions == 0) {
+    config.tensor_parallel_degree = world_size / config.partitions;
+  }
   if (is_auto("microbatches")) config.microbatches = 1;
   return config;
 }

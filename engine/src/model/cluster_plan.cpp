@@ -149,33 +149,35 @@ ModelProfile decoder_profile(const DecoderShape& shape, const ClusterSpec& clust
 
 std::vector<ClusterPrediction> plan_on_cluster(const DecoderShape& shape, const ClusterSpec& cluster, int global_batch) {
   if (global_batch < 1) throw ConfigError("plan_on_cluster: the global batch must be at least one sequence");
-  std::vector<ClusterPrediction> all;
+  Config base;
+  base.global_batch_size = global_batch;
+  base.memory_limit_mb = cluster.device_memory_gib * 1024.0;
+  base.link_bandwidth_gbps = cluster.intra_node_gbps;
+  base.source = "<cluster plan>";
+  PlanningCosts costs;
+  costs.latency_s = cluster.intra_node_latency_us * 1e-6;
+  costs.p2p_bytes_per_s = costs.all_reduce_bytes_per_s = cluster.intra_node_gbps * 1e9;
+  costs.ranks_per_node = cluster.devices_per_node;
+  costs.inter_node_latency_s = cluster.inter_node_latency_us * 1e-6;
+  costs.inter_node_bytes_per_s = cluster.inter_node_gbps * 1e9;
+  // Adam's step reads and writes about 7 bytes of device memory per byte of fp32 parameters.
+  costs.optimizer_s_per_byte = 7.0 / (cluster.memory_tbps * 1e12);
+  // The decoder's profile prices its own tensor-parallel all-reduces (on the node's links), so it counts none.
+  std::map<int, ModelProfile> by_degree;
   for (int tp : divisors(cluster.devices_per_node)) {
     if (shape.heads % tp != 0 || shape.kv_heads % tp != 0 || cluster.devices() % tp != 0) continue;
-    Config base;
-    base.global_batch_size = global_batch;
-    base.memory_limit_mb = cluster.device_memory_gib * 1024.0;
-    base.link_bandwidth_gbps = cluster.intra_node_gbps;
-    base.source = "<cluster plan>";
-    PlanningCosts costs;
-    costs.latency_s = cluster.intra_node_latency_us * 1e-6;
-    costs.p2p_bytes_per_s = costs.all_reduce_bytes_per_s = cluster.intra_node_gbps * 1e9;
-    costs.ranks_per_node = cluster.devices_per_node / tp;
-    costs.inter_node_latency_s = cluster.inter_node_latency_us * 1e-6;
-    costs.inter_node_bytes_per_s = cluster.inter_node_gbps * 1e9;
-    // Adam's step reads and writes about 7 bytes of device memory per byte of fp32 parameters.
-    costs.optimizer_s_per_byte = 7.0 / (cluster.memory_tbps * 1e12);
-    for (auto& prediction : plan_layouts(decoder_profile(shape, cluster, tp), base, cluster.devices() / tp, costs)) {
-      prediction.layout.tensor_parallel = tp;
-      ClusterPrediction planned{std::move(prediction)};
-      if (planned.prediction.rejected.empty() && planned.prediction.step_s > 0) {
-        const double tokens_per_s = static_cast<double>(global_batch) * shape.sequence / planned.prediction.step_s;
-        planned.tokens_per_s_per_device = tokens_per_s / cluster.devices();
-        planned.mfu = planned.tokens_per_s_per_device * shape.flops_per_token() / (cluster.peak_tflops * 1e12);
-      }
-      planned.prediction.timeline_svg.clear();  // one per tp degree otherwise: not what this report shows
-      all.push_back(std::move(planned));
+    by_degree[tp] = decoder_profile(shape, cluster, tp);
+  }
+  std::vector<ClusterPrediction> all;
+  for (auto& prediction : plan_layouts(by_degree, base, cluster.devices(), costs)) {
+    ClusterPrediction planned{std::move(prediction)};
+    if (planned.prediction.rejected.empty() && planned.prediction.step_s > 0) {
+      const double tokens_per_s = static_cast<double>(global_batch) * shape.sequence / planned.prediction.step_s;
+      planned.tokens_per_s_per_device = tokens_per_s / cluster.devices();
+      planned.mfu = planned.tokens_per_s_per_device * shape.flops_per_token() / (cluster.peak_tflops * 1e12);
     }
+    planned.prediction.timeline_svg.clear();  // not what this report shows
+    all.push_back(std::move(planned));
   }
   std::stable_sort(all.begin(), all.end(), [](const ClusterPrediction& a, const ClusterPrediction& b) {
     if (a.prediction.rejected.empty() != b.prediction.rejected.empty()) return a.prediction.rejected.empty();

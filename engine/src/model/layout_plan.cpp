@@ -33,6 +33,7 @@ double through(double small, double large, int batch, int larger_batch, int samp
 
 Config config_of(const Layout& layout, const Config& base) {
   Config config = base;
+  config.tensor_parallel_degree = 1;  // a tensor-parallel group is one rank of the pipelines and replicas planned
   config.partitions = layout.partitions;
   config.virtual_stages = layout.virtual_stages;
   config.microbatches = layout.microbatches;
@@ -49,9 +50,30 @@ Config config_of(const Layout& layout, const Config& base) {
   return config;
 }
 
-// `timeline`, when given, gets the simulated step: one row per pipeline rank.
-void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Config& base, int world_size,
-             const PlanningCosts& costs, double optimizer_moments, std::vector<RankTimeline>* timeline = nullptr) {
+// The ranks and costs a layout's pipelines and replicas see: with tensor parallelism each of world_size / tp
+// "ranks" is a group of tp ranks computing at once, so the processors a host's ranks share count in groups too.
+PlanningCosts per_tensor_parallel_group(PlanningCosts costs, int tp) {
+  if (tp <= 1) return costs;
+  costs.shared_processors /= tp;
+  if (costs.ranks_per_node > 0) costs.ranks_per_node = std::max(1, costs.ranks_per_node / tp);
+  return costs;
+}
+
+// A tensor-parallel group's collectives as a ring prices them on the planning links: 2 (n - 1) latencies each, and
+// (n - 1) / n of their ring bytes (ModuleProfile's tp_* counts).
+double tensor_parallel_s(std::int64_t collectives, std::int64_t ring_bytes, int tp, const PlanningCosts& costs) {
+  if (tp <= 1 || collectives == 0) return 0.0;
+  return collectives * 2.0 * (tp - 1) * costs.latency_s +
+         static_cast<double>(ring_bytes) * (tp - 1) / tp / costs.all_reduce_bytes_per_s;
+}
+
+// `timeline`, when given, gets the simulated step: one row per pipeline rank. `profile` is the model's at the
+// layout's tensor-parallel degree; `world_size` and `given_costs` the whole job's.
+void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Config& base, int whole_world,
+             const PlanningCosts& given_costs, double optimizer_moments, std::vector<RankTimeline>* timeline = nullptr) {
+  const int tp = std::max(1, prediction.layout.tensor_parallel);
+  const int world_size = whole_world / tp;  // pipeline ranks x replicas
+  const PlanningCosts costs = per_tensor_parallel_group(given_costs, tp);
   const Layout& layout = prediction.layout;
   const Config config = config_of(layout, base);
   const int per_microbatch = base.global_batch_size / layout.replicas / layout.microbatches;
@@ -86,8 +108,12 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   double largest_transfer = 0.0;
   for (int stage = 0; stage < stages; ++stage) {
     double forward = 0.0, backward = 0.0, input_pass = 0.0, weight_pass = 0.0;
+    double forward_collectives = 0.0, backward_collectives = 0.0;
     for (int module : plan.modules_of_stage(stage)) {
       const auto& profile = plan.modules[static_cast<std::size_t>(module)];
+      forward_collectives += tensor_parallel_s(profile.tp_forward_collectives, profile.tp_forward_ring_bytes, tp, costs);
+      backward_collectives +=
+          tensor_parallel_s(profile.tp_backward_collectives, profile.tp_backward_ring_bytes, tp, costs);
       forward += profile.forward_s;
       backward += profile.backward_s;
       input_pass += profile.backward_input_s;
@@ -102,6 +128,11 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
     const bool split_profiled = input_pass + weight_pass > 0.0;
     input_pass = split_profiled ? input_pass * slowness : backward / 2;
     weight_pass = split_profiled ? weight_pass * slowness : backward / 2;
+    // The collectives wait on the group, not on the device's speed; a backward's (the gradients of inputs that met
+    // sharded weights, summed) are the input pass's.
+    forward += forward_collectives;
+    backward += backward_collectives;
+    input_pass += backward_collectives;
     const double recompute = layout.recompute ? forward : 0.0;
     auto& cost = simulated.stages[static_cast<std::size_t>(stage)];
     cost.forward = forward;
@@ -237,6 +268,8 @@ std::vector<ModuleProfile> ModelProfile::at(int samples, double compute_scale) c
     module.output_bytes = module.output_bytes * samples / batch;
     module.activation_bytes = module.activation_bytes * samples / batch;
     if (module.weight_pass_bytes > 0) module.weight_pass_bytes = module.weight_pass_bytes * samples / batch;
+    module.tp_forward_ring_bytes = module.tp_forward_ring_bytes * samples / batch;
+    module.tp_backward_ring_bytes = module.tp_backward_ring_bytes * samples / batch;
   }
   return result;
 }
@@ -255,9 +288,8 @@ std::string Layout::config_json() const {
   text << "{\"partitions\": " << partitions << ", \"virtual_stages\": " << virtual_stages << ", \"microbatches\": "
        << microbatches << ", \"pipeline\": \"" << pipeline << "\", \"ddp\": " << (replicas > 1 ? "true" : "false")
        << ", \"activation_checkpointing\": " << (recompute ? "true" : "false")
-       << ", \"shard_optimizer_state\": " << (shard_optimizer_state ? "true" : "false");
-  if (tensor_parallel > 1) text << ", \"tensor_parallel_degree\": " << tensor_parallel;
-  text << "}";
+       << ", \"shard_optimizer_state\": " << (shard_optimizer_state ? "true" : "false")
+       << ", \"tensor_parallel_degree\": " << tensor_parallel << "}";
   return text.str();
 }
 
@@ -273,36 +305,56 @@ double LayoutPrediction::peak_memory_mib() const {
 
 std::vector<LayoutPrediction> plan_layouts(const ModelProfile& profile, const Config& base, int world_size,
                                            const PlanningCosts& costs, double optimizer_moments) {
-  if (profile.modules.empty() || profile.batch < 1 || world_size < 1) {
+  return plan_layouts(std::map<int, ModelProfile>{{1, profile}}, base, world_size, costs, optimizer_moments);
+}
+
+std::vector<LayoutPrediction> plan_layouts(const std::map<int, ModelProfile>& by_degree, const Config& base,
+                                           int world_size, const PlanningCosts& costs, double optimizer_moments) {
+  if (by_degree.empty() || world_size < 1) {
     throw ConfigError("plan_layouts: needs a profiled model, its microbatch size and a world size");
+  }
+  for (const auto& [tp, profile] : by_degree) {
+    if (tp < 1 || profile.modules.empty() || profile.batch < 1) {
+      throw ConfigError("plan_layouts: needs a profiled model, its microbatch size and a world size");
+    }
   }
   if (base.global_batch_size < 1) {
     throw ConfigError(base.source + ": planning a layout needs \"global_batch_size\" (the batch a step takes)");
   }
+  // Devices that differ are given per rank, which a layout's groups of tensor-parallel ranks would share unevenly.
+  const bool uneven_devices = !base.device_speeds.empty() || !base.device_memory_mb.empty();
   std::vector<LayoutPrediction> predictions;
-  const int modules = static_cast<int>(profile.modules.size());
-  for (int partitions : divisors(world_size)) {
-    const int replicas = world_size / partitions;
-    if (base.global_batch_size % replicas != 0) continue;
-    const int per_replica = base.global_batch_size / replicas;
-    for (const auto& choice : kSchedules) {
-      // One stage runs GPipe's order alone: every schedule is the same there.
-      if (partitions == 1 && (choice.virtual_stages > 1 || std::string(choice.name) != "gpipe")) continue;
-      if (partitions * choice.virtual_stages > modules) continue;
-      for (int microbatches : divisors(per_replica)) {
-        // Fewer microbatches than stages leave most of a pipeline idle; more than 8 per stage gain little and
-        // multiply the runs.
-        const int stages = partitions * choice.virtual_stages;
-        if (partitions > 1 && (microbatches < partitions || microbatches > 8 * stages)) continue;
-        if (partitions == 1 && microbatches > 4) continue;
-        for (bool recompute : {false, true}) {
-          for (bool sharded : {false, true}) {
-            if (sharded && replicas == 1) continue;
-            LayoutPrediction prediction;
-            prediction.layout = {partitions, replicas, choice.virtual_stages, microbatches, choice.name, recompute,
-                                 sharded};
-            predict(prediction, profile, base, world_size, costs, optimizer_moments);
-            predictions.push_back(std::move(prediction));
+  for (const auto& [tp, profile] : by_degree) {
+    if (world_size % tp != 0) continue;
+    const int ranks = world_size / tp;  // pipeline ranks x replicas
+    const int modules = static_cast<int>(profile.modules.size());
+    for (int partitions : divisors(ranks)) {
+      const int replicas = ranks / partitions;
+      if (base.global_batch_size % replicas != 0) continue;
+      const int per_replica = base.global_batch_size / replicas;
+      for (const auto& choice : kSchedules) {
+        // One stage runs GPipe's order alone: every schedule is the same there.
+        if (partitions == 1 && (choice.virtual_stages > 1 || std::string(choice.name) != "gpipe")) continue;
+        if (partitions * choice.virtual_stages > modules) continue;
+        for (int microbatches : divisors(per_replica)) {
+          // Fewer microbatches than stages leave most of a pipeline idle; more than 8 per stage gain little and
+          // multiply the runs.
+          const int stages = partitions * choice.virtual_stages;
+          if (partitions > 1 && (microbatches < partitions || microbatches > 8 * stages)) continue;
+          if (partitions == 1 && microbatches > 4) continue;
+          for (bool recompute : {false, true}) {
+            for (bool sharded : {false, true}) {
+              if (sharded && replicas == 1) continue;
+              LayoutPrediction prediction;
+              prediction.layout = {partitions, replicas, choice.virtual_stages, microbatches, choice.name, recompute,
+                                   sharded, tp};
+              if (tp > 1 && uneven_devices) {
+                prediction.rejected = "device speeds or memory per rank are not planned with tensor parallelism";
+              } else {
+                predict(prediction, profile, base, world_size, costs, optimizer_moments);
+              }
+              predictions.push_back(std::move(prediction));
+            }
           }
         }
       }
@@ -317,15 +369,17 @@ std::vector<LayoutPrediction> plan_layouts(const ModelProfile& profile, const Co
     return a.layout.microbatches < b.layout.microbatches;
   });
   if (!predictions.empty() && predictions.front().rejected.empty()) {
-    predictions.front().timeline_svg =
-        layout_timeline_svg(profile, base, world_size, predictions.front().layout, costs, optimizer_moments);
+    const Layout& best = predictions.front().layout;
+    predictions.front().timeline_svg = layout_timeline_svg(by_degree.at(std::max(1, best.tensor_parallel)), base,
+                                                           world_size, best, costs, optimizer_moments);
   }
   return predictions;
 }
 
 std::string layout_timeline_svg(const ModelProfile& profile, const Config& base, int world_size, const Layout& layout,
                                 const PlanningCosts& costs, double optimizer_moments) {
-  LayoutPrediction prediction{layout};
+  LayoutPrediction prediction;
+  prediction.layout = layout;
   std::vector<RankTimeline> timeline;
   predict(prediction, profile, base, world_size, costs, optimizer_moments, &timeline);
   if (!prediction.rejected.empty()) return {};
@@ -390,8 +444,10 @@ auto layout_asked(const Config& config, int world_size) {
   const bool every_stage = static_cast<int>(stages.size()) == config.num_stages() && config.checkpointed_modules.empty();
   const bool none = stages.empty() && config.checkpointed_modules.empty();
   const int recompute = none ? 0 : every_stage ? 1 : 2;  // 2: some, which no planned layout is
-  return std::make_tuple(config.partitions, replicas, config.virtual_stages, config.microbatches,
-                         config.schedule_name(), recompute, config.shard_optimizer_state && replicas > 1);
+  // One stage runs every schedule in the same order (the planner names it GPipe).
+  const std::string schedule = config.num_stages() == 1 ? std::string("one stage") : config.schedule_name();
+  return std::make_tuple(config.tensor_parallel_degree, config.partitions, replicas, config.virtual_stages,
+                         config.microbatches, schedule, recompute, config.shard_optimizer_state && replicas > 1);
 }
 
 }  // namespace

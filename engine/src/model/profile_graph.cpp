@@ -21,6 +21,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include "smp/collectives.h"
 #include "smp/comm/communicator.h"
 #include "smp/errors.h"
 #include "smp/graph_model.h"
@@ -221,6 +222,13 @@ void scale_to_whole_model(const GraphModel& model, const std::vector<at::Tensor>
              std::to_string(backward_factor));
 }
 
+void set_collectives(ModuleProfile& profile, const SkippedCollectives& forward, const SkippedCollectives& backward) {
+  profile.tp_forward_collectives = forward.count;
+  profile.tp_forward_ring_bytes = forward.ring_bytes;
+  profile.tp_backward_collectives = backward.count;
+  profile.tp_backward_ring_bytes = backward.ring_bytes;
+}
+
 }  // namespace
 
 std::vector<ModuleProfile> profile_graph(const GraphModel& model, const at::Tensor& sample, int repeats) {
@@ -267,6 +275,7 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
     at::Tensor output;
     double backward_input_s, backward_weight_s;
     std::int64_t weight_pass_bytes;
+    SkippedCollectives forward_collectives, backward_collectives;
   };
   std::map<std::string, Measured> measured;
   // Untimed rounds first: first calls pay for allocations and lazy initialisation, and TorchScript modules (the
@@ -309,6 +318,7 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
       profile.backward_input_s = found->second.backward_input_s;
       profile.backward_weight_s = found->second.backward_weight_s;
       profile.weight_pass_bytes = found->second.weight_pass_bytes;
+      set_collectives(profile, found->second.forward_collectives, found->second.backward_collectives);
       profile.output_bytes = found->second.output.numel() * static_cast<std::int64_t>(found->second.output.element_size());
       profiles.push_back(profile);
       values[node.name] = found->second.output;
@@ -322,6 +332,7 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
     std::int64_t weight_pass_bytes = -1;  // the least over the rounds, as activation_bytes
     std::int64_t activation_bytes = -1;  // the least over the rounds: the first pays for one-time allocations
     at::Tensor output;
+    SkippedCollectives forward_collectives, backward_collectives;  // in the last round (each round runs the same)
     for (int repeat = -kUntimedRounds; repeat < repeats; ++repeat) {
       std::vector<at::Tensor> arguments;
       for (const auto& input : node.inputs) {
@@ -336,9 +347,11 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
       double forward_s = 0, backward_s = 0;
       try {
         const std::int64_t before = live_bytes();
+        const SkippedCollectives skipped_before = skipped_collectives();
         at::Tensor produced = node.forward(arguments);
         settle();
         forward_s = seconds_since(start);
+        const SkippedCollectives skipped_forward = skipped_collectives();
         const std::int64_t kept = live_bytes() - before -
                                   produced.numel() * static_cast<std::int64_t>(produced.element_size());
         activation_bytes = activation_bytes < 0 ? std::max<std::int64_t>(kept, 0)
@@ -348,6 +361,11 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
         if (output.requires_grad()) torch::autograd::backward({output}, {at::ones_like(output)});
         settle();
         backward_s = seconds_since(start);
+        const SkippedCollectives skipped_backward = skipped_collectives();
+        forward_collectives = {skipped_forward.count - skipped_before.count,
+                               skipped_forward.ring_bytes - skipped_before.ring_bytes};
+        backward_collectives = {skipped_backward.count - skipped_forward.count,
+                                skipped_backward.ring_bytes - skipped_forward.ring_bytes};
         if (time_split && output.requires_grad() && repeat >= 0) {
           for (const auto& parameter : node.module->parameters()) {
             if (parameter.grad().defined()) parameter.mutable_grad() = at::Tensor();
@@ -393,11 +411,13 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
     }
     profile.output_bytes = output.numel() * static_cast<std::int64_t>(output.element_size());
     profile.activation_bytes = std::max<std::int64_t>(activation_bytes, 0);
+    set_collectives(profile, forward_collectives, backward_collectives);
     profiles.push_back(profile);
     values[node.name] = output.detach();
     if (!key.empty()) {
-      measured[key] = {profile.forward_s, profile.backward_s, profile.activation_bytes, values[node.name],
-                       profile.backward_input_s, profile.backward_weight_s, profile.weight_pass_bytes};
+      measured[key] = {profile.forward_s,         profile.backward_s,         profile.activation_bytes,
+                       values[node.name],         profile.backward_input_s,   profile.backward_weight_s,
+                       profile.weight_pass_bytes, forward_collectives,        backward_collectives};
     }
     for (const auto& input : node.inputs) {
       if (last_reader.at(input) == index) values.erase(input);

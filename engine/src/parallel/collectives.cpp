@@ -53,6 +53,17 @@ CollectiveObserver::~CollectiveObserver() {
 
 bool without_collectives() { return collectives_off.load(); }
 
+namespace {
+std::atomic<int64_t> skipped_count{0}, skipped_ring_bytes{0};
+}  // namespace
+
+SkippedCollectives skipped_collectives() { return {skipped_count.load(), skipped_ring_bytes.load()}; }
+
+void count_skipped_collective(int64_t ring_bytes) {
+  skipped_count += 1;
+  skipped_ring_bytes += ring_bytes;
+}
+
 WithoutCollectives::WithoutCollectives() : before_(collectives_off.exchange(true)) {}
 WithoutCollectives::~WithoutCollectives() { collectives_off.store(before_); }
 

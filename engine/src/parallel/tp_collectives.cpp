@@ -55,7 +55,10 @@ Group required_group(int64_t handle) {
 
 at::Tensor summed(const at::Tensor& tensor, const Group& group) {
   at::Tensor sum = tensor.contiguous().clone();
-  if (without_collectives()) return sum;
+  if (without_collectives()) {
+    if (group->size() > 1) count_skipped_collective(2 * static_cast<int64_t>(sum.nbytes()));
+    return sum;
+  }
   run_collective("TP_ALL_REDUCE", static_cast<int64_t>(sum.nbytes()), CollectiveCounter::all_reduced,
                  [&] { group->all_reduce_sum(sum); });
   // A copy, never the transport's tensor: Gloo's work object keeps what it reduced and is destroyed later on a Gloo
@@ -69,7 +72,9 @@ at::Tensor summed(const at::Tensor& tensor, const Group& group) {
 at::Tensor gathered_along(const at::Tensor& shard, int64_t dim, const Group& group) {
   dim = c10::maybe_wrap_dim(dim, shard.dim());
   if (without_collectives()) {
-    return at::cat(std::vector<at::Tensor>(static_cast<std::size_t>(group->size()), shard), dim);
+    at::Tensor whole = at::cat(std::vector<at::Tensor>(static_cast<std::size_t>(group->size()), shard), dim);
+    if (group->size() > 1) count_skipped_collective(static_cast<int64_t>(whole.nbytes()));
+    return whole;
   }
   const at::Tensor front = shard.movedim(dim, 0).contiguous();
   auto sizes = front.sizes().vec();
@@ -89,7 +94,10 @@ at::Tensor own_slice(const at::Tensor& whole, int64_t dim, const Group& group) {
 
 at::Tensor reduce_scattered_along(const at::Tensor& whole, int64_t dim, const Group& group) {
   dim = c10::maybe_wrap_dim(dim, whole.dim());
-  if (without_collectives()) return own_slice(whole, dim, group);
+  if (without_collectives()) {
+    if (group->size() > 1) count_skipped_collective(static_cast<int64_t>(whole.nbytes()));
+    return own_slice(whole, dim, group);
+  }
   const at::Tensor front = whole.movedim(dim, 0).contiguous();
   auto sizes = front.sizes().vec();
   sizes[0] /= group->size();
@@ -222,6 +230,47 @@ void use_as_process_group(const Group& group) {
 }
 
 Group process_group() { return group_of(0); }
+
+namespace {
+
+class StandInGroup final : public comm::Communicator {
+ public:
+  explicit StandInGroup(int degree) : degree_(degree), name_("profiled degree " + std::to_string(degree)) {}
+  const std::string& name() const override { return name_; }
+  int rank() const override { return 0; }
+  int size() const override { return degree_; }
+  int global_rank(int group_rank) const override { return group_rank; }
+  std::chrono::milliseconds timeout() const override { return std::chrono::milliseconds(0); }
+  c10::Device device() const override { return c10::Device(c10::kCPU); }
+  std::unique_ptr<comm::Pending> isend(const at::Tensor&, int, int) override { refuse(); }
+  std::unique_ptr<comm::Pending> irecv(const at::Tensor&, int, int) override { refuse(); }
+  std::unique_ptr<comm::Pending> iall_reduce_sum(const at::Tensor&) override { refuse(); }
+  void broadcast(const at::Tensor&, int) override { refuse(); }
+  void barrier() override { refuse(); }
+  void all_gather(const at::Tensor&, const at::Tensor&) override { refuse(); }
+  void reduce_scatter_sum(const at::Tensor&, const at::Tensor&) override { refuse(); }
+  void all_to_all(const at::Tensor&, const at::Tensor&, const std::vector<std::int64_t>&,
+                  const std::vector<std::int64_t>&) override {
+    refuse();
+  }
+
+ private:
+  [[noreturn]] void refuse() const {
+    throw ConfigError("tensor-parallel group of " + name_ +
+                      ": a stand-in for profiling moves nothing (its collectives run under WithoutCollectives)");
+  }
+  int degree_;
+  std::string name_;
+};
+
+}  // namespace
+
+ProfiledDegree::ProfiledDegree(int degree) : before_(process_group()), stand_in_(std::make_shared<StandInGroup>(degree)) {
+  if (degree < 1) throw ConfigError("a tensor-parallel degree must be at least 1, got " + std::to_string(degree));
+  use_as_process_group(stand_in_);
+}
+
+ProfiledDegree::~ProfiledDegree() { use_as_process_group(before_); }
 
 int64_t group_handle(const Group& group) {
   auto& groups = registry();

@@ -234,6 +234,14 @@ std::shared_ptr<Runtime> with_planned_layout(std::shared_ptr<Runtime> runtime, c
                                              const ModelInputs& sample) {
   const Config& config = runtime->config();
   if (config.auto_keys.empty()) return runtime;
+  const bool tp_auto = std::find(config.auto_keys.begin(), config.auto_keys.end(), "tensor_parallel_degree") !=
+                       config.auto_keys.end();
+  if (tp_auto || config.tensor_parallel_degree > 1) {
+    // Python shards a model after its layout is chosen; a C++ model's smp::tp layers were built over a group.
+    throw ConfigError(config.source + ": key \"" + (tp_auto ? "tensor_parallel_degree" : config.auto_keys.front()) +
+                      "\": a C++ model plans \"auto\" layouts without tensor parallelism (its smp::tp layers hold "
+                      "the group they were built with); give every layout key, or plan from Python (smp.plan)");
+  }
   const PlanningCosts costs = measured_planning_costs(*runtime);
   const std::vector<double> speeds = device_speeds(*runtime, "planned_layout/");
   const std::string text =
