@@ -65,14 +65,21 @@ def measure_link():
     runtime = smp.init({"ddp": True})
     links = runtime._measured_planning_costs()
     print(json.dumps({"rank": runtime.rank, "gbps": links["bytes_per_s"] / 1e9, "latency_us": links["latency_s"] * 1e6,
-                      "processors": links["shared_processors"]}), flush=True)
+                      "processors": links["shared_processors"],
+                      "synchronization_us": links["synchronization_s"] * 1e6,
+                      "synchronized_gbps": links["synchronized_bytes_per_s"] / 1e9}), flush=True)
 
 
-def predict(name, link_gbps, latency_us, processors):
+def predict(name, link_gbps, latency_us, processors, synchronization_us, synchronized_gbps):
     import smp
     smp.init({"global_batch_size": GLOBAL_BATCH})
-    found = smp.plan(build(name), batch(2, torch.Generator().manual_seed(1), name)[0], world_size=WORLD,
-                     link_gbps=link_gbps, latency_us=latency_us, shared_cores=processors or None)
+    model = build(name)
+    # Tensor parallelism where the model has a plan (the Hugging Face decoders' own): every degree of the world.
+    degrees = [1, 2, 4] if smp.tp.builtin_plan(model) else [1]
+    found = smp.plan(model, batch(2, torch.Generator().manual_seed(1), name)[0], world_size=WORLD,
+                     link_gbps=link_gbps, latency_us=latency_us, shared_cores=processors or None,
+                     tensor_parallel_degrees=degrees, synchronization_us=synchronization_us,
+                     synchronized_gbps=synchronized_gbps)
     print(json.dumps({"layouts": found.layouts, "report": found.report}), flush=True)
 
 
@@ -131,7 +138,8 @@ def job(processes, *args):
 
 def grid(layouts):
     """Each pipeline depth with each schedule at 2 microbatches per stage (and 1 per stage), recompute once, ZeRO-1
-    once: the layouts a person would try, from the planner's list (the fitting ones, with their predictions)."""
+    once; with tensor parallelism GPipe and 1F1B alone: the layouts a person would try, from the planner's list
+    (the fitting ones, with their predictions)."""
     chosen = []
     for layout in layouts:
         if layout["rejected"] is not None:
@@ -139,6 +147,8 @@ def grid(layouts):
         keys = json.loads(layout["config"])
         stages = keys["partitions"] * keys["virtual_stages"]
         if keys["activation_checkpointing"] or keys["shard_optimizer_state"]:
+            continue
+        if keys["tensor_parallel_degree"] > 1 and keys["pipeline"] not in ("gpipe", "1f1b"):
             continue
         if keys["partitions"] == 1 and keys["microbatches"] not in (1, 2):
             continue
@@ -170,10 +180,14 @@ def drive(name, steps):
     link = statistics.median(r["gbps"] for r in measured)
     latency = statistics.median(r["latency_us"] for r in measured)
     processors = measured[0]["processors"]
+    synchronization = measured[0]["synchronization_us"]
+    synchronized_gbps = measured[0]["synchronized_gbps"]
     print(f"links between the {WORLD} processes, as an auto job measures them: {link:.2f} GB/s, latency "
-          f"{latency:.0f} us; the {WORLD} ranks computing at once had {processors:.2f} processors", flush=True)
+          f"{latency:.0f} us; the {WORLD} ranks computing at once had {processors:.2f} processors, a collective after "
+          f"computing {synchronization:.0f} us + {synchronized_gbps:.2f} GB/s", flush=True)
     planned = job(1, "--model", name, "--predict", "--link-gbps", str(link), "--latency-us", str(latency),
-                  "--processors", str(processors))[0]
+                  "--processors", str(processors), "--synchronization-us", str(synchronization),
+                  "--synchronized-gbps", str(synchronized_gbps))[0]
     rows = []
     cuts_differ = 0
     for layout in grid(planned["layouts"]):
@@ -199,7 +213,8 @@ def drive(name, steps):
     errors = sorted(abs(p - m) / m for p, m in zip(predicted, measured))
     choice = min(range(len(rows)), key=lambda i: predicted[i])
     print(json.dumps({"model": name, "layouts": len(rows), "link_gbps": link, "latency_us": latency,
-                      "processors": processors,
+                      "processors": processors, "synchronization_us": synchronization,
+                      "synchronized_gbps": synchronized_gbps,
                       "median_abs_error": statistics.median(errors),
                       "memory_median_abs_error": statistics.median(memory_errors),
                       "memory_worst_abs_error": memory_errors[-1],
@@ -220,12 +235,15 @@ def main():
     parser.add_argument("--link-gbps", type=float)
     parser.add_argument("--latency-us", type=float, default=50.0)
     parser.add_argument("--processors", type=float, default=0.0)
+    parser.add_argument("--synchronization-us", type=float, default=0.0)
+    parser.add_argument("--synchronized-gbps", type=float, default=0.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.measure_link:
         measure_link()
     elif args.predict:
-        predict(args.model, args.link_gbps, args.latency_us, args.processors)
+        predict(args.model, args.link_gbps, args.latency_us, args.processors, args.synchronization_us,
+                args.synchronized_gbps)
     elif args.train:
         train(args.model, args.train, args.steps)
     else:

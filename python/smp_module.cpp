@@ -373,6 +373,9 @@ PYBIND11_MODULE(_smp, module) {
             measured["latency_s"] = costs.latency_s;
             measured["bytes_per_s"] = costs.p2p_bytes_per_s;
             measured["shared_processors"] = costs.shared_processors;  // 0: each rank has its own
+            // 0: not measured (no cores shared)
+            measured["synchronization_s"] = costs.synchronization_s;
+            measured["synchronized_bytes_per_s"] = costs.synchronized_bytes_per_s;
             return measured;
           })
       // Per rank, the speeds the config gives or measures (every rank calls it at once; measured once per job).
@@ -541,7 +544,7 @@ PYBIND11_MODULE(_smp, module) {
       [](const std::map<int, ModelProfile>& by_degree, const Config& config, int world_size, int global_batch_size,
          double memory_limit_mb, double optimizer_moments, double latency_s, double bytes_per_s, double compute_scale,
          double optimizer_s_per_byte, const std::vector<double>& device_speeds, double shared_processors,
-         bool optimizer_foreach) {
+         bool optimizer_foreach, double synchronization_s, double synchronized_bytes_per_s) {
         // Overrides of the job's config (0 / negative / empty: the config's).
         Config base = config;
         if (!device_speeds.empty()) base.device_speeds = device_speeds;
@@ -554,6 +557,8 @@ PYBIND11_MODULE(_smp, module) {
           PlanningCosts costs{latency_s, bytes_per_s, bytes_per_s, compute_scale, optimizer_s_per_byte,
                               shared_processors};
           costs.optimizer_foreach = optimizer_foreach;
+          costs.synchronization_s = synchronization_s;
+          costs.synchronized_bytes_per_s = synchronized_bytes_per_s;
           predictions = plan_layouts(by_degree, base, world_size, costs, optimizer_moments);
         }
         py::list layouts;
@@ -577,7 +582,8 @@ PYBIND11_MODULE(_smp, module) {
       py::arg("by_degree"), py::arg("config"), py::arg("world_size"), py::arg("global_batch_size"), py::arg("memory_limit_mb"),
       py::arg("optimizer_moments"), py::arg("latency_s"), py::arg("bytes_per_s"), py::arg("compute_scale"),
       py::arg("optimizer_s_per_byte"), py::arg("device_speeds") = std::vector<double>{},
-      py::arg("shared_processors") = 0.0, py::arg("optimizer_foreach") = false);
+      py::arg("shared_processors") = 0.0, py::arg("optimizer_foreach") = false, py::arg("synchronization_s") = 0.0,
+      py::arg("synchronized_bytes_per_s") = 0.0);
   // A planned layout's keys (Layout::config_json) in place of the config's "auto" ones, or None when the layout
   // differs from what the config fixes (smp::adopting_layout).
   module.def(

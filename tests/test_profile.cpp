@@ -622,6 +622,19 @@ TEST_CASE("tensor-parallel layouts: a shard profiled alone counts its collective
   // collectives; two modules, forward and backward.
   CHECK(tensor_parallel->step_s == Approx(4 * (1e-3 + 2.02e-3)));
   CHECK(tensor_parallel->peak_memory_mib() < 4.0 * 2 + 4.0);  // half of 4 x 2 MiB of parameters and state, and more
+  // Where ranks share cores a collective costs at least the synchronization measured after computing, its bytes at
+  // the bandwidth measured so: 1 ms + 4 MB x 1/2 / 0.5 GB/s = 5 ms per module and pass.
+  smp::PlanningCosts synchronized = links;
+  synchronized.synchronization_s = 1e-3;
+  synchronized.synchronized_bytes_per_s = 0.5e9;
+  bool priced = false;
+  for (const auto& prediction : smp::plan_layouts(std::map<int, smp::ModelProfile>{{1, {whole, 2}}, {2, {shard, 2}}},
+                                                  config, 2, synchronized)) {
+    if (prediction.layout.describe() != tensor_parallel->layout.describe()) continue;
+    CHECK(prediction.step_s == Approx(4 * (1e-3 + 5e-3)));
+    priced = true;
+  }
+  CHECK(priced);
   // The job adopts the degree with the rest of the layout.
   const smp::Config given = smp::Config::from_json_text(
       R"({"global_batch_size": 4, "tensor_parallel_degree": "auto", "partitions": "auto", "ddp": "auto",

@@ -108,7 +108,8 @@ def _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, config):
 
 def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb=None, optimizer_moments=2.0,
          link_gbps=None, latency_us=50.0, compute_scale=1.0, device_speeds=None, shared_cores=None,
-         dynamic_shapes=None, tp_plan=None, tensor_parallel_degrees=None):
+         dynamic_shapes=None, tp_plan=None, tensor_parallel_degrees=None, synchronization_us=None,
+         synchronized_gbps=None):
     """Predicts every layout of `world_size` ranks (default: this job's) for `model` on `sample` (one microbatch):
     tensor-parallel degree x pipeline stages x data-parallel replicas, schedule (GPipe, 1F1B, ZB-H1; interleaved
     1F1B, ZB-V and DualPipeV at two stages per rank), microbatches, recompute, ZeRO-1. The model is captured and
@@ -125,6 +126,9 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     a copy of the model is sharded as rank 0 of that degree would hold it, captured and profiled alone: a shard's
     compute, parameters and activations, and its collectives counted and priced on the links as rings; a degree the
     model cannot take (heads that do not divide) is left out, in .unplanned_degrees and the report.
+    synchronization_us and synchronized_gbps: a collective between ranks that computed up to it, its fixed part and
+    bandwidth, where ranks share cores and find a peer off its core (an "auto" job measures them there; the
+    tensor-parallel collectives are priced on them).
     Devices that differ: device_speeds (one per rank of world_size; default the config's list) and the config's
     device_memory_mb predict each layout on its devices (a slow rank's replicas wait for it; a pipeline gives it a
     shorter stage); not with tensor parallelism. A job with "auto" keys and "device_speeds": "measure" passes the
@@ -165,7 +169,8 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
         -1.0 if link_gbps is None else link_gbps * 1e9, float(compute_scale),
         _optimizer_seconds_per_byte(torch.device(rt.device), [tuple(p.shape) for p in model.parameters()])
         * compute_scale, list(device_speeds or []),
-        float(shared_cores), rt.device != "cpu")  # torch.optim steps all parameters at once on a GPU (foreach)
+        float(shared_cores), rt.device != "cpu",  # torch.optim steps all parameters at once on a GPU (foreach)
+        (synchronization_us or 0.0) * 1e-6, (synchronized_gbps or 0.0) * 1e9)
     for degree, why in unplanned.items():
         report += f"tp {degree}: not planned: {why}\n"
     return Plan(layouts, report, unplanned)
@@ -175,7 +180,8 @@ def _choose(model, sample, rt, links, speeds, dynamic_shapes, tp_plan):
     """Rank 0's choice: (the chosen config's text, the chosen layout's row, the report)."""
     found = plan(model, sample, link_gbps=links["bytes_per_s"] / 1e9, latency_us=links["latency_s"] * 1e6,
                  device_speeds=speeds, shared_cores=links["shared_processors"] or None, dynamic_shapes=dynamic_shapes,
-                 tp_plan=tp_plan)
+                 tp_plan=tp_plan, synchronization_us=links["synchronization_s"] * 1e6,
+                 synchronized_gbps=links["synchronized_bytes_per_s"] / 1e9)
     reasons = []
     for row in found.layouts:
         if row["rejected"] is not None:
@@ -196,7 +202,8 @@ def adopt_planned_layout(model, sample, dynamic_shapes=None, tp_plan=None):
     """For a config with "auto" layout keys: rank 0 plans (smp.plan) among the layouts that keep what the config
     fixes, and every rank adopts its choice before the model is partitioned. Returns what was chosen: {"config": the
     layout's keys, "layout", "predicted_step_ms" (of which "optimizer_ms"), "memory_mib" per pipeline rank, "links"
-    (what the ranks measured: latency_s, bytes_per_s, shared_processors), "report" (rank 0's table, on every rank)}; the model adds "measured_step_ms" after its fifth train_step."""
+    (what the ranks measured: latency_s, bytes_per_s, shared_processors, synchronization_s,
+    synchronized_bytes_per_s), "report" (rank 0's table, on every rank)}; the model adds "measured_step_ms" after its fifth train_step."""
     rt = runtime()
     links = rt._measured_planning_costs()  # every rank at once
     speeds = rt._device_speeds()  # measured here for "measure", and kept for the partition after
@@ -215,7 +222,9 @@ def adopt_planned_layout(model, sample, dynamic_shapes=None, tp_plan=None):
     rt._adopt_layout(_smp.Config.from_json_text(message.pop("text"), rt.config.source))
     if rt.rank == 0:
         measured = message["links"]
-        shared = (f"; the ranks computing at once had {measured['shared_processors']:.2f} processors"
+        shared = (f"; the ranks computing at once had {measured['shared_processors']:.2f} processors, a collective "
+                  f"after computing {measured['synchronization_s'] * 1e6:.0f} us + "
+                  f"{measured['synchronized_bytes_per_s'] / 1e9:.2f} GB/s"
                   if measured["shared_processors"] else "")
         print(f"smp: planned layout {message['layout']}, predicted step {message['predicted_step_ms']:.1f} ms, "
               f"peak {max(message['memory_mib']):.3f} MiB per rank\n"

@@ -59,12 +59,16 @@ PlanningCosts per_tensor_parallel_group(PlanningCosts costs, int tp) {
   return costs;
 }
 
-// A tensor-parallel group's collectives as a ring prices them on the planning links: 2 (n - 1) latencies each, and
-// (n - 1) / n of their ring bytes (ModuleProfile's tp_* counts).
+// A tensor-parallel group's collectives as a ring prices them on the planning links: n - 1 round trips each (the
+// measured synchronization where peers compute up to it, at least two latencies), and (n - 1) / n of their ring
+// bytes (ModuleProfile's tp_* counts), at the lower of the links' and the synchronized bandwidth.
 double tensor_parallel_s(std::int64_t collectives, std::int64_t ring_bytes, int tp, const PlanningCosts& costs) {
   if (tp <= 1 || collectives == 0) return 0.0;
-  return collectives * 2.0 * (tp - 1) * costs.latency_s +
-         static_cast<double>(ring_bytes) * (tp - 1) / tp / costs.all_reduce_bytes_per_s;
+  const double round_trip = std::max(2.0 * costs.latency_s, costs.synchronization_s);
+  const double bytes_per_s = costs.synchronized_bytes_per_s > 0
+                                 ? std::min(costs.all_reduce_bytes_per_s, costs.synchronized_bytes_per_s)
+                                 : costs.all_reduce_bytes_per_s;
+  return collectives * (tp - 1) * round_trip + static_cast<double>(ring_bytes) * (tp - 1) / tp / bytes_per_s;
 }
 
 // `timeline`, when given, gets the simulated step: one row per pipeline rank. `profile` is the model's at the
