@@ -393,14 +393,20 @@ TEST_CASE("auto layout keys: rank 0 plans, every rank adopts the layout and trai
   CHECK_THAT(refused.output, Contains("considered; pp "));
   CHECK_THAT(refused.output, Contains("memory limit"));
 
-  // A C++ model's tensor-parallel layers hold the group they were built with: its layout plans without them.
-  const auto tensor_parallel = write_config("tp_auto", R"({"tensor_parallel_degree": "auto", "ddp": "auto",
-      "global_batch_size": 16, "seed": 5, "device": "cpu", "comm_timeout_s": 30})");
-  const auto tp_refused = run_worker(2, tensor_parallel, "--model mlp");
-  INFO(tp_refused.output);
-  CHECK(tp_refused.status != 0);
-  CHECK_THAT(tp_refused.output, Contains("key \"tensor_parallel_degree\": a C++ model plans \"auto\" layouts without "
-                                         "tensor parallelism"));
+  // Tensor parallelism planned for a model given as its builder (the worker's): one stage and no replicas on 2 ranks
+  // leave tp 2, which the GPT, built over the chosen group, trains like one process; a model without smp::tp
+  // layers is planned without it, saying why.
+  const auto tensor_parallel = write_config("tp_auto", R"({"tensor_parallel_degree": "auto", "microbatches": "auto",
+      "partitions": 1, "ddp": false, "global_batch_size": 8, "seed": 5, "device": "cpu"})");
+  const auto tp_planned = run_worker(2, tensor_parallel, "--model gpt --steps 3");
+  check_clean_run(tp_planned, 2);
+  CHECK_THAT(tp_planned.output, Contains("planned layout tp 2 x pp 1 x dp 1, "));
+  const auto without_layers = write_config("tp_auto_mlp", R"({"tensor_parallel_degree": "auto", "ddp": "auto",
+      "global_batch_size": 8, "seed": 5, "device": "cpu"})");
+  const auto replicas = run_worker(2, without_layers, "--model mlp --steps 2");
+  check_clean_run(replicas, 2);
+  CHECK_THAT(replicas.output, Contains("tp 2: not planned: the model built for it runs no tensor-parallel collectives"));
+  CHECK_THAT(replicas.output, Contains("planned layout pp 1 x dp 2, "));
 }
 
 TEST_CASE("devices that differ: a measured slow rank gets a shorter stage, and the job trains like one process",

@@ -246,9 +246,14 @@ int run(int argc, char** argv) {
   const int64_t batch = config.global_batch_size;
   const int64_t microbatch = batch / runtime->topology().data_parallel_degree() / config.microbatches;
 
-  at::manual_seed(config.seed);
-  auto model = make_model(options, runtime->tensor_parallel_group(), config.sequence_parallel);
-  smp::DistributedModel distributed(runtime, model, runtime->replica_slice(global_batch(options, batch, 0, config.seed).first).narrow(0, 0, microbatch));
+  // Built over the tensor-parallel group, by a builder: with "tensor_parallel_degree": "auto" the planner builds it
+  // for each degree on rank 0, then every rank for the chosen one. Seeded in it, so that every build draws alike.
+  const smp::ModelBuilder build = [&](const smp::tp::Group& group) {
+    at::manual_seed(config.seed);
+    return make_model(options, group, config.sequence_parallel);
+  };
+  const at::Tensor sample = runtime->replica_slice(global_batch(options, batch, 0, config.seed).first).narrow(0, 0, microbatch);
+  smp::DistributedModel distributed(runtime, build, smp::ModelInputs{sample});
   // Nodes built on demand (the GPT's): this rank built those of its own stages and no other.
   const auto own_stages = distributed.stages();
   for (std::size_t i = 0; i < distributed.model().nodes().size(); ++i) {

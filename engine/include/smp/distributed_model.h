@@ -24,6 +24,7 @@
 #include "smp/executor.h"
 #include "smp/graph_model.h"
 #include "smp/optimizer_shards.h"
+#include "smp/planned_layout.h"
 #include "smp/runtime.h"
 #include "smp/stage_plan.h"
 #include "smp/stage_program.h"
@@ -70,6 +71,11 @@ class DistributedModel {
   DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const ModelInputs& sample,
                    const MaterializeNodes& materialize = {});
   DistributedModel(std::shared_ptr<Runtime> runtime, const torch::nn::Sequential& model, const at::Tensor& sample_input);
+  // A model whose smp::tp layers are built over a group, given as its builder: with "tensor_parallel_degree": "auto"
+  // (with_planned_layout) the planner builds it for each degree and the chosen layout's, once adopted, is built
+  // over Runtime::tensor_parallel_group(); otherwise the same as building it over that group and passing it.
+  DistributedModel(std::shared_ptr<Runtime> runtime, const ModelBuilder& build, const ModelInputs& sample,
+                   const MaterializeNodes& materialize = {});
   ~DistributedModel();
 
   // One step on this replica's share of the global batch (Runtime::replica_slice): split into microbatches,
@@ -165,6 +171,9 @@ class DistributedModel {
   Runtime& runtime() { return *runtime_; }
 
  private:
+  struct Planned {};  // the builder's form once the runtime has its layout
+  DistributedModel(Planned, std::shared_ptr<Runtime> planned, const ModelBuilder& build, const ModelInputs& sample,
+                   const MaterializeNodes& materialize);
   struct LocalStage {
     std::vector<int> nodes;  // in the model's (topological) order
     std::vector<NodeRun> runs;  // the nodes as the forward calls them

@@ -1,6 +1,7 @@
 #pragma once
 // "auto" layout keys in a C++ program: the layout chosen when DistributedModel is given the model.
 
+#include <functional>
 #include <memory>
 
 #include "smp/executor.h"
@@ -27,7 +28,18 @@ SplitBackwardTimer split_backward_timer();
 // median beside the plan's prediction. Nothing where no layout was planned.
 void log_step_against_plan(Runtime& runtime, long long step, double seconds);
 
+// Without tensor parallelism ("auto" tensor_parallel_degree, or a degree above 1, is a ConfigError naming the
+// builder's form below).
 std::shared_ptr<Runtime> with_planned_layout(std::shared_ptr<Runtime> runtime, const GraphModel& model,
+                                             const ModelInputs& sample);
+
+// A model whose smp::tp layers are built over `group`: with "tensor_parallel_degree": "auto" every degree dividing
+// the world is planned, the model built for each as its tensor-parallel rank 0 over a stand-in group
+// (tp::ProfiledDegree) and profiled alone; a degree the builder refuses (a ConfigError: heads that do not divide) is
+// left out, saying why. A fixed degree is planned alone. The caller builds the model anew over the chosen layout's
+// group (DistributedModel's builder constructor).
+using ModelBuilder = std::function<GraphModel(const std::shared_ptr<comm::Communicator>& group)>;
+std::shared_ptr<Runtime> with_planned_layout(std::shared_ptr<Runtime> runtime, const ModelBuilder& build,
                                              const ModelInputs& sample);
 
 }  // namespace smp

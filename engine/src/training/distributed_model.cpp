@@ -81,6 +81,14 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, const torch
                                    const at::Tensor& sample_input)
     : DistributedModel(std::move(runtime), GraphModel::from_sequential(model), sample_input) {}
 
+DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, const ModelBuilder& build, const ModelInputs& sample,
+                                   const MaterializeNodes& materialize)
+    : DistributedModel(Planned{}, with_planned_layout(std::move(runtime), build, sample), build, sample, materialize) {}
+
+DistributedModel::DistributedModel(Planned, std::shared_ptr<Runtime> planned, const ModelBuilder& build,
+                                   const ModelInputs& sample, const MaterializeNodes& materialize)
+    : DistributedModel(planned, build(planned->tensor_parallel_group()), sample, materialize) {}
+
 DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const at::Tensor& sample_input)
     : DistributedModel(std::move(runtime), std::move(model), ModelInputs{sample_input}) {}
 

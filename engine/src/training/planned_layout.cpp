@@ -22,28 +22,31 @@
 #include "smp/log.h"
 #include "smp/stage_plan.h"
 #include "smp/timeline.h"
+#include "smp/tp.h"
 
 namespace smp {
 
 namespace {
 
-// Rank 0's choice: the chosen config's document.
-std::string plan_on_rank0(Runtime& runtime, const GraphModel& model, const ModelInputs& sample,
-                          const PlanningCosts& costs, const std::vector<double>& speeds) {
-  // Measured speeds stand in for "measure" in what the planner reads (a list, one per rank).
-  Config config = runtime.config();
-  if (config.measure_device_speeds) config.device_speeds = speeds;
-  const int world = runtime.world_size();
-  // Cut as finely as the most stages considered (two per rank), and profiled alone (no peers take part).
+// Profiled alone (no peers take part), cut as finely as the most stages considered (two per rank).
+ModelProfile planning_profile(const GraphModel& model, const ModelInputs& sample, int world) {
   const GraphModel fine = model.expanded_to(static_cast<std::size_t>(2 * world));
   const int batch = !sample.empty() && sample.front().defined() && sample.front().dim() > 0
                         ? static_cast<int>(sample.front().size(0))
                         : 1;
-  ModelProfile profile;
-  {
-    const WithoutCollectives alone;
-    profile = {profile_graph(fine, sample, 3, split_backward_timer(), /*scale_to_whole=*/true), batch, {}, 0};
-  }
+  const WithoutCollectives alone;
+  return {profile_graph(fine, sample, 3, split_backward_timer(), /*scale_to_whole=*/true), batch, {}, 0};
+}
+
+// Rank 0's choice: the chosen config's document. `unplanned`: the tensor-parallel degrees the model could not be
+// built for, with why (reported).
+std::string plan_on_rank0(Runtime& runtime, const std::map<int, ModelProfile>& by_degree,
+                          const std::map<int, std::string>& unplanned, const PlanningCosts& costs,
+                          const std::vector<double>& speeds) {
+  // Measured speeds stand in for "measure" in what the planner reads (a list, one per rank).
+  Config config = runtime.config();
+  if (config.measure_device_speeds) config.device_speeds = speeds;
+  const int world = runtime.world_size();
   char links[200];
   const int written = std::snprintf(links, sizeof links, "links measured over the %d ranks: latency %.1f us, %.2f GB/s",
                                     world, costs.latency_s * 1e6, costs.p2p_bytes_per_s / 1e9);
@@ -52,8 +55,11 @@ std::string plan_on_rank0(Runtime& runtime, const GraphModel& model, const Model
                   "; the ranks computing at once had %.2f processors", costs.shared_processors);
   }
   log::info(links);
-  const auto predictions = plan_layouts(profile, config, world, costs);
-  log::info("layouts planned for the \"auto\" keys of " + config.source + ":\n" + layout_report(predictions));
+  const auto predictions = plan_layouts(by_degree, config, world, costs);
+  std::string not_planned;
+  for (const auto& [degree, why] : unplanned) not_planned += "tp " + std::to_string(degree) + ": not planned: " + why + "\n";
+  log::info("layouts planned for the \"auto\" keys of " + config.source + ":\n" + layout_report(predictions) +
+            not_planned);
   auto [prediction, chosen] = choose_layout(predictions, runtime.config(), world);
   char chosen_line[160];
   std::snprintf(chosen_line, sizeof chosen_line, ", predicted step %.1f ms, peak %.3f MiB per rank",
@@ -64,7 +70,8 @@ std::string plan_on_rank0(Runtime& runtime, const GraphModel& model, const Model
   if (!config.trace_dir.empty()) {
     std::filesystem::create_directories(config.trace_dir);
     const std::string path = config.trace_dir + "/planned_layout.svg";
-    write_file_atomically(path, layout_timeline_svg(profile, config, world, prediction.layout, costs));
+    write_file_atomically(path, layout_timeline_svg(by_degree.at(prediction.layout.tensor_parallel), config, world,
+                                                    prediction.layout, costs));
     log::info("wrote the planned layout's simulated step to " + path);
   }
   return chosen.text;
@@ -286,24 +293,71 @@ void log_step_against_plan(Runtime& runtime, long long step, double seconds) {
   log::info(line);
 }
 
+namespace {
+
+bool plans_tensor_parallelism(const Config& config) {
+  return std::find(config.auto_keys.begin(), config.auto_keys.end(), "tensor_parallel_degree") != config.auto_keys.end();
+}
+
+// Every rank at once: the links measured, rank 0 plans (`plan`: the chosen config's document), every rank adopts.
+using PlanOnRank0 = std::function<std::string(Runtime&, const PlanningCosts&, const std::vector<double>&)>;
+std::shared_ptr<Runtime> adopt_plan(std::shared_ptr<Runtime> runtime, const PlanOnRank0& plan) {
+  const PlanningCosts costs = measured_planning_costs(*runtime);
+  const std::vector<double> speeds = device_speeds(*runtime, "planned_layout/");
+  const std::string text = runtime->from_rank0("planned_layout", [&] { return plan(*runtime, costs, speeds); });
+  runtime->adopt_layout(Config::from_json_text(text, runtime->config().source));
+  return runtime;
+}
+
+}  // namespace
+
 std::shared_ptr<Runtime> with_planned_layout(std::shared_ptr<Runtime> runtime, const GraphModel& model,
                                              const ModelInputs& sample) {
   const Config& config = runtime->config();
   if (config.auto_keys.empty()) return runtime;
-  const bool tp_auto = std::find(config.auto_keys.begin(), config.auto_keys.end(), "tensor_parallel_degree") !=
-                       config.auto_keys.end();
-  if (tp_auto || config.tensor_parallel_degree > 1) {
-    // Python shards a model after its layout is chosen; a C++ model's smp::tp layers were built over a group.
-    throw ConfigError(config.source + ": key \"" + (tp_auto ? "tensor_parallel_degree" : config.auto_keys.front()) +
-                      "\": a C++ model plans \"auto\" layouts without tensor parallelism (its smp::tp layers hold "
-                      "the group they were built with); give every layout key, or plan from Python (smp.plan)");
+  if (plans_tensor_parallelism(config) || config.tensor_parallel_degree > 1) {
+    // A built model's smp::tp layers hold the group they were built over; a builder builds them for the choice.
+    throw ConfigError(config.source + ": key \"" +
+                      (plans_tensor_parallelism(config) ? "tensor_parallel_degree" : config.auto_keys.front()) +
+                      "\": \"auto\" layouts with tensor parallelism need the model's builder (DistributedModel(runtime, "
+                      "build, sample): its smp::tp layers are built over the chosen group), not a built model");
   }
-  const PlanningCosts costs = measured_planning_costs(*runtime);
-  const std::vector<double> speeds = device_speeds(*runtime, "planned_layout/");
-  const std::string text =
-      runtime->from_rank0("planned_layout", [&] { return plan_on_rank0(*runtime, model, sample, costs, speeds); });
-  runtime->adopt_layout(Config::from_json_text(text, config.source));
-  return runtime;
+  return adopt_plan(std::move(runtime), [&](Runtime& planner, const PlanningCosts& costs, const std::vector<double>& speeds) {
+    return plan_on_rank0(planner, {{1, planning_profile(model, sample, planner.world_size())}}, {}, costs, speeds);
+  });
+}
+
+std::shared_ptr<Runtime> with_planned_layout(std::shared_ptr<Runtime> runtime, const ModelBuilder& build,
+                                             const ModelInputs& sample) {
+  const Config& config = runtime->config();
+  if (config.auto_keys.empty()) return runtime;
+  const int world = runtime->world_size();
+  std::vector<int> degrees{config.tensor_parallel_degree};
+  if (plans_tensor_parallelism(config)) degrees = divisors(world);
+  return adopt_plan(std::move(runtime), [&](Runtime& planner, const PlanningCosts& costs, const std::vector<double>& speeds) {
+    std::map<int, ModelProfile> by_degree;
+    std::map<int, std::string> unplanned;
+    for (int degree : degrees) {
+      // Built as tensor-parallel rank 0 of `degree` builds it, over a stand-in group that moves nothing.
+      const tp::ProfiledDegree stand_in(degree);
+      try {
+        ModelProfile profile = planning_profile(build(tp::process_group()), sample, world);
+        const bool collectives = std::any_of(profile.modules.begin(), profile.modules.end(), [](const ModuleProfile& node) {
+          return node.tp_forward_collectives + node.tp_backward_collectives > 0;
+        });
+        if (degree > 1 && !collectives && degrees.size() > 1) {
+          unplanned[degree] = "the model built for it runs no tensor-parallel collectives (no smp::tp layers over the group)";
+        } else {
+          by_degree[degree] = std::move(profile);
+        }
+      } catch (const ConfigError& error) {
+        if (degrees.size() == 1) throw;
+        unplanned[degree] = error.what();
+      }
+    }
+    if (by_degree.empty()) throw ConfigError(config.source + ": the model could be built for no tensor-parallel degree");
+    return plan_on_rank0(planner, by_degree, unplanned, costs, speeds);
+  });
 }
 
 }  // namespace smp
