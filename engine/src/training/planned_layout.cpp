@@ -156,13 +156,21 @@ SplitBackwardTimer split_backward_timer() {
   };
 }
 
+namespace {
+
+double median(std::vector<double> times) {
+  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
+  return times[times.size() / 2];
+}
+
 // Where a host's ranks share its cores: what a collective costs between ranks that compute up to it, as
 // tensor-parallel peers do (a shard of a layer, then a collective), into costs.synchronization_s and
 // costs.synchronized_bytes_per_s. Every rank at once runs 16 chunks of layer-sized work, then the same chunks each
 // followed by an all-reduce within its pair (ranks 2k and 2k + 1, a group as a tensor-parallel one is), of 1 KiB and
 // then of 512 KiB; the extra time per all-reduce over the chunks alone gives a fixed part and a part per byte. A rank
 // that waits gives its core away, and its reply waits for it back: idle, a 512 KiB all-reduce of a pair took 0.5 ms
-// here; after computing, 1.7 to 2.2 ms, and in a tensor-parallel job's trace 0.5 to 17 ms (median 4).
+// here (4 ranks on 2 cores); after computing, 1.4 to 2.7 ms, and in a tensor-parallel job's trace 0.5 to 17 ms
+// (median about 4), which this still falls short of.
 void collectives_while_computing(Runtime& runtime, PlanningCosts& costs) {
   comm::Communicator& world = runtime.world();
   const int me = runtime.rank(), ranks = runtime.world_size();
@@ -171,8 +179,9 @@ void collectives_while_computing(Runtime& runtime, PlanningCosts& costs) {
   std::shared_ptr<comm::Communicator> pair;
   const std::string name = "planning_pair/" + std::to_string(runtime.next_exchange()) + "/" + std::to_string(me & ~1);
   if (paired) pair = runtime.make_group({me & ~1, me | 1}, name);
-  const at::Tensor rows = at::randn({256, 256}, options), up = at::randn({256, 1024}, options) * 0.05,
-                   down = at::randn({1024, 256}, options) * 0.05;
+  // Constant values: the work's time is the point, and the job's random numbers stay as they were.
+  const at::Tensor rows = at::full({256, 256}, 0.5, options), up = at::full({256, 1024}, 0.01, options),
+                   down = at::full({1024, 256}, 0.01, options);
   const auto chunk = [&] { (void)at::mm(at::relu(at::mm(rows, up)), down).sum().item<float>(); };
   constexpr int kChunks = 16;
   const auto phase = [&](const at::Tensor* exchanged) {
@@ -195,10 +204,6 @@ void collectives_while_computing(Runtime& runtime, PlanningCosts& costs) {
     small_extra.push_back(std::max(0.0, (with_small - computing) / kChunks));
     large_extra.push_back(std::max(0.0, (with_large - computing) / kChunks));
   }
-  auto median = [](std::vector<double> times) {
-    std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
-    return times[times.size() / 2];
-  };
   // Alike on every rank: the means over the paired ranks of each one's medians.
   at::Tensor sums = at::tensor({paired ? median(small_extra) : 0.0, paired ? median(large_extra) : 0.0,
                                 paired ? 1.0 : 0.0}, at::TensorOptions().dtype(at::kDouble));
@@ -210,6 +215,8 @@ void collectives_while_computing(Runtime& runtime, PlanningCosts& costs) {
   // A pair's ring moves the payload once each way: (n - 1) / n of twice its bytes.
   if (per_byte_s > 0) costs.synchronized_bytes_per_s = static_cast<double>(large.nbytes()) / per_byte_s;
 }
+
+}  // namespace
 
 PlanningCosts measured_planning_costs(Runtime& runtime) {
   PlanningCosts costs;
@@ -230,10 +237,6 @@ PlanningCosts measured_planning_costs(Runtime& runtime) {
   // The median round, what a step will see: where ranks share cores the fastest all-reduce of the model's
   // gradients took half the median (4 ranks on 2 cores: 49-62 against 124-128 ms), and predictions from the
   // fastest fell 15-20% short of data-parallel steps.
-  auto median = [](std::vector<double> times) {
-    std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
-    return times[times.size() / 2];
-  };
   auto median_seconds = [&](const at::Tensor& tensor) {
     std::vector<double> times;
     for (int round = 0; round < 11; ++round) {
