@@ -62,7 +62,8 @@ def measure_link():
     once): the bandwidth of a 4 MiB all-reduce over a scalar one and the latency of a ping-pong between neighbours,
     medians of their rounds."""
     import smp
-    runtime = smp.init({"ddp": True})
+    # As a job that plans tensor parallelism: it also measures what a collective costs after computing.
+    runtime = smp.init({"ddp": True, "tensor_parallel_degree": "auto", "global_batch_size": GLOBAL_BATCH})
     links = runtime._measured_planning_costs()
     print(json.dumps({"rank": runtime.rank, "gbps": links["bytes_per_s"] / 1e9, "latency_us": links["latency_s"] * 1e6,
                       "processors": links["shared_processors"],

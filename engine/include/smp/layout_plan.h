@@ -45,8 +45,8 @@ struct PlanningCosts {
   // so a pipeline's fill and drain run faster than its steady state, and the optimizer steps of every rank at once
   // take ranks / processors as long.
   double shared_processors = 0.0;
-  // Where ranks share cores (0 otherwise): a collective between ranks that each computed up to it, as
-  // tensor-parallel peers do, finds its peer off its core; measured (measured_planning_costs) as a fixed part per
+  // Where ranks share cores (0 otherwise, and in a job that plans no tensor parallelism): a collective between
+  // ranks that each computed up to it, as tensor-parallel peers do, finds its peer off its core; measured (measured_planning_costs) as a fixed part per
   // round trip and a bandwidth, each worse than idle links'. A tensor-parallel collective of a group of n costs n - 1
   // round trips (at least two latencies each) and (n - 1) / n of its ring bytes at the lower bandwidth.
   double synchronization_s = 0.0;

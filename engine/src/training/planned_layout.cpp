@@ -158,6 +158,10 @@ SplitBackwardTimer split_backward_timer() {
 
 namespace {
 
+bool plans_tensor_parallelism(const Config& config) {
+  return std::find(config.auto_keys.begin(), config.auto_keys.end(), "tensor_parallel_degree") != config.auto_keys.end();
+}
+
 double median(std::vector<double> times) {
   std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
   return times[times.size() / 2];
@@ -277,7 +281,9 @@ PlanningCosts measured_planning_costs(Runtime& runtime) {
     }
     costs.latency_s = median(std::move(round_trips)) / 2;
   }
-  if (costs.shared_processors > 0) collectives_while_computing(runtime, costs);
+  // Only the tensor-parallel collectives are priced on it: a job that plans none does not spend the time.
+  const bool tensor_parallel = plans_tensor_parallelism(runtime.config()) || runtime.config().tensor_parallel_degree > 1;
+  if (costs.shared_processors > 0 && tensor_parallel) collectives_while_computing(runtime, costs);
   const double bytes = steps / ranks * static_cast<double>(large.nbytes());
   if (large_s > scalar_s) costs.p2p_bytes_per_s = costs.all_reduce_bytes_per_s = bytes / (large_s - scalar_s);
   return costs;
@@ -297,10 +303,6 @@ void log_step_against_plan(Runtime& runtime, long long step, double seconds) {
 }
 
 namespace {
-
-bool plans_tensor_parallelism(const Config& config) {
-  return std::find(config.auto_keys.begin(), config.auto_keys.end(), "tensor_parallel_degree") != config.auto_keys.end();
-}
 
 // Every rank at once: the links measured, rank 0 plans (`plan`: the chosen config's document), every rank adopts.
 using PlanOnRank0 = std::function<std::string(Runtime&, const PlanningCosts&, const std::vector<double>&)>;
