@@ -72,7 +72,7 @@ double tensor_parallel_s(std::int64_t collectives, std::int64_t ring_bytes, int 
 }
 
 // `timeline`, when given, gets the simulated step: one row per pipeline rank. `profile` is the model's at the
-// layout's tensor-parallel degree; `world_size` and `given_costs` the whole job's.
+// layout's tensor-parallel degree; `whole_world` and `given_costs` the whole job's.
 void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Config& base, int whole_world,
              const PlanningCosts& given_costs, double optimizer_moments, std::vector<RankTimeline>* timeline = nullptr) {
   const int tp = std::max(1, prediction.layout.tensor_parallel);
