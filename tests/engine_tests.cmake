@@ -5,9 +5,8 @@ add_executable(test_core
   ${CMAKE_CURRENT_LIST_DIR}/test_chain_split.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_timeline.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_checkpoint_manifest.cpp)
-target_link_libraries(test_core PRIVATE smp_catch_main smp::core smp::partitioner)
+target_link_libraries(test_core PRIVATE smp_catch_main smp_test_paths smp::core smp::partitioner)
 target_compile_options(test_core PRIVATE -Wall -Wextra)
-target_compile_definitions(test_core PRIVATE SMP_README_PATH="${PROJECT_SOURCE_DIR}/README.md")
 catch_discover_tests(test_core PROPERTIES LABELS quick)
 
 # Engine pieces that run in one process with LibTorch and no communication: split backward, profiling.
@@ -38,16 +37,8 @@ set_target_properties(tp_worker PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINA
 # Multi-process tests: Catch2 programs that launch the real binaries under smprun.
 function(smp_multiprocess_test name)
   add_executable(${name} ${CMAKE_CURRENT_FUNCTION_LIST_DIR}/${name}.cpp)
-  target_link_libraries(${name} PRIVATE smp_catch_main)
+  target_link_libraries(${name} PRIVATE smp_catch_main smp_test_paths)
   target_compile_options(${name} PRIVATE -Wall -Wextra)
-  target_compile_definitions(${name} PRIVATE
-    SMPRUN_PATH="$<TARGET_FILE:smprun>"
-    WORKER_PATH="$<TARGET_FILE:training_worker>"
-    SMP_SCHEDULE_PATH="$<TARGET_FILE:smp_schedule>"
-    SMP_CHECKPOINT_PATH="$<TARGET_FILE:smp_checkpoint>"
-    EXAMPLE_PATH="$<TARGET_FILE:hybrid_2x4>"
-    EXAMPLE_CONFIG="${PROJECT_SOURCE_DIR}/examples/hybrid_2x4.json"
-    TP_WORKER_PATH="$<TARGET_FILE:tp_worker>")
   add_dependencies(${name} smprun training_worker tp_worker hybrid_2x4 smp_schedule smp_checkpoint)
   catch_discover_tests(${name} PROPERTIES TIMEOUT 600 COST 100)  # before the unit tests (python_tests.cmake)
 endfunction()
@@ -58,14 +49,9 @@ smp_multiprocess_test(test_tensor_parallel)
 # GPU tests (label gpu): one program that skips itself (smp_test_skip_reason: exit 77) where no CUDA device is
 # visible; ctest lists it as skipped. scripts/device_gpu.sh runs them on a GPU machine.
 add_executable(test_gpu ${CMAKE_CURRENT_LIST_DIR}/test_gpu.cpp)
-target_link_libraries(test_gpu PRIVATE smp_catch_main smp::comm smp::engine)
+target_link_libraries(test_gpu PRIVATE smp_catch_main smp_test_paths smp::comm smp::engine)
 target_compile_options(test_gpu PRIVATE -Wall -Wextra)
 target_precompile_headers(test_gpu REUSE_FROM smp_engine)
-target_compile_definitions(test_gpu PRIVATE
-  SMPRUN_PATH="$<TARGET_FILE:smprun>"
-  WORKER_PATH="$<TARGET_FILE:training_worker>"
-  EXAMPLE_PATH="$<TARGET_FILE:hybrid_2x4>"
-  EXAMPLE_CONFIG="${PROJECT_SOURCE_DIR}/examples/hybrid_2x4.json")
 add_dependencies(test_gpu smprun training_worker hybrid_2x4)
 add_test(NAME gpu_tests COMMAND test_gpu)
 set_tests_properties(gpu_tests PROPERTIES LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 900)

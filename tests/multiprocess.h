@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "test_paths.h"
+
 namespace smp_test {
 
 namespace detail {
@@ -96,8 +98,8 @@ inline std::string smp_config(int pp, int dp, int microbatches, const std::strin
 // `launcher_flags` go to smprun (--grace 2: a stopped rank is killed 2 s after its peers failed).
 inline Result run_worker(int processes, const std::string& config, const std::string& flags = "", int timeout_s = 240,
                          const std::string& launcher_flags = "") {
-  return run_command(std::string(SMPRUN_PATH) + " " + launcher_flags + " -n " + std::to_string(processes) + " -- " +
-                         WORKER_PATH + " --config " + config + " " + flags,
+  return run_command(std::string(paths::smprun) + " " + launcher_flags + " -n " + std::to_string(processes) + " -- " +
+                         paths::training_worker + " --config " + config + " " + flags,
                      timeout_s);
 }
 

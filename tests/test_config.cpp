@@ -8,6 +8,7 @@
 
 #include "smp/config.h"
 #include "smp/topology.h"
+#include "test_paths.h"
 
 using smp::Config;
 using smp::ConfigError;
@@ -197,7 +198,7 @@ TEST_CASE("tensor_parallel_degree is read, bounded, and divides the world with t
 }
 
 TEST_CASE("config: README's config table lists every key the reader takes, and no other", "[config]") {
-  std::ifstream readme(SMP_README_PATH);
+  std::ifstream readme(smp_test::paths::readme);
   REQUIRE(readme);
   std::string line;
   bool in_table = false;

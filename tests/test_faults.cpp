@@ -25,7 +25,7 @@ std::string checkpoint_keys(const std::string& dir, int interval) {
 }
 
 std::string worker(const std::string& config, const std::string& flags) {
-  return std::string(SMPRUN_PATH) + " -n 4 -- " + WORKER_PATH + " --config " + config + " --optimizer adamw " + flags;
+  return std::string(paths::smprun) + " -n 4 -- " + paths::training_worker + " --config " + config + " --optimizer adamw " + flags;
 }
 
 // The "0000N" of a directory's model-00001-of-0000N.safetensors.
@@ -125,11 +125,11 @@ TEST_CASE("a checkpoint loads into another number of replicas and exports for an
 
   // Exported as one file, it loads into three stages and holds the state after step 2.
   const std::string exported = dir + "/full.pt";
-  const auto export_run = run_command(std::string(SMP_CHECKPOINT_PATH) + " export " + dir + "/step-00000002 " + exported, 60);
+  const auto export_run = run_command(std::string(paths::smp_checkpoint) + " export " + dir + "/step-00000002 " + exported, 60);
   INFO(export_run.output);
   REQUIRE(export_run.status == 0);
   const auto three_stages = write_config("reshape_pp3", smp_config(3, 1, 2, "interleaved", "cluster", 8, 30));
-  const auto loaded = run_command(std::string(SMPRUN_PATH) + " -n 3 -- " + WORKER_PATH + " --config " + three_stages +
+  const auto loaded = run_command(std::string(paths::smprun) + " -n 3 -- " + paths::training_worker + " --config " + three_stages +
                                       " --optimizer adamw --steps 0 --load-full " + exported + " --expect-step 2",
                                   120);
   check_clean_run(loaded, 3);
@@ -137,14 +137,14 @@ TEST_CASE("a checkpoint loads into another number of replicas and exports for an
   // Exported as safetensors shards with an index (from_pretrained's layout), it loads the same way, each rank
   // reading only its own tensors.
   const std::string shards = dir + "/safetensors";
-  const auto shard_run = run_command(std::string(SMP_CHECKPOINT_PATH) + " export-safetensors " + dir +
+  const auto shard_run = run_command(std::string(paths::smp_checkpoint) + " export-safetensors " + dir +
                                          "/step-00000002 " + shards + " 512",
                                      60);
   INFO(shard_run.output);
   REQUIRE(shard_run.status == 0);
   CHECK(std::filesystem::exists(shards + "/model.safetensors.index.json"));
   CHECK(std::filesystem::exists(shards + "/model-00002-of-00002.safetensors") == false);  // far more than two shards
-  const auto from_shards = run_command(std::string(SMPRUN_PATH) + " -n 3 -- " + WORKER_PATH + " --config " +
+  const auto from_shards = run_command(std::string(paths::smprun) + " -n 3 -- " + paths::training_worker + " --config " +
                                            three_stages + " --optimizer adamw --steps 0 --load-full " + shards +
                                            " --expect-step 2",
                                        120);
@@ -152,7 +152,7 @@ TEST_CASE("a checkpoint loads into another number of replicas and exports for an
 
   // A shard that lost its tail is refused before anything is loaded, naming it.
   std::filesystem::resize_file(shards + "/model-00001-of-" + shard_count(shards) + ".safetensors", 16);
-  const auto truncated = run_command(std::string(SMPRUN_PATH) + " -n 3 -- " + WORKER_PATH + " --config " +
+  const auto truncated = run_command(std::string(paths::smprun) + " -n 3 -- " + paths::training_worker + " --config " +
                                          three_stages + " --steps 0 --load-full " + shards + " --expect-step 2",
                                      120);
   CHECK(truncated.status != 0);
@@ -168,7 +168,7 @@ TEST_CASE("sharded optimizer state is saved per replica and resumes into any num
     return write_config(name, smp_config(2, replicas, 2, "interleaved", "cluster", 12, 30, keys));
   };
   const auto run = [&](int replicas, const std::string& config, int steps) {
-    return run_command(std::string(SMPRUN_PATH) + " -n " + std::to_string(2 * replicas) + " -- " + WORKER_PATH +
+    return run_command(std::string(paths::smprun) + " -n " + std::to_string(2 * replicas) + " -- " + paths::training_worker +
                            " --config " + config + " --optimizer adamw --steps " + std::to_string(steps),
                        120);
   };
@@ -209,16 +209,16 @@ TEST_CASE("sharded optimizer state is saved per replica and resumes into any num
                     4);
   }
 
-  const auto verified = run_command(std::string(SMP_CHECKPOINT_PATH) + " verify " + checkpoint, 60);
+  const auto verified = run_command(std::string(paths::smp_checkpoint) + " verify " + checkpoint, 60);
   CHECK_THAT(verified.output, Contains("optimizer state sharded over 2 replicas"));
 
   // The parameters alone still export (the shard files hold none) and load into three stages as they were after
   // step 1.
-  const auto exported = run_command(std::string(SMP_CHECKPOINT_PATH) + " export " + checkpoint + " " + dir + "/full.pt", 60);
+  const auto exported = run_command(std::string(paths::smp_checkpoint) + " export " + checkpoint + " " + dir + "/full.pt", 60);
   INFO(exported.output);
   REQUIRE(exported.status == 0);
   const auto three_stages = write_config("zero_pp3", smp_config(3, 1, 2, "interleaved", "cluster", 12, 30));
-  check_clean_run(run_command(std::string(SMPRUN_PATH) + " -n 3 -- " + WORKER_PATH + " --config " + three_stages +
+  check_clean_run(run_command(std::string(paths::smprun) + " -n 3 -- " + paths::training_worker + " --config " + three_stages +
                                   " --optimizer adamw --steps 0 --load-full " + dir + "/full.pt --expect-step 1",
                               120),
                   3);
@@ -230,12 +230,12 @@ TEST_CASE("corrupt and truncated checkpoints are refused with a clear error", "[
   REQUIRE(run_command(worker(config, "--steps 2"), 120).status == 0);
   const std::string newest = dir + "/step-00000001", older = dir + "/step-00000000";
   flip_byte(newest + "/partition-0001.pt", 100);
-  const auto verify = run_command(std::string(SMP_CHECKPOINT_PATH) + " verify " + newest, 60);
+  const auto verify = run_command(std::string(paths::smp_checkpoint) + " verify " + newest, 60);
   CHECK(verify.status == 1);
   CHECK_THAT(verify.output, Contains("partition-0001.pt: checksum mismatch"));
 
   std::filesystem::resize_file(older + "/partition-0000.pt", 10);
-  const auto truncated = run_command(std::string(SMP_CHECKPOINT_PATH) + " verify " + older, 60);
+  const auto truncated = run_command(std::string(paths::smp_checkpoint) + " verify " + older, 60);
   CHECK(truncated.status == 1);
   CHECK_THAT(truncated.output, Contains("truncated or replaced"));
 
@@ -300,8 +300,8 @@ TEST_CASE("a second job on the same port fails clearly and leaves the first alon
     return static_cast<int>(ntohs(address.sin_port));
   }();
   const auto config = write_config("same_port", smp_config(2, 1, 2, "interleaved", "cluster", 4, 20));
-  const std::string job = std::string(SMPRUN_PATH) + " -n 2 --master-port " + std::to_string(port) + " -- " +
-                          WORKER_PATH + " --config " + config;
+  const std::string job = std::string(paths::smprun) + " -n 2 --master-port " + std::to_string(port) + " -- " +
+                          paths::training_worker + " --config " + config;
   const std::string first_log = scratch_path("first_job.log");
   // At least 8 s of training, however fast the steps are: the second job comes while it trains.
   const std::string first = "OMP_NUM_THREADS=1 timeout -k 5 120 " + job + " --optimizer adamw --steps 80 --step-sleep-ms 100 > " +

@@ -264,7 +264,7 @@ TEST_CASE("bf16 and fp16 on the GPU match float32 within tolerance", "[gpu][prec
 }
 
 TEST_CASE("the 2x4 example's model trains on the GPU with the CPU's losses", "[gpu][example]") {
-  std::ifstream original(EXAMPLE_CONFIG);
+  std::ifstream original(paths::example_config);
   const std::string text((std::istreambuf_iterator<char>(original)), std::istreambuf_iterator<char>());
   auto run_example = [&](const std::string& name, const std::string& device, int processes, const std::string& extra) {
     std::string config = std::regex_replace(text, std::regex(R"("smp": \{)"),
@@ -273,8 +273,8 @@ TEST_CASE("the 2x4 example's model trains on the GPU with the CPU's losses", "[g
       config = std::regex_replace(config, std::regex(R"("partitions": \d+)"), R"("partitions": 1)");
       config = std::regex_replace(config, std::regex(R"("ddp": true)"), R"("ddp": false)");
     }
-    const auto result = run_command(std::string(SMPRUN_PATH) + " -n " + std::to_string(processes) + " -- " +
-                                        EXAMPLE_PATH + " --config " + write_config(name, config) + " --steps 4",
+    const auto result = run_command(std::string(paths::smprun) + " -n " + std::to_string(processes) + " -- " +
+                                        paths::example + " --config " + write_config(name, config) + " --steps 4",
                                     400);
     INFO(result.output);
     REQUIRE(result.status == 0);

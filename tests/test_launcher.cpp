@@ -30,6 +30,7 @@
 #include "exit_status.h"
 #include "line_assembler.h"
 #include "rank_setup.h"
+#include "test_paths.h"
 
 using namespace smp::launch;
 
@@ -79,7 +80,7 @@ SmprunResult run_smprun(const SmprunRun& run) {
   int err_pipe[2];
   REQUIRE(::pipe2(out_pipe, O_CLOEXEC) == 0);
   REQUIRE(::pipe2(err_pipe, O_CLOEXEC) == 0);
-  std::vector<std::string> argv_strings{SMPRUN_PATH};
+  std::vector<std::string> argv_strings{smp_test::paths::smprun};
   argv_strings.insert(argv_strings.end(), run.args.begin(), run.args.end());
   std::vector<char*> argv;
   for (std::string& arg : argv_strings) argv.push_back(arg.data());

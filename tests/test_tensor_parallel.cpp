@@ -23,7 +23,7 @@ TEST_CASE("tensor-parallel layers train like the whole model in one process", "[
     DYNAMIC_SECTION("tensor_parallel_degree " << tp) {
       const auto config = write_config("tp" + std::to_string(tp),
                                        R"({"tensor_parallel_degree": )" + std::to_string(tp) + R"(, "device": "cpu", "seed": 5})");
-      const auto result = run_command(std::string(SMPRUN_PATH) + " -n " + std::to_string(tp) + " -- " + TP_WORKER_PATH +
+      const auto result = run_command(std::string(paths::smprun) + " -n " + std::to_string(tp) + " -- " + paths::tp_worker +
                                           " --config " + config + " --steps 3",
                                       180);
       INFO(result.output);
@@ -36,17 +36,17 @@ TEST_CASE("tensor-parallel layers train like the whole model in one process", "[
 TEST_CASE("tensor-parallel configs that cannot work are refused, naming the key", "[tp][multiprocess]") {
   // Three processes cannot hold 2 shards x 1 stage x whole replicas: refused before the rendezvous.
   const auto odd = write_config("tp_odd", R"({"tensor_parallel_degree": 2, "device": "cpu", "ddp": true})");
-  auto result = run_command(std::string(SMPRUN_PATH) + " -n 3 -- " + TP_WORKER_PATH + " --config " + odd, 60);
+  auto result = run_command(std::string(paths::smprun) + " -n 3 -- " + paths::tp_worker + " --config " + odd, 60);
   CHECK(result.status != 0);
   CHECK_THAT(result.output, Catch::Contains("world size 3 is not a multiple of \"partitions\" x \"tensor_parallel_degree\" (1 x 2)"));
   // The GPT's two heads cannot be split four ways: the model's key is named.
   const auto four = write_config("tp_four", smp_config(1, 1, 2, "interleaved", "cluster", 4, 60, R"(, "tensor_parallel_degree": 4)"));
-  result = run_command(std::string(SMPRUN_PATH) + " -n 4 -- " + WORKER_PATH + " --config " + four + " --model gpt --steps 1", 60);
+  result = run_command(std::string(paths::smprun) + " -n 4 -- " + paths::training_worker + " --config " + four + " --model gpt --steps 1", 60);
   CHECK(result.status != 0);
   CHECK_THAT(result.output, Catch::Contains("model.heads 2 does not divide by \"tensor_parallel_degree\" 4"));
   // A layer whose size does not divide names itself: heads 4 on 3 ranks.
   const auto three = write_config("tp_three", R"({"tensor_parallel_degree": 3, "device": "cpu"})");
-  result = run_command(std::string(SMPRUN_PATH) + " -n 3 -- " + TP_WORKER_PATH + " --config " + three, 60);
+  result = run_command(std::string(paths::smprun) + " -n 3 -- " + paths::tp_worker + " --config " + three, 60);
   CHECK(result.status != 0);
   CHECK_THAT(result.output, Catch::Contains("does not divide by \"tensor_parallel_degree\" 3"));
 }
@@ -82,11 +82,11 @@ TEST_CASE("the GPT's stages under tp x pp x dp train like single-process trainin
 }
 
 TEST_CASE("the 2x4 example under tp 2 x pp 2 x dp 2 gives one process's losses", "[tp][example]") {
-  std::ifstream original(EXAMPLE_CONFIG);
+  std::ifstream original(paths::example_config);
   const std::string text((std::istreambuf_iterator<char>(original)), std::istreambuf_iterator<char>());
   const auto run = [&](const std::string& name, const std::string& config_text, int processes,
                        const std::string& flags = "") {
-    const auto result = run_command(std::string(SMPRUN_PATH) + " -n " + std::to_string(processes) + " -- " + EXAMPLE_PATH +
+    const auto result = run_command(std::string(paths::smprun) + " -n " + std::to_string(processes) + " -- " + paths::example +
                                         " --config " + write_config(name, config_text) + " --steps 3" + flags,
                                     300);
     INFO(result.output);
@@ -155,7 +155,7 @@ TEST_CASE("tensor-parallel checkpoints resume, export whole and load into anothe
   // Exported whole (the shards put together), it is the one-process model after step 4, and loads into another
   // tensor-parallel degree (each rank cutting its shards) as into one process.
   const std::string whole = dir + "/whole.pt";
-  const auto exported = run_command(std::string(SMP_CHECKPOINT_PATH) + " export " + dir + "/step-00000004 " + whole, 60);
+  const auto exported = run_command(std::string(paths::smp_checkpoint) + " export " + dir + "/step-00000004 " + whole, 60);
   INFO(exported.output);
   REQUIRE(exported.status == 0);
   const std::string load = flags + " --steps 0 --load-full " + whole + " --expect-step 4";

@@ -23,8 +23,8 @@ TEST_CASE("pipeline x data parallel training equals single-process training", "[
         const std::string name = std::to_string(c.pp) + "x" + std::to_string(c.dp) + "_" + pipeline + "_" + placement;
         const auto config = write_config(name, smp_config(c.pp, c.dp, c.microbatches, pipeline, placement, global_batch));
         DYNAMIC_SECTION("pp=" << c.pp << " dp=" << c.dp << " m=" << c.microbatches << " " << pipeline << " " << placement) {
-          const auto result = run_command(std::string(SMPRUN_PATH) + " -n " + std::to_string(c.pp * c.dp) + " -- " +
-                                              WORKER_PATH + " --config " + config + " --steps 3 --clip 0.5",
+          const auto result = run_command(std::string(paths::smprun) + " -n " + std::to_string(c.pp * c.dp) + " -- " +
+                                              paths::training_worker + " --config " + config + " --steps 3 --clip 0.5",
                                           240);
           check_clean_run(result, c.pp * c.dp);
           CHECK(step_losses(result.output).size() == 3);
@@ -116,7 +116,7 @@ TEST_CASE("payloads matched in order, as NCCL matches them, still train like sin
   const auto config = write_config(
       "in_order", smp_config(3, 1, 4, "interleaved", "cluster", 8, 60, R"(, "virtual_stages": 2, "auto_partition": false,
           "partition_overrides": {"pre": 0, "in": 1, "a": 2, "b": 2, "c": 3, "join": 3, "d": 4, "out": 5})"));
-  const auto result = run_command("env SMP_GLOO_IN_ORDER=1 " + std::string(SMPRUN_PATH) + " -n 3 -- " + WORKER_PATH +
+  const auto result = run_command("env SMP_GLOO_IN_ORDER=1 " + std::string(paths::smprun) + " -n 3 -- " + paths::training_worker +
                                       " --config " + config + " --model long_residual --steps 3",
                                   240);
   check_clean_run(result, 3);
@@ -164,7 +164,7 @@ TEST_CASE("impossible partitions are refused naming the modules", "[training][mu
 
 TEST_CASE("a schedule loaded from a CSV file runs", "[training][multiprocess][schedules]") {
   const std::string csv = scratch_path("schedule.csv");
-  const auto dumped = run_command(std::string(SMP_SCHEDULE_PATH) + " --schedule zb_h1 --ranks 2 --microbatches 4 --csv " + csv, 30);
+  const auto dumped = run_command(std::string(paths::smp_schedule) + " --schedule zb_h1 --ranks 2 --microbatches 4 --csv " + csv, 30);
   INFO(dumped.output);
   REQUIRE(dumped.status == 0);
   const auto config = write_config("from_csv", smp_config(2, 1, 4, "interleaved", "cluster", 8, 60, R"(, "schedule_file": ")" + csv + "\""));
@@ -180,8 +180,8 @@ TEST_CASE("a schedule loaded from a CSV file runs", "[training][multiprocess][sc
 
 TEST_CASE("the example writes a timeline", "[training][example][timeline]") {
   const std::string dir = scratch_path("trace");
-  const auto result = run_command(std::string(SMPRUN_PATH) + " -n 8 -- " + EXAMPLE_PATH + " --config " +
-                                      EXAMPLE_CONFIG + " --steps 2 --trace " + dir,
+  const auto result = run_command(std::string(paths::smprun) + " -n 8 -- " + paths::example + " --config " +
+                                      paths::example_config + " --steps 2 --trace " + dir,
                                   300);
   INFO(result.output);
   REQUIRE(result.status == 0);
@@ -301,8 +301,8 @@ TEST_CASE("sequence lengths may change from step to step", "[training][multiproc
 }
 
 TEST_CASE("the 2x4 example's losses depend only on the seed and the global batch", "[training][example]") {
-  const auto hybrid = run_command(std::string(SMPRUN_PATH) + " -n 8 -- " + EXAMPLE_PATH + " --config " +
-                                      EXAMPLE_CONFIG + " --steps 4",
+  const auto hybrid = run_command(std::string(paths::smprun) + " -n 8 -- " + paths::example + " --config " +
+                                      paths::example_config + " --steps 4",
                                   300);
   INFO(hybrid.output);
   REQUIRE(hybrid.status == 0);
@@ -311,13 +311,13 @@ TEST_CASE("the 2x4 example's losses depend only on the seed and the global batch
   REQUIRE(hybrid_losses.size() == 4);
 
   // The same file with one stage, one replica and one microbatch: plain single-process training.
-  std::ifstream original(EXAMPLE_CONFIG);
+  std::ifstream original(paths::example_config);
   std::string text((std::istreambuf_iterator<char>(original)), std::istreambuf_iterator<char>());
   text = std::regex_replace(text, std::regex(R"("partitions": \d+)"), R"("partitions": 1)");
   text = std::regex_replace(text, std::regex(R"("microbatches": \d+)"), R"("microbatches": 1)");
   text = std::regex_replace(text, std::regex(R"("ddp": true)"), R"("ddp": false)");
   const auto single_config = write_config("single", text);
-  const auto single = run_command(std::string(SMPRUN_PATH) + " -n 1 -- " + EXAMPLE_PATH + " --config " +
+  const auto single = run_command(std::string(paths::smprun) + " -n 1 -- " + paths::example + " --config " +
                                       single_config + " --steps 4",
                                   300);
   INFO(single.output);
@@ -357,7 +357,7 @@ TEST_CASE("a failing rank stops the whole job with a message", "[training][fault
 
 TEST_CASE("a bad config fails before any communication, naming the key", "[training][config]") {
   const auto config = write_config("bad", R"({"partitions": 3, "microbatches": 2, "global_batch_size": 8})");
-  const auto result = run_command(std::string(SMPRUN_PATH) + " -n 4 -- " + WORKER_PATH + " --config " + config, 60);
+  const auto result = run_command(std::string(paths::smprun) + " -n 4 -- " + paths::training_worker + " --config " + config, 60);
   INFO(result.output);
   CHECK(result.status != 0);
   CHECK_THAT(result.output, Contains("world size 4 is not a multiple of \"partitions\" (3)"));
