@@ -181,16 +181,25 @@ def batch(name, samples, generator, length=SEQUENCE):
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}, ids
 
 
-def routing_failures(model, result, routed):
-    """Every router on this rank's stages counted each of this replica's tokens top-k times, once per forward (a
-    checkpointed stage's recompute not again)."""
-    routers = {path.rsplit(".", 1)[0] for path, _ in model.named_parameters()
-               if path.endswith(".gate.weight") and ".mlp." in path}
+def routing_failures(reference, result, routed, runtime):
+    """Each replica's routers counted each of its tokens top-k times, once per forward (a checkpointed stage's
+    recompute not again): a router's counts on the rank whose stage chooses its experts, which need not be the rank
+    holding its weight (a cut may fall between the router's logits and its top-k), summed over the job to every
+    replica's tokens."""
+    routers = sorted({path.rsplit(".", 1)[0] for path, _ in reference.named_parameters()
+                      if path.endswith(".gate.weight") and ".mlp." in path})
     counts = result.tokens_per_expert
-    failures = [f"router {path} counted nothing" for path in sorted(routers - set(counts))]
+    failures = [f"router {path} is not one of the model's" for path in sorted(set(counts) - set(routers))]
     for path, count in counts.items():
         if int(count.sum()) != routed or (count < 0).any():
             failures.append(f"router {path} counted {count.tolist()}, {int(count.sum())} tokens, expected {routed}")
+    totals = torch.tensor([float(counts[path].sum()) if path in counts else 0.0 for path in routers],
+                          dtype=torch.float64)
+    runtime.all_reduce_sum(totals)
+    replicas = runtime.data_parallel_degree * runtime.tensor_parallel_degree  # a tp group's ranks each count
+    for path, total in zip(routers, totals.tolist()):
+        if total != routed * replicas:
+            failures.append(f"router {path} counted {total:.0f} tokens over the job, expected {routed * replicas}")
     return failures
 
 
@@ -347,7 +356,7 @@ def train_and_compare(name, args, config, runtime):
         if abs(result.loss - expected) > loss_tolerance * max(1.0, abs(expected)):
             failures.append(f"step {step}: loss {result.loss} != {expected}")
         if name in MOE:
-            failures += routing_failures(model, result, samples // replicas * length * TOP_K)
+            failures += routing_failures(reference, result, samples // replicas * length * TOP_K, runtime)
         if runtime.rank == 0:
             print(f"{name} step {step} loss {result.loss:.6f} plain {expected:.6f}", flush=True)
 
