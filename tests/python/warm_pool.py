@@ -336,30 +336,6 @@ def stop(name):
     connection.close()
 
 
-def first_exports():
-    """Exports a tiny decoder and a tiny CNN as smp captures models (every dimension free): a process's first export
-    loads and initializes what later ones reuse, 0.4 to 0.6 s of each rank's first capture (a GPT-2 of 4 layers 1.6
-    against 1.1 s); the forks start past it."""
-    import torch
-    from smp import _exporting
-
-    def export(model, args, kwargs):
-        free, _ = _exporting.dynamic_shapes(model, args, kwargs)
-        _exporting.export_model(model.train(), args, kwargs, free)
-
-    try:
-        import transformers
-        config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=8, intermediate_size=8, num_attention_heads=2,
-                                          num_key_value_heads=1, vocab_size=8, max_position_embeddings=8, use_cache=False)
-        ids = torch.zeros(2, 4, dtype=torch.long)
-        export(transformers.LlamaForCausalLM(config), (), {"input_ids": ids, "labels": ids})
-    except ImportError as error:
-        print(f"warm_pool: no first decoder export: {error}", flush=True)
-    cnn = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
-                              torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
-    export(cnn, (torch.randn(2, 3, 8, 8),), {})
-
-
 def serve(name, preload, idle_exit_s):
     import importlib
     for module in filter(None, preload.split(",")):
@@ -367,8 +343,6 @@ def serve(name, preload, idle_exit_s):
             importlib.import_module(module)
         except ImportError as error:  # a family this transformers lacks: its jobs import it (and fail) themselves
             print(f"warm_pool: not preloaded: {module}: {error}", flush=True)
-    if "smp" in preload.split(","):
-        first_exports()
     if len(os.listdir("/proc/self/task")) != 1:
         sys.exit("warm_pool: the imports started threads; forking would copy them half-way (set OMP_NUM_THREADS=1)")
     server = Server(name, idle_exit_s)
