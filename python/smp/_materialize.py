@@ -76,7 +76,12 @@ def materialize_modules(model, paths, device, seed, init_fn=None, replaced=None)
             if not old.is_meta:
                 continue
             if owners.get(id(old)) == path:
-                replaced[id(old)] = (old, getattr(module, name))
+                new = getattr(module, name)
+                # What smp.tp tagged the meta tensor with (a norm whose gradients are summed over the group) holds for
+                # the real one; a layer cut from a whole one tags its shards itself.
+                if hasattr(old, "_smp_sequence_parallel") and not hasattr(new, "_smp_sequence_parallel"):
+                    new._smp_sequence_parallel = old._smp_sequence_parallel
+                replaced[id(old)] = (old, new)
             else:  # another module's first: that one makes it (below, every holder takes the same)
                 table = module._parameters if name in module._parameters else module._buffers
                 table[name] = old

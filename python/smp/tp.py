@@ -94,8 +94,8 @@ def reduce_scatter_sequence(x):
 
 
 def _sees_sequence_slice(parameter):
-    """Tags a parameter that sees only this rank's slice of the sequence: the engine sums its gradients over the
-    group once per step."""
+    """Tags a parameter whose gradient each rank of the group computes part of (it sees this rank's slice of the
+    sequence, or of the heads): the engine sums its gradients over the group once per step."""
     parameter._smp_sequence_parallel = True
     return parameter
 
@@ -362,14 +362,22 @@ class GatherSequenceOut:
         return module
 
 
-class SequenceParallel:
-    """A module that runs on this rank's slice of the sequence with whole parameters (a norm): its gradients are
-    summed over the group."""
+class SummedGradients:
+    """Whole on every rank, each rank computing part of its gradients: a norm over this rank's heads between a
+    column and a row layer (Qwen3's q_norm and k_norm; transformers' "replicated_with_grad_allreduce"), or over its
+    slice of the sequence. The gradients are summed over the group."""
 
     def apply(self, module, path):
         for parameter in module.parameters(recurse=False):
             _sees_sequence_slice(parameter)
         return module
+
+    def __repr__(self):
+        return f"{type(self).__name__}()"
+
+
+class SequenceParallel(SummedGradients):
+    """A module that runs on this rank's slice of the sequence with whole parameters (a norm)."""
 
 
 class VocabParallel:
@@ -410,11 +418,71 @@ class Divide:
         return f"Divide{self.attributes!r}"
 
 
+class ShardedExperts:
+    """A stacked-experts module (transformers' experts classes: gate_up_proj [experts, 2 x intermediate, hidden],
+    down_proj [experts, hidden, intermediate]) with every expert's intermediate features split over the group, as in
+    a column layer (gate and up packed: each half split) followed by a row layer: each rank runs its part of every
+    chosen expert on the whole hidden states, and the weighted sums are added up over the group (transformers'
+    "moe_tp_experts"; its plan's entries for the two tensors name what this style does to them)."""
+
+    LAYOUT = {"gate_up_proj": (1, 2), "down_proj": (2, 1)}  # name -> (dimension split, blocks in it)
+
+    def apply(self, module, path):
+        parameters = dict(module.named_parameters(recurse=False))
+        other = sorted(set(parameters) - set(self.LAYOUT)) or sorted(set(self.LAYOUT) - set(parameters))
+        if other:
+            raise ConfigError(f"tensor-parallel plan: '{path}' ({type(module).__name__}) holds "
+                              f"{', '.join(sorted(parameters))}; smp splits stacked experts of gate_up_proj and "
+                              "down_proj alone (no biases), or set \"expert_parallel_degree\" to divide them whole")
+        gate_up, down = parameters["gate_up_proj"], parameters["down_proj"]
+        intermediate = down.shape[-1]
+        if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] != 2 * intermediate or \
+                gate_up.shape[2] != down.shape[1]:
+            raise ConfigError(f"tensor-parallel plan: '{path}' stacks gate_up_proj {tuple(gate_up.shape)} and "
+                              f"down_proj {tuple(down.shape)}, not [experts, 2 x intermediate, hidden] and "
+                              "[experts, hidden, intermediate]")
+        if intermediate % degree():
+            raise ConfigError(f"{path}: the experts' intermediate features {intermediate} do not divide by "
+                              f"\"tensor_parallel_degree\" {degree()}")
+        whole_shapes = {name: tuple(parameter.shape) for name, parameter in parameters.items()}
+        for name, (dim, blocks) in self.LAYOUT.items():
+            module._parameters[name] = _shard_parameter(parameters[name], dim, blocks)
+        if isinstance(getattr(module, "intermediate_dim", None), int):
+            module.intermediate_dim = intermediate // degree()
+
+        def materialize(device, initialize):
+            # Made whole and initialized as the whole model's module is (same seed), then cut.
+            for name, shape in whole_shapes.items():
+                shard = module._parameters[name]
+                module._parameters[name] = torch.nn.Parameter(torch.empty(shape, dtype=shard.dtype, device=device),
+                                                              requires_grad=shard.requires_grad)
+            initialize(module)
+            with torch.no_grad():
+                for name, (dim, blocks) in self.LAYOUT.items():
+                    module._parameters[name] = _shard_parameter(module._parameters[name], dim, blocks)
+        module._smp_materialize = materialize
+
+        def inputs_to_shards(_, args, kwargs):
+            # (hidden_states, top_k_index, top_k_weights): the states and the weights meet every rank's part.
+            names = ("hidden_states", "top_k_index", "top_k_weights")
+            values = dict(zip(names, args), **kwargs)
+            for name in ("hidden_states", "top_k_weights"):
+                values[name] = copy_to_shards(values[name])
+            return tuple(values.pop(name) for name in names[:len(args)]), values
+
+        module.register_forward_pre_hook(inputs_to_shards, with_kwargs=True)
+        module.register_forward_hook(lambda _, args, output: reduce_from_shards(output))
+        return module
+
+    def __repr__(self):
+        return "ShardedExperts()"
+
+
 # Hugging Face's style names (transformers' tp_plan), and smp's.
 STYLES = {
     "colwise": Colwise(), "rowwise": Rowwise(), "colwise_gather_output": Colwise(gather_output=True),
     "packed_colwise": Colwise(blocks=2), "rowwise_split_input": Rowwise(input_is_parallel=False),
-    "replicated_with_grad_allreduce": Replicated(), "vocab": VocabParallel(),
+    "replicated_with_grad_allreduce": SummedGradients(), "vocab": VocabParallel(), "moe_tp_experts": ShardedExperts(),
 }
 
 # smp's plans for Hugging Face families whose configs carry none, by model_type, relative to the base model.
@@ -496,6 +564,11 @@ def sequence_parallel_plan(model, plan):
     for pattern, style in styles.items():
         for path in _paths_matching(pattern, modules):
             matched[path] = (pattern, style)
+    experts = sorted(path for path, (_, style) in matched.items() if isinstance(style, ShardedExperts))
+    if experts:
+        raise ConfigError(f"\"sequence_parallel\" with the experts of '{experts[0]}' split over the tensor-parallel "
+                          "ranks: not supported (their tokens are not the sequence's slices); leave sequence_parallel "
+                          "off, or divide the experts whole with \"expert_parallel_degree\"")
     blocks = {block_of(path) for path, (_, style) in matched.items() if isinstance(style, (Colwise, Rowwise))}
     blocks.discard(None)
     if not blocks:

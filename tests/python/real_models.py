@@ -278,8 +278,9 @@ def main():
 
 def train_and_compare(name, args, config, runtime):
     # Under "auto" layout keys the layout is the planner's, known once the model is: until then one rank's share.
+    # The job's first model fixes it for the models after it.
     planned = bool(runtime.config.auto_keys)
-    microbatches, replicas = (1, runtime.world_size) if planned else (config["microbatches"],
+    microbatches, replicas = (1, runtime.world_size) if planned else (runtime.config.microbatches,
                                                                        runtime.data_parallel_degree)
     global_batch = config["global_batch_size"]
     vision = name in VISION

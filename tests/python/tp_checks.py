@@ -133,6 +133,17 @@ def bad_plans():
                  lambda: smp.DistributedModel(gpt2, {"input_ids": torch.ones(1, 4, dtype=torch.long)},
                                               tp_plan={"lm_head": "colwise_gather_output"}))
 
+    def mixtral(intermediate):
+        return hf.MixtralForCausalLM(hf.MixtralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=intermediate,
+                                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                                      num_local_experts=4, num_experts_per_tok=2))
+    expect_error("experts whose features do not divide", smp.ConfigError,
+                 "the experts' intermediate features 5 do not divide by \"tensor_parallel_degree\" 2",
+                 lambda: smp.DistributedModel(mixtral(5), {"input_ids": torch.ones(1, 4, dtype=torch.long)}))
+    expect_error("sequence parallelism over split experts", smp.ConfigError,
+                 "\"sequence_parallel\" with the experts of 'model.layers.0.mlp.experts' split",
+                 lambda: smp.tp.sequence_parallel_plan(mixtral(8), smp.tp.builtin_plan(mixtral(8))))
+
 
 def main():
     torch.set_num_threads(1)
