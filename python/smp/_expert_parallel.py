@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from . import _smp, ep
+from ._materialize import made_whole
 from ._smp import ConfigError, ModelError
 from ._state import runtime as _runtime
 
@@ -124,12 +125,7 @@ def _keep_own_experts(module, degree, rank):
     module.num_experts = count // degree
 
     def materialize(device, initialize):
-        # Made whole and initialized as the whole model's module is (same seed), then cut: the weights do not
-        # depend on the layout.
-        for name, shape in whole_shapes.items():
-            share = module._parameters[name]
-            module._parameters[name] = torch.nn.Parameter(torch.empty(shape, dtype=share.dtype, device=device),
-                                                          requires_grad=share.requires_grad)
+        made_whole(module, whole_shapes, device)
         module.to_empty(device=device, recurse=False)
         module.num_experts = count
         try:

@@ -11,6 +11,16 @@ from . import _smp
 from ._smp import ModelError
 
 
+def made_whole(module, whole_shapes, device):
+    """`module`'s own parameters named in `whole_shapes` ({name: shape}), which hold its part (a tensor- or
+    expert-parallel share), replaced by uninitialized whole ones on `device`: to be initialized as the whole model's
+    module is (the same seed) and cut again, so that the weights do not depend on the layout."""
+    for name, shape in whole_shapes.items():
+        part = module._parameters[name]
+        module._parameters[name] = torch.nn.Parameter(torch.empty(shape, dtype=part.dtype, device=device),
+                                                      requires_grad=part.requires_grad)
+
+
 def release_freed_memory():
     """Hands memory freed since (profiling stand-ins, up to a few tens of MiB each, which glibc keeps in its heap
     rather than unmapping) back to the system, so that a rank's resident memory is what it holds."""
@@ -77,10 +87,11 @@ def materialize_modules(model, paths, device, seed, init_fn=None, replaced=None)
                 continue
             if owners.get(id(old)) == path:
                 new = getattr(module, name)
-                # What smp.tp tagged the meta tensor with (a norm whose gradients are summed over the group) holds for
-                # the real one; a layer cut from a whole one tags its shards itself.
-                if hasattr(old, "_smp_sequence_parallel") and not hasattr(new, "_smp_sequence_parallel"):
-                    new._smp_sequence_parallel = old._smp_sequence_parallel
+                # What smp tagged the meta tensor with (a norm's gradients summed over the tensor-parallel group) holds
+                # for the real one, unless the module's own _smp_materialize tagged it (a layer cut anew).
+                for tag, value in vars(old).items():
+                    if tag.startswith("_smp_") and not hasattr(new, tag):
+                        setattr(new, tag, value)
                 replaced[id(old)] = (old, new)
             else:  # another module's first: that one makes it (below, every holder takes the same)
                 table = module._parameters if name in module._parameters else module._buffers

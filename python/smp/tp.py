@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _smp
+from ._materialize import made_whole
 from ._smp import ConfigError
 from ._state import runtime_or_none
 
@@ -451,11 +452,7 @@ class ShardedExperts:
             module.intermediate_dim = intermediate // degree()
 
         def materialize(device, initialize):
-            # Made whole and initialized as the whole model's module is (same seed), then cut.
-            for name, shape in whole_shapes.items():
-                shard = module._parameters[name]
-                module._parameters[name] = torch.nn.Parameter(torch.empty(shape, dtype=shard.dtype, device=device),
-                                                              requires_grad=shard.requires_grad)
+            made_whole(module, whole_shapes, device)
             initialize(module)
             with torch.no_grad():
                 for name, (dim, blocks) in self.LAYOUT.items():

@@ -310,7 +310,7 @@ def train_and_compare(name, args, config, runtime):
     replica_batch_norm = replicas > 1 and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
                                               for m in net.modules())
     loss_tolerance = args.rtol if config.get("bf16") or config.get("fp16") else 1e-5
-    model = smp.DistributedModel(net, sample_inputs, init_fn=net_init, 
+    model = smp.DistributedModel(net, sample_inputs, init_fn=net_init,
                                  dynamic_shapes="batch" if name in BATCH_ALONE_FREE else None)
     failures = []
     if planned:

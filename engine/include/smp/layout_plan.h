@@ -46,9 +46,10 @@ struct PlanningCosts {
   // take ranks / processors as long.
   double shared_processors = 0.0;
   // Where ranks share cores (0 otherwise, and in a job that plans no tensor parallelism): a collective between
-  // ranks that each computed up to it, as tensor-parallel peers do, finds its peer off its core; measured (measured_planning_costs) as a fixed part per
-  // round trip and a bandwidth, each worse than idle links'. A tensor-parallel collective of a group of n costs n - 1
-  // round trips (at least two latencies each) and (n - 1) / n of its ring bytes at the lower bandwidth.
+  // ranks that each computed up to it, as tensor-parallel peers do, finds its peer off its core; measured
+  // (measured_planning_costs) as a fixed part per round trip and a bandwidth, each worse than idle links'. A
+  // tensor-parallel collective of a group of n costs n - 1 round trips (at least two latencies each) and (n - 1) / n
+  // of its ring bytes at the lower bandwidth.
   double synchronization_s = 0.0;
   double synchronized_bytes_per_s = 0.0;
   // Several nodes (ranks_per_node > 0): a pipeline longer than a node sends between nodes, and replicas of a world
