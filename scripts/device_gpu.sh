@@ -122,9 +122,10 @@ for library in "$deps/lib/$arch"/*.so.*; do
 done
 export SMP_FORTUNES_DIR=$deps/share/games/fortunes
 
-# Python packages this machine's python lacks (transformers for the Llama benchmark), from the wheels
-# scripts/device_prepare.sh --wheels put in .deps/wheels: unpacked (a wheel is a zip of its importable files) into
-# $root/pylib, which goes first on PYTHONPATH; a distribution the python has already is left to it.
+# Python packages from the wheels in .deps/wheels (scripts/device_prepare.sh --wheels: transformers and what it
+# needs): unpacked (a wheel is a zip of its importable files) into $root/pylib, which goes first on PYTHONPATH. A
+# distribution the python has at the wheel's very version is left to it; another version gives way to the wheel, so
+# that the models run there as the development machine's tests ran them.
 shopt -s nullglob
 wheels=("$repo"/.deps/wheels/*.whl)
 shopt -u nullglob
@@ -134,14 +135,14 @@ import importlib.metadata, os, sys, zipfile
 target, added = sys.argv[1], []
 os.makedirs(target, exist_ok=True)
 for wheel in sys.argv[2:]:
-    name = os.path.basename(wheel).split("-")[0]
+    name, version = os.path.basename(wheel).split("-")[:2]
     try:
-        importlib.metadata.version(name.replace("_", "-"))
-        continue
+        if importlib.metadata.version(name.replace("_", "-")) == version:
+            continue
     except importlib.metadata.PackageNotFoundError:
         pass
     zipfile.ZipFile(wheel).extractall(target)
-    added.append(name)
+    added.append(f"{name} {version}")
 print(" ".join(added) or "none")
 PYTHON
 ) || die "cannot unpack the wheels in .deps/wheels"

@@ -12,9 +12,11 @@
 # and xz (its fatbins are compressed already), and a device call carries 64 MiB; this build is 12.9 MB stripped,
 # 10 MB compressed (2.30.7, sm_90). It takes about 15 minutes on 2 cores, kept under ~/.cache/smp/nccl-build.
 #
-# --wheels also downloads transformers and safetensors (this venv's versions) with the wheels they need, for the
-# GPU machine's python (3.12 there on 2026-11-27), into .deps/wheels/: device_gpu.sh unpacks those its python lacks
-# (the Llama benchmark needs them). About 44 MiB, numpy's 16 of it.
+# --wheels also downloads transformers at this venv's version, for the GPU machine's python (3.12 there), into
+# .deps/wheels/, with regex, the one requirement whose least version (2025.10.22) that machine's image may miss: the
+# image has transformers 5.17 and every other requirement (KINDS.md's package list), and device_gpu.sh prefers a
+# carried wheel to another version of it there, so the models run as this machine's tests ran them. About 14 MiB
+# (all of transformers' requirements would be 44 MiB, and would replace the image's numpy under its torch).
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -130,13 +132,13 @@ fi
 if ((wheels)); then
   venv_python=${SMP_VENV:-$HOME/.cache/smp/venv}/bin/python
   [ -x "$venv_python" ] || { say "--wheels: no $venv_python (run scripts/setup.sh first)"; exit 1; }
-  pins=$("$venv_python" -c 'import importlib.metadata as m; print(" ".join(f"{n}=={m.version(n)}" for n in ("transformers", "safetensors")))')
+  pins=$("$venv_python" -c 'import importlib.metadata as m; print(" ".join(f"{n}=={m.version(n)}" for n in ("transformers", "regex")))')
   rm -rf "$repo/.deps/wheels" && mkdir -p "$repo/.deps/wheels"
-  say "downloading wheels for python $wheels_python: $pins (and what they need)"
+  say "downloading wheels for python $wheels_python: $pins"
   # shellcheck disable=SC2086  # $pins is a list of requirements
-  "$venv_python" -m pip download -q --only-binary=:all: --python-version "$wheels_python" --platform any \
-    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-    -d "$repo/.deps/wheels" $pins
+  "$venv_python" -m pip download -q --no-deps --only-binary=:all: --python-version "$wheels_python" \
+    --implementation cp --platform any --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux_2_28_x86_64 -d "$repo/.deps/wheels" $pins
 fi
 
 shopt -s nullglob

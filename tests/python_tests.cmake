@@ -100,10 +100,10 @@ set_tests_properties(python_gpu_pipeline_equals_pytorch PROPERTIES
   LABELS "python;gpu"
   SKIP_RETURN_CODE 77
   ENVIRONMENT "PYTHONPATH=${SMP_PYTHON_PACKAGE_DIR};OMP_NUM_THREADS=1;PYTHONUNBUFFERED=1")
-# Jobs of 2 and 4 ranks over NCCL on the one GPU (NCCL 2.30 or later; skipped before).
-add_test(NAME python_gpu_nccl_pipelines_equal_pytorch
+# Jobs of 2 and 4 ranks over NCCL on the one GPU (pipelines, experts spread, tp x pp; NCCL 2.30 or later; skipped before).
+add_test(NAME python_gpu_nccl_jobs_equal_pytorch
          COMMAND ${SMP_PYTHON_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/python/nccl_jobs.py)
-set_tests_properties(python_gpu_nccl_pipelines_equal_pytorch PROPERTIES
+set_tests_properties(python_gpu_nccl_jobs_equal_pytorch PROPERTIES
   TIMEOUT 600
   LABELS "python;gpu"
   SKIP_RETURN_CODE 77

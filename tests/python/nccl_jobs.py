@@ -1,5 +1,7 @@
-"""The Python package's pipelines over NCCL, their ranks sharing this machine's one GPU: pipeline_worker.py jobs of 2
-and 4 ranks under smprun (SMP_SMPRUN), each rank checking its losses and parameters against plain PyTorch.
+"""The Python package's jobs over NCCL, their ranks sharing this machine's one GPU, under smprun (SMP_SMPRUN), each
+rank checking its losses and parameters against plain PyTorch: pipeline_worker.py's pipelines of 2 and 4 ranks, and
+real_models.py's Hugging Face models with their experts spread over 2 ranks (NCCL's all-to-all) and with tensor
+parallelism (all-gather, reduce-scatter and all-reduce inside the model) across 2 pipeline stages.
 
 The GPU machine's `ctest -L gpu` runs this with the python that has torch (that machine has no pytest). Exits 77
 (skipped) without a GPU, or where the loaded NCCL is older than 2.30 and so cannot put two ranks on one GPU.
@@ -16,11 +18,15 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 JOBS = [
-    # (ranks, worker arguments, smp config)
-    (2, ["--model", "graph", "--optimizer", "adamw", "--rtol", "1e-3"],
+    # (ranks, worker, worker arguments, smp config)
+    (2, "pipeline_worker.py", ["--model", "graph", "--optimizer", "adamw", "--rtol", "1e-3"],
      {"partitions": 2, "microbatches": 4, "global_batch_size": 8, "pipeline": "interleaved"}),
-    (4, ["--model", "sequential", "--rtol", "1e-4"],
+    (4, "pipeline_worker.py", ["--model", "sequential", "--rtol", "1e-4"],
      {"partitions": 2, "microbatches": 4, "global_batch_size": 16, "ddp": True, "pipeline": "zero_bubble"}),
+    (2, "real_models.py", ["--models", "mixtral,qwen3_moe", "--steps", "2", "--rtol", "1e-4"],
+     {"partitions": 1, "ddp": True, "expert_parallel_degree": 2, "microbatches": 2, "global_batch_size": 8}),
+    (4, "real_models.py", ["--models", "llama,olmoe", "--steps", "2", "--rtol", "1e-4"],
+     {"partitions": 2, "tensor_parallel_degree": 2, "microbatches": 2, "global_batch_size": 4}),
 ]
 
 
@@ -45,16 +51,16 @@ def main():
         return 2
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     failed = 0
-    for ranks, arguments, keys in JOBS:
+    for ranks, worker, arguments, keys in JOBS:
         config = json.dumps(dict({"seed": 3, "device": "cuda", "backend": "nccl"}, **keys))
         command = [smprun, "-n", str(ranks), "--timeout", "150", "--", sys.executable,
-                   os.path.join(HERE, "pipeline_worker.py"), *arguments, "--smp", config]
+                   os.path.join(HERE, worker), *arguments, "--smp", config]
         print("$ " + " ".join(command), flush=True)
         try:
             status = subprocess.run(command, env=env, timeout=180).returncode
         except subprocess.TimeoutExpired:
             status = 124
-        print(f"{ranks} ranks: {'passed' if status == 0 else f'FAILED (status {status})'}", flush=True)
+        print(f"{worker}, {ranks} ranks: {'passed' if status == 0 else f'FAILED (status {status})'}", flush=True)
         failed += status != 0
     return 1 if failed else 0
 

@@ -20,6 +20,8 @@ Exits 0 only then.
                  global_batch_size, a sample of global_batch_size / RANKS), as JSON, and exit
   --rtol R       parameters within 1e-6 + R * max |plain| (default 1e-5); under bf16 or fp16 (against float32
                  PyTorch) losses within R relative too
+"device": "cuda" in the config trains smp on the GPU against plain PyTorch on the CPU (losses within R relative
+too); without a GPU the job exits 77 (skipped).
 """
 
 import argparse
@@ -265,6 +267,9 @@ def main():
     args = parser.parse_args()
     config = json.loads(args.smp)
     torch.set_num_threads(1)
+    if config.get("device") == "cuda" and not torch.cuda.is_available():
+        print("skipped: the config asks for a GPU and torch sees none", flush=True)
+        sys.exit(77)
     runtime = smp.init(config)
     if args.plan:
         for name in args.models.split(","):
@@ -309,7 +314,8 @@ def train_and_compare(name, args, config, runtime):
     # under DDP without SyncBatchNorm), so evaluation, which reads them, differs from one process.
     replica_batch_norm = replicas > 1 and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
                                               for m in net.modules())
-    loss_tolerance = args.rtol if config.get("bf16") or config.get("fp16") else 1e-5
+    # The GPU's float32 kernels round otherwise than the CPU's the plain model runs on.
+    loss_tolerance = args.rtol if config.get("bf16") or config.get("fp16") or config.get("device") == "cuda" else 1e-5
     model = smp.DistributedModel(net, sample_inputs, init_fn=net_init,
                                  dynamic_shapes="batch" if name in BATCH_ALONE_FREE else None)
     failures = []
@@ -378,7 +384,7 @@ def train_and_compare(name, args, config, runtime):
         failures.append(f"evaluation: loss {evaluation.loss} != {expected}")
     if evaluation.outputs is not None and not replica_batch_norm:
         kept = evaluation.outputs if isinstance(evaluation.outputs, torch.Tensor) else evaluation.outputs.logits
-        share = runtime.replica_slice(torch.cat(outputs))
+        kept, share = kept.cpu(), runtime.replica_slice(torch.cat(outputs))
         if kept.shape != share.shape or not torch.allclose(kept, share, rtol=max(1e-4, args.rtol), atol=1e-5 + args.rtol):
             failures.append(f"evaluation: kept outputs {tuple(kept.shape)} differ from the model's {tuple(share.shape)}")
     elif evaluation.outputs is None and runtime.config.num_stages() - 1 in model.stages:
@@ -423,7 +429,7 @@ def train_and_compare(name, args, config, runtime):
             failures.append(f"parameter {path} is not the model's")
             continue
         want = smp.tp.local_part(parameter, plain[path].detach())  # a tensor-parallel shard: its part
-        difference = (parameter.detach() - want).abs().max().item()
+        difference = (parameter.detach().cpu() - want).abs().max().item()
         if difference > 1e-6 + args.rtol * want.abs().max().item():
             failures.append(f"parameter {path} differs by {difference:.3g}")
         checked += 1
