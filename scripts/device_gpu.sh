@@ -29,6 +29,10 @@
 # build about 70 s, the tests about 80 s, the benchmark about 70 s (2026-11-23). Where it would not, split it; the
 # build directory survives between calls while the machine stays warm (30 s after a call): SMP_GPU_SKIP_TESTS=1
 # SMP_GPU_SKIP_BENCH=1 (configure and build), then SMP_GPU_SKIP_BENCH=1 (tests), then SMP_GPU_SKIP_TESTS=1 (bench).
+# With NCCL 2.30 (several ranks per GPU) the whole is about 10 minutes on an H200 (2026-11-27); two calls did it:
+#   SMP_GPU_SKIP_LLAMA=1 SMP_GPU_SKIP_PEERS=1 SMP_GPU_BENCH_ARGS=nccl bash scripts/device_gpu.sh test_gpu bench_gpu smp_python
+#   SMP_GPU_SKIP_TESTS=1 SMP_GPU_SKIP_BENCH=1 bash scripts/device_gpu.sh bench_pipeline smp_python
+# (366 s, then 286 s; bench_peers.py runs bench_pipeline, which the first call's targets leave out).
 #   SMP_GPU_DEPS_ROOT=DIR      where the .debs are unpacked (default /tmp/smp-deps)
 #   SMP_GPU_NCCL=FILE|none     the NCCL the tests and benchmark load in place of the torch wheel's (LD_PRELOAD), so
 #                              that several ranks share the one GPU (2.30 and later); default .deps/nccl/libnccl.so.2.xz
