@@ -515,7 +515,8 @@ PYBIND11_MODULE(_smp, module) {
         std::int64_t collectives = 0;
         for (const auto& node : profile.modules) collectives += node.tp_forward_collectives + node.tp_backward_collectives;
         return collectives;
-      });
+      })
+      .def("mark_experts", &ModelProfile::mark_experts, py::arg("token_bytes"), py::arg("experts"));
   module.def(
       "profile_for_planning",
       [](const GraphModel& graph, const OptionalTensors& sample, int sample_batch, const OptionalTensors& larger,

@@ -243,7 +243,7 @@ TEST_CASE("config: auto layout keys are left to the planner, with a provisional 
                     Contains("\"partitions\": \"auto\" needs \"global_batch_size\""));
   CHECK_THROWS_WITH(parse(R"({"microbatches": "auto", "global_batch_size": 8, "schedule_file": "s.csv"})"),
                     Contains("\"schedule_file\" fixes stages"));
-  // Tensor parallelism is planned too, or fixed beside "auto" keys; expert parallelism is not.
+  // Tensor and expert parallelism are planned too, or fixed beside "auto" keys.
   CHECK(parse(R"({"ddp": "auto", "tensor_parallel_degree": 2, "global_batch_size": 8})").tensor_parallel_degree == 2);
   const Config tp_planned = parse(R"({"tensor_parallel_degree": "auto", "global_batch_size": 8})");
   CHECK(tp_planned.auto_keys == std::vector<std::string>{"tensor_parallel_degree"});
@@ -253,11 +253,12 @@ TEST_CASE("config: auto layout keys are left to the planner, with a provisional 
   CHECK(parse(R"({"tensor_parallel_degree": "auto", "ddp": "auto", "global_batch_size": 8})")
             .provisional_layout(4)
             .tensor_parallel_degree == 1);
-  CHECK_THROWS_WITH(parse(R"({"ddp": "auto", "expert_parallel_degree": 2, "global_batch_size": 8})"),
-                    Contains("with expert_parallel_degree above 1 give the layout keys"));
+  CHECK(parse(R"({"ddp": "auto", "expert_parallel_degree": 2, "global_batch_size": 8})").expert_parallel_degree == 2);
+  const Config ep_planned = parse(R"({"expert_parallel_degree": "auto", "global_batch_size": 8})");
+  CHECK(ep_planned.auto_keys == std::vector<std::string>{"expert_parallel_degree"});
+  CHECK(ep_planned.provisional_layout(4).expert_parallel_degree == 1);
   // Keys the planner does not choose take no "auto".
-  CHECK_THROWS_WITH(parse(R"({"expert_parallel_degree": "auto", "global_batch_size": 8})"),
-                    Contains("expert_parallel_degree"));
+  CHECK_THROWS_WITH(parse(R"({"sequence_parallel": "auto", "global_batch_size": 8})"), Contains("sequence_parallel"));
 }
 
 TEST_CASE("config: devices that differ are given per rank and a list of the wrong length is named once the world is known",

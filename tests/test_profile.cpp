@@ -656,3 +656,74 @@ TEST_CASE("tensor-parallel layouts: a shard profiled alone counts its collective
     if (prediction.layout.tensor_parallel == 2) CHECK_THAT(prediction.rejected, Catch::Matchers::Contains("tensor parallelism"));
   }
 }
+
+TEST_CASE("expert-parallel layouts: each rank holds its share of the experts and pays their token exchanges",
+          "[profile][plan]") {
+  // A dense module and an experts module of 1 MiB each (4 experts stacked), 1 ms each way on 2 samples; the experts
+  // read 1 MB of token rows per 2 samples.
+  auto modules = equal_chain(2, 1 << 20, 1 << 20);
+  modules[0].parameter_shapes = "dense.weight:512,512,;";
+  modules[1].parameter_shapes = "layer.experts.gate_up_proj:4,256,128,;layer.experts.down_proj:4,128,256,;";
+  smp::ModelProfile profile{modules, 2};
+  profile.mark_experts({{"layer.experts", 1000000}}, 4);
+  CHECK(profile.experts == 4);
+  CHECK(profile.modules[0].expert_parameter_bytes == 0);
+  CHECK(profile.modules[1].expert_parameter_bytes == 1 << 20);
+  CHECK(profile.modules[1].expert_token_bytes == 1000000);
+
+  const smp::PlanningCosts links{10e-6, 1e9, 1e9};
+  const auto find = [](const std::vector<smp::LayoutPrediction>& predictions, const std::string& described) {
+    const auto found = std::find_if(predictions.begin(), predictions.end(),
+                                    [&](const smp::LayoutPrediction& p) { return p.layout.describe() == described; });
+    REQUIRE(found != predictions.end());
+    return *found;
+  };
+  // Only with "auto" does the plan divide the experts; every degree dividing the 4 replicas and the 4 experts.
+  const auto fixed = smp::plan_layouts(profile, smp::Config::from_json_text(R"({"global_batch_size": 4})", "test"), 4, links);
+  CHECK(std::none_of(fixed.begin(), fixed.end(), [](const auto& p) { return p.layout.experts > 1; }));
+  const smp::Config planned =
+      smp::Config::from_json_text(R"({"global_batch_size": 4, "expert_parallel_degree": "auto"})", "test");
+  const auto predictions = smp::plan_layouts(profile, planned, 4, links);
+  const auto whole = find(predictions, "pp 1 x dp 4, gpipe, m 1");
+  const auto halves = find(predictions, "pp 1 x dp 4, ep 2, gpipe, m 1");
+  const auto quarters = find(predictions, "pp 1 x dp 4, ep 4, gpipe, m 1");
+  REQUIRE(whole.rejected.empty());
+  REQUIRE(halves.rejected.empty());
+  // Half the experts' parameters, gradients and AdamW moments (4 x 1/2 MiB) fewer.
+  CHECK(whole.peak_memory_mib() - halves.peak_memory_mib() == Approx(2.0));
+  CHECK(halves.peak_memory_mib() - quarters.peak_memory_mib() == Approx(1.0));
+  // Four exchanges a microbatch of one sample (0.5 MB of rows): each a latency and half the rows over 1 GB/s.
+  CHECK(halves.pipeline_s - whole.pipeline_s == Approx(4 * (10e-6 + 0.25e-3)));
+  // The experts' gradients are reduced over the 2 replicas holding the same experts: a ring of 2 moves 1 x their
+  // 0.5 MiB, where 4 replicas moved 1.5 x 1 MiB.
+  const double mib = 1 << 20;
+  CHECK(whole.gradient_sync_s == Approx(2 * (6 * 10e-6 + 1.5 * mib / 1e9)));
+  CHECK(halves.gradient_sync_s == Approx((6 * 10e-6 + 1.5 * mib / 1e9) + (2 * 10e-6 + 0.5 * mib / 1e9)));
+  CHECK_THAT(halves.config_json(), Catch::Matchers::Contains("\"expert_parallel_degree\":2"));
+
+  // A degree must divide the experts: with 2 of them, no ep 4.
+  smp::ModelProfile two_experts = profile;
+  two_experts.experts = 2;
+  const auto fewer = smp::plan_layouts(two_experts, planned, 4, links);
+  CHECK(std::none_of(fewer.begin(), fewer.end(), [](const auto& p) { return p.layout.experts == 4; }));
+  // Not with tensor parallelism: fixed beside it, those layouts are rejected, saying why.
+  const smp::Config fixed_ep = smp::Config::from_json_text(
+      R"({"global_batch_size": 4, "expert_parallel_degree": 2, "tensor_parallel_degree": "auto"})", "test");
+  for (const auto& prediction :
+       smp::plan_layouts(std::map<int, smp::ModelProfile>{{1, profile}, {2, profile}}, fixed_ep, 4, links)) {
+    if (prediction.layout.tensor_parallel == 2) {
+      CHECK_THAT(prediction.rejected, Catch::Matchers::Contains("not planned with tensor parallelism"));
+    }
+  }
+  // The job adopts the degree with the rest of the layout; a config fixing another degree does not take it.
+  const smp::Config given = smp::Config::from_json_text(
+      R"({"global_batch_size": 4, "expert_parallel_degree": "auto", "partitions": "auto", "ddp": "auto",
+          "microbatches": "auto"})", "test");
+  const auto adopted = smp::adopting_layout(given, halves.config_json(), 4);
+  REQUIRE(adopted.has_value());
+  CHECK(adopted->expert_parallel_degree == 2);
+  CHECK(adopted->replicas_for_world(4) == 4);
+  CHECK_FALSE(smp::adopting_layout(smp::Config::from_json_text(
+      R"({"global_batch_size": 4, "expert_parallel_degree": 1, "partitions": "auto", "ddp": "auto",
+          "microbatches": "auto"})", "test"), halves.config_json(), 4).has_value());
+}

@@ -106,6 +106,26 @@ def _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, config):
         return _smp.profile_for_planning(graph._graph, values, profiled, doubled, 2 * profiled)
 
 
+def _mark_experts(profile, model, sample):
+    """Tells `profile` where a mixture-of-experts model's stacked experts are (what expert parallelism divides) and
+    the token rows they read on `sample`, one microbatch: its tokens x the model's experts per token x its hidden
+    width, at the parameters' element size (what the ranks exchange)."""
+    from ._expert_parallel import experts_modules
+    experts = experts_modules(model)
+    if not experts:
+        return
+    config = getattr(model, "config", None)
+    values = sample.values() if isinstance(sample, collections.abc.Mapping) else [sample]
+    ids = next((value for value in values if isinstance(value, torch.Tensor) and not value.is_floating_point()), None)
+    top_k, hidden = getattr(config, "num_experts_per_tok", None), getattr(config, "hidden_size", None)
+    rows = {}
+    for path, module in experts.items():
+        element = next(module.parameters()).element_size()
+        # Unknown without token ids and the config's widths: the exchanges then go unpriced.
+        rows[path] = ids.numel() * top_k * hidden * element if ids is not None and top_k and hidden else 0
+    profile.mark_experts(rows, min(module.num_experts for module in experts.values()))
+
+
 def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb=None, optimizer_moments=2.0,
          link_gbps=None, latency_us=50.0, compute_scale=1.0, device_speeds=None, shared_cores=None,
          dynamic_shapes=None, tp_plan=None, tensor_parallel_degrees=None, synchronization_us=None,
@@ -126,6 +146,11 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     a copy of the model is sharded as rank 0 of that degree would hold it, captured and profiled alone: a shard's
     compute, parameters and activations, and its collectives counted and priced on the links as rings; a degree the
     model cannot take (heads that do not divide) is left out, in .unplanned_degrees and the report.
+    Expert parallelism: a mixture-of-experts model (Hugging Face's experts classes) is planned at the config's
+    "expert_parallel_degree", or with "auto" there at every degree dividing the replicas and the experts (at
+    tensor-parallel degree 1): each rank holds its share of the experts' parameters, gradients and optimizer state,
+    and every experts layer exchanges its token rows (tokens x num_experts_per_tok x hidden_size) four times a
+    microbatch, priced on the links.
     synchronization_us and synchronized_gbps: a collective between ranks that computed up to it, its fixed part and
     bandwidth, where ranks share cores and find a peer off its core (an "auto" job measures them there; the
     tensor-parallel collectives are priced on them).
@@ -153,6 +178,8 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     for degree in degrees:
         try:
             profiles[degree] = _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, rt.config)
+            if degree == 1:  # expert parallelism is planned without tensor parallelism
+                _mark_experts(profiles[degree], model, sample)
         except ConfigError as error:
             if len(degrees) == 1:
                 raise

@@ -6,7 +6,8 @@ Exits 0 only then.
   --models LIST  comma-separated, trained one after the other in the same job: causal LMs gpt2, llama, mistral,
                  qwen2, phi, gpt_neox, bloom, falcon, opt; sequence classifiers with padded attention masks bert,
                  roberta, distilbert; encoder-decoders t5, bart; torchvision resnet, vit, mobilenet, efficientnet,
-                 convnext, swin, regnet, densenet; mixtures of experts mixtral, olmoe, qwen3_moe, deepseek_v3;
+                 convnext, swin, regnet, densenet; mixtures of experts mixtral (mixtral_wide: experts of 512
+                 features), olmoe, qwen3_moe, deepseek_v3;
                  hf:CLASS, any transformers causal LM by class name (hf:Qwen2MoeForCausalLM), from a small config
   --smp JSON     the config
   --steps N
@@ -98,6 +99,9 @@ def language_model(name):
         # load-balancing term to the model's own loss.
         "mixtral": lambda: hf.MixtralForCausalLM(hf.MixtralConfig(**moe, num_local_experts=4,
                                                                   num_experts_per_tok=TOP_K)),
+        # Experts that hold most of the model's memory (8 of 512 features): what dividing them saves shows.
+        "mixtral_wide": lambda: hf.MixtralForCausalLM(hf.MixtralConfig(**dict(moe, intermediate_size=512),
+                                                                       num_local_experts=8, num_experts_per_tok=TOP_K)),
         "olmoe": lambda: hf.OlmoeForCausalLM(hf.OlmoeConfig(**moe, num_experts=4, num_experts_per_tok=TOP_K)),
         "qwen3_moe": lambda: hf.Qwen3MoeForCausalLM(hf.Qwen3MoeConfig(**moe, num_experts=4, num_experts_per_tok=TOP_K,
                                                                       moe_intermediate_size=48, head_dim=8)),
@@ -147,7 +151,7 @@ BATCH_ALONE_FREE = {"swin", "densenet"}
 VISION = {"resnet", "vit", "mobilenet", "efficientnet", "convnext", "swin", "regnet", "densenet"}
 CLASSIFIERS = {"bert", "roberta", "distilbert"}
 ENCODER_DECODERS = {"t5", "bart"}
-MOE = {"mixtral", "olmoe", "qwen3_moe", "deepseek_v3"}
+MOE = {"mixtral", "mixtral_wide", "olmoe", "qwen3_moe", "deepseek_v3"}
 TOP_K = 2
 
 
@@ -243,13 +247,22 @@ def planned_layout_failures(model, runtime, config):
     return failures
 
 
-def print_fastest_layout(name, ranks):
-    """--plan RANKS: the fastest layout smp.plan predicts for the model on RANKS ranks, and its peak memory."""
+def print_fastest_layout(name, ranks, config):
+    """--plan RANKS: the fastest layout smp.plan predicts for the model on RANKS ranks, and its peak memory; and the
+    least peak memory among the fitting layouts of each expert-parallel degree planned that keep the layout keys the
+    config fixes ("least_peak_mib_by_ep")."""
     torch.manual_seed(0)
     net = vision_model(name) if name in VISION else language_model(name)
     sample, _ = batch(name, 2, torch.Generator().manual_seed(5))
-    best = smp.plan(net, sample, world_size=ranks).best
-    print(json.dumps({"model": name, "layout": best["layout"], "peak_mib": max(best["memory_mib"])}), flush=True)
+    found = smp.plan(net, sample, world_size=ranks)
+    least = {}
+    for row in found.layouts:
+        keys = json.loads(row["config"])  # the layout keys
+        if row["rejected"] is None and all(config[key] in ("auto", value) for key, value in keys.items() if key in config):
+            degree = keys["expert_parallel_degree"]
+            least[degree] = min(least.get(degree, float("inf")), max(row["memory_mib"]))
+    print(json.dumps({"model": name, "layout": found.best["layout"], "peak_mib": max(found.best["memory_mib"]),
+                      "least_peak_mib_by_ep": least}), flush=True)
 
 
 def main():
@@ -273,7 +286,7 @@ def main():
     runtime = smp.init(config)
     if args.plan:
         for name in args.models.split(","):
-            print_fastest_layout(name, args.plan)
+            print_fastest_layout(name, args.plan, config)
         return
     failures = []
     for name in args.models.split(","):
@@ -391,7 +404,7 @@ def train_and_compare(name, args, config, runtime):
         failures.append("evaluation: the last stage's rank kept no outputs")
 
     plain = dict(reference.named_parameters())
-    experts_shared = config.get("expert_parallel_degree", 1)
+    experts_shared = runtime.expert_parallel_degree  # the config's, or the planner's for "auto"
     if experts_shared > 1:
         # Expert parallelism: this rank holds its share of every experts tensor, the rest whole.
         held = dict(model.named_parameters())

@@ -54,3 +54,20 @@ def test_auto_tensor_parallel_degree_shards_the_model_and_trains_equal_pytorch(j
     assert_passed(finished)
     chosen = rank0_lines(finished.stdout, "smp: planned layout ")
     assert chosen and chosen[0].startswith("smp: planned layout tp 2 x pp 1 x dp 1, "), finished.output
+
+
+def test_auto_expert_parallel_degree_divides_the_experts_when_memory_asks(job):
+    """"expert_parallel_degree": "auto" on a mixture of experts: with 2 replicas and a memory limit that only
+    layouts dividing the experts meet, the job adopts ep 2 (each rank holding half of every experts tensor, the
+    tokens exchanged) and trains equal to plain PyTorch."""
+    keys = dict(json.loads(smp_keys(global_batch_size=8)), partitions=1, ddp=True, microbatches="auto",
+                expert_parallel_degree="auto")
+    planned = job(1, "real_models.py", "--models", "mixtral_wide", "--plan", "2", "--smp", json.dumps(keys))
+    assert planned.returncode == 0, planned.output
+    least = json.loads(rank0_lines(planned.stdout, '{"model"')[0])["least_peak_mib_by_ep"]
+    assert least["2"] < least["1"], least
+    config = dict(keys, memory_limit_mb=(least["1"] + least["2"]) / 2)
+    finished = job(2, "real_models.py", "--models", "mixtral_wide", "--steps", "3", "--smp", json.dumps(config))
+    assert_passed(finished)
+    chosen = rank0_lines(finished.stdout, "smp: planned layout ")
+    assert chosen and chosen[0].startswith("smp: planned layout pp 1 x dp 2, ep 2, "), finished.output

@@ -26,7 +26,9 @@ struct Layout {
   bool recompute = false;           // every stage checkpointed (activation_checkpointing: true)
   bool shard_optimizer_state = false;
   int tensor_parallel = 1;  // ranks per tensor-parallel group (each holding a shard of the planned layers)
-  std::string describe() const;     // "pp 2 x dp 2, zb_v, m 8, recompute, ZeRO-1" ("tp 8 x pp 2 x ..." with tp)
+  int experts = 1;          // expert-parallel degree: consecutive replicas dividing the stacked experts among them
+  // "pp 2 x dp 2, zb_v, m 8, recompute, ZeRO-1" ("tp 8 x pp 2 x ..." with tp, "dp 4, ep 2, ..." with ep)
+  std::string describe() const;
   std::string config_json() const;  // the smp keys that ask for it
 };
 
@@ -72,8 +74,14 @@ struct ModelProfile {
   int batch = 1;
   std::vector<ModuleProfile> larger;
   int larger_batch = 0;
+  // Experts in each mixture-of-experts layer (its fewest), which an expert-parallel degree must divide; 0: none.
+  int experts = 0;
   // The profile on a microbatch of `samples`, compute times `compute_scale`.
   std::vector<ModuleProfile> at(int samples, double compute_scale = 1.0) const;
+  // A mixture-of-experts model's experts: {experts module's path: the token rows' bytes it reads per microbatch of
+  // the profile}, and the experts per layer. Each node holding parameters under such a path counts their bytes in
+  // expert_parameter_bytes, and the first of them the rows in expert_token_bytes.
+  void mark_experts(const std::map<std::string, std::int64_t>& token_bytes, int experts_per_layer);
 };
 
 struct LayoutPrediction {
@@ -90,6 +98,7 @@ struct LayoutPrediction {
   std::vector<std::string> stages;  // per stage, its modules as the partition search cut them: "first..last"
   // The cut as partition_overrides (every module pinned to its stage): a job adopting the layout
   // trains the stages its memory and step were predicted for, rather than cutting again from a profile of its own.
+  // Empty with expert parallelism: a job dividing the experts captures another graph than the profile's.
   std::map<std::string, int> cut;
   // The layout's keys with the cut ("partition_overrides"): what a job adopts.
   std::string config_json() const;
@@ -112,6 +121,11 @@ std::vector<int> divisors(int n);
 // fastest first; a layout the partition search cannot place is rejected with its reason.
 std::vector<LayoutPrediction> plan_layouts(const ModelProfile& profile, const Config& base, int world_size, const PlanningCosts& costs = {},
                                            double optimizer_moments = 2.0);
+// Expert parallelism ("expert_parallel_degree" fixed, or "auto": every degree dividing the replicas and
+// ModelProfile::experts) is planned at tensor-parallel degree 1 from the same profile: each rank holds 1 / ep of the
+// experts' parameters, gradients and optimizer state (ZeRO-1 shares them over the replicas / ep that hold the same
+// experts, which also reduce their gradients), and every experts layer exchanges its token rows four times a
+// microbatch (dispatch and combine, forward and backward), priced on the point-to-point links.
 // With tensor parallelism: the model's profile at each degree considered (sharded for it: a shard's compute,
 // parameters and activations, its collectives counted, not run), and for each degree tp dividing world_size every
 // layout of the world_size / tp groups as above. A group computes as one rank of the pipeline; its collectives are

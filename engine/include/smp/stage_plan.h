@@ -43,6 +43,12 @@ struct ModuleProfile {
   // of the profile. The planner prices them on the measured links; forward_s and backward_s leave them out.
   std::int64_t tp_forward_collectives = 0, tp_backward_collectives = 0;
   std::int64_t tp_forward_ring_bytes = 0, tp_backward_ring_bytes = 0;
+  // Of parameter_bytes, a mixture-of-experts layer's stacked experts' (which expert parallelism divides over its
+  // group), and the token rows those experts read per microbatch of the profile (tokens x top-k x hidden x element
+  // size): what an expert-parallel group exchanges to dispatch them and again to combine their results, forward and
+  // backward.
+  std::int64_t expert_parameter_bytes = 0;
+  std::int64_t expert_token_bytes = 0;
 };
 
 struct StagePlan {

@@ -438,11 +438,6 @@ Config Config::from_json_text(const std::string& text, const std::string& source
     read.fail("default_partition", "must be below the number of stages (" + std::to_string(config.num_stages()) +
                                        "), got " + std::to_string(config.default_partition));
   }
-  if (!config.auto_keys.empty() && config.expert_parallel_degree > 1) {
-    throw ConfigError(source + ": key \"" + config.auto_keys.front() +
-                      "\": \"auto\" plans tensor-parallel, pipeline and data-parallel layouts; with "
-                      "expert_parallel_degree above 1 give the layout keys");
-  }
   if (config.global_batch_size > 0 && config.global_batch_size % config.microbatches != 0) {
     read.fail("global_batch_size", std::to_string(config.global_batch_size) + " does not split into " +
                                        std::to_string(config.microbatches) + " microbatches");
@@ -453,7 +448,8 @@ Config Config::from_json_text(const std::string& text, const std::string& source
 const std::vector<std::string>& Config::planned_keys() {
   static const std::vector<std::string> keys = {"partitions", "microbatches",   "pipeline",
                                                 "virtual_stages", "ddp", "activation_checkpointing",
-                                                "shard_optimizer_state", "tensor_parallel_degree"};
+                                                "shard_optimizer_state", "tensor_parallel_degree",
+                                                "expert_parallel_degree"};
   return keys;
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <set>
 #include <sstream>
 #include <tuple>
 
@@ -34,6 +35,7 @@ double through(double small, double large, int batch, int larger_batch, int samp
 Config config_of(const Layout& layout, const Config& base) {
   Config config = base;
   config.tensor_parallel_degree = 1;  // a tensor-parallel group is one rank of the pipelines and replicas planned
+  config.expert_parallel_degree = 1;  // the experts' share is the profile's (divide_experts)
   config.partitions = layout.partitions;
   config.virtual_stages = layout.virtual_stages;
   config.microbatches = layout.microbatches;
@@ -71,6 +73,37 @@ double tensor_parallel_s(std::int64_t collectives, std::int64_t ring_bytes, int 
   return collectives * (tp - 1) * round_trip + static_cast<double>(ring_bytes) * (tp - 1) / tp / bytes_per_s;
 }
 
+// One exchange of an experts layer's token rows over an expert-parallel group of `ep`: each rank sends (ep - 1) / ep
+// of them, one message to each peer.
+double expert_exchange_s(std::int64_t token_bytes, int ep, const PlanningCosts& costs) {
+  if (ep <= 1 || token_bytes == 0) return 0.0;
+  return (ep - 1) * costs.latency_s + static_cast<double>(token_bytes) * (ep - 1) / ep / costs.p2p_bytes_per_s;
+}
+
+// The profile as each rank of an expert-parallel group of `ep` runs it: 1 / ep of the experts' parameters, and the
+// token exchanges around them (dispatch and combine each way) in its forward and backward, which the partition
+// search then balances like compute; a backward's exchanges carry input gradients, so the input pass's too.
+void divide_experts(std::vector<ModuleProfile>& modules, int ep, const PlanningCosts& costs) {
+  if (ep <= 1) return;
+  for (auto& module : modules) {
+    if (module.expert_parameter_bytes == 0 && module.expert_token_bytes == 0) continue;
+    const std::int64_t kept = module.expert_parameter_bytes / ep;
+    module.parameter_bytes -= module.expert_parameter_bytes - kept;
+    module.expert_parameter_bytes = kept;
+    const double exchanges = 2.0 * expert_exchange_s(module.expert_token_bytes, ep, costs);
+    module.forward_s += exchanges;
+    module.backward_s += exchanges;
+    if (module.backward_input_s + module.backward_weight_s > 0.0) module.backward_input_s += exchanges;
+  }
+}
+
+// A ring all-reduce of `bytes` over `replicas` (and ZeRO-1's broadcast after the step: one more (n - 1) / n).
+double all_reduce_s(double bytes, int replicas, bool sharded, double latency_s, double bytes_per_s) {
+  if (replicas <= 1) return 0.0;
+  const double share = static_cast<double>(replicas - 1) / replicas;
+  return latency_s * 2 * (replicas - 1) + (2.0 * share + (sharded ? share : 0.0)) * bytes / bytes_per_s;
+}
+
 // `timeline`, when given, gets the simulated step: one row per pipeline rank. `profile` is the model's at the
 // layout's tensor-parallel degree; `whole_world` and `given_costs` the whole job's.
 void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Config& base, int whole_world,
@@ -84,11 +117,15 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   const sched::Schedule schedule = sched::make_schedule(config.schedule_name(), layout.partitions,
                                                         layout.microbatches, layout.virtual_stages, 0);
   const int shards = layout.shard_optimizer_state ? layout.replicas : 1;
+  // The experts' state is sharded over the replicas holding the same experts.
+  const int ep = std::max(1, layout.experts);
+  const int expert_shards = layout.shard_optimizer_state ? layout.replicas / ep : 1;
   StagePlan plan;
   StageDevices devices;
   try {
     devices = stage_devices(config, Topology(config, world_size), schedule.stage_to_rank, {});
-    const auto modules = profile.at(per_microbatch, costs.compute_scale);
+    auto modules = profile.at(per_microbatch, costs.compute_scale);
+    divide_experts(modules, ep, costs);
     plan = plan_stages(modules, config, activation_copies(schedule, weight_pass_share(modules)), shards, &devices);
   } catch (const std::exception& error) {
     prediction.rejected = error.what();
@@ -104,10 +141,13 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
     const std::string& last = plan.modules[static_cast<std::size_t>(members.back())].name;
     prediction.stages.push_back(members.size() == 1 ? first : first + ".." + last);
   }
-  prediction.cut = pinned_cut(plan);
+  // A job dividing the experts captures them as one opaque call each, whose graph names its nodes otherwise than
+  // the profile's: it cuts its own graph, from its own profile.
+  if (ep == 1) prediction.cut = pinned_cut(plan);
   sched::SimulationCosts simulated;
   simulated.stages.resize(static_cast<std::size_t>(stages));
   std::vector<double> parameter_bytes(static_cast<std::size_t>(stages), 0.0);
+  std::vector<double> expert_bytes(static_cast<std::size_t>(stages), 0.0);  // of parameter_bytes
   std::vector<double> activation_bytes(static_cast<std::size_t>(stages), 0.0);
   double largest_transfer = 0.0;
   for (int stage = 0; stage < stages; ++stage) {
@@ -123,6 +163,7 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
       input_pass += profile.backward_input_s;
       weight_pass += profile.backward_weight_s;
       parameter_bytes[stage] += static_cast<double>(profile.parameter_bytes);
+      expert_bytes[stage] += static_cast<double>(profile.expert_parameter_bytes);
       activation_bytes[stage] += static_cast<double>(profile.activation_bytes + profile.output_bytes);
     }
     // On a slower device, everything it computes takes longer.
@@ -175,14 +216,17 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   // Per pipeline rank: what its stages hold (as the partition search's memory model counts it), and the bytes
   // its replicas reduce after the step.
   const auto ranks = static_cast<std::size_t>(layout.partitions);
-  std::vector<double> rank_parameter_bytes(ranks, 0.0), held_bytes(ranks, 0.0), activations_held(ranks, 0.0),
-      largest_parameter(ranks, 0.0);
+  std::vector<double> rank_parameter_bytes(ranks, 0.0), rank_expert_bytes(ranks, 0.0), held_bytes(ranks, 0.0),
+      activations_held(ranks, 0.0), largest_parameter(ranks, 0.0);
   for (int stage = 0; stage < stages; ++stage) {
     const int rank = schedule.stage_to_rank.at(stage);
     const double copies = layout.recompute ? 1.0 : plan.activation_copies.at(stage);
-    held_bytes[rank] += (2.0 + optimizer_moments / shards) * parameter_bytes[stage];
+    const double dense = parameter_bytes[stage] - expert_bytes[stage];
+    held_bytes[rank] += (2.0 + optimizer_moments / shards) * dense +
+                        (2.0 + optimizer_moments / expert_shards) * expert_bytes[stage];
     activations_held[rank] += copies * activation_bytes[stage];
     rank_parameter_bytes[rank] += parameter_bytes[stage];
+    rank_expert_bytes[rank] += expert_bytes[stage];
     for (int module : plan.modules_of_stage(stage)) {
       largest_parameter[rank] = std::max(
           largest_parameter[rank], static_cast<double>(plan.modules[static_cast<std::size_t>(module)].largest_parameter_bytes));
@@ -192,22 +236,27 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   for (std::size_t rank = 0; rank < ranks; ++rank) {
     // Adam's step (two moments) holds temporaries once the step's activations are gone: a ResNet stage of two
     // 9 MiB convolutions held 19 MiB more than its parameters, gradients, moments and activations.
+    const double stepped = (rank_parameter_bytes[rank] - rank_expert_bytes[rank]) / shards +
+                           rank_expert_bytes[rank] / expert_shards;
     const double scratch = optimizer_moments < 2.0          ? 0.0
-                           : costs.optimizer_foreach ? rank_parameter_bytes[rank] / shards
+                           : costs.optimizer_foreach ? stepped
                                                      : 2.0 * largest_parameter[rank];
     prediction.memory_mib[rank] = (held_bytes[rank] + std::max(activations_held[rank], scratch)) / kMiB;
   }
-  // The rank with the most parameters reduces the most and steps the longest.
-  const double fullest = *std::max_element(rank_parameter_bytes.begin(), rank_parameter_bytes.end());
-  if (layout.replicas > 1) {
-    const double share = static_cast<double>(layout.replicas - 1) / layout.replicas;
-    // ZeRO-1 broadcasts each parameter from its owner after the step: one more (dp - 1) / dp of the bytes.
-    const double passes = 2.0 * share + (layout.shard_optimizer_state ? share : 0.0);
-    const double latency = replicas_across ? costs.inter_node_latency_s : costs.latency_s;
-    const double bytes_per_s = replicas_across ? costs.inter_node_bytes_per_s : costs.all_reduce_bytes_per_s;
-    prediction.gradient_sync_s = latency * 2 * (layout.replicas - 1) + passes * fullest / bytes_per_s;
+  // The rank with the most parameters reduces the most and steps the longest: the dense ones over every replica,
+  // the experts' over the replicas holding the same experts.
+  const double latency = replicas_across ? costs.inter_node_latency_s : costs.latency_s;
+  const double bytes_per_s = replicas_across ? costs.inter_node_bytes_per_s : costs.all_reduce_bytes_per_s;
+  double stepped_most = 0.0;
+  for (std::size_t rank = 0; rank < ranks; ++rank) {
+    const double dense = rank_parameter_bytes[rank] - rank_expert_bytes[rank];
+    const double sync =
+        all_reduce_s(dense, layout.replicas, layout.shard_optimizer_state, latency, bytes_per_s) +
+        all_reduce_s(rank_expert_bytes[rank], layout.replicas / ep, layout.shard_optimizer_state, latency, bytes_per_s);
+    prediction.gradient_sync_s = std::max(prediction.gradient_sync_s, sync);
+    stepped_most = std::max(stepped_most, dense / shards + rank_expert_bytes[rank] / expert_shards);
   }
-  prediction.optimizer_s = costs.optimizer_s_per_byte * fullest / shards * sharing;
+  prediction.optimizer_s = costs.optimizer_s_per_byte * stepped_most * sharing;
   prediction.step_s = prediction.pipeline_s + prediction.gradient_sync_s + prediction.optimizer_s;
   for (int rank = 0; rank < layout.partitions; ++rank) {
     // The rank's own device, where devices differ in memory (its first stage's: a rank's stages share it).
@@ -223,6 +272,43 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
       break;
     }
   }
+}
+
+// Why a layout cannot divide the experts over `ep` replicas; empty when it can (or divides nothing).
+std::string experts_refusal(int ep, int tp, int experts) {
+  if (ep <= 1) return {};
+  if (tp > 1) return "expert parallelism is not planned with tensor parallelism";
+  if (experts == 0) return "the model has no experts to divide";
+  if (experts % ep != 0) {
+    return "expert_parallel_degree " + std::to_string(ep) + " does not divide the " + std::to_string(experts) +
+           " experts";
+  }
+  return {};
+}
+
+// Every schedule, microbatch count, recompute and ZeRO-1 choice for `partitions` pipeline ranks x `replicas`, each
+// replica taking `per_replica` samples a step, of a model cut into `modules` nodes.
+std::vector<Layout> layouts_of(int partitions, int replicas, int per_replica, int modules) {
+  std::vector<Layout> layouts;
+  for (const auto& choice : kSchedules) {
+    // One stage runs GPipe's order alone: every schedule is the same there.
+    if (partitions == 1 && (choice.virtual_stages > 1 || std::string(choice.name) != "gpipe")) continue;
+    if (partitions * choice.virtual_stages > modules) continue;
+    for (int microbatches : divisors(per_replica)) {
+      // Fewer microbatches than stages leave most of a pipeline idle; more than 8 per stage gain little and
+      // multiply the runs.
+      const int stages = partitions * choice.virtual_stages;
+      if (partitions > 1 && (microbatches < partitions || microbatches > 8 * stages)) continue;
+      if (partitions == 1 && microbatches > 4) continue;
+      for (bool recompute : {false, true}) {
+        for (bool sharded : {false, true}) {
+          if (sharded && replicas == 1) continue;
+          layouts.push_back({partitions, replicas, choice.virtual_stages, microbatches, choice.name, recompute, sharded});
+        }
+      }
+    }
+  }
+  return layouts;
 }
 
 }  // namespace
@@ -274,14 +360,50 @@ std::vector<ModuleProfile> ModelProfile::at(int samples, double compute_scale) c
     if (module.weight_pass_bytes > 0) module.weight_pass_bytes = module.weight_pass_bytes * samples / batch;
     module.tp_forward_ring_bytes = module.tp_forward_ring_bytes * samples / batch;
     module.tp_backward_ring_bytes = module.tp_backward_ring_bytes * samples / batch;
+    module.expert_token_bytes = module.expert_token_bytes * samples / batch;
   }
   return result;
+}
+
+void ModelProfile::mark_experts(const std::map<std::string, std::int64_t>& token_bytes, int experts_per_layer) {
+  experts = experts_per_layer;
+  std::set<std::string> rows_placed;
+  for (auto& node : modules) {
+    // parameter_shapes: "path:d0,d1,;" for each parameter the node counts, all of one element size here.
+    std::vector<std::pair<std::string, std::int64_t>> elements_of;
+    std::int64_t elements = 0;
+    std::istringstream entries(node.parameter_shapes);
+    for (std::string entry; std::getline(entries, entry, ';');) {
+      const auto colon = entry.rfind(':');
+      if (colon == std::string::npos) continue;
+      std::int64_t count = 1;
+      std::istringstream sizes(entry.substr(colon + 1));
+      for (std::string size; std::getline(sizes, size, ',');) {
+        if (!size.empty()) count *= std::stoll(size);
+      }
+      elements_of.emplace_back(entry.substr(0, colon), count);
+      elements += count;
+    }
+    if (elements == 0) continue;
+    const double element_bytes = static_cast<double>(node.parameter_bytes) / static_cast<double>(elements);
+    for (const auto& [path, rows] : token_bytes) {
+      std::int64_t held = 0;
+      for (const auto& [name, count] : elements_of) {
+        if (name.rfind(path + ".", 0) == 0) held += count;
+      }
+      if (held == 0) continue;
+      node.expert_parameter_bytes += static_cast<std::int64_t>(static_cast<double>(held) * element_bytes);
+      if (rows_placed.insert(path).second) node.expert_token_bytes += rows;
+    }
+  }
 }
 
 std::string Layout::describe() const {
   std::ostringstream text;
   if (tensor_parallel > 1) text << "tp " << tensor_parallel << " x ";
-  text << "pp " << partitions << " x dp " << replicas << ", " << pipeline << ", m " << microbatches;
+  text << "pp " << partitions << " x dp " << replicas;
+  if (experts > 1) text << ", ep " << experts;
+  text << ", " << pipeline << ", m " << microbatches;
   if (recompute) text << ", recompute";
   if (shard_optimizer_state) text << ", ZeRO-1";
   return text.str();
@@ -293,7 +415,7 @@ std::string Layout::config_json() const {
        << microbatches << ", \"pipeline\": \"" << pipeline << "\", \"ddp\": " << (replicas > 1 ? "true" : "false")
        << ", \"activation_checkpointing\": " << (recompute ? "true" : "false")
        << ", \"shard_optimizer_state\": " << (shard_optimizer_state ? "true" : "false")
-       << ", \"tensor_parallel_degree\": " << tensor_parallel << "}";
+       << ", \"tensor_parallel_degree\": " << tensor_parallel << ", \"expert_parallel_degree\": " << experts << "}";
   return text.str();
 }
 
@@ -327,6 +449,21 @@ std::vector<LayoutPrediction> plan_layouts(const std::map<int, ModelProfile>& by
   }
   // Devices that differ are given per rank, which a layout's groups of tensor-parallel ranks would share unevenly.
   const bool uneven_devices = !base.device_speeds.empty() || !base.device_memory_mb.empty();
+  const bool experts_planned = std::find(base.auto_keys.begin(), base.auto_keys.end(), "expert_parallel_degree") !=
+                               base.auto_keys.end();
+  // The expert-parallel degrees a layout of `replicas` can take: the config's, or for "auto" each divisor of the
+  // replicas that divides the experts (none above 1 with tensor parallelism).
+  const auto expert_degrees = [&](int replicas, int tp, const ModelProfile& profile) {
+    if (!experts_planned) {
+      return replicas % base.expert_parallel_degree == 0 ? std::vector<int>{base.expert_parallel_degree}
+                                                         : std::vector<int>{};
+    }
+    std::vector<int> degrees;
+    for (int ep : divisors(replicas)) {
+      if (ep == 1 || (tp == 1 && profile.experts > 0 && profile.experts % ep == 0)) degrees.push_back(ep);
+    }
+    return degrees;
+  };
   std::vector<LayoutPrediction> predictions;
   for (const auto& [tp, profile] : by_degree) {
     if (world_size % tp != 0) continue;
@@ -336,30 +473,21 @@ std::vector<LayoutPrediction> plan_layouts(const std::map<int, ModelProfile>& by
       const int replicas = ranks / partitions;
       if (base.global_batch_size % replicas != 0) continue;
       const int per_replica = base.global_batch_size / replicas;
-      for (const auto& choice : kSchedules) {
-        // One stage runs GPipe's order alone: every schedule is the same there.
-        if (partitions == 1 && (choice.virtual_stages > 1 || std::string(choice.name) != "gpipe")) continue;
-        if (partitions * choice.virtual_stages > modules) continue;
-        for (int microbatches : divisors(per_replica)) {
-          // Fewer microbatches than stages leave most of a pipeline idle; more than 8 per stage gain little and
-          // multiply the runs.
-          const int stages = partitions * choice.virtual_stages;
-          if (partitions > 1 && (microbatches < partitions || microbatches > 8 * stages)) continue;
-          if (partitions == 1 && microbatches > 4) continue;
-          for (bool recompute : {false, true}) {
-            for (bool sharded : {false, true}) {
-              if (sharded && replicas == 1) continue;
-              LayoutPrediction prediction;
-              prediction.layout = {partitions, replicas, choice.virtual_stages, microbatches, choice.name, recompute,
-                                   sharded, tp};
-              if (tp > 1 && uneven_devices) {
-                prediction.rejected = "device speeds or memory per rank are not planned with tensor parallelism";
-              } else {
-                predict(prediction, profile, base, world_size, costs, optimizer_moments);
-              }
-              predictions.push_back(std::move(prediction));
-            }
+      for (int ep : expert_degrees(replicas, tp, profile)) {
+        const std::string refused = tp > 1 && uneven_devices
+                                        ? "device speeds or memory per rank are not planned with tensor parallelism"
+                                        : experts_refusal(ep, tp, profile.experts);
+        for (Layout& layout : layouts_of(partitions, replicas, per_replica, modules)) {
+          LayoutPrediction prediction;
+          layout.tensor_parallel = tp;
+          layout.experts = ep;
+          prediction.layout = layout;
+          if (refused.empty()) {
+            predict(prediction, profile, base, world_size, costs, optimizer_moments);
+          } else {
+            prediction.rejected = refused;
           }
+          predictions.push_back(std::move(prediction));
         }
       }
     }
@@ -450,8 +578,9 @@ auto layout_asked(const Config& config, int world_size) {
   const int recompute = none ? 0 : every_stage ? 1 : 2;  // 2: some, which no planned layout is
   // One stage runs every schedule in the same order (the planner names it GPipe).
   const std::string schedule = config.num_stages() == 1 ? std::string("one stage") : config.schedule_name();
-  return std::make_tuple(config.tensor_parallel_degree, config.partitions, replicas, config.virtual_stages,
-                         config.microbatches, schedule, recompute, config.shard_optimizer_state && replicas > 1);
+  return std::make_tuple(config.tensor_parallel_degree, config.partitions, replicas, config.expert_parallel_degree,
+                         config.virtual_stages, config.microbatches, schedule, recompute,
+                         config.shard_optimizer_state && replicas > 1);
 }
 
 }  // namespace
