@@ -3,7 +3,8 @@ trained by a 4-process job on this machine (median step after warm-up). Reports,
 measured step, and over the grid the median absolute error, the rank correlation (Spearman) and where the
 planner's choice among the grid falls against the fastest measured.
 
-  python bench/bench_plan.py --model llama|gpt2|gpt|resnet [--steps 6]     (a driver: it launches the jobs with smprun)
+  python bench/bench_plan.py --model llama|gpt2|gpt|resnet|mixtral [--steps 6]     (a driver: it launches the jobs
+  with smprun; mixtral, a mixture of experts, is planned with "expert_parallel_degree": "auto")
 
 Inside the jobs: --predict (one process: smp.plan, the layouts as JSON) and --train CONFIG (one layout).
 """
@@ -32,6 +33,11 @@ def build(name):
         config = hf.LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=8,
                                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=LENGTH)
         return hf.LlamaForCausalLM(config)
+    if name == "mixtral":  # experts hold most of it: 8 of 512 features in each of 4 layers, 2 per token
+        config = hf.MixtralConfig(vocab_size=1024, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                  num_experts_per_tok=2, max_position_embeddings=LENGTH)
+        return hf.MixtralForCausalLM(config)
     if name == "gpt2":
         config = hf.GPT2Config(vocab_size=1024, n_embd=256, n_layer=8, n_head=8, n_positions=LENGTH)
         return hf.GPT2LMHeadModel(config)
@@ -73,10 +79,11 @@ def measure_link():
 
 def predict(name, link_gbps, latency_us, processors, synchronization_us, synchronized_gbps):
     import smp
-    smp.init({"global_batch_size": GLOBAL_BATCH})
     model = build(name)
+    # A mixture of experts: every expert-parallel degree too.
+    smp.init({"global_batch_size": GLOBAL_BATCH, **({"expert_parallel_degree": "auto"} if name == "mixtral" else {})})
     # Tensor parallelism where the model has a plan (the Hugging Face decoders' own): every degree of the world.
-    degrees = [1, 2, 4] if smp.tp.builtin_plan(model) else [1]
+    degrees = [1, 2, 4] if smp.tp.builtin_plan(model) and name != "mixtral" else [1]
     found = smp.plan(model, batch(2, torch.Generator().manual_seed(1), name)[0], world_size=WORLD,
                      link_gbps=link_gbps, latency_us=latency_us, shared_cores=processors or None,
                      tensor_parallel_degrees=degrees, synchronization_us=synchronization_us,
@@ -137,6 +144,15 @@ def job(processes, *args):
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
+def experts_grid(layouts):
+    """A mixture of experts: each expert-parallel degree beside its ep 1 twin, one stage and two (1F1B, a
+    microbatch per stage), ZeRO-1 once with one stage; and four stages without replicas."""
+    wanted = {"pp 1 x dp 4, gpipe, m 1", "pp 1 x dp 4, ep 2, gpipe, m 1", "pp 1 x dp 4, ep 4, gpipe, m 1",
+              "pp 1 x dp 4, gpipe, m 1, ZeRO-1", "pp 1 x dp 4, ep 4, gpipe, m 1, ZeRO-1",
+              "pp 2 x dp 2, 1f1b, m 2", "pp 2 x dp 2, ep 2, 1f1b, m 2", "pp 4 x dp 1, 1f1b, m 4"}
+    return [layout for layout in layouts if layout["rejected"] is None and layout["layout"] in wanted]
+
+
 def grid(layouts):
     """Each pipeline depth with each schedule at 2 microbatches per stage (and 1 per stage), recompute once, ZeRO-1
     once; with tensor parallelism GPipe and 1F1B alone: the layouts a person would try, from the planner's list
@@ -191,7 +207,7 @@ def drive(name, steps):
                   "--synchronized-gbps", str(synchronized_gbps))[0]
     rows = []
     cuts_differ = 0
-    for layout in grid(planned["layouts"]):
+    for layout in (experts_grid if name == "mixtral" else grid)(planned["layouts"]):
         ranks = job(WORLD, "--model", name, "--train", layout["config"], "--steps", str(steps))
         measured = statistics.median(r["step_ms"] for r in ranks)
         # Per pipeline rank, its fullest replica's measured memory against the prediction.

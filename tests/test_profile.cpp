@@ -692,8 +692,9 @@ TEST_CASE("expert-parallel layouts: each rank holds its share of the experts and
   // Half the experts' parameters, gradients and AdamW moments (4 x 1/2 MiB) fewer.
   CHECK(whole.peak_memory_mib() - halves.peak_memory_mib() == Approx(2.0));
   CHECK(halves.peak_memory_mib() - quarters.peak_memory_mib() == Approx(1.0));
-  // Four exchanges a microbatch of one sample (0.5 MB of rows): each a latency and half the rows over 1 GB/s.
-  CHECK(halves.pipeline_s - whole.pipeline_s == Approx(4 * (10e-6 + 0.25e-3)));
+  // Four exchanges of a microbatch's rows (one sample: 0.5 MB), each a round trip and half the rows over 1 GB/s,
+  // and the counts before them.
+  CHECK(halves.pipeline_s - whole.pipeline_s == Approx(4 * (20e-6 + 0.25e-3) + 20e-6));
   // The experts' gradients are reduced over the 2 replicas holding the same experts: a ring of 2 moves 1 x their
   // 0.5 MiB, where 4 replicas moved 1.5 x 1 MiB.
   const double mib = 1 << 20;

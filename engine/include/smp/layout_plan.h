@@ -124,8 +124,8 @@ std::vector<LayoutPrediction> plan_layouts(const ModelProfile& profile, const Co
 // Expert parallelism ("expert_parallel_degree" fixed, or "auto": every degree dividing the replicas and
 // ModelProfile::experts) is planned at tensor-parallel degree 1 from the same profile: each rank holds 1 / ep of the
 // experts' parameters, gradients and optimizer state (ZeRO-1 shares them over the replicas / ep that hold the same
-// experts, which also reduce their gradients), and every experts layer exchanges its token rows four times a
-// microbatch (dispatch and combine, forward and backward), priced on the point-to-point links.
+// experts, which also reduce their gradients), and every experts layer's exchanges (its counts, its token rows out
+// and back, their gradients) are priced on the point-to-point links.
 // With tensor parallelism: the model's profile at each degree considered (sharded for it: a shard's compute,
 // parameters and activations, its collectives counted, not run), and for each degree tp dividing world_size every
 // layout of the world_size / tp groups as above. A group computes as one rank of the pipeline; its collectives are

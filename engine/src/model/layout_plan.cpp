@@ -73,16 +73,23 @@ double tensor_parallel_s(std::int64_t collectives, std::int64_t ring_bytes, int 
   return collectives * (tp - 1) * round_trip + static_cast<double>(ring_bytes) * (tp - 1) / tp / bytes_per_s;
 }
 
-// One exchange of an experts layer's token rows over an expert-parallel group of `ep`: each rank sends (ep - 1) / ep
-// of them, one message to each peer.
-double expert_exchange_s(std::int64_t token_bytes, int ep, const PlanningCosts& costs) {
-  if (ep <= 1 || token_bytes == 0) return 0.0;
-  return (ep - 1) * costs.latency_s + static_cast<double>(token_bytes) * (ep - 1) / ep / costs.p2p_bytes_per_s;
+// One exchange among an expert-parallel group of `ep` that carries `bytes` from each rank: a message to each peer
+// ((ep - 1) / ep of the bytes leave), each a round trip's fixed part: where ranks share cores, the synchronization
+// measured after computing, as for tensor-parallel collectives (an experts layer's ranks reach it computing alike),
+// its bytes at the lower of the link's and the synchronized bandwidth.
+double expert_exchange_s(std::int64_t bytes, int ep, const PlanningCosts& costs) {
+  if (ep <= 1) return 0.0;
+  const double round_trip = std::max(2.0 * costs.latency_s, costs.synchronization_s);
+  const double bytes_per_s = costs.synchronized_bytes_per_s > 0
+                                 ? std::min(costs.p2p_bytes_per_s, costs.synchronized_bytes_per_s)
+                                 : costs.p2p_bytes_per_s;
+  return (ep - 1) * round_trip + static_cast<double>(bytes) * (ep - 1) / ep / bytes_per_s;
 }
 
 // The profile as each rank of an expert-parallel group of `ep` runs it: 1 / ep of the experts' parameters, and the
-// token exchanges around them (dispatch and combine each way) in its forward and backward, which the partition
-// search then balances like compute; a backward's exchanges carry input gradients, so the input pass's too.
+// exchanges around them (ExpertsAcrossRanks: forward, the counts, the rows out and the results back; backward, the
+// two gradients), which the partition search then balances like compute; a backward's exchanges carry input
+// gradients, so the input pass's too.
 void divide_experts(std::vector<ModuleProfile>& modules, int ep, const PlanningCosts& costs) {
   if (ep <= 1) return;
   for (auto& module : modules) {
@@ -90,10 +97,10 @@ void divide_experts(std::vector<ModuleProfile>& modules, int ep, const PlanningC
     const std::int64_t kept = module.expert_parameter_bytes / ep;
     module.parameter_bytes -= module.expert_parameter_bytes - kept;
     module.expert_parameter_bytes = kept;
-    const double exchanges = 2.0 * expert_exchange_s(module.expert_token_bytes, ep, costs);
-    module.forward_s += exchanges;
-    module.backward_s += exchanges;
-    if (module.backward_input_s + module.backward_weight_s > 0.0) module.backward_input_s += exchanges;
+    const double rows = expert_exchange_s(module.expert_token_bytes, ep, costs);
+    module.forward_s += expert_exchange_s(0, ep, costs) + 2.0 * rows;
+    module.backward_s += 2.0 * rows;
+    if (module.backward_input_s + module.backward_weight_s > 0.0) module.backward_input_s += 2.0 * rows;
   }
 }
 
