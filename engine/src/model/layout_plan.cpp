@@ -257,9 +257,13 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   double stepped_most = 0.0;
   for (std::size_t rank = 0; rank < ranks; ++rank) {
     const double dense = rank_parameter_bytes[rank] - rank_expert_bytes[rank];
+    const bool apart = ep > 1 && rank_expert_bytes[rank] > 0;  // else one reduction takes both
     const double sync =
-        all_reduce_s(dense, layout.replicas, layout.shard_optimizer_state, latency, bytes_per_s) +
-        all_reduce_s(rank_expert_bytes[rank], layout.replicas / ep, layout.shard_optimizer_state, latency, bytes_per_s);
+        all_reduce_s(apart ? dense : rank_parameter_bytes[rank], layout.replicas, layout.shard_optimizer_state, latency,
+                     bytes_per_s) +
+        (apart ? all_reduce_s(rank_expert_bytes[rank], layout.replicas / ep, layout.shard_optimizer_state, latency,
+                              bytes_per_s)
+               : 0.0);
     prediction.gradient_sync_s = std::max(prediction.gradient_sync_s, sync);
     stepped_most = std::max(stepped_most, dense / shards + rank_expert_bytes[rank] / expert_shards);
   }
