@@ -293,9 +293,10 @@ for overlap in (True, False):
           + ", ".join(f"{r['peak_growth_mib']:.0f}" for r in last) + " MiB")
 print(f"overlapped / in sequence: {medians[True] / medians[False]:.3f}")
 
-section("smp.plan's predictions against measured steps: a Hugging Face Llama (8 layers, d 256) and torchvision's "
-        "ResNet-18 (64 x 64 images) planned for 4 processes, then each layout of a grid trained by a 4-process job")
-for model in ("llama", "resnet"):
+section("smp.plan's predictions against measured steps: a Hugging Face Llama (8 layers, d 256), torchvision's "
+        "ResNet-18 (64 x 64 images) and a Mixtral-shaped mixture of experts (its expert-parallel degrees beside ep 1) "
+        "planned for 4 processes, then each layout of a grid trained by a 4-process job")
+for model in ("llama", "resnet", "mixtral"):
     result = subprocess.run([PYTHON, f"{REPO}/bench/bench_plan.py", "--model", model], capture_output=True, text=True,
                             env=dict(CAPTURE_ENV, SMP_SMPRUN=f"{BIN}/smprun"), timeout=1800)
     if result.returncode != 0:
