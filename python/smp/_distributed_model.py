@@ -21,26 +21,28 @@ def _contains_scripted(model):
     return any(isinstance(m, torch.jit.ScriptModule) for m in model.modules())
 
 
-def _capture(model, sample, stages, pinned, dynamic_shapes=None):
+def _capture(model, sample, stages, pinned, dynamic_shapes=None, experts=None):
     """A model with a forward of its own as an engine graph and its IO: torch.export first (any depth, keyword
     inputs, any output); torch.fx when export cannot take it (or the model has TorchScript children, which export
-    does not enter) and the model takes one tensor."""
+    does not enter) and the model takes one tensor. `experts`: (expert-parallel degree, this rank's place) to divide
+    the experts for; default the job's."""
     from . import _export_capture as exporting
     from ._exporting import CaptureError
+    experts = experts or (runtime().expert_parallel_degree, runtime().ep_rank)
     args, kwargs = exporting.split_sample(model, sample)
     export_error = None
     if not _contains_scripted(model):
         try:
             graph, leaf_inputs, output_spec, shapes = exporting.capture(
-                model, args, kwargs, stages, pinned, GraphModel, torch.device(runtime().device),
-                (runtime().expert_parallel_degree, runtime().ep_rank), dynamic_shapes)
+                model, args, kwargs, stages, pinned, GraphModel, torch.device(runtime().device), experts,
+                dynamic_shapes)
             return graph, CapturedIO(model, args, kwargs, leaf_inputs, output_spec, exporting.split_sample, shapes)
         except CaptureError as error:
             export_error = error
     name = type(model).__name__
-    if runtime().expert_parallel_degree > 1:
+    if experts[0] > 1:
         raise ModelError(f"cannot capture {name} to divide its experts over ranks (\"expert_parallel_degree\" "
-                         f"{runtime().expert_parallel_degree}): " + (f"torch.export failed: {export_error}"
+                         f"{experts[0]}): " + (f"torch.export failed: {export_error}"
                          if export_error is not None else "it has TorchScript children"))
     if not isinstance(sample, torch.Tensor):
         reason = (f"torch.export failed: {export_error}" if export_error is not None else
@@ -80,9 +82,10 @@ def _materializer(model, graph, rt, init_fn):
     return materialize_local
 
 
-def graph_of(model, sample, stages, pinned, dynamic_shapes=None):
+def graph_of(model, sample, stages, pinned, dynamic_shapes=None, experts=None):
     """The smp.GraphModel a model runs as, and how its inputs and outputs map to the graph's, for `stages` stages;
-    `dynamic_shapes` says which input dimensions a captured model lets change (smp._exporting.dynamic_shapes)."""
+    `dynamic_shapes` says which input dimensions a captured model lets change (smp._exporting.dynamic_shapes);
+    `experts`, the expert-parallel degree and place a captured model's experts are divided for (default the job's)."""
     if isinstance(model, GraphModel):
         return model, GraphIO(model.input_names, model._several_outputs)
     if _is_sequential(model):
@@ -93,7 +96,7 @@ def graph_of(model, sample, stages, pinned, dynamic_shapes=None):
         raise TypeError(f"pass an nn.Sequential or an smp.GraphModel, got {_kind(model)}: script its children, "
                         "not the model, or pass the model unscripted (smp traces its forward)")
     if isinstance(model, torch.nn.Module):
-        return _capture(model, sample, stages, pinned, dynamic_shapes)
+        return _capture(model, sample, stages, pinned, dynamic_shapes, experts)
     raise TypeError(f"expected a torch.nn.Module or an smp.GraphModel, got {type(model).__name__}")
 
 

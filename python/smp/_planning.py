@@ -97,7 +97,10 @@ def _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, config):
             _shard_for_tensor_parallelism(model, tp_plan, announce=False)
         # Cut as finely as the most stages considered: two per rank. Captured as the job will capture it: the plan's
         # cut names the graph's nodes, and which dimensions may change decides some of them.
-        graph, io_ = graph_of(model, sample, 2 * world, list(config.partition_overrides), dynamic_shapes)
+        # Experts whole, whatever degree the config fixes: the planner divides them itself (and dividing them here
+        # would cut the model's own experts before the job does).
+        graph, io_ = graph_of(model, sample, 2 * world, list(config.partition_overrides), dynamic_shapes,
+                              experts=(1, 0))
         values = io_.engine_inputs(sample, "sample")
         batched = _smp.batched_inputs(values, None)
         profiled = next((value.shape[0] for value, is_batch in zip(values, batched) if is_batch), 1)

@@ -71,3 +71,15 @@ def test_auto_expert_parallel_degree_divides_the_experts_when_memory_asks(job):
     assert_passed(finished)
     chosen = rank0_lines(finished.stdout, "smp: planned layout ")
     assert chosen and chosen[0].startswith("smp: planned layout pp 1 x dp 2, ep 2, "), finished.output
+
+
+def test_fixed_expert_parallel_degree_beside_auto_keys_trains_equal_pytorch(job):
+    """A degree the config fixes beside "auto" keys: rank 0 plans with the experts whole (capturing them divided
+    would cut the model's own experts before the job does), every layout keeps ep 2, and the job trains equal to
+    plain PyTorch."""
+    config = dict(json.loads(smp_keys(global_batch_size=8)), partitions=1, ddp=True, microbatches="auto",
+                  expert_parallel_degree=2)
+    finished = job(2, "real_models.py", "--models", "mixtral", "--steps", "2", "--smp", json.dumps(config))
+    assert_passed(finished)
+    chosen = rank0_lines(finished.stdout, "smp: planned layout ")
+    assert chosen and chosen[0].startswith("smp: planned layout pp 1 x dp 2, ep 2, "), finished.output
