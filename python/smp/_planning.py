@@ -113,8 +113,9 @@ def _mark_experts(profile, model, sample):
     """Tells `profile` where a mixture-of-experts model's stacked experts are (what expert parallelism divides) and
     the token rows they read on `sample`, one microbatch: its tokens x the model's experts per token x its hidden
     width, at the parameters' element size (what the ranks exchange)."""
+    import math
     from ._expert_parallel import experts_modules
-    experts = experts_modules(model)
+    experts = experts_modules(model) if isinstance(model, torch.nn.Module) else {}
     if not experts:
         return
     config = getattr(model, "config", None)
@@ -126,7 +127,8 @@ def _mark_experts(profile, model, sample):
         element = next(module.parameters()).element_size()
         # Unknown without token ids and the config's widths: the exchanges then go unpriced.
         rows[path] = ids.numel() * top_k * hidden * element if ids is not None and top_k and hidden else 0
-    profile.mark_experts(rows, min(module.num_experts for module in experts.values()))
+    # A degree must divide every layer's experts.
+    profile.mark_experts(rows, math.gcd(*(module.num_experts for module in experts.values())))
 
 
 def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb=None, optimizer_moments=2.0,
@@ -155,8 +157,8 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     and every experts layer exchanges its token rows (tokens x num_experts_per_tok x hidden_size) four times a
     microbatch, priced on the links.
     synchronization_us and synchronized_gbps: a collective between ranks that computed up to it, its fixed part and
-    bandwidth, where ranks share cores and find a peer off its core (an "auto" job measures them there; the
-    tensor-parallel collectives are priced on them).
+    bandwidth, where ranks share cores and find a peer off its core (an "auto" job that plans tensor or expert
+    parallelism measures them there; the tensor-parallel collectives and the experts' exchanges are priced on them).
     Devices that differ: device_speeds (one per rank of world_size; default the config's list) and the config's
     device_memory_mb predict each layout on its devices (a slow rank's replicas wait for it; a pipeline gives it a
     shorter stage); not with tensor parallelism. A job with "auto" keys and "device_speeds": "measure" passes the

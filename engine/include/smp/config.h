@@ -110,6 +110,8 @@ struct Config {
 
   // The keys that may be "auto": those the planner chooses (smp::plan_layouts' Layout).
   static const std::vector<std::string>& planned_keys();
+  // Whether `key` was given as "auto" (auto_keys): the planner chooses it.
+  bool plans(const std::string& key) const;
   // This config with its "auto" keys replaced by a layout any world of `world_size` ranks can start with (every
   // rank a replica, one microbatch, its given schedule): what the job runs under until the layout is chosen. Its
   // auto_keys stay: the choice is still to come.

@@ -74,12 +74,13 @@ struct ModelProfile {
   int batch = 1;
   std::vector<ModuleProfile> larger;
   int larger_batch = 0;
-  // Experts in each mixture-of-experts layer (its fewest), which an expert-parallel degree must divide; 0: none.
+  // What every mixture-of-experts layer's count of experts divides into (their greatest common divisor): an
+  // expert-parallel degree must divide it; 0: no experts.
   int experts = 0;
   // The profile on a microbatch of `samples`, compute times `compute_scale`.
   std::vector<ModuleProfile> at(int samples, double compute_scale = 1.0) const;
   // A mixture-of-experts model's experts: {experts module's path: the token rows' bytes it reads per microbatch of
-  // the profile}, and the experts per layer. Each node holding parameters under such a path counts their bytes in
+  // the profile}, and `experts_per_layer` (ModelProfile::experts). Each node holding parameters under such a path counts their bytes in
   // expert_parameter_bytes, and the first of them the rows in expert_token_bytes.
   void mark_experts(const std::map<std::string, std::int64_t>& token_bytes, int experts_per_layer);
 };

@@ -453,11 +453,13 @@ const std::vector<std::string>& Config::planned_keys() {
   return keys;
 }
 
+bool Config::plans(const std::string& key) const {
+  return std::find(auto_keys.begin(), auto_keys.end(), key) != auto_keys.end();
+}
+
 Config Config::provisional_layout(int world_size) const {
   Config config = *this;
-  const auto is_auto = [&](const char* key) {
-    return std::find(auto_keys.begin(), auto_keys.end(), key) != auto_keys.end();
-  };
+  const auto is_auto = [&](const char* key) { return plans(key); };
   if (is_auto("partitions")) {
     // Every rank a replica where replicas may be had; else every rank a stage.
     const bool replicas_allowed = is_auto("ddp") || ddp;

@@ -61,29 +61,29 @@ PlanningCosts per_tensor_parallel_group(PlanningCosts costs, int tp) {
   return costs;
 }
 
-// A tensor-parallel group's collectives as a ring prices them on the planning links: n - 1 round trips each (the
-// measured synchronization where peers compute up to it, at least two latencies), and (n - 1) / n of their ring
-// bytes (ModuleProfile's tp_* counts), at the lower of the links' and the synchronized bandwidth.
-double tensor_parallel_s(std::int64_t collectives, std::int64_t ring_bytes, int tp, const PlanningCosts& costs) {
-  if (tp <= 1 || collectives == 0) return 0.0;
+// An exchange between ranks that each computed up to it (tensor-parallel collectives, experts' exchanges) over a
+// group of n: n - 1 round trips (the synchronization measured after computing where ranks share cores, at least two
+// latencies) and (n - 1) / n of `bytes` at the lower of the link's and the synchronized bandwidth.
+double synchronized_s(double round_trips, double bytes, int n, double link_bytes_per_s, const PlanningCosts& costs) {
   const double round_trip = std::max(2.0 * costs.latency_s, costs.synchronization_s);
   const double bytes_per_s = costs.synchronized_bytes_per_s > 0
-                                 ? std::min(costs.all_reduce_bytes_per_s, costs.synchronized_bytes_per_s)
-                                 : costs.all_reduce_bytes_per_s;
-  return collectives * (tp - 1) * round_trip + static_cast<double>(ring_bytes) * (tp - 1) / tp / bytes_per_s;
+                                 ? std::min(link_bytes_per_s, costs.synchronized_bytes_per_s)
+                                 : link_bytes_per_s;
+  return round_trips * (n - 1) * round_trip + bytes * (n - 1) / n / bytes_per_s;
 }
 
-// One exchange among an expert-parallel group of `ep` that carries `bytes` from each rank: a message to each peer
-// ((ep - 1) / ep of the bytes leave), each a round trip's fixed part: where ranks share cores, the synchronization
-// measured after computing, as for tensor-parallel collectives (an experts layer's ranks reach it computing alike),
-// its bytes at the lower of the link's and the synchronized bandwidth.
+// A tensor-parallel group's collectives as rings (ModuleProfile's tp_* counts and ring bytes) on the all-reduce link.
+double tensor_parallel_s(std::int64_t collectives, std::int64_t ring_bytes, int tp, const PlanningCosts& costs) {
+  if (tp <= 1 || collectives == 0) return 0.0;
+  return synchronized_s(static_cast<double>(collectives), static_cast<double>(ring_bytes), tp,
+                        costs.all_reduce_bytes_per_s, costs);
+}
+
+// One exchange among an expert-parallel group of `ep` that carries `bytes` from each rank, a message to each peer, on
+// the point-to-point link (an experts layer's ranks reach it computing alike).
 double expert_exchange_s(std::int64_t bytes, int ep, const PlanningCosts& costs) {
   if (ep <= 1) return 0.0;
-  const double round_trip = std::max(2.0 * costs.latency_s, costs.synchronization_s);
-  const double bytes_per_s = costs.synchronized_bytes_per_s > 0
-                                 ? std::min(costs.p2p_bytes_per_s, costs.synchronized_bytes_per_s)
-                                 : costs.p2p_bytes_per_s;
-  return (ep - 1) * round_trip + static_cast<double>(bytes) * (ep - 1) / ep / bytes_per_s;
+  return synchronized_s(1.0, static_cast<double>(bytes), ep, costs.p2p_bytes_per_s, costs);
 }
 
 // The profile as each rank of an expert-parallel group of `ep` runs it: 1 / ep of the experts' parameters, and the
@@ -97,6 +97,7 @@ void divide_experts(std::vector<ModuleProfile>& modules, int ep, const PlanningC
     const std::int64_t kept = module.expert_parameter_bytes / ep;
     module.parameter_bytes -= module.expert_parameter_bytes - kept;
     module.expert_parameter_bytes = kept;
+    if (module.expert_token_bytes == 0) continue;  // the layer's exchanges are its first node's (mark_experts)
     const double rows = expert_exchange_s(module.expert_token_bytes, ep, costs);
     module.forward_s += expert_exchange_s(0, ep, costs) + 2.0 * rows;
     module.backward_s += 2.0 * rows;
@@ -460,8 +461,7 @@ std::vector<LayoutPrediction> plan_layouts(const std::map<int, ModelProfile>& by
   }
   // Devices that differ are given per rank, which a layout's groups of tensor-parallel ranks would share unevenly.
   const bool uneven_devices = !base.device_speeds.empty() || !base.device_memory_mb.empty();
-  const bool experts_planned = std::find(base.auto_keys.begin(), base.auto_keys.end(), "expert_parallel_degree") !=
-                               base.auto_keys.end();
+  const bool experts_planned = base.plans("expert_parallel_degree");
   // The expert-parallel degrees a layout of `replicas` can take: the config's, or for "auto" each divisor of the
   // replicas that divides the experts (none above 1 with tensor parallelism).
   const auto expert_degrees = [&](int replicas, int tp, const ModelProfile& profile) {

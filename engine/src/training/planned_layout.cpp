@@ -158,10 +158,6 @@ SplitBackwardTimer split_backward_timer() {
 
 namespace {
 
-bool plans_tensor_parallelism(const Config& config) {
-  return std::find(config.auto_keys.begin(), config.auto_keys.end(), "tensor_parallel_degree") != config.auto_keys.end();
-}
-
 double median(std::vector<double> times) {
   std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
   return times[times.size() / 2];
@@ -281,9 +277,12 @@ PlanningCosts measured_planning_costs(Runtime& runtime) {
     }
     costs.latency_s = median(std::move(round_trips)) / 2;
   }
-  // Only the tensor-parallel collectives are priced on it: a job that plans none does not spend the time.
-  const bool tensor_parallel = plans_tensor_parallelism(runtime.config()) || runtime.config().tensor_parallel_degree > 1;
-  if (costs.shared_processors > 0 && tensor_parallel) collectives_while_computing(runtime, costs);
+  // Only the tensor-parallel collectives and the experts' exchanges are priced on it: a job that plans neither does
+  // not spend the time.
+  const Config& config = runtime.config();
+  const bool synchronized = config.plans("tensor_parallel_degree") || config.tensor_parallel_degree > 1 ||
+                            config.plans("expert_parallel_degree") || config.expert_parallel_degree > 1;
+  if (costs.shared_processors > 0 && synchronized) collectives_while_computing(runtime, costs);
   const double bytes = steps / ranks * static_cast<double>(large.nbytes());
   if (large_s > scalar_s) costs.p2p_bytes_per_s = costs.all_reduce_bytes_per_s = bytes / (large_s - scalar_s);
   return costs;
@@ -320,10 +319,10 @@ std::shared_ptr<Runtime> with_planned_layout(std::shared_ptr<Runtime> runtime, c
                                              const ModelInputs& sample) {
   const Config& config = runtime->config();
   if (config.auto_keys.empty()) return runtime;
-  if (plans_tensor_parallelism(config) || config.tensor_parallel_degree > 1) {
+  if (config.plans("tensor_parallel_degree") || config.tensor_parallel_degree > 1) {
     // A built model's smp::tp layers hold the group they were built over; a builder builds them for the choice.
     throw ConfigError(config.source + ": key \"" +
-                      (plans_tensor_parallelism(config) ? "tensor_parallel_degree" : config.auto_keys.front()) +
+                      (config.plans("tensor_parallel_degree") ? "tensor_parallel_degree" : config.auto_keys.front()) +
                       "\": \"auto\" layouts with tensor parallelism need the model's builder (DistributedModel(runtime, "
                       "build, sample): its smp::tp layers are built over the chosen group), not a built model");
   }
@@ -338,7 +337,7 @@ std::shared_ptr<Runtime> with_planned_layout(std::shared_ptr<Runtime> runtime, c
   if (config.auto_keys.empty()) return runtime;
   const int world = runtime->world_size();
   std::vector<int> degrees{config.tensor_parallel_degree};
-  if (plans_tensor_parallelism(config)) degrees = divisors(world);
+  if (config.plans("tensor_parallel_degree")) degrees = divisors(world);
   return adopt_plan(std::move(runtime), [&](Runtime& planner, const PlanningCosts& costs, const std::vector<double>& speeds) {
     std::map<int, ModelProfile> by_degree;
     std::map<int, std::string> unplanned;
