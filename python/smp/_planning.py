@@ -6,6 +6,7 @@ import collections.abc
 import contextlib
 import copy
 import json
+import math
 import os
 import time
 
@@ -113,7 +114,6 @@ def _mark_experts(profile, model, sample):
     """Tells `profile` where a mixture-of-experts model's stacked experts are (what expert parallelism divides) and
     the token rows they read on `sample`, one microbatch: its tokens x the model's experts per token x its hidden
     width, at the parameters' element size (what the ranks exchange)."""
-    import math
     from ._expert_parallel import experts_modules
     experts = experts_modules(model) if isinstance(model, torch.nn.Module) else {}
     if not experts:

@@ -459,18 +459,17 @@ bool Config::plans(const std::string& key) const {
 
 Config Config::provisional_layout(int world_size) const {
   Config config = *this;
-  const auto is_auto = [&](const char* key) { return plans(key); };
-  if (is_auto("partitions")) {
+  if (plans("partitions")) {
     // Every rank a replica where replicas may be had; else every rank a stage.
-    const bool replicas_allowed = is_auto("ddp") || ddp;
+    const bool replicas_allowed = plans("ddp") || ddp;
     config.partitions = replicas_allowed ? 1 : std::max(1, world_size / std::max(1, tensor_parallel_degree));
   }
-  if (is_auto("ddp")) config.ddp = world_size > config.partitions * config.tensor_parallel_degree;
+  if (plans("ddp")) config.ddp = world_size > config.partitions * config.tensor_parallel_degree;
   // Without replicas and with the stages fixed, the tensor-parallel ranks fill the world.
-  if (is_auto("tensor_parallel_degree") && !config.ddp && world_size % config.partitions == 0) {
+  if (plans("tensor_parallel_degree") && !config.ddp && world_size % config.partitions == 0) {
     config.tensor_parallel_degree = world_size / config.partitions;
   }
-  if (is_auto("microbatches")) config.microbatches = 1;
+  if (plans("microbatches")) config.microbatches = 1;
   return config;
 }
 
