@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from . import _expert_parallel, _routing
+from . import _capture_cache, _expert_parallel, _routing
 from ._captured_node import (_ASSERTS, CapturedNode, _attribute, _is_op, _mutates_first_argument, placeholder_name,
                              run_fuser)
 from ._data_flow import READS_METADATA_ONLY, data_flow, is_random
@@ -158,10 +158,17 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
     if cached:
         config.use_cache = False
     free, held = dynamic_shapes(model, args, kwargs, dynamic)
+    cache_key = _capture_cache.key(model, args, kwargs, free, device, on_meta, divided)
     try:
-        with torch.random.fork_rng(devices=[]), _expert_parallel.opaque_for_export(divided):
-            exported, fixed_because = (export_as_if_on(device, model, args, kwargs, free) if on_meta else
-                                        export_model(model, args, kwargs, free))
+        with _capture_cache.exclusive(cache_key):
+            kept = _capture_cache.load(cache_key, model)
+            if kept is not None:
+                exported, fixed_because = kept
+            else:
+                with torch.random.fork_rng(devices=[]), _expert_parallel.opaque_for_export(divided):
+                    exported, fixed_because = (export_as_if_on(device, model, args, kwargs, free) if on_meta else
+                                                export_model(model, args, kwargs, free))
+                _capture_cache.store(cache_key, exported, fixed_because)
     finally:
         for module, mode in modes:
             module.training = mode

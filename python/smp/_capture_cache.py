@@ -1,0 +1,225 @@
+"""Exports kept on disk, so that a job launched again (a resumed run, the next job of a sweep, a test suite's next
+job) skips torch.export, which takes most of a capture's time: with SMP_CAPTURE_CACHE naming a directory, an export
+is written there after it ran, and read back in place of running it again when everything it depended on is the
+same. Without it nothing is read or written.
+
+What an export depends on, all of it in the key: smp's own code (its package's files), torch's and transformers'
+versions, the source files defining every module class of the model, the model's tree (each module's class, its
+plain attributes, its parameters' and buffers' names, shapes, dtypes and whether they train), a Hugging Face model's
+config, the sample (its structure, every tensor's shape, dtype, device and values), which dimensions may change, the
+device a meta-built model is exported for, the experts divided and the grad and autocast modes. Anything else a
+model's code reads (another file's helper it calls, a parameter's value it branches on) is not: clear the directory
+when such code changes.
+
+An entry is the exported graph pickled with its fake tensors' shapes and the symbols they are made of (the GraphPickler
+torch's own compile caches use), the signature, the constants, the input ranges and the output structure. It is
+written to a temporary file and renamed into place, so a reader never sees half an entry; one that cannot be read is
+ignored (exported again) and replaced."""
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import inspect
+import io
+import logging
+import os
+import pickle
+import sys
+import tempfile
+
+import torch
+import torch.utils._pytree as pytree
+
+ENVIRONMENT = "SMP_CAPTURE_CACHE"
+_FORMAT = 1
+_log = logging.getLogger("smp.capture_cache")
+
+
+def directory():
+    return os.environ.get(ENVIRONMENT) or None
+
+
+class CachedExport:
+    """The parts of an ExportedProgram smp's capture reads, as read back from the cache."""
+
+    class _CallSpec:
+        def __init__(self, out_spec):
+            self.out_spec = out_spec
+
+    class _Signature:
+        def __init__(self, input_specs, output_specs):
+            self.input_specs, self.output_specs = input_specs, output_specs
+
+    def __init__(self, graph_module, input_specs, output_specs, constants, range_constraints, out_spec):
+        self.graph_module = graph_module
+        self.graph_signature = self._Signature(input_specs, output_specs)
+        self.constants = constants
+        self.range_constraints = range_constraints
+        self.call_spec = self._CallSpec(out_spec)
+
+
+@functools.lru_cache(maxsize=None)
+def _file_digest(path):
+    try:
+        with open(path, "rb") as file:
+            return hashlib.sha256(file.read()).hexdigest()
+    except OSError:
+        return "unreadable"
+
+
+@functools.lru_cache(maxsize=1)
+def _code_digest():
+    """smp's Python files and its extension, and the library versions an export's graph comes from."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    parts = [str(_FORMAT), torch.__version__, sys.version]
+    for name in sorted(os.listdir(package)):
+        if name.endswith((".py", ".so")):
+            path = os.path.join(package, name)
+            stat = os.stat(path)
+            # The extension by size and time (reading tens of MB on every start would cost more than it proves).
+            parts.append(f"{name}:{_file_digest(path) if name.endswith('.py') else (stat.st_size, stat.st_mtime_ns)}")
+    transformers = sys.modules.get("transformers")
+    parts.append(getattr(transformers, "__version__", "-"))
+    return "\n".join(parts)
+
+
+def _plain(value):
+    return value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)) or (
+        isinstance(value, (tuple, list)) and all(_plain(item) for item in value))
+
+
+def _tensor_description(tensor, values):
+    text = f"{tuple(tensor.shape)} {tensor.dtype} {tensor.device.type} {tensor.requires_grad}"
+    if values and not tensor.is_meta:
+        data = tensor.detach().cpu().contiguous()
+        text += " " + hashlib.sha256(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"").hexdigest()
+    return text
+
+
+def _model_description(model):
+    lines = []
+    files = set()
+    for path, module in model.named_modules(remove_duplicate=False):
+        cls = type(module)
+        attributes = sorted((name, repr(value)) for name, value in vars(module).items()
+                            if not name.startswith("_") and _plain(value))
+        lines.append(f"{path} {cls.__module__}.{cls.__qualname__} {attributes}")
+        for base in cls.__mro__:
+            if base.__module__.split(".")[0] not in ("torch", "builtins"):
+                try:
+                    files.add(inspect.getsourcefile(base))
+                except (TypeError, OSError):
+                    files.add(f"{base.__module__}.{base.__qualname__}:no source")
+    for path, tensor in model.named_parameters(remove_duplicate=False):
+        lines.append(f"parameter {path} {_tensor_description(tensor, False)}")
+    for path, tensor in model.named_buffers(remove_duplicate=False):
+        lines.append(f"buffer {path} {_tensor_description(tensor, False)}")
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_json_string"):
+        lines.append(config.to_json_string(use_diff=False))
+        lines.append(repr(getattr(config, "_attn_implementation", None)))
+    lines += [f"source {path} {_file_digest(path)}" for path in sorted(files, key=str) if path and os.path.isfile(path)]
+    return "\n".join(lines)
+
+
+def key(model, args, kwargs, free, device, on_meta, divided):
+    """The entry's name for this export, or None when no cache is asked for."""
+    if directory() is None:
+        return None
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    sample = [_tensor_description(leaf, True) if isinstance(leaf, torch.Tensor) else repr(leaf) for leaf in leaves]
+    modes = (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+             torch.get_default_dtype())
+    text = "\n".join([_code_digest(), _model_description(model), str(spec), *sample, repr(free), str(device),
+                      str(on_meta), repr(sorted(divided)), repr(modes)])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _path(name):
+    return os.path.join(directory(), f"export-{name}.pkl")
+
+
+@contextlib.contextmanager
+def exclusive(name):
+    """Held while one process looks for the entry and, missing it, exports and writes it: the ranks of a job on one
+    host capture the same model at the same moment, and all but the first then read what it wrote instead of
+    exporting too. A lock file's lock, which its holder's end releases whatever way it ends."""
+    if name is None:
+        yield
+        return
+    os.makedirs(directory(), exist_ok=True)
+    with open(os.path.join(directory(), f"export-{name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def load(name, model):
+    """(exported, why its shapes are fixed) from the entry, or None when there is none or it cannot be used."""
+    if name is None:
+        return None
+    try:
+        with open(_path(name), "rb") as file:
+            entry = pickle.load(file)
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx._graph_pickler import GraphPickler
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+        graph_module = GraphPickler.loads(entry["graph"], FakeTensorMode(shape_env=ShapeEnv()))
+        constants = torch.load(io.BytesIO(entry["constants"]), weights_only=False)
+        exported = CachedExport(graph_module, entry["inputs"], entry["outputs"], constants, entry["ranges"],
+                                entry["out_spec"])
+    except FileNotFoundError:
+        return None
+    except Exception as error:  # noqa: BLE001 - a damaged or foreign entry is exported again and replaced
+        _log.warning("capture cache: ignoring %s (%s: %s)", _path(name), type(error).__name__, error)
+        return None
+    # Tensors the model made during the export that saved it (none made them this time) cannot be bound: export again.
+    held = dict(model.named_parameters(remove_duplicate=False))
+    held.update(model.named_buffers(remove_duplicate=False))
+    if any(spec.kind.name in ("PARAMETER", "BUFFER") and spec.target not in held for spec in entry["inputs"]):
+        return None
+    return exported, entry["fixed_because"]
+
+
+def store(name, exported, fixed_because):
+    """Writes the entry whole or not at all; an export that cannot be pickled is simply not kept."""
+    if name is None:
+        return
+    from torch.fx._graph_pickler import GraphPickler, Options
+    try:
+        # Every operation (smp's own among them) and the module stack each operation ran in, which capture cuts by.
+        options = Options(ops_filter=None,
+                          node_metadata_key_filter=lambda key: key not in ("source_fn_stack", "fwd_source_fn_stack"))
+        from torch._subclasses.fake_tensor import FakeTensor
+        # The constants capture reads (a non-persistent buffer is read from the model), a meta-built model's as the
+        # values its fake tensors remember.
+        signature = exported.graph_signature
+        values = {spec.target: exported.constants[spec.target] for spec in signature.input_specs
+                  if spec.kind.name == "CONSTANT_TENSOR"}
+        values = {target: value.constant if isinstance(value, FakeTensor) else value for target, value in values.items()}
+        if any(value is None for value in values.values()):
+            return
+        constants = io.BytesIO()
+        torch.save(values, constants)
+        data = pickle.dumps({"graph": GraphPickler.dumps(exported.graph_module, options),
+                             "inputs": list(signature.input_specs), "outputs": list(signature.output_specs),
+                             "constants": constants.getvalue(), "ranges": dict(exported.range_constraints),
+                             "out_spec": exported.call_spec.out_spec, "fixed_because": fixed_because})
+    except Exception as error:  # noqa: BLE001 - many kinds; the export stands, uncached
+        _log.debug("capture cache: not keeping %s (%s: %s)", name, type(error).__name__, error)
+        return
+    os.makedirs(directory(), exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=directory(), prefix=".export-", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(data)
+        os.replace(temporary, _path(name))
+    except OSError as error:
+        _log.warning("capture cache: could not write %s (%s)", _path(name), error)
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
