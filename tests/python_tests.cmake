@@ -68,6 +68,7 @@ smp_pytest(test_jobs.py sharded_checkpoint_resume_equals_pytorch 520)
 smp_pytest(test_jobs.py tensor_parallel_checkpoint_resume_equals_pytorch 520)
 smp_pytest(test_jobs.py example_hf_causal_lm 320)
 smp_pytest(test_jobs.py meta_checkpoint_resume_and_safetensors_export 520)
+smp_pytest(test_jobs.py capture_cache_exports_once_and_reads_back 200 quick)
 
 smp_pytest(test_real_models.py real_models_2_stages_equal_pytorch 320 quick)
 smp_pytest(test_real_models.py real_models_4_stages_equal_pytorch 320)

@@ -184,25 +184,31 @@ TEST_CASE("sharded optimizer state is saved per replica and resumes into any num
   // equal plain training's after steps 2 to 4 (with a share lost, swapped or given to the wrong replica they would
   // not). The same sharding reads one share per replica; another count, or none, reads them all and keeps its own.
   const std::string resume = checkpoint_keys(dir, 0) + R"(, "resume": true)";
-  SECTION("the same sharding") {
+  // One saved job for every resume below (sections would run it again for each).
+  {
+    INFO("the same sharding");
     const auto resumed = run(2, job("zero_resume", 2, resume + sharded), 5);
     check_clean_run(resumed, 4);
     CHECK(step_losses(resumed.output).size() == 3);
   }
-  SECTION("sharded over 3 replicas") {
+  {
+    INFO("sharded over 3 replicas");
     const auto resumed = run(3, job("zero_resume_3", 3, resume + sharded), 5);
     check_clean_run(resumed, 6);
     CHECK_THAT(resumed.output, Contains("its optimizer state is sharded over 2 replicas, this job's sharded over 3"));
   }
-  SECTION("not sharded, 2 replicas") {
+  {
+    INFO("not sharded, 2 replicas");
     check_clean_run(run(2, job("zero_unsharded", 2, resume), 5), 4);
   }
-  SECTION("one replica") {
+  {
+    INFO("one replica");
     const auto resumed = run(1, job("zero_one_replica", 1, resume), 5);
     check_clean_run(resumed, 2);
     CHECK_THAT(resumed.output, Contains("every replica reads all 2 share(s) and keeps its own"));
   }
-  SECTION("from unsharded state into shards") {
+  {
+    INFO("from unsharded state into shards");
     const auto plain_dir = fresh_directory("zero_from_plain");
     REQUIRE(run(1, job("zero_plain", 1, checkpoint_keys(plain_dir, 2)), 2).status == 0);
     check_clean_run(run(2, job("zero_plain_resume", 2, checkpoint_keys(plain_dir, 0) + R"(, "resume": true)" + sharded), 5),

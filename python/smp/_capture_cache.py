@@ -59,8 +59,17 @@ class CachedExport:
         self.call_spec = self._CallSpec(out_spec)
 
 
-@functools.lru_cache(maxsize=None)
 def _file_digest(path):
+    """Its contents' hash, read again only when its size or time changed (a module edited and reloaded)."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return "unreadable"
+    return _contents_digest(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=None)
+def _contents_digest(path, size, mtime_ns):
     try:
         with open(path, "rb") as file:
             return hashlib.sha256(file.read()).hexdigest()

@@ -48,3 +48,10 @@ def test_meta_checkpoint_resume_and_safetensors_export(job, smprun, python):
     """Meta-built models resume equal to uninterrupted training (batch norm statistics included); the safetensors
     export loads with from_pretrained and into a job of another partitioning."""
     assert_passed(job(0, "export_check.py", smprun, python, timeout=440))
+
+
+def test_capture_cache_exports_once_and_reads_back(job, tmp_path):
+    """SMP_CAPTURE_CACHE: the ranks of a job export a model once between them; an identical model is read back and
+    trains alike; another sample, config or edited model class is exported again; a damaged entry is exported again
+    and replaced; without the variable nothing is kept (capture_cache_check.py)."""
+    assert_passed(job(2, "capture_cache_check.py", str(tmp_path)))
