@@ -27,6 +27,7 @@ import os
 import pickle
 import sys
 import tempfile
+import warnings
 
 import torch
 import torch.utils._pytree as pytree
@@ -166,12 +167,15 @@ def exclusive(name):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def load(name, model):
-    """(exported, why its shapes are fixed) from the entry, or None when there is none or it cannot be used."""
+def load(name, model, quiet=False):
+    """(exported, why its shapes are fixed) from the entry, or None when there is none or it cannot be used (said
+    unless `quiet`)."""
     if name is None:
         return None
     try:
-        with open(_path(name), "rb") as file:
+        with open(_path(name), "rb") as file, warnings.catch_warnings():
+            # torch 2.11's TreeSpec warns about its own LeafSpec check when a pickled one is read back.
+            warnings.simplefilter("ignore", FutureWarning)
             entry = pickle.load(file)
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx._graph_pickler import GraphPickler
@@ -183,7 +187,8 @@ def load(name, model):
     except FileNotFoundError:
         return None
     except Exception as error:  # noqa: BLE001 - a damaged or foreign entry is exported again and replaced
-        _log.warning("capture cache: ignoring %s (%s: %s)", _path(name), type(error).__name__, error)
+        if not quiet:
+            _log.warning("capture cache: ignoring %s (%s: %s)", _path(name), type(error).__name__, error)
         return None
     # Tensors the model made during the export that saved it (none made them this time) cannot be bound: export again.
     held = dict(model.named_parameters(remove_duplicate=False))
