@@ -5,16 +5,18 @@ same. Without it nothing is read or written.
 
 What an export depends on, all of it in the key: smp's own code (its package's files), torch's and transformers'
 versions, the source files defining every module class of the model, the model's tree (each module's class, its
-plain attributes, its parameters' and buffers' names, shapes, dtypes and whether they train), a Hugging Face model's
-config, the sample (its structure, every tensor's shape, dtype, device and values), which dimensions may change, the
+plain and tensor attributes, forward hooks and replaced functions, its parameters' and buffers' names, shapes,
+dtypes, whether they train and which share one tensor), a Hugging Face model's config, the tensor-parallel group's
+size, the sample (its structure, every tensor's shape, dtype, device and values), which dimensions may change, the
 device a meta-built model is exported for, the experts divided and the grad and autocast modes. Anything else a
 model's code reads (another file's helper it calls, a parameter's value it branches on) is not: clear the directory
-when such code changes.
+when such code changes. A model the key cannot describe (a class or hook without a source file) is not cached.
+Entries are pickles, which run code when read: the directory must be writable by no one else.
 
 An entry is the exported graph pickled with its fake tensors' shapes and the symbols they are made of (the GraphPickler
 torch's own compile caches use), the signature, the constants, the input ranges and the output structure. It is
 written to a temporary file and renamed into place, so a reader never sees half an entry; one that cannot be read is
-ignored (exported again) and replaced."""
+ignored (exported again) and replaced; an export that cannot be pickled leaves a mark instead, and is not tried again."""
 
 import contextlib
 import fcntl
@@ -94,6 +96,13 @@ def _code_digest():
     return "\n".join(parts)
 
 
+_FORWARD_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+class _Undescribable(Exception):
+    """Something the export may depend on that the key cannot say: that capture is not cached."""
+
+
 def _plain(value):
     return value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)) or (
         isinstance(value, (tuple, list)) and all(_plain(item) for item in value))
@@ -102,9 +111,33 @@ def _plain(value):
 def _tensor_description(tensor, values):
     text = f"{tuple(tensor.shape)} {tensor.dtype} {tensor.device.type} {tensor.requires_grad}"
     if values and not tensor.is_meta:
-        data = tensor.detach().cpu().contiguous()
+        data = tensor.detach().cpu().contiguous().reshape(-1)
         text += " " + hashlib.sha256(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"").hexdigest()
     return text
+
+
+def _code_of(function, files):
+    """A function's (or class's, or partial's) name, its source file added to `files`."""
+    if isinstance(function, functools.partial):
+        arguments = [*function.args, *sorted(function.keywords.items())]
+        if not _plain(arguments):
+            raise _Undescribable(f"a partial of {function.func!r} over {arguments!r}")
+        return f"partial({_code_of(function.func, files)}, {arguments!r})"
+    function = getattr(function, "__func__", function)
+    name = f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', type(function).__qualname__)}"
+    if not name.startswith(("torch.", "builtins.")):
+        _add_source(function, files)
+    return name
+
+
+def _add_source(thing, files):
+    try:
+        path = inspect.getsourcefile(thing)
+    except TypeError:
+        path = None
+    if not path or not os.path.isfile(path):
+        raise _Undescribable(f"no source file for {thing!r}")
+    files.add(path)
 
 
 def _model_description(model):
@@ -112,55 +145,90 @@ def _model_description(model):
     files = set()
     for path, module in model.named_modules(remove_duplicate=False):
         cls = type(module)
-        attributes = sorted((name, repr(value)) for name, value in vars(module).items()
-                            if not name.startswith("_") and _plain(value))
+        attributes = []
+        for name, value in sorted(vars(module).items()):
+            if name in ("_parameters", "_buffers", "_modules", "training"):
+                continue  # below, and capture exports in training mode whatever the mode
+            if _plain(value):
+                attributes.append(f"{name}={value!r}")
+            elif isinstance(value, torch.Tensor):  # exported as a constant, its value with it
+                attributes.append(f"{name}={_tensor_description(value, True)}")
+            elif callable(value) and not isinstance(value, torch.nn.Module):  # forward replaced, an act=, a norm_layer=
+                attributes.append(f"{name}={_code_of(value, files)}")
+            elif name in _FORWARD_HOOKS:
+                attributes.append(f"{name}={[_code_of(hook, files) for hook in value.values()]}")
         lines.append(f"{path} {cls.__module__}.{cls.__qualname__} {attributes}")
         for base in cls.__mro__:
             if base.__module__.split(".")[0] not in ("torch", "builtins"):
-                try:
-                    files.add(inspect.getsourcefile(base))
-                except (TypeError, OSError):
-                    files.add(f"{base.__module__}.{base.__qualname__}:no source")
+                _add_source(base, files)
+    first_path = {}
     for path, tensor in model.named_parameters(remove_duplicate=False):
-        lines.append(f"parameter {path} {_tensor_description(tensor, False)}")
+        # Which paths share one tensor (a tied head) decides the export's parameters.
+        lines.append(f"parameter {path} {_tensor_description(tensor, False)} "
+                     f"{first_path.setdefault(id(tensor), path)} {getattr(tensor, '_smp_shard', None)}")
     for path, tensor in model.named_buffers(remove_duplicate=False):
-        lines.append(f"buffer {path} {_tensor_description(tensor, False)}")
+        lines.append(f"buffer {path} {_tensor_description(tensor, False)} {first_path.setdefault(id(tensor), path)}")
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_json_string"):
         lines.append(config.to_json_string(use_diff=False))
         lines.append(repr(getattr(config, "_attn_implementation", None)))
-    lines += [f"source {path} {_file_digest(path)}" for path in sorted(files, key=str) if path and os.path.isfile(path)]
+    lines += [f"source {path} {_file_digest(path)}" for path in sorted(files)]
     return "\n".join(lines)
 
 
 def key(model, args, kwargs, free, device, on_meta, divided):
-    """The entry's name for this export, or None when no cache is asked for."""
+    """The entry's name for this export; None when no cache is asked for, or when the model holds something the key
+    cannot describe (a class defined without a source file, a hook made by exec): then it is exported as always."""
     if directory() is None:
         return None
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    sample = [_tensor_description(leaf, True) if isinstance(leaf, torch.Tensor) else repr(leaf) for leaf in leaves]
-    modes = (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
-             torch.get_default_dtype())
-    text = "\n".join([_code_digest(), _model_description(model), str(spec), *sample, repr(free), str(device),
-                      str(on_meta), repr(sorted(divided)), repr(modes)])
+    try:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        sample = [_tensor_description(leaf, True) if isinstance(leaf, torch.Tensor) else repr(leaf) for leaf in leaves]
+        modes = (torch.is_grad_enabled(), torch.get_default_dtype(),
+                 *[(torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")])
+        from . import tp
+        text = "\n".join([_code_digest(), _model_description(model), str(spec), *sample, repr(free), str(device),
+                          str(on_meta), repr(sorted(divided)), repr(modes), repr((tp.degree(), tp.rank()))])
+    except Exception as error:  # noqa: BLE001 - a capture the key cannot describe is exported, not cached
+        _log.debug("capture cache: not for this model (%s: %s)", type(error).__name__, error)
+        return None
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _path(name):
-    return os.path.join(directory(), f"export-{name}.pkl")
+def _path(name, suffix=".pkl"):
+    return os.path.join(directory(), f"export-{name}{suffix}")
+
+
+def exported(name, model, export):
+    """(exported program, why its shapes are fixed): read from the entry `name`, or `export()`ed and written there.
+    The ranks of a job on one host capture the same model at the same moment: the first to miss exports under the
+    entry's lock while the others wait, then read what it wrote. One that cannot be kept leaves a mark, so that the
+    others export at once rather than one after another. Any failure of the cache itself (a directory that cannot be
+    written, locks a file system lacks) leaves the export to run as without it."""
+    kept = load(name, model, quiet=True)  # readers never wait for each other
+    if kept is not None:
+        return kept
+    if name is None or os.path.exists(_path(name, ".none")):
+        return export()
+    try:
+        lock = _locked(name)
+    except OSError as error:
+        _log.warning("capture cache: exporting without it (%s)", error)
+        return export()
+    with lock:
+        kept = load(name, model)
+        if kept is None and not os.path.exists(_path(name, ".none")):
+            kept = export()
+            store(name, *kept)
+            return kept
+    return kept if kept is not None else export()
 
 
 @contextlib.contextmanager
-def exclusive(name):
-    """Held while one process looks for the entry and, missing it, exports and writes it: the ranks of a job on one
-    host capture the same model at the same moment, and all but the first then read what it wrote instead of
-    exporting too. A lock file's lock, which its holder's end releases whatever way it ends."""
-    if name is None:
-        yield
-        return
+def _locked(name):
     os.makedirs(directory(), exist_ok=True)
-    with open(os.path.join(directory(), f"export-{name}.lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with open(_path(name, ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released by the holder's end, whatever way it ends
         try:
             yield
         finally:
@@ -199,9 +267,7 @@ def load(name, model, quiet=False):
 
 
 def store(name, exported, fixed_because):
-    """Writes the entry whole or not at all; an export that cannot be pickled is simply not kept."""
-    if name is None:
-        return
+    """Writes the entry whole or not at all; for an export that cannot be pickled, a mark that says so."""
     from torch.fx._graph_pickler import GraphPickler, Options
     try:
         # Every operation (smp's own among them) and the module stack each operation ran in, which capture cuts by.
@@ -215,25 +281,23 @@ def store(name, exported, fixed_because):
                   if spec.kind.name == "CONSTANT_TENSOR"}
         values = {target: value.constant if isinstance(value, FakeTensor) else value for target, value in values.items()}
         if any(value is None for value in values.values()):
-            return
+            raise ValueError(f"constants without a value: {sorted(t for t, v in values.items() if v is None)}")
         constants = io.BytesIO()
         torch.save(values, constants)
         data = pickle.dumps({"graph": GraphPickler.dumps(exported.graph_module, options),
                              "inputs": list(signature.input_specs), "outputs": list(signature.output_specs),
                              "constants": constants.getvalue(), "ranges": dict(exported.range_constraints),
                              "out_spec": exported.call_spec.out_spec, "fixed_because": fixed_because})
-    except Exception as error:  # noqa: BLE001 - many kinds; the export stands, uncached
-        _log.debug("capture cache: not keeping %s (%s: %s)", name, type(error).__name__, error)
-        return
-    os.makedirs(directory(), exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=directory(), prefix=".export-", suffix=".tmp")
+    except Exception as error:  # noqa: BLE001 - many kinds; the export stands, uncached, and says why once
+        _log.warning("capture cache: this export cannot be kept (%s: %s)", type(error).__name__, error)
+        data = b""
+    temporary = None
     try:
+        handle, temporary = tempfile.mkstemp(dir=directory(), prefix=".export-", suffix=".tmp")
         with os.fdopen(handle, "wb") as file:
             file.write(data)
-        os.replace(temporary, _path(name))
+        os.replace(temporary, _path(name, ".pkl" if data else ".none"))
     except OSError as error:
         _log.warning("capture cache: could not write %s (%s)", _path(name), error)
-        try:
+        if temporary is not None and os.path.exists(temporary):
             os.unlink(temporary)
-        except OSError:
-            pass

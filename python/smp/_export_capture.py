@@ -158,19 +158,13 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
     if cached:
         config.use_cache = False
     free, held = dynamic_shapes(model, args, kwargs, dynamic)
-    cache_key = _capture_cache.key(model, args, kwargs, free, device, on_meta, divided)
     try:
-        # Read without the lock (readers never wait for each other), exported under it when missing.
-        kept = _capture_cache.load(cache_key, model, quiet=True)
-        if kept is None:
-            with _capture_cache.exclusive(cache_key):
-                kept = _capture_cache.load(cache_key, model)
-                if kept is None:
-                    with torch.random.fork_rng(devices=[]), _expert_parallel.opaque_for_export(divided):
-                        kept = (export_as_if_on(device, model, args, kwargs, free) if on_meta else
-                                export_model(model, args, kwargs, free))
-                    _capture_cache.store(cache_key, *kept)
-        exported, fixed_because = kept
+        def export():
+            with torch.random.fork_rng(devices=[]), _expert_parallel.opaque_for_export(divided):
+                return (export_as_if_on(device, model, args, kwargs, free) if on_meta else
+                        export_model(model, args, kwargs, free))
+        exported, fixed_because = _capture_cache.exported(
+            _capture_cache.key(model, args, kwargs, free, device, on_meta, divided), model, export)
     finally:
         for module, mode in modes:
             module.training = mode

@@ -2,7 +2,7 @@
 its own: the two ranks capturing a GPT-2 export it once between them; an identical model built again is not exported
 and trains exactly as the first; another sample length, another config, or an edited and reloaded model class is
 exported again; a damaged entry is exported again and replaced, with a warning; without the variable nothing is read or
-written. Exits 0 only then.
+written; tied and untied weights, or another value of a tensor attribute, are other exports. Exits 0 only then.
 
   capture_cache_check.py DIRECTORY
 """
@@ -65,6 +65,22 @@ def losses(model, steps=2):
     return out
 
 
+class TiedOrNot(torch.nn.Module):
+    """An embedding and a head that may share one matrix, scaled by a tensor that is neither parameter nor buffer:
+    the same names and shapes either way, another export."""
+
+    def __init__(self, tied, scale):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+        self.scale = torch.tensor(scale)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids) * self.scale)
+
+
 MODULE_V1 = """
 import torch
 class Block(torch.nn.Module):
@@ -102,6 +118,13 @@ def main():
         if count != 1:
             failures.append(f"{what}: {count} exports over the 2 ranks, expected 1")
 
+    ids = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(2))
+    for what, tied, scale, expected in (("untied", False, 1.0, 1), ("tied", True, 1.0, 1),
+                                         ("another scale", False, 2.0, 1), ("untied again", False, 1.0, 0)):
+        count, _ = exported_by_the_job(lambda: smp.DistributedModel(TiedOrNot(tied, scale), ids))
+        if count != expected:
+            failures.append(f"{what} embedding and head: {count} exports, expected {expected}")
+
     # A model class edited between runs (here: rewritten and reloaded) is exported again.
     source = os.path.join(directory, f"edited_model_{runtime.rank}.py")
     sys.path.insert(0, directory)
@@ -116,8 +139,8 @@ def main():
     os.utime(source, ns=(os.stat(source).st_atime_ns, os.stat(source).st_mtime_ns + 1_000_000))
     module = importlib.reload(module)
     count, _ = exported_by_the_job(lambda: smp.DistributedModel(module.Block(), block_input))
-    if first_count == 0 or count == 0:
-        failures.append(f"an edited model class: {first_count} then {count} exports, expected both exported")
+    if (first_count, count) != (2, 2):  # each rank its own file, so its own entry
+        failures.append(f"an edited model class: {first_count} then {count} exports, expected 2 and 2")
 
     # Damaged entries are exported again, said so (by the rank that read one), and replaced by whole ones.
     if runtime.rank == 0:
