@@ -29,6 +29,7 @@ import os
 import pickle
 import sys
 import tempfile
+import types
 import warnings
 
 import torch
@@ -43,23 +44,12 @@ def directory():
     return os.environ.get(ENVIRONMENT) or None
 
 
-class CachedExport:
-    """The parts of an ExportedProgram smp's capture reads, as read back from the cache."""
-
-    class _CallSpec:
-        def __init__(self, out_spec):
-            self.out_spec = out_spec
-
-    class _Signature:
-        def __init__(self, input_specs, output_specs):
-            self.input_specs, self.output_specs = input_specs, output_specs
-
-    def __init__(self, graph_module, input_specs, output_specs, constants, range_constraints, out_spec):
-        self.graph_module = graph_module
-        self.graph_signature = self._Signature(input_specs, output_specs)
-        self.constants = constants
-        self.range_constraints = range_constraints
-        self.call_spec = self._CallSpec(out_spec)
+def _cached_export(graph_module, input_specs, output_specs, constants, range_constraints, out_spec):
+    """The parts of an ExportedProgram smp's capture reads, under the same names, as read back from the cache."""
+    return types.SimpleNamespace(
+        graph_module=graph_module, constants=constants, range_constraints=range_constraints,
+        graph_signature=types.SimpleNamespace(input_specs=input_specs, output_specs=output_specs),
+        call_spec=types.SimpleNamespace(out_spec=out_spec))
 
 
 def _file_digest(path):
@@ -210,27 +200,35 @@ def exported(name, model, export):
         return kept
     if name is None or os.path.exists(_path(name, ".none")):
         return export()
-    try:
-        lock = _locked(name)
-    except OSError as error:
-        _log.warning("capture cache: exporting without it (%s)", error)
-        return export()
-    with lock:
-        kept = load(name, model)
-        if kept is None and not os.path.exists(_path(name, ".none")):
-            kept = export()
-            store(name, *kept)
-            return kept
+    with _locked(name) as held:
+        if held:
+            kept = load(name, model)
+            if kept is None and not os.path.exists(_path(name, ".none")):
+                kept = export()
+                store(name, *kept)
     return kept if kept is not None else export()
 
 
 @contextlib.contextmanager
 def _locked(name):
-    os.makedirs(directory(), exist_ok=True)
-    with open(_path(name, ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released by the holder's end, whatever way it ends
+    """Yields whether it holds the entry's lock (released by the holder's end, whatever way it ends); False where the
+    directory or the lock cannot be had, said once."""
+    try:
+        os.makedirs(directory(), exist_ok=True)
+        lock = open(_path(name, ".lock"), "a")
+    except OSError as error:
+        _log.warning("capture cache: exporting without it (%s)", error)
+        yield False
+        return
+    with lock:
         try:
-            yield
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError as error:
+            _log.warning("capture cache: exporting without it (%s)", error)
+            yield False
+            return
+        try:
+            yield True
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
@@ -250,8 +248,8 @@ def load(name, model, quiet=False):
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
         graph_module = GraphPickler.loads(entry["graph"], FakeTensorMode(shape_env=ShapeEnv()))
         constants = torch.load(io.BytesIO(entry["constants"]), weights_only=False)
-        exported = CachedExport(graph_module, entry["inputs"], entry["outputs"], constants, entry["ranges"],
-                                entry["out_spec"])
+        exported = _cached_export(graph_module, entry["inputs"], entry["outputs"], constants, entry["ranges"],
+                                  entry["out_spec"])
     except FileNotFoundError:
         return None
     except Exception as error:  # noqa: BLE001 - a damaged or foreign entry is exported again and replaced
@@ -298,6 +296,6 @@ def store(name, exported, fixed_because):
             file.write(data)
         os.replace(temporary, _path(name, ".pkl" if data else ".none"))
     except OSError as error:
-        _log.warning("capture cache: could not write %s (%s)", _path(name), error)
+        _log.warning("capture cache: could not write an entry in %s (%s)", directory(), error)
         if temporary is not None and os.path.exists(temporary):
             os.unlink(temporary)

@@ -1,8 +1,9 @@
 """One rank of a 2-rank job checking the capture cache (SMP_CAPTURE_CACHE, smp/_capture_cache.py) in a directory of
 its own: the two ranks capturing a GPT-2 export it once between them; an identical model built again is not exported
-and trains exactly as the first; another sample length, another config, or an edited and reloaded model class is
-exported again; a damaged entry is exported again and replaced, with a warning; without the variable nothing is read or
-written; tied and untied weights, or another value of a tensor attribute, are other exports. Exits 0 only then.
+and trains exactly as the first; another sample length, another config, tied against untied weights, another value
+of a tensor attribute, or an edited and reloaded model class is exported again; a damaged entry is exported again and
+replaced, with a warning; a directory that cannot be made leaves the capture to run; without the variable nothing is
+read or written. Exits 0 only then.
 
   capture_cache_check.py DIRECTORY
 """
@@ -162,6 +163,19 @@ def main():
     count, _ = exported_by_the_job(lambda: smp.DistributedModel(gpt2(), sample()))
     if count != 0:
         failures.append(f"after a damaged entry was replaced: {count} exports, expected none")
+
+    # A cache directory that cannot be made: the capture runs as without one.
+    cache = os.environ["SMP_CAPTURE_CACHE"]
+    blocked = os.path.join(directory, f"a_file_{runtime.rank}")
+    open(blocked, "w").close()
+    os.environ["SMP_CAPTURE_CACHE"] = os.path.join(blocked, "cache")
+    try:
+        count, _ = exported_by_the_job(lambda: smp.DistributedModel(TiedOrNot(False, 3.0), ids))
+        if count != 2:
+            failures.append(f"a cache directory that cannot be made: {count} exports, expected one per rank")
+    except Exception as error:  # noqa: BLE001 - the failure reported
+        failures.append(f"a cache directory that cannot be made failed the capture: {type(error).__name__}: {error}")
+    os.environ["SMP_CAPTURE_CACHE"] = cache
 
     # Without SMP_CAPTURE_CACHE nothing is read or written.
     listing = sorted(os.listdir(os.environ["SMP_CAPTURE_CACHE"]))
