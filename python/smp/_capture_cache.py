@@ -16,7 +16,8 @@ Entries are pickles, which run code when read: the directory must be writable by
 An entry is the exported graph pickled with its fake tensors' shapes and the symbols they are made of (the GraphPickler
 torch's own compile caches use), the signature, the constants, the input ranges and the output structure. It is
 written to a temporary file and renamed into place, so a reader never sees half an entry; one that cannot be read is
-ignored (exported again) and replaced; an export that cannot be pickled leaves a mark instead, and is not tried again."""
+ignored (exported again) and replaced; an export that cannot be pickled leaves a mark instead, and is not tried
+again."""
 
 import contextlib
 import fcntl
@@ -277,7 +278,8 @@ def store(name, exported, fixed_because):
         signature = exported.graph_signature
         values = {spec.target: exported.constants[spec.target] for spec in signature.input_specs
                   if spec.kind.name == "CONSTANT_TENSOR"}
-        values = {target: value.constant if isinstance(value, FakeTensor) else value for target, value in values.items()}
+        values = {target: value.constant if isinstance(value, FakeTensor) else value
+                  for target, value in values.items()}
         if any(value is None for value in values.values()):
             raise ValueError(f"constants without a value: {sorted(t for t, v in values.items() if v is None)}")
         constants = io.BytesIO()
