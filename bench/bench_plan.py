@@ -82,8 +82,9 @@ def predict(name, link_gbps, latency_us, processors, synchronization_us, synchro
     model = build(name)
     # A mixture of experts: every expert-parallel degree too.
     smp.init({"global_batch_size": GLOBAL_BATCH, **({"expert_parallel_degree": "auto"} if name == "mixtral" else {})})
-    # Tensor parallelism where the model has a plan (the Hugging Face decoders' own): every degree of the world.
-    degrees = [1, 2, 4] if smp.tp.builtin_plan(model) and name != "mixtral" else [1]
+    # Tensor parallelism where the model has a plan (the Hugging Face decoders' own): every degree of the world; for
+    # the mixture of experts tp 2, with and without the experts divided.
+    degrees = ([1, 2] if name == "mixtral" else [1, 2, 4]) if smp.tp.builtin_plan(model) else [1]
     found = smp.plan(model, batch(2, torch.Generator().manual_seed(1), name)[0], world_size=WORLD,
                      link_gbps=link_gbps, latency_us=latency_us, shared_cores=processors or None,
                      tensor_parallel_degrees=degrees, synchronization_us=synchronization_us,
@@ -146,10 +147,12 @@ def job(processes, *args):
 
 def experts_grid(layouts):
     """A mixture of experts: each expert-parallel degree beside its ep 1 twin, one stage and two (1F1B, a
-    microbatch per stage), ZeRO-1 once with one stage; and four stages without replicas."""
+    microbatch per stage), ZeRO-1 once with one stage, tp 2 with and without ep 2; and four stages without
+    replicas."""
     wanted = {"pp 1 x dp 4, gpipe, m 1", "pp 1 x dp 4, ep 2, gpipe, m 1", "pp 1 x dp 4, ep 4, gpipe, m 1",
               "pp 1 x dp 4, gpipe, m 1, ZeRO-1", "pp 1 x dp 4, ep 4, gpipe, m 1, ZeRO-1",
-              "pp 2 x dp 2, 1f1b, m 2", "pp 2 x dp 2, ep 2, 1f1b, m 2", "pp 4 x dp 1, 1f1b, m 4"}
+              "pp 2 x dp 2, 1f1b, m 2", "pp 2 x dp 2, ep 2, 1f1b, m 2", "pp 4 x dp 1, 1f1b, m 4",
+              "tp 2 x pp 1 x dp 2, gpipe, m 1", "tp 2 x pp 1 x dp 2, ep 2, gpipe, m 1"}
     return [layout for layout in layouts if layout["rejected"] is None and layout["layout"] in wanted]
 
 

@@ -516,7 +516,8 @@ PYBIND11_MODULE(_smp, module) {
         for (const auto& node : profile.modules) collectives += node.tp_forward_collectives + node.tp_backward_collectives;
         return collectives;
       })
-      .def("mark_experts", &ModelProfile::mark_experts, py::arg("token_bytes"), py::arg("experts"));
+      .def("mark_experts", &ModelProfile::mark_experts, py::arg("token_bytes"), py::arg("experts"),
+           py::arg("split") = 1);
   module.def(
       "profile_for_planning",
       [](const GraphModel& graph, const OptionalTensors& sample, int sample_batch, const OptionalTensors& larger,

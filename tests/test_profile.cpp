@@ -707,15 +707,49 @@ TEST_CASE("expert-parallel layouts: each rank holds its share of the experts and
   two_experts.experts = 2;
   const auto fewer = smp::plan_layouts(two_experts, planned, 4, links);
   CHECK(std::none_of(fewer.begin(), fewer.end(), [](const auto& p) { return p.layout.experts == 4; }));
-  // Not with tensor parallelism: fixed beside it, those layouts are rejected, saying why.
-  const smp::Config fixed_ep = smp::Config::from_json_text(
-      R"({"global_batch_size": 4, "expert_parallel_degree": 2, "tensor_parallel_degree": "auto"})", "test");
-  for (const auto& prediction :
-       smp::plan_layouts(std::map<int, smp::ModelProfile>{{1, profile}, {2, profile}}, fixed_ep, 4, links)) {
-    if (prediction.layout.tensor_parallel == 2) {
-      CHECK_THAT(prediction.rejected, Catch::Matchers::Contains("not planned with tensor parallelism"));
-    }
+  // With tensor parallelism: the tp 2 profile holds half of each module, the experts' features split as a job at
+  // ep 1 splits them (their outputs summed over the group: a collective each way). Dividing them, each
+  // tensor-parallel rank holds its experts whole and divides them with the same tp rank of the other replica.
+  auto sharded = modules;
+  for (auto& module : sharded) {
+    module.parameter_bytes /= 2;
+    module.forward_s = module.backward_s = 0.5e-3;
   }
+  sharded[0].parameter_shapes = "dense.weight:256,512,;";
+  sharded[1].parameter_shapes = "layer.experts.gate_up_proj:4,256,64,;layer.experts.down_proj:4,64,256,;";
+  sharded[1].tp_forward_collectives = sharded[1].tp_backward_collectives = 1;
+  smp::ModelProfile at_two{sharded, 2};
+  at_two.mark_experts({{"layer.experts", 1000000}}, 4, 2);
+  CHECK(at_two.experts_split == 2);
+  CHECK(at_two.modules[1].expert_parameter_bytes == 1 << 19);
+  const smp::Config with_tp = smp::Config::from_json_text(
+      R"({"global_batch_size": 4, "expert_parallel_degree": "auto", "tensor_parallel_degree": "auto"})", "test");
+  const auto both = smp::plan_layouts(std::map<int, smp::ModelProfile>{{1, profile}, {2, at_two}}, with_tp, 4, links);
+  const auto tp_split = find(both, "tp 2 x pp 1 x dp 2, gpipe, m 1");
+  const auto tp_divided = find(both, "tp 2 x pp 1 x dp 2, ep 2, gpipe, m 1");
+  REQUIRE(tp_split.rejected.empty());
+  REQUIRE(tp_divided.rejected.empty());
+  // Half the experts' state either way; whole experts keep their whole activations (1 MiB more on 2 samples).
+  CHECK(tp_divided.peak_memory_mib() - tp_split.peak_memory_mib() == Approx(1.0));
+  // A microbatch of 2 samples: whole experts compute twice the split ones' (1 ms more), four exchanges of its 1 MB
+  // of rows and the counts, and no sums over the group (a round trip each way).
+  CHECK(tp_divided.pipeline_s - tp_split.pipeline_s == Approx(1e-3 + 4 * (20e-6 + 0.5e-3) + 20e-6 - 2 * 20e-6));
+  // The experts' gradients: each tensor-parallel rank's reduced over the replicas holding the same experts (here
+  // none: 2 replicas, ep 2), the dense shard over both replicas.
+  CHECK(tp_divided.gradient_sync_s == Approx(2 * 10e-6 + 0.5 * mib / 1e9));
+  CHECK_THAT(tp_divided.config_json(), Catch::Matchers::Contains("\"tensor_parallel_degree\":2"));
+  CHECK_THAT(tp_divided.config_json(), Catch::Matchers::Contains("\"expert_parallel_degree\":2"));
+
+  // The partition search counts the experts' optimizer state sharded over the replicas holding the same experts: 4
+  // replicas, ep 2, ZeRO-1: (2 + 2 / 2) x 4 MiB of experts = 12 MiB (not 2 + 2 / 4: 10).
+  auto experts_only = equal_chain(1, 4 << 20, 0);
+  experts_only[0].expert_parameter_bytes = 4 << 20;
+  const auto zero1 = [](int megabytes) {
+    return smp::Config::from_json_text(R"({"ddp": true, "shard_optimizer_state": true, "expert_parallel_degree": 2,
+        "memory_limit_mb": )" + std::to_string(megabytes) + "}", "test");
+  };
+  CHECK_THROWS_WITH(smp::plan_stages(experts_only, zero1(11), {1}, 4), Catch::Matchers::Contains("memory"));
+  CHECK_NOTHROW(smp::plan_stages(experts_only, zero1(13), {1}, 4));
   // The job adopts the degree with the rest of the layout; a config fixing another degree does not take it.
   const smp::Config given = smp::Config::from_json_text(
       R"({"global_batch_size": 4, "expert_parallel_degree": "auto", "partitions": "auto", "ddp": "auto",

@@ -128,9 +128,10 @@ def _no_loss(output, target):
     return torch.zeros((), device=leaves[0].device if leaves else "cpu")
 
 
-def _shard_for_tensor_parallelism(model, plan, announce=True):
+def _shard_for_tensor_parallelism(model, plan, announce=True, experts_divided=None):
     """Applies the tensor-parallel plan (the user's, else the model's own) to `model` in place, at smp.tp.degree().
-    A GraphModel's modules are the user's: built with smp.tp's layers."""
+    A GraphModel's modules are the user's: built with smp.tp's layers. experts_divided (default: the job's
+    "expert_parallel_degree" > 1): the model's own plan leaves the experts whole, for expert parallelism."""
     from . import tp
     if isinstance(model, GraphModel):
         if plan is not None:
@@ -138,7 +139,9 @@ def _shard_for_tensor_parallelism(model, plan, announce=True):
         return
     given = plan is not None
     plan = plan if given else tp.builtin_plan(model)
-    if plan and not given and runtime().expert_parallel_degree > 1:
+    if experts_divided is None:
+        experts_divided = runtime().expert_parallel_degree > 1
+    if plan and not given and experts_divided:
         plan = _expert_parallel.without_experts(model, plan)
     if plan and runtime().config.sequence_parallel:
         plan = tp.sequence_parallel_plan(model, plan)

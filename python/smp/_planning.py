@@ -83,7 +83,9 @@ def _candidate_degrees(model, tp_plan, world, config):
 
 def _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, config):
     """`model` captured and profiled as rank 0 of a tensor-parallel group of `degree` would capture and profile it:
-    a sharded copy for a degree the job has not adopted, its collectives counted, not run."""
+    a sharded copy for a degree the job has not adopted, its collectives counted, not run. Returns the profile and
+    how many ranks its experts are split over: the model's own plan shards them as a job at ep 1 does (the planner
+    makes them whole again for a layout dividing them), unless the config fixes an expert-parallel degree."""
     from . import tp
     from ._distributed_model import GraphModel, _shard_for_tensor_parallelism, graph_of
     # The model comes unsharded (DistributedModel shards it once the layout is chosen), unless it is an
@@ -93,9 +95,15 @@ def _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, config):
                           f"for degree {tp.degree()}")
     sharded_here = degree > 1 and not isinstance(model, GraphModel)
     with tp._profiled_at(degree) if sharded_here else contextlib.nullcontext():
+        experts_split = 1
         if sharded_here:
             model = copy.deepcopy(model)
-            _shard_for_tensor_parallelism(model, tp_plan, announce=False)
+            fixed_ep = "expert_parallel_degree" not in config.auto_keys and config.expert_parallel_degree > 1
+            _shard_for_tensor_parallelism(model, tp_plan, announce=False, experts_divided=fixed_ep)
+            from ._expert_parallel import experts_modules
+            if any(hasattr(parameter, "_smp_shard") for experts in experts_modules(model).values()
+                   for parameter in experts.parameters()):
+                experts_split = degree
         # Cut as finely as the most stages considered: two per rank. Captured as the job will capture it: the plan's
         # cut names the graph's nodes, and which dimensions may change decides some of them.
         # Experts whole, whatever degree the config fixes: the planner divides them itself (and dividing them here
@@ -107,13 +115,14 @@ def _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, config):
         profiled = next((value.shape[0] for value, is_batch in zip(values, batched) if is_batch), 1)
         # A second profile on twice the samples tells a stage call's fixed cost from its cost per sample.
         doubled = [torch.cat([value, value]) if is_batch else value for value, is_batch in zip(values, batched)]
-        return _smp.profile_for_planning(graph._graph, values, profiled, doubled, 2 * profiled)
+        return _smp.profile_for_planning(graph._graph, values, profiled, doubled, 2 * profiled), experts_split
 
 
-def _mark_experts(profile, model, sample):
-    """Tells `profile` where a mixture-of-experts model's stacked experts are (what expert parallelism divides) and
-    the token rows they read on `sample`, one microbatch: its tokens x the model's experts per token x its hidden
-    width, at the parameters' element size (what the ranks exchange)."""
+def _mark_experts(profile, model, sample, split):
+    """Tells `profile` where a mixture-of-experts model's stacked experts are (what expert parallelism divides), the
+    token rows they read on `sample`, one microbatch: its tokens x the model's experts per token x its hidden
+    width, at the parameters' element size (what the ranks exchange), and over how many tensor-parallel ranks the
+    profile's experts are `split`."""
     from ._expert_parallel import experts_modules
     experts = experts_modules(model) if isinstance(model, torch.nn.Module) else {}
     if not experts:
@@ -128,7 +137,7 @@ def _mark_experts(profile, model, sample):
         # Unknown without token ids and the config's widths: the exchanges then go unpriced.
         rows[path] = ids.numel() * top_k * hidden * element if ids is not None and top_k and hidden else 0
     # A degree must divide every layer's experts.
-    profile.mark_experts(rows, math.gcd(*(module.num_experts for module in experts.values())))
+    profile.mark_experts(rows, math.gcd(*(module.num_experts for module in experts.values())), split)
 
 
 def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb=None, optimizer_moments=2.0,
@@ -152,8 +161,11 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     compute, parameters and activations, and its collectives counted and priced on the links as rings; a degree the
     model cannot take (heads that do not divide) is left out, in .unplanned_degrees and the report.
     Expert parallelism: a mixture-of-experts model (Hugging Face's experts classes) is planned at the config's
-    "expert_parallel_degree", or with "auto" there at every degree dividing the replicas and the experts (at
-    tensor-parallel degree 1): each rank holds its share of the experts' parameters, gradients and optimizer state,
+    "expert_parallel_degree", or with "auto" there at every degree dividing the replicas and the experts (beside
+    tensor parallelism too: at ep 1 the model's own plan splits the experts' features over the tensor-parallel
+    ranks; dividing them, each tensor-parallel rank holds its experts whole and divides them with the same
+    tensor-parallel rank of other replicas): each rank holds its share of the experts' parameters, gradients and
+    optimizer state,
     and every experts layer exchanges its token rows (tokens x num_experts_per_tok x hidden_size) four times a
     microbatch, priced on the links.
     synchronization_us and synchronized_gbps: a collective between ranks that computed up to it, its fixed part and
@@ -182,9 +194,9 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     profiles, unplanned = {}, {}
     for degree in degrees:
         try:
-            profiles[degree] = _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, rt.config)
-            if degree == 1:  # expert parallelism is planned without tensor parallelism
-                _mark_experts(profiles[degree], model, sample)
+            profiles[degree], experts_split = _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes,
+                                                          rt.config)
+            _mark_experts(profiles[degree], model, sample, experts_split)
         except ConfigError as error:
             if len(degrees) == 1:
                 raise

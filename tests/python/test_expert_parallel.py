@@ -1,6 +1,7 @@
 """Expert parallelism: unmodified Hugging Face mixture-of-experts models with their experts divided over ranks
 ("expert_parallel_degree"), against plain PyTorch on the same microbatches (real_models.py: every loss, every
-parameter within 1e-5 relative, each rank holding 1/ep of every experts tensor), and the all-to-all under it."""
+parameter within 1e-5 relative, each rank holding 1/ep of every experts tensor), and the all-to-all under it. With
+tensor parallelism: test_planning.py's fixed tp 2 x ep 2 job."""
 
 import json
 
@@ -34,14 +35,6 @@ def test_ep2_x_pp2_meta_equal_materialized(job):
     assert_passed(job(4, "real_models.py", "--meta", "--models", "mixtral,deepseek_v3", "--smp",
                       smp_keys(partitions=2, microbatches=4, pipeline="zero_bubble", activation_checkpointing=[0],
                                ddp=True, expert_parallel_degree=2, global_batch_size=8)))
-
-
-def test_ep2_with_tensor_parallelism_equal_pytorch(job):
-    """tp 2 x ep 2: attention sharded by the model's own plan, the experts whole on each tensor-parallel rank and
-    divided over the replicas."""
-    assert_passed(job(4, "real_models.py", "--models", "mixtral", "--steps", "2", "--smp",
-                      smp_keys(partitions=1, tensor_parallel_degree=2, microbatches=2, ddp=True,
-                               expert_parallel_degree=2, global_batch_size=8)))
 
 
 def test_dualpipe_v_overlapped_pairs_equal_pytorch(job, tmp_path):

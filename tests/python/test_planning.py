@@ -73,13 +73,16 @@ def test_auto_expert_parallel_degree_divides_the_experts_when_memory_asks(job):
     assert chosen and chosen[0].startswith("smp: planned layout pp 1 x dp 2, ep 2, "), finished.output
 
 
-def test_fixed_expert_parallel_degree_beside_auto_keys_trains_equal_pytorch(job):
-    """A degree the config fixes beside "auto" keys: rank 0 plans with the experts whole (capturing them divided
-    would cut the model's own experts before the job does), every layout keeps ep 2, and the job trains equal to
-    plain PyTorch."""
-    config = dict(json.loads(smp_keys(global_batch_size=8)), partitions=1, ddp=True, microbatches="auto",
+def test_fixed_expert_and_tensor_parallel_degrees_beside_auto_keys_train_equal_pytorch(job):
+    """Degrees the config fixes beside "auto" keys, tp 2 x ep 2 on 4 ranks: rank 0 plans with the experts whole
+    (capturing them divided would cut the model's own experts before the job does) on the tp 2 profile, where each
+    tensor-parallel rank holds its experts whole and divides them with the other replica's; every layout keeps both
+    degrees, and the job trains equal to plain PyTorch (attention sharded by the model's own plan, the experts whole
+    on each tensor-parallel rank and divided over the replicas)."""
+    config = dict(json.loads(smp_keys(global_batch_size=8)), partitions=1, ddp=True, microbatches=2,
+                  activation_checkpointing="auto", shard_optimizer_state="auto", tensor_parallel_degree=2,
                   expert_parallel_degree=2)
-    finished = job(2, "real_models.py", "--models", "mixtral", "--steps", "2", "--smp", json.dumps(config))
+    finished = job(4, "real_models.py", "--models", "mixtral", "--steps", "2", "--smp", json.dumps(config))
     assert_passed(finished)
     chosen = rank0_lines(finished.stdout, "smp: planned layout ")
-    assert chosen and chosen[0].startswith("smp: planned layout pp 1 x dp 2, ep 2, "), finished.output
+    assert chosen and chosen[0].startswith("smp: planned layout tp 2 x pp 1 x dp 2, ep 2, "), finished.output

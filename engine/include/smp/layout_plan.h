@@ -77,12 +77,18 @@ struct ModelProfile {
   // What every mixture-of-experts layer's count of experts divides into (their greatest common divisor): an
   // expert-parallel degree must divide it; 0: no experts.
   int experts = 0;
+  // How many tensor-parallel ranks the profile's experts are split over, along their features (the experts' nodes
+  // then hold and compute 1 / experts_split of them, and sum their outputs over the group): a profile at tp t of a
+  // model whose plan shards its experts, as a job at ep 1 does. A layout dividing the experts whole (ep > 1) undoes
+  // the split first (divide_experts).
+  int experts_split = 1;
   // The profile on a microbatch of `samples`, compute times `compute_scale`.
   std::vector<ModuleProfile> at(int samples, double compute_scale = 1.0) const;
   // A mixture-of-experts model's experts: {experts module's path: the token rows' bytes it reads per microbatch of
-  // the profile}, and `experts_per_layer` (ModelProfile::experts). Each node holding parameters under such a path counts their bytes in
-  // expert_parameter_bytes, and the first of them the rows in expert_token_bytes.
-  void mark_experts(const std::map<std::string, std::int64_t>& token_bytes, int experts_per_layer);
+  // the profile}, `experts_per_layer` (ModelProfile::experts) and `split` (experts_split). Each node holding
+  // parameters under such a path counts their bytes in expert_parameter_bytes, and the first of them the rows in
+  // expert_token_bytes.
+  void mark_experts(const std::map<std::string, std::int64_t>& token_bytes, int experts_per_layer, int split = 1);
 };
 
 struct LayoutPrediction {
@@ -123,10 +129,11 @@ std::vector<int> divisors(int n);
 std::vector<LayoutPrediction> plan_layouts(const ModelProfile& profile, const Config& base, int world_size, const PlanningCosts& costs = {},
                                            double optimizer_moments = 2.0);
 // Expert parallelism ("expert_parallel_degree" fixed, or "auto": every degree dividing the replicas and
-// ModelProfile::experts) is planned at tensor-parallel degree 1 from the same profile: each rank holds 1 / ep of the
-// experts' parameters, gradients and optimizer state (ZeRO-1 shares them over the replicas / ep that hold the same
-// experts, which also reduce their gradients), and every experts layer's exchanges (its counts, its token rows out
-// and back, their gradients) are priced on the point-to-point links.
+// ModelProfile::experts) is planned from the same profile (at each tensor-parallel degree: no tensor-parallel plan
+// shards the experts, so each tp rank holds its experts whole and divides them with the same tp rank of other
+// replicas): each rank holds 1 / ep of the experts' parameters, gradients and optimizer state (ZeRO-1 shares them
+// over the replicas / ep that hold the same experts, which also reduce their gradients), and every experts layer's
+// exchanges (its counts, its token rows out and back, their gradients) are priced on the point-to-point links.
 // With tensor parallelism: the model's profile at each degree considered (sharded for it: a shard's compute,
 // parameters and activations, its collectives counted, not run), and for each degree tp dividing world_size every
 // layout of the world_size / tp groups as above. A group computes as one rank of the pipeline; its collectives are

@@ -35,7 +35,9 @@ double through(double small, double large, int batch, int larger_batch, int samp
 Config config_of(const Layout& layout, const Config& base) {
   Config config = base;
   config.tensor_parallel_degree = 1;  // a tensor-parallel group is one rank of the pipelines and replicas planned
-  config.expert_parallel_degree = 1;  // the experts' share is the profile's (divide_experts)
+  // The experts' share of parameters is the profile's (divide_experts); the degree tells the partition search over
+  // how many replicas their optimizer state is sharded (replicas / ep hold the same experts).
+  config.expert_parallel_degree = layout.experts;
   config.partitions = layout.partitions;
   config.virtual_stages = layout.virtual_stages;
   config.microbatches = layout.microbatches;
@@ -86,14 +88,27 @@ double expert_exchange_s(std::int64_t bytes, int ep, const PlanningCosts& costs)
   return synchronized_s(1.0, static_cast<double>(bytes), ep, costs.p2p_bytes_per_s, costs);
 }
 
-// The profile as each rank of an expert-parallel group of `ep` runs it: 1 / ep of the experts' parameters, and the
-// exchanges around them (ExpertsAcrossRanks: forward, the counts, the rows out and the results back; backward, the
-// two gradients), which the partition search then balances like compute; a backward's exchanges carry input
-// gradients, so the input pass's too.
-void divide_experts(std::vector<ModuleProfile>& modules, int ep, const PlanningCosts& costs) {
+// The profile as each rank of an expert-parallel group of `ep` runs it: its experts whole (a profile whose experts
+// are split over `split` tensor-parallel ranks made whole again: their parameters, compute and activations times
+// `split`, their outputs' sums over the group gone; an approximation where a node holds more than the experts),
+// then 1 / ep of their parameters, and the exchanges around them (ExpertsAcrossRanks: forward, the counts, the rows
+// out and the results back; backward, the two gradients), which the partition search then balances like compute; a
+// backward's exchanges carry input gradients, so the input pass's too. Each rank computes its experts on as many
+// rows as it sends (even routing), so the compute of whole experts stays.
+void divide_experts(std::vector<ModuleProfile>& modules, int ep, int split, const PlanningCosts& costs) {
   if (ep <= 1) return;
   for (auto& module : modules) {
     if (module.expert_parameter_bytes == 0 && module.expert_token_bytes == 0) continue;
+    if (split > 1 && module.expert_parameter_bytes > 0) {
+      module.parameter_bytes += (split - 1) * module.expert_parameter_bytes;
+      module.expert_parameter_bytes *= split;
+      module.activation_bytes *= split;
+      for (double* seconds : {&module.forward_s, &module.backward_s, &module.backward_input_s, &module.backward_weight_s}) {
+        *seconds *= split;
+      }
+      module.tp_forward_collectives = module.tp_backward_collectives = 0;
+      module.tp_forward_ring_bytes = module.tp_backward_ring_bytes = 0;
+    }
     const std::int64_t kept = module.expert_parameter_bytes / ep;
     module.parameter_bytes -= module.expert_parameter_bytes - kept;
     module.expert_parameter_bytes = kept;
@@ -133,7 +148,7 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   try {
     devices = stage_devices(config, Topology(config, world_size), schedule.stage_to_rank, {});
     auto modules = profile.at(per_microbatch, costs.compute_scale);
-    divide_experts(modules, ep, costs);
+    divide_experts(modules, ep, profile.experts_split, costs);
     plan = plan_stages(modules, config, activation_copies(schedule, weight_pass_share(modules)), shards, &devices);
   } catch (const std::exception& error) {
     prediction.rejected = error.what();
@@ -287,9 +302,8 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
 }
 
 // Why a layout cannot divide the experts over `ep` replicas; empty when it can (or divides nothing).
-std::string experts_refusal(int ep, int tp, int experts) {
+std::string experts_refusal(int ep, int experts) {
   if (ep <= 1) return {};
-  if (tp > 1) return "expert parallelism is not planned with tensor parallelism";
   if (experts == 0) return "the model has no experts to divide";
   if (experts % ep != 0) {
     return "expert_parallel_degree " + std::to_string(ep) + " does not divide the " + std::to_string(experts) +
@@ -377,8 +391,10 @@ std::vector<ModuleProfile> ModelProfile::at(int samples, double compute_scale) c
   return result;
 }
 
-void ModelProfile::mark_experts(const std::map<std::string, std::int64_t>& token_bytes, int experts_per_layer) {
+void ModelProfile::mark_experts(const std::map<std::string, std::int64_t>& token_bytes, int experts_per_layer,
+                                int split) {
   experts = experts_per_layer;
+  experts_split = std::max(1, split);
   std::set<std::string> rows_placed;
   for (auto& node : modules) {
     // parameter_shapes: "path:d0,d1,;" for each parameter the node counts, all of one element size here.
@@ -463,15 +479,16 @@ std::vector<LayoutPrediction> plan_layouts(const std::map<int, ModelProfile>& by
   const bool uneven_devices = !base.device_speeds.empty() || !base.device_memory_mb.empty();
   const bool experts_planned = base.plans("expert_parallel_degree");
   // The expert-parallel degrees a layout of `replicas` can take: the config's, or for "auto" each divisor of the
-  // replicas that divides the experts (none above 1 with tensor parallelism).
-  const auto expert_degrees = [&](int replicas, int tp, const ModelProfile& profile) {
+  // replicas that divides the experts. With tensor parallelism each tensor-parallel rank holds its experts whole
+  // (no plan shards them) and divides them with the same tp rank of the other replicas.
+  const auto expert_degrees = [&](int replicas, const ModelProfile& profile) {
     if (!experts_planned) {
       return replicas % base.expert_parallel_degree == 0 ? std::vector<int>{base.expert_parallel_degree}
                                                          : std::vector<int>{};
     }
     std::vector<int> degrees;
     for (int ep : divisors(replicas)) {
-      if (ep == 1 || (tp == 1 && profile.experts > 0 && profile.experts % ep == 0)) degrees.push_back(ep);
+      if (ep == 1 || (profile.experts > 0 && profile.experts % ep == 0)) degrees.push_back(ep);
     }
     return degrees;
   };
@@ -484,10 +501,10 @@ std::vector<LayoutPrediction> plan_layouts(const std::map<int, ModelProfile>& by
       const int replicas = ranks / partitions;
       if (base.global_batch_size % replicas != 0) continue;
       const int per_replica = base.global_batch_size / replicas;
-      for (int ep : expert_degrees(replicas, tp, profile)) {
+      for (int ep : expert_degrees(replicas, profile)) {
         const std::string refused = tp > 1 && uneven_devices
                                         ? "device speeds or memory per rank are not planned with tensor parallelism"
-                                        : experts_refusal(ep, tp, profile.experts);
+                                        : experts_refusal(ep, profile.experts);
         for (Layout& layout : layouts_of(partitions, replicas, per_replica, modules)) {
           LayoutPrediction prediction;
           layout.tensor_parallel = tp;

@@ -285,6 +285,8 @@ StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
   for (const auto& module : modules) names.push_back(module.name);
   const std::vector<bool> recomputed_modules = checkpointed_modules(names, config);
   const double module_recomputes = config.splits_backward() ? 2.0 : 1.0;
+  // Divided experts (expert_parameter_bytes) have their state sharded over the replicas holding the same experts.
+  const int expert_state_shards = std::max(1, optimizer_state_shards / std::max(1, config.expert_parallel_degree));
   part::ModuleGraph graph;
   for (std::size_t i = 0; i < modules.size(); ++i) {
     const auto& module = modules[i];
@@ -292,7 +294,9 @@ StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
     node.name = module.name;
     node.compute_s =
         module.forward_s + module.backward_s + (recomputed_modules[i] ? module_recomputes * module.forward_s : 0.0);
-    node.memory_bytes = (2.0 + 2.0 / optimizer_state_shards) * static_cast<double>(module.parameter_bytes) +
+    const auto experts = static_cast<double>(module.expert_parameter_bytes);
+    node.memory_bytes = (2.0 + 2.0 / optimizer_state_shards) * (static_cast<double>(module.parameter_bytes) - experts) +
+                        (2.0 + 2.0 / expert_state_shards) * experts +
                         (recomputed_modules[i] ? static_cast<double>(module.activation_bytes) : 0.0);
     node.parameter_bytes = static_cast<double>(module.parameter_bytes);
     node.activation_bytes =
