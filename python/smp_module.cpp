@@ -510,6 +510,7 @@ PYBIND11_MODULE(_smp, module) {
       py::arg("path"), py::arg("contents"));
   // smp.plan: the graph profiled on the sample (alone, as rank 0 profiles in a job), then every layout predicted.
   py::class_<ModelProfile>(module, "ModelProfile")
+      .def(py::init<>())
       .def_property_readonly("nodes", [](const ModelProfile& profile) { return profile.modules.size(); })
       .def_property_readonly("tp_collectives", [](const ModelProfile& profile) {
         std::int64_t collectives = 0;

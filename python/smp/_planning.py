@@ -9,6 +9,7 @@ import json
 import math
 import os
 import time
+import warnings
 
 import torch
 
@@ -131,11 +132,19 @@ def _mark_experts(profile, model, sample, split):
     values = sample.values() if isinstance(sample, collections.abc.Mapping) else [sample]
     ids = next((value for value in values if isinstance(value, torch.Tensor) and not value.is_floating_point()), None)
     top_k, hidden = getattr(config, "num_experts_per_tok", None), getattr(config, "hidden_size", None)
+    known = ids is not None and top_k and hidden
+    if not known and ("expert_parallel_degree" in runtime().config.auto_keys or
+                      runtime().config.expert_parallel_degree > 1):
+        missing = [what for what, value in (("integer token ids in the sample", ids),
+                                            ("config.num_experts_per_tok", top_k), ("config.hidden_size", hidden))
+                   if value is None or value is False]
+        warnings.warn(f"smp.plan: expert-parallel layouts of {type(model).__name__} are planned without the cost of "
+                      f"their token exchanges (the rows exchanged are unknown without {', '.join(missing)})",
+                      stacklevel=3)
     rows = {}
     for path, module in experts.items():
         element = next(module.parameters()).element_size()
-        # Unknown without token ids and the config's widths: the exchanges then go unpriced.
-        rows[path] = ids.numel() * top_k * hidden * element if ids is not None and top_k and hidden else 0
+        rows[path] = ids.numel() * top_k * hidden * element if known else 0
     # A degree must divide every layer's experts.
     profile.mark_experts(rows, math.gcd(*(module.num_experts for module in experts.values())), split)
 

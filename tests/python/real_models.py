@@ -29,12 +29,14 @@ import argparse
 import copy
 import json
 import sys
+import warnings
 
 import torch
 import torch.nn.functional as F
 
 import smp
 import report
+from smp import _smp
 
 VOCAB, SEQUENCE, CLASSES = 96, 12, 5
 
@@ -254,7 +256,16 @@ def print_fastest_layout(name, ranks, config):
     torch.manual_seed(0)
     net = vision_model(name) if name in VISION else language_model(name)
     sample, _ = batch(name, 2, torch.Generator().manual_seed(5))
-    found = smp.plan(net, sample, world_size=ranks)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = smp.plan(net, sample, world_size=ranks)
+        if config.get("expert_parallel_degree") == "auto":
+            # Without token ids the rows exchanged are unknown: planned, but said.
+            from smp import _planning
+            _planning._mark_experts(_smp.ModelProfile(), net, {"inputs_embeds": torch.zeros(2, 4, 8)}, 1)
+    unpriced = [str(warning.message) for warning in caught if "token exchanges" in str(warning.message)]
+    if config.get("expert_parallel_degree") == "auto":
+        assert len(unpriced) == 1 and "integer token ids in the sample" in unpriced[0], unpriced
     least = {}
     for row in found.layouts:
         keys = json.loads(row["config"])  # the layout keys
