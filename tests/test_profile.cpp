@@ -648,12 +648,24 @@ TEST_CASE("tensor-parallel layouts: a shard profiled alone counts its collective
           "pipeline": "auto"})", "test"),
       tensor_parallel->config_json(), 2).has_value());
 
-  // Devices given per rank are not divided among tensor-parallel groups: those layouts are rejected, saying so.
+  // Devices given per rank: a tensor-parallel group computes at its slowest member's speed (its collectives wait for
+  // it, and take as long as before) within its least memory.
   smp::Config uneven = config;
   uneven.device_speeds = {1.0, 0.5};
+  bool slowed = false;
   for (const auto& prediction : smp::plan_layouts(std::map<int, smp::ModelProfile>{{1, {whole, 2}}, {2, {shard, 2}}},
                                                   uneven, 2, links)) {
-    if (prediction.layout.tensor_parallel == 2) CHECK_THAT(prediction.rejected, Catch::Matchers::Contains("tensor parallelism"));
+    if (prediction.layout.describe() != tensor_parallel->layout.describe()) continue;
+    CHECK(prediction.rejected.empty());
+    CHECK(prediction.step_s == Approx(4 * (2e-3 + 2.02e-3)));
+    slowed = true;
+  }
+  CHECK(slowed);
+  smp::Config small = config;
+  small.device_memory_mb = {64, 1};
+  for (const auto& prediction : smp::plan_layouts(std::map<int, smp::ModelProfile>{{1, {whole, 2}}, {2, {shard, 2}}},
+                                                  small, 2, links)) {
+    if (prediction.layout.tensor_parallel == 2) CHECK_THAT(prediction.rejected, Catch::Matchers::Contains("memory limit of 1048576"));
   }
 }
 

@@ -47,9 +47,10 @@ def test_auto_layout_fits_the_memory_limit_and_trains_equal_pytorch(job):
 
 def test_auto_tensor_parallel_degree_shards_the_model_and_trains_equal_pytorch(job):
     """"tensor_parallel_degree": "auto" among the planned keys: with one stage and no replicas on 2 ranks the only
-    layout is tp 2, which the job adopts, sharding the model by its own plan, and trains equal to plain PyTorch."""
+    layout is tp 2, which the job adopts, sharding the model by its own plan, and trains equal to plain PyTorch. The
+    ranks' devices differ (device_speeds): the group is planned at its slower member's speed."""
     config = dict(json.loads(smp_keys(global_batch_size=8)), tensor_parallel_degree="auto", partitions=1, ddp=False,
-                  microbatches="auto")
+                  microbatches="auto", device_speeds=[1.0, 0.5])
     finished = job(2, "real_models.py", "--models", "gpt2", "--steps", "3", "--smp", json.dumps(config))
     assert_passed(finished)
     chosen = rank0_lines(finished.stdout, "smp: planned layout ")

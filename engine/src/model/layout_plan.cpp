@@ -146,7 +146,11 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   StagePlan plan;
   StageDevices devices;
   try {
-    devices = stage_devices(config, Topology(config, world_size), schedule.stage_to_rank, {});
+    // Devices that differ are given per rank of the whole world: a pipeline rank's stages run at its slowest
+    // member's speed (its replicas and tensor-parallel peers wait for it) within its least memory.
+    Config whole = config;
+    whole.tensor_parallel_degree = tp;
+    devices = stage_devices(whole, Topology(whole, whole_world), schedule.stage_to_rank, {});
     auto modules = profile.at(per_microbatch, costs.compute_scale);
     divide_experts(modules, ep, profile.experts_split, costs);
     plan = plan_stages(modules, config, activation_copies(schedule, weight_pass_share(modules)), shards, &devices);
@@ -475,8 +479,6 @@ std::vector<LayoutPrediction> plan_layouts(const std::map<int, ModelProfile>& by
   if (base.global_batch_size < 1) {
     throw ConfigError(base.source + ": planning a layout needs \"global_batch_size\" (the batch a step takes)");
   }
-  // Devices that differ are given per rank, which a layout's groups of tensor-parallel ranks would share unevenly.
-  const bool uneven_devices = !base.device_speeds.empty() || !base.device_memory_mb.empty();
   const bool experts_planned = base.plans("expert_parallel_degree");
   // The expert-parallel degrees a layout of `replicas` can take: the config's, or for "auto" each divisor of the
   // replicas that divides the experts. With tensor parallelism each tensor-parallel rank holds its experts whole
@@ -502,9 +504,7 @@ std::vector<LayoutPrediction> plan_layouts(const std::map<int, ModelProfile>& by
       if (base.global_batch_size % replicas != 0) continue;
       const int per_replica = base.global_batch_size / replicas;
       for (int ep : expert_degrees(replicas, profile)) {
-        const std::string refused = tp > 1 && uneven_devices
-                                        ? "device speeds or memory per rank are not planned with tensor parallelism"
-                                        : experts_refusal(ep, profile.experts);
+        const std::string refused = experts_refusal(ep, profile.experts);
         for (Layout& layout : layouts_of(partitions, replicas, per_replica, modules)) {
           LayoutPrediction prediction;
           layout.tensor_parallel = tp;
