@@ -665,7 +665,9 @@ TEST_CASE("tensor-parallel layouts: a shard profiled alone counts its collective
   small.device_memory_mb = {64, 1};
   for (const auto& prediction : smp::plan_layouts(std::map<int, smp::ModelProfile>{{1, {whole, 2}}, {2, {shard, 2}}},
                                                   small, 2, links)) {
-    if (prediction.layout.tensor_parallel == 2) CHECK_THAT(prediction.rejected, Catch::Matchers::Contains("memory limit of 1048576"));
+    if (prediction.layout.tensor_parallel == 2) {
+      CHECK_THAT(prediction.rejected, Catch::Matchers::Contains("memory limit of 1048576"));
+    }
   }
 }
 

@@ -182,8 +182,8 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     parallelism measures them there; the tensor-parallel collectives and the experts' exchanges are priced on them).
     Devices that differ: device_speeds (one per rank of world_size; default the config's list) and the config's
     device_memory_mb predict each layout on its devices (a slow rank's replicas wait for it; a pipeline gives it a
-    shorter stage; a tensor-parallel group computes at its slowest member's speed). A job with "auto" keys and "device_speeds": "measure" passes the
-    speeds its ranks measured.
+    shorter stage; a tensor-parallel group computes at its slowest member's speed). A job with "auto" keys and
+    "device_speeds": "measure" passes the speeds its ranks measured.
     The model is profiled on the sample and on twice its samples: a node costs a fixed part plus a part per sample.
     Nodes timed alone are scaled to one pass of the whole model. The optimizer's step is timed here (AdamW, on
     the model's parameter shapes) per parameter byte; its temporaries (Adam's) as torch.optim's default holds them

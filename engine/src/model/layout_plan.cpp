@@ -103,7 +103,8 @@ void divide_experts(std::vector<ModuleProfile>& modules, int ep, int split, cons
       module.parameter_bytes += (split - 1) * module.expert_parameter_bytes;
       module.expert_parameter_bytes *= split;
       module.activation_bytes *= split;
-      for (double* seconds : {&module.forward_s, &module.backward_s, &module.backward_input_s, &module.backward_weight_s}) {
+      for (double* seconds :
+           {&module.forward_s, &module.backward_s, &module.backward_input_s, &module.backward_weight_s}) {
         *seconds *= split;
       }
       module.tp_forward_collectives = module.tp_backward_collectives = 0;
