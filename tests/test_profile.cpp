@@ -663,12 +663,15 @@ TEST_CASE("tensor-parallel layouts: a shard profiled alone counts its collective
   CHECK(slowed);
   smp::Config small = config;
   small.device_memory_mb = {64, 1};
+  int limited = 0;
   for (const auto& prediction : smp::plan_layouts(std::map<int, smp::ModelProfile>{{1, {whole, 2}}, {2, {shard, 2}}},
                                                   small, 2, links)) {
     if (prediction.layout.tensor_parallel == 2) {
       CHECK_THAT(prediction.rejected, Catch::Matchers::Contains("memory limit of 1048576"));
+      ++limited;
     }
   }
+  CHECK(limited > 0);
 }
 
 TEST_CASE("expert-parallel layouts: each rank holds its share of the experts and pays their token exchanges",
@@ -753,6 +756,13 @@ TEST_CASE("expert-parallel layouts: each rank holds its share of the experts and
   CHECK(tp_divided.gradient_sync_s == Approx(2 * 10e-6 + 0.5 * mib / 1e9));
   CHECK_THAT(tp_divided.config_json(), Catch::Matchers::Contains("\"tensor_parallel_degree\":2"));
   CHECK_THAT(tp_divided.config_json(), Catch::Matchers::Contains("\"expert_parallel_degree\":2"));
+  // Not with sequence parallelism, which the job refuses beside ep: rejected, saying so.
+  smp::Config sequence_parallel = with_tp;
+  sequence_parallel.sequence_parallel = true;
+  const auto refused = find(smp::plan_layouts(std::map<int, smp::ModelProfile>{{1, profile}, {2, at_two}},
+                                              sequence_parallel, 4, links),
+                            "tp 2 x pp 1 x dp 2, ep 2, gpipe, m 1");
+  CHECK_THAT(refused.rejected, Catch::Matchers::Contains("sequence_parallel"));
 
   // The partition search counts the experts' optimizer state sharded over the replicas holding the same experts: 4
   // replicas, ep 2, ZeRO-1: (2 + 2 / 2) x 4 MiB of experts = 12 MiB (not 2 + 2 / 4: 10).

@@ -102,13 +102,15 @@ def _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, config):
             fixed_ep = "expert_parallel_degree" not in config.auto_keys and config.expert_parallel_degree > 1
             _shard_for_tensor_parallelism(model, tp_plan, announce=False, experts_divided=fixed_ep)
             from ._expert_parallel import experts_modules
-            if any(hasattr(parameter, "_smp_shard") for experts in experts_modules(model).values()
-                   for parameter in experts.parameters()):
+            # The model's own plan splits the experts at ep 1 and leaves them whole at ep > 1, which the planner
+            # then undoes; a given plan's split stays whatever the degree.
+            if tp_plan is None and any(hasattr(parameter, "_smp_shard") for experts in experts_modules(model).values()
+                                       for parameter in experts.parameters()):
                 experts_split = degree
         # Cut as finely as the most stages considered: two per rank. Captured as the job will capture it: the plan's
         # cut names the graph's nodes, and which dimensions may change decides some of them.
-        # Experts whole, whatever degree the config fixes: the planner divides them itself (and dividing them here
-        # would cut the model's own experts before the job does).
+        # Not divided over expert-parallel ranks, whatever degree the config fixes: the planner divides them itself
+        # (and dividing them here would cut the model's own experts before the job does).
         graph, io_ = graph_of(model, sample, 2 * world, list(config.partition_overrides), dynamic_shapes,
                               experts=(1, 0))
         values = io_.engine_inputs(sample, "sample")
@@ -135,9 +137,9 @@ def _mark_experts(profile, model, sample, split):
     known = ids is not None and top_k and hidden
     if not known and ("expert_parallel_degree" in runtime().config.auto_keys or
                       runtime().config.expert_parallel_degree > 1):
-        missing = [what for what, value in (("integer token ids in the sample", ids),
-                                            ("config.num_experts_per_tok", top_k), ("config.hidden_size", hidden))
-                   if value is None or value is False]
+        missing = [what for what, absent in (("integer token ids in the sample", ids is None),
+                                             ("config.num_experts_per_tok", not top_k),
+                                             ("config.hidden_size", not hidden)) if absent]
         warnings.warn(f"smp.plan: expert-parallel layouts of {type(model).__name__} are planned without the cost of "
                       f"their token exchanges (the rows exchanged are unknown without {', '.join(missing)})",
                       stacklevel=3)

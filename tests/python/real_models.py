@@ -252,7 +252,7 @@ def planned_layout_failures(model, runtime, config):
 def print_fastest_layout(name, ranks, config):
     """--plan RANKS: the fastest layout smp.plan predicts for the model on RANKS ranks, and its peak memory; and the
     least peak memory among the fitting layouts of each expert-parallel degree planned that keep the layout keys the
-    config fixes ("least_peak_mib_by_ep")."""
+    config fixes ("least_peak_mib_by_ep"; "least_peak_mib_by_tp_ep" by "tp,ep")."""
     torch.manual_seed(0)
     net = vision_model(name) if name in VISION else language_model(name)
     sample, _ = batch(name, 2, torch.Generator().manual_seed(5))
@@ -266,13 +266,16 @@ def print_fastest_layout(name, ranks, config):
     unpriced = [str(warning.message) for warning in caught if "token exchanges" in str(warning.message)]
     if config.get("expert_parallel_degree") == "auto":
         assert len(unpriced) == 1 and "integer token ids in the sample" in unpriced[0], unpriced
-    least = {}
+    least, least_by_tp = {}, {}
     for row in found.layouts:
         keys = json.loads(row["config"])  # the layout keys
         if row["rejected"] is None and all(config[key] in ("auto", value) for key, value in keys.items() if key in config):
             degree = keys["expert_parallel_degree"]
             least[degree] = min(least.get(degree, float("inf")), max(row["memory_mib"]))
+            both = f"{keys['tensor_parallel_degree']},{degree}"
+            least_by_tp[both] = min(least_by_tp.get(both, float("inf")), max(row["memory_mib"]))
     print(json.dumps({"model": name, "layout": found.best["layout"], "peak_mib": max(found.best["memory_mib"]),
+                      "least_peak_mib_by_tp_ep": least_by_tp,
                       "least_peak_mib_by_ep": least}), flush=True)
 
 

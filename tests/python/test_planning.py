@@ -67,6 +67,14 @@ def test_auto_expert_parallel_degree_divides_the_experts_when_memory_asks(job):
     assert planned.returncode == 0, planned.output
     least = json.loads(rank0_lines(planned.stdout, '{"model"')[0])["least_peak_mib_by_ep"]
     assert {"1", "2"} <= set(least) and least["2"] < least["1"], least
+    # Beside tensor parallelism on 4 ranks: at ep 1 the model's own plan splits the experts over tp 2; at ep 2 each
+    # tp rank holds them whole and divides them by 2, the same state, more activations.
+    beside = job(1, "real_models.py", "--models", "mixtral_wide", "--plan", "4", "--smp",
+                 json.dumps(dict(keys, tensor_parallel_degree="auto")))
+    assert beside.returncode == 0, beside.output
+    by_tp = json.loads(rank0_lines(beside.stdout, '{"model"')[0])["least_peak_mib_by_tp_ep"]
+    assert {"1,1", "1,2", "2,1", "2,2"} <= set(by_tp), by_tp
+    assert by_tp["1,2"] < by_tp["1,1"] and by_tp["2,2"] >= by_tp["2,1"], by_tp
     config = dict(keys, memory_limit_mb=(least["1"] + least["2"]) / 2)
     finished = job(2, "real_models.py", "--models", "mixtral_wide", "--steps", "3", "--smp", json.dumps(config))
     assert_passed(finished)

@@ -77,10 +77,10 @@ struct ModelProfile {
   // What every mixture-of-experts layer's count of experts divides into (their greatest common divisor): an
   // expert-parallel degree must divide it; 0: no experts.
   int experts = 0;
-  // How many tensor-parallel ranks the profile's experts are split over, along their features (the experts' nodes
-  // then hold and compute 1 / experts_split of them, and sum their outputs over the group): a profile at tp t of a
-  // model whose plan shards its experts, as a job at ep 1 does. A layout dividing the experts whole (ep > 1) undoes
-  // the split first (divide_experts).
+  // How many tensor-parallel ranks the profile's experts are split over at ep 1 and held whole at ep > 1 (the
+  // experts' nodes then hold and compute 1 / experts_split of them, and sum their outputs over the group): a profile
+  // at tp t of a model whose own plan splits its experts, as a job at ep 1 does and at ep > 1 does not. A layout
+  // dividing the experts (ep > 1) undoes the split first (divide_experts). 1 where a given plan's split stays.
   int experts_split = 1;
   // The profile on a microbatch of `samples`, compute times `compute_scale`.
   std::vector<ModuleProfile> at(int samples, double compute_scale = 1.0) const;
@@ -129,9 +129,9 @@ std::vector<int> divisors(int n);
 std::vector<LayoutPrediction> plan_layouts(const ModelProfile& profile, const Config& base, int world_size, const PlanningCosts& costs = {},
                                            double optimizer_moments = 2.0);
 // Expert parallelism ("expert_parallel_degree" fixed, or "auto": every degree dividing the replicas and
-// ModelProfile::experts) is planned from the same profile (at each tensor-parallel degree: no tensor-parallel plan
-// shards the experts, so each tp rank holds its experts whole and divides them with the same tp rank of other
-// replicas): each rank holds 1 / ep of the experts' parameters, gradients and optimizer state (ZeRO-1 shares them
+// ModelProfile::experts) is planned from the same profile (at each tensor-parallel degree: a model's own plan leaves
+// the experts whole at ep > 1, ModelProfile::experts_split, so each tp rank divides its experts with the same tp rank
+// of other replicas; not with sequence parallelism): each rank holds 1 / ep of the experts' parameters, gradients and optimizer state (ZeRO-1 shares them
 // over the replicas / ep that hold the same experts, which also reduce their gradients), and every experts layer's
 // exchanges (its counts, its token rows out and back, their gradients) are priced on the point-to-point links.
 // With tensor parallelism: the model's profile at each degree considered (sharded for it: a shard's compute,

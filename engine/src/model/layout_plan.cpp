@@ -90,7 +90,8 @@ double expert_exchange_s(std::int64_t bytes, int ep, const PlanningCosts& costs)
 
 // The profile as each rank of an expert-parallel group of `ep` runs it: its experts whole (a profile whose experts
 // are split over `split` tensor-parallel ranks made whole again: their parameters, compute and activations times
-// `split`, their outputs' sums over the group gone; an approximation where a node holds more than the experts),
+// `split`, their outputs' sums over the group gone; an approximation where a node holds more than the experts: its
+// other compute and activations are scaled too, and its other collectives dropped),
 // then 1 / ep of their parameters, and the exchanges around them (ExpertsAcrossRanks: forward, the counts, the rows
 // out and the results back; backward, the two gradients), which the partition search then balances like compute; a
 // backward's exchanges carry input gradients, so the input pass's too. Each rank computes its experts on as many
@@ -103,6 +104,7 @@ void divide_experts(std::vector<ModuleProfile>& modules, int ep, int split, cons
       module.parameter_bytes += (split - 1) * module.expert_parameter_bytes;
       module.expert_parameter_bytes *= split;
       module.activation_bytes *= split;
+      if (module.weight_pass_bytes > 0) module.weight_pass_bytes *= split;
       for (double* seconds :
            {&module.forward_s, &module.backward_s, &module.backward_input_s, &module.backward_weight_s}) {
         *seconds *= split;
@@ -307,8 +309,9 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
 }
 
 // Why a layout cannot divide the experts over `ep` replicas; empty when it can (or divides nothing).
-std::string experts_refusal(int ep, int experts) {
+std::string experts_refusal(int ep, int experts, int tp, bool sequence_parallel) {
   if (ep <= 1) return {};
+  if (tp > 1 && sequence_parallel) return "expert parallelism with \"sequence_parallel\" is not supported yet";
   if (experts == 0) return "the model has no experts to divide";
   if (experts % ep != 0) {
     return "expert_parallel_degree " + std::to_string(ep) + " does not divide the " + std::to_string(experts) +
@@ -505,7 +508,7 @@ std::vector<LayoutPrediction> plan_layouts(const std::map<int, ModelProfile>& by
       if (base.global_batch_size % replicas != 0) continue;
       const int per_replica = base.global_batch_size / replicas;
       for (int ep : expert_degrees(replicas, profile)) {
-        const std::string refused = experts_refusal(ep, profile.experts);
+        const std::string refused = experts_refusal(ep, profile.experts, tp, base.sequence_parallel);
         for (Layout& layout : layouts_of(partitions, replicas, per_replica, modules)) {
           LayoutPrediction prediction;
           layout.tensor_parallel = tp;
