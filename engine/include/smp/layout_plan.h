@@ -131,9 +131,10 @@ std::vector<LayoutPrediction> plan_layouts(const ModelProfile& profile, const Co
 // Expert parallelism ("expert_parallel_degree" fixed, or "auto": every degree dividing the replicas and
 // ModelProfile::experts) is planned from the same profile (at each tensor-parallel degree: a model's own plan leaves
 // the experts whole at ep > 1, ModelProfile::experts_split, so each tp rank divides its experts with the same tp rank
-// of other replicas; not with sequence parallelism): each rank holds 1 / ep of the experts' parameters, gradients and optimizer state (ZeRO-1 shares them
-// over the replicas / ep that hold the same experts, which also reduce their gradients), and every experts layer's
-// exchanges (its counts, its token rows out and back, their gradients) are priced on the point-to-point links.
+// of other replicas; not with sequence parallelism): each rank holds 1 / ep of the experts' parameters, gradients
+// and optimizer state (ZeRO-1 shares them over the replicas / ep that hold the same experts, which also reduce their
+// gradients), and every experts layer's exchanges (its counts, its token rows out and back, their gradients) are
+// priced on the point-to-point links.
 // With tensor parallelism: the model's profile at each degree considered (sharded for it: a shard's compute,
 // parameters and activations, its collectives counted, not run), and for each degree tp dividing world_size every
 // layout of the world_size / tp groups as above. A group computes as one rank of the pipeline; its collectives are
