@@ -486,7 +486,7 @@ std::vector<LayoutPrediction> plan_layouts(const std::map<int, ModelProfile>& by
   const bool experts_planned = base.plans("expert_parallel_degree");
   // The expert-parallel degrees a layout of `replicas` can take: the config's, or for "auto" each divisor of the
   // replicas that divides the experts. With tensor parallelism each tensor-parallel rank holds its experts whole
-  // (no plan shards them) and divides them with the same tp rank of the other replicas.
+  // (ModelProfile::experts_split undone) and divides them with the same tp rank of the other replicas.
   const auto expert_degrees = [&](int replicas, const ModelProfile& profile) {
     if (!experts_planned) {
       return replicas % base.expert_parallel_degree == 0 ? std::vector<int>{base.expert_parallel_degree}
