@@ -10,6 +10,8 @@
 #include <array>
 #include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <random>
 #include <stdexcept>
 
 namespace smp::launch {
@@ -31,41 +33,70 @@ int check_executable_path(const std::string& path) {
   return 0;
 }
 
-}  // namespace
+// The kernel hands out source ports of outgoing connections from this range; a rendezvous port picked inside it can
+// be taken by any connection opened between the pick and rank 0's bind (parallel jobs open hundreds).
+int lowest_ephemeral_port() {
+  std::ifstream file("/proc/sys/net/ipv4/ip_local_port_range");
+  int low = 0;
+  if (file >> low && 0 < low && low <= 65535) return low;
+  return 32768;  // Linux's default
+}
 
-int pick_free_port(const std::string& address) {
+// The port bound (the kernel's choice for port 0), or 0 with the errno in `failure` (0: no usable address).
+int bind_probe(const std::string& address, int port, int& failure) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
   addrinfo* candidates = nullptr;
-  const int lookup = ::getaddrinfo(address.c_str(), "0", &hints, &candidates);
+  const int lookup = ::getaddrinfo(address.c_str(), std::to_string(port).c_str(), &hints, &candidates);
   if (lookup != 0) {
     throw std::runtime_error("cannot resolve '" + address + "': " + ::gai_strerror(lookup));
   }
-
-  std::string last_error = "no usable address";
-  int port = 0;
-  for (const addrinfo* candidate = candidates; candidate != nullptr && port == 0;
+  failure = 0;
+  int bound_port = 0;
+  for (const addrinfo* candidate = candidates; candidate != nullptr && bound_port == 0;
        candidate = candidate->ai_next) {
     const int fd =
         ::socket(candidate->ai_family, candidate->ai_socktype | SOCK_CLOEXEC, candidate->ai_protocol);
     if (fd < 0) {
-      last_error = std::strerror(errno);
+      failure = errno;
       continue;
     }
     sockaddr_storage bound{};
     socklen_t bound_length = sizeof bound;
     if (::bind(fd, candidate->ai_addr, candidate->ai_addrlen) == 0 &&
         ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &bound_length) == 0) {
-      port = port_of(bound);
+      bound_port = port_of(bound);
     } else {
-      last_error = std::strerror(errno);
+      failure = errno;
     }
     ::close(fd);
   }
   ::freeaddrinfo(candidates);
+  return bound_port;
+}
+
+}  // namespace
+
+int pick_free_port(const std::string& address) {
+  constexpr int lowest_unreserved = 10000;  // below it sit well-known services' ports
+  const int ephemeral_low = lowest_ephemeral_port();
+  int failure = 0;
+  if (ephemeral_low - lowest_unreserved >= 1000) {
+    std::random_device seed;
+    std::mt19937 generator(seed());
+    std::uniform_int_distribution<int> below_ephemeral(lowest_unreserved, ephemeral_low - 1);
+    for (int attempt = 0; attempt < 64; ++attempt) {
+      const int port = bind_probe(address, below_ephemeral(generator), failure);
+      if (port != 0) return port;
+      if (failure != EADDRINUSE) break;  // the address itself is unusable: port 0 will say so
+    }
+  }
+  const int port = bind_probe(address, 0, failure);
   if (port == 0) {
-    throw std::runtime_error("cannot pick a free port on '" + address + "': " + last_error);
+    throw std::runtime_error("cannot pick a free port on '" + address +
+                             "': " + (failure == 0 ? "no usable address" : std::strerror(failure)));
   }
   return port;
 }

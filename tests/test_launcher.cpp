@@ -375,6 +375,20 @@ TEST_CASE("pick_free_port returns a port that can be bound", "[launcher]") {
   ::close(fd);
 }
 
+TEST_CASE("pick_free_port stays below the kernel's range for outgoing connections' ports", "[launcher]") {
+  // Parallel jobs' connections take source ports from that range: one of them could take the port before rank 0
+  // binds it.
+  std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range");
+  int lowest_ephemeral = 0;
+  REQUIRE(range >> lowest_ephemeral);
+  if (lowest_ephemeral < 11000) return;  // no room below it: the kernel's pick is the only one
+  for (int pick = 0; pick < 20; ++pick) {
+    const int port = pick_free_port("127.0.0.1");
+    CHECK(port >= 10000);
+    CHECK(port < lowest_ephemeral);
+  }
+}
+
 TEST_CASE("pick_free_port fails on an address that is not local", "[launcher]") {
   // 192.0.2.0/24 is reserved for documentation, so no interface here has it.
   CHECK_THROWS_WITH(pick_free_port("192.0.2.1"), Catch::Contains("cannot pick a free port on '192.0.2.1'"));
