@@ -13,8 +13,8 @@ model's code reads (another file's helper it calls, a parameter's value it branc
 when such code changes. A model the key cannot describe (a class or hook without a source file) is not cached.
 Entries are pickles, which run code when read: the directory must be writable by no one else.
 
-An entry is the exported graph pickled with its fake tensors' shapes and the symbols they are made of (the GraphPickler
-torch's own compile caches use), the signature, the constants, the input ranges and the output structure. It is
+An entry is the exported graph as the capture keeps it, its values sketched (smp._value_sketch: shapes and shared
+memory, no fake tensors to rebuild), pickled by the GraphPickler torch's own compile caches use, the signature, the constants, the input ranges and the output structure. It is
 written to a temporary file and renamed into place, so a reader never sees half an entry; one that cannot be read is
 ignored (exported again) and replaced; an export that cannot be pickled leaves a mark instead, and is not tried
 again."""
@@ -37,7 +37,7 @@ import torch
 import torch.utils._pytree as pytree
 
 ENVIRONMENT = "SMP_CAPTURE_CACHE"
-_FORMAT = 1
+_FORMAT = 2  # 2: the values sketched (smp._value_sketch), no fake tensors
 _log = logging.getLogger("smp.capture_cache")
 
 

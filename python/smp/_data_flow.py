@@ -7,6 +7,7 @@ import torch
 
 from ._captured_node import _is_op, _mutates_first_argument
 from ._smp import ModelError
+from ._value_sketch import sketch_of
 
 _aten = torch.ops.aten
 
@@ -103,16 +104,7 @@ def data_flow(graph, order, attributes, name):
     whatever reads that memory afterwards, through the value or a view sharing it, runs after the write in the same
     node (returned: node -> writes it must follow). Writes into buffers (batch norm's statistics) stay: they update
     the model's own. Returns (dynamic, extra_inputs)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    def memory(node):
-        value = node.meta.get("val")
-        try:
-            return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
-        except (RuntimeError, NotImplementedError, AttributeError):
-            return None
-
-    storage = {node: memory(node) for node in graph.nodes}
+    storage = {node: sketch.storage for node in graph.nodes if (sketch := sketch_of(node)) is not None}
     dynamic = set()
     extra_inputs = collections.defaultdict(list)
     for node in list(graph.nodes):
@@ -168,7 +160,7 @@ def data_flow(graph, order, attributes, name):
             scatter, arguments = _SCATTER_BACK[view.target](view, new_value)
             with graph.inserting_after(after):
                 base = graph.call_function(scatter, arguments)
-            base.meta = dict(node.meta, val=view.args[0].meta.get("val"))
+            base.meta = dict(node.meta, sketch=sketch_of(view.args[0]))
             order[base] = order[after] + 1e-3
             dynamic.add(base)
             new_value, after = base, base

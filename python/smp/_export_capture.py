@@ -31,6 +31,7 @@ from ._data_flow import READS_METADATA_ONLY, data_flow, is_random
 from ._exporting import dynamic_shapes, export_as_if_on, export_model, real_constant
 from ._input_limits import InputShapes, TableLookups
 from ._smp import ModelError
+from ._value_sketch import sketch_of, sketch_values
 
 _aten = torch.ops.aten
 
@@ -161,8 +162,10 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
     try:
         def export():
             with torch.random.fork_rng(devices=[]), _expert_parallel.opaque_for_export(divided):
-                return (export_as_if_on(device, model, args, kwargs, free) if on_meta else
-                        export_model(model, args, kwargs, free))
+                exported_here, why_fixed = (export_as_if_on(device, model, args, kwargs, free) if on_meta else
+                                            export_model(model, args, kwargs, free))
+            sketch_values(exported_here.graph_module.graph)
+            return exported_here, why_fixed
         exported, fixed_because = _capture_cache.exported(
             _capture_cache.key(model, args, kwargs, free, device, on_meta, divided), model, export)
     finally:
@@ -344,7 +347,7 @@ def _plan_nodes(graph, ops, dynamic, units, output_leaves, side_effects):
         if op not in dynamic:
             continue
         readers = [u for u in op.users if u.op != "output"]
-        if not isinstance(op.meta.get("val"), torch.Tensor):
+        if sketch_of(op) is None:
             homes = {home.get(u, recomputed) for u in readers}
             home[op] = homes.pop() if len(homes) == 1 else recomputed
             continue
@@ -361,7 +364,7 @@ def _plan_nodes(graph, ops, dynamic, units, output_leaves, side_effects):
         if isinstance(leaf, fx.Node) and leaf not in dynamic:
             plan.setdefault(leaf, []).append(leaf)
     for op in ops:
-        if op not in dynamic or home[op] is recomputed or not isinstance(op.meta.get("val"), torch.Tensor):
+        if op not in dynamic or home[op] is recomputed or sketch_of(op) is None:
             continue
         # A reader of its shape alone (zeros_like) is recomputed where its result is read: the value goes there
         # rather than its whole computation.
@@ -390,7 +393,7 @@ def _draw_once(plan, model_inputs, order, units):
                     drawn_in[node].add(value)
                 stack.extend(node.all_input_nodes)
         shared = [op for op, values in drawn_in.items() if len(values) > 1 and
-                  isinstance(op.meta.get("val"), torch.Tensor)]
+                  sketch_of(op) is not None]
         if not shared:
             return
         for op in shared:

@@ -6,6 +6,7 @@ import torch.fx as fx
 
 from ._captured_node import _attribute, _is_op
 from ._smp import ConfigError
+from ._value_sketch import sketch_of
 
 _aten = torch.ops.aten
 
@@ -109,13 +110,13 @@ class InputShapes:
         ranges = {str(symbol): bounds for symbol, bounds in exported.range_constraints.items()}
         dimensions = {}
         for node in inputs:
-            value = node.meta.get("val")
+            sketch = sketch_of(node)
             sizes = []
-            for size in (value.shape if isinstance(value, torch.Tensor) else ()):
+            for size in (sketch.shape if sketch is not None else ()):
                 if isinstance(size, int):
                     sizes.append(size)
                     continue
-                symbol = str(size.node.expr)
+                symbol = size
                 bounds = ranges.get(symbol)
                 low = _finite(bounds.lower) if bounds is not None else None
                 high = _finite(bounds.upper) if bounds is not None else None

@@ -7,6 +7,7 @@ import operator
 import torch
 
 from . import _smp
+from ._value_sketch import sketch_of
 
 _counts = {}  # router path -> tokens per expert in the current step, on the device the router runs on
 
@@ -46,9 +47,9 @@ def routers(graph, dynamic, module_paths):
     for node in graph.nodes:
         if node.op != "call_function" or node.target != torch.ops.aten.topk.default or node not in dynamic:
             continue
-        scores = node.args[0].meta.get("val")
+        scores = sketch_of(node.args[0])
         dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
-        if not isinstance(scores, torch.Tensor) or dim not in (-1, scores.dim() - 1) or \
+        if scores is None or dim not in (-1, scores.dim() - 1) or \
                 not isinstance(scores.shape[-1], int):
             continue
         chosen = [user for user in node.users if user.target is operator.getitem and user.args[1] == 1]
