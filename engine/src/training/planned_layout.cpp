@@ -4,10 +4,12 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <thread>
 #include <vector>
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <ATen/ATen.h>
@@ -118,6 +120,37 @@ double processors_at_once(Runtime& runtime, int cores) {
   return std::clamp(estimates[1], 0.25, static_cast<double>(std::min(cores, ranks)));
 }
 
+// The last-level cache this process's core reads through. glibc's sysconf answers the whole package's (on this
+// host's AMD EPYC, 320 MiB against the 32 MiB the core's complex shares), which made the split timer write 640 MiB
+// between each I and its W; the kernel's cache description says what the core has.
+std::size_t last_level_cache_bytes() {
+  std::size_t largest = 0;
+  int level = 0;
+  const int cpu = std::max(::sched_getcpu(), 0);
+  const std::filesystem::path caches = "/sys/devices/system/cpu/cpu" + std::to_string(cpu) + "/cache";
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(caches, error)) {
+    int entry_level = 0;
+    std::string size;
+    if (!(std::ifstream(entry.path() / "level") >> entry_level) || !(std::ifstream(entry.path() / "size") >> size)) continue;
+    std::size_t bytes = 0;
+    try {
+      bytes = std::stoull(size);
+    } catch (const std::exception&) {
+      continue;
+    }
+    if (size.back() == 'K') bytes <<= 10;
+    if (size.back() == 'M') bytes <<= 20;
+    if (entry_level > level || (entry_level == level && bytes > largest)) {
+      level = entry_level;
+      largest = bytes;
+    }
+  }
+  if (largest > 0) return largest;
+  const long reported = ::sysconf(_SC_LEVEL3_CACHE_SIZE);
+  return reported > 0 ? static_cast<std::size_t>(reported) : 0;
+}
+
 }  // namespace
 
 SplitBackwardTimer split_backward_timer() {
@@ -126,7 +159,8 @@ SplitBackwardTimer split_backward_timer() {
   // than a last-level cache between them: the split then costs what a stage pays in a step (a middle stage of 4 GPT
   // blocks, d 128: I + W 1.17 times B so timed, 1.02 without, 1.07 to 1.09 in bench_engine's stage-level run).
   const auto larger_than_caches = std::make_shared<std::vector<char>>();
-  return [larger_than_caches](const at::Tensor& output, const std::vector<at::Tensor>& inputs,
+  const std::size_t eviction_bytes = std::max<std::size_t>(std::size_t{64} << 20, 2 * last_level_cache_bytes());
+  return [larger_than_caches, eviction_bytes](const at::Tensor& output, const std::vector<at::Tensor>& inputs,
                               const std::vector<at::Tensor>& parameters, const std::function<std::int64_t()>& live_bytes) {
     const c10::Device device = output.device();
     auto settle = [&] {
@@ -143,9 +177,7 @@ SplitBackwardTimer split_backward_timer() {
       if (gradient.defined()) timing.live_bytes_between -= gradient.numel() * static_cast<std::int64_t>(gradient.element_size());
     }
     if (device.is_cpu()) {
-      const long last_level = ::sysconf(_SC_LEVEL3_CACHE_SIZE);
-      const std::size_t bytes = std::max<std::size_t>(std::size_t{64} << 20, last_level > 0 ? 2 * static_cast<std::size_t>(last_level) : 0);
-      if (larger_than_caches->size() < bytes) larger_than_caches->resize(bytes);
+      if (larger_than_caches->size() < eviction_bytes) larger_than_caches->resize(eviction_bytes);
       std::fill(larger_than_caches->begin(), larger_than_caches->end(), char{1});
     }
     start = std::chrono::steady_clock::now();
