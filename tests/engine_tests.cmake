@@ -21,7 +21,8 @@ catch_discover_tests(test_engine_in_process PROPERTIES LABELS quick)
 
 # The program every multi-process test launches: trains under smp and checks itself against single-process
 # LibTorch training of the same model on the same global batches.
-add_executable(training_worker ${CMAKE_CURRENT_LIST_DIR}/training_worker.cpp)
+add_executable(training_worker ${CMAKE_CURRENT_LIST_DIR}/training_worker.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/warm_worker/server.cpp)
 target_link_libraries(training_worker PRIVATE smp_examples_common)
 target_compile_options(training_worker PRIVATE -Wall -Wextra)
 target_precompile_headers(training_worker REUSE_FROM smp_engine)
@@ -34,13 +35,29 @@ target_compile_options(tp_worker PRIVATE -Wall -Wextra)
 target_precompile_headers(tp_worker REUSE_FROM smp_engine)
 set_target_properties(tp_worker PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
 
+# The ranks of training_worker's jobs start as forks of one process that loaded LibTorch once (warm_worker/server.h):
+# ctest starts it before the first multi-process test it runs and stops it after the last. warm_rank, which the
+# launcher starts in a rank's place, runs the program itself where no server answers. Named after this build.
+add_executable(warm_rank ${CMAKE_CURRENT_LIST_DIR}/warm_worker/warm_rank.cpp)
+target_compile_options(warm_rank PRIVATE -Wall -Wextra)
+set_target_properties(warm_rank PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+string(SHA1 smp_build_hash "${CMAKE_BINARY_DIR}")
+string(SUBSTRING "${smp_build_hash}" 0 12 smp_warm_worker)
+foreach(action start stop)
+  add_test(NAME warm_worker_${action} COMMAND training_worker --warm-${action} ${smp_warm_worker})
+  set_tests_properties(warm_worker_${action} PROPERTIES TIMEOUT 60 ENVIRONMENT OMP_NUM_THREADS=1)
+endforeach()
+set_tests_properties(warm_worker_start PROPERTIES FIXTURES_SETUP smp_warm_worker)
+set_tests_properties(warm_worker_stop PROPERTIES FIXTURES_CLEANUP smp_warm_worker)
+
 # Multi-process tests: Catch2 programs that launch the real binaries under smprun.
 function(smp_multiprocess_test name)
   add_executable(${name} ${CMAKE_CURRENT_FUNCTION_LIST_DIR}/${name}.cpp)
   target_link_libraries(${name} PRIVATE smp_catch_main smp_test_paths)
   target_compile_options(${name} PRIVATE -Wall -Wextra)
-  add_dependencies(${name} smprun training_worker tp_worker hybrid_2x4 smp_schedule smp_checkpoint)
-  catch_discover_tests(${name} PROPERTIES TIMEOUT 600 COST 100)  # before the unit tests (python_tests.cmake)
+  add_dependencies(${name} smprun training_worker warm_rank tp_worker hybrid_2x4 smp_schedule smp_checkpoint)
+  catch_discover_tests(${name} PROPERTIES TIMEOUT 600 COST 100  # before the unit tests (python_tests.cmake)
+                       FIXTURES_REQUIRED smp_warm_worker ENVIRONMENT SMP_WARM_WORKER=${smp_warm_worker})
 endfunction()
 smp_multiprocess_test(test_training)
 smp_multiprocess_test(test_faults)

@@ -95,11 +95,19 @@ inline std::string smp_config(int pp, int dp, int microbatches, const std::strin
   return json.str();
 }
 
+// training_worker as the launcher starts it: through warm_rank, a fork of the warm worker, where the tests run beside
+// one (SMP_WARM_WORKER, set by ctest; warm_worker/server.h).
+inline std::string training_worker_command() {
+  const char* warm = std::getenv("SMP_WARM_WORKER");
+  if (warm == nullptr || *warm == '\0') return paths::training_worker;
+  return std::string(paths::warm_rank) + " " + paths::training_worker;
+}
+
 // `launcher_flags` go to smprun (--grace 2: a stopped rank is killed 2 s after its peers failed).
 inline Result run_worker(int processes, const std::string& config, const std::string& flags = "", int timeout_s = 240,
                          const std::string& launcher_flags = "") {
   return run_command(std::string(paths::smprun) + " " + launcher_flags + " -n " + std::to_string(processes) + " -- " +
-                         paths::training_worker + " --config " + config + " " + flags,
+                         training_worker_command() + " --config " + config + " " + flags,
                      timeout_s);
 }
 

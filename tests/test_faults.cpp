@@ -25,7 +25,7 @@ std::string checkpoint_keys(const std::string& dir, int interval) {
 }
 
 std::string worker(const std::string& config, const std::string& flags) {
-  return std::string(paths::smprun) + " -n 4 -- " + paths::training_worker + " --config " + config + " --optimizer adamw " + flags;
+  return std::string(paths::smprun) + " -n 4 -- " + training_worker_command() + " --config " + config + " --optimizer adamw " + flags;
 }
 
 // The "0000N" of a directory's model-00001-of-0000N.safetensors.
@@ -129,7 +129,7 @@ TEST_CASE("a checkpoint loads into another number of replicas and exports for an
   INFO(export_run.output);
   REQUIRE(export_run.status == 0);
   const auto three_stages = write_config("reshape_pp3", smp_config(3, 1, 2, "interleaved", "cluster", 8, 30));
-  const auto loaded = run_command(std::string(paths::smprun) + " -n 3 -- " + paths::training_worker + " --config " + three_stages +
+  const auto loaded = run_command(std::string(paths::smprun) + " -n 3 -- " + training_worker_command() + " --config " + three_stages +
                                       " --optimizer adamw --steps 0 --load-full " + exported + " --expect-step 2",
                                   120);
   check_clean_run(loaded, 3);
@@ -144,7 +144,7 @@ TEST_CASE("a checkpoint loads into another number of replicas and exports for an
   REQUIRE(shard_run.status == 0);
   CHECK(std::filesystem::exists(shards + "/model.safetensors.index.json"));
   CHECK(std::filesystem::exists(shards + "/model-00002-of-00002.safetensors") == false);  // far more than two shards
-  const auto from_shards = run_command(std::string(paths::smprun) + " -n 3 -- " + paths::training_worker + " --config " +
+  const auto from_shards = run_command(std::string(paths::smprun) + " -n 3 -- " + training_worker_command() + " --config " +
                                            three_stages + " --optimizer adamw --steps 0 --load-full " + shards +
                                            " --expect-step 2",
                                        120);
@@ -152,7 +152,7 @@ TEST_CASE("a checkpoint loads into another number of replicas and exports for an
 
   // A shard that lost its tail is refused before anything is loaded, naming it.
   std::filesystem::resize_file(shards + "/model-00001-of-" + shard_count(shards) + ".safetensors", 16);
-  const auto truncated = run_command(std::string(paths::smprun) + " -n 3 -- " + paths::training_worker + " --config " +
+  const auto truncated = run_command(std::string(paths::smprun) + " -n 3 -- " + training_worker_command() + " --config " +
                                          three_stages + " --steps 0 --load-full " + shards + " --expect-step 2",
                                      120);
   CHECK(truncated.status != 0);
@@ -168,7 +168,7 @@ TEST_CASE("sharded optimizer state is saved per replica and resumes into any num
     return write_config(name, smp_config(2, replicas, 2, "interleaved", "cluster", 12, 30, keys));
   };
   const auto run = [&](int replicas, const std::string& config, int steps) {
-    return run_command(std::string(paths::smprun) + " -n " + std::to_string(2 * replicas) + " -- " + paths::training_worker +
+    return run_command(std::string(paths::smprun) + " -n " + std::to_string(2 * replicas) + " -- " + training_worker_command() +
                            " --config " + config + " --optimizer adamw --steps " + std::to_string(steps),
                        120);
   };
@@ -224,7 +224,7 @@ TEST_CASE("sharded optimizer state is saved per replica and resumes into any num
   INFO(exported.output);
   REQUIRE(exported.status == 0);
   const auto three_stages = write_config("zero_pp3", smp_config(3, 1, 2, "interleaved", "cluster", 12, 30));
-  check_clean_run(run_command(std::string(paths::smprun) + " -n 3 -- " + paths::training_worker + " --config " + three_stages +
+  check_clean_run(run_command(std::string(paths::smprun) + " -n 3 -- " + training_worker_command() + " --config " + three_stages +
                                   " --optimizer adamw --steps 0 --load-full " + dir + "/full.pt --expect-step 1",
                               120),
                   3);
@@ -307,7 +307,7 @@ TEST_CASE("a second job on the same port fails clearly and leaves the first alon
   }();
   const auto config = write_config("same_port", smp_config(2, 1, 2, "interleaved", "cluster", 4, 20));
   const std::string job = std::string(paths::smprun) + " -n 2 --master-port " + std::to_string(port) + " -- " +
-                          paths::training_worker + " --config " + config;
+                          training_worker_command() + " --config " + config;
   const std::string first_log = scratch_path("first_job.log");
   // At least 8 s of training, however fast the steps are: the second job comes while it trains.
   const std::string first = "OMP_NUM_THREADS=1 timeout -k 5 120 " + job + " --optimizer adamw --steps 80 --step-sleep-ms 100 > " +

@@ -7,6 +7,7 @@ namespace smp_test::paths {
 
 extern const char* const smprun;
 extern const char* const training_worker;
+extern const char* const warm_rank;
 extern const char* const tp_worker;
 extern const char* const smp_schedule;
 extern const char* const smp_checkpoint;

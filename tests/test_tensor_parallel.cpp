@@ -41,7 +41,7 @@ TEST_CASE("tensor-parallel configs that cannot work are refused, naming the key"
   CHECK_THAT(result.output, Catch::Contains("world size 3 is not a multiple of \"partitions\" x \"tensor_parallel_degree\" (1 x 2)"));
   // The GPT's two heads cannot be split four ways: the model's key is named.
   const auto four = write_config("tp_four", smp_config(1, 1, 2, "interleaved", "cluster", 4, 60, R"(, "tensor_parallel_degree": 4)"));
-  result = run_command(std::string(paths::smprun) + " -n 4 -- " + paths::training_worker + " --config " + four + " --model gpt --steps 1", 60);
+  result = run_command(std::string(paths::smprun) + " -n 4 -- " + training_worker_command() + " --config " + four + " --model gpt --steps 1", 60);
   CHECK(result.status != 0);
   CHECK_THAT(result.output, Catch::Contains("model.heads 2 does not divide by \"tensor_parallel_degree\" 4"));
   // A layer whose size does not divide names itself: heads 4 on 3 ranks.

@@ -24,7 +24,7 @@ TEST_CASE("pipeline x data parallel training equals single-process training", "[
         const auto config = write_config(name, smp_config(c.pp, c.dp, c.microbatches, pipeline, placement, global_batch));
         DYNAMIC_SECTION("pp=" << c.pp << " dp=" << c.dp << " m=" << c.microbatches << " " << pipeline << " " << placement) {
           const auto result = run_command(std::string(paths::smprun) + " -n " + std::to_string(c.pp * c.dp) + " -- " +
-                                              paths::training_worker + " --config " + config + " --steps 3 --clip 0.5",
+                                              training_worker_command() + " --config " + config + " --steps 3 --clip 0.5",
                                           240);
           check_clean_run(result, c.pp * c.dp);
           CHECK(step_losses(result.output).size() == 3);
@@ -116,7 +116,7 @@ TEST_CASE("payloads matched in order, as NCCL matches them, still train like sin
   const auto config = write_config(
       "in_order", smp_config(3, 1, 4, "interleaved", "cluster", 8, 60, R"(, "virtual_stages": 2, "auto_partition": false,
           "partition_overrides": {"pre": 0, "in": 1, "a": 2, "b": 2, "c": 3, "join": 3, "d": 4, "out": 5})"));
-  const auto result = run_command("env SMP_GLOO_IN_ORDER=1 " + std::string(paths::smprun) + " -n 3 -- " + paths::training_worker +
+  const auto result = run_command("env SMP_GLOO_IN_ORDER=1 " + std::string(paths::smprun) + " -n 3 -- " + training_worker_command() +
                                       " --config " + config + " --model long_residual --steps 3",
                                   240);
   check_clean_run(result, 3);
@@ -357,7 +357,7 @@ TEST_CASE("a failing rank stops the whole job with a message", "[training][fault
 
 TEST_CASE("a bad config fails before any communication, naming the key", "[training][config]") {
   const auto config = write_config("bad", R"({"partitions": 3, "microbatches": 2, "global_batch_size": 8})");
-  const auto result = run_command(std::string(paths::smprun) + " -n 4 -- " + paths::training_worker + " --config " + config, 60);
+  const auto result = run_command(std::string(paths::smprun) + " -n 4 -- " + training_worker_command() + " --config " + config, 60);
   INFO(result.output);
   CHECK(result.status != 0);
   CHECK_THAT(result.output, Contains("world size 4 is not a multiple of \"partitions\" (3)"));

@@ -28,6 +28,7 @@
 #include "smp/main.h"
 #include "smp/runtime.h"
 #include "smp/tp.h"
+#include "warm_worker/server.h"
 
 namespace {
 
@@ -566,4 +567,8 @@ int run(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) { return smp::guarded_main(argc, argv, run); }
+int main(int argc, char** argv) {
+  return smp_test::warm::main_or_serve(argc, argv, [](int count, char** arguments) {
+    return smp::guarded_main(count, arguments, run);
+  });
+}

@@ -1,0 +1,352 @@
+#include "server.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <csignal>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "protocol.h"
+
+extern char** environ;
+
+namespace smp_test::warm {
+namespace {
+
+constexpr double kIdleExitSeconds = 900;  // a server whose stop never came goes by itself
+
+struct Request {
+  std::string cwd;
+  std::vector<std::string> argv;
+  std::vector<std::string> environment;
+  std::vector<int> fds;  // the client's standard streams
+};
+
+// What the process read at start-up and a fork cannot change: a request that differs here is run by the client.
+bool read_at_start(const std::string& entry) {
+  const std::string key = entry.substr(0, entry.find('='));
+  for (const char* name : {"OMP_NUM_THREADS", "MKL_NUM_THREADS", "LD_PRELOAD", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES"}) {
+    if (key == name) return true;
+  }
+  return key.rfind("TORCH_", 0) == 0 || key.rfind("PYTORCH_", 0) == 0;
+}
+
+std::vector<std::string> start_up_environment(const std::vector<std::string>& environment) {
+  std::vector<std::string> kept;
+  for (const auto& entry : environment) {
+    if (read_at_start(entry)) kept.push_back(entry);
+  }
+  std::sort(kept.begin(), kept.end());
+  return kept;
+}
+
+std::vector<std::string> own_environment() {
+  std::vector<std::string> entries;
+  for (char** entry = environ; *entry != nullptr; ++entry) entries.emplace_back(*entry);
+  return entries;
+}
+
+bool read_fully(int fd, void* data, std::size_t size) {
+  auto* bytes = static_cast<char*>(data);
+  while (size > 0) {
+    const ssize_t got = ::read(fd, bytes, size);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return false;
+    bytes += got;
+    size -= static_cast<std::size_t>(got);
+  }
+  return true;
+}
+
+void write_fully(int fd, const void* data, std::size_t size) {
+  const auto* bytes = static_cast<const char*>(data);
+  while (size > 0) {
+    const ssize_t sent = ::write(fd, bytes, size);
+    if (sent < 0 && errno == EINTR) continue;
+    if (sent <= 0) return;  // the client is gone: nothing to tell
+    bytes += sent;
+    size -= static_cast<std::size_t>(sent);
+  }
+}
+
+// The request on a new connection: false if the client went away first.
+bool receive_request(int connection, Request& request) {
+  std::uint32_t length = 0;
+  char control[CMSG_SPACE(3 * sizeof(int))] = {};
+  iovec part{&length, sizeof length};
+  msghdr message{};
+  message.msg_iov = &part;
+  message.msg_iovlen = 1;
+  message.msg_control = control;
+  message.msg_controllen = sizeof control;
+  ssize_t got;
+  do {
+    got = ::recvmsg(connection, &message, MSG_CMSG_CLOEXEC | MSG_WAITALL);
+  } while (got < 0 && errno == EINTR);
+  for (cmsghdr* header = CMSG_FIRSTHDR(&message); header != nullptr; header = CMSG_NXTHDR(&message, header)) {
+    if (header->cmsg_level == SOL_SOCKET && header->cmsg_type == SCM_RIGHTS) {
+      const std::size_t count = (header->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (std::size_t i = 0; i < count; ++i) {
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(header) + i * sizeof(int), sizeof fd);
+        request.fds.push_back(fd);
+      }
+    }
+  }
+  if (got != static_cast<ssize_t>(sizeof length) || length > (64u << 20)) return false;
+  std::string payload(length, '\0');
+  if (!read_fully(connection, payload.data(), length)) return false;
+  std::vector<std::string> strings;
+  for (std::size_t start = 0; start < payload.size();) {
+    const std::size_t end = payload.find('\0', start);
+    if (end == std::string::npos) return false;
+    strings.push_back(payload.substr(start, end - start));
+    start = end + 1;
+  }
+  if (strings.size() == 1 && strings[0] == kStop) {
+    request.cwd = kStop;
+    return true;
+  }
+  // cwd, argc, argv..., the environment
+  if (strings.size() < 3) return false;
+  request.cwd = strings[0];
+  const std::size_t argc = std::stoul(strings[1]);
+  if (strings.size() < 2 + argc) return false;
+  request.argv.assign(strings.begin() + 2, strings.begin() + 2 + static_cast<std::ptrdiff_t>(argc));
+  request.environment.assign(strings.begin() + 2 + static_cast<std::ptrdiff_t>(argc), strings.end());
+  return true;
+}
+
+void kill_group(pid_t pid, int signal_number) {
+  ::kill(-pid, signal_number);
+  ::kill(pid, signal_number);
+}
+
+[[noreturn]] void run_request(Request& request, const std::vector<int>& to_close,
+                              const std::function<int(int, char**)>& main) {
+  ::setsid();  // its own process group, killed whole if the client dies
+  ::signal(SIGPIPE, SIG_DFL);
+  for (int fd : to_close) ::close(fd);
+  for (int target = 0; target < 3 && target < static_cast<int>(request.fds.size()); ++target) {
+    ::dup2(request.fds[target], target);  // dup2 clears close-on-exec on the copy
+  }
+  for (int fd : request.fds) {
+    if (fd > 2) ::close(fd);
+  }
+  ::clearenv();
+  for (const auto& entry : request.environment) {
+    const std::size_t equals = entry.find('=');
+    if (equals != std::string::npos) ::setenv(entry.substr(0, equals).c_str(), entry.c_str() + equals + 1, 1);
+  }
+  if (::chdir(request.cwd.c_str()) != 0) {
+    std::fprintf(stderr, "warm worker: cannot enter %s: %s\n", request.cwd.c_str(), std::strerror(errno));
+    ::_exit(127);
+  }
+  std::vector<char*> argv;
+  for (auto& argument : request.argv) argv.push_back(argument.data());
+  argv.push_back(nullptr);
+  std::exit(main(static_cast<int>(request.argv.size()), argv.data()));  // static destructors and atexit, as main's return
+}
+
+int thread_count() {
+  DIR* tasks = ::opendir("/proc/self/task");
+  if (tasks == nullptr) return -1;
+  int count = 0;
+  while (const dirent* entry = ::readdir(tasks)) count += entry->d_name[0] != '.';
+  ::closedir(tasks);
+  return count;
+}
+
+int serve(const std::string& name, const std::function<int(int, char**)>& main) {
+  if (thread_count() != 1) {
+    std::fprintf(stderr, "warm worker: the program started threads; forking would copy them half-way: not serving\n");
+    return 0;  // the clients run the program themselves
+  }
+  ::signal(SIGPIPE, SIG_IGN);
+  const int listener = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un address;
+  const socklen_t length = address_of(name, address);
+  if (listener < 0 || ::bind(listener, reinterpret_cast<sockaddr*>(&address), length) != 0 || ::listen(listener, 128) != 0) {
+    std::fprintf(stderr, "warm worker: cannot listen as %s: %s\n", name.c_str(), std::strerror(errno));
+    return 1;
+  }
+  const std::vector<std::string> environment = start_up_environment(own_environment());
+  std::map<int, pid_t> fork_of;       // client connection -> its fork
+  std::map<pid_t, int> connection_of;  // fork -> its client connection, -1 once the client is gone
+  auto idle_since = std::chrono::steady_clock::now();
+  while (true) {
+    std::vector<pollfd> watched{{listener, POLLIN, 0}};
+    for (const auto& [connection, pid] : fork_of) watched.push_back({connection, POLLIN, 0});
+    ::poll(watched.data(), watched.size(), 50);
+    for (const auto& ready : watched) {
+      if (!(ready.revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      if (ready.fd == listener) {
+        const int connection = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+        if (connection < 0) continue;
+        Request request;
+        if (!receive_request(connection, request)) {
+          for (int fd : request.fds) ::close(fd);
+          ::close(connection);
+          continue;
+        }
+        if (request.cwd == kStop) {
+          for (const auto& [pid, client] : connection_of) kill_group(pid, SIGKILL);
+          ::close(connection);
+          return 0;
+        }
+        if (start_up_environment(request.environment) != environment) {
+          write_fully(connection, "F", 1);
+          for (int fd : request.fds) ::close(fd);
+          ::close(connection);
+          continue;
+        }
+        std::fflush(nullptr);
+        const pid_t pid = ::fork();
+        if (pid == 0) {
+          std::vector<int> to_close{listener};
+          for (const auto& [client, other] : fork_of) to_close.push_back(client);
+          to_close.push_back(connection);
+          run_request(request, to_close, main);
+        }
+        for (int fd : request.fds) ::close(fd);
+        if (pid < 0) {
+          write_fully(connection, "F", 1);  // no fork to be had: the client runs it
+          ::close(connection);
+          continue;
+        }
+        fork_of[connection] = pid;
+        connection_of[pid] = connection;
+      } else {
+        const int connection = ready.fd;
+        const pid_t pid = fork_of.at(connection);
+        std::int32_t signal_number = 0;
+        if (read_fully(connection, &signal_number, sizeof signal_number)) {
+          ::kill(pid, signal_number);
+        } else {  // the client died (SIGKILL): its rank goes with it
+          kill_group(pid, SIGKILL);
+          fork_of.erase(connection);
+          connection_of[pid] = -1;
+          ::close(connection);
+        }
+      }
+    }
+    int status = 0;
+    pid_t ended;
+    while ((ended = ::waitpid(-1, &status, WNOHANG)) > 0) {
+      const auto found = connection_of.find(ended);
+      if (found == connection_of.end()) continue;
+      const int connection = found->second;
+      connection_of.erase(found);
+      if (connection < 0) continue;
+      char reply[1 + sizeof(std::int32_t)];
+      const std::int32_t value = WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status);
+      reply[0] = WIFSIGNALED(status) ? 'K' : 'E';
+      std::memcpy(reply + 1, &value, sizeof value);
+      write_fully(connection, reply, sizeof reply);
+      fork_of.erase(connection);
+      ::close(connection);
+    }
+    if (!connection_of.empty()) {
+      idle_since = std::chrono::steady_clock::now();
+    } else if (std::chrono::duration<double>(std::chrono::steady_clock::now() - idle_since).count() > kIdleExitSeconds) {
+      return 0;
+    }
+  }
+}
+
+// True if a server answers as `name`: the connection is closed at once (the server reads it as a client gone).
+bool answering(const std::string& name) {
+  const int probe = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un address;
+  const socklen_t length = address_of(name, address);
+  const bool connected = ::connect(probe, reinterpret_cast<sockaddr*>(&address), length) == 0;
+  ::close(probe);
+  return connected;
+}
+
+int stop(const std::string& name) {
+  const int connection = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un address;
+  const socklen_t length = address_of(name, address);
+  if (::connect(connection, reinterpret_cast<sockaddr*>(&address), length) != 0) {
+    ::close(connection);
+    return 0;  // none running
+  }
+  const std::uint32_t size = sizeof kStop;
+  write_fully(connection, &size, sizeof size);
+  write_fully(connection, kStop, sizeof kStop);
+  char ignored;
+  while (::read(connection, &ignored, 1) > 0) {
+  }  // closed as the server exits
+  ::close(connection);
+  return 0;
+}
+
+int start(const std::string& name, const std::function<int(int, char**)>& main) {
+  stop(name);
+  const char* temporary = std::getenv("TMPDIR");
+  const std::string log = std::string(temporary && *temporary ? temporary : "/tmp") + "/smp-warm-worker-" + name + ".log";
+  std::fflush(nullptr);
+  const pid_t daemon = ::fork();
+  if (daemon < 0) {
+    std::perror("warm worker: fork");
+    return 1;
+  }
+  if (daemon == 0) {
+    ::setsid();
+    // Nothing of the starter's stays open: its caller (ctest) reads the starter's output until every copy closes.
+    const int null = ::open("/dev/null", O_RDONLY);
+    const int output = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(null, 0);
+    ::dup2(output, 1);
+    ::dup2(output, 2);
+    if (null > 2) ::close(null);
+    if (output > 2) ::close(output);
+    ::_exit(serve(name, main));
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (std::chrono::steady_clock::now() < deadline) {
+    int status = 0;
+    if (::waitpid(daemon, &status, WNOHANG) == daemon) {
+      std::fprintf(stderr, "warm worker: the server ended at once; see %s\n", log.c_str());
+      return 0;  // the clients run the program themselves
+    }
+    if (answering(name)) {
+      std::printf("warm worker %s up (pid %d)\n", name.c_str(), static_cast<int>(daemon));
+      return 0;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ::kill(daemon, SIGKILL);
+  std::fprintf(stderr, "warm worker: the server did not come up within 30 s\n");
+  return 1;
+}
+
+}  // namespace
+
+int main_or_serve(int argc, char** argv, const std::function<int(int, char**)>& main) {
+  if (argc == 3) {
+    const std::string command = argv[1], name = argv[2];
+    if (command == "--warm-start") return start(name, main);
+    if (command == "--warm-stop") return stop(name);
+    if (command == "--warm-serve") return serve(name, main);
+  }
+  return main(argc, argv);
+}
+
+}  // namespace smp_test::warm
