@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -141,6 +142,10 @@ void kill_group(pid_t pid, int signal_number) {
                               const std::function<int(int, char**)>& main) {
   ::setsid();  // its own process group, killed whole if the client dies
   ::signal(SIGPIPE, SIG_DFL);
+  sigset_t child_ended;
+  sigemptyset(&child_ended);
+  sigaddset(&child_ended, SIGCHLD);
+  ::sigprocmask(SIG_UNBLOCK, &child_ended, nullptr);
   for (int fd : to_close) ::close(fd);
   for (int target = 0; target < 3 && target < static_cast<int>(request.fds.size()); ++target) {
     ::dup2(request.fds[target], target);  // dup2 clears close-on-exec on the copy
@@ -178,6 +183,13 @@ int serve(const std::string& name, const std::function<int(int, char**)>& main) 
     return 0;  // the clients run the program themselves
   }
   ::signal(SIGPIPE, SIG_IGN);
+  // A fork's end wakes the loop at once: its client must end as soon as a process of its own would, or the
+  // launcher sees the rank's peers fail first.
+  sigset_t child_ended;
+  sigemptyset(&child_ended);
+  sigaddset(&child_ended, SIGCHLD);
+  ::sigprocmask(SIG_BLOCK, &child_ended, nullptr);
+  const int ended_forks = ::signalfd(-1, &child_ended, SFD_CLOEXEC | SFD_NONBLOCK);
   const int listener = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_un address;
   const socklen_t length = address_of(name, address);
@@ -190,12 +202,16 @@ int serve(const std::string& name, const std::function<int(int, char**)>& main) 
   std::map<pid_t, int> connection_of;  // fork -> its client connection, -1 once the client is gone
   auto idle_since = std::chrono::steady_clock::now();
   while (true) {
-    std::vector<pollfd> watched{{listener, POLLIN, 0}};
+    std::vector<pollfd> watched{{listener, POLLIN, 0}, {ended_forks, POLLIN, 0}};
     for (const auto& [connection, pid] : fork_of) watched.push_back({connection, POLLIN, 0});
     ::poll(watched.data(), watched.size(), 50);
     for (const auto& ready : watched) {
       if (!(ready.revents & (POLLIN | POLLHUP | POLLERR))) continue;
-      if (ready.fd == listener) {
+      if (ready.fd == ended_forks) {
+        signalfd_siginfo drained;
+        while (::read(ended_forks, &drained, sizeof drained) > 0) {
+        }
+      } else if (ready.fd == listener) {
         const int connection = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
         if (connection < 0) continue;
         Request request;
@@ -218,7 +234,7 @@ int serve(const std::string& name, const std::function<int(int, char**)>& main) 
         std::fflush(nullptr);
         const pid_t pid = ::fork();
         if (pid == 0) {
-          std::vector<int> to_close{listener};
+          std::vector<int> to_close{listener, ended_forks};
           for (const auto& [client, other] : fork_of) to_close.push_back(client);
           to_close.push_back(connection);
           run_request(request, to_close, main);

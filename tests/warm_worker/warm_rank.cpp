@@ -27,7 +27,9 @@ constexpr int kForwarded[] = {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2
 void forward(int signal_number) {
   const std::int32_t value = signal_number;
   const int saved = errno;
-  [[maybe_unused]] const ssize_t sent = ::write(server_connection, &value, sizeof value);
+  // Not write: after the fork's end the server closes the connection, and a signal then (the launcher stopping the
+  // other ranks) must not kill this process with SIGPIPE before it reads how the fork ended.
+  [[maybe_unused]] const ssize_t sent = ::send(server_connection, &value, sizeof value, MSG_NOSIGNAL);
   errno = saved;
 }
 
