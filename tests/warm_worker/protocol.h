@@ -6,8 +6,10 @@
 
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstddef>
 #include <cstring>
 #include <string>
@@ -22,6 +24,19 @@ inline socklen_t address_of(const std::string& name, sockaddr_un& address) {
   const std::size_t length = std::min(path.size(), sizeof address.sun_path);
   std::memcpy(address.sun_path, path.data(), length);
   return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + length);
+}
+
+// `size` bytes from `fd`, through interruptions and short reads; false at its end or on an error.
+inline bool read_fully(int fd, void* data, std::size_t size) {
+  auto* bytes = static_cast<char*>(data);
+  while (size > 0) {
+    const ssize_t got = ::read(fd, bytes, size);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return false;
+    bytes += got;
+    size -= static_cast<std::size_t>(got);
+  }
+  return true;
 }
 
 constexpr char kStop[] = "stop";  // a request of this single string stops the server

@@ -33,18 +33,6 @@ void forward(int signal_number) {
   errno = saved;
 }
 
-bool read_fully(int fd, void* data, std::size_t size) {
-  auto* bytes = static_cast<char*>(data);
-  while (size > 0) {
-    const ssize_t got = ::read(fd, bytes, size);
-    if (got < 0 && errno == EINTR) continue;
-    if (got <= 0) return false;
-    bytes += got;
-    size -= static_cast<std::size_t>(got);
-  }
-  return true;
-}
-
 // Sends the request with this process's standard streams; false if no server takes it.
 bool send_request(const char* name, int argc, char** argv) {
   server_connection = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -97,6 +85,7 @@ int main(int argc, char** argv) {
     for (int number : kForwarded) ::sigaction(number, &passing_on, nullptr);
     char kind = 0;
     std::int32_t value = 0;
+    using smp_test::warm::read_fully;
     if (!read_fully(server_connection, &kind, 1) || (kind != 'F' && !read_fully(server_connection, &value, sizeof value))) {
       std::fprintf(stderr, "warm_rank: the warm worker %s ended before %s did\n", name, argv[1]);
       return 1;
