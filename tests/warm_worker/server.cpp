@@ -4,8 +4,11 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -41,10 +44,12 @@ struct Request {
 // What the process read at start-up and a fork cannot change: a request that differs here is run by the client.
 bool read_at_start(const std::string& entry) {
   const std::string key = entry.substr(0, entry.find('='));
-  for (const char* name : {"OMP_NUM_THREADS", "MKL_NUM_THREADS", "LD_PRELOAD", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES"}) {
-    if (key == name) return true;
+  if (key == "CUDA_VISIBLE_DEVICES" || key == "GLIBC_TUNABLES") return true;
+  // The OpenMP and BLAS runtimes, the loader and malloc read theirs as the libraries load, before main.
+  for (const char* prefix : {"OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "LD_", "MALLOC_", "TORCH_", "PYTORCH_"}) {
+    if (key.rfind(prefix, 0) == 0) return true;
   }
-  return key.rfind("TORCH_", 0) == 0 || key.rfind("PYTORCH_", 0) == 0;
+  return false;
 }
 
 std::vector<std::string> start_up_environment(const std::vector<std::string>& environment) {
@@ -114,8 +119,12 @@ bool receive_request(int connection, Request& request) {
   // cwd, argc, argv..., the environment
   if (strings.size() < 3) return false;
   request.cwd = strings[0];
+  if (strings[1].empty() || strings[1].find_first_not_of("0123456789") != std::string::npos ||
+      strings[1].size() > 9) {
+    return false;
+  }
   const std::size_t argc = std::stoul(strings[1]);
-  if (strings.size() < 2 + argc) return false;
+  if (argc > strings.size() - 2) return false;
   request.argv.assign(strings.begin() + 2, strings.begin() + 2 + static_cast<std::ptrdiff_t>(argc));
   request.environment.assign(strings.begin() + 2 + static_cast<std::ptrdiff_t>(argc), strings.end());
   return true;
@@ -126,9 +135,12 @@ void kill_group(pid_t pid, int signal_number) {
   ::kill(pid, signal_number);
 }
 
-[[noreturn]] void run_request(Request& request, const std::vector<int>& to_close,
+[[noreturn]] void run_request(Request& request, pid_t server, const std::vector<int>& to_close,
                               const std::function<int(int, char**)>& main) {
   ::setsid();  // its own process group, killed whole if the client dies
+  // And with the server: nothing else would stop it, and it holds the launcher's output pipes open.
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != server) ::_exit(1);
   ::signal(SIGPIPE, SIG_DFL);
   sigset_t child_ended;
   sigemptyset(&child_ended);
@@ -156,6 +168,20 @@ void kill_group(pid_t pid, int signal_number) {
   std::exit(main(static_cast<int>(request.argv.size()), argv.data()));  // static destructors and atexit, as main's return
 }
 
+// A request for this very file: not another program, nor this one rebuilt since the server started.
+bool same_program(const std::vector<std::string>& argv) {
+  struct stat requested {}, running {};
+  return !argv.empty() && ::stat(argv[0].c_str(), &requested) == 0 && ::stat("/proc/self/exe", &running) == 0 &&
+         requested.st_dev == running.st_dev && requested.st_ino == running.st_ino;
+}
+
+// Abstract sockets have no permissions: only this user's processes may have a rank run as this user.
+bool same_user(int connection) {
+  ucred peer{};
+  socklen_t size = sizeof peer;
+  return ::getsockopt(connection, SOL_SOCKET, SO_PEERCRED, &peer, &size) == 0 && peer.uid == ::getuid();
+}
+
 int thread_count() {
   DIR* tasks = ::opendir("/proc/self/task");
   if (tasks == nullptr) return -1;
@@ -171,6 +197,7 @@ int serve(const std::string& name, const std::function<int(int, char**)>& main) 
     return 0;  // the clients run the program themselves
   }
   ::signal(SIGPIPE, SIG_IGN);
+  ::signal(SIGCHLD, SIG_DFL);  // an ignored SIGCHLD (inherited) would reap the forks before waitpid sees them
   // A fork's end wakes the loop at once: its client must end as soon as a process of its own would, or the
   // launcher sees the rank's peers fail first.
   sigset_t child_ended;
@@ -178,7 +205,7 @@ int serve(const std::string& name, const std::function<int(int, char**)>& main) 
   sigaddset(&child_ended, SIGCHLD);
   ::sigprocmask(SIG_BLOCK, &child_ended, nullptr);
   const int ended_forks = ::signalfd(-1, &child_ended, SFD_CLOEXEC | SFD_NONBLOCK);
-  const int listener = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int listener = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_un address;
   const socklen_t length = address_of(name, address);
   if (listener < 0 || ::bind(listener, reinterpret_cast<sockaddr*>(&address), length) != 0 || ::listen(listener, 128) != 0) {
@@ -202,6 +229,13 @@ int serve(const std::string& name, const std::function<int(int, char**)>& main) 
       } else if (ready.fd == listener) {
         const int connection = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
         if (connection < 0) continue;
+        if (!same_user(connection)) {
+          ::close(connection);
+          continue;
+        }
+        // A client that connects and then stalls must not stop the server serving the others.
+        const timeval patience{5, 0};
+        ::setsockopt(connection, SOL_SOCKET, SO_RCVTIMEO, &patience, sizeof patience);
         Request request;
         if (!receive_request(connection, request)) {
           for (int fd : request.fds) ::close(fd);
@@ -209,23 +243,26 @@ int serve(const std::string& name, const std::function<int(int, char**)>& main) 
           continue;
         }
         if (request.cwd == kStop) {
-          for (const auto& [pid, client] : connection_of) kill_group(pid, SIGKILL);
+          // The name free at once for a new server; ranks still running finish and are answered first.
+          ::close(listener);
+          listener = -1;
           ::close(connection);
-          return 0;
+          continue;
         }
-        if (start_up_environment(request.environment) != environment) {
+        if (start_up_environment(request.environment) != environment || !same_program(request.argv)) {
           write_fully(connection, "F", 1);
           for (int fd : request.fds) ::close(fd);
           ::close(connection);
           continue;
         }
         std::fflush(nullptr);
+        const pid_t server = ::getpid();
         const pid_t pid = ::fork();
         if (pid == 0) {
           std::vector<int> to_close{listener, ended_forks};
           for (const auto& [client, other] : fork_of) to_close.push_back(client);
           to_close.push_back(connection);
-          run_request(request, to_close, main);
+          run_request(request, server, to_close, main);
         }
         for (int fd : request.fds) ::close(fd);
         if (pid < 0) {
@@ -240,7 +277,7 @@ int serve(const std::string& name, const std::function<int(int, char**)>& main) 
         const pid_t pid = fork_of.at(connection);
         std::int32_t signal_number = 0;
         if (read_fully(connection, &signal_number, sizeof signal_number)) {
-          ::kill(pid, signal_number);
+          kill_group(pid, signal_number);
         } else {  // the client died (SIGKILL): its rank goes with it
           kill_group(pid, SIGKILL);
           fork_of.erase(connection);
@@ -265,6 +302,7 @@ int serve(const std::string& name, const std::function<int(int, char**)>& main) 
       fork_of.erase(connection);
       ::close(connection);
     }
+    if (listener < 0 && connection_of.empty()) return 0;  // stopped, and every rank answered
     if (!connection_of.empty()) {
       idle_since = std::chrono::steady_clock::now();
     } else if (std::chrono::duration<double>(std::chrono::steady_clock::now() - idle_since).count() > kIdleExitSeconds) {
@@ -301,8 +339,13 @@ int stop(const std::string& name) {
   return 0;
 }
 
+// Returns 0 whether or not a server came up: without one the clients run the program themselves.
 int start(const std::string& name, const std::function<int(int, char**)>& main) {
   stop(name);
+  if (thread_count() != 1) {  // checked here: the daemon, a fork, would always count one
+    std::fprintf(stderr, "warm worker: the program started threads; forking would copy them half-way: not serving\n");
+    return 0;
+  }
   const char* temporary = std::getenv("TMPDIR");
   const std::string log = std::string(temporary && *temporary ? temporary : "/tmp") + "/smp-warm-worker-" + name + ".log";
   std::fflush(nullptr);
@@ -314,13 +357,17 @@ int start(const std::string& name, const std::function<int(int, char**)>& main) 
   if (daemon == 0) {
     ::setsid();
     // Nothing of the starter's stays open: its caller (ctest) reads the starter's output until every copy closes.
-    const int null = ::open("/dev/null", O_RDONLY);
-    const int output = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int null = ::open("/dev/null", O_RDWR);
+    int output = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (output < 0) output = null;
     ::dup2(null, 0);
     ::dup2(output, 1);
     ::dup2(output, 2);
-    if (null > 2) ::close(null);
-    if (output > 2) ::close(output);
+    const long most = ::sysconf(_SC_OPEN_MAX);
+    for (int fd = 3; fd < (most > 0 ? most : 1024); ++fd) {
+      const int flags = ::fcntl(fd, F_GETFD);
+      if (flags >= 0 && !(flags & FD_CLOEXEC)) ::close(fd);  // inherited from the caller, not the program's own
+    }
     ::_exit(serve(name, main));
   }
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
@@ -337,8 +384,8 @@ int start(const std::string& name, const std::function<int(int, char**)>& main) 
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   ::kill(daemon, SIGKILL);
-  std::fprintf(stderr, "warm worker: the server did not come up within 30 s\n");
-  return 1;
+  std::fprintf(stderr, "warm worker: the server did not come up within 30 s: the ranks start as processes\n");
+  return 0;
 }
 
 }  // namespace
