@@ -85,10 +85,17 @@ def predict(name, link_gbps, latency_us, processors, synchronization_us, synchro
     # Tensor parallelism where the model has a plan (the Hugging Face decoders' own): every degree of the world; for
     # the mixture of experts tp 2, with and without the experts divided.
     degrees = ([1, 2] if name == "mixtral" else [1, 2, 4]) if smp.tp.builtin_plan(model) else [1]
-    found = smp.plan(model, batch(2, torch.Generator().manual_seed(1), name)[0], world_size=WORLD,
-                     link_gbps=link_gbps, latency_us=latency_us, shared_cores=processors or None,
-                     tensor_parallel_degrees=degrees, synchronization_us=synchronization_us,
-                     synchronized_gbps=synchronized_gbps)
+    def plan(**routing):
+        return smp.plan(model, batch(2, torch.Generator().manual_seed(1), name)[0], world_size=WORLD,
+                        link_gbps=link_gbps, latency_us=latency_us, shared_cores=processors or None,
+                        tensor_parallel_degrees=degrees, synchronization_us=synchronization_us,
+                        synchronized_gbps=synchronized_gbps, **routing)
+    found = plan()
+    if name == "mixtral":  # beside the routing counted on the sample, what even routing would have predicted
+        even = {row["layout"]: row for row in plan(tokens_per_expert="even").layouts}
+        for row in found.layouts:
+            row["step_ms_even"] = even[row["layout"]]["step_ms"]
+            row["memory_mib_even"] = even[row["layout"]]["memory_mib"]
     print(json.dumps({"layouts": found.layouts, "report": found.report}), flush=True)
 
 
@@ -102,11 +109,14 @@ def train(name, keys, steps):
     adamw = torch.optim.AdamW(model.parameters(), lr=1e-4)
     optimizer = smp.DistributedOptimizer(adamw)
     times = []
+    routed = {}  # router path -> tokens per expert, this rank's tokens over the timed steps
 
     def step():
         optimizer.zero_grad()
         inputs, targets, loss = batch(GLOBAL_BATCH, data, name)
-        model.train_step(inputs, targets, loss)
+        result = model.train_step(inputs, targets, loss)
+        for path, counts in result.tokens_per_expert.items():
+            routed[path] = routed.get(path, 0) + counts.cpu()
         optimizer.step()
 
     for index in range(steps + 2):
@@ -133,7 +143,8 @@ def train(name, keys, steps):
     stages = [first if first == last else f"{first}..{last}"
               for first, last in re.findall(r"stage \d+: modules (\S+)\.\.(\S+) \(", model.partition_report())]
     print(json.dumps({"rank": runtime.rank, "pp_rank": runtime.pp_rank, "step_ms": statistics.median(times) * 1e3,
-                      "peak_mib": peak_mib, "stages": stages}), flush=True)
+                      "peak_mib": peak_mib, "stages": stages,
+                      "routed": {path: counts.tolist() for path, counts in routed.items()}}), flush=True)
 
 
 def job(processes, *args):
@@ -223,6 +234,19 @@ def drive(name, steps):
               f"({(layout['step_ms'] - measured) / measured * 100:+.0f}%); memory per pipeline rank predicted "
               f"{', '.join(f'{m:.1f}' for m in layout['memory_mib'])} MiB, measured "
               f"{', '.join(f'{memory[pp]:.1f}' for pp in sorted(memory))} MiB", flush=True)
+        ep = json.loads(layout["config"])["expert_parallel_degree"]
+        if "step_ms_even" in layout and ep > 1:
+            # What the job's routers chose, all ranks' tokens together, against the sample's counts in the plan.
+            routed = {}
+            for r in ranks:
+                for path, counts in r["routed"].items():
+                    routed[path] = [a + b for a, b in zip(routed.get(path, [0] * len(counts)), counts)]
+            from smp import _smp
+            busiest = statistics.mean(_smp.routing_imbalance(counts, ep) for counts in routed.values())
+            print(f"    even routing predicted {layout['step_ms_even']:8.1f} ms "
+                  f"({(layout['step_ms_even'] - measured) / measured * 100:+.0f}%), memory "
+                  f"{', '.join(f'{m:.1f}' for m in layout['memory_mib_even'])} MiB; the job's busiest rank got "
+                  f"{busiest:.2f}x its even share of rows (mean of {len(routed)} layers)", flush=True)
         if ranks[0]["stages"] != layout["stages"]:
             print(f"    the job cut elsewhere: planned {', '.join(layout['stages'])}; job {', '.join(ranks[0]['stages'])}",
                   flush=True)
@@ -231,6 +255,11 @@ def drive(name, steps):
     measured = [m for _, m, _ in rows]
     memory_errors = sorted(abs(e) for _, _, errors in rows for e in errors)
     errors = sorted(abs(p - m) / m for p, m in zip(predicted, measured))
+    divided = [(layout, m) for layout, m, _ in rows
+               if "step_ms_even" in layout and json.loads(layout["config"])["expert_parallel_degree"] > 1]
+    routing = {"experts_divided_abs_error": statistics.median(abs(l["step_ms"] - m) / m for l, m in divided),
+               "experts_divided_abs_error_even_routing":
+                   statistics.median(abs(l["step_ms_even"] - m) / m for l, m in divided)} if divided else {}
     choice = min(range(len(rows)), key=lambda i: predicted[i])
     print(json.dumps({"model": name, "layouts": len(rows), "link_gbps": link, "latency_us": latency,
                       "processors": processors, "synchronization_us": synchronization,
@@ -242,7 +271,7 @@ def drive(name, steps):
                       "choice": rows[choice][0]["layout"],
                       "choice_over_best_measured": measured[choice] / min(measured),
                       "best_measured": rows[measured.index(min(measured))][0]["layout"],
-                      "jobs_cut_elsewhere": cuts_differ}), flush=True)
+                      "jobs_cut_elsewhere": cuts_differ, **routing}), flush=True)
 
 
 def main():

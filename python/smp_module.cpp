@@ -518,7 +518,9 @@ PYBIND11_MODULE(_smp, module) {
         return collectives;
       })
       .def("mark_experts", &ModelProfile::mark_experts, py::arg("token_bytes"), py::arg("experts"),
-           py::arg("split") = 1);
+           py::arg("split") = 1, py::arg("routed") = std::map<std::string, std::vector<std::int64_t>>{},
+           py::arg("experts_per_token") = 0);
+  module.def("routing_imbalance", &routing_imbalance, py::arg("tokens_per_expert"), py::arg("ep"));
   module.def(
       "profile_for_planning",
       [](const GraphModel& graph, const OptionalTensors& sample, int sample_batch, const OptionalTensors& larger,

@@ -674,6 +674,62 @@ TEST_CASE("tensor-parallel layouts: a shard profiled alone counts its collective
   CHECK(limited > 0);
 }
 
+TEST_CASE("uneven routing: the busiest expert-parallel rank computes, holds and exchanges its extra rows",
+          "[profile][plan]") {
+  // Ranks hold consecutive blocks of the experts; the busiest block against an even share.
+  CHECK(smp::routing_imbalance({10, 10, 10, 10}, 2) == Approx(1.0));
+  CHECK(smp::routing_imbalance({30, 10, 0, 0}, 2) == Approx(2.0));
+  CHECK(smp::routing_imbalance({0, 0, 10, 30}, 4) == Approx(3.0));
+  CHECK(smp::routing_imbalance({30, 10, 0, 0}, 1) == 1.0);
+  CHECK(smp::routing_imbalance({0, 0, 0, 0}, 2) == 1.0);
+  CHECK(smp::routing_imbalance({1, 2, 3}, 2) == 1.0);  // a degree that does not divide the experts
+
+  // A node holding a dense layer (256 x 1024) and 4 stacked experts (4 x 256 x 256), 2 chosen per token: per token
+  // the experts do 2 x 256 x 256 of work against the dense layer's 256 x 1024, a third of the node's.
+  auto modules = equal_chain(2, 1 << 20, 1 << 20);
+  modules[0].parameter_shapes = "embedding.weight:1024,256,;";
+  modules[1].parameter_bytes = 2 << 20;
+  modules[1].parameter_shapes = "layer.dense.weight:256,1024,;layer.experts.weight:4,256,256,;";
+  smp::ModelProfile even{modules, 2};
+  even.mark_experts({{"layer.experts", 1000000}}, 4, 1, {}, 2);
+  CHECK(even.modules[1].expert_compute_share == Approx(1.0 / 3.0));
+  CHECK(even.modules[1].expert_routing.empty());
+  smp::ModelProfile counted_even{modules, 2};
+  counted_even.mark_experts({{"layer.experts", 1000000}}, 4, 1, {{"layer.experts", {10, 10, 10, 10}}}, 2);
+  smp::ModelProfile skewed{modules, 2};
+  skewed.mark_experts({{"layer.experts", 1000000}}, 4, 1, {{"layer.experts", {30, 10, 0, 0}}}, 2);
+  REQUIRE(skewed.modules[1].expert_routing.size() == 1);
+  CHECK(skewed.modules[0].expert_routing.empty());
+  // Without top-k the node's compute counts as the experts' alone.
+  smp::ModelProfile unknown_k{modules, 2};
+  unknown_k.mark_experts({{"layer.experts", 1000000}}, 4);
+  CHECK(unknown_k.modules[1].expert_compute_share == 1.0);
+
+  const smp::PlanningCosts links{10e-6, 1e9, 1e9};
+  const smp::Config planned =
+      smp::Config::from_json_text(R"({"global_batch_size": 4, "expert_parallel_degree": "auto"})", "test");
+  const auto predict = [&](const smp::ModelProfile& profile, const std::string& described) {
+    const auto predictions = smp::plan_layouts(profile, planned, 4, links);
+    const auto found = std::find_if(predictions.begin(), predictions.end(),
+                                    [&](const smp::LayoutPrediction& p) { return p.layout.describe() == described; });
+    REQUIRE(found != predictions.end());
+    REQUIRE(found->rejected.empty());
+    return *found;
+  };
+  const std::string divided = "pp 1 x dp 4, ep 2, gpipe, m 1";
+  const auto at_even = predict(even, divided);
+  CHECK(predict(counted_even, divided).step_s == Approx(at_even.step_s));
+  const auto at_skewed = predict(skewed, divided);
+  // One sample a microbatch: the node's 1 ms of compute a third more on the rank receiving twice its share, and
+  // each of the four exchanges moves twice half of 0.5 MB over 1 GB/s.
+  CHECK(at_skewed.pipeline_s - at_even.pipeline_s == Approx(1e-3 / 3 + 4 * 0.25e-3));
+  // A third more of its 0.5 MiB of activations.
+  CHECK(at_skewed.peak_memory_mib() - at_even.peak_memory_mib() == Approx(0.5 / 3));
+  // Undivided, every rank computes all its own tokens' rows: routing does not matter.
+  const std::string whole = "pp 1 x dp 4, gpipe, m 1";
+  CHECK(predict(skewed, whole).step_s == Approx(predict(even, whole).step_s));
+}
+
 TEST_CASE("expert-parallel layouts: each rank holds its share of the experts and pays their token exchanges",
           "[profile][plan]") {
   // A dense module and an experts module of 1 MiB each (4 experts stacked), 1 ms each way on 2 samples; the experts

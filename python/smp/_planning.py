@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from . import _smp
+from . import _routing, _smp
 from ._smp import ConfigError
 from ._state import runtime
 
@@ -121,15 +121,16 @@ def _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, config):
         return _smp.profile_for_planning(graph._graph, values, profiled, doubled, 2 * profiled), experts_split
 
 
-def _mark_experts(profile, model, sample, split):
+def _mark_experts(profile, model, sample, split, tokens_per_expert=None):
     """Tells `profile` where a mixture-of-experts model's stacked experts are (what expert parallelism divides), the
     token rows they read on `sample`, one microbatch: its tokens x the model's experts per token x its hidden
-    width, at the parameters' element size (what the ranks exchange), and over how many tensor-parallel ranks the
-    profile's experts are `split`."""
+    width, at the parameters' element size (what the ranks exchange), over how many tensor-parallel ranks the
+    profile's experts are `split`, and how their routers chose (`tokens_per_expert`: {router or experts path:
+    tokens per expert}; None: even). Returns the routing, by experts path."""
     from ._expert_parallel import experts_modules
     experts = experts_modules(model) if isinstance(model, torch.nn.Module) else {}
     if not experts:
-        return
+        return {}
     config = getattr(model, "config", None)
     values = sample.values() if isinstance(sample, collections.abc.Mapping) else [sample]
     ids = next((value for value in values if isinstance(value, torch.Tensor) and not value.is_floating_point()), None)
@@ -147,14 +148,31 @@ def _mark_experts(profile, model, sample, split):
     for path, module in experts.items():
         element = next(module.parameters()).element_size()
         rows[path] = ids.numel() * top_k * hidden * element if known else 0
+    routed = _routing.by_experts_module(tokens_per_expert or {}, experts)
     # A degree must divide every layer's experts.
-    profile.mark_experts(rows, math.gcd(*(module.num_experts for module in experts.values())), split)
+    profile.mark_experts(rows, math.gcd(*(module.num_experts for module in experts.values())), split, routed,
+                         int(top_k or 0))
+    return routed
+
+
+def _routing_report(routed, layouts):
+    """A line per expert-parallel degree planned: how much more than its even share of rows the busiest rank gets."""
+    lines = []
+    degrees = {json.loads(row["config"])["expert_parallel_degree"] for row in layouts}
+    for ep in sorted(degree for degree in degrees if degree > 1):
+        factors = {path: _smp.routing_imbalance(tokens, ep) for path, tokens in routed.items()}
+        if not factors:
+            continue
+        worst = max(factors, key=factors.get)
+        lines.append(f"routing at ep {ep}: the busiest rank gets {sum(factors.values()) / len(factors):.2f}x its even "
+                     f"share of rows (mean of {len(factors)} layers; most {factors[worst]:.2f}x, {worst})\n")
+    return "".join(lines)
 
 
 def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb=None, optimizer_moments=2.0,
          link_gbps=None, latency_us=50.0, compute_scale=1.0, device_speeds=None, shared_cores=None,
          dynamic_shapes=None, tp_plan=None, tensor_parallel_degrees=None, synchronization_us=None,
-         synchronized_gbps=None):
+         synchronized_gbps=None, tokens_per_expert=None):
     """Predicts every layout of `world_size` ranks (default: this job's) for `model` on `sample` (one microbatch):
     tensor-parallel degree x pipeline stages x data-parallel replicas, schedule (GPipe, 1F1B, ZB-H1; interleaved
     1F1B, ZB-V and DualPipeV at two stages per rank), microbatches, recompute, ZeRO-1. The model is captured and
@@ -178,7 +196,11 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     tensor-parallel rank of other replicas): each rank holds its share of the experts' parameters, gradients and
     optimizer state,
     and every experts layer exchanges its token rows (tokens x num_experts_per_tok x hidden_size) four times a
-    microbatch, priced on the links.
+    microbatch, priced on the links. Routing: as the routers chose on the sample while it was profiled (counted
+    in the captured code); each layer's exchanges wait for the rank holding its most-chosen experts, which computes
+    and holds that many more rows (the report says how uneven, per degree). tokens_per_expert instead gives the
+    counts ({router or experts module path: tokens per expert}, e.g. a job's StepResult.tokens_per_expert summed
+    over steps, for a trained router), or "even".
     synchronization_us and synchronized_gbps: a collective between ranks that computed up to it, its fixed part and
     bandwidth, where ranks share cores and find a peer off its core (an "auto" job that plans tensor or expert
     parallelism measures them there; the tensor-parallel collectives and the experts' exchanges are priced on them).
@@ -202,12 +224,19 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     degrees = list(tensor_parallel_degrees or _candidate_degrees(model, tp_plan, world, rt.config))
     if any(degree < 1 or world % degree for degree in degrees):
         raise ConfigError(f"tensor_parallel_degrees {degrees}: each must divide the world of {world} ranks")
-    profiles, unplanned = {}, {}
+    if not (tokens_per_expert is None or tokens_per_expert == "even" or
+            isinstance(tokens_per_expert, collections.abc.Mapping)):
+        raise ConfigError(f"tokens_per_expert {tokens_per_expert!r}: None (as routed on the sample), \"even\", or "
+                          "{router or experts module path: tokens per expert}")
+    profiles, unplanned, routed = {}, {}, {}
     for degree in degrees:
         try:
+            _routing.take()  # counted from here on: the routers' choices on the sample while profiling
             profiles[degree], experts_split = _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes,
                                                           rt.config)
-            _mark_experts(profiles[degree], model, sample, experts_split)
+            counted = _routing.take() if tokens_per_expert is None else tokens_per_expert
+            routed = _mark_experts(profiles[degree], model, sample, experts_split,
+                                   None if counted == "even" else counted) or routed
         except ConfigError as error:
             if len(degrees) == 1:
                 raise
@@ -226,6 +255,7 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
         * compute_scale, list(device_speeds or []),
         float(shared_cores), rt.device != "cpu",  # torch.optim steps all parameters at once on a GPU (foreach)
         (synchronization_us or 0.0) * 1e-6, (synchronized_gbps or 0.0) * 1e9)
+    report += _routing_report(routed, layouts)
     for degree, why in unplanned.items():
         report += f"tp {degree}: not planned: {why}\n"
     return Plan(layouts, report, unplanned)

@@ -7,6 +7,7 @@ import operator
 import torch
 
 from . import _smp
+from ._smp import ConfigError
 from ._value_sketch import sketch_of
 
 _counts = {}  # router path -> tokens per expert in the current step, on the device the router runs on
@@ -58,4 +59,24 @@ def routers(graph, dynamic, module_paths):
             continue
         if any(paths[-1] not in module_paths(reader) for reader in chosen[0].users):
             found.append((chosen[0], scores.shape[-1], paths[-1]))
+    return found
+
+
+def by_experts_module(counts, experts):
+    """{experts module path: tokens per expert} from `counts` keyed by router path (as StepResult.tokens_per_expert
+    gives them) or by experts path: a router counts for the experts module beside it (the deepest module holding
+    both). Experts without counts are left out (routing assumed even there)."""
+    found = {}
+    for path, module in experts.items():
+        def shared_depth(key):
+            parent = key if key == path else key.rpartition(".")[0]
+            return len(parent) if key == path or path.startswith(parent + ".") else -1
+        key = max(counts, key=shared_depth, default=None)
+        if key is None or shared_depth(key) < 0:
+            continue
+        tokens = [int(count) for count in (counts[key].tolist() if torch.is_tensor(counts[key]) else counts[key])]
+        if len(tokens) != module.num_experts:
+            raise ConfigError(f"tokens_per_expert['{key}'] counts {len(tokens)} experts; '{path}' has "
+                              f"{module.num_experts}")
+        found[path] = tokens
     return found

@@ -249,6 +249,26 @@ def planned_layout_failures(model, runtime, config):
     return failures
 
 
+def routing_failures_of_plan(net, found):
+    """The plan priced the routing its profile counted (a line per expert-parallel degree in the report), and counts
+    given by router path reach the experts module beside the router."""
+    from smp import _expert_parallel, _routing
+    lines = [line for line in found.report.splitlines() if line.startswith("routing at ep 2: the busiest rank gets ")]
+    assert lines, found.report
+    assert float(lines[0].split(" gets ")[1].split("x")[0]) >= 1.0, lines
+    experts = _expert_parallel.experts_modules(net)
+    first = sorted(experts)[0]
+    router = first.rpartition(".")[0] + ".gate"
+    count = experts[first].num_experts
+    assert _routing.by_experts_module({router: list(range(count))}, experts) == {first: list(range(count))}
+    try:
+        _routing.by_experts_module({router: [1]}, experts)
+    except smp.ConfigError as error:
+        assert router in str(error) and first in str(error), error
+    else:
+        raise AssertionError("counts of the wrong length were taken")
+
+
 def print_fastest_layout(name, ranks, config):
     """--plan RANKS: the fastest layout smp.plan predicts for the model on RANKS ranks, and its peak memory; and the
     least peak memory among the fitting layouts of each expert-parallel degree planned that keep the layout keys the
@@ -266,6 +286,7 @@ def print_fastest_layout(name, ranks, config):
     unpriced = [str(warning.message) for warning in caught if "token exchanges" in str(warning.message)]
     if config.get("expert_parallel_degree") == "auto":
         assert len(unpriced) == 1 and "integer token ids in the sample" in unpriced[0], unpriced
+        routing_failures_of_plan(net, found)
     least, least_by_tp = {}, {}
     for row in found.layouts:
         keys = json.loads(row["config"])  # the layout keys

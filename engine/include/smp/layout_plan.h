@@ -87,9 +87,17 @@ struct ModelProfile {
   // A mixture-of-experts model's experts: {experts module's path: the token rows' bytes it reads per microbatch of
   // the profile}, `experts_per_layer` (ModelProfile::experts) and `split` (experts_split). Each node holding
   // parameters under such a path counts their bytes in expert_parameter_bytes, and the first of them the rows in
-  // expert_token_bytes.
-  void mark_experts(const std::map<std::string, std::int64_t>& token_bytes, int experts_per_layer, int split = 1);
+  // expert_token_bytes. `routed` (optional, by the same paths): the tokens each expert of that layer was sent on
+  // the sample, which the busiest rank of a layout dividing the experts pays for (routing_imbalance);
+  // `experts_per_token` (top-k; 0: unknown, all of a node's compute counted as its experts') tells the experts' share
+  // of a node's compute from its parameters.
+  void mark_experts(const std::map<std::string, std::int64_t>& token_bytes, int experts_per_layer, int split = 1,
+                    const std::map<std::string, std::vector<std::int64_t>>& routed = {}, int experts_per_token = 0);
 };
+
+// How many times its even share of a layer's routed rows the busiest of `ep` ranks receives, each rank holding a
+// consecutive block of the experts (as expert parallelism divides them): 1 for even routing or none counted.
+double routing_imbalance(const std::vector<std::int64_t>& tokens_per_expert, int ep);
 
 struct LayoutPrediction {
   Layout layout;

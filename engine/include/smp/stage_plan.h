@@ -49,6 +49,13 @@ struct ModuleProfile {
   // backward.
   std::int64_t expert_parameter_bytes = 0;
   std::int64_t expert_token_bytes = 0;
+  // For each experts layer whose parameters it holds: the tokens its router sent each expert on the profile's
+  // sample (empty: routing assumed even). Under expert parallelism the rank holding the most-chosen experts receives
+  // more than its share of rows, and the layer's exchanges wait for it.
+  std::vector<std::vector<std::int64_t>> expert_routing{};
+  // Of its compute and activations, the experts' share (their work per token against its other parameters'): what
+  // the busiest rank's extra rows scale.
+  double expert_compute_share = 0.0;
 };
 
 struct StagePlan {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <numeric>
 #include <set>
 #include <sstream>
 #include <tuple>
@@ -95,7 +96,8 @@ double expert_exchange_s(std::int64_t bytes, int ep, const PlanningCosts& costs)
 // then 1 / ep of their parameters, and the exchanges around them (ExpertsAcrossRanks: forward, the counts, the rows
 // out and the results back; backward, the two gradients), which the partition search then balances like compute; a
 // backward's exchanges carry input gradients, so the input pass's too. Each rank computes its experts on as many
-// rows as it sends (even routing), so the compute of whole experts stays.
+// rows as it sends when routing is even; where the sample's routing was counted, the busiest rank computes, holds
+// and receives its rows (routing_imbalance), on the experts' share of the node's compute.
 void divide_experts(std::vector<ModuleProfile>& modules, int ep, int split, const PlanningCosts& costs) {
   if (ep <= 1) return;
   for (auto& module : modules) {
@@ -115,8 +117,25 @@ void divide_experts(std::vector<ModuleProfile>& modules, int ep, int split, cons
     const std::int64_t kept = module.expert_parameter_bytes / ep;
     module.parameter_bytes -= module.expert_parameter_bytes - kept;
     module.expert_parameter_bytes = kept;
+    // Routing as counted on the sample: every layer's exchanges wait for its busiest rank, which computes and holds
+    // that many more rows (a node holding several layers: their mean).
+    double busiest = 1.0;
+    if (!module.expert_routing.empty()) {
+      double sum = 0.0;
+      for (const auto& routed : module.expert_routing) sum += routing_imbalance(routed, ep);
+      busiest = sum / static_cast<double>(module.expert_routing.size());
+    }
+    const double scale = 1.0 + (busiest - 1.0) * module.expert_compute_share;
+    for (double* seconds : {&module.forward_s, &module.backward_s, &module.backward_input_s, &module.backward_weight_s}) {
+      *seconds *= scale;
+    }
+    module.activation_bytes = static_cast<std::int64_t>(static_cast<double>(module.activation_bytes) * scale);
+    if (module.weight_pass_bytes > 0) {
+      module.weight_pass_bytes = static_cast<std::int64_t>(static_cast<double>(module.weight_pass_bytes) * scale);
+    }
     if (module.expert_token_bytes == 0) continue;  // the layer's exchanges are its first node's (mark_experts)
-    const double rows = expert_exchange_s(module.expert_token_bytes, ep, costs);
+    const double rows =
+        expert_exchange_s(static_cast<std::int64_t>(static_cast<double>(module.expert_token_bytes) * busiest), ep, costs);
     module.forward_s += expert_exchange_s(0, ep, costs) + 2.0 * rows;
     module.backward_s += 2.0 * rows;
     if (module.backward_input_s + module.backward_weight_s > 0.0) module.backward_input_s += 2.0 * rows;
@@ -400,38 +419,72 @@ std::vector<ModuleProfile> ModelProfile::at(int samples, double compute_scale) c
 }
 
 void ModelProfile::mark_experts(const std::map<std::string, std::int64_t>& token_bytes, int experts_per_layer,
-                                int split) {
+                                int split, const std::map<std::string, std::vector<std::int64_t>>& routed,
+                                int experts_per_token) {
   experts = experts_per_layer;
   experts_split = std::max(1, split);
   std::set<std::string> rows_placed;
   for (auto& node : modules) {
-    // parameter_shapes: "path:d0,d1,;" for each parameter the node counts, all of one element size here.
-    std::vector<std::pair<std::string, std::int64_t>> elements_of;
+    // parameter_shapes: "path:d0,d1,;" for each parameter the node counts, all of one element size here. Stacked
+    // experts' first dimension is their count.
+    struct Held {
+      std::string name;
+      std::int64_t elements = 1;
+      std::int64_t first_dimension = 0;
+    };
+    std::vector<Held> parameters;
     std::int64_t elements = 0;
     std::istringstream entries(node.parameter_shapes);
     for (std::string entry; std::getline(entries, entry, ';');) {
       const auto colon = entry.rfind(':');
       if (colon == std::string::npos) continue;
-      std::int64_t count = 1;
+      Held held{entry.substr(0, colon)};
       std::istringstream sizes(entry.substr(colon + 1));
       for (std::string size; std::getline(sizes, size, ',');) {
-        if (!size.empty()) count *= std::stoll(size);
+        if (size.empty()) continue;
+        if (held.first_dimension == 0) held.first_dimension = std::stoll(size);
+        held.elements *= std::stoll(size);
       }
-      elements_of.emplace_back(entry.substr(0, colon), count);
-      elements += count;
+      elements += held.elements;
+      parameters.push_back(std::move(held));
     }
     if (elements == 0) continue;
     const double element_bytes = static_cast<double>(node.parameter_bytes) / static_cast<double>(elements);
+    std::int64_t expert_elements = 0;
+    double expert_work = 0.0;  // per token: top-k of each layer's experts
     for (const auto& [path, rows] : token_bytes) {
       std::int64_t held = 0;
-      for (const auto& [name, count] : elements_of) {
-        if (name.rfind(path + ".", 0) == 0) held += count;
+      double work = 0.0;
+      for (const auto& parameter : parameters) {
+        if (parameter.name.rfind(path + ".", 0) != 0) continue;
+        held += parameter.elements;
+        work += static_cast<double>(parameter.elements) / static_cast<double>(std::max<std::int64_t>(1, parameter.first_dimension));
       }
       if (held == 0) continue;
       node.expert_parameter_bytes += static_cast<std::int64_t>(static_cast<double>(held) * element_bytes);
+      expert_elements += held;
+      expert_work += work * experts_per_token;
+      if (const auto counted = routed.find(path); counted != routed.end()) node.expert_routing.push_back(counted->second);
       if (rows_placed.insert(path).second) node.expert_token_bytes += rows;
     }
+    if (expert_elements == 0) continue;
+    const double dense_work = static_cast<double>(elements - expert_elements);
+    node.expert_compute_share = experts_per_token > 0 ? expert_work / (expert_work + dense_work) : 1.0;
   }
+}
+
+double routing_imbalance(const std::vector<std::int64_t>& tokens_per_expert, int ep) {
+  const auto experts = static_cast<int>(tokens_per_expert.size());
+  if (ep <= 1 || experts == 0 || experts % ep != 0) return 1.0;
+  const std::int64_t total = std::accumulate(tokens_per_expert.begin(), tokens_per_expert.end(), std::int64_t{0});
+  if (total <= 0) return 1.0;
+  const int share = experts / ep;
+  std::int64_t busiest = 0;
+  for (int rank = 0; rank < ep; ++rank) {
+    busiest = std::max(busiest, std::accumulate(tokens_per_expert.begin() + rank * share,
+                                                tokens_per_expert.begin() + (rank + 1) * share, std::int64_t{0}));
+  }
+  return static_cast<double>(busiest) * ep / static_cast<double>(total);
 }
 
 std::string Layout::describe() const {
