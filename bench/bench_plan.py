@@ -92,7 +92,7 @@ def predict(name, link_gbps, latency_us, processors, synchronization_us, synchro
                         synchronized_gbps=synchronized_gbps, **routing)
     found = plan()
     if name == "mixtral":  # beside the routing counted on the sample, what even routing would have predicted
-        even = {row["layout"]: row for row in plan(tokens_per_expert="even").layouts}
+        even = {row["layout"]: row for row in found.with_routing("even").layouts}
         for row in found.layouts:
             row["step_ms_even"] = even[row["layout"]]["step_ms"]
             row["memory_mib_even"] = even[row["layout"]]["memory_mib"]
@@ -109,14 +109,13 @@ def train(name, keys, steps):
     adamw = torch.optim.AdamW(model.parameters(), lr=1e-4)
     optimizer = smp.DistributedOptimizer(adamw)
     times = []
-    routed = {}  # router path -> tokens per expert, this rank's tokens over the timed steps
+    routed = []  # per step: {router path: tokens per expert} of this rank's tokens
 
     def step():
         optimizer.zero_grad()
         inputs, targets, loss = batch(GLOBAL_BATCH, data, name)
         result = model.train_step(inputs, targets, loss)
-        for path, counts in result.tokens_per_expert.items():
-            routed[path] = routed.get(path, 0) + counts.cpu()
+        routed.append({path: counts.cpu().tolist() for path, counts in result.tokens_per_expert.items()})
         optimizer.step()
 
     for index in range(steps + 2):
@@ -144,7 +143,9 @@ def train(name, keys, steps):
               for first, last in re.findall(r"stage \d+: modules (\S+)\.\.(\S+) \(", model.partition_report())]
     print(json.dumps({"rank": runtime.rank, "pp_rank": runtime.pp_rank, "step_ms": statistics.median(times) * 1e3,
                       "peak_mib": peak_mib, "stages": stages,
-                      "routed": {path: counts.tolist() for path, counts in routed.items()}}), flush=True)
+                      "exchange": [runtime.pp_rank, runtime.tp_rank,
+                                   runtime.dp_rank // max(1, runtime.config.expert_parallel_degree)],
+                      "microbatches": runtime.config.microbatches, "routed": routed}), flush=True)
 
 
 def job(processes, *args):
@@ -236,17 +237,21 @@ def drive(name, steps):
               f"{', '.join(f'{memory[pp]:.1f}' for pp in sorted(memory))} MiB", flush=True)
         ep = json.loads(layout["config"])["expert_parallel_degree"]
         if "step_ms_even" in layout and ep > 1:
-            # What the job's routers chose, all ranks' tokens together, against the sample's counts in the plan.
-            routed = {}
-            for r in ranks:
-                for path, counts in r["routed"].items():
-                    routed[path] = [a + b for a, b in zip(routed.get(path, [0] * len(counts)), counts)]
+            # What the job's routers chose: per step and expert-parallel group, its members' tokens together (a
+            # step's microbatches summed), each layer's busiest rank against its even share.
             from smp import _smp
-            busiest = statistics.mean(_smp.routing_imbalance(counts, ep) for counts in routed.values())
+            exchanges = {}
+            for r in ranks:
+                for step_index, counted in enumerate(r["routed"]):
+                    for path, counts in counted.items():
+                        key = (tuple(r["exchange"]), step_index, path)
+                        exchanges[key] = [a + b for a, b in zip(exchanges.get(key, [0] * len(counts)), counts)]
+            busiest = statistics.mean(_smp.routing_imbalance([counts], ep, 1) for counts in exchanges.values())
             print(f"    even routing predicted {layout['step_ms_even']:8.1f} ms "
                   f"({(layout['step_ms_even'] - measured) / measured * 100:+.0f}%), memory "
-                  f"{', '.join(f'{m:.1f}' for m in layout['memory_mib_even'])} MiB; the job's busiest rank got "
-                  f"{busiest:.2f}x its even share of rows (mean of {len(routed)} layers)", flush=True)
+                  f"{', '.join(f'{m:.1f}' for m in layout['memory_mib_even'])} MiB; in the job the busiest rank got "
+                  f"{busiest:.2f}x its even share of rows (mean over steps, groups and layers, "
+                  f"{ranks[0]['microbatches']} microbatches a step)", flush=True)
         if ranks[0]["stages"] != layout["stages"]:
             print(f"    the job cut elsewhere: planned {', '.join(layout['stages'])}; job {', '.join(ranks[0]['stages'])}",
                   flush=True)

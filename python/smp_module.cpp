@@ -517,10 +517,11 @@ PYBIND11_MODULE(_smp, module) {
         for (const auto& node : profile.modules) collectives += node.tp_forward_collectives + node.tp_backward_collectives;
         return collectives;
       })
+      .def("copy", [](const ModelProfile& profile) { return profile; })
       .def("mark_experts", &ModelProfile::mark_experts, py::arg("token_bytes"), py::arg("experts"),
-           py::arg("split") = 1, py::arg("routed") = std::map<std::string, std::vector<std::int64_t>>{},
+           py::arg("split") = 1, py::arg("routed") = std::map<std::string, ExpertRouting>{},
            py::arg("experts_per_token") = 0);
-  module.def("routing_imbalance", &routing_imbalance, py::arg("tokens_per_expert"), py::arg("ep"));
+  module.def("routing_imbalance", &routing_imbalance, py::arg("routing"), py::arg("ep"), py::arg("samples"));
   module.def(
       "profile_for_planning",
       [](const GraphModel& graph, const OptionalTensors& sample, int sample_batch, const OptionalTensors& larger,

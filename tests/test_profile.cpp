@@ -676,13 +676,33 @@ TEST_CASE("tensor-parallel layouts: a shard profiled alone counts its collective
 
 TEST_CASE("uneven routing: the busiest expert-parallel rank computes, holds and exchanges its extra rows",
           "[profile][plan]") {
-  // Ranks hold consecutive blocks of the experts; the busiest block against an even share.
-  CHECK(smp::routing_imbalance({10, 10, 10, 10}, 2) == Approx(1.0));
-  CHECK(smp::routing_imbalance({30, 10, 0, 0}, 2) == Approx(2.0));
-  CHECK(smp::routing_imbalance({0, 0, 10, 30}, 4) == Approx(3.0));
-  CHECK(smp::routing_imbalance({30, 10, 0, 0}, 1) == 1.0);
-  CHECK(smp::routing_imbalance({0, 0, 0, 0}, 2) == 1.0);
-  CHECK(smp::routing_imbalance({1, 2, 3}, 2) == 1.0);  // a degree that does not divide the experts
+  // Ranks hold consecutive blocks of the experts; the busiest block against an even share. One row of counts (a
+  // job's totals): taken as it is.
+  CHECK(smp::routing_imbalance({{10, 10, 10, 10}}, 2, 1) == Approx(1.0));
+  CHECK(smp::routing_imbalance({{30, 10, 0, 0}}, 2, 1) == Approx(2.0));
+  CHECK(smp::routing_imbalance({{0, 0, 10, 30}}, 4, 1) == Approx(3.0));
+  CHECK(smp::routing_imbalance({{30, 10, 0, 0}}, 1, 1) == 1.0);
+  CHECK(smp::routing_imbalance({{0, 0, 0, 0}}, 2, 1) == 1.0);
+  CHECK(smp::routing_imbalance({{1, 2, 3}}, 2, 1) == 1.0);  // a degree that does not divide the experts
+  // Rows per sample: two samples each sending every token to one block, a different one. Their mean is even and
+  // their spread says so by chance: an exchange of one sample still finds one block busier (half of the 2x that
+  // one sample is), one of many samples hardly.
+  const smp::ExpertRouting apart{{10, 0, 0, 0}, {0, 0, 10, 0}};
+  const double one = smp::routing_imbalance(apart, 2, 1);
+  const double many = smp::routing_imbalance(apart, 2, 256);
+  CHECK(one > 1.5);
+  CHECK(one < 2.0);
+  CHECK(many < 1.06);
+  CHECK(smp::routing_imbalance(apart, 2, 1) == one);  // the same every time
+  // A lasting skew, every sample alike, stays whatever the exchange's size.
+  const smp::ExpertRouting alike{{30, 10, 0, 0}, {15, 5, 0, 0}};
+  CHECK(smp::routing_imbalance(alike, 2, 1) == Approx(2.0));
+  CHECK(smp::routing_imbalance(alike, 2, 256) == Approx(2.0));
+  // Skew beyond what the spread explains is kept in part: 3 of 4 samples lean to the first block.
+  const smp::ExpertRouting leaning{{8, 0, 2, 0}, {7, 1, 1, 1}, {6, 2, 2, 0}, {2, 1, 5, 2}};
+  const double lean = smp::routing_imbalance(leaning, 2, 256);
+  CHECK(lean > 1.1);
+  CHECK(lean < 2 * 0.675);  // below the samples' mean share of the first block (0.675), taken at face value
 
   // A node holding a dense layer (256 x 1024) and 4 stacked experts (4 x 256 x 256), 2 chosen per token: per token
   // the experts do 2 x 256 x 256 of work against the dense layer's 256 x 1024, a third of the node's.
@@ -695,9 +715,9 @@ TEST_CASE("uneven routing: the busiest expert-parallel rank computes, holds and 
   CHECK(even.modules[1].expert_compute_share == Approx(1.0 / 3.0));
   CHECK(even.modules[1].expert_routing.empty());
   smp::ModelProfile counted_even{modules, 2};
-  counted_even.mark_experts({{"layer.experts", 1000000}}, 4, 1, {{"layer.experts", {10, 10, 10, 10}}}, 2);
+  counted_even.mark_experts({{"layer.experts", 1000000}}, 4, 1, {{"layer.experts", {{10, 10, 10, 10}}}}, 2);
   smp::ModelProfile skewed{modules, 2};
-  skewed.mark_experts({{"layer.experts", 1000000}}, 4, 1, {{"layer.experts", {30, 10, 0, 0}}}, 2);
+  skewed.mark_experts({{"layer.experts", 1000000}}, 4, 1, {{"layer.experts", {{30, 10, 0, 0}}}}, 2);
   REQUIRE(skewed.modules[1].expert_routing.size() == 1);
   CHECK(skewed.modules[0].expert_routing.empty());
   // Without top-k the node's compute counts as the experts' alone.

@@ -24,12 +24,17 @@ class Plan:
     pipeline rank, stages: each stage's modules as cut, "first..last", rejected: why not, or None), fitting ones
     first, fastest first; .best, the first that fits (None when none does); .timeline_svg, the best's simulated step
     drawn as an SVG (one row per pipeline rank; None when none fits); .unplanned_degrees, {tensor-parallel degree:
-    why the model cannot be sharded so}; str(): the report."""
+    why the model cannot be sharded so}; str(): the report. .with_routing(tokens_per_expert): the same profiles
+    predicted again with other routing (as smp.plan's tokens_per_expert), without measuring again."""
 
-    def __init__(self, layouts, report, unplanned_degrees=None):
+    def __init__(self, layouts, report, unplanned_degrees=None, predict=None):
         self.layouts = layouts
         self.report = report
         self.unplanned_degrees = unplanned_degrees or {}  # {tensor-parallel degree: why the model cannot take it}
+        self._predict = predict
+
+    def with_routing(self, tokens_per_expert):
+        return self._predict(tokens_per_expert)
 
     @property
     def best(self):
@@ -121,16 +126,33 @@ def _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, config):
         return _smp.profile_for_planning(graph._graph, values, profiled, doubled, 2 * profiled), experts_split
 
 
-def _mark_experts(profile, model, sample, split, tokens_per_expert=None):
+def _check_routing_argument(tokens_per_expert):
+    if not (tokens_per_expert is None or tokens_per_expert == "even" or
+            isinstance(tokens_per_expert, collections.abc.Mapping)):
+        raise ConfigError(f"tokens_per_expert {tokens_per_expert!r}: None (as routed on the sample), \"even\", or "
+                          "{router or experts module path: tokens per expert, or a row of them per sample or step}")
+
+
+def _routing_of(model, sample, tokens_per_expert):
+    """{experts module path: rows of tokens per expert} as smp.plan's tokens_per_expert asks: None, counted on the
+    sample (a row per sample); "even", none; or the counts given ({router or experts module path: tokens per expert,
+    or a row of them per sample or step})."""
+    from ._expert_parallel import experts_modules
+    experts = experts_modules(model) if isinstance(model, torch.nn.Module) else {}
+    if tokens_per_expert is None:
+        return _routing.per_sample(model, sample, experts)
+    return {} if tokens_per_expert == "even" else _routing.by_experts_module(tokens_per_expert, experts)
+
+
+def _mark_experts(profile, model, sample, split, routed=None):
     """Tells `profile` where a mixture-of-experts model's stacked experts are (what expert parallelism divides), the
     token rows they read on `sample`, one microbatch: its tokens x the model's experts per token x its hidden
     width, at the parameters' element size (what the ranks exchange), over how many tensor-parallel ranks the
-    profile's experts are `split`, and how their routers chose (`tokens_per_expert`: {router or experts path:
-    tokens per expert}; None: even). Returns the routing, by experts path."""
+    profile's experts are `split`, and how their routers chose (`routed`: _routing_of's; None: even)."""
     from ._expert_parallel import experts_modules
     experts = experts_modules(model) if isinstance(model, torch.nn.Module) else {}
     if not experts:
-        return {}
+        return
     config = getattr(model, "config", None)
     values = sample.values() if isinstance(sample, collections.abc.Mapping) else [sample]
     ids = next((value for value in values if isinstance(value, torch.Tensor) and not value.is_floating_point()), None)
@@ -148,24 +170,30 @@ def _mark_experts(profile, model, sample, split, tokens_per_expert=None):
     for path, module in experts.items():
         element = next(module.parameters()).element_size()
         rows[path] = ids.numel() * top_k * hidden * element if known else 0
-    routed = _routing.by_experts_module(tokens_per_expert or {}, experts)
     # A degree must divide every layer's experts.
-    profile.mark_experts(rows, math.gcd(*(module.num_experts for module in experts.values())), split, routed,
+    profile.mark_experts(rows, math.gcd(*(module.num_experts for module in experts.values())), split, routed or {},
                          int(top_k or 0))
-    return routed
 
 
-def _routing_report(routed, layouts):
-    """A line per expert-parallel degree planned: how much more than its even share of rows the busiest rank gets."""
+def _routing_report(routed, layouts, world, global_batch):
+    """A line per expert-parallel degree planned: how much more than its even share of rows the busiest rank gets in
+    an exchange of the fastest fitting layout of that degree (its microbatch from every member of the group)."""
     lines = []
-    degrees = {json.loads(row["config"])["expert_parallel_degree"] for row in layouts}
-    for ep in sorted(degree for degree in degrees if degree > 1):
-        factors = {path: _smp.routing_imbalance(tokens, ep) for path, tokens in routed.items()}
+    fastest = {}
+    for row in layouts:
+        keys = json.loads(row["config"])
+        if row["rejected"] is None and keys["expert_parallel_degree"] > 1:
+            fastest.setdefault(keys["expert_parallel_degree"], keys)
+    for ep, keys in sorted(fastest.items()):
+        replicas = world // (keys["tensor_parallel_degree"] * keys["partitions"])
+        samples = ep * max(1, global_batch // replicas // keys["microbatches"])
+        factors = {path: _smp.routing_imbalance(rows, ep, samples) for path, rows in routed.items()}
         if not factors:
             continue
         worst = max(factors, key=factors.get)
         lines.append(f"routing at ep {ep}: the busiest rank gets {sum(factors.values()) / len(factors):.2f}x its even "
-                     f"share of rows (mean of {len(factors)} layers; most {factors[worst]:.2f}x, {worst})\n")
+                     f"share of rows in an exchange of {samples} samples (mean of {len(factors)} layers; most "
+                     f"{factors[worst]:.2f}x, {worst})\n")
     return "".join(lines)
 
 
@@ -224,19 +252,12 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     degrees = list(tensor_parallel_degrees or _candidate_degrees(model, tp_plan, world, rt.config))
     if any(degree < 1 or world % degree for degree in degrees):
         raise ConfigError(f"tensor_parallel_degrees {degrees}: each must divide the world of {world} ranks")
-    if not (tokens_per_expert is None or tokens_per_expert == "even" or
-            isinstance(tokens_per_expert, collections.abc.Mapping)):
-        raise ConfigError(f"tokens_per_expert {tokens_per_expert!r}: None (as routed on the sample), \"even\", or "
-                          "{router or experts module path: tokens per expert}")
-    profiles, unplanned, routed = {}, {}, {}
+    _check_routing_argument(tokens_per_expert)
+    profiles, splits, unplanned = {}, {}, {}
     for degree in degrees:
         try:
-            _routing.take()  # counted from here on: the routers' choices on the sample while profiling
-            profiles[degree], experts_split = _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes,
-                                                          rt.config)
-            counted = _routing.take() if tokens_per_expert is None else tokens_per_expert
-            routed = _mark_experts(profiles[degree], model, sample, experts_split,
-                                   None if counted == "even" else counted) or routed
+            profiles[degree], splits[degree] = _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes,
+                                                           rt.config)
         except ConfigError as error:
             if len(degrees) == 1:
                 raise
@@ -247,18 +268,29 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     if shared_cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         shared_cores = cores if rt.device == "cpu" and world > cores else 0
-    layouts, report = _smp.plan_layouts(
-        profiles, rt.config, world, int(global_batch_size or 0),
-        -1.0 if memory_limit_mb is None else float(memory_limit_mb), float(optimizer_moments), latency_us * 1e-6,
-        -1.0 if link_gbps is None else link_gbps * 1e9, float(compute_scale),
-        _optimizer_seconds_per_byte(torch.device(rt.device), [tuple(p.shape) for p in model.parameters()])
-        * compute_scale, list(device_speeds or []),
-        float(shared_cores), rt.device != "cpu",  # torch.optim steps all parameters at once on a GPU (foreach)
-        (synchronization_us or 0.0) * 1e-6, (synchronized_gbps or 0.0) * 1e9)
-    report += _routing_report(routed, layouts)
-    for degree, why in unplanned.items():
-        report += f"tp {degree}: not planned: {why}\n"
-    return Plan(layouts, report, unplanned)
+    optimizer_s_per_byte = _optimizer_seconds_per_byte(torch.device(rt.device),
+                                                       [tuple(p.shape) for p in model.parameters()]) * compute_scale
+
+    def predict(tokens_per_expert):
+        _check_routing_argument(tokens_per_expert)
+        routed = _routing_of(model, sample, tokens_per_expert)
+        marked = {}
+        for degree, profile in profiles.items():
+            marked[degree] = profile.copy()  # the profile as measured, for predictions on other routing
+            _mark_experts(marked[degree], model, sample, splits[degree], routed)
+        layouts, report = _smp.plan_layouts(
+            marked, rt.config, world, int(global_batch_size or 0),
+            -1.0 if memory_limit_mb is None else float(memory_limit_mb), float(optimizer_moments), latency_us * 1e-6,
+            -1.0 if link_gbps is None else link_gbps * 1e9, float(compute_scale), optimizer_s_per_byte,
+            list(device_speeds or []),
+            float(shared_cores), rt.device != "cpu",  # torch.optim steps all parameters at once on a GPU (foreach)
+            (synchronization_us or 0.0) * 1e-6, (synchronized_gbps or 0.0) * 1e9)
+        report += _routing_report(routed, layouts, world, int(global_batch_size or rt.config.global_batch_size))
+        for degree, why in unplanned.items():
+            report += f"tp {degree}: not planned: {why}\n"
+        return Plan(layouts, report, unplanned, predict)
+
+    return predict(tokens_per_expert)
 
 
 def _choose(model, sample, rt, links, speeds, dynamic_shapes, tp_plan):

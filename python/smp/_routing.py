@@ -2,6 +2,8 @@
 them (the indices of its top-k), once per microbatch's forward: a checkpointed stage's recompute does not count
 again. A step's counts are in StepResult.tokens_per_expert, by router module path."""
 
+import contextlib
+import inspect
 import operator
 
 import torch
@@ -62,10 +64,45 @@ def routers(graph, dynamic, module_paths):
     return found
 
 
+def per_sample(model, sample, experts):
+    """{experts module path: [[tokens per expert] for each sample of `sample`]}: one forward of `model` without
+    gradients, each experts module's chosen indices read on the way in (rows of the flattened tokens, sample-major).
+    {} for a model on the meta device, which cannot run."""
+    if not experts or any(parameter.is_meta for parameter in model.parameters()):
+        return {}
+    from ._export_capture import split_sample
+    args, kwargs = split_sample(model, sample)
+    tensors = [value for value in [*args, *kwargs.values()] if torch.is_tensor(value)]
+    samples = tensors[0].shape[0] if tensors and tensors[0].dim() > 0 else 1
+    device = next(model.parameters()).device
+    args = [value.to(device) if torch.is_tensor(value) else value for value in args]
+    kwargs = {key: value.to(device) if torch.is_tensor(value) else value for key, value in kwargs.items()}
+    found = {}
+
+    def counter(path, module):
+        signature = inspect.signature(type(module).forward)
+
+        def count(_, hook_args, hook_kwargs):
+            index = list(signature.bind(module, *hook_args, **hook_kwargs).arguments.values())[2]
+            rows = index.detach().reshape(samples, -1) if index.numel() % samples == 0 else index.reshape(1, -1)
+            found.setdefault(path, []).extend(torch.bincount(row.long(), minlength=module.num_experts).tolist()
+                                              for row in rows.cpu())
+        return count
+
+    with contextlib.ExitStack() as stack:
+        for path, module in experts.items():
+            stack.callback(module.register_forward_pre_hook(counter(path, module), with_kwargs=True).remove)
+        stack.enter_context(torch.random.fork_rng(devices=[]))
+        stack.enter_context(torch.no_grad())
+        model(*args, **kwargs)
+    return found
+
+
 def by_experts_module(counts, experts):
-    """{experts module path: tokens per expert} from `counts` keyed by router path (as StepResult.tokens_per_expert
-    gives them) or by experts path: a router counts for the experts module beside it (the deepest module holding
-    both). Experts without counts are left out (routing assumed even there)."""
+    """{experts module path: [[tokens per expert], ...]} from `counts` keyed by router path (as
+    StepResult.tokens_per_expert gives them) or by experts path, each a list of counts (or a tensor) or several
+    (rows: samples or steps): a router counts for the experts module beside it (the deepest module holding both).
+    Experts without counts are left out (routing assumed even there)."""
     found = {}
     for path, module in experts.items():
         def shared_depth(key):
@@ -74,9 +111,11 @@ def by_experts_module(counts, experts):
         key = max(counts, key=shared_depth, default=None)
         if key is None or shared_depth(key) < 0:
             continue
-        tokens = [int(count) for count in (counts[key].tolist() if torch.is_tensor(counts[key]) else counts[key])]
-        if len(tokens) != module.num_experts:
-            raise ConfigError(f"tokens_per_expert['{key}'] counts {len(tokens)} experts; '{path}' has "
+        given = counts[key].tolist() if torch.is_tensor(counts[key]) else list(counts[key])
+        rows = given if given and isinstance(given[0], (list, tuple)) else [given]
+        rows = [[int(count) for count in row] for row in rows]
+        if any(len(row) != module.num_experts for row in rows):
+            raise ConfigError(f"tokens_per_expert['{key}'] counts {len(rows[0])} experts; '{path}' has "
                               f"{module.num_experts}")
-        found[path] = tokens
+        found[path] = rows
     return found

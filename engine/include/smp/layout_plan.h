@@ -92,12 +92,14 @@ struct ModelProfile {
   // `experts_per_token` (top-k; 0: unknown, all of a node's compute counted as its experts') tells the experts' share
   // of a node's compute from its parameters.
   void mark_experts(const std::map<std::string, std::int64_t>& token_bytes, int experts_per_layer, int split = 1,
-                    const std::map<std::string, std::vector<std::int64_t>>& routed = {}, int experts_per_token = 0);
+                    const std::map<std::string, ExpertRouting>& routed = {}, int experts_per_token = 0);
 };
 
-// How many times its even share of a layer's routed rows the busiest of `ep` ranks receives, each rank holding a
-// consecutive block of the experts (as expert parallelism divides them): 1 for even routing or none counted.
-double routing_imbalance(const std::vector<std::int64_t>& tokens_per_expert, int ep);
+// How many times its even share of a layer's rows the busiest of `ep` ranks receives, expected, in an exchange of
+// `samples` samples routed as the rows of `routing` were (each rank holding a consecutive block of the experts, as
+// expert parallelism divides them): the rows' mean share per block, shrunk towards even by what the spread between
+// rows says of its noise, plus the spread an exchange of that many samples keeps. 1 for none counted.
+double routing_imbalance(const ExpertRouting& routing, int ep, int samples);
 
 struct LayoutPrediction {
   Layout layout;

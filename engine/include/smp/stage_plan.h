@@ -17,6 +17,10 @@ namespace smp {
 struct Config;
 class GraphModel;
 
+// A mixture-of-experts layer's routing as counted: tokens per expert, one row per sample (a sequence's tokens route
+// alike more than tokens drawn at random, so the spread between rows tells chance from a lasting skew).
+using ExpertRouting = std::vector<std::vector<std::int64_t>>;
+
 struct ModuleProfile {
   std::string name;              // path in the model, e.g. "3" or "blocks.3"
   double forward_s = 0.0;        // the least over repeats, on the trial microbatch
@@ -49,10 +53,10 @@ struct ModuleProfile {
   // backward.
   std::int64_t expert_parameter_bytes = 0;
   std::int64_t expert_token_bytes = 0;
-  // For each experts layer whose parameters it holds: the tokens its router sent each expert on the profile's
-  // sample (empty: routing assumed even). Under expert parallelism the rank holding the most-chosen experts receives
-  // more than its share of rows, and the layer's exchanges wait for it.
-  std::vector<std::vector<std::int64_t>> expert_routing{};
+  // For each experts layer whose parameters it holds: the tokens its router sent each expert, one row per sample
+  // counted (empty: routing assumed even). Under expert parallelism the rank holding the most-chosen experts receives
+  // more than its share of rows, and the layer's exchanges wait for it (routing_imbalance).
+  std::vector<ExpertRouting> expert_routing{};
   // Of its compute and activations, the experts' share (their work per token against its other parameters'): what
   // the busiest rank's extra rows scale.
   double expert_compute_share = 0.0;

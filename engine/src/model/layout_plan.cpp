@@ -1,8 +1,10 @@
 #include "smp/layout_plan.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <numeric>
+#include <random>
 #include <set>
 #include <sstream>
 #include <tuple>
@@ -96,9 +98,11 @@ double expert_exchange_s(std::int64_t bytes, int ep, const PlanningCosts& costs)
 // then 1 / ep of their parameters, and the exchanges around them (ExpertsAcrossRanks: forward, the counts, the rows
 // out and the results back; backward, the two gradients), which the partition search then balances like compute; a
 // backward's exchanges carry input gradients, so the input pass's too. Each rank computes its experts on as many
-// rows as it sends when routing is even; where the sample's routing was counted, the busiest rank computes, holds
-// and receives its rows (routing_imbalance), on the experts' share of the node's compute.
-void divide_experts(std::vector<ModuleProfile>& modules, int ep, int split, const PlanningCosts& costs) {
+// rows as it sends when routing is even; where the routing was counted, the busiest rank of an exchange of
+// `samples_per_exchange` computes, holds and receives its rows (routing_imbalance), on the experts' share of the
+// node's compute.
+void divide_experts(std::vector<ModuleProfile>& modules, int ep, int split, int samples_per_exchange,
+                    const PlanningCosts& costs) {
   if (ep <= 1) return;
   for (auto& module : modules) {
     if (module.expert_parameter_bytes == 0 && module.expert_token_bytes == 0) continue;
@@ -122,7 +126,7 @@ void divide_experts(std::vector<ModuleProfile>& modules, int ep, int split, cons
     double busiest = 1.0;
     if (!module.expert_routing.empty()) {
       double sum = 0.0;
-      for (const auto& routed : module.expert_routing) sum += routing_imbalance(routed, ep);
+      for (const auto& routed : module.expert_routing) sum += routing_imbalance(routed, ep, samples_per_exchange);
       busiest = sum / static_cast<double>(module.expert_routing.size());
     }
     const double scale = 1.0 + (busiest - 1.0) * module.expert_compute_share;
@@ -174,7 +178,8 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
     whole.tensor_parallel_degree = tp;
     devices = stage_devices(whole, Topology(whole, whole_world), schedule.stage_to_rank, {});
     auto modules = profile.at(per_microbatch, costs.compute_scale);
-    divide_experts(modules, ep, profile.experts_split, costs);
+    // An experts layer's exchange carries every member's microbatch.
+    divide_experts(modules, ep, profile.experts_split, ep * per_microbatch, costs);
     plan = plan_stages(modules, config, activation_copies(schedule, weight_pass_share(modules)), shards, &devices);
   } catch (const std::exception& error) {
     prediction.rejected = error.what();
@@ -419,7 +424,7 @@ std::vector<ModuleProfile> ModelProfile::at(int samples, double compute_scale) c
 }
 
 void ModelProfile::mark_experts(const std::map<std::string, std::int64_t>& token_bytes, int experts_per_layer,
-                                int split, const std::map<std::string, std::vector<std::int64_t>>& routed,
+                                int split, const std::map<std::string, ExpertRouting>& routed,
                                 int experts_per_token) {
   experts = experts_per_layer;
   experts_split = std::max(1, split);
@@ -473,18 +478,51 @@ void ModelProfile::mark_experts(const std::map<std::string, std::int64_t>& token
   }
 }
 
-double routing_imbalance(const std::vector<std::int64_t>& tokens_per_expert, int ep) {
-  const auto experts = static_cast<int>(tokens_per_expert.size());
-  if (ep <= 1 || experts == 0 || experts % ep != 0) return 1.0;
-  const std::int64_t total = std::accumulate(tokens_per_expert.begin(), tokens_per_expert.end(), std::int64_t{0});
-  if (total <= 0) return 1.0;
+double routing_imbalance(const ExpertRouting& routing, int ep, int samples) {
+  if (ep <= 1 || routing.empty()) return 1.0;
+  const auto experts = static_cast<int>(routing.front().size());
+  if (experts == 0 || experts % ep != 0) return 1.0;
   const int share = experts / ep;
-  std::int64_t busiest = 0;
-  for (int rank = 0; rank < ep; ++rank) {
-    busiest = std::max(busiest, std::accumulate(tokens_per_expert.begin() + rank * share,
-                                                tokens_per_expert.begin() + (rank + 1) * share, std::int64_t{0}));
+  // Each row's share of its rows per block of experts.
+  std::vector<std::vector<double>> shares;
+  for (const auto& row : routing) {
+    if (static_cast<int>(row.size()) != experts) return 1.0;
+    const auto total = static_cast<double>(std::accumulate(row.begin(), row.end(), std::int64_t{0}));
+    if (total <= 0) continue;
+    std::vector<double>& blocks = shares.emplace_back(static_cast<std::size_t>(ep), 0.0);
+    for (int expert = 0; expert < experts; ++expert) blocks[expert / share] += static_cast<double>(row[expert]) / total;
   }
-  return static_cast<double>(busiest) * ep / static_cast<double>(total);
+  if (shares.empty()) return 1.0;
+  const auto rows = static_cast<double>(shares.size());
+  const double even = 1.0 / ep;
+  std::vector<double> mean(static_cast<std::size_t>(ep), 0.0), spread(static_cast<std::size_t>(ep), 0.0);
+  for (const auto& blocks : shares) {
+    for (int block = 0; block < ep; ++block) mean[block] += blocks[block] / rows;
+  }
+  double skew = 0.0, chance = 0.0;  // the mean's squared distance from even, and how much of it noise explains
+  for (int block = 0; block < ep; ++block) {
+    if (shares.size() > 1) {
+      for (const auto& blocks : shares) spread[block] += std::pow(blocks[block] - mean[block], 2) / (rows - 1.0);
+    }
+    skew += std::pow(mean[block] - even, 2);
+    chance += spread[block] / rows;
+  }
+  const double kept = skew > 0.0 ? std::max(0.0, 1.0 - chance / skew) : 0.0;
+  // The busiest block of an exchange of `samples`, each block's share drawn about its lasting share with the spread
+  // of a mean of that many rows: averaged over fixed draws, so that a plan is the same every time.
+  std::mt19937 draws(12345);
+  std::normal_distribution<double> normal;
+  constexpr int kDraws = 512;
+  double busiest = 0.0;
+  for (int draw = 0; draw < kDraws; ++draw) {
+    double most = 0.0;
+    for (int block = 0; block < ep; ++block) {
+      const double lasting = even + kept * (mean[block] - even);
+      most = std::max(most, lasting + std::sqrt(spread[block] / std::max(1, samples)) * normal(draws));
+    }
+    busiest += most / kDraws;
+  }
+  return std::max(1.0, busiest * ep);
 }
 
 std::string Layout::describe() const {
