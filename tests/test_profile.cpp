@@ -704,15 +704,19 @@ TEST_CASE("uneven routing: the busiest expert-parallel rank computes, holds and 
   CHECK(lean > 1.1);
   CHECK(lean < 2 * 0.675);  // below the samples' mean share of the first block (0.675), taken at face value
 
-  // A node holding a dense layer (256 x 1024) and 4 stacked experts (4 x 256 x 256), 2 chosen per token: per token
-  // the experts do 2 x 256 x 256 of work against the dense layer's 256 x 1024, a third of the node's.
+  // A node holding a dense layer (256 x 256) and 4 stacked experts (4 x 256 x 256, its largest tensor), 2 chosen per
+  // token: per token the experts do 2 x 256 x 256 of work against the dense layer's 256 x 256, two thirds of the
+  // node's.
   auto modules = equal_chain(2, 1 << 20, 1 << 20);
   modules[0].parameter_shapes = "embedding.weight:1024,256,;";
-  modules[1].parameter_bytes = 2 << 20;
-  modules[1].parameter_shapes = "layer.dense.weight:256,1024,;layer.experts.weight:4,256,256,;";
+  modules[1].parameter_bytes = 5 << 18;
+  modules[1].largest_parameter_bytes = 1 << 20;
+  modules[1].parameter_shapes = "layer.dense.weight:256,256,;layer.experts.weight:4,256,256,;";
   smp::ModelProfile even{modules, 2};
   even.mark_experts({{"layer.experts", 1000000}}, 4, 1, {}, 2);
-  CHECK(even.modules[1].expert_compute_share == Approx(1.0 / 3.0));
+  CHECK(even.modules[1].expert_compute_share == Approx(2.0 / 3.0));
+  CHECK(even.modules[1].largest_expert_parameter_bytes == 1 << 20);
+  CHECK(even.modules[1].largest_other_parameter_bytes == 1 << 18);
   CHECK(even.modules[1].expert_routing.empty());
   smp::ModelProfile counted_even{modules, 2};
   counted_even.mark_experts({{"layer.experts", 1000000}}, 4, 1, {{"layer.experts", {{10, 10, 10, 10}}}}, 2);
@@ -740,14 +744,19 @@ TEST_CASE("uneven routing: the busiest expert-parallel rank computes, holds and 
   const auto at_even = predict(even, divided);
   CHECK(predict(counted_even, divided).step_s == Approx(at_even.step_s));
   const auto at_skewed = predict(skewed, divided);
-  // One sample a microbatch: the node's 1 ms of compute a third more on the rank receiving twice its share, and
+  // One sample a microbatch: the node's 1 ms of compute two thirds more on the rank receiving twice its share, and
   // each of the four exchanges moves twice half of 0.5 MB over 1 GB/s.
-  CHECK(at_skewed.pipeline_s - at_even.pipeline_s == Approx(1e-3 / 3 + 4 * 0.25e-3));
-  // A third more of its 0.5 MiB of activations.
-  CHECK(at_skewed.peak_memory_mib() - at_even.peak_memory_mib() == Approx(0.5 / 3));
+  CHECK(at_skewed.pipeline_s - at_even.pipeline_s == Approx(2e-3 / 3 + 4 * 0.25e-3));
   // Undivided, every rank computes all its own tokens' rows: routing does not matter.
   const std::string whole = "pp 1 x dp 4, gpipe, m 1";
   CHECK(predict(skewed, whole).step_s == Approx(predict(even, whole).step_s));
+  // Memory, AdamW: undivided, 4 x 2.25 MiB of parameters, gradients and moments and the more of 1 MiB of
+  // activations (0.5 per node and sample) and the step's temporaries (two of its largest tensor, the experts' 1 MiB):
+  // 11 MiB. Divided by 2: 4 x 1.75 MiB, and the temporaries two halves of the experts' tensor: 8 MiB.
+  CHECK(predict(even, whole).peak_memory_mib() == Approx(11.0));
+  CHECK(at_even.peak_memory_mib() == Approx(8.0));
+  // Skewed, the activations of the busiest rank's experts two thirds of the node's 0.5 MiB more.
+  CHECK(at_skewed.peak_memory_mib() == Approx(8.0 + 0.5 * 2.0 / 3.0));
 }
 
 TEST_CASE("expert-parallel layouts: each rank holds its share of the experts and pays their token exchanges",

@@ -53,6 +53,10 @@ struct ModuleProfile {
   // backward.
   std::int64_t expert_parameter_bytes = 0;
   std::int64_t expert_token_bytes = 0;
+  // Of largest_parameter_bytes' candidates, the largest experts tensor and the largest other: dividing the experts
+  // shrinks the first, and with it the optimizer step's temporaries where it was the largest.
+  std::int64_t largest_expert_parameter_bytes = 0;
+  std::int64_t largest_other_parameter_bytes = 0;
   // For each experts layer whose parameters it holds: the tokens its router sent each expert, one row per sample
   // counted (empty: routing assumed even). Under expert parallelism the rank holding the most-chosen experts receives
   // more than its share of rows, and the layer's exchanges wait for it (routing_imbalance).

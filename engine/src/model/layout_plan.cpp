@@ -121,6 +121,11 @@ void divide_experts(std::vector<ModuleProfile>& modules, int ep, int split, int 
     const std::int64_t kept = module.expert_parameter_bytes / ep;
     module.parameter_bytes -= module.expert_parameter_bytes - kept;
     module.expert_parameter_bytes = kept;
+    if (module.largest_expert_parameter_bytes > 0) {
+      module.largest_expert_parameter_bytes = module.largest_expert_parameter_bytes * split / ep;
+      module.largest_parameter_bytes =
+          std::max(module.largest_other_parameter_bytes, module.largest_expert_parameter_bytes);
+    }
     // Routing as counted on the sample: every layer's exchanges wait for its busiest rank, which computes and holds
     // that many more rows (a node holding several layers: their mean).
     double busiest = 1.0;
@@ -466,6 +471,12 @@ void ModelProfile::mark_experts(const std::map<std::string, std::int64_t>& token
         work += static_cast<double>(parameter.elements) / static_cast<double>(std::max<std::int64_t>(1, parameter.first_dimension));
       }
       if (held == 0) continue;
+      for (const auto& parameter : parameters) {
+        if (parameter.name.rfind(path + ".", 0) != 0) continue;
+        node.largest_expert_parameter_bytes =
+            std::max(node.largest_expert_parameter_bytes,
+                     static_cast<std::int64_t>(static_cast<double>(parameter.elements) * element_bytes));
+      }
       node.expert_parameter_bytes += static_cast<std::int64_t>(static_cast<double>(held) * element_bytes);
       expert_elements += held;
       expert_work += work * experts_per_token;
@@ -473,6 +484,16 @@ void ModelProfile::mark_experts(const std::map<std::string, std::int64_t>& token
       if (rows_placed.insert(path).second) node.expert_token_bytes += rows;
     }
     if (expert_elements == 0) continue;
+    for (const auto& parameter : parameters) {
+      const bool expert = std::any_of(token_bytes.begin(), token_bytes.end(), [&](const auto& layer) {
+        return parameter.name.rfind(layer.first + ".", 0) == 0;
+      });
+      if (!expert) {
+        node.largest_other_parameter_bytes =
+            std::max(node.largest_other_parameter_bytes,
+                     static_cast<std::int64_t>(static_cast<double>(parameter.elements) * element_bytes));
+      }
+    }
     const double dense_work = static_cast<double>(elements - expert_elements);
     node.expert_compute_share = experts_per_token > 0 ? expert_work / (expert_work + dense_work) : 1.0;
   }
