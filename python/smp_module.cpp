@@ -517,6 +517,23 @@ PYBIND11_MODULE(_smp, module) {
         for (const auto& node : profile.modules) collectives += node.tp_forward_collectives + node.tp_backward_collectives;
         return collectives;
       })
+      .def_property_readonly("modules", [](const ModelProfile& profile) {
+        py::list nodes;
+        for (const auto& node : profile.modules) {
+          py::dict row;
+          row["name"] = node.name;
+          row["forward_s"] = node.forward_s;
+          row["backward_s"] = node.backward_s;
+          row["parameter_bytes"] = node.parameter_bytes;
+          row["activation_bytes"] = node.activation_bytes;
+          row["largest_parameter_bytes"] = node.largest_parameter_bytes;
+          row["expert_parameter_bytes"] = node.expert_parameter_bytes;
+          row["expert_token_bytes"] = node.expert_token_bytes;
+          row["expert_compute_share"] = node.expert_compute_share;
+          nodes.append(row);
+        }
+        return nodes;
+      })
       .def("copy", [](const ModelProfile& profile) { return profile; })
       .def("mark_experts", &ModelProfile::mark_experts, py::arg("token_bytes"), py::arg("experts"),
            py::arg("split") = 1, py::arg("routed") = std::map<std::string, ExpertRouting>{},

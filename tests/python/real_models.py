@@ -250,8 +250,9 @@ def planned_layout_failures(model, runtime, config):
 
 
 def routing_failures_of_plan(net, found):
-    """The plan priced the routing its profile counted (a line per expert-parallel degree in the report), and counts
-    given by router path reach the experts module beside the router."""
+    """The plan priced the routing counted on the sample (a line per expert-parallel degree in the report); counts
+    given by router path reach the experts module beside the router; and the same profiles predicted with every token
+    sent to the first expert make the layouts dividing the experts slower, the others not."""
     from smp import _expert_parallel, _routing
     lines = [line for line in found.report.splitlines() if line.startswith("routing at ep 2: the busiest rank gets ")]
     assert lines, found.report
@@ -260,13 +261,23 @@ def routing_failures_of_plan(net, found):
     first = sorted(experts)[0]
     router = first.rpartition(".")[0] + ".gate"
     count = experts[first].num_experts
-    assert _routing.by_experts_module({router: list(range(count))}, experts) == {first: list(range(count))}
+    assert _routing.by_experts_module({router: list(range(count))}, experts) == {first: [list(range(count))]}
     try:
         _routing.by_experts_module({router: [1]}, experts)
     except smp.ConfigError as error:
         assert router in str(error) and first in str(error), error
     else:
         raise AssertionError("counts of the wrong length were taken")
+    even = found.with_routing("even")
+    assert not any(line.startswith("routing at ep") for line in even.report.splitlines()), even.report
+    crowded = found.with_routing({path: [1] + [0] * (module.num_experts - 1) for path, module in experts.items()})
+    steps = {name: {row["layout"]: row["step_ms"] for row in plan.layouts if row["rejected"] is None}
+             for name, plan in (("even", even), ("crowded", crowded))}
+    divided = [layout for layout in steps["even"] if ", ep 2," in layout and layout in steps["crowded"]]
+    undivided = [layout for layout in steps["even"] if ", ep " not in layout and layout in steps["crowded"]]
+    assert divided and undivided, steps
+    assert all(steps["crowded"][layout] > steps["even"][layout] for layout in divided), steps
+    assert all(steps["crowded"][layout] == steps["even"][layout] for layout in undivided), steps
 
 
 def print_fastest_layout(name, ranks, config):
