@@ -3,7 +3,7 @@ trained by a 4-process job on this machine (median step after warm-up). Reports,
 measured step, and over the grid the median absolute error, the rank correlation (Spearman) and where the
 planner's choice among the grid falls against the fastest measured.
 
-  python bench/bench_plan.py --model llama|gpt2|gpt|resnet|mixtral [--steps 6]     (a driver: it launches the jobs
+  python bench/bench_plan.py --model llama|gpt2|gpt|resnet|mixtral [--steps 6] [--rounds 1]   (a driver: it launches the jobs
   with smprun; mixtral, a mixture of experts, is planned with "expert_parallel_degree": "auto")
 
 Inside the jobs: --predict (one process: smp.plan, the layouts as JSON) and --train CONFIG (one layout).
@@ -207,7 +207,7 @@ def spearman(xs, ys):
     return covariance / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
 
 
-def drive(name, steps):
+def drive(name, steps, rounds=1):
     measured = job(WORLD, "--measure-link")
     link = statistics.median(r["gbps"] for r in measured)
     latency = statistics.median(r["latency_us"] for r in measured)
@@ -222,9 +222,20 @@ def drive(name, steps):
                   "--synchronized-gbps", str(synchronized_gbps))[0]
     rows = []
     cuts_differ = 0
-    for layout in (experts_grid if name == "mixtral" else grid)(planned["layouts"]):
-        ranks = job(WORLD, "--model", name, "--train", layout["config"], "--steps", str(steps))
-        measured = statistics.median(r["step_ms"] for r in ranks)
+    layouts = (experts_grid if name == "mixtral" else grid)(planned["layouts"])
+    # Every layout once per round, the order reversed every other round, so that the host's drift over the run falls
+    # on every layout alike; a layout's step is the median of its rounds' (each the ranks' median).
+    jobs = [[] for _ in layouts]
+    for round_index in range(rounds):
+        order = list(range(len(layouts)))
+        for index in (order if round_index % 2 == 0 else reversed(order)):
+            jobs[index].append(job(WORLD, "--model", name, "--train", layouts[index]["config"], "--steps", str(steps)))
+            if rounds > 1:
+                print(f"  round {round_index + 1}: {layouts[index]['layout']:<44} "
+                      f"{statistics.median(r['step_ms'] for r in jobs[index][-1]):8.1f} ms", flush=True)
+    for layout, rounds_of in zip(layouts, jobs):
+        ranks = rounds_of[0]  # memory, cut and routing from the first round
+        measured = statistics.median(statistics.median(r["step_ms"] for r in ranks) for ranks in rounds_of)
         # Per pipeline rank, its fullest replica's measured memory against the prediction.
         memory = {}
         for r in ranks:
@@ -266,7 +277,7 @@ def drive(name, steps):
                "experts_divided_abs_error_even_routing":
                    statistics.median(abs(l["step_ms_even"] - m) / m for l, m in divided)} if divided else {}
     choice = min(range(len(rows)), key=lambda i: predicted[i])
-    print(json.dumps({"model": name, "layouts": len(rows), "link_gbps": link, "latency_us": latency,
+    print(json.dumps({"model": name, "layouts": len(rows), "rounds": rounds, "link_gbps": link, "latency_us": latency,
                       "processors": processors, "synchronization_us": synchronization,
                       "synchronized_gbps": synchronized_gbps,
                       "median_abs_error": statistics.median(errors),
@@ -285,6 +296,7 @@ def main():
     parser.add_argument("--predict", action="store_true")
     parser.add_argument("--train")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=1, help="train every layout this many times, alternating")
     parser.add_argument("--measure-link", action="store_true")
     parser.add_argument("--link-gbps", type=float)
     parser.add_argument("--latency-us", type=float, default=50.0)
@@ -301,7 +313,7 @@ def main():
     elif args.train:
         train(args.model, args.train, args.steps)
     else:
-        drive(args.model, args.steps)
+        drive(args.model, args.steps, args.rounds)
 
 
 if __name__ == "__main__":
