@@ -189,6 +189,8 @@ def _routing_report(routed, layouts, world, global_batch):
         samples = ep * max(1, global_batch // replicas // keys["microbatches"])
         factors = {path: _smp.routing_imbalance(rows, ep, samples) for path, rows in routed.items()}
         if not factors:
+            lines.append(f"routing at ep {ep}: assumed even (not counted: tokens_per_expert=\"even\", or a model "
+                         "on the meta device)\n")
             continue
         worst = max(factors, key=factors.get)
         lines.append(f"routing at ep {ep}: the busiest rank gets {sum(factors.values()) / len(factors):.2f}x its even "
