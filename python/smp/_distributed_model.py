@@ -186,7 +186,7 @@ class DistributedModel(torch.nn.Module):
         rt = runtime()
         started = time.perf_counter()
         # "auto" layout keys: chosen now that the model is known, the same on every rank (smp.plan's prediction).
-        self.planned, self._planned_steps = None, []
+        self.planned, self._planned_steps, self._planned_routing = None, [], {}
         if rt.config.auto_keys:
             from ._planning import adopt_planned_layout
             self.planned = adopt_planned_layout(model, sample, dynamic_shapes, tp_plan)
@@ -280,22 +280,38 @@ class DistributedModel(torch.nn.Module):
         result = self._engine_step(self._model.train_step, inputs, targets, loss, keep_outputs, replica_share,
                                    "train_step")
         if self.planned is not None and "measured_step_ms" not in self.planned:
-            self._note_planned_step(result.seconds)
+            self._note_planned_step(result)
         return result
 
-    def _note_planned_step(self, seconds):
+    def _note_planned_step(self, result):
         """A planned layout's measured step beside its prediction: the median of steps 2 to 5 (the first warms up),
-        in .planned["measured_step_ms"], and printed by rank 0."""
-        self._planned_steps.append(seconds * 1e3)
+        in .planned["measured_step_ms"], and printed by rank 0; where it divides the experts, the busiest rank's
+        share of each layer's rows in those steps' exchanges beside the plan's (.planned["measured_routing"] and
+        "routing", by experts path: this rank's layers)."""
+        self._planned_steps.append(result.seconds * 1e3)
+        ep = runtime().expert_parallel_degree
+        if ep > 1 and len(self._planned_steps) > 1:
+            for path, counts in _routing.exchanged(result.tokens_per_expert).items():
+                self._planned_routing.setdefault(path, []).append(_smp.routing_imbalance([counts.tolist()], ep, 1))
         if len(self._planned_steps) < 5:
             return
         middle = sorted(self._planned_steps[1:])[1:3]
         self.planned["measured_step_ms"] = sum(middle) / 2
+        planned_routing = self.planned.get("routing") or {}
+        measured = {path: sum(factors) / len(factors) for path, factors in self._planned_routing.items()}
+        self.planned["measured_routing"] = {experts: measured[router] for experts in planned_routing
+                                            if (router := _routing.counted_for(experts, measured)) is not None}
         if runtime().rank == 0:
             planned = self.planned
             print(f"smp: planned layout {planned['layout']}: train_step measured {planned['measured_step_ms']:.1f} ms "
                   f"(median of steps 2-5), predicted {planned['predicted_step_ms'] - planned['optimizer_ms']:.1f} ms "
                   f"(+{planned['optimizer_ms']:.1f} ms predicted for the optimizer's step)", flush=True)
+            compared = planned["measured_routing"]
+            if compared:
+                print(f"smp: planned layout {planned['layout']}: routing measured: the busiest rank got "
+                      f"{sum(compared.values()) / len(compared):.2f}x its even share of rows, planned "
+                      f"{sum(planned_routing[path] for path in compared) / len(compared):.2f}x (mean over steps 2-5 "
+                      f"and this rank's {len(compared)} experts layers)", flush=True)
 
     def evaluate(self, inputs, targets=None, loss=None, keep_outputs=False, replica_share=False):
         """The mean loss over the global batch without gradients (validation), taken like train_step by every rank:

@@ -27,11 +27,28 @@ class Plan:
     why the model cannot be sharded so}; str(): the report. .with_routing(tokens_per_expert): the same profiles
     predicted again with other routing (as smp.plan's tokens_per_expert), without measuring again."""
 
-    def __init__(self, layouts, report, unplanned_degrees=None, predict=None):
+    def __init__(self, layouts, report, unplanned_degrees=None, predict=None, routing=None, world=1, global_batch=1):
         self.layouts = layouts
         self.report = report
         self.unplanned_degrees = unplanned_degrees or {}  # {tensor-parallel degree: why the model cannot take it}
         self._predict = predict
+        self.routing = routing or {}  # {experts module path: rows of tokens per expert} the plan priced
+        self._world, self._global_batch = world, global_batch
+
+    def routing_imbalance(self, row):
+        """{experts module path: how many times its even share of rows the busiest rank gets} in one of
+        .layouts' exchanges (its microbatch from every member of its expert-parallel group); {} without ep."""
+        ep = json.loads(row["config"])["expert_parallel_degree"]
+        if ep <= 1:
+            return {}
+        return {path: _smp.routing_imbalance(rows, ep, self.exchange_samples(row)) for path, rows in self.routing.items()}
+
+    def exchange_samples(self, row):
+        """The samples an experts layer's exchange carries in one of .layouts: every expert-parallel member's
+        microbatch."""
+        keys = json.loads(row["config"])
+        replicas = self._world // (keys["tensor_parallel_degree"] * keys["partitions"])
+        return keys["expert_parallel_degree"] * max(1, self._global_batch // replicas // keys["microbatches"])
 
     def with_routing(self, tokens_per_expert):
         return self._predict(tokens_per_expert)
@@ -175,26 +192,25 @@ def _mark_experts(profile, model, sample, split, routed=None):
                          int(top_k or 0))
 
 
-def _routing_report(routed, layouts, world, global_batch):
+def _routing_report(plan):
     """A line per expert-parallel degree planned: how much more than its even share of rows the busiest rank gets in
-    an exchange of the fastest fitting layout of that degree (its microbatch from every member of the group)."""
+    an exchange of the fastest fitting layout of that degree."""
     lines = []
     fastest = {}
-    for row in layouts:
-        keys = json.loads(row["config"])
-        if row["rejected"] is None and keys["expert_parallel_degree"] > 1:
-            fastest.setdefault(keys["expert_parallel_degree"], keys)
-    for ep, keys in sorted(fastest.items()):
-        replicas = world // (keys["tensor_parallel_degree"] * keys["partitions"])
-        samples = ep * max(1, global_batch // replicas // keys["microbatches"])
-        factors = {path: _smp.routing_imbalance(rows, ep, samples) for path, rows in routed.items()}
+    for row in plan.layouts:
+        ep = json.loads(row["config"])["expert_parallel_degree"]
+        if row["rejected"] is None and ep > 1:
+            fastest.setdefault(ep, row)
+    for ep, row in sorted(fastest.items()):
+        factors = plan.routing_imbalance(row)
         if not factors:
             lines.append(f"routing at ep {ep}: assumed even (not counted: tokens_per_expert=\"even\", or a model "
                          "on the meta device)\n")
             continue
         worst = max(factors, key=factors.get)
         lines.append(f"routing at ep {ep}: the busiest rank gets {sum(factors.values()) / len(factors):.2f}x its even "
-                     f"share of rows in an exchange of {samples} samples (mean of {len(factors)} layers; most "
+                     f"share of rows in an exchange of {plan.exchange_samples(row)} samples (mean of {len(factors)} "
+                     f"layers; most "
                      f"{factors[worst]:.2f}x, {worst})\n")
     return "".join(lines)
 
@@ -287,16 +303,19 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
             list(device_speeds or []),
             float(shared_cores), rt.device != "cpu",  # torch.optim steps all parameters at once on a GPU (foreach)
             (synchronization_us or 0.0) * 1e-6, (synchronized_gbps or 0.0) * 1e9)
-        report += _routing_report(routed, layouts, world, int(global_batch_size or rt.config.global_batch_size))
+        found = Plan(layouts, report, unplanned, predict, routed, world,
+                     int(global_batch_size or rt.config.global_batch_size))
+        found.report += _routing_report(found)
         for degree, why in unplanned.items():
-            report += f"tp {degree}: not planned: {why}\n"
-        return Plan(layouts, report, unplanned, predict)
+            found.report += f"tp {degree}: not planned: {why}\n"
+        return found
 
     return predict(tokens_per_expert)
 
 
 def _choose(model, sample, rt, links, speeds, dynamic_shapes, tp_plan):
-    """Rank 0's choice: (the chosen config's text, the chosen layout's row, the report)."""
+    """Rank 0's choice: (the chosen config's text, the chosen layout's row, the report, its routing as planned:
+    Plan.routing_imbalance)."""
     found = plan(model, sample, link_gbps=links["bytes_per_s"] / 1e9, latency_us=links["latency_s"] * 1e6,
                  device_speeds=speeds, shared_cores=links["shared_processors"] or None, dynamic_shapes=dynamic_shapes,
                  tp_plan=tp_plan, synchronization_us=links["synchronization_s"] * 1e6,
@@ -311,7 +330,7 @@ def _choose(model, sample, rt, links, speeds, dynamic_shapes, tp_plan):
             reasons.append(f"{row['layout']}: {error}")
             continue
         if chosen is not None:
-            return chosen.text, row, found.report
+            return chosen.text, row, found.report, found.routing_imbalance(row)
         reasons.append(f"{row['layout']}: not what the keys the config fixes ask")
     raise ConfigError(f"{rt.config.source}: no planned layout of {rt.world_size} ranks fits and keeps the layout keys "
                       "the config gives:\n" + found.report + ("\n" + "\n".join(reasons[:5]) if reasons else ""))
@@ -320,7 +339,8 @@ def _choose(model, sample, rt, links, speeds, dynamic_shapes, tp_plan):
 def adopt_planned_layout(model, sample, dynamic_shapes=None, tp_plan=None):
     """For a config with "auto" layout keys: rank 0 plans (smp.plan) among the layouts that keep what the config
     fixes, and every rank adopts its choice before the model is partitioned. Returns what was chosen: {"config": the
-    layout's keys, "layout", "predicted_step_ms" (of which "optimizer_ms"), "memory_mib" per pipeline rank, "links"
+    layout's keys, "layout", "predicted_step_ms" (of which "optimizer_ms"), "memory_mib" per pipeline rank, "routing"
+    (with experts divided, {experts module path: the busiest rank's share of rows planned, times its even share}), "links"
     (what the ranks measured: latency_s, bytes_per_s, shared_processors, synchronization_s,
     synchronized_bytes_per_s), "report" (rank 0's table, on every rank)}; the model adds "measured_step_ms" after its fifth train_step."""
     rt = runtime()
@@ -328,14 +348,14 @@ def adopt_planned_layout(model, sample, dynamic_shapes=None, tp_plan=None):
     speeds = rt._device_speeds()  # measured here for "measure", and kept for the partition after
 
     def choose():
-        text, row, report = _choose(model, sample, rt, links, speeds, dynamic_shapes, tp_plan)
+        text, row, report, routing = _choose(model, sample, rt, links, speeds, dynamic_shapes, tp_plan)
         # Drawn for the fastest fitting layout: the choice unless the config fixes some keys.
         if row.get("timeline_svg") and rt.config.trace_dir:
             os.makedirs(rt.config.trace_dir, exist_ok=True)
             _smp.write_file_atomically(os.path.join(rt.config.trace_dir, "planned_layout.svg"), row["timeline_svg"])
         return json.dumps({"text": text, "config": json.loads(row["config"]), "layout": row["layout"],
                            "predicted_step_ms": row["step_ms"], "optimizer_ms": row["optimizer_ms"],
-                           "memory_mib": row["memory_mib"], "links": links, "report": report})
+                           "memory_mib": row["memory_mib"], "links": links, "report": report, "routing": routing})
 
     message = json.loads(rt._from_rank0("planned_layout", choose))
     rt._adopt_layout(_smp.Config.from_json_text(message.pop("text"), rt.config.source))

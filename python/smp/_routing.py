@@ -98,6 +98,16 @@ def per_sample(model, sample, experts):
     return found
 
 
+def counted_for(experts_path, keys):
+    """Which of `keys` (router or experts module paths) counts for the experts module at `experts_path`: itself, or
+    the router beside it (the deepest whose parent module holds it); None."""
+    def shared_depth(key):
+        parent = key if key == experts_path else key.rpartition(".")[0]
+        return len(parent) if key == experts_path or experts_path.startswith(parent + ".") else -1
+    key = max(keys, key=shared_depth, default=None)
+    return key if key is not None and shared_depth(key) >= 0 else None
+
+
 def by_experts_module(counts, experts):
     """{experts module path: [[tokens per expert], ...]} from `counts` keyed by router path (as
     StepResult.tokens_per_expert gives them) or by experts path, each a list of counts (or a tensor) or several
@@ -105,11 +115,8 @@ def by_experts_module(counts, experts):
     Experts without counts are left out (routing assumed even there)."""
     found = {}
     for path, module in experts.items():
-        def shared_depth(key):
-            parent = key if key == path else key.rpartition(".")[0]
-            return len(parent) if key == path or path.startswith(parent + ".") else -1
-        key = max(counts, key=shared_depth, default=None)
-        if key is None or shared_depth(key) < 0:
+        key = counted_for(path, counts)
+        if key is None:
             continue
         given = counts[key].tolist() if torch.is_tensor(counts[key]) else list(counts[key])
         rows = given if given and isinstance(given[0], (list, tuple)) else [given]
@@ -119,3 +126,17 @@ def by_experts_module(counts, experts):
                               f"{module.num_experts}")
         found[path] = rows
     return found
+
+
+def exchanged(counts):
+    """{router path: tokens per expert} of this rank's step summed over its expert-parallel group (the rows of one
+    exchange, a step's microbatches together), on the CPU; every member of the group calls it alike."""
+    from ._state import runtime
+    rt = runtime()
+    group = rt.expert_parallel_degree
+    summed = {}
+    for path, count in sorted(counts.items()):
+        row = count.detach().to("cpu", torch.int64).reshape(1, -1)
+        summed[path] = (rt._ep_all_to_all(row.repeat(group, 1), [1] * group, [1] * group, counted=False).sum(0)
+                        if group > 1 else row[0])
+    return summed
