@@ -677,20 +677,25 @@ TEST_CASE("tensor-parallel layouts: a shard profiled alone counts its collective
 TEST_CASE("uneven routing: the busiest expert-parallel rank computes, holds and exchanges its extra rows",
           "[profile][plan]") {
   // Ranks hold consecutive blocks of the experts; the busiest block against an even share. One row of counts (a
-  // job's totals): taken as it is.
-  CHECK(smp::routing_imbalance({{10, 10, 10, 10}}, 2, 1) == Approx(1.0));
+  // job's totals): taken nearly as it is, less what its tokens' chance explains, which also stays in an exchange of
+  // few samples.
+  CHECK(smp::routing_imbalance({{10, 10, 10, 10}}, 2, 1000) == Approx(1.0).epsilon(0.01));
+  CHECK(smp::routing_imbalance({{10, 10, 10, 10}}, 2, 1) > 1.05);
   CHECK(smp::routing_imbalance({{30, 10, 0, 0}}, 2, 1) == Approx(2.0));
-  CHECK(smp::routing_imbalance({{0, 0, 10, 30}}, 4, 1) == Approx(3.0));
+  CHECK(smp::routing_imbalance({{0, 0, 10, 30}}, 4, 1000) == Approx(3.0).epsilon(0.02));
   CHECK(smp::routing_imbalance({{30, 10, 0, 0}}, 1, 1) == 1.0);
   CHECK(smp::routing_imbalance({{0, 0, 0, 0}}, 2, 1) == 1.0);
   CHECK(smp::routing_imbalance({{1, 2, 3}}, 2, 1) == 1.0);  // a degree that does not divide the experts
+  CHECK(smp::routing_imbalance({{-5, 10}, {5, 5}}, 2, 1000) == Approx(1.0).epsilon(0.01));  // a negative row is not read
+  // At most every row on one rank: ep times its share.
+  CHECK(smp::routing_imbalance({{10, 0, 0, 0, 0, 0, 0, 0}, {0, 0, 0, 0, 0, 0, 0, 10}}, 8, 1) <= 8.0);
   // Rows per sample: two samples each sending every token to one block, a different one. Their mean is even and
-  // their spread says so by chance: an exchange of one sample still finds one block busier (half of the 2x that
-  // one sample is), one of many samples hardly.
+  // their spread says so by chance: an exchange of one sample still finds one block busier (short of the 2x that
+  // one such sample is: the draws about the mean are normal, capped at every row), one of many samples hardly.
   const smp::ExpertRouting apart{{10, 0, 0, 0}, {0, 0, 10, 0}};
   const double one = smp::routing_imbalance(apart, 2, 1);
   const double many = smp::routing_imbalance(apart, 2, 256);
-  CHECK(one > 1.5);
+  CHECK(one > 1.3);
   CHECK(one < 2.0);
   CHECK(many < 1.06);
   CHECK(smp::routing_imbalance(apart, 2, 1) == one);  // the same every time
@@ -719,7 +724,7 @@ TEST_CASE("uneven routing: the busiest expert-parallel rank computes, holds and 
   CHECK(even.modules[1].largest_other_parameter_bytes == 1 << 18);
   CHECK(even.modules[1].expert_routing.empty());
   smp::ModelProfile counted_even{modules, 2};
-  counted_even.mark_experts({{"layer.experts", 1000000}}, 4, 1, {{"layer.experts", {{10, 10, 10, 10}}}}, 2);
+  counted_even.mark_experts({{"layer.experts", 1000000}}, 4, 1, {{"layer.experts", {{1000, 1000, 1000, 1000}}}}, 2);
   smp::ModelProfile skewed{modules, 2};
   skewed.mark_experts({{"layer.experts", 1000000}}, 4, 1, {{"layer.experts", {{30, 10, 0, 0}}}}, 2);
   REQUIRE(skewed.modules[1].expert_routing.size() == 1);
@@ -742,7 +747,7 @@ TEST_CASE("uneven routing: the busiest expert-parallel rank computes, holds and 
   };
   const std::string divided = "pp 1 x dp 4, ep 2, gpipe, m 1";
   const auto at_even = predict(even, divided);
-  CHECK(predict(counted_even, divided).step_s == Approx(at_even.step_s));
+  CHECK(predict(counted_even, divided).step_s == Approx(at_even.step_s).epsilon(0.01));
   const auto at_skewed = predict(skewed, divided);
   // One sample a microbatch: the node's 1 ms of compute two thirds more on the rank receiving twice its share, and
   // each of the four exchanges moves twice half of 0.5 MB over 1 GB/s.

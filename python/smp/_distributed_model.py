@@ -310,8 +310,9 @@ class DistributedModel(torch.nn.Module):
             if compared:
                 print(f"smp: planned layout {planned['layout']}: routing measured: the busiest rank got "
                       f"{sum(compared.values()) / len(compared):.2f}x its even share of rows, planned "
-                      f"{sum(planned_routing[path] for path in compared) / len(compared):.2f}x (mean over steps 2-5 "
-                      f"and this rank's {len(compared)} experts layers)", flush=True)
+                      f"{sum(planned_routing[path] for path in compared) / len(compared):.2f}x (a step's rows per "
+                      f"expert-parallel group; mean over steps 2-5 and this rank's {len(compared)} experts layers)",
+                      flush=True)
 
     def evaluate(self, inputs, targets=None, loss=None, keep_outputs=False, replica_share=False):
         """The mean loss over the global batch without gradients (validation), taken like train_step by every rank:

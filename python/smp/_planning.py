@@ -35,20 +35,23 @@ class Plan:
         self.routing = routing or {}  # {experts module path: rows of tokens per expert} the plan priced
         self._world, self._global_batch = world, global_batch
 
-    def routing_imbalance(self, row):
+    def routing_imbalance(self, row, whole_step=False):
         """{experts module path: how many times its even share of rows the busiest rank gets} in one of
-        .layouts' exchanges (its microbatch from every member of its expert-parallel group); {} without ep."""
+        .layouts' exchanges (its microbatch from every member of its expert-parallel group; whole_step: all its
+        microbatches together, as a step's counts add up); {} without ep."""
         ep = json.loads(row["config"])["expert_parallel_degree"]
         if ep <= 1:
             return {}
-        return {path: _smp.routing_imbalance(rows, ep, self.exchange_samples(row)) for path, rows in self.routing.items()}
+        samples = self.exchange_samples(row, whole_step)
+        return {path: _smp.routing_imbalance(rows, ep, samples) for path, rows in self.routing.items()}
 
-    def exchange_samples(self, row):
+    def exchange_samples(self, row, whole_step=False):
         """The samples an experts layer's exchange carries in one of .layouts: every expert-parallel member's
-        microbatch."""
+        microbatch (whole_step: every member's microbatches)."""
         keys = json.loads(row["config"])
         replicas = self._world // (keys["tensor_parallel_degree"] * keys["partitions"])
-        return keys["expert_parallel_degree"] * max(1, self._global_batch // replicas // keys["microbatches"])
+        microbatches = 1 if whole_step else keys["microbatches"]
+        return keys["expert_parallel_degree"] * max(1, self._global_batch // replicas // microbatches)
 
     def with_routing(self, tokens_per_expert):
         return self._predict(tokens_per_expert)
@@ -289,9 +292,12 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     optimizer_s_per_byte = _optimizer_seconds_per_byte(torch.device(rt.device),
                                                        [tuple(p.shape) for p in model.parameters()]) * compute_scale
 
+    # Counted only where a layout may divide the experts (the count runs the model once more).
+    divides = "expert_parallel_degree" in rt.config.auto_keys or rt.config.expert_parallel_degree > 1
+
     def predict(tokens_per_expert):
         _check_routing_argument(tokens_per_expert)
-        routed = _routing_of(model, sample, tokens_per_expert)
+        routed = _routing_of(model, sample, tokens_per_expert) if divides else {}
         marked = {}
         for degree, profile in profiles.items():
             marked[degree] = profile.copy()  # the profile as measured, for predictions on other routing
@@ -330,7 +336,8 @@ def _choose(model, sample, rt, links, speeds, dynamic_shapes, tp_plan):
             reasons.append(f"{row['layout']}: {error}")
             continue
         if chosen is not None:
-            return chosen.text, row, found.report, found.routing_imbalance(row)
+            # Beside a step's counts: every microbatch's together.
+            return chosen.text, row, found.report, found.routing_imbalance(row, whole_step=True)
         reasons.append(f"{row['layout']}: not what the keys the config fixes ask")
     raise ConfigError(f"{rt.config.source}: no planned layout of {rt.world_size} ranks fits and keeps the layout keys "
                       "the config gives:\n" + found.report + ("\n" + "\n".join(reasons[:5]) if reasons else ""))
@@ -340,7 +347,8 @@ def adopt_planned_layout(model, sample, dynamic_shapes=None, tp_plan=None):
     """For a config with "auto" layout keys: rank 0 plans (smp.plan) among the layouts that keep what the config
     fixes, and every rank adopts its choice before the model is partitioned. Returns what was chosen: {"config": the
     layout's keys, "layout", "predicted_step_ms" (of which "optimizer_ms"), "memory_mib" per pipeline rank, "routing"
-    (with experts divided, {experts module path: the busiest rank's share of rows planned, times its even share}), "links"
+    (with experts divided, {experts module path: the busiest rank's share of a step's rows planned, times its even
+    share}), "links"
     (what the ranks measured: latency_s, bytes_per_s, shared_processors, synchronization_s,
     synchronized_bytes_per_s), "report" (rank 0's table, on every rank)}; the model adds "measured_step_ms" after its fifth train_step."""
     rt = runtime()

@@ -5,6 +5,7 @@ again. A step's counts are in StepResult.tokens_per_expert, by router module pat
 import contextlib
 import inspect
 import operator
+import warnings
 
 import torch
 
@@ -66,35 +67,53 @@ def routers(graph, dynamic, module_paths):
 
 def per_sample(model, sample, experts):
     """{experts module path: [[tokens per expert] for each sample of `sample`]}: one forward of `model` without
-    gradients, each experts module's chosen indices read on the way in (rows of the flattened tokens, sample-major).
-    {} for a model on the meta device, which cannot run."""
+    gradients, each experts module's chosen indices read on the way in (rows of the flattened tokens, sample-major;
+    indices outside [0, experts) not counted). {} (routing then assumed even) for a model on the meta device, which
+    cannot run, or one whose experts modules are not called as (hidden states, chosen indices, weights), said in a
+    warning."""
     if not experts or any(parameter.is_meta for parameter in model.parameters()):
         return {}
     from ._export_capture import split_sample
     args, kwargs = split_sample(model, sample)
-    tensors = [value for value in [*args, *kwargs.values()] if torch.is_tensor(value)]
-    samples = tensors[0].shape[0] if tensors and tensors[0].dim() > 0 else 1
+    # The batch: the longest first dimension (position ids and the like have 1).
+    samples = max([value.shape[0] for value in [*args, *kwargs.values()] if torch.is_tensor(value) and value.dim() > 0],
+                  default=1)
     device = next(model.parameters()).device
     args = [value.to(device) if torch.is_tensor(value) else value for value in args]
     kwargs = {key: value.to(device) if torch.is_tensor(value) else value for key, value in kwargs.items()}
-    found = {}
+    found, unread = {}, []
 
     def counter(path, module):
         signature = inspect.signature(type(module).forward)
 
         def count(_, hook_args, hook_kwargs):
-            index = list(signature.bind(module, *hook_args, **hook_kwargs).arguments.values())[2]
-            rows = index.detach().reshape(samples, -1) if index.numel() % samples == 0 else index.reshape(1, -1)
-            found.setdefault(path, []).extend(torch.bincount(row.long(), minlength=module.num_experts).tolist()
-                                              for row in rows.cpu())
+            try:
+                index = list(signature.bind(module, *hook_args, **hook_kwargs).arguments.values())[2]
+            except (TypeError, IndexError):
+                index = None
+            if not torch.is_tensor(index) or index.is_floating_point() or index.is_complex():
+                unread.append(path)
+                return
+            index = index.detach().long()
+            rows = index.reshape(samples, -1) if index.numel() % samples == 0 else index.reshape(1, -1)
+            counted = found.setdefault(path, [])
+            for row in rows.cpu():
+                chosen = row[(row >= 0) & (row < module.num_experts)]
+                counted.append(torch.bincount(chosen, minlength=module.num_experts).tolist())
         return count
 
+    # The forward draws no random numbers a job would see (dropout, router jitter): on the model's device too.
+    generators = [device.index or 0] if device.type == "cuda" else []
     with contextlib.ExitStack() as stack:
         for path, module in experts.items():
             stack.callback(module.register_forward_pre_hook(counter(path, module), with_kwargs=True).remove)
-        stack.enter_context(torch.random.fork_rng(devices=[]))
+        stack.enter_context(torch.random.fork_rng(devices=generators))
         stack.enter_context(torch.no_grad())
         model(*args, **kwargs)
+    if unread:
+        warnings.warn(f"smp.plan: routing assumed even: the chosen experts of '{unread[0]}' could not be read from its "
+                      "call (expected (hidden states, chosen expert indices, weights))", stacklevel=3)
+        return {}
     return found
 
 
@@ -119,11 +138,15 @@ def by_experts_module(counts, experts):
         if key is None:
             continue
         given = counts[key].tolist() if torch.is_tensor(counts[key]) else list(counts[key])
-        rows = given if given and isinstance(given[0], (list, tuple)) else [given]
-        rows = [[int(count) for count in row] for row in rows]
-        if any(len(row) != module.num_experts for row in rows):
-            raise ConfigError(f"tokens_per_expert['{key}'] counts {len(rows[0])} experts; '{path}' has "
-                              f"{module.num_experts}")
+        given = [row.tolist() if torch.is_tensor(row) else row for row in given]
+        rows = [[int(count) for count in row] for row in
+                (given if given and isinstance(given[0], (list, tuple)) else [given])]
+        for row in rows:
+            if len(row) != module.num_experts:
+                raise ConfigError(f"tokens_per_expert['{key}'] counts {len(row)} experts; '{path}' has "
+                                  f"{module.num_experts}")
+            if min(row) < 0:
+                raise ConfigError(f"tokens_per_expert['{key}'] has a negative count: {row}")
         found[path] = rows
     return found
 

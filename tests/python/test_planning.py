@@ -80,12 +80,12 @@ def test_auto_expert_parallel_degree_divides_the_experts_when_memory_asks(job):
     assert_passed(finished)
     chosen = rank0_lines(finished.stdout, "smp: planned layout ")
     assert chosen and chosen[0].startswith("smp: planned layout pp 1 x dp 2, ep 2, "), finished.output
-    # After five steps, the routing the exchanges met beside the plan's, each at least even.
+    # After five steps, the routing the exchanges met beside the plan's, each uneven (random routers).
     routing = [line for line in chosen if "routing measured: the busiest rank got " in line]
     assert routing, finished.output
     measured, planned = (float(part.split("x")[0]) for part in
                          (routing[0].split(" got ")[1], routing[0].rsplit(" planned ", 1)[1]))
-    assert measured >= 1.0 and planned >= 1.0, routing[0]
+    assert measured > 1.0 and planned > 1.0, routing[0]
 
 
 def test_fixed_expert_and_tensor_parallel_degrees_beside_auto_keys_train_equal_pytorch(job):

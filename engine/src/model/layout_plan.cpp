@@ -508,6 +508,7 @@ double routing_imbalance(const ExpertRouting& routing, int ep, int samples) {
   std::vector<std::vector<double>> shares;
   for (const auto& row : routing) {
     if (static_cast<int>(row.size()) != experts) return 1.0;
+    if (std::any_of(row.begin(), row.end(), [](std::int64_t count) { return count < 0; })) continue;
     const auto total = static_cast<double>(std::accumulate(row.begin(), row.end(), std::int64_t{0}));
     if (total <= 0) continue;
     std::vector<double>& blocks = shares.emplace_back(static_cast<std::size_t>(ep), 0.0);
@@ -520,10 +521,16 @@ double routing_imbalance(const ExpertRouting& routing, int ep, int samples) {
   for (const auto& blocks : shares) {
     for (int block = 0; block < ep; ++block) mean[block] += blocks[block] / rows;
   }
+  // One row has no spread to read: its tokens' chance, as if each chose independently (a lower bound: a sequence's
+  // tokens route alike more often than that).
+  double tokens = 0.0;
+  for (const auto& row : routing) tokens += static_cast<double>(std::accumulate(row.begin(), row.end(), std::int64_t{0}));
   double skew = 0.0, chance = 0.0;  // the mean's squared distance from even, and how much of it noise explains
   for (int block = 0; block < ep; ++block) {
     if (shares.size() > 1) {
       for (const auto& blocks : shares) spread[block] += std::pow(blocks[block] - mean[block], 2) / (rows - 1.0);
+    } else {
+      spread[block] = mean[block] * (1.0 - mean[block]) / std::max(1.0, tokens);
     }
     skew += std::pow(mean[block] - even, 2);
     chance += spread[block] / rows;
@@ -541,6 +548,7 @@ double routing_imbalance(const ExpertRouting& routing, int ep, int samples) {
       const double lasting = even + kept * (mean[block] - even);
       most = std::max(most, lasting + std::sqrt(spread[block] / std::max(1, samples)) * normal(draws));
     }
+    most = std::min(most, 1.0);
     busiest += most / kDraws;
   }
   return std::max(1.0, busiest * ep);
