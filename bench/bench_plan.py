@@ -250,14 +250,14 @@ def drive(name, steps, rounds=1):
         if "step_ms_even" in layout and ep > 1:
             # What the job's routers chose: per step and expert-parallel group, its members' tokens together (a
             # step's microbatches summed), each layer's busiest rank against its even share.
-            from smp import _smp
+            from smp import _routing
             exchanges = {}
             for r in ranks:
                 for step_index, counted in enumerate(r["routed"]):
                     for path, counts in counted.items():
                         key = (tuple(r["exchange"]), step_index, path)
                         exchanges[key] = [a + b for a, b in zip(exchanges.get(key, [0] * len(counts)), counts)]
-            busiest = statistics.mean(_smp.routing_imbalance([counts], ep, 1) for counts in exchanges.values())
+            busiest = statistics.mean(_routing.busiest_share(counts, ep) for counts in exchanges.values())
             print(f"    even routing predicted {layout['step_ms_even']:8.1f} ms "
                   f"({(layout['step_ms_even'] - measured) / measured * 100:+.0f}%), memory "
                   f"{', '.join(f'{m:.1f}' for m in layout['memory_mib_even'])} MiB; in the job the busiest rank got "

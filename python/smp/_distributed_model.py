@@ -292,7 +292,7 @@ class DistributedModel(torch.nn.Module):
         ep = runtime().expert_parallel_degree
         if ep > 1 and len(self._planned_steps) > 1:
             for path, counts in _routing.exchanged(result.tokens_per_expert).items():
-                self._planned_routing.setdefault(path, []).append(_smp.routing_imbalance([counts.tolist()], ep, 1))
+                self._planned_routing.setdefault(path, []).append(_routing.busiest_share(counts.tolist(), ep))
         if len(self._planned_steps) < 5:
             return
         middle = sorted(self._planned_steps[1:])[1:3]

@@ -151,6 +151,16 @@ def by_experts_module(counts, experts):
     return found
 
 
+def busiest_share(counts, ep):
+    """How many times its even share of one exchange's rows (`counts`: tokens per expert) the busiest of `ep` ranks
+    received, each holding a consecutive block of the experts: what happened, where smp::routing_imbalance predicts."""
+    counts = [int(count) for count in counts]
+    total, share = sum(counts), len(counts) // ep
+    if ep <= 1 or total <= 0 or len(counts) % ep:
+        return 1.0
+    return max(sum(counts[rank * share:(rank + 1) * share]) for rank in range(ep)) * ep / total
+
+
 def exchanged(counts):
     """{router path: tokens per expert} of this rank's step summed over its expert-parallel group (the rows of one
     exchange, a step's microbatches together), on the CPU; every member of the group calls it alike."""
