@@ -25,7 +25,9 @@ class Plan:
     first, fastest first; .best, the first that fits (None when none does); .timeline_svg, the best's simulated step
     drawn as an SVG (one row per pipeline rank; None when none fits); .unplanned_degrees, {tensor-parallel degree:
     why the model cannot be sharded so}; str(): the report. .with_routing(tokens_per_expert): the same profiles
-    predicted again with other routing (as smp.plan's tokens_per_expert), without measuring again."""
+    predicted again with other routing (as smp.plan's tokens_per_expert), without measuring again; .routing, the
+    counts priced ({experts module path: rows of tokens per expert}), and .routing_imbalance(row), what they give the
+    busiest rank in one of .layouts."""
 
     def __init__(self, layouts, report, unplanned_degrees=None, predict=None, routing=None, world=1, global_batch=1):
         self.layouts = layouts
