@@ -209,8 +209,8 @@ def _routing_report(plan):
     for ep, row in sorted(fastest.items()):
         factors = plan.routing_imbalance(row)
         if not factors:
-            lines.append(f"routing at ep {ep}: assumed even (not counted: tokens_per_expert=\"even\", or a model "
-                         "on the meta device)\n")
+            lines.append(f"routing at ep {ep}: assumed even (not counted: tokens_per_expert=\"even\", a model on "
+                         "the meta device, or experts calls that could not be read, warned)\n")
             continue
         worst = max(factors, key=factors.get)
         lines.append(f"routing at ep {ep}: the busiest rank gets {sum(factors.values()) / len(factors):.2f}x its even "
@@ -247,11 +247,11 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     tensor-parallel rank of other replicas): each rank holds its share of the experts' parameters, gradients and
     optimizer state,
     and every experts layer exchanges its token rows (tokens x num_experts_per_tok x hidden_size) four times a
-    microbatch, priced on the links. Routing: as the routers chose on the sample while it was profiled (counted
-    in the captured code); each layer's exchanges wait for the rank holding its most-chosen experts, which computes
-    and holds that many more rows (the report says how uneven, per degree). tokens_per_expert instead gives the
-    counts ({router or experts module path: tokens per expert}, e.g. a job's StepResult.tokens_per_expert summed
-    over steps, for a trained router), or "even".
+    microbatch, priced on the links. Routing: as the routers choose on the sample, counted per sample in one more
+    forward without gradients (only where a layout may divide the experts); each layer's exchanges wait for the rank
+    holding its most-chosen experts, which computes and holds that many more rows (the report says how uneven, per
+    degree). tokens_per_expert instead gives the counts ({router or experts module path: tokens per expert, or a row
+    of them per sample or step}, e.g. a job's StepResult.tokens_per_expert, for a trained router), or "even".
     synchronization_us and synchronized_gbps: a collective between ranks that computed up to it, its fixed part and
     bandwidth, where ranks share cores and find a peer off its core (an "auto" job that plans tensor or expert
     parallelism measures them there; the tensor-parallel collectives and the experts' exchanges are priced on them).

@@ -163,13 +163,17 @@ def busiest_share(counts, ep):
 
 def exchanged(counts):
     """{router path: tokens per expert} of this rank's step summed over its expert-parallel group (the rows of one
-    exchange, a step's microbatches together), on the CPU; every member of the group calls it alike."""
+    exchange, a step's microbatches together), on the CPU; every member of the group calls it alike. One exchange
+    for all layers: members whose layers differed would fail on the rows' width rather than wait."""
     from ._state import runtime
     rt = runtime()
     group = rt.expert_parallel_degree
-    summed = {}
-    for path, count in sorted(counts.items()):
-        row = count.detach().to("cpu", torch.int64).reshape(1, -1)
-        summed[path] = (rt._ep_all_to_all(row.repeat(group, 1), [1] * group, [1] * group, counted=False).sum(0)
-                        if group > 1 else row[0])
-    return summed
+    paths = sorted(counts)
+    rows = [counts[path].detach().to("cpu", torch.int64).reshape(-1) for path in paths]
+    if not rows:
+        return {}
+    joined = torch.cat(rows).reshape(1, -1)
+    if group > 1:
+        joined = rt._ep_all_to_all(joined.repeat(group, 1), [1] * group, [1] * group, counted=False).sum(0,
+                                                                                                        keepdim=True)
+    return dict(zip(paths, joined[0].split([row.numel() for row in rows])))

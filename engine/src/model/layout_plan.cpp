@@ -460,40 +460,32 @@ void ModelProfile::mark_experts(const std::map<std::string, std::int64_t>& token
     }
     if (elements == 0) continue;
     const double element_bytes = static_cast<double>(node.parameter_bytes) / static_cast<double>(elements);
+    const auto bytes_of = [&](std::int64_t count) {
+      return static_cast<std::int64_t>(static_cast<double>(count) * element_bytes);
+    };
     std::int64_t expert_elements = 0;
     double expert_work = 0.0;  // per token: top-k of each layer's experts
-    for (const auto& [path, rows] : token_bytes) {
-      std::int64_t held = 0;
-      double work = 0.0;
-      for (const auto& parameter : parameters) {
-        if (parameter.name.rfind(path + ".", 0) != 0) continue;
-        held += parameter.elements;
-        work += static_cast<double>(parameter.elements) / static_cast<double>(std::max<std::int64_t>(1, parameter.first_dimension));
+    std::set<std::string> layers_held;
+    for (const auto& parameter : parameters) {
+      const auto layer = std::find_if(token_bytes.begin(), token_bytes.end(), [&](const auto& entry) {
+        return parameter.name.rfind(entry.first + ".", 0) == 0;
+      });
+      if (layer == token_bytes.end()) {
+        node.largest_other_parameter_bytes = std::max(node.largest_other_parameter_bytes, bytes_of(parameter.elements));
+        continue;
       }
-      if (held == 0) continue;
-      for (const auto& parameter : parameters) {
-        if (parameter.name.rfind(path + ".", 0) != 0) continue;
-        node.largest_expert_parameter_bytes =
-            std::max(node.largest_expert_parameter_bytes,
-                     static_cast<std::int64_t>(static_cast<double>(parameter.elements) * element_bytes));
+      node.largest_expert_parameter_bytes = std::max(node.largest_expert_parameter_bytes, bytes_of(parameter.elements));
+      expert_elements += parameter.elements;
+      expert_work += static_cast<double>(experts_per_token) * static_cast<double>(parameter.elements) /
+                     static_cast<double>(std::max<std::int64_t>(1, parameter.first_dimension));
+      if (!layers_held.insert(layer->first).second) continue;  // the layer's rows and routing once per node
+      if (const auto counted = routed.find(layer->first); counted != routed.end()) {
+        node.expert_routing.push_back(counted->second);
       }
-      node.expert_parameter_bytes += static_cast<std::int64_t>(static_cast<double>(held) * element_bytes);
-      expert_elements += held;
-      expert_work += work * experts_per_token;
-      if (const auto counted = routed.find(path); counted != routed.end()) node.expert_routing.push_back(counted->second);
-      if (rows_placed.insert(path).second) node.expert_token_bytes += rows;
+      if (rows_placed.insert(layer->first).second) node.expert_token_bytes += layer->second;
     }
     if (expert_elements == 0) continue;
-    for (const auto& parameter : parameters) {
-      const bool expert = std::any_of(token_bytes.begin(), token_bytes.end(), [&](const auto& layer) {
-        return parameter.name.rfind(layer.first + ".", 0) == 0;
-      });
-      if (!expert) {
-        node.largest_other_parameter_bytes =
-            std::max(node.largest_other_parameter_bytes,
-                     static_cast<std::int64_t>(static_cast<double>(parameter.elements) * element_bytes));
-      }
-    }
+    node.expert_parameter_bytes += bytes_of(expert_elements);
     const double dense_work = static_cast<double>(elements - expert_elements);
     node.expert_compute_share = experts_per_token > 0 ? expert_work / (expert_work + dense_work) : 1.0;
   }
@@ -541,13 +533,15 @@ double routing_imbalance(const ExpertRouting& routing, int ep, int samples) {
   std::mt19937 draws(12345);
   std::normal_distribution<double> normal;
   constexpr int kDraws = 512;
+  std::vector<double> lasting(static_cast<std::size_t>(ep)), deviation(static_cast<std::size_t>(ep));
+  for (int block = 0; block < ep; ++block) {
+    lasting[block] = even + kept * (mean[block] - even);
+    deviation[block] = std::sqrt(spread[block] / std::max(1, samples));
+  }
   double busiest = 0.0;
   for (int draw = 0; draw < kDraws; ++draw) {
     double most = 0.0;
-    for (int block = 0; block < ep; ++block) {
-      const double lasting = even + kept * (mean[block] - even);
-      most = std::max(most, lasting + std::sqrt(spread[block] / std::max(1, samples)) * normal(draws));
-    }
+    for (int block = 0; block < ep; ++block) most = std::max(most, lasting[block] + deviation[block] * normal(draws));
     most = std::min(most, 1.0);
     busiest += most / kDraws;
   }
