@@ -307,7 +307,9 @@ for model in ("llama", "resnet", "mixtral"):
     r = json.loads(result.stdout.splitlines()[-1])
     print(f"{model} over {r['layouts']} layouts: median absolute error {r['median_abs_error'] * 100:.0f}%, rank "
           f"correlation {r['spearman']:.2f}; the planner's choice ({r['choice']}) measured "
-          f"{r['choice_over_best_measured']:.2f}x the fastest measured ({r['best_measured']}); memory per rank "
+          f"{r['choice_over_best_measured']:.2f}x the fastest measured ({r['best_measured']}), "
+          f"{r['choice_over_best_confirmed']:.2f}x the fastest confirmed ({r['best_confirmed']}, "
+          f"{r['confirm_rounds']} rounds side by side); memory per rank "
           f"median error {r['memory_median_abs_error'] * 100:.0f}%")
 
 section("memory: a GPT-2 of 0.78 GiB (16 layers, d 1024) built on the meta device, 4 stages (each rank makes its own real)")

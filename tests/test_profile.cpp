@@ -224,11 +224,39 @@ TEST_CASE("layouts are planned by simulation, ranked by predicted step, and reje
   smp::PlanningCosts foreach_costs{0.0, 1e9, 1e9};
   foreach_costs.optimizer_foreach = true;
   for (const auto& [costs, scratch_mib] : {std::pair{smp::PlanningCosts{0.0, 1e9, 1e9}, 2.0}, std::pair{foreach_costs, 8.0}}) {
+    // One process: parameters, two moments, and after the backward the gradients and the step's temporaries.
+    for (const auto& prediction : smp::plan_layouts({large_weights, 2}, config, 1, costs)) {
+      if (prediction.layout.recompute) continue;
+      CHECK(prediction.peak_memory_mib() == Approx(4.0 * 8 + scratch_mib));
+    }
+    // Replicas: at the end of the backward their buckets copy the 8 MiB of gradients to reduce them, which the
+    // temporaries (after the reduction) do not exceed.
     for (const auto& prediction : smp::plan_layouts({large_weights, 2}, config, 4, costs)) {
       const auto& layout = prediction.layout;
       if (layout.partitions != 1 || layout.shard_optimizer_state || layout.recompute) continue;
-      CHECK(prediction.peak_memory_mib() == Approx(4.0 * 8 + scratch_mib));  // parameters, gradients, two moments
+      CHECK(prediction.peak_memory_mib() == Approx(3.0 * 8 + 2.0 * 8));
     }
+  }
+  // A step starts without gradients: GPipe's peak of activations (every microbatch's, before the first backward)
+  // never meets them, where 1F1B's steady state forwards beside them. 2 stages of 4 modules of 1 MiB, 4 microbatches
+  // of 2 samples (1 MiB of activations per module and microbatch), no replicas, SGD without state.
+  {
+    const auto deep = equal_chain(8, 1 << 20, 1 << 20);
+    const smp::Config two_stages =
+        smp::Config::from_json_text(R"({"global_batch_size": 8, "partitions": 2, "microbatches": 4})", "test");
+    const smp::PlanningCosts links{0.0, 1e9, 1e9};
+    double gpipe = 0, one_f_one_b = 0;
+    for (const auto& prediction : smp::plan_layouts({deep, 2}, two_stages, 2, links, /*optimizer_moments=*/0.0)) {
+      const auto& layout = prediction.layout;
+      if (layout.partitions != 2 || layout.microbatches != 4 || layout.recompute || layout.virtual_stages != 1) continue;
+      // Stage 0: 4 MiB of parameters, and GPipe's 4 microbatches' 16 MiB of activations against, after the first
+      // backward, 4 MiB of gradients beside 3 microbatches' 12 MiB. 1F1B holds 2 microbatches (8 MiB) at most,
+      // and forwards again beside its gradients: 4 + 4 + 8.
+      if (layout.pipeline == "gpipe") gpipe = prediction.memory_mib.at(0);
+      if (layout.pipeline == "1f1b") one_f_one_b = prediction.memory_mib.at(0);
+    }
+    CHECK(gpipe == Approx(4.0 + 16.0));
+    CHECK(one_f_one_b == Approx(4.0 + 4.0 + 8.0));
   }
   // Recompute trades time for activations.
   const auto kept = find(2, "1f1b", 4, false, false), recomputed = find(2, "1f1b", 4, true, false);
@@ -711,8 +739,8 @@ TEST_CASE("uneven routing: the busiest expert-parallel rank computes, holds and 
 
   // A node holding a dense layer (256 x 256) and 4 stacked experts (4 x 256 x 256, its largest tensor), 2 chosen per
   // token: per token the experts do 2 x 256 x 256 of work against the dense layer's 256 x 256, two thirds of the
-  // node's.
-  auto modules = equal_chain(2, 1 << 20, 1 << 20);
+  // node's. 8 MiB of activations per node and 2 samples, so that they set the memory.
+  auto modules = equal_chain(2, 1 << 20, 8 << 20);
   modules[0].parameter_shapes = "embedding.weight:1024,256,;";
   modules[1].parameter_bytes = 5 << 18;
   modules[1].largest_parameter_bytes = 1 << 20;
@@ -755,13 +783,14 @@ TEST_CASE("uneven routing: the busiest expert-parallel rank computes, holds and 
   // Undivided, every rank computes all its own tokens' rows: routing does not matter.
   const std::string whole = "pp 1 x dp 4, gpipe, m 1";
   CHECK(predict(skewed, whole).step_s == Approx(predict(even, whole).step_s));
-  // Memory, AdamW: undivided, 4 x 2.25 MiB of parameters, gradients and moments and the more of 1 MiB of
-  // activations (0.5 per node and sample) and the step's temporaries (two of its largest tensor, the experts' 1 MiB):
-  // 11 MiB. Divided by 2: 4 x 1.75 MiB, and the temporaries two halves of the experts' tensor: 8 MiB.
-  CHECK(predict(even, whole).peak_memory_mib() == Approx(11.0));
-  CHECK(at_even.peak_memory_mib() == Approx(8.0));
-  // Skewed, the activations of the busiest rank's experts two thirds of the node's 0.5 MiB more.
-  CHECK(at_skewed.peak_memory_mib() == Approx(8.0 + 0.5 * 2.0 / 3.0));
+  // Memory, AdamW: undivided, 3 x 2.25 MiB of parameters and moments and the most of 8 MiB of activations (4 per
+  // node and sample), the gradients twice (the replicas' buckets copy them: 4.5) and the gradients with the step's
+  // temporaries (two of its largest tensor, the experts' 1 MiB: 4.25): 14.75 MiB. Divided by 2: 3 x 1.75 MiB and
+  // the activations, 13.25 MiB.
+  CHECK(predict(even, whole).peak_memory_mib() == Approx(14.75));
+  CHECK(at_even.peak_memory_mib() == Approx(13.25));
+  // Skewed, the activations of the busiest rank's experts two thirds of the node's 4 MiB more.
+  CHECK(at_skewed.peak_memory_mib() == Approx(13.25 + 4.0 * 2.0 / 3.0));
 }
 
 TEST_CASE("expert-parallel layouts: each rank holds its share of the experts and pays their token exchanges",
@@ -796,9 +825,10 @@ TEST_CASE("expert-parallel layouts: each rank holds its share of the experts and
   const auto quarters = find(predictions, "pp 1 x dp 4, ep 4, gpipe, m 1");
   REQUIRE(whole.rejected.empty());
   REQUIRE(halves.rejected.empty());
-  // Half the experts' parameters, gradients and AdamW moments (4 x 1/2 MiB) fewer.
-  CHECK(whole.peak_memory_mib() - halves.peak_memory_mib() == Approx(2.0));
-  CHECK(halves.peak_memory_mib() - quarters.peak_memory_mib() == Approx(1.0));
+  // Half the experts' parameters, AdamW moments and gradients fewer, the gradients twice (the replicas' buckets copy
+  // them at the end of the backward, more than the 1 MiB of activations): 5 x 1/2 MiB.
+  CHECK(whole.peak_memory_mib() - halves.peak_memory_mib() == Approx(2.5));
+  CHECK(halves.peak_memory_mib() - quarters.peak_memory_mib() == Approx(1.25));
   // Four exchanges of a microbatch's rows (one sample: 0.5 MB), each a round trip and half the rows over 1 GB/s,
   // and the counts before them.
   CHECK(halves.pipeline_s - whole.pipeline_s == Approx(4 * (20e-6 + 0.25e-3) + 20e-6));

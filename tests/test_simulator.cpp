@@ -60,6 +60,14 @@ TEST_CASE("peak activations in flight", "[simulator]") {
         CHECK(gpipe.peak_in_flight[rank] == microbatches);
         CHECK(one_f_one_b.peak_in_flight[rank] == std::min(ranks - rank, microbatches));
         CHECK(capped.peak_in_flight[rank] == std::min({ranks - rank, microbatches, 2}));
+        // Beside the gradients (from the end of the first backward): GPipe has no forward left, so one microbatch
+        // fewer; 1F1B forwards again where microbatches remain after its warm-up, and holds its peak.
+        CHECK(gpipe.peak_in_flight_with_gradients[rank] == microbatches - 1);
+        for (const auto& [result, peak] : {std::pair{&one_f_one_b, std::min(ranks - rank, microbatches)},
+                                           std::pair{&capped, std::min({ranks - rank, microbatches, 2})}}) {
+          CHECK(result->peak_in_flight_with_gradients[rank] == (microbatches > peak ? peak : peak - 1));
+          CHECK(result->peak_activations_with_gradients[rank] == result->peak_in_flight_with_gradients[rank]);
+        }
       }
     }
   }
@@ -180,6 +188,10 @@ TEST_CASE("split backward: activations are freed by W, not I", "[simulator]") {
   CHECK(held.peak_in_flight == std::vector<int>{2, 2});
   CHECK_THAT(held.peak_activations[0], WithinAbs(2.0, kTolerance));
   CHECK_THAT(held.peak_activations[1], WithinAbs(1.25, kTolerance));
+  // The gradients come with W: after W0 rank 0 still holds microbatch 1 whole, rank 1 the quarter its W reads.
+  CHECK(held.peak_in_flight_with_gradients == std::vector<int>{1, 1});
+  CHECK_THAT(held.peak_activations_with_gradients[0], WithinAbs(1.0, kTolerance));
+  CHECK_THAT(held.peak_activations_with_gradients[1], WithinAbs(0.25, kTolerance));
 }
 
 TEST_CASE("a deadlock names every stuck rank and what it waits for", "[simulator]") {

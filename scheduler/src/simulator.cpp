@@ -76,10 +76,13 @@ class SimulationState {
         clock_(static_cast<std::size_t>(schedule.num_ranks), 0.0),
         awaited_(static_cast<std::size_t>(schedule.num_ranks)),
         in_flight_(static_cast<std::size_t>(schedule.num_ranks), 0),
-        activations_(static_cast<std::size_t>(schedule.num_ranks), 0.0) {
+        activations_(static_cast<std::size_t>(schedule.num_ranks), 0.0),
+        gradients_(static_cast<std::size_t>(schedule.num_ranks), false) {
     result_.busy_time.assign(static_cast<std::size_t>(schedule.num_ranks), 0.0);
     result_.peak_in_flight.assign(static_cast<std::size_t>(schedule.num_ranks), 0);
     result_.peak_activations.assign(static_cast<std::size_t>(schedule.num_ranks), 0.0);
+    result_.peak_in_flight_with_gradients.assign(static_cast<std::size_t>(schedule.num_ranks), 0);
+    result_.peak_activations_with_gradients.assign(static_cast<std::size_t>(schedule.num_ranks), 0.0);
     result_.timings.resize(static_cast<std::size_t>(schedule.num_ranks));
     for (int rank = 0; rank < schedule.num_ranks; ++rank) result_.timings[rank].resize(schedule.ranks[rank].size());
   }
@@ -154,6 +157,7 @@ class SimulationState {
       case ActionKind::Backward:
         --held;
         activations -= 1.0;
+        gradients_[rank] = true;
         break;
       case ActionKind::BackwardInput:
         activations -= 1.0 - share;
@@ -161,9 +165,16 @@ class SimulationState {
       case ActionKind::BackwardWeight:
         --held;
         activations -= share;
+        gradients_[rank] = true;
         break;
       default:
         break;
+    }
+    if (gradients_[rank]) {
+      auto& in_flight = result_.peak_in_flight_with_gradients[rank];
+      auto& kept = result_.peak_activations_with_gradients[rank];
+      in_flight = std::max(in_flight, held);
+      kept = std::max(kept, activations);
     }
   }
 
@@ -191,6 +202,7 @@ class SimulationState {
 
   std::vector<int> in_flight_;
   std::vector<double> activations_;
+  std::vector<bool> gradients_;  // per rank: a gradient-producing action has finished
   SimulationResult result_;
 };
 

@@ -125,6 +125,10 @@ std::vector<bool> checkpointed_modules(const std::vector<std::string>& module_na
 // W under the zero-bubble split (the first stage's input takes no gradient: its W is the whole backward, and it
 // holds everything); 1 counts the microbatch whole until W.
 std::vector<double> activation_copies(const sched::Schedule& schedule, double weight_pass_share = 1.0);
+// The same, counted from the end of its rank's first gradient-producing action (B, or W) on: what a stage holds
+// beside its gradients where a step starts without them (sched::SimulationResult::peak_activations_with_gradients).
+// Under GPipe, 2 stages and 4 microbatches: 4 and 4 over the step, 3 and 3 beside the gradients.
+std::vector<double> activation_copies_with_gradients(const sched::Schedule& schedule, double weight_pass_share = 1.0);
 // What the profiled modules hold from I until W, over what their forwards keep (weight_pass_bytes over
 // activation_bytes); 1 when the profile has no split timings.
 double weight_pass_share(const std::vector<ModuleProfile>& modules);

@@ -176,6 +176,7 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   const int expert_shards = layout.shard_optimizer_state ? layout.replicas / ep : 1;
   StagePlan plan;
   StageDevices devices;
+  std::vector<double> copies_beside_gradients;
   try {
     // Devices that differ are given per rank of the whole world: a pipeline rank's stages run at its slowest
     // member's speed (its replicas and tensor-parallel peers wait for it) within its least memory.
@@ -186,6 +187,7 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
     // An experts layer's exchange carries every member's microbatch.
     divide_experts(modules, ep, profile.experts_split, ep * per_microbatch, costs);
     plan = plan_stages(modules, config, activation_copies(schedule, weight_pass_share(modules)), shards, &devices);
+    copies_beside_gradients = activation_copies_with_gradients(schedule, weight_pass_share(modules));
   } catch (const std::exception& error) {
     prediction.rejected = error.what();
     return;
@@ -276,14 +278,19 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   // its replicas reduce after the step.
   const auto ranks = static_cast<std::size_t>(layout.partitions);
   std::vector<double> rank_parameter_bytes(ranks, 0.0), rank_expert_bytes(ranks, 0.0), held_bytes(ranks, 0.0),
-      activations_held(ranks, 0.0), largest_parameter(ranks, 0.0);
+      activations_held(ranks, 0.0), activations_beside_gradients(ranks, 0.0), largest_parameter(ranks, 0.0);
   for (int stage = 0; stage < stages; ++stage) {
     const int rank = schedule.stage_to_rank.at(stage);
     const double copies = layout.recompute ? 1.0 : plan.activation_copies.at(stage);
     const double dense = parameter_bytes[stage] - expert_bytes[stage];
-    held_bytes[rank] += (2.0 + optimizer_moments / shards) * dense +
-                        (2.0 + optimizer_moments / expert_shards) * expert_bytes[stage];
+    // Parameters and optimizer state: the gradients come and go with the step (below).
+    held_bytes[rank] += (1.0 + optimizer_moments / shards) * dense +
+                        (1.0 + optimizer_moments / expert_shards) * expert_bytes[stage];
     activations_held[rank] += copies * activation_bytes[stage];
+    // A recomputing stage rebuilds a microbatch's activations inside its backward, beside the gradients.
+    activations_beside_gradients[rank] +=
+        (layout.recompute ? copies : copies_beside_gradients.at(static_cast<std::size_t>(stage))) *
+        activation_bytes[stage];
     rank_parameter_bytes[rank] += parameter_bytes[stage];
     rank_expert_bytes[rank] += expert_bytes[stage];
     for (int module : plan.modules_of_stage(stage)) {
@@ -300,7 +307,17 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
     const double scratch = optimizer_moments < 2.0          ? 0.0
                            : costs.optimizer_foreach ? stepped
                                                      : 2.0 * largest_parameter[rank];
-    prediction.memory_mib[rank] = (held_bytes[rank] + std::max(activations_held[rank], scratch)) / kMiB;
+    // A step starts without gradients (zero_grad frees them by default): until a rank's first backward its
+    // activations are all it holds beside its parameters and optimizer state; from then on its gradients too, with
+    // what it still holds or forwards then (GPipe's peak of activations never meets the gradients; a steady 1F1B's
+    // does). Replicas' buckets copy the gradients to reduce them at the end of the backward (a second copy, for a
+    // moment); the optimizer's temporaries come after the activations are gone.
+    const double gradients = rank_parameter_bytes[rank];
+    const double buckets = layout.replicas > 1 ? gradients : 0.0;
+    prediction.memory_mib[rank] =
+        (held_bytes[rank] + std::max({activations_held[rank], gradients + activations_beside_gradients[rank],
+                                      gradients + buckets, gradients + scratch})) /
+        kMiB;
   }
   // The rank with the most parameters reduces the most and steps the longest: the dense ones over every replica,
   // the experts' over the replicas holding the same experts.

@@ -173,7 +173,11 @@ std::vector<bool> checkpointed_modules(const std::vector<std::string>& module_na
   return selected;
 }
 
-std::vector<double> activation_copies(const sched::Schedule& schedule, double weight_pass_share) {
+namespace {
+
+// Per stage: the microbatches whose activations it holds at once (over the whole step, or from its rank's first
+// gradient on).
+std::vector<double> copies_held(const sched::Schedule& schedule, double weight_pass_share, bool with_gradients) {
   sched::Schedule compute = schedule;
   for (auto& actions : compute.ranks) {
     actions.erase(std::remove_if(actions.begin(), actions.end(),
@@ -187,15 +191,29 @@ std::vector<double> activation_copies(const sched::Schedule& schedule, double we
     costs.weight_pass_share.front() = 1.0;
   }
   const auto simulated = sched::simulate(compute, sched::StageGraph::chain(schedule.num_stages), costs);
-  std::vector<double> copies(static_cast<std::size_t>(schedule.num_stages), 1.0);
+  const auto& activations = with_gradients ? simulated.peak_activations_with_gradients : simulated.peak_activations;
+  const auto& in_flight = with_gradients ? simulated.peak_in_flight_with_gradients : simulated.peak_in_flight;
+  // A stage counts at least one microbatch over the whole step; beside its gradients it may hold none.
+  const double least = with_gradients ? 0.0 : 1.0;
+  std::vector<double> copies(static_cast<std::size_t>(schedule.num_stages), least);
   for (int stage = 0; stage < schedule.num_stages; ++stage) {
     const int rank = schedule.stage_to_rank.at(stage);
     const double stages_on_rank = static_cast<double>(schedule.stages_of_rank(rank).size());
     // Whole microbatches without the split; with it, the share a pending W holds counts as it is.
-    copies[stage] = shared ? std::max(1.0, simulated.peak_activations.at(rank) / stages_on_rank)
-                           : std::max(1.0, std::ceil(simulated.peak_in_flight.at(rank) / stages_on_rank));
+    copies[stage] = shared ? std::max(least, activations.at(rank) / stages_on_rank)
+                           : std::max(least, std::ceil(in_flight.at(rank) / stages_on_rank));
   }
   return copies;
+}
+
+}  // namespace
+
+std::vector<double> activation_copies(const sched::Schedule& schedule, double weight_pass_share) {
+  return copies_held(schedule, weight_pass_share, false);
+}
+
+std::vector<double> activation_copies_with_gradients(const sched::Schedule& schedule, double weight_pass_share) {
+  return copies_held(schedule, weight_pass_share, true);
 }
 
 double weight_pass_share(const std::vector<ModuleProfile>& modules) {

@@ -59,6 +59,13 @@ struct SimulationResult {
   // Per rank: the most microbatches' activations it held at once, a microbatch between its I and its W counting
   // as its stage's weight_pass_share of one (peak_in_flight counts it whole).
   std::vector<double> peak_activations;
+  // The same two peaks counted only from the end of the rank's first gradient-producing action (B, or W under the
+  // split) on: what it holds beside its weight gradients, where a step starts without them (freed between steps,
+  // as zero_grad does by default). Before that, its activations are all it holds; a schedule that runs no forward
+  // after its first backward (GPipe, or 1F1B with a microbatch per stage) never holds its peak and its gradients at
+  // once. 0 for a rank that produces no gradient.
+  std::vector<int> peak_in_flight_with_gradients;
+  std::vector<double> peak_activations_with_gradients;
   std::vector<std::vector<ActionTiming>> timings;  // [rank][action index], the shape of Schedule::ranks
 };
 
