@@ -301,17 +301,17 @@ def drive(name, steps, rounds=1, confirm_rounds=3):
 def confirm(name, layouts, measured, choice, steps, rounds):
     """The grid's fastest measured is the least of many noisy steps, so it sits below its layout's typical step
     (the winner's curse), and the choice's ratio to it leans above 1 even when the choice is right. Confirmation
-    trains the choice and the three fastest measured others again, side by side: `rounds` rounds, each in a new
-    order, each layout's step the median of its rounds; the choice against the fastest of those."""
+    trains the choice and the three fastest measured others again, side by side: `rounds` rounds, each order the
+    last rotated by one, each layout's step the median of its rounds; the choice against the fastest of those."""
     if rounds < 1:
         return {}
     others = sorted((i for i in range(len(layouts)) if i != choice), key=lambda i: measured[i])[:3]
     contenders = [choice] + others
     steps_of = {i: [] for i in contenders}
     for round_index in range(rounds):
+        # Each round rotated by one: over as many rounds as contenders, each layout runs once in every position.
         shift = round_index % len(contenders)
-        order = contenders[shift:] + contenders[:shift]
-        for index in (order if round_index % 2 == 0 else list(reversed(order))):
+        for index in contenders[shift:] + contenders[:shift]:
             ranks = job(WORLD, "--model", name, "--train", layouts[index]["config"], "--steps", str(steps))
             steps_of[index].append(statistics.median(r["step_ms"] for r in ranks))
     typical = {i: statistics.median(times) for i, times in steps_of.items()}

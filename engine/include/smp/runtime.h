@@ -42,11 +42,12 @@ class Runtime {
   // the topology and the pipeline, replica, tensor- and expert-parallel groups are made anew for it. ConfigError
   // when nothing was left to choose or the choice does not fit the world.
   void adopt_layout(const Config& chosen);
-  // On rank 0 of a C++ job whose layout was planned (with_planned_layout): the layout and its predicted train_step,
-  // which DistributedModel logs beside the measured one after five steps.
+  // On rank 0 of a C++ job whose layout was planned (with_planned_layout): the layout and its predicted train_step
+  // (the optimizer's step apart), which DistributedModel logs beside the measured one after five steps.
   struct PlannedStep {
     std::string layout;
     double predicted_s = 0.0;
+    double optimizer_s = 0.0;
     std::vector<double> measured_s;  // steps 2 to 5 (log_step_against_plan)
   };
   void note_planned_step(PlannedStep planned) { planned_step_ = std::move(planned); }

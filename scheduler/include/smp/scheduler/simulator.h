@@ -61,9 +61,10 @@ struct SimulationResult {
   std::vector<double> peak_activations;
   // The same two peaks counted only from the end of the rank's first gradient-producing action (B, or W under the
   // split) on: what it holds beside its weight gradients, where a step starts without them (freed between steps,
-  // as zero_grad does by default). Before that, its activations are all it holds; a schedule that runs no forward
-  // after its first backward (GPipe, or 1F1B with a microbatch per stage) never holds its peak and its gradients at
-  // once. 0 for a rank that produces no gradient.
+  // as zero_grad does by default). Before that, its activations are all it holds; a rank that runs no forward after
+  // its first backward (every rank under GPipe; under 1F1B the first, when there are no more microbatches than
+  // stages) never holds its peak and its gradients at once. Per rank: a rank of two stages counts all its
+  // gradients from its first. 0 for a rank that produces no gradient.
   std::vector<int> peak_in_flight_with_gradients;
   std::vector<double> peak_activations_with_gradients;
   std::vector<std::vector<ActionTiming>> timings;  // [rank][action index], the shape of Schedule::ranks
