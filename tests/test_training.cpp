@@ -375,6 +375,7 @@ TEST_CASE("auto layout keys: rank 0 plans, every rank adopts the layout and trai
   CHECK_THAT(result.output, Contains("planned layout pp "));
   CHECK_THAT(result.output, Contains("layout chosen: "));
   CHECK_THAT(result.output, Contains("train_step measured "));  // after step 5, beside the prediction
+  CHECK_THAT(result.output, Contains("ms predicted for the optimizer's step)"));  // AdamW timed on rank 0
   // The chosen layout's simulated step, drawn where the job's traces go.
   std::ifstream svg(traces + "/planned_layout.svg");
   REQUIRE(svg);
