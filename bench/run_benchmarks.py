@@ -293,10 +293,11 @@ for overlap in (True, False):
           + ", ".join(f"{r['peak_growth_mib']:.0f}" for r in last) + " MiB")
 print(f"overlapped / in sequence: {medians[True] / medians[False]:.3f}")
 
-section("smp.plan's predictions against measured steps: a Hugging Face Llama (8 layers, d 256), torchvision's "
-        "ResNet-18 (64 x 64 images) and a Mixtral-shaped mixture of experts (its expert-parallel degrees beside ep 1) "
-        "planned for 4 processes, then each layout of a grid trained by a 4-process job")
-for model in ("llama", "resnet", "mixtral"):
+section("smp.plan's predictions against measured steps: a Hugging Face Llama (8 layers, d 256), the example's GPT "
+        "(8 blocks, d 256), torchvision's ResNet-18 (64 x 64 images) and a Mixtral-shaped mixture of experts (its "
+        "expert-parallel degrees beside ep 1) planned for 4 processes, then each layout of a grid trained by a "
+        "4-process job, and the choice confirmed against the fastest measured, trained again side by side")
+for model in ("llama", "gpt", "resnet", "mixtral"):
     result = subprocess.run([PYTHON, f"{REPO}/bench/bench_plan.py", "--model", model], capture_output=True, text=True,
                             env=dict(CAPTURE_ENV, SMP_SMPRUN=f"{BIN}/smprun"), timeout=2700)
     if result.returncode != 0:
