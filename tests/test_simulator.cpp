@@ -154,6 +154,35 @@ TEST_CASE("per-stage costs: the slowest stage sets the pace", "[simulator]") {
   CHECK(result.busy_time == std::vector<double>{18.0, 36.0, 18.0});
 }
 
+TEST_CASE("bytes held through the step: activations until their backward, each stage's gradients from its first",
+          "[simulator]") {
+  // One rank holding both stages of a chain, 2 microbatches: F00 F10 B10 F01 F11 B11 B00 B01.
+  Schedule schedule;
+  schedule.name = "two stages on one rank";
+  schedule.num_ranks = 1;
+  schedule.num_stages = 2;
+  schedule.num_microbatches = 2;
+  schedule.stage_to_rank = {0, 0};
+  const auto act = [](ActionKind kind, int stage, int mb) { return Action{kind, stage, mb}; };
+  constexpr ActionKind F = ActionKind::Forward, B = ActionKind::Backward;
+  schedule.ranks = {{act(F, 0, 0), act(F, 1, 0), act(B, 1, 0), act(F, 0, 1), act(F, 1, 1), act(B, 1, 1), act(B, 0, 0),
+                     act(B, 0, 1)}};
+  SimulationCosts costs = SimulationCosts::uniform(2);
+  // Stage 0: 10 bytes of activations a microbatch and 100 of gradients; stage 1: 1 and 3. Held after each action:
+  // 10, 11, 13 (stage 1's gradients), 23, 24, 23, 113 (stage 0's), 103. Counting all gradients from the rank's
+  // first backward would peak at 124, after F11.
+  costs.activation_bytes = {10.0, 1.0};
+  costs.gradient_bytes = {100.0, 3.0};
+  const SimulationResult result = simulate(schedule, StageGraph::chain(2), costs);
+  REQUIRE(result.peak_step_bytes.size() == 1);
+  CHECK_THAT(result.peak_step_bytes[0], WithinAbs(113.0, kTolerance));
+  // Not asked for: not counted.
+  CHECK(simulate(schedule, StageGraph::chain(2), SimulationCosts::uniform(2)).peak_step_bytes.empty());
+  costs.gradient_bytes = {100.0};
+  CHECK_THROWS_WITH(simulate(schedule, StageGraph::chain(2), costs),
+                    Catch::Matchers::Contains("activation_bytes and gradient_bytes need one entry per stage"));
+}
+
 TEST_CASE("split backward: activations are freed by W, not I", "[simulator]") {
   Schedule schedule;
   schedule.name = "split";
@@ -192,6 +221,13 @@ TEST_CASE("split backward: activations are freed by W, not I", "[simulator]") {
   CHECK(held.peak_in_flight_with_gradients == std::vector<int>{1, 1});
   CHECK_THAT(held.peak_activations_with_gradients[0], WithinAbs(1.0, kTolerance));
   CHECK_THAT(held.peak_activations_with_gradients[1], WithinAbs(0.25, kTolerance));
+  // In bytes (activations 4 a microbatch, gradients 2): rank 1 holds F1's 4 and I0's quarter, 5, before its
+  // gradients; after W0, I1's quarter and the gradients, 3.
+  freed.activation_bytes = {4.0, 4.0};
+  freed.gradient_bytes = {2.0, 2.0};
+  const SimulationResult in_bytes = simulate(schedule, graph, freed);
+  CHECK_THAT(in_bytes.peak_step_bytes[0], WithinAbs(8.0, kTolerance));
+  CHECK_THAT(in_bytes.peak_step_bytes[1], WithinAbs(5.0, kTolerance));
 }
 
 TEST_CASE("a deadlock names every stuck rank and what it waits for", "[simulator]") {

@@ -41,6 +41,17 @@ void check_costs(const SimulationCosts& costs, int num_stages) {
     if (!(share >= 0 && share <= 1))
       throw ScheduleError("simulation costs: weight_pass_share must be within [0, 1], got " + std::to_string(share));
   }
+  if (!costs.activation_bytes.empty() || !costs.gradient_bytes.empty()) {
+    if (static_cast<int>(costs.activation_bytes.size()) != num_stages ||
+        static_cast<int>(costs.gradient_bytes.size()) != num_stages)
+      throw ScheduleError("simulation costs: activation_bytes and gradient_bytes need one entry per stage (" +
+                          std::to_string(num_stages) + "), got " + std::to_string(costs.activation_bytes.size()) +
+                          " and " + std::to_string(costs.gradient_bytes.size()));
+    for (std::size_t stage = 0; stage < costs.activation_bytes.size(); ++stage) {
+      check(costs.activation_bytes[stage], "stage " + std::to_string(stage) + " activation_bytes");
+      check(costs.gradient_bytes[stage], "stage " + std::to_string(stage) + " gradient_bytes");
+    }
+  }
   check(costs.processors, "processors");
   check(costs.p2p.latency_s, "latency_s");
   check(costs.p2p.bytes_per_transfer, "bytes_per_transfer");
@@ -77,12 +88,15 @@ class SimulationState {
         awaited_(static_cast<std::size_t>(schedule.num_ranks)),
         in_flight_(static_cast<std::size_t>(schedule.num_ranks), 0),
         activations_(static_cast<std::size_t>(schedule.num_ranks), 0.0),
-        gradients_(static_cast<std::size_t>(schedule.num_ranks), false) {
+        gradients_(static_cast<std::size_t>(schedule.num_ranks), false),
+        bytes_(static_cast<std::size_t>(schedule.num_ranks), 0.0),
+        stage_gradients_(static_cast<std::size_t>(schedule.num_stages), false) {
     result_.busy_time.assign(static_cast<std::size_t>(schedule.num_ranks), 0.0);
     result_.peak_in_flight.assign(static_cast<std::size_t>(schedule.num_ranks), 0);
     result_.peak_activations.assign(static_cast<std::size_t>(schedule.num_ranks), 0.0);
     result_.peak_in_flight_with_gradients.assign(static_cast<std::size_t>(schedule.num_ranks), 0);
     result_.peak_activations_with_gradients.assign(static_cast<std::size_t>(schedule.num_ranks), 0.0);
+    if (!costs.activation_bytes.empty()) result_.peak_step_bytes.assign(static_cast<std::size_t>(schedule.num_ranks), 0.0);
     result_.timings.resize(static_cast<std::size_t>(schedule.num_ranks));
     for (int rank = 0; rank < schedule.num_ranks; ++rank) result_.timings[rank].resize(schedule.ranks[rank].size());
   }
@@ -170,12 +184,43 @@ class SimulationState {
       default:
         break;
     }
+    if (!result_.peak_step_bytes.empty()) track_bytes(rank, action, share);
     if (gradients_[rank]) {
       auto& in_flight = result_.peak_in_flight_with_gradients[rank];
       auto& kept = result_.peak_activations_with_gradients[rank];
       in_flight = std::max(in_flight, held);
       kept = std::max(kept, activations);
     }
+  }
+
+  void track_bytes(int rank, const Action& action, double share) {
+    const auto stage = static_cast<std::size_t>(action.stage);
+    const double activations = costs_.activation_bytes.at(stage);
+    double& held = bytes_[rank];
+    const auto gradients_arrive = [&] {
+      if (stage_gradients_[stage]) return;
+      stage_gradients_[stage] = true;
+      held += costs_.gradient_bytes.at(stage);
+    };
+    switch (action.kind) {
+      case ActionKind::Forward:
+        held += activations;
+        break;
+      case ActionKind::Backward:
+        held -= activations;
+        gradients_arrive();
+        break;
+      case ActionKind::BackwardInput:
+        held -= activations * (1.0 - share);
+        break;
+      case ActionKind::BackwardWeight:
+        held -= activations * share;
+        gradients_arrive();
+        break;
+      default:
+        break;
+    }
+    result_.peak_step_bytes[rank] = std::max(result_.peak_step_bytes[rank], held);
   }
 
   // What produces the message a receive waits for: its SEND, or in a compute-only schedule the compute action
@@ -203,6 +248,8 @@ class SimulationState {
   std::vector<int> in_flight_;
   std::vector<double> activations_;
   std::vector<bool> gradients_;  // per rank: a gradient-producing action has finished
+  std::vector<double> bytes_;           // per rank: activation and gradient bytes held (peak_step_bytes)
+  std::vector<bool> stage_gradients_;  // per stage: its gradients exist
   SimulationResult result_;
 };
 

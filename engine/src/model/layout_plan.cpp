@@ -256,6 +256,20 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   const int host_ranks = costs.ranks_per_node > 0 ? std::min(costs.ranks_per_node, world_size) : world_size;
   const double sharing = costs.shared_processors > 0 ? std::max(1.0, host_ranks / costs.shared_processors) : 1.0;
   if (sharing > 1.0) simulated.processors = layout.partitions / sharing;
+  if (!layout.recompute) {
+    // What each rank holds through the step, stage by stage: a microbatch's activations from its F to its B (under
+    // the split, what W reads from I to W; the first stage's input takes no gradient, so its W is its backward),
+    // each stage's gradients from its first backward on.
+    simulated.activation_bytes = activation_bytes;
+    simulated.gradient_bytes = parameter_bytes;
+    if (schedule.split_backward) {
+      for (int stage = 0; stage < stages; ++stage) {
+        std::vector<ModuleProfile> members;
+        for (int module : plan.modules_of_stage(stage)) members.push_back(plan.modules[static_cast<std::size_t>(module)]);
+        simulated.weight_pass_share.push_back(stage == 0 ? 1.0 : weight_pass_share(members));
+      }
+    }
+  }
   const auto lowered = sched::lower_communication(schedule, sched::StageGraph::chain(stages));
   const auto result = sched::simulate(lowered, sched::StageGraph::chain(stages), simulated);
   prediction.pipeline_s = result.makespan;
@@ -314,10 +328,11 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
     // moment); the optimizer's temporaries come after the activations are gone.
     const double gradients = rank_parameter_bytes[rank];
     const double buckets = layout.replicas > 1 ? gradients : 0.0;
+    const double during_step = result.peak_step_bytes.empty()
+                                   ? std::max(activations_held[rank], gradients + activations_beside_gradients[rank])
+                                   : result.peak_step_bytes[rank];
     prediction.memory_mib[rank] =
-        (held_bytes[rank] + std::max({activations_held[rank], gradients + activations_beside_gradients[rank],
-                                      gradients + buckets, gradients + scratch})) /
-        kMiB;
+        (held_bytes[rank] + std::max({during_step, gradients + buckets, gradients + scratch})) / kMiB;
   }
   // The rank with the most parameters reduces the most and steps the longest: the dense ones over every replica,
   // the experts' over the replicas holding the same experts.

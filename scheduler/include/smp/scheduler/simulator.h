@@ -39,6 +39,11 @@ struct SimulationCosts {
   // (the zero-bubble input pass frees what the weight pass does not read). Only SimulationResult::peak_activations
   // reads it.
   std::vector<double> weight_pass_share;
+  // Per stage (both empty: not counted): the bytes a microbatch's activations hold on it from its F until its B (or
+  // W, less what I frees), and the bytes of its gradients, which appear when its first B (or W) ends and stay.
+  // SimulationResult::peak_step_bytes sums them per rank.
+  std::vector<double> activation_bytes;
+  std::vector<double> gradient_bytes;
 
   // Every stage costs the same.
   static SimulationCosts uniform(int num_stages, const StageCosts& stage = {}, const P2PCosts& p2p = {});
@@ -67,6 +72,10 @@ struct SimulationResult {
   // gradients from its first. 0 for a rank that produces no gradient.
   std::vector<int> peak_in_flight_with_gradients;
   std::vector<double> peak_activations_with_gradients;
+  // Per rank, where SimulationCosts gives activation and gradient bytes: the most of both it held at once, stage by
+  // stage (a rank of two stages gets each stage's gradients at that stage's first backward). Taken between
+  // actions: a backward's own mix of new gradients and activations not yet freed is not seen. Empty otherwise.
+  std::vector<double> peak_step_bytes;
   std::vector<std::vector<ActionTiming>> timings;  // [rank][action index], the shape of Schedule::ranks
 };
 
