@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "smp/scheduler/schedule.h"
@@ -23,6 +24,22 @@ SimulationCosts textbook_costs(int num_stages) {
   stage.backward = 2.0;
   return SimulationCosts::uniform(num_stages, stage);
 }
+
+// A schedule written out action by action: `stage_to_rank` gives the ranks and stages, `ranks` each rank's actions.
+Schedule by_hand(const std::string& name, std::vector<int> stage_to_rank, int microbatches,
+                 std::vector<std::vector<Action>> ranks, bool split_backward = false) {
+  Schedule schedule;
+  schedule.name = name;
+  schedule.num_ranks = static_cast<int>(ranks.size());
+  schedule.num_stages = static_cast<int>(stage_to_rank.size());
+  schedule.num_microbatches = microbatches;
+  schedule.split_backward = split_backward;
+  schedule.stage_to_rank = std::move(stage_to_rank);
+  schedule.ranks = std::move(ranks);
+  return schedule;
+}
+
+Action act(ActionKind kind, int stage, int microbatch) { return Action{kind, stage, microbatch}; }
 
 }  // namespace
 
@@ -115,21 +132,16 @@ TEST_CASE("action timings with latency and bandwidth", "[simulator]") {
 
 TEST_CASE("stages on one rank hand over for free", "[simulator]") {
   // Two stages, both on rank 0, as a looped schedule would place them.
-  Schedule schedule;
-  schedule.name = "local";
-  schedule.num_ranks = 1;
-  schedule.num_stages = 2;
-  schedule.num_microbatches = 3;
-  schedule.stage_to_rank = {0, 0};
-  schedule.ranks.resize(1);
+  std::vector<Action> actions;
   for (int mb = 0; mb < 3; ++mb) {
-    schedule.ranks[0].push_back({ActionKind::Forward, 0, mb});
-    schedule.ranks[0].push_back({ActionKind::Forward, 1, mb});
+    actions.push_back(act(ActionKind::Forward, 0, mb));
+    actions.push_back(act(ActionKind::Forward, 1, mb));
   }
   for (int mb = 0; mb < 3; ++mb) {
-    schedule.ranks[0].push_back({ActionKind::Backward, 1, mb});
-    schedule.ranks[0].push_back({ActionKind::Backward, 0, mb});
+    actions.push_back(act(ActionKind::Backward, 1, mb));
+    actions.push_back(act(ActionKind::Backward, 0, mb));
   }
+  const Schedule schedule = by_hand("local", {0, 0}, 3, {actions});
   const StageGraph graph = StageGraph::chain(2);
   P2PCosts slow_network;
   slow_network.latency_s = 10.0;
@@ -157,16 +169,10 @@ TEST_CASE("per-stage costs: the slowest stage sets the pace", "[simulator]") {
 TEST_CASE("bytes held through the step: activations until their backward, each stage's gradients from its first",
           "[simulator]") {
   // One rank holding both stages of a chain, 2 microbatches: F00 F10 B10 F01 F11 B11 B00 B01.
-  Schedule schedule;
-  schedule.name = "two stages on one rank";
-  schedule.num_ranks = 1;
-  schedule.num_stages = 2;
-  schedule.num_microbatches = 2;
-  schedule.stage_to_rank = {0, 0};
-  const auto act = [](ActionKind kind, int stage, int mb) { return Action{kind, stage, mb}; };
   constexpr ActionKind F = ActionKind::Forward, B = ActionKind::Backward;
-  schedule.ranks = {{act(F, 0, 0), act(F, 1, 0), act(B, 1, 0), act(F, 0, 1), act(F, 1, 1), act(B, 1, 1), act(B, 0, 0),
-                     act(B, 0, 1)}};
+  const Schedule schedule = by_hand("two stages on one rank", {0, 0}, 2,
+                                    {{act(F, 0, 0), act(F, 1, 0), act(B, 1, 0), act(F, 0, 1), act(F, 1, 1),
+                                      act(B, 1, 1), act(B, 0, 0), act(B, 0, 1)}});
   SimulationCosts costs = SimulationCosts::uniform(2);
   // Stage 0: 10 bytes of activations a microbatch and 100 of gradients; stage 1: 1 and 3. Held after each action:
   // 10, 11, 13 (stage 1's gradients), 23, 24, 23, 113 (stage 0's), 103. Counting all gradients from the rank's
@@ -184,17 +190,12 @@ TEST_CASE("bytes held through the step: activations until their backward, each s
 }
 
 TEST_CASE("split backward: activations are freed by W, not I", "[simulator]") {
-  Schedule schedule;
-  schedule.name = "split";
-  schedule.num_ranks = 2;
-  schedule.num_stages = 2;
-  schedule.num_microbatches = 2;
-  schedule.split_backward = true;
-  schedule.stage_to_rank = {0, 1};
-  const auto act = [](ActionKind kind, int stage, int mb) { return Action{kind, stage, mb}; };
   constexpr ActionKind F = ActionKind::Forward, I = ActionKind::BackwardInput, W = ActionKind::BackwardWeight;
-  schedule.ranks = {{act(F, 0, 0), act(F, 0, 1), act(I, 0, 0), act(I, 0, 1), act(W, 0, 0), act(W, 0, 1)},
-                    {act(F, 1, 0), act(I, 1, 0), act(F, 1, 1), act(I, 1, 1), act(W, 1, 0), act(W, 1, 1)}};
+  const Schedule schedule =
+      by_hand("split", {0, 1}, 2,
+              {{act(F, 0, 0), act(F, 0, 1), act(I, 0, 0), act(I, 0, 1), act(W, 0, 0), act(W, 0, 1)},
+               {act(F, 1, 0), act(I, 1, 0), act(F, 1, 1), act(I, 1, 1), act(W, 1, 0), act(W, 1, 1)}},
+              /*split_backward=*/true);
   const StageGraph graph = StageGraph::chain(2);
   StageCosts unit;
   unit.forward = unit.backward_input = unit.backward_weight = 1.0;
