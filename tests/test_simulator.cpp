@@ -67,7 +67,11 @@ TEST_CASE("peak activations in flight", "[simulator]") {
   for (int ranks : {1, 2, 4, 5}) {
     for (int microbatches : {1, 2, 3, 8}) {
       const StageGraph graph = StageGraph::chain(ranks);
-      const SimulationCosts costs = textbook_costs(ranks);
+      // A byte a microbatch's activations, a thousand each stage's gradients: beside the gradients, the bytes above
+      // a thousand are the microbatches held.
+      SimulationCosts costs = textbook_costs(ranks);
+      costs.activation_bytes.assign(static_cast<std::size_t>(ranks), 1.0);
+      costs.gradient_bytes.assign(static_cast<std::size_t>(ranks), 1000.0);
       INFO("ranks=" << ranks << " microbatches=" << microbatches);
       const SimulationResult gpipe = simulate(make_gpipe(ranks, microbatches), graph, costs);
       const SimulationResult one_f_one_b = simulate(make_1f1b(ranks, microbatches), graph, costs);
@@ -79,11 +83,10 @@ TEST_CASE("peak activations in flight", "[simulator]") {
         CHECK(capped.peak_in_flight[rank] == std::min({ranks - rank, microbatches, 2}));
         // Beside the gradients (from the end of the first backward): GPipe has no forward left, so one microbatch
         // fewer; 1F1B forwards again where microbatches remain after its warm-up, and holds its peak.
-        CHECK(gpipe.peak_in_flight_with_gradients[rank] == microbatches - 1);
+        CHECK(gpipe.peak_step_bytes[rank] == 1000.0 + (microbatches - 1));
         for (const auto& [result, peak] : {std::pair{&one_f_one_b, std::min(ranks - rank, microbatches)},
                                            std::pair{&capped, std::min({ranks - rank, microbatches, 2})}}) {
-          CHECK(result->peak_in_flight_with_gradients[rank] == (microbatches > peak ? peak : peak - 1));
-          CHECK(result->peak_activations_with_gradients[rank] == result->peak_in_flight_with_gradients[rank]);
+          CHECK(result->peak_step_bytes[rank] == 1000.0 + (microbatches > peak ? peak : peak - 1));
         }
       }
     }
@@ -218,10 +221,14 @@ TEST_CASE("split backward: activations are freed by W, not I", "[simulator]") {
   CHECK(held.peak_in_flight == std::vector<int>{2, 2});
   CHECK_THAT(held.peak_activations[0], WithinAbs(2.0, kTolerance));
   CHECK_THAT(held.peak_activations[1], WithinAbs(1.25, kTolerance));
-  // The gradients come with W: after W0 rank 0 still holds microbatch 1 whole, rank 1 the quarter its W reads.
-  CHECK(held.peak_in_flight_with_gradients == std::vector<int>{1, 1});
-  CHECK_THAT(held.peak_activations_with_gradients[0], WithinAbs(1.0, kTolerance));
-  CHECK_THAT(held.peak_activations_with_gradients[1], WithinAbs(0.25, kTolerance));
+  // The gradients come with W: after W0 rank 0 still holds microbatch 1 whole, rank 1 the quarter its W reads
+  // (a byte a microbatch, a thousand of gradients).
+  SimulationCosts with_gradients = freed;
+  with_gradients.activation_bytes = {1.0, 1.0};
+  with_gradients.gradient_bytes = {1000.0, 1000.0};
+  const SimulationResult beside = simulate(schedule, graph, with_gradients);
+  CHECK_THAT(beside.peak_step_bytes[0], WithinAbs(1001.0, kTolerance));
+  CHECK_THAT(beside.peak_step_bytes[1], WithinAbs(1000.25, kTolerance));
   // In bytes (activations 4 a microbatch, gradients 2): rank 1 holds F1's 4 and I0's quarter, 5, before its
   // gradients; after W0, I1's quarter and the gradients, 3.
   freed.activation_bytes = {4.0, 4.0};

@@ -88,14 +88,11 @@ class SimulationState {
         awaited_(static_cast<std::size_t>(schedule.num_ranks)),
         in_flight_(static_cast<std::size_t>(schedule.num_ranks), 0),
         activations_(static_cast<std::size_t>(schedule.num_ranks), 0.0),
-        gradients_(static_cast<std::size_t>(schedule.num_ranks), false),
         bytes_(static_cast<std::size_t>(schedule.num_ranks), 0.0),
         stage_gradients_(static_cast<std::size_t>(schedule.num_stages), false) {
     result_.busy_time.assign(static_cast<std::size_t>(schedule.num_ranks), 0.0);
     result_.peak_in_flight.assign(static_cast<std::size_t>(schedule.num_ranks), 0);
     result_.peak_activations.assign(static_cast<std::size_t>(schedule.num_ranks), 0.0);
-    result_.peak_in_flight_with_gradients.assign(static_cast<std::size_t>(schedule.num_ranks), 0);
-    result_.peak_activations_with_gradients.assign(static_cast<std::size_t>(schedule.num_ranks), 0.0);
     if (!costs.activation_bytes.empty()) result_.peak_step_bytes.assign(static_cast<std::size_t>(schedule.num_ranks), 0.0);
     result_.timings.resize(static_cast<std::size_t>(schedule.num_ranks));
     for (int rank = 0; rank < schedule.num_ranks; ++rank) result_.timings[rank].resize(schedule.ranks[rank].size());
@@ -171,7 +168,6 @@ class SimulationState {
       case ActionKind::Backward:
         --held;
         activations -= 1.0;
-        gradients_[rank] = true;
         break;
       case ActionKind::BackwardInput:
         activations -= 1.0 - share;
@@ -179,18 +175,11 @@ class SimulationState {
       case ActionKind::BackwardWeight:
         --held;
         activations -= share;
-        gradients_[rank] = true;
         break;
       default:
         break;
     }
     if (!result_.peak_step_bytes.empty()) track_bytes(rank, action, share);
-    if (gradients_[rank]) {
-      auto& in_flight = result_.peak_in_flight_with_gradients[rank];
-      auto& kept = result_.peak_activations_with_gradients[rank];
-      in_flight = std::max(in_flight, held);
-      kept = std::max(kept, activations);
-    }
   }
 
   void track_bytes(int rank, const Action& action, double share) {
@@ -247,7 +236,6 @@ class SimulationState {
 
   std::vector<int> in_flight_;
   std::vector<double> activations_;
-  std::vector<bool> gradients_;  // per rank: a gradient-producing action has finished
   std::vector<double> bytes_;           // per rank: activation and gradient bytes held (peak_step_bytes)
   std::vector<bool> stage_gradients_;  // per stage: its gradients exist
   SimulationResult result_;

@@ -125,13 +125,13 @@ std::vector<bool> checkpointed_modules(const std::vector<std::string>& module_na
 // W under the zero-bubble split (the first stage's input takes no gradient: its W is the whole backward, and it
 // holds everything); 1 counts the microbatch whole until W.
 std::vector<double> activation_copies(const sched::Schedule& schedule, double weight_pass_share = 1.0);
-// The same, counted from the end of its rank's first gradient-producing action (B, or W) on: what a stage holds
-// beside its gradients where a step starts without them (sched::SimulationResult::peak_activations_with_gradients).
-// Under GPipe, 2 stages and 4 microbatches: 4 and 4 over the step, 3 and 3 beside the gradients.
-std::vector<double> activation_copies_with_gradients(const sched::Schedule& schedule, double weight_pass_share = 1.0);
 // What the profiled modules hold from I until W, over what their forwards keep (weight_pass_bytes over
 // activation_bytes); 1 when the profile has no split timings.
 double weight_pass_share(const std::vector<ModuleProfile>& modules);
+// The same over the modules at `members` (a stage's).
+double weight_pass_share(const std::vector<ModuleProfile>& modules, const std::vector<int>& members);
+// A node's parameters as ModuleProfile::parameter_shapes lists them: (name, sizes), in order.
+std::vector<std::pair<std::string, std::vector<std::int64_t>>> parameter_shapes_of(const ModuleProfile& module);
 
 // Splits a profiled graph into config.num_stages() stages, each stage only feeding later ones: balanced by
 // forward + backward time mixed with memory by memory_weight when auto_partition is true, else every module on

@@ -176,7 +176,6 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   const int expert_shards = layout.shard_optimizer_state ? layout.replicas / ep : 1;
   StagePlan plan;
   StageDevices devices;
-  std::vector<double> copies_beside_gradients;
   try {
     // Devices that differ are given per rank of the whole world: a pipeline rank's stages run at its slowest
     // member's speed (its replicas and tensor-parallel peers wait for it) within its least memory.
@@ -187,7 +186,6 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
     // An experts layer's exchange carries every member's microbatch.
     divide_experts(modules, ep, profile.experts_split, ep * per_microbatch, costs);
     plan = plan_stages(modules, config, activation_copies(schedule, weight_pass_share(modules)), shards, &devices);
-    copies_beside_gradients = activation_copies_with_gradients(schedule, weight_pass_share(modules));
   } catch (const std::exception& error) {
     prediction.rejected = error.what();
     return;
@@ -264,9 +262,8 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
     simulated.gradient_bytes = parameter_bytes;
     if (schedule.split_backward) {
       for (int stage = 0; stage < stages; ++stage) {
-        std::vector<ModuleProfile> members;
-        for (int module : plan.modules_of_stage(stage)) members.push_back(plan.modules[static_cast<std::size_t>(module)]);
-        simulated.weight_pass_share.push_back(stage == 0 ? 1.0 : weight_pass_share(members));
+        simulated.weight_pass_share.push_back(stage == 0 ? 1.0
+                                                         : weight_pass_share(plan.modules, plan.modules_of_stage(stage)));
       }
     }
   }
@@ -292,7 +289,7 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   // its replicas reduce after the step.
   const auto ranks = static_cast<std::size_t>(layout.partitions);
   std::vector<double> rank_parameter_bytes(ranks, 0.0), rank_expert_bytes(ranks, 0.0), held_bytes(ranks, 0.0),
-      activations_held(ranks, 0.0), activations_beside_gradients(ranks, 0.0), largest_parameter(ranks, 0.0);
+      activations_held(ranks, 0.0), largest_parameter(ranks, 0.0);
   for (int stage = 0; stage < stages; ++stage) {
     const int rank = schedule.stage_to_rank.at(stage);
     const double copies = layout.recompute ? 1.0 : plan.activation_copies.at(stage);
@@ -301,10 +298,6 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
     held_bytes[rank] += (1.0 + optimizer_moments / shards) * dense +
                         (1.0 + optimizer_moments / expert_shards) * expert_bytes[stage];
     activations_held[rank] += copies * activation_bytes[stage];
-    // A recomputing stage rebuilds a microbatch's activations inside its backward, beside the gradients.
-    activations_beside_gradients[rank] +=
-        (layout.recompute ? copies : copies_beside_gradients.at(static_cast<std::size_t>(stage))) *
-        activation_bytes[stage];
     rank_parameter_bytes[rank] += parameter_bytes[stage];
     rank_expert_bytes[rank] += expert_bytes[stage];
     for (int module : plan.modules_of_stage(stage)) {
@@ -328,9 +321,9 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
     // moment); the optimizer's temporaries come after the activations are gone.
     const double gradients = rank_parameter_bytes[rank];
     const double buckets = layout.replicas > 1 ? gradients : 0.0;
-    const double during_step = result.peak_step_bytes.empty()
-                                   ? std::max(activations_held[rank], gradients + activations_beside_gradients[rank])
-                                   : result.peak_step_bytes[rank];
+    // A recomputing stage rebuilds a microbatch's activations inside its backward, beside the gradients.
+    const double during_step =
+        result.peak_step_bytes.empty() ? gradients + activations_held[rank] : result.peak_step_bytes[rank];
     prediction.memory_mib[rank] =
         (held_bytes[rank] + std::max({during_step, gradients + buckets, gradients + scratch})) / kMiB;
   }
@@ -476,17 +469,10 @@ void ModelProfile::mark_experts(const std::map<std::string, std::int64_t>& token
     };
     std::vector<Held> parameters;
     std::int64_t elements = 0;
-    std::istringstream entries(node.parameter_shapes);
-    for (std::string entry; std::getline(entries, entry, ';');) {
-      const auto colon = entry.rfind(':');
-      if (colon == std::string::npos) continue;
-      Held held{entry.substr(0, colon)};
-      std::istringstream sizes(entry.substr(colon + 1));
-      for (std::string size; std::getline(sizes, size, ',');) {
-        if (size.empty()) continue;
-        if (held.first_dimension == 0) held.first_dimension = std::stoll(size);
-        held.elements *= std::stoll(size);
-      }
+    for (auto& [name, sizes] : parameter_shapes_of(node)) {
+      Held held{std::move(name)};
+      for (std::int64_t size : sizes) held.elements *= size;
+      held.first_dimension = sizes.empty() ? 0 : sizes.front();
       elements += held.elements;
       parameters.push_back(std::move(held));
     }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -173,11 +174,7 @@ std::vector<bool> checkpointed_modules(const std::vector<std::string>& module_na
   return selected;
 }
 
-namespace {
-
-// Per stage: the microbatches whose activations it holds at once (over the whole step, or from its rank's first
-// gradient on).
-std::vector<double> copies_held(const sched::Schedule& schedule, double weight_pass_share, bool with_gradients) {
+std::vector<double> activation_copies(const sched::Schedule& schedule, double weight_pass_share) {
   sched::Schedule compute = schedule;
   for (auto& actions : compute.ranks) {
     actions.erase(std::remove_if(actions.begin(), actions.end(),
@@ -191,39 +188,48 @@ std::vector<double> copies_held(const sched::Schedule& schedule, double weight_p
     costs.weight_pass_share.front() = 1.0;
   }
   const auto simulated = sched::simulate(compute, sched::StageGraph::chain(schedule.num_stages), costs);
-  const auto& activations = with_gradients ? simulated.peak_activations_with_gradients : simulated.peak_activations;
-  const auto& in_flight = with_gradients ? simulated.peak_in_flight_with_gradients : simulated.peak_in_flight;
-  // A stage counts at least one microbatch over the whole step; beside its gradients it may hold none.
-  const double least = with_gradients ? 0.0 : 1.0;
-  std::vector<double> copies(static_cast<std::size_t>(schedule.num_stages), least);
+  std::vector<double> copies(static_cast<std::size_t>(schedule.num_stages), 1.0);
   for (int stage = 0; stage < schedule.num_stages; ++stage) {
     const int rank = schedule.stage_to_rank.at(stage);
     const double stages_on_rank = static_cast<double>(schedule.stages_of_rank(rank).size());
     // Whole microbatches without the split; with it, the share a pending W holds counts as it is.
-    copies[stage] = shared ? std::max(least, activations.at(rank) / stages_on_rank)
-                           : std::max(least, std::ceil(in_flight.at(rank) / stages_on_rank));
+    copies[stage] = shared ? std::max(1.0, simulated.peak_activations.at(rank) / stages_on_rank)
+                           : std::max(1.0, std::ceil(simulated.peak_in_flight.at(rank) / stages_on_rank));
   }
   return copies;
 }
 
-}  // namespace
-
-std::vector<double> activation_copies(const sched::Schedule& schedule, double weight_pass_share) {
-  return copies_held(schedule, weight_pass_share, false);
-}
-
-std::vector<double> activation_copies_with_gradients(const sched::Schedule& schedule, double weight_pass_share) {
-  return copies_held(schedule, weight_pass_share, true);
-}
-
-double weight_pass_share(const std::vector<ModuleProfile>& modules) {
+double weight_pass_share(const std::vector<ModuleProfile>& modules, const std::vector<int>& members) {
   double held = 0.0, kept = 0.0;
-  for (const auto& module : modules) {
+  for (int member : members) {
+    const auto& module = modules.at(static_cast<std::size_t>(member));
     if (module.weight_pass_bytes < 0) continue;
     held += static_cast<double>(module.weight_pass_bytes);
     kept += static_cast<double>(module.activation_bytes);
   }
   return kept > 0 ? std::min(1.0, held / kept) : 1.0;
+}
+
+double weight_pass_share(const std::vector<ModuleProfile>& modules) {
+  std::vector<int> all(modules.size());
+  std::iota(all.begin(), all.end(), 0);
+  return weight_pass_share(modules, all);
+}
+
+std::vector<std::pair<std::string, std::vector<std::int64_t>>> parameter_shapes_of(const ModuleProfile& module) {
+  std::vector<std::pair<std::string, std::vector<std::int64_t>>> shapes;
+  std::istringstream entries(module.parameter_shapes);
+  for (std::string entry; std::getline(entries, entry, ';');) {
+    const auto colon = entry.rfind(':');
+    if (colon == std::string::npos) continue;
+    std::vector<std::int64_t> sizes;
+    std::istringstream dimensions(entry.substr(colon + 1));
+    for (std::string size; std::getline(dimensions, size, ',');) {
+      if (!size.empty()) sizes.push_back(std::stoll(size));
+    }
+    shapes.emplace_back(entry.substr(0, colon), std::move(sizes));
+  }
+  return shapes;
 }
 
 bool StageDevices::alike() const {

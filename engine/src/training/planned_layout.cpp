@@ -6,7 +6,6 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -53,18 +52,9 @@ double optimizer_seconds_per_byte(const ModelProfile& profile, c10::Device devic
   std::vector<at::Tensor> parameters;
   std::int64_t elements = 0;
   for (const auto& node : profile.modules) {
-    std::istringstream entries(node.parameter_shapes);  // "path:d0,d1,;" per parameter
-    for (std::string entry; std::getline(entries, entry, ';');) {
-      const auto colon = entry.rfind(':');
-      if (colon == std::string::npos) continue;
-      std::vector<std::int64_t> shape;
+    for (const auto& [name, shape] : parameter_shapes_of(node)) {
       std::int64_t count = 1;
-      std::istringstream sizes(entry.substr(colon + 1));
-      for (std::string size; std::getline(sizes, size, ',');) {
-        if (size.empty()) continue;
-        shape.push_back(std::stoll(size));
-        count *= shape.back();
-      }
+      for (std::int64_t size : shape) count *= size;
       if (count <= 0 || elements + count > kMostElements) continue;
       elements += count;
       parameters.push_back(at::zeros(shape, at::TensorOptions().device(device)).requires_grad_());

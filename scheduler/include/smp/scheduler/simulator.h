@@ -64,17 +64,11 @@ struct SimulationResult {
   // Per rank: the most microbatches' activations it held at once, a microbatch between its I and its W counting
   // as its stage's weight_pass_share of one (peak_in_flight counts it whole).
   std::vector<double> peak_activations;
-  // The same two peaks counted only from the end of the rank's first gradient-producing action (B, or W under the
-  // split) on: what it holds beside its weight gradients, where a step starts without them (freed between steps,
-  // as zero_grad does by default). Before that, its activations are all it holds; a rank that runs no forward after
-  // its first backward (every rank under GPipe; under 1F1B the first, when there are no more microbatches than
-  // stages) never holds its peak and its gradients at once. Per rank: a rank of two stages counts all its
-  // gradients from its first. 0 for a rank that produces no gradient.
-  std::vector<int> peak_in_flight_with_gradients;
-  std::vector<double> peak_activations_with_gradients;
   // Per rank, where SimulationCosts gives activation and gradient bytes: the most of both it held at once, stage by
-  // stage (a rank of two stages gets each stage's gradients at that stage's first backward). Taken between
-  // actions: a backward's own mix of new gradients and activations not yet freed is not seen. Empty otherwise.
+  // stage. A step starts without gradients (freed between steps, as zero_grad does by default), and each stage's
+  // appear when its first B (or W) ends, so a rank that runs no forward after its first backward (every rank under
+  // GPipe) never holds its peak of activations and its gradients at once. Taken between actions: a backward's own
+  // mix of new gradients and activations not yet freed is not seen. Empty otherwise.
   std::vector<double> peak_step_bytes;
   std::vector<std::vector<ActionTiming>> timings;  // [rank][action index], the shape of Schedule::ranks
 };
