@@ -6,6 +6,7 @@ Every number printed is measured in this run; nothing is copied from elsewhere.
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -256,6 +257,22 @@ print(f"capture: {r['capture_s']['dynamic']:.2f} s with dynamic shapes, {r['capt
       f"({r['dynamic_over_fixed']:.3f}x, medians of {r['rounds']})")
 for length in r["first_step_ms"]:
     print(f"  length {length}: first step {r['first_step_ms'][length]:.1f} ms, steady {r['steady_ms'][length]:.1f} ms")
+
+section("the zero-bubble split on the captured path: a Hugging Face Llama (8 layers) on 2 stages, m 8, 1F1B against "
+        "ZB-H1 in alternating jobs; the last stage's I + W against its B (medians of a traced step's microbatches)")
+for d_model, samples in ((256, 2), (256, 8), (512, 4)):
+    runs = {"interleaved": [], "zero_bubble": []}
+    for _ in range(2):
+        for pipeline in runs:
+            runs[pipeline].append(python_job(2, "bench_split.py", "--pipeline", pipeline, "--d-model", str(d_model),
+                                             "--samples", str(samples))[0]["stages"]["1"])
+    b = statistics.median(stage["B"] for stage in runs["interleaved"])
+    i = statistics.median(stage["I"] for stage in runs["zero_bubble"])
+    w = statistics.median(stage["W"] for stage in runs["zero_bubble"])
+    per_job_b = ", ".join(f"{stage['B']:.1f}" for stage in runs["interleaved"])
+    per_job_iw = ", ".join(f"{stage['I'] + stage['W']:.1f}" for stage in runs["zero_bubble"])
+    print(f"d {d_model}, {samples * 64} tokens a microbatch: B {b:.2f} ms, I {i:.2f} + W {w:.2f} ms = "
+          f"{(i + w) / b:.3f} B (per job: B {per_job_b}; I + W {per_job_iw})")
 
 section("expert parallelism: a Mixtral-shaped Hugging Face model (8 experts, top-2, 4 layers, d 256) on 4 "
         "data-parallel processes, its experts divided over 2 replicas (ep 2) against replicated (ep 1); jobs alternating")
