@@ -544,13 +544,7 @@ PYBIND11_MODULE(_smp, module) {
       [](const GraphModel& graph, const OptionalTensors& sample, int sample_batch, const OptionalTensors& larger,
          int larger_batch) {
         py::gil_scoped_release released;
-        const WithoutCollectives alone;
-        ModelProfile profile{profile_graph(graph, defined_or_not(sample), 3, split_backward_timer(), /*scale_to_whole=*/true), sample_batch, {}, 0};
-        if (larger_batch > sample_batch) {
-          profile.larger = profile_graph(graph, defined_or_not(larger), 3, split_backward_timer(), /*scale_to_whole=*/true);
-          profile.larger_batch = larger_batch;
-        }
-        return profile;
+        return profile_for_planning(graph, defined_or_not(sample), sample_batch, defined_or_not(larger), larger_batch);
       },
       py::arg("graph"), py::arg("sample"), py::arg("sample_batch"), py::arg("larger"), py::arg("larger_batch"));
   // The process's tensor-parallel group as a stand-in of `degree` ranks while the context lives (tp::ProfiledDegree).
@@ -567,7 +561,7 @@ PYBIND11_MODULE(_smp, module) {
       [](const std::map<int, ModelProfile>& by_degree, const Config& config, int world_size, int global_batch_size,
          double memory_limit_mb, double optimizer_moments, double latency_s, double bytes_per_s, double compute_scale,
          double optimizer_s_per_byte, const std::vector<double>& device_speeds, double shared_processors,
-         bool optimizer_foreach, double synchronization_s, double synchronized_bytes_per_s) {
+         bool optimizer_foreach, double synchronization_s, double synchronized_bytes_per_s, bool keep_fixed_keys) {
         // Overrides of the job's config (0 / negative / empty: the config's).
         Config base = config;
         if (!device_speeds.empty()) base.device_speeds = device_speeds;
@@ -583,6 +577,7 @@ PYBIND11_MODULE(_smp, module) {
           costs.synchronization_s = synchronization_s;
           costs.synchronized_bytes_per_s = synchronized_bytes_per_s;
           predictions = plan_layouts(by_degree, base, world_size, costs, optimizer_moments);
+          if (keep_fixed_keys) keep_what_the_config_fixes(predictions, config, world_size);
         }
         py::list layouts;
         for (const auto& prediction : predictions) {
@@ -606,7 +601,7 @@ PYBIND11_MODULE(_smp, module) {
       py::arg("optimizer_moments"), py::arg("latency_s"), py::arg("bytes_per_s"), py::arg("compute_scale"),
       py::arg("optimizer_s_per_byte"), py::arg("device_speeds") = std::vector<double>{},
       py::arg("shared_processors") = 0.0, py::arg("optimizer_foreach") = false, py::arg("synchronization_s") = 0.0,
-      py::arg("synchronized_bytes_per_s") = 0.0);
+      py::arg("synchronized_bytes_per_s") = 0.0, py::arg("keep_fixed_keys") = false);
   // A planned layout's keys (Layout::config_json) in place of the config's "auto" ones, or None when the layout
   // differs from what the config fixes (smp::adopting_layout).
   module.def(

@@ -39,7 +39,8 @@
 #                              when scripts/device_prepare.sh --nccl made it. Without one, the NCCL jobs of several
 #                              processes check the refusal instead and the Python ones are skipped.
 #   OUT                        when set, logs go there: build_gpu.txt, ctest_gpu.txt, bench_gpu.txt, bench_gpu_collectives.txt,
-#                              bench_llama_gpu.txt, bench_peers_gpu.txt
+#                              bench_llama_gpu.txt, bench_peers_gpu.txt, plan_gpu.txt (the planner's predicted step
+#                              beside the measured one on this GPU)
 #                              (and build_gpu_python.txt when the Python package failed to build)
 set -euo pipefail
 
@@ -308,6 +309,9 @@ if [ "${SMP_GPU_SKIP_TESTS:-0}" = 1 ]; then
 else
   say "ctest -L gpu"
   ctest_log=$(mktemp)
+  # The planner's predicted step beside the measured one on this GPU (test_gpu's [plan] case): its calibration.
+  plan_log=$(mktemp)
+  export SMP_GPU_PLAN_LOG=$plan_log
   if [ -n "$prebuilt" ]; then  # no CTest files travel: the test program itself (exit 77 is its skip)
     (cd "$build/tests" && OMP_NUM_THREADS=1 timeout -k 10 "${SMP_GPU_TEST_TIMEOUT:-540}" ./test_gpu --durations yes) 2>&1 |
       tee "$ctest_log" || status=$?
@@ -317,6 +321,13 @@ else
       tee "$ctest_log" || status=$?
   fi
   [ -n "$out" ] && cp "$ctest_log" "$out/ctest_gpu.txt"
+  if [ -s "$plan_log" ]; then
+    say "the planner on this GPU (predicted against measured):"
+    cat "$plan_log"
+    [ -n "$out" ] && cp "$plan_log" "$out/plan_gpu.txt"
+  fi
+  rm -f "$plan_log"
+  unset SMP_GPU_PLAN_LOG
   if ((status != 0)); then
     say "gpu tests FAILED (status $status)"
   elif grep -q '(Skipped)' "$ctest_log"; then

@@ -7,7 +7,10 @@
 #include "catch_torch.h"
 
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <regex>
+#include <sstream>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/Sleep.h>
@@ -343,6 +346,32 @@ TEST_CASE("checkpointed modules on the GPU train like plain training (bf16)", "[
   REQUIRE(plain.size() == checkpointed.size());
   for (std::size_t step = 0; step < plain.size(); ++step) {
     CHECK(checkpointed[step] == Approx(plain[step]).epsilon(1e-5));
+  }
+}
+
+// The planner on a GPU (issue: calibrate one device's costs): rank 0 profiles the model on the GPU, times the
+// optimizer there, the ranks measure their links, and the job's step is logged beside the prediction. Two processes
+// share the GPU over Gloo (any NCCL). scripts/device_gpu.sh collects those lines (SMP_GPU_PLAN_LOG).
+TEST_CASE("auto layout keys on the GPU: rank 0 plans from the GPU's profile, the ranks adopt it and train like one "
+          "process", "[gpu][plan]") {
+  for (const int processes : {1, 2}) {
+    DYNAMIC_SECTION(processes << " processes") {
+      const auto config = write_config("gpu_planned_" + std::to_string(processes),
+                                       R"({"partitions": "auto", "microbatches": "auto", "pipeline": "auto",
+          "ddp": "auto", "global_batch_size": 16, "seed": 5, "device": "cuda", "backend": "gloo",
+          "comm_timeout_s": 60})");
+      const auto result = run_worker(processes, config, "--model gpt --steps 5 --rtol 1e-4");
+      check_clean_run(result, processes);
+      CHECK_THAT(result.output, Contains("layout chosen: "));
+      std::istringstream lines(result.output);
+      std::string line, compared;
+      while (std::getline(lines, line)) {
+        if (line.find("train_step measured") != std::string::npos) compared = line;
+      }
+      REQUIRE_FALSE(compared.empty());
+      WARN(compared);
+      if (const char* log = std::getenv("SMP_GPU_PLAN_LOG")) std::ofstream(log, std::ios::app) << compared << "\n";
+    }
   }
 }
 

@@ -353,6 +353,38 @@ TEST_CASE("a planned layout carries its cut, and a job adopting it partitions as
   CHECK(graph.expanded_to_paths({"head"}).nodes().size() == 3);          // no such module: plan_stages names it
 }
 
+TEST_CASE("a job's plan rejects the layouts its fixed keys exclude, naming the key, and its report chooses among the "
+          "rest", "[profile][plan]") {
+  const auto modules = equal_chain(8, 1 << 20, 1 << 20);
+  // virtual_stages and shard_optimizer_state fixed by the defaults, replicas by "ddp": false.
+  const smp::Config given = smp::Config::from_json_text(
+      R"({"global_batch_size": 16, "partitions": "auto", "microbatches": "auto", "pipeline": "auto", "ddp": false})",
+      "job.json");
+  auto predictions = smp::plan_layouts({modules, 2}, given, 4, {0.0, 1e9, 1e9});
+  auto rejected_for = [&](auto is_layout) {
+    const auto found = std::find_if(predictions.begin(), predictions.end(), is_layout);
+    REQUIRE(found != predictions.end());
+    return found->rejected;
+  };
+  auto interleaved = [](const smp::LayoutPrediction& p) {
+    return p.layout.pipeline == "interleaved_1f1b";
+  };
+  auto replicated = [](const smp::LayoutPrediction& p) { return p.layout.replicas > 1; };
+  auto adoptable = [](const smp::LayoutPrediction& p) {
+    // A V's two stages per rank are its schedule's, whatever virtual_stages says.
+    return p.layout.replicas == 1 && p.layout.pipeline != "interleaved_1f1b" && !p.layout.recompute;
+  };
+  REQUIRE(rejected_for(interleaved).empty());  // smp.plan alone ranks them all
+  smp::keep_what_the_config_fixes(predictions, given, 4);
+  CHECK(rejected_for(interleaved) == "the config fixes virtual_stages otherwise");
+  CHECK(rejected_for(replicated) == "the config fixes replicas (ddp) otherwise");
+  CHECK(rejected_for(adoptable).empty());
+  const auto chosen = smp::choose_layout(predictions, given, 4).first;
+  CHECK(adoptable(chosen));
+  CHECK_THAT(smp::layout_report(predictions),
+             Catch::Matchers::Contains("chosen: " + chosen.layout.describe() + " (the fastest predicted that fits"));
+}
+
 TEST_CASE("ranks that outnumber their cores share them: a pipeline's fill and drain run faster than its steady state",
           "[profile][plan]") {
   const auto modules = equal_chain(8, 1 << 20, 1 << 20);

@@ -223,7 +223,7 @@ def _routing_report(plan):
 def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb=None, optimizer_moments=2.0,
          link_gbps=None, latency_us=50.0, compute_scale=1.0, device_speeds=None, shared_cores=None,
          dynamic_shapes=None, tp_plan=None, tensor_parallel_degrees=None, synchronization_us=None,
-         synchronized_gbps=None, tokens_per_expert=None):
+         synchronized_gbps=None, tokens_per_expert=None, _for_this_job=False):
     """Predicts every layout of `world_size` ranks (default: this job's) for `model` on `sample` (one microbatch):
     tensor-parallel degree x pipeline stages x data-parallel replicas, schedule (GPipe, 1F1B, ZB-H1; interleaved
     1F1B, ZB-V and DualPipeV at two stages per rank), microbatches, recompute, ZeRO-1. The model is captured and
@@ -264,7 +264,9 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     the model's parameter shapes) per parameter byte; its temporaries (Adam's) as torch.optim's default holds them
     on this device (one parameter at a time on a CPU, all at once on a GPU). Predictions take the zero-bubble split
     as profiled (I and W per node) and assume the all-reduce follows the last backward without overlap.
-    dynamic_shapes: as smp.DistributedModel will be given it (the plan's cut names the captured graph's nodes)."""
+    dynamic_shapes: as smp.DistributedModel will be given it (the plan's cut names the captured graph's nodes).
+    _for_this_job (an "auto" job's own plan): each layout the config's fixed keys exclude is rejected, naming the key,
+    so that the report ranks what the job chooses from."""
     if dynamic_shapes == "none" or (isinstance(dynamic_shapes, collections.abc.Mapping) and
                                     any(0 not in dims for dims in dynamic_shapes.values())):
         raise ConfigError(f"dynamic_shapes {dynamic_shapes!r}: smp.plan (and an \"auto\" layout) profiles the model on "
@@ -310,7 +312,7 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
             -1.0 if link_gbps is None else link_gbps * 1e9, float(compute_scale), optimizer_s_per_byte,
             list(device_speeds or []),
             float(shared_cores), rt.device != "cpu",  # torch.optim steps all parameters at once on a GPU (foreach)
-            (synchronization_us or 0.0) * 1e-6, (synchronized_gbps or 0.0) * 1e9)
+            (synchronization_us or 0.0) * 1e-6, (synchronized_gbps or 0.0) * 1e9, _for_this_job)
         found = Plan(layouts, report, unplanned, predict, routed, world,
                      int(global_batch_size or rt.config.global_batch_size))
         found.report += _routing_report(found)
@@ -327,7 +329,7 @@ def _choose(model, sample, rt, links, speeds, dynamic_shapes, tp_plan):
     found = plan(model, sample, link_gbps=links["bytes_per_s"] / 1e9, latency_us=links["latency_s"] * 1e6,
                  device_speeds=speeds, shared_cores=links["shared_processors"] or None, dynamic_shapes=dynamic_shapes,
                  tp_plan=tp_plan, synchronization_us=links["synchronization_s"] * 1e6,
-                 synchronized_gbps=links["synchronized_bytes_per_s"] / 1e9)
+                 synchronized_gbps=links["synchronized_bytes_per_s"] / 1e9, _for_this_job=True)
     reasons = []
     for row in found.layouts:
         if row["rejected"] is not None:

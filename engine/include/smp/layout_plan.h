@@ -159,6 +159,10 @@ std::vector<LayoutPrediction> plan_layouts(const std::map<int, ModelProfile>& by
 // what `given` fixes (its prediction would not hold). ConfigError when the result is no valid config.
 std::optional<Config> adopting_layout(const Config& given, const std::string& layout_keys, int world_size);
 
+// For a job whose config has "auto" keys (nothing otherwise): each layout it cannot adopt (adopting_layout) rejected,
+// naming the setting the config fixes otherwise, so that its report ranks what the job chooses from.
+void keep_what_the_config_fixes(std::vector<LayoutPrediction>& predictions, const Config& given, int world_size);
+
 // For a job whose config has "auto" keys: the fastest fitting prediction it can adopt, with the config it then
 // trains under. ConfigError with the report and the reasons when there is none.
 std::pair<LayoutPrediction, Config> choose_layout(const std::vector<LayoutPrediction>& predictions, const Config& given,

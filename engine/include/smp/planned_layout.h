@@ -24,6 +24,12 @@ PlanningCosts measured_planning_costs(Runtime& runtime);
 // profile_graph's SplitBackwardTimer as the zero-bubble schedules run it (smp::WeightPass): the planner's profile.
 SplitBackwardTimer split_backward_timer();
 
+// The planner's profile: `model` profiled alone (its collectives skipped and counted), the zero-bubble split timed,
+// scaled to a pass of the whole model, on `sample` of `sample_batch` samples and, when `larger_batch` is larger, on
+// `larger` too: two sizes tell a stage call's fixed cost from its cost per sample (ModelProfile::at).
+ModelProfile profile_for_planning(const GraphModel& model, const ModelInputs& sample, int sample_batch,
+                                  const ModelInputs& larger, int larger_batch);
+
 // On the rank that planned: train_step `step` (counted from 0) took `seconds`; after steps 2 to 5 (the first warms up), logs their
 // median beside the plan's prediction. Nothing where no layout was planned.
 void log_step_against_plan(Runtime& runtime, long long step, double seconds);

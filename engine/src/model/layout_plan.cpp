@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <iterator>
 #include <numeric>
 #include <random>
 #include <set>
 #include <sstream>
 #include <tuple>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -717,7 +719,8 @@ std::string layout_report(const std::vector<LayoutPrediction>& predictions, int 
   if (listed == 0) {
     text << "no layout fits\n";
   } else {
-    const auto& best = predictions.front();
+    const auto& best = *std::find_if(predictions.begin(), predictions.end(),
+                                     [](const LayoutPrediction& prediction) { return prediction.rejected.empty(); });
     std::snprintf(line, sizeof line, "%.1f ms", best.step_s * 1e3);
     text << "chosen: " << best.layout.describe() << " (the fastest predicted that fits: " << line
          << "), config " << best.layout.config_json() << "\n";
@@ -747,19 +750,62 @@ auto layout_asked(const Config& config, int world_size) {
                          config.shard_optimizer_state && replicas > 1);
 }
 
-}  // namespace
 
-std::optional<Config> adopting_layout(const Config& given, const std::string& layout_keys, int world_size) {
+template <typename Settings, std::size_t... I>
+std::string first_difference(const Settings& a, const Settings& b, const char* const* names, std::index_sequence<I...>) {
+  std::string differs;
+  ((differs.empty() && !(std::get<I>(a) == std::get<I>(b)) ? void(differs = names[I]) : void()), ...);
+  return differs;
+}
+
+// The first setting in which a job's config and a planned layout's differ ("" when none), as the report says it.
+std::string setting_that_differs(const Config& job, const Config& planned, int world_size) {
+  static const char* const kSettings[] = {"tensor_parallel_degree", "partitions",     "replicas (ddp)",
+                                          "expert_parallel_degree", "virtual_stages", "microbatches",
+                                          "pipeline",               "recompute",      "shard_optimizer_state"};
+  const auto asked = layout_asked(job, world_size);
+  static_assert(std::tuple_size_v<decltype(asked)> == std::size(kSettings));
+  return first_difference(asked, layout_asked(planned, world_size), kSettings,
+                          std::make_index_sequence<std::size(kSettings)>{});
+}
+
+// The config a job adopting `layout_keys` trains under, and the first setting in which it differs from the layout.
+std::pair<Config, std::string> adopted_config(const Config& given, const std::string& layout_keys, int world_size) {
   nlohmann::json document = nlohmann::json::parse(given.text);
   nlohmann::json& section = document.contains("smp") ? document["smp"] : document;
   const nlohmann::json keys = nlohmann::json::parse(layout_keys);
   for (const auto& key : given.auto_keys) section[key] = keys.at(key);
-  // The planned cut, which a config with "auto" keys cannot give itself (Config refuses both at once).
-  if (keys.contains("partition_overrides")) section["partition_overrides"] = keys["partition_overrides"];
   Config chosen = Config::from_json_text(document.dump(), given.source);
   const Config planned = Config::from_json_text(layout_keys, "<planned layout>");
-  if (layout_asked(chosen, world_size) != layout_asked(planned, world_size)) return std::nullopt;
+  std::string differs = setting_that_differs(chosen, planned, world_size);
+  // The planned cut, which a config with "auto" keys cannot give itself (Config refuses both at once), where the
+  // layout holds: its pins name stages a config fixing other settings may not have.
+  if (differs.empty() && keys.contains("partition_overrides")) {
+    section["partition_overrides"] = keys["partition_overrides"];
+    chosen = Config::from_json_text(document.dump(), given.source);
+  }
+  return {std::move(chosen), std::move(differs)};
+}
+
+}  // namespace
+
+std::optional<Config> adopting_layout(const Config& given, const std::string& layout_keys, int world_size) {
+  auto [chosen, differs] = adopted_config(given, layout_keys, world_size);
+  if (!differs.empty()) return std::nullopt;
   return chosen;
+}
+
+void keep_what_the_config_fixes(std::vector<LayoutPrediction>& predictions, const Config& given, int world_size) {
+  if (given.auto_keys.empty()) return;
+  for (auto& prediction : predictions) {
+    if (!prediction.rejected.empty()) continue;
+    try {
+      const std::string differs = adopted_config(given, prediction.config_json(), world_size).second;
+      if (!differs.empty()) prediction.rejected = "the config fixes " + differs + " otherwise";
+    } catch (const ConfigError& error) {
+      prediction.rejected = error.what();
+    }
+  }
 }
 
 std::pair<LayoutPrediction, Config> choose_layout(const std::vector<LayoutPrediction>& predictions, const Config& given,
