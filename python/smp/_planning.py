@@ -109,7 +109,7 @@ def _candidate_degrees(model, tp_plan, world, config):
     return [degree for degree in range(1, world + 1) if world % degree == 0 and (degree == 1 or shardable)]
 
 
-def _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, config):
+def _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, config, device):
     """`model` captured and profiled as rank 0 of a tensor-parallel group of `degree` would capture and profile it:
     a sharded copy for a degree the job has not adopted, its collectives counted, not run. Returns the profile and
     how many ranks its experts are split over: the model's own plan shards them as a job at ep 1 does (the planner
@@ -140,7 +140,9 @@ def _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, config):
         # (and dividing them here would cut the model's own experts before the job does).
         graph, io_ = graph_of(model, sample, 2 * world, list(config.partition_overrides), dynamic_shapes,
                               experts=(1, 0))
-        values = io_.engine_inputs(sample, "sample")
+        # On the job's device, as the job's own profile runs (each module goes there for its rounds): a GPU job's
+        # costs are the GPU's, whatever device the sample was made on.
+        values = [value.to(device) if value is not None else None for value in io_.engine_inputs(sample, "sample")]
         batched = _smp.batched_inputs(values, None)
         profiled = next((value.shape[0] for value, is_batch in zip(values, batched) if is_batch), 1)
         # A second profile on twice the samples tells a stage call's fixed cost from its cost per sample.
@@ -282,7 +284,7 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     for degree in degrees:
         try:
             profiles[degree], splits[degree] = _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes,
-                                                           rt.config)
+                                                           rt.config, torch.device(rt.device))
         except ConfigError as error:
             if len(degrees) == 1:
                 raise

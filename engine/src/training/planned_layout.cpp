@@ -50,17 +50,21 @@ namespace {
 // cost, which one size alone cannot tell from its cost per sample (priced in proportion, the worker's small GPT's
 // one-sample microbatches came to 1/16 of a 16-sample call, 0.04 ms against 0.5 ms measured, and an auto job of 2
 // ranks chose pp 2 with 16 of them: predicted 1.4 ms, measured 9.8).
-ModelProfile planning_profile(const GraphModel& model, const ModelInputs& sample, int world) {
+// On the job's device, as the job's own profile runs (each module goes there for its rounds): a GPU job's costs are
+// the GPU's, whatever device the sample was made on.
+ModelProfile planning_profile(const GraphModel& model, const ModelInputs& sample, int world, c10::Device device) {
   const GraphModel fine = model.expanded_to(static_cast<std::size_t>(2 * world));
-  const std::vector<bool> batched = DistributedModel::batched_inputs(sample, at::Tensor());
+  ModelInputs on_device;
+  for (const auto& input : sample) on_device.push_back(input.defined() ? input.to(device) : input);
+  const std::vector<bool> batched = DistributedModel::batched_inputs(on_device, at::Tensor());
   int batch = 1;
-  ModelInputs doubled = sample;
-  for (std::size_t i = 0; i < sample.size(); ++i) {
+  ModelInputs doubled = on_device;
+  for (std::size_t i = 0; i < on_device.size(); ++i) {
     if (!batched[i]) continue;
-    batch = static_cast<int>(sample[i].size(0));
-    doubled[i] = at::cat({sample[i], sample[i]});
+    batch = static_cast<int>(on_device[i].size(0));
+    doubled[i] = at::cat({on_device[i], on_device[i]});
   }
-  return profile_for_planning(fine, sample, batch, doubled, 2 * batch);
+  return profile_for_planning(fine, on_device, batch, doubled, 2 * batch);
 }
 
 // LibTorch's AdamW stepping tensors of the model's own parameter shapes (the profile's, up to 16 Mi elements of
@@ -430,7 +434,7 @@ std::shared_ptr<Runtime> with_planned_layout(std::shared_ptr<Runtime> runtime, c
                       "build, sample): its smp::tp layers are built over the chosen group), not a built model");
   }
   return adopt_plan(std::move(runtime), [&](Runtime& planner, const PlanningCosts& costs, const std::vector<double>& speeds) {
-    return plan_on_rank0(planner, {{1, planning_profile(model, sample, planner.world_size())}}, {}, costs, speeds);
+    return plan_on_rank0(planner, {{1, planning_profile(model, sample, planner.world_size(), planner.device())}}, {}, costs, speeds);
   });
 }
 
@@ -448,7 +452,7 @@ std::shared_ptr<Runtime> with_planned_layout(std::shared_ptr<Runtime> runtime, c
       // Built as tensor-parallel rank 0 of `degree` builds it, over a stand-in group that moves nothing.
       const tp::ProfiledDegree stand_in(degree);
       try {
-        ModelProfile profile = planning_profile(build(tp::process_group()), sample, world);
+        ModelProfile profile = planning_profile(build(tp::process_group()), sample, world, planner.device());
         const bool collectives = std::any_of(profile.modules.begin(), profile.modules.end(), [](const ModuleProfile& node) {
           return node.tp_forward_collectives + node.tp_backward_collectives > 0;
         });
