@@ -32,7 +32,8 @@ def main():
 
     torch.set_num_threads(1)
     global_batch = args.samples * MICROBATCHES
-    # One directory for the job, the same on every rank (the config must agree): the ranks' parent is the launcher.
+    # One directory for the job, the same on every rank (the config must agree): the ranks' parent is the launcher
+    # (smprun, which starts them itself). A failed job leaves it behind in the temporary directory.
     traces = os.path.join(tempfile.gettempdir(), f"smp-bench-split-{os.getppid()}")
     runtime = smp.init({"partitions": 2, "microbatches": MICROBATCHES, "pipeline": args.pipeline,
                         "global_batch_size": global_batch, "device": "cpu", "trace_dir": traces,

@@ -5,6 +5,7 @@
 // ScriptedModule, which then runs without Python). Only PyTorch's tensor conversion is needed from its Python
 // internals. Tensors cross without copies.
 
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -577,7 +578,16 @@ PYBIND11_MODULE(_smp, module) {
           costs.synchronization_s = synchronization_s;
           costs.synchronized_bytes_per_s = synchronized_bytes_per_s;
           predictions = plan_layouts(by_degree, base, world_size, costs, optimizer_moments);
-          if (keep_fixed_keys) keep_what_the_config_fixes(predictions, config, world_size);
+          if (keep_fixed_keys) {
+            keep_what_the_config_fixes(predictions, config, world_size);
+            // The fastest layout's simulated step is drawn; a job's is the fastest it can adopt.
+            const auto chosen = std::find_if(predictions.begin(), predictions.end(),
+                                             [](const LayoutPrediction& p) { return p.rejected.empty(); });
+            if (chosen != predictions.end() && chosen->timeline_svg.empty()) {
+              chosen->timeline_svg = layout_timeline_svg(by_degree.at(std::max(1, chosen->layout.tensor_parallel)),
+                                                         base, world_size, chosen->layout, costs, optimizer_moments);
+            }
+          }
         }
         py::list layouts;
         for (const auto& prediction : predictions) {

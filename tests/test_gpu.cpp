@@ -351,7 +351,9 @@ TEST_CASE("checkpointed modules on the GPU train like plain training (bf16)", "[
 
 // The planner on a GPU (issue: calibrate one device's costs): rank 0 profiles the model on the GPU, times the
 // optimizer there, the ranks measure their links, and the job's step is logged beside the prediction. Two processes
-// share the GPU over Gloo (any NCCL). scripts/device_gpu.sh collects those lines (SMP_GPU_PLAN_LOG).
+// share the GPU over Gloo, which needs no NCCL of 2.30 or later. scripts/device_gpu.sh collects those lines
+// (SMP_GPU_PLAN_LOG). The planned layout is any the planner takes (up to 16 microbatches), over five steps (the
+// comparison needs them): a looser tolerance than the fixed layouts' three steps.
 TEST_CASE("auto layout keys on the GPU: rank 0 plans from the GPU's profile, the ranks adopt it and train like one "
           "process", "[gpu][plan]") {
   for (const int processes : {1, 2}) {
@@ -360,7 +362,7 @@ TEST_CASE("auto layout keys on the GPU: rank 0 plans from the GPU's profile, the
                                        R"({"partitions": "auto", "microbatches": "auto", "pipeline": "auto",
           "ddp": "auto", "global_batch_size": 16, "seed": 5, "device": "cuda", "backend": "gloo",
           "comm_timeout_s": 60})");
-      const auto result = run_worker(processes, config, "--model gpt --steps 5 --rtol 1e-4");
+      const auto result = run_worker(processes, config, "--model gpt --steps 5 --rtol 1e-3");
       check_clean_run(result, processes);
       CHECK_THAT(result.output, Contains("layout chosen: "));
       std::istringstream lines(result.output);
@@ -370,7 +372,7 @@ TEST_CASE("auto layout keys on the GPU: rank 0 plans from the GPU's profile, the
       }
       REQUIRE_FALSE(compared.empty());
       WARN(compared);
-      if (const char* log = std::getenv("SMP_GPU_PLAN_LOG")) std::ofstream(log, std::ios::app) << compared << "\n";
+      if (const char* log = std::getenv("SMP_GPU_PLAN_LOG")) std::ofstream(log, std::ios::app) << processes << " processes: " << compared << "\n";
     }
   }
 }

@@ -150,6 +150,28 @@ TEST_CASE("profiling leaves batch norm statistics and the random number sequence
   for (std::size_t i = 0; i < buffers_after.size(); ++i) CHECK(at::equal(buffers_after[i], buffers_before[i]));
 }
 
+TEST_CASE("the planner profiles two sizes, or the sample's alone when the model refuses twice it", "[profile][plan]") {
+  auto model_of = [](bool rows_written_in) {
+    smp::GraphModel model("x");
+    model.add("embed", torch::nn::Linear(4, 8), {"x"});
+    torch::nn::Linear head(8, 8);
+    model.add("head", head.ptr(), [head, rows_written_in](const std::vector<at::Tensor>& in) mutable {
+      return head->forward(rows_written_in ? in[0].reshape({4, 8}) : in[0]);  // the sample's 4 rows, or any
+    }, {"embed"});
+    return model;
+  };
+  const at::Tensor sample = at::randn({4, 4});
+  const auto both = smp::profile_for_planning(model_of(false), {sample}, 4, {at::cat({sample, sample})}, 8);
+  CHECK(both.batch == 4);
+  CHECK(both.larger_batch == 8);
+  CHECK(both.larger.size() == 2);
+  const auto alone = smp::profile_for_planning(model_of(true), {sample}, 4, {at::cat({sample, sample})}, 8);
+  CHECK(alone.batch == 4);
+  CHECK(alone.larger_batch == 0);
+  CHECK(alone.larger.empty());
+  CHECK(alone.modules.size() == 2);
+}
+
 TEST_CASE("the last stage is charged the loss train_step will compute, unless the model computes its own",
           "[profile]") {
   // Scores over 4096 classes: their cross-entropy, forward and backward, costs far more than the tiny linear layer
@@ -377,12 +399,21 @@ TEST_CASE("a job's plan rejects the layouts its fixed keys exclude, naming the k
   REQUIRE(rejected_for(interleaved).empty());  // smp.plan alone ranks them all
   smp::keep_what_the_config_fixes(predictions, given, 4);
   CHECK(rejected_for(interleaved) == "the config fixes virtual_stages otherwise");
-  CHECK(rejected_for(replicated) == "the config fixes replicas (ddp) otherwise");
+  CHECK(rejected_for(replicated) == "the config fixes ddp otherwise");
   CHECK(rejected_for(adoptable).empty());
   const auto chosen = smp::choose_layout(predictions, given, 4).first;
   CHECK(adoptable(chosen));
-  CHECK_THAT(smp::layout_report(predictions),
-             Catch::Matchers::Contains("chosen: " + chosen.layout.describe() + " (the fastest predicted that fits"));
+  const std::string report = smp::layout_report(predictions);
+  CHECK_THAT(report, Catch::Matchers::Contains("chosen: " + chosen.layout.describe() + " (the fastest predicted that fits"));
+  CHECK_THAT(report, Catch::Matchers::Contains("excluded by the keys the config fixes (layouts that set them otherwise): "
+                                               "activation_checkpointing "));
+  CHECK_THAT(report, !Catch::Matchers::Contains(": the config fixes"));  // counted, not listed
+  // Rejected for what they need (memory), they are still listed one by one.
+  smp::Config tight = given;
+  tight.memory_limit_mb = 1e-3;
+  auto none_fit = smp::plan_layouts({modules, 2}, tight, 4, {0.0, 1e9, 1e9});
+  smp::keep_what_the_config_fixes(none_fit, tight, 4);
+  CHECK_THAT(smp::layout_report(none_fit), Catch::Matchers::Contains("no layout fits\n"));
 }
 
 TEST_CASE("ranks that outnumber their cores share them: a pipeline's fill and drain run faster than its steady state",

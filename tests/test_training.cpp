@@ -376,8 +376,9 @@ TEST_CASE("auto layout keys: rank 0 plans, every rank adopts the layout and trai
   CHECK_THAT(result.output, Contains("layout chosen: "));
   // Two sizes tell a stage call's fixed cost from its cost per sample (the worker's sample: 4 samples).
   CHECK_THAT(result.output, Contains("(the model profiled on 4 and 8 samples a call)"));
-  // The report ranks what the job can adopt: layouts the config's fixed keys exclude are rejected, naming the key.
-  CHECK_THAT(result.output, Contains("the config fixes recompute otherwise"));
+  // The report ranks what the job can adopt: layouts the config's fixed keys exclude are counted per key.
+  CHECK_THAT(result.output, Contains("excluded by the keys the config fixes (layouts that set them otherwise):"));
+  CHECK_THAT(result.output, Contains(" activation_checkpointing "));
   CHECK_THAT(result.output, Contains("train_step measured "));  // after step 5, beside the prediction
   CHECK_THAT(result.output, Contains("ms predicted for the optimizer's step)"));  // AdamW timed on rank 0
   // The chosen layout's simulated step, drawn where the job's traces go.

@@ -145,9 +145,11 @@ def _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, config, d
         values = [value.to(device) if value is not None else None for value in io_.engine_inputs(sample, "sample")]
         batched = _smp.batched_inputs(values, None)
         profiled = next((value.shape[0] for value, is_batch in zip(values, batched) if is_batch), 1)
-        # A second profile on twice the samples tells a stage call's fixed cost from its cost per sample.
+        # A second profile on twice the samples tells a stage call's fixed cost from its cost per sample (none
+        # without a batched input).
         doubled = [torch.cat([value, value]) if is_batch else value for value, is_batch in zip(values, batched)]
-        return _smp.profile_for_planning(graph._graph, values, profiled, doubled, 2 * profiled), experts_split
+        larger = 2 * profiled if any(batched) else 0
+        return _smp.profile_for_planning(graph._graph, values, profiled, doubled, larger), experts_split
 
 
 def _check_routing_argument(tokens_per_expert):
@@ -262,6 +264,7 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     shorter stage; a tensor-parallel group computes at its slowest member's speed). A job with "auto" keys and
     "device_speeds": "measure" passes the speeds its ranks measured.
     The model is profiled on the sample and on twice its samples: a node costs a fixed part plus a part per sample.
+    It is profiled on the job's device (the config's "device"), whatever device the sample was made on.
     Nodes timed alone are scaled to one pass of the whole model. The optimizer's step is timed here (AdamW, on
     the model's parameter shapes) per parameter byte; its temporaries (Adam's) as torch.optim's default holds them
     on this device (one parameter at a time on a CPU, all at once on a GPU). Predictions take the zero-bubble split
@@ -363,7 +366,7 @@ def adopt_planned_layout(model, sample, dynamic_shapes=None, tp_plan=None):
 
     def choose():
         text, row, report, routing = _choose(model, sample, rt, links, speeds, dynamic_shapes, tp_plan)
-        # Drawn for the fastest fitting layout: the choice unless the config fixes some keys.
+        # Drawn for the fastest layout the job can adopt: its choice.
         if row.get("timeline_svg") and rt.config.trace_dir:
             os.makedirs(rt.config.trace_dir, exist_ok=True)
             _smp.write_file_atomically(os.path.join(rt.config.trace_dir, "planned_layout.svg"), row["timeline_svg"])

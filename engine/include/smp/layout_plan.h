@@ -156,7 +156,8 @@ std::vector<LayoutPrediction> plan_layouts(const std::map<int, ModelProfile>& by
 
 // `given`, a config with "auto" layout keys (Config::auto_keys), with those keys set from `layout_keys` (a layout's
 // Layout::config_json()): the config a job adopting that layout trains under; nullopt when the layout differs from
-// what `given` fixes (its prediction would not hold). ConfigError when the result is no valid config.
+// what `given` fixes (its prediction would not hold; its cut is then not checked against that config). ConfigError
+// when the result is no valid config.
 std::optional<Config> adopting_layout(const Config& given, const std::string& layout_keys, int world_size);
 
 // For a job whose config has "auto" keys (nothing otherwise): each layout it cannot adopt (adopting_layout) rejected,

@@ -12,9 +12,6 @@
 
 namespace smp {
 
-// When the runtime's config has "auto" layout keys: rank 0 profiles `model` on `sample` (one microbatch), plans
-// (plan_layouts) and chooses (choose_layout), every rank adopts the chosen config (Runtime::adopt_layout) before the
-// model is cut. Returns the runtime. Rank 0's failure reaches every rank as a ConfigError naming it.
 // Collective over the world (every rank calls it at once): the links between the ranks, measured as a transfer's
 // latency (half the round trip of 1 KiB between ranks 2k and 2k + 1) and the all-reduce's bandwidth in ring terms
 // (4 MiB against a scalar: each rank sends 2 (n - 1) / n of the bytes), the fastest of the rounds after 2 untimed; and on a CPU host
@@ -26,7 +23,8 @@ SplitBackwardTimer split_backward_timer();
 
 // The planner's profile: `model` profiled alone (its collectives skipped and counted), the zero-bubble split timed,
 // scaled to a pass of the whole model, on `sample` of `sample_batch` samples and, when `larger_batch` is larger, on
-// `larger` too: two sizes tell a stage call's fixed cost from its cost per sample (ModelProfile::at).
+// `larger` too: two sizes tell a stage call's fixed cost from its cost per sample (ModelProfile::at). Should the model
+// fail on `larger`, the profile keeps the one size (a warning says why).
 ModelProfile profile_for_planning(const GraphModel& model, const ModelInputs& sample, int sample_batch,
                                   const ModelInputs& larger, int larger_batch);
 
@@ -34,6 +32,10 @@ ModelProfile profile_for_planning(const GraphModel& model, const ModelInputs& sa
 // median beside the plan's prediction. Nothing where no layout was planned.
 void log_step_against_plan(Runtime& runtime, long long step, double seconds);
 
+// When the runtime's config has "auto" layout keys: rank 0 profiles `model` (profile_for_planning, on the job's device:
+// on `sample`, one microbatch, and on twice it), plans (plan_layouts, keep_what_the_config_fixes) and chooses
+// (choose_layout), every rank adopts the chosen config (Runtime::adopt_layout) before the model is cut. Returns the
+// runtime. Rank 0's failure reaches every rank as a ConfigError naming it.
 // Without tensor parallelism ("auto" tensor_parallel_degree, or a degree above 1, is a ConfigError naming the
 // builder's form below).
 std::shared_ptr<Runtime> with_planned_layout(std::shared_ptr<Runtime> runtime, const GraphModel& model,

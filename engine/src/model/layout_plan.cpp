@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <iterator>
+#include <map>
 #include <numeric>
 #include <random>
 #include <set>
@@ -18,6 +20,10 @@
 #include "smp/timeline.h"
 
 namespace smp {
+
+// How keep_what_the_config_fixes begins its reason, which the report counts apart.
+constexpr const char* kFixedByConfig = "the config fixes ";
+
 namespace {
 
 constexpr double kMiB = 1024.0 * 1024.0;
@@ -707,17 +713,37 @@ std::string layout_report(const std::vector<LayoutPrediction>& predictions, int 
     text << line;
   }
   if (listed > shown) text << "     ... and " << listed - shown << " more that fit\n";
-  if (rejected > 0) {
-    text << rejected << " rejected:\n";
+  // A job's plan excludes what its config fixes otherwise (keep_what_the_config_fixes): counted per key, after the
+  // layouts rejected for what they need, whose reasons are listed.
+  std::map<std::string, int> excluded_by_key;
+  int excluded = 0;
+  for (const auto& prediction : predictions) {
+    const std::string& why = prediction.rejected;
+    if (why.rfind(kFixedByConfig, 0) != 0) continue;
+    ++excluded;
+    const std::size_t key = std::strlen(kFixedByConfig);
+    ++excluded_by_key[why.substr(key, why.find(' ', key) - key)];
+  }
+  if (rejected > excluded) {
+    text << rejected - excluded << " rejected:\n";
     int told = 0;
     for (const auto& prediction : predictions) {
-      if (prediction.rejected.empty() || told++ >= shown) continue;
+      if (prediction.rejected.empty() || prediction.rejected.rfind(kFixedByConfig, 0) == 0 || told++ >= shown) continue;
       text << "     " << prediction.layout.describe() << ": " << prediction.rejected << "\n";
     }
     if (told > shown) text << "     ... and " << told - shown << " more\n";
   }
+  if (excluded > 0) {
+    text << excluded << " excluded by the keys the config fixes (layouts that set them otherwise):";
+    const char* separator = " ";
+    for (const auto& [key, count] : excluded_by_key) {
+      text << separator << key << " " << count;
+      separator = ", ";
+    }
+    text << "\n";
+  }
   if (listed == 0) {
-    text << "no layout fits\n";
+    text << (excluded > 0 ? "no layout fits within the keys the config fixes\n" : "no layout fits\n");
   } else {
     const auto& best = *std::find_if(predictions.begin(), predictions.end(),
                                      [](const LayoutPrediction& prediction) { return prediction.rejected.empty(); });
@@ -750,7 +776,6 @@ auto layout_asked(const Config& config, int world_size) {
                          config.shard_optimizer_state && replicas > 1);
 }
 
-
 template <typename Settings, std::size_t... I>
 std::string first_difference(const Settings& a, const Settings& b, const char* const* names, std::index_sequence<I...>) {
   std::string differs;
@@ -760,9 +785,11 @@ std::string first_difference(const Settings& a, const Settings& b, const char* c
 
 // The first setting in which a job's config and a planned layout's differ ("" when none), as the report says it.
 std::string setting_that_differs(const Config& job, const Config& planned, int world_size) {
-  static const char* const kSettings[] = {"tensor_parallel_degree", "partitions",     "replicas (ddp)",
-                                          "expert_parallel_degree", "virtual_stages", "microbatches",
-                                          "pipeline",               "recompute",      "shard_optimizer_state"};
+  static const char* const kSettings[] = {"tensor_parallel_degree", "partitions",
+                                          "ddp",                    "expert_parallel_degree",
+                                          "virtual_stages",         "microbatches",
+                                          "pipeline",               "activation_checkpointing",
+                                          "shard_optimizer_state"};
   const auto asked = layout_asked(job, world_size);
   static_assert(std::tuple_size_v<decltype(asked)> == std::size(kSettings));
   return first_difference(asked, layout_asked(planned, world_size), kSettings,
@@ -792,7 +819,7 @@ std::pair<Config, std::string> adopted_config(const Config& given, const std::st
 std::optional<Config> adopting_layout(const Config& given, const std::string& layout_keys, int world_size) {
   auto [chosen, differs] = adopted_config(given, layout_keys, world_size);
   if (!differs.empty()) return std::nullopt;
-  return chosen;
+  return std::move(chosen);
 }
 
 void keep_what_the_config_fixes(std::vector<LayoutPrediction>& predictions, const Config& given, int world_size) {
@@ -801,7 +828,10 @@ void keep_what_the_config_fixes(std::vector<LayoutPrediction>& predictions, cons
     if (!prediction.rejected.empty()) continue;
     try {
       const std::string differs = adopted_config(given, prediction.config_json(), world_size).second;
-      if (!differs.empty()) prediction.rejected = "the config fixes " + differs + " otherwise";
+      if (!differs.empty()) {
+        prediction.rejected = kFixedByConfig + differs + " otherwise";
+        prediction.timeline_svg.clear();  // drawn for the fastest layout, which the job may not take
+      }
     } catch (const ConfigError& error) {
       prediction.rejected = error.what();
     }
