@@ -542,12 +542,11 @@ PYBIND11_MODULE(_smp, module) {
   module.def("routing_imbalance", &routing_imbalance, py::arg("routing"), py::arg("ep"), py::arg("samples"));
   module.def(
       "profile_for_planning",
-      [](const GraphModel& graph, const OptionalTensors& sample, int sample_batch, const OptionalTensors& larger,
-         int larger_batch) {
+      [](const GraphModel& graph, const OptionalTensors& sample, const std::string& device) {
         py::gil_scoped_release released;
-        return profile_for_planning(graph, defined_or_not(sample), sample_batch, defined_or_not(larger), larger_batch);
+        return profile_for_planning(graph, defined_or_not(sample), c10::Device(device));
       },
-      py::arg("graph"), py::arg("sample"), py::arg("sample_batch"), py::arg("larger"), py::arg("larger_batch"));
+      py::arg("graph"), py::arg("sample"), py::arg("device"));
   // The process's tensor-parallel group as a stand-in of `degree` ranks while the context lives (tp::ProfiledDegree).
   struct ProfiledDegreeScope {
     int degree;

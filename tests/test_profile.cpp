@@ -161,11 +161,12 @@ TEST_CASE("the planner profiles two sizes, or the sample's alone when the model 
     return model;
   };
   const at::Tensor sample = at::randn({4, 4});
-  const auto both = smp::profile_for_planning(model_of(false), {sample}, 4, {at::cat({sample, sample})}, 8);
+  const c10::Device cpu(c10::kCPU);
+  const auto both = smp::profile_for_planning(model_of(false), {sample}, cpu);
   CHECK(both.batch == 4);
   CHECK(both.larger_batch == 8);
   CHECK(both.larger.size() == 2);
-  const auto alone = smp::profile_for_planning(model_of(true), {sample}, 4, {at::cat({sample, sample})}, 8);
+  const auto alone = smp::profile_for_planning(model_of(true), {sample}, cpu);
   CHECK(alone.batch == 4);
   CHECK(alone.larger_batch == 0);
   CHECK(alone.larger.empty());

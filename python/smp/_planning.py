@@ -140,16 +140,8 @@ def _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, config, d
         # (and dividing them here would cut the model's own experts before the job does).
         graph, io_ = graph_of(model, sample, 2 * world, list(config.partition_overrides), dynamic_shapes,
                               experts=(1, 0))
-        # On the job's device, as the job's own profile runs (each module goes there for its rounds): a GPU job's
-        # costs are the GPU's, whatever device the sample was made on.
-        values = [value.to(device) if value is not None else None for value in io_.engine_inputs(sample, "sample")]
-        batched = _smp.batched_inputs(values, None)
-        profiled = next((value.shape[0] for value, is_batch in zip(values, batched) if is_batch), 1)
-        # A second profile on twice the samples tells a stage call's fixed cost from its cost per sample (none
-        # without a batched input).
-        doubled = [torch.cat([value, value]) if is_batch else value for value, is_batch in zip(values, batched)]
-        larger = 2 * profiled if any(batched) else 0
-        return _smp.profile_for_planning(graph._graph, values, profiled, doubled, larger), experts_split
+        # On the job's device, and on twice the sample too (a stage call's fixed cost against its cost per sample).
+        return _smp.profile_for_planning(graph._graph, io_.engine_inputs(sample, "sample"), str(device)), experts_split
 
 
 def _check_routing_argument(tokens_per_expert):

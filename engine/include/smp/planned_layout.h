@@ -22,18 +22,17 @@ PlanningCosts measured_planning_costs(Runtime& runtime);
 SplitBackwardTimer split_backward_timer();
 
 // The planner's profile: `model` profiled alone (its collectives skipped and counted), the zero-bubble split timed,
-// scaled to a pass of the whole model, on `sample` of `sample_batch` samples and, when `larger_batch` is larger, on
-// `larger` too: two sizes tell a stage call's fixed cost from its cost per sample (ModelProfile::at). Should the model
-// fail on `larger`, the profile keeps the one size (a warning says why).
-ModelProfile profile_for_planning(const GraphModel& model, const ModelInputs& sample, int sample_batch,
-                                  const ModelInputs& larger, int larger_batch);
+// scaled to a pass of the whole model, on `device`, on `sample` and on it twice over (its batched inputs
+// concatenated): two sizes tell a stage call's fixed cost from its cost per sample (ModelProfile::at). One size when
+// no input is batched, or when the model fails on twice its sample (a warning says why).
+ModelProfile profile_for_planning(const GraphModel& model, const ModelInputs& sample, c10::Device device);
 
 // On the rank that planned: train_step `step` (counted from 0) took `seconds`; after steps 2 to 5 (the first warms up), logs their
 // median beside the plan's prediction. Nothing where no layout was planned.
 void log_step_against_plan(Runtime& runtime, long long step, double seconds);
 
-// When the runtime's config has "auto" layout keys: rank 0 profiles `model` (profile_for_planning, on the job's device:
-// on `sample`, one microbatch, and on twice it), plans (plan_layouts, keep_what_the_config_fixes) and chooses
+// When the runtime's config has "auto" layout keys: rank 0 profiles `model` on `sample`, one microbatch
+// (profile_for_planning, on the job's device), plans (plan_layouts, keep_what_the_config_fixes) and chooses
 // (choose_layout), every rank adopts the chosen config (Runtime::adopt_layout) before the model is cut. Returns the
 // runtime. Rank 0's failure reaches every rank as a ConfigError naming it.
 // Without tensor parallelism ("auto" tensor_parallel_degree, or a degree above 1, is a ConfigError naming the

@@ -31,19 +31,34 @@
 
 namespace smp {
 
-ModelProfile profile_for_planning(const GraphModel& model, const ModelInputs& sample, int sample_batch,
-                                  const ModelInputs& larger, int larger_batch) {
+// On the job's device, as the job's own profile runs (each module goes there for its rounds: a GPU job's costs are
+// the GPU's, whatever device the sample was made on), and on the sample twice over (its batched inputs
+// concatenated): a layout's microbatch size moves a stage call's fixed cost, which one size alone cannot tell from
+// its cost per sample (priced in proportion, the C++ worker's small GPT's one-sample microbatches came to 1/16 of a
+// 16-sample call, 0.04 ms against 0.5 ms measured, and an auto job of 2 ranks chose pp 2 with 16 of them: predicted
+// 1.4 ms, measured 9.8).
+ModelProfile profile_for_planning(const GraphModel& model, const ModelInputs& sample, c10::Device device) {
+  ModelInputs on_device;
+  for (const auto& input : sample) on_device.push_back(input.defined() ? input.to(device) : input);
+  const std::vector<bool> batched = DistributedModel::batched_inputs(on_device, at::Tensor());
+  int batch = 1;
+  ModelInputs doubled = on_device;
+  for (std::size_t i = 0; i < on_device.size(); ++i) {
+    if (!batched[i]) continue;
+    batch = static_cast<int>(on_device[i].size(0));
+    doubled[i] = at::cat({on_device[i], on_device[i]});
+  }
   const WithoutCollectives alone;
   const SplitBackwardTimer time_split = split_backward_timer();  // one eviction buffer for both sizes
-  ModelProfile profile{profile_graph(model, sample, 3, time_split, /*scale_to_whole=*/true), sample_batch, {}, 0};
-  if (larger_batch <= sample_batch) return profile;
+  ModelProfile profile{profile_graph(model, on_device, 3, time_split, /*scale_to_whole=*/true), batch, {}, 0};
+  if (std::none_of(batched.begin(), batched.end(), [](bool is) { return is; })) return profile;
   try {
-    profile.larger = profile_graph(model, larger, 3, time_split, /*scale_to_whole=*/true);
-    profile.larger_batch = larger_batch;
+    profile.larger = profile_graph(model, doubled, 3, time_split, /*scale_to_whole=*/true);
+    profile.larger_batch = 2 * batch;
   } catch (const std::exception& error) {
     // A model that takes the sample may still refuse twice it (a reshape to the sample's size, memory): planned
     // from the one size, each microbatch's cost then in proportion to its samples.
-    log::warn("planning from the sample's size alone: the model on " + std::to_string(larger_batch) +
+    log::warn("planning from the sample's size alone: the model on " + std::to_string(2 * batch) +
               " samples failed (" + std::string(error.what()).substr(0, 300) + ")");
   }
   return profile;
@@ -51,35 +66,9 @@ ModelProfile profile_for_planning(const GraphModel& model, const ModelInputs& sa
 
 namespace {
 
-// The sample as the planner profiles it: on the job's device, as the job's own profile runs (each module goes there
-// for its rounds: a GPU job's costs are the GPU's, whatever device the sample was made on), and twice over (its
-// batched inputs concatenated), as Python's smp.plan does: a layout's microbatch size moves a stage call's fixed
-// cost, which one size alone cannot tell from its cost per sample (priced in proportion, the worker's small GPT's
-// one-sample microbatches came to 1/16 of a 16-sample call, 0.04 ms against 0.5 ms measured, and an auto job of 2
-// ranks chose pp 2 with 16 of them: predicted 1.4 ms, measured 9.8).
-struct PlanningSample {
-  ModelInputs sample, doubled;
-  int batch = 1;
-  bool batched = false;  // no batched input: nothing to double
-
-  PlanningSample(const ModelInputs& given, c10::Device device) {
-    for (const auto& input : given) sample.push_back(input.defined() ? input.to(device) : input);
-    const std::vector<bool> is_batched = DistributedModel::batched_inputs(sample, at::Tensor());
-    doubled = sample;
-    for (std::size_t i = 0; i < sample.size(); ++i) {
-      if (!is_batched[i]) continue;
-      batched = true;
-      batch = static_cast<int>(sample[i].size(0));
-      doubled[i] = at::cat({sample[i], sample[i]});
-    }
-  }
-};
-
 // Cut as finely as the most stages considered (two per rank).
-ModelProfile planning_profile(const GraphModel& model, const PlanningSample& planned, int world) {
-  const GraphModel fine = model.expanded_to(static_cast<std::size_t>(2 * world));
-  return profile_for_planning(fine, planned.sample, planned.batch, planned.doubled,
-                              planned.batched ? 2 * planned.batch : 0);
+ModelProfile planning_profile(const GraphModel& model, const ModelInputs& sample, int world, c10::Device device) {
+  return profile_for_planning(model.expanded_to(static_cast<std::size_t>(2 * world)), sample, device);
 }
 
 // LibTorch's AdamW stepping tensors of the model's own parameter shapes (the profile's, up to 16 Mi elements of
@@ -449,7 +438,7 @@ std::shared_ptr<Runtime> with_planned_layout(std::shared_ptr<Runtime> runtime, c
                       "build, sample): its smp::tp layers are built over the chosen group), not a built model");
   }
   return adopt_plan(std::move(runtime), [&](Runtime& planner, const PlanningCosts& costs, const std::vector<double>& speeds) {
-    return plan_on_rank0(planner, {{1, planning_profile(model, PlanningSample(sample, planner.device()), planner.world_size())}}, {}, costs, speeds);
+    return plan_on_rank0(planner, {{1, planning_profile(model, sample, planner.world_size(), planner.device())}}, {}, costs, speeds);
   });
 }
 
@@ -463,12 +452,11 @@ std::shared_ptr<Runtime> with_planned_layout(std::shared_ptr<Runtime> runtime, c
   return adopt_plan(std::move(runtime), [&](Runtime& planner, const PlanningCosts& costs, const std::vector<double>& speeds) {
     std::map<int, ModelProfile> by_degree;
     std::map<int, std::string> unplanned;
-    const PlanningSample planned(sample, planner.device());
     for (int degree : degrees) {
       // Built as tensor-parallel rank 0 of `degree` builds it, over a stand-in group that moves nothing.
       const tp::ProfiledDegree stand_in(degree);
       try {
-        ModelProfile profile = planning_profile(build(tp::process_group()), planned, world);
+        ModelProfile profile = planning_profile(build(tp::process_group()), sample, world, planner.device());
         const bool collectives = std::any_of(profile.modules.begin(), profile.modules.end(), [](const ModuleProfile& node) {
           return node.tp_forward_collectives + node.tp_backward_collectives > 0;
         });
