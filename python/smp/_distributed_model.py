@@ -10,53 +10,12 @@ import weakref
 
 import torch
 
-from . import _expert_parallel, _materialize, _routing, _smp, tp
+from . import _materialize, _routing, _smp, tp
 from ._graph import GraphModel, _is_sequential, _kind, transient_buffers
-from ._model_io import CapturedIO, GraphIO, own_loss
+from ._model_graph import graph_of, shard_for_tensor_parallelism
+from ._model_io import own_loss
 from ._smp import ConfigError, ModelError
 from ._state import runtime
-
-
-def _contains_scripted(model):
-    return any(isinstance(m, torch.jit.ScriptModule) for m in model.modules())
-
-
-def _capture(model, sample, stages, pinned, dynamic_shapes=None, experts=None):
-    """A model with a forward of its own as an engine graph and its IO: torch.export first (any depth, keyword
-    inputs, any output); torch.fx when export cannot take it (or the model has TorchScript children, which export
-    does not enter) and the model takes one tensor. `experts`: (expert-parallel degree, this rank's place) to divide
-    the experts for; default the job's."""
-    from . import _export_capture as exporting
-    from ._exporting import CaptureError
-    experts = experts or (runtime().expert_parallel_degree, runtime().ep_rank)
-    args, kwargs = exporting.split_sample(model, sample)
-    export_error = None
-    if not _contains_scripted(model):
-        try:
-            graph, leaf_inputs, output_spec, shapes = exporting.capture(
-                model, args, kwargs, stages, pinned, GraphModel, torch.device(runtime().device), experts,
-                dynamic_shapes)
-            return graph, CapturedIO(model, args, kwargs, leaf_inputs, output_spec, exporting.split_sample, shapes)
-        except CaptureError as error:
-            export_error = error
-    name = type(model).__name__
-    if experts[0] > 1:
-        raise ModelError(f"cannot capture {name} to divide its experts over ranks (\"expert_parallel_degree\" "
-                         f"{experts[0]}): " + (f"torch.export failed: {export_error}"
-                         if export_error is not None else "it has TorchScript children"))
-    if not isinstance(sample, torch.Tensor):
-        reason = (f"torch.export failed: {export_error}" if export_error is not None else
-                  "it has TorchScript children, which torch.export does not enter, and torch.fx takes one tensor input")
-        raise ModelError(f"cannot capture {name} ({reason}); write it as an smp.GraphModel, or change that code so "
-                         "that it can be captured (no branch on a tensor's value)")
-    try:
-        graph = GraphModel.from_module(model, sample)
-    except ModelError as error:
-        if export_error is None:
-            raise
-        raise ModelError(f"cannot capture {name}: torch.export failed ({export_error}), and torch.fx: {error}") \
-            from error
-    return graph, GraphIO(graph.input_names, False)
 
 
 def _materializer(model, graph, rt, init_fn):
@@ -80,24 +39,6 @@ def _materializer(model, graph, rt, init_fn):
             node.replace_tensors(replaced)
 
     return materialize_local
-
-
-def graph_of(model, sample, stages, pinned, dynamic_shapes=None, experts=None):
-    """The smp.GraphModel a model runs as, and how its inputs and outputs map to the graph's, for `stages` stages;
-    `dynamic_shapes` says which input dimensions a captured model lets change (smp._exporting.dynamic_shapes);
-    `experts`, the expert-parallel degree and place a captured model's experts are divided for (default the job's)."""
-    if isinstance(model, GraphModel):
-        return model, GraphIO(model.input_names, model._several_outputs)
-    if _is_sequential(model):
-        graph = GraphModel.from_sequential(model)
-        return graph, GraphIO(graph.input_names, False)
-    if isinstance(model, torch.jit.ScriptModule):
-        # TorchScript keeps no Python forward to trace: its children would run as a chain, wrongly.
-        raise TypeError(f"pass an nn.Sequential or an smp.GraphModel, got {_kind(model)}: script its children, "
-                        "not the model, or pass the model unscripted (smp traces its forward)")
-    if isinstance(model, torch.nn.Module):
-        return _capture(model, sample, stages, pinned, dynamic_shapes, experts)
-    raise TypeError(f"expected a torch.nn.Module or an smp.GraphModel, got {type(model).__name__}")
 
 
 class StepResult:
@@ -126,32 +67,6 @@ def _no_loss(output, target):
     """The loss of a forward for inference: zero, on the outputs' device."""
     leaves = [leaf for leaf in torch.utils._pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)]
     return torch.zeros((), device=leaves[0].device if leaves else "cpu")
-
-
-def _shard_for_tensor_parallelism(model, plan, announce=True, experts_divided=None):
-    """Applies the tensor-parallel plan (the user's, else the model's own) to `model` in place, at smp.tp.degree().
-    A GraphModel's modules are the user's: built with smp.tp's layers. experts_divided (default: the job's
-    "expert_parallel_degree" > 1): the model's own plan leaves the experts whole, for expert parallelism."""
-    from . import tp
-    if isinstance(model, GraphModel):
-        if plan is not None:
-            raise TypeError("tp_plan applies to an nn.Module; build an smp.GraphModel's modules with smp.tp's layers")
-        return
-    given = plan is not None
-    plan = plan if given else tp.builtin_plan(model)
-    if experts_divided is None:
-        experts_divided = runtime().expert_parallel_degree > 1
-    if plan and not given and experts_divided:
-        plan = _expert_parallel.without_experts(model, plan)
-    if plan and runtime().config.sequence_parallel:
-        plan = tp.sequence_parallel_plan(model, plan)
-    applied = tp.apply_plan(model, plan, strict=given) if plan else {}
-    if announce and runtime().rank == 0 and applied:
-        print(f"smp: tensor parallelism over {tp.degree()} ranks: {len(applied)} modules sharded or adjusted by "
-              f"{'the given' if given else 'the built-in'} plan", flush=True)
-    if not any(hasattr(parameter, "_smp_shard") for parameter in model.parameters()):
-        raise ConfigError(f"\"tensor_parallel_degree\" {tp.degree()}: {type(model).__name__} has no tensor-parallel "
-                          "plan and no smp.tp layers; pass tp_plan={module path: style} (see smp.tp)")
 
 
 class DistributedModel(torch.nn.Module):
@@ -191,7 +106,7 @@ class DistributedModel(torch.nn.Module):
             from ._planning import adopt_planned_layout
             self.planned = adopt_planned_layout(model, sample, dynamic_shapes, tp_plan)
         if rt.tensor_parallel_degree > 1:
-            _shard_for_tensor_parallelism(model, tp_plan)
+            shard_for_tensor_parallelism(model, tp_plan)
         elif tp_plan is not None and rt.rank == 0:
             print("smp: tp_plan ignored: the config's tensor_parallel_degree is 1", flush=True)
         if rt.expert_parallel_degree > 1 and (isinstance(model, (GraphModel, torch.jit.ScriptModule)) or

@@ -17,7 +17,6 @@ stage of the node that reads it.
 """
 
 import collections
-import inspect
 import itertools
 
 import torch
@@ -445,25 +444,3 @@ def _node_graph(value, extra, value_name, attributes, order, extra_inputs):
     for node in graph.nodes:  # what the capture knew of each value (fake tensors): not needed to run, and not small
         node.meta = {}
     return graph, sources, node_attributes, needed
-
-
-def split_sample(model, sample):
-    """A sample (or a step's inputs) as (args, kwargs): a tensor is the first positional argument, a tuple or list
-    the positional arguments, a dict (or Mapping, e.g. a tokenizer's BatchEncoding) the keyword arguments. A
-    forward with a `use_cache` parameter gets use_cache=False unless given: a training step never reads the cache."""
-    if isinstance(sample, torch.Tensor):
-        args, kwargs = (sample,), {}
-    elif isinstance(sample, (tuple, list)):
-        args, kwargs = tuple(sample), {}
-    elif isinstance(sample, collections.abc.Mapping):
-        args, kwargs = (), dict(sample)
-    else:
-        raise TypeError(f"model inputs must be a tensor, a tuple of positional arguments or a dict of keyword "
-                        f"arguments, got {type(sample).__name__}")
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        parameters = {}
-    if "use_cache" in parameters and "use_cache" not in kwargs:
-        kwargs["use_cache"] = False
-    return args, kwargs

@@ -2,6 +2,7 @@
 arguments; a tensor, tuple, dict or ModelOutput back) against the engine's flat lists of named tensors."""
 
 import collections.abc
+import inspect
 
 import torch
 import torch.utils._pytree as pytree
@@ -132,3 +133,25 @@ def own_loss(output):
         raise ModelError(f"loss=None: the model's output ({type(output).__name__}) holds no loss of its own (a "
                          "0-dim .loss, ['loss'] or first element); pass the model its labels, or pass a loss function")
     return loss
+
+
+def split_sample(model, sample):
+    """A sample (or a step's inputs) as (args, kwargs): a tensor is the first positional argument, a tuple or list
+    the positional arguments, a dict (or Mapping, e.g. a tokenizer's BatchEncoding) the keyword arguments. A
+    forward with a `use_cache` parameter gets use_cache=False unless given: a training step never reads the cache."""
+    if isinstance(sample, torch.Tensor):
+        args, kwargs = (sample,), {}
+    elif isinstance(sample, (tuple, list)):
+        args, kwargs = tuple(sample), {}
+    elif isinstance(sample, collections.abc.Mapping):
+        args, kwargs = (), dict(sample)
+    else:
+        raise TypeError(f"model inputs must be a tensor, a tuple of positional arguments or a dict of keyword "
+                        f"arguments, got {type(sample).__name__}")
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    if "use_cache" in parameters and "use_cache" not in kwargs:
+        kwargs["use_cache"] = False
+    return args, kwargs

@@ -14,6 +14,8 @@ import warnings
 import torch
 
 from . import _routing, _smp
+from ._graph import GraphModel
+from ._model_graph import graph_of, shard_for_tensor_parallelism
 from ._smp import ConfigError
 from ._state import runtime
 
@@ -101,7 +103,6 @@ def _candidate_degrees(model, tp_plan, world, config):
     """The tensor-parallel degrees to plan: the config's when it fixes one; when it says "auto", every divisor of
     the world a plan can shard `model` at (its own plan, a Hugging Face model's, or `tp_plan`), else 1 alone."""
     from . import tp
-    from ._distributed_model import GraphModel
     if "tensor_parallel_degree" not in config.auto_keys:
         return [config.tensor_parallel_degree]
     shardable = isinstance(model, torch.nn.Module) and not isinstance(model, GraphModel) and \
@@ -115,7 +116,6 @@ def _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, config, d
     how many ranks its experts are split over: the model's own plan shards them as a job at ep 1 does (the planner
     makes them whole again for a layout dividing them), unless the config fixes an expert-parallel degree."""
     from . import tp
-    from ._distributed_model import GraphModel, _shard_for_tensor_parallelism, graph_of
     # The model comes unsharded (DistributedModel shards it once the layout is chosen), unless it is an
     # smp.GraphModel, whose tensor-parallel layers were built for the job's degree.
     if isinstance(model, GraphModel) and degree != tp.degree():
@@ -127,7 +127,7 @@ def _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, config, d
         if sharded_here:
             model = copy.deepcopy(model)
             fixed_ep = "expert_parallel_degree" not in config.auto_keys and config.expert_parallel_degree > 1
-            _shard_for_tensor_parallelism(model, tp_plan, announce=False, experts_divided=fixed_ep)
+            shard_for_tensor_parallelism(model, tp_plan, announce=False, experts_divided=fixed_ep)
             from ._expert_parallel import experts_modules
             # The model's own plan splits the experts at ep 1 and leaves them whole at ep > 1, which the planner
             # then undoes; a given plan's split stays whatever the degree.

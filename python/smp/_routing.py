@@ -10,6 +10,7 @@ import warnings
 import torch
 
 from . import _smp
+from ._model_io import split_sample
 from ._smp import ConfigError
 from ._value_sketch import sketch_of
 
@@ -73,7 +74,6 @@ def per_sample(model, sample, experts):
     warning."""
     if not experts or any(parameter.is_meta for parameter in model.parameters()):
         return {}
-    from ._export_capture import split_sample
     args, kwargs = split_sample(model, sample)
     # The batch: the longest first dimension (position ids and the like have 1).
     samples = max([value.shape[0] for value in [*args, *kwargs.values()] if torch.is_tensor(value) and value.dim() > 0],
