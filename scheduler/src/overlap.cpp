@@ -29,7 +29,7 @@ std::map<std::size_t, OverlapWindow> overlapped_pairs(const Schedule& schedule, 
         window.last = next;
         continue;
       }
-      const bool send = action.kind == ActionKind::SendForward || action.kind == ActionKind::SendBackward;
+      const bool send = is_send(action.kind);
       if (key(action) == forward && !send) break;  // a receive for the forward: it ran without it
       const bool local = schedule.stage_to_rank.at(static_cast<std::size_t>(action.peer_stage)) == rank;
       if (send && (key(action) == forward || !window.held.empty())) {

@@ -50,6 +50,8 @@ bool is_compute(ActionKind kind) {
   throw ScheduleError("unknown ActionKind value " + std::to_string(static_cast<int>(kind)));
 }
 
+bool is_send(ActionKind kind) { return kind == ActionKind::SendForward || kind == ActionKind::SendBackward; }
+
 std::string describe(const Action& action) {
   std::string text = to_string(action.kind);
   text += "(stage " + std::to_string(action.stage);

@@ -125,7 +125,7 @@ class SimulationState {
       arrival_[message] = end + transfer_time(transfer);
       on_sent(message);
     };
-    if (action.kind == ActionKind::SendForward || action.kind == ActionKind::SendBackward)
+    if (is_send(action.kind))
       send(action, transfers_.message_of(action));
     else if (implicit_transfers_)
       transfers_.for_each_send(action, send);

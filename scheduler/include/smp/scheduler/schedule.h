@@ -41,6 +41,7 @@ struct Action {
 const char* to_string(ActionKind kind);
 ActionKind action_kind_from_string(const std::string& text);  // throws ScheduleError on unknown text
 bool is_compute(ActionKind kind);
+bool is_send(ActionKind kind);  // SEND_F or SEND_B
 // e.g. "F(stage 2, mb 3)" or "SEND_F(stage 1 -> 2, mb 0)"
 std::string describe(const Action& action);
 
