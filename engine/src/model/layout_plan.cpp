@@ -1,16 +1,12 @@
+// Every layout of a world (tp x pp x dp, schedule, microbatches, virtual stages, recompute, ZeRO-1) cut as a job
+// would cut it and predicted: its step by the schedule simulator on the profiled costs, each rank's peak memory.
 #include "smp/layout_plan.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
-#include <iterator>
 #include <map>
-#include <numeric>
-#include <random>
-#include <set>
 #include <sstream>
-#include <tuple>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -20,9 +16,6 @@
 #include "smp/timeline.h"
 
 namespace smp {
-
-// How keep_what_the_config_fixes begins its reason, which the report counts apart.
-constexpr const char* kFixedByConfig = "the config fixes ";
 
 namespace {
 
@@ -35,13 +28,6 @@ struct ScheduleChoice {
 // One stage per rank, then the V schedules and interleaving at two stages per rank.
 constexpr ScheduleChoice kSchedules[] = {{"gpipe", 1},  {"1f1b", 1},       {"zb_h1", 1},
                                          {"interleaved_1f1b", 2}, {"zb_v", 2}, {"dualpipe_v", 2}};
-
-// Through (batch, small) and (larger_batch, large), never below zero or falling with the batch.
-double through(double small, double large, int batch, int larger_batch, int samples) {
-  if (larger_batch <= batch) return small * samples / batch;
-  const double per_sample = std::max(0.0, (large - small) / (larger_batch - batch));
-  return std::max(0.0, small - per_sample * batch) + per_sample * samples;
-}
 
 Config config_of(const Layout& layout, const Config& base) {
   Config config = base;
@@ -436,144 +422,6 @@ std::vector<int> divisors(int n) {
   return found;
 }
 
-std::vector<ModuleProfile> ModelProfile::at(int samples, double compute_scale) const {
-  const bool two = larger.size() == modules.size() && larger_batch > batch;
-  std::vector<ModuleProfile> result = modules;
-  for (std::size_t i = 0; i < result.size(); ++i) {
-    auto& module = result[i];
-    const ModuleProfile& large = two ? larger[i] : modules[i];
-    const int larger_samples = two ? larger_batch : 0;
-    module.forward_s = compute_scale * through(module.forward_s, large.forward_s, batch, larger_samples, samples);
-    module.backward_s = compute_scale * through(module.backward_s, large.backward_s, batch, larger_samples, samples);
-    module.backward_input_s =
-        compute_scale * through(module.backward_input_s, large.backward_input_s, batch, larger_samples, samples);
-    module.backward_weight_s =
-        compute_scale * through(module.backward_weight_s, large.backward_weight_s, batch, larger_samples, samples);
-    module.assumed_loss_s =
-        compute_scale * through(module.assumed_loss_s, large.assumed_loss_s, batch, larger_samples, samples);
-    module.output_bytes = module.output_bytes * samples / batch;
-    module.activation_bytes = module.activation_bytes * samples / batch;
-    if (module.weight_pass_bytes > 0) module.weight_pass_bytes = module.weight_pass_bytes * samples / batch;
-    module.tp_forward_ring_bytes = module.tp_forward_ring_bytes * samples / batch;
-    module.tp_backward_ring_bytes = module.tp_backward_ring_bytes * samples / batch;
-    module.expert_token_bytes = module.expert_token_bytes * samples / batch;
-  }
-  return result;
-}
-
-void ModelProfile::mark_experts(const std::map<std::string, std::int64_t>& token_bytes, int experts_per_layer,
-                                int split, const std::map<std::string, ExpertRouting>& routed,
-                                int experts_per_token) {
-  experts = experts_per_layer;
-  experts_split = std::max(1, split);
-  std::set<std::string> rows_placed;
-  for (auto& node : modules) {
-    // parameter_shapes: "path:d0,d1,;" for each parameter the node counts, all of one element size here. Stacked
-    // experts' first dimension is their count.
-    struct Held {
-      std::string name;
-      std::int64_t elements = 1;
-      std::int64_t first_dimension = 0;
-    };
-    std::vector<Held> parameters;
-    std::int64_t elements = 0;
-    for (auto& [name, sizes] : parameter_shapes_of(node)) {
-      Held held{std::move(name)};
-      for (std::int64_t size : sizes) held.elements *= size;
-      held.first_dimension = sizes.empty() ? 0 : sizes.front();
-      elements += held.elements;
-      parameters.push_back(std::move(held));
-    }
-    if (elements == 0) continue;
-    const double element_bytes = static_cast<double>(node.parameter_bytes) / static_cast<double>(elements);
-    const auto bytes_of = [&](std::int64_t count) {
-      return static_cast<std::int64_t>(static_cast<double>(count) * element_bytes);
-    };
-    std::int64_t expert_elements = 0;
-    double expert_work = 0.0;  // per token: top-k of each layer's experts
-    std::set<std::string> layers_held;
-    for (const auto& parameter : parameters) {
-      const auto layer = std::find_if(token_bytes.begin(), token_bytes.end(), [&](const auto& entry) {
-        return parameter.name.rfind(entry.first + ".", 0) == 0;
-      });
-      if (layer == token_bytes.end()) {
-        node.largest_other_parameter_bytes = std::max(node.largest_other_parameter_bytes, bytes_of(parameter.elements));
-        continue;
-      }
-      node.largest_expert_parameter_bytes = std::max(node.largest_expert_parameter_bytes, bytes_of(parameter.elements));
-      expert_elements += parameter.elements;
-      expert_work += static_cast<double>(experts_per_token) * static_cast<double>(parameter.elements) /
-                     static_cast<double>(std::max<std::int64_t>(1, parameter.first_dimension));
-      if (!layers_held.insert(layer->first).second) continue;  // the layer's rows and routing once per node
-      if (const auto counted = routed.find(layer->first); counted != routed.end()) {
-        node.expert_routing.push_back(counted->second);
-      }
-      if (rows_placed.insert(layer->first).second) node.expert_token_bytes += layer->second;
-    }
-    if (expert_elements == 0) continue;
-    node.expert_parameter_bytes += bytes_of(expert_elements);
-    const double dense_work = static_cast<double>(elements - expert_elements);
-    node.expert_compute_share = experts_per_token > 0 ? expert_work / (expert_work + dense_work) : 1.0;
-  }
-}
-
-double routing_imbalance(const ExpertRouting& routing, int ep, int samples) {
-  if (ep <= 1 || routing.empty()) return 1.0;
-  const auto experts = static_cast<int>(routing.front().size());
-  if (experts == 0 || experts % ep != 0) return 1.0;
-  const int share = experts / ep;
-  // Each row's share of its rows per block of experts.
-  std::vector<std::vector<double>> shares;
-  for (const auto& row : routing) {
-    if (static_cast<int>(row.size()) != experts) return 1.0;
-    if (std::any_of(row.begin(), row.end(), [](std::int64_t count) { return count < 0; })) continue;
-    const auto total = static_cast<double>(std::accumulate(row.begin(), row.end(), std::int64_t{0}));
-    if (total <= 0) continue;
-    std::vector<double>& blocks = shares.emplace_back(static_cast<std::size_t>(ep), 0.0);
-    for (int expert = 0; expert < experts; ++expert) blocks[expert / share] += static_cast<double>(row[expert]) / total;
-  }
-  if (shares.empty()) return 1.0;
-  const auto rows = static_cast<double>(shares.size());
-  const double even = 1.0 / ep;
-  std::vector<double> mean(static_cast<std::size_t>(ep), 0.0), spread(static_cast<std::size_t>(ep), 0.0);
-  for (const auto& blocks : shares) {
-    for (int block = 0; block < ep; ++block) mean[block] += blocks[block] / rows;
-  }
-  // One row has no spread to read: its tokens' chance, as if each chose independently (a lower bound: a sequence's
-  // tokens route alike more often than that).
-  double tokens = 0.0;
-  for (const auto& row : routing) tokens += static_cast<double>(std::accumulate(row.begin(), row.end(), std::int64_t{0}));
-  double skew = 0.0, chance = 0.0;  // the mean's squared distance from even, and how much of it noise explains
-  for (int block = 0; block < ep; ++block) {
-    if (shares.size() > 1) {
-      for (const auto& blocks : shares) spread[block] += std::pow(blocks[block] - mean[block], 2) / (rows - 1.0);
-    } else {
-      spread[block] = mean[block] * (1.0 - mean[block]) / std::max(1.0, tokens);
-    }
-    skew += std::pow(mean[block] - even, 2);
-    chance += spread[block] / rows;
-  }
-  const double kept = skew > 0.0 ? std::max(0.0, 1.0 - chance / skew) : 0.0;
-  // The busiest block of an exchange of `samples`, each block's share drawn about its lasting share with the spread
-  // of a mean of that many rows: averaged over fixed draws, so that a plan is the same every time.
-  std::mt19937 draws(12345);
-  std::normal_distribution<double> normal;
-  constexpr int kDraws = 512;
-  std::vector<double> lasting(static_cast<std::size_t>(ep)), deviation(static_cast<std::size_t>(ep));
-  for (int block = 0; block < ep; ++block) {
-    lasting[block] = even + kept * (mean[block] - even);
-    deviation[block] = std::sqrt(spread[block] / std::max(1, samples));
-  }
-  double busiest = 0.0;
-  for (int draw = 0; draw < kDraws; ++draw) {
-    double most = 0.0;
-    for (int block = 0; block < ep; ++block) most = std::max(most, lasting[block] + deviation[block] * normal(draws));
-    most = std::min(most, 1.0);
-    busiest += most / kDraws;
-  }
-  return std::max(1.0, busiest * ep);
-}
-
 std::string Layout::describe() const {
   std::ostringstream text;
   if (tensor_parallel > 1) text << "tp " << tensor_parallel << " x ";
@@ -692,178 +540,6 @@ std::string layout_timeline_svg(const ModelProfile& profile, const Config& base,
                 layout.describe().c_str(), prediction.step_s * 1e3, prediction.pipeline_s * 1e3,
                 prediction.bubble_fraction * 100);
   return to_svg(timeline, title);
-}
-
-std::string layout_report(const std::vector<LayoutPrediction>& predictions, int shown) {
-  std::ostringstream text;
-  char line[256];
-  std::snprintf(line, sizeof line, "%-4s %-46s %12s %7s %14s\n", "", "layout", "step (pred.)", "bubble",
-                "peak MiB/rank");
-  text << line;
-  int listed = 0, rejected = 0;
-  for (const auto& prediction : predictions) {
-    if (!prediction.rejected.empty()) {
-      ++rejected;
-      continue;
-    }
-    if (listed++ >= shown) continue;
-    std::snprintf(line, sizeof line, "%-4d %-46s %9.1f ms %6.1f%% %14.1f\n", listed,
-                  prediction.layout.describe().c_str(), prediction.step_s * 1e3, prediction.bubble_fraction * 100,
-                  prediction.peak_memory_mib());
-    text << line;
-  }
-  if (listed > shown) text << "     ... and " << listed - shown << " more that fit\n";
-  // A job's plan excludes what its config fixes otherwise (keep_what_the_config_fixes): counted per key, after the
-  // layouts rejected for what they need, whose reasons are listed.
-  std::map<std::string, int> excluded_by_key;
-  int excluded = 0;
-  for (const auto& prediction : predictions) {
-    const std::string& why = prediction.rejected;
-    if (why.rfind(kFixedByConfig, 0) != 0) continue;
-    ++excluded;
-    const std::size_t key = std::strlen(kFixedByConfig);
-    ++excluded_by_key[why.substr(key, why.find(' ', key) - key)];
-  }
-  if (rejected > excluded) {
-    text << rejected - excluded << " rejected:\n";
-    int told = 0;
-    for (const auto& prediction : predictions) {
-      if (prediction.rejected.empty() || prediction.rejected.rfind(kFixedByConfig, 0) == 0 || told++ >= shown) continue;
-      text << "     " << prediction.layout.describe() << ": " << prediction.rejected << "\n";
-    }
-    if (told > shown) text << "     ... and " << told - shown << " more\n";
-  }
-  if (excluded > 0) {
-    text << excluded << " excluded by the keys the config fixes (layouts that set them otherwise):";
-    const char* separator = " ";
-    for (const auto& [key, count] : excluded_by_key) {
-      text << separator << key << " " << count;
-      separator = ", ";
-    }
-    text << "\n";
-  }
-  if (listed == 0) {
-    text << (excluded > 0 ? "no layout fits within the keys the config fixes\n" : "no layout fits\n");
-  } else {
-    const auto& best = *std::find_if(predictions.begin(), predictions.end(),
-                                     [](const LayoutPrediction& prediction) { return prediction.rejected.empty(); });
-    std::snprintf(line, sizeof line, "%.1f ms", best.step_s * 1e3);
-    text << "chosen: " << best.layout.describe() << " (the fastest predicted that fits: " << line
-         << "), config " << best.layout.config_json() << "\n";
-    if (best.stages.size() > 1) {
-      text << "        stages:";
-      for (std::size_t stage = 0; stage < best.stages.size(); ++stage) text << " " << stage << ": " << best.stages[stage];
-      text << "\n";
-    }
-  }
-  return text.str();
-}
-
-namespace {
-
-// What a config asks of the pipeline and the replicas, the same for a planned layout's config and the job's.
-auto layout_asked(const Config& config, int world_size) {
-  const int replicas = config.ddp ? world_size / (config.partitions * config.tensor_parallel_degree) : 1;
-  std::vector<int> stages = config.checkpointed_stages;
-  std::sort(stages.begin(), stages.end());
-  const bool every_stage = static_cast<int>(stages.size()) == config.num_stages() && config.checkpointed_modules.empty();
-  const bool none = stages.empty() && config.checkpointed_modules.empty();
-  const int recompute = none ? 0 : every_stage ? 1 : 2;  // 2: some, which no planned layout is
-  // One stage runs every schedule in the same order (the planner names it GPipe).
-  const std::string schedule = config.num_stages() == 1 ? std::string("one stage") : config.schedule_name();
-  return std::make_tuple(config.tensor_parallel_degree, config.partitions, replicas, config.expert_parallel_degree,
-                         config.virtual_stages, config.microbatches, schedule, recompute,
-                         config.shard_optimizer_state && replicas > 1);
-}
-
-template <typename Settings, std::size_t... I>
-std::string first_difference(const Settings& a, const Settings& b, const char* const* names, std::index_sequence<I...>) {
-  std::string differs;
-  ((differs.empty() && !(std::get<I>(a) == std::get<I>(b)) ? void(differs = names[I]) : void()), ...);
-  return differs;
-}
-
-// The first setting in which a job's config and a planned layout's differ ("" when none), as the report says it.
-std::string setting_that_differs(const Config& job, const Config& planned, int world_size) {
-  static const char* const kSettings[] = {"tensor_parallel_degree", "partitions",
-                                          "ddp",                    "expert_parallel_degree",
-                                          "virtual_stages",         "microbatches",
-                                          "pipeline",               "activation_checkpointing",
-                                          "shard_optimizer_state"};
-  const auto asked = layout_asked(job, world_size);
-  static_assert(std::tuple_size_v<decltype(asked)> == std::size(kSettings));
-  return first_difference(asked, layout_asked(planned, world_size), kSettings,
-                          std::make_index_sequence<std::size(kSettings)>{});
-}
-
-// The config a job adopting `layout_keys` trains under, and the first setting in which it differs from the layout.
-std::pair<Config, std::string> adopted_config(const Config& given, const std::string& layout_keys, int world_size) {
-  nlohmann::json document = nlohmann::json::parse(given.text);
-  nlohmann::json& section = document.contains("smp") ? document["smp"] : document;
-  const nlohmann::json keys = nlohmann::json::parse(layout_keys);
-  for (const auto& key : given.auto_keys) section[key] = keys.at(key);
-  Config chosen = Config::from_json_text(document.dump(), given.source);
-  const Config planned = Config::from_json_text(layout_keys, "<planned layout>");
-  std::string differs = setting_that_differs(chosen, planned, world_size);
-  // The planned cut, which a config with "auto" keys cannot give itself (Config refuses both at once), where the
-  // layout holds: its pins name stages a config fixing other settings may not have.
-  if (differs.empty() && keys.contains("partition_overrides")) {
-    section["partition_overrides"] = keys["partition_overrides"];
-    chosen = Config::from_json_text(document.dump(), given.source);
-  }
-  return {std::move(chosen), std::move(differs)};
-}
-
-}  // namespace
-
-std::optional<Config> adopting_layout(const Config& given, const std::string& layout_keys, int world_size) {
-  auto [chosen, differs] = adopted_config(given, layout_keys, world_size);
-  if (!differs.empty()) return std::nullopt;
-  return std::move(chosen);
-}
-
-void keep_what_the_config_fixes(std::vector<LayoutPrediction>& predictions, const Config& given, int world_size) {
-  if (given.auto_keys.empty()) return;
-  for (auto& prediction : predictions) {
-    if (!prediction.rejected.empty()) continue;
-    try {
-      const std::string differs = adopted_config(given, prediction.config_json(), world_size).second;
-      if (!differs.empty()) {
-        prediction.rejected = kFixedByConfig + differs + " otherwise";
-        prediction.timeline_svg.clear();  // drawn for the fastest layout, which the job may not take
-      }
-    } catch (const ConfigError& error) {
-      prediction.rejected = error.what();
-    }
-  }
-}
-
-std::pair<LayoutPrediction, Config> choose_layout(const std::vector<LayoutPrediction>& predictions, const Config& given,
-                                                  int world_size) {
-  std::vector<std::string> reasons;
-  for (const auto& prediction : predictions) {
-    if (!prediction.rejected.empty()) continue;
-    try {
-      if (auto chosen = adopting_layout(given, prediction.config_json(), world_size)) {
-        return {prediction, *chosen};
-      }
-      reasons.push_back(prediction.layout.describe() + ": not what the keys the config fixes ask");
-    } catch (const ConfigError& error) {
-      reasons.push_back(prediction.layout.describe() + ": " + error.what());
-    }
-  }
-  // The first line must say why on its own: a rank's error line is the message's first.
-  const auto rejected = std::find_if(predictions.begin(), predictions.end(),
-                                     [](const LayoutPrediction& prediction) { return !prediction.rejected.empty(); });
-  const std::string example = !reasons.empty()                 ? reasons.front()
-                              : rejected != predictions.end() ? rejected->layout.describe() + ": " + rejected->rejected
-                                                               : "none planned";
-  std::string text = given.source + ": no planned layout of " + std::to_string(world_size) +
-                     " ranks fits and keeps the layout keys the config gives (" +
-                     std::to_string(predictions.size()) + " considered; " + example + ")\n" +
-                     layout_report(predictions);
-  for (std::size_t index = 0; index < reasons.size() && index < 5; ++index) text += "\n" + reasons[index];
-  throw ConfigError(text);
 }
 
 }  // namespace smp
