@@ -576,17 +576,7 @@ PYBIND11_MODULE(_smp, module) {
           costs.optimizer_foreach = optimizer_foreach;
           costs.synchronization_s = synchronization_s;
           costs.synchronized_bytes_per_s = synchronized_bytes_per_s;
-          predictions = plan_layouts(by_degree, base, world_size, costs, optimizer_moments);
-          if (keep_fixed_keys) {
-            keep_what_the_config_fixes(predictions, config, world_size);
-            // The fastest layout's simulated step is drawn; a job's is the fastest it can adopt.
-            const auto chosen = std::find_if(predictions.begin(), predictions.end(),
-                                             [](const LayoutPrediction& p) { return p.rejected.empty(); });
-            if (chosen != predictions.end() && chosen->timeline_svg.empty()) {
-              chosen->timeline_svg = layout_timeline_svg(by_degree.at(std::max(1, chosen->layout.tensor_parallel)),
-                                                         base, world_size, chosen->layout, costs, optimizer_moments);
-            }
-          }
+          predictions = plan_layouts(by_degree, base, world_size, costs, optimizer_moments, keep_fixed_keys);
         }
         py::list layouts;
         for (const auto& prediction : predictions) {
@@ -604,22 +594,22 @@ PYBIND11_MODULE(_smp, module) {
           row["timeline_svg"] = prediction.timeline_svg.empty() ? py::object(py::none()) : py::str(prediction.timeline_svg);
           layouts.append(row);
         }
-        return py::make_tuple(layouts, layout_report(predictions));
+        // A job's own plan: its choice as the C++ job takes it (the adopted config's text), or why there is none.
+        py::object choice = py::none();
+        if (keep_fixed_keys) {
+          try {
+            choice = py::dict(py::arg("config") = choose_layout(predictions, config, world_size).second.text);
+          } catch (const ConfigError& error) {
+            choice = py::dict(py::arg("error") = std::string(error.what()));
+          }
+        }
+        return py::make_tuple(layouts, layout_report(predictions), choice);
       },
       py::arg("by_degree"), py::arg("config"), py::arg("world_size"), py::arg("global_batch_size"), py::arg("memory_limit_mb"),
       py::arg("optimizer_moments"), py::arg("latency_s"), py::arg("bytes_per_s"), py::arg("compute_scale"),
       py::arg("optimizer_s_per_byte"), py::arg("device_speeds") = std::vector<double>{},
       py::arg("shared_processors") = 0.0, py::arg("optimizer_foreach") = false, py::arg("synchronization_s") = 0.0,
       py::arg("synchronized_bytes_per_s") = 0.0, py::arg("keep_fixed_keys") = false);
-  // A planned layout's keys (Layout::config_json) in place of the config's "auto" ones, or None when the layout
-  // differs from what the config fixes (smp::adopting_layout).
-  module.def(
-      "adopting_layout",
-      [](const Config& given, const std::string& layout_keys, int world_size) -> py::object {
-        auto chosen = adopting_layout(given, layout_keys, world_size);
-        return chosen ? py::cast(*chosen) : py::none();
-      },
-      py::arg("given"), py::arg("layout_keys"), py::arg("world_size"));
   // smp.tp.shard_of: the engine's cut, so that both languages shard (and checkpoints reassemble) alike.
   module.def(
       "tp_shard_of",

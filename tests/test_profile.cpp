@@ -165,12 +165,32 @@ TEST_CASE("the planner profiles two sizes, or the sample's alone when the model 
   const auto both = smp::profile_for_planning(model_of(false), {sample}, cpu);
   CHECK(both.batch == 4);
   CHECK(both.larger_batch == 8);
-  CHECK(both.larger.size() == 2);
-  const auto alone = smp::profile_for_planning(model_of(true), {sample}, cpu);
+  REQUIRE(both.larger.size() == 2);
+  CHECK(both.larger[0].output_bytes == 2 * both.modules[0].output_bytes);  // measured on twice the rows
+  const auto refusing = model_of(true);
+  const auto alone = smp::profile_for_planning(refusing, {sample}, cpu);
   CHECK(alone.batch == 4);
   CHECK(alone.larger_batch == 0);
   CHECK(alone.larger.empty());
   CHECK(alone.modules.size() == 2);
+  // The failed profile leaves no gradients behind, which a first train_step would add to its own.
+  for (const auto& node : refusing.nodes()) {
+    for (const auto& parameter : node.module->parameters()) CHECK_FALSE(parameter.grad().defined());
+  }
+
+  // An input of another first dimension than the batch's goes to both sizes as it is; without a batched input
+  // there is one size.
+  smp::GraphModel scaled(std::vector<std::string>{"x", "scale"});
+  scaled.add("embed", torch::nn::Linear(4, 8), {"x"});
+  scaled.add("scaled", std::make_shared<torch::nn::Module>(),
+             [](const std::vector<at::Tensor>& in) { return in[0] * in[1].sum(); }, {"embed", "scale"});
+  const auto with_unbatched = smp::profile_for_planning(scaled, {sample, at::ones({3})}, cpu);
+  CHECK(with_unbatched.larger_batch == 8);
+  smp::GraphModel scalar("x");
+  scalar.add("doubled", std::make_shared<torch::nn::Module>(),
+             [](const std::vector<at::Tensor>& in) { return in[0] * 2; }, {"x"});
+  const auto unbatched = smp::profile_for_planning(scalar, {at::ones({})}, cpu);
+  CHECK(unbatched.larger.empty());
 }
 
 TEST_CASE("the last stage is charged the loss train_step will compute, unless the model computes its own",
@@ -390,7 +410,7 @@ TEST_CASE("a job's plan rejects the layouts its fixed keys exclude, naming the k
     return found->rejected;
   };
   auto interleaved = [](const smp::LayoutPrediction& p) {
-    return p.layout.pipeline == "interleaved_1f1b";
+    return p.layout.pipeline == "interleaved_1f1b" && p.layout.replicas == 1;  // else ddp may differ first
   };
   auto replicated = [](const smp::LayoutPrediction& p) { return p.layout.replicas > 1; };
   auto adoptable = [](const smp::LayoutPrediction& p) {
@@ -402,8 +422,16 @@ TEST_CASE("a job's plan rejects the layouts its fixed keys exclude, naming the k
   CHECK(rejected_for(interleaved) == "the config fixes virtual_stages otherwise");
   CHECK(rejected_for(replicated) == "the config fixes ddp otherwise");
   CHECK(rejected_for(adoptable).empty());
+  // The fitting ones stay first, so that a job's first fitting layout is its choice, drawn when planned for it.
+  const auto first_rejected = std::find_if(predictions.begin(), predictions.end(),
+                                           [](const smp::LayoutPrediction& p) { return !p.rejected.empty(); });
+  CHECK(std::all_of(first_rejected, predictions.end(), [](const smp::LayoutPrediction& p) { return !p.rejected.empty(); }));
   const auto chosen = smp::choose_layout(predictions, given, 4).first;
   CHECK(adoptable(chosen));
+  CHECK(chosen.layout.describe() == predictions.front().layout.describe());
+  const auto for_the_job = smp::plan_layouts({modules, 2}, given, 4, {0.0, 1e9, 1e9}, 2.0, /*for_a_job=*/true);
+  CHECK(for_the_job.front().layout.describe() == chosen.layout.describe());
+  CHECK_THAT(for_the_job.front().timeline_svg, Catch::Matchers::StartsWith("<svg"));
   const std::string report = smp::layout_report(predictions);
   CHECK_THAT(report, Catch::Matchers::Contains("chosen: " + chosen.layout.describe() + " (the fastest predicted that fits"));
   CHECK_THAT(report, Catch::Matchers::Contains("excluded by the keys the config fixes (layouts that set them otherwise): "
@@ -415,6 +443,14 @@ TEST_CASE("a job's plan rejects the layouts its fixed keys exclude, naming the k
   auto none_fit = smp::plan_layouts({modules, 2}, tight, 4, {0.0, 1e9, 1e9});
   smp::keep_what_the_config_fixes(none_fit, tight, 4);
   CHECK_THAT(smp::layout_report(none_fit), Catch::Matchers::Contains("no layout fits\n"));
+  // The error's first line gives a reason a layout of the job's own keys met, not one the config excludes.
+  try {
+    smp::choose_layout(none_fit, tight, 4);
+    FAIL("no layout fits, yet one was chosen");
+  } catch (const smp::ConfigError& error) {
+    const std::string first_line = std::string(error.what()).substr(0, std::string(error.what()).find('\n'));
+    CHECK_THAT(first_line, Catch::Matchers::Contains("memory limit") && !Catch::Matchers::Contains("the config fixes"));
+  }
 }
 
 TEST_CASE("ranks that outnumber their cores share them: a pipeline's fill and drain run faster than its steady state",
@@ -557,7 +593,8 @@ TEST_CASE("plans beyond this machine: a decoder's shape on a described cluster",
 namespace {
 
 // Two linear nodes that run slower right after each other than again on their own, as a block does whose weights
-// the previous block pushed out of the caches: 8 ms after the other node, 1 ms after itself.
+// the previous block pushed out of the caches: 8 ms after the other node, 1 ms after itself. The second returns its
+// sum, a loss of the model's own: no cross-entropy is charged, whose time on a busy host would blur the sleeps.
 smp::GraphModel flushing_each_other(std::shared_ptr<int> last_node) {
   smp::GraphModel model("x");
   for (int index : {0, 1}) {
@@ -566,7 +603,8 @@ smp::GraphModel flushing_each_other(std::shared_ptr<int> last_node) {
               [linear, index, last_node](const std::vector<at::Tensor>& in) mutable {
                 std::this_thread::sleep_for(std::chrono::milliseconds(*last_node == index ? 1 : 8));
                 *last_node = index;
-                return linear->forward(in[0]);
+                const at::Tensor out = linear->forward(in[0]);
+                return index == 1 ? out.sum() : out;
               },
               {index == 0 ? "x" : "linear0"});
   }
@@ -592,7 +630,7 @@ TEST_CASE("the planner's profile is scaled to a pass of the whole model", "[prof
 
   // A model that cannot run whole here (a node built on demand) keeps its nodes' own times.
   smp::GraphModel on_demand = flushing_each_other(std::make_shared<int>(-1));
-  on_demand.add("head", [] { return torch::nn::Linear(4, 2); }, {"linear1"});
+  on_demand.add("head", [] { return torch::nn::Identity(); }, {"linear1"});
   CHECK(forward_sum(smp::profile_graph(on_demand, sample, 3, nullptr, /*scale_to_whole=*/true)) < 6e-3);
 }
 

@@ -200,7 +200,7 @@ TEST_CASE("receives_in_send_order pairs every receive with the peer's sends, in 
               for (const auto& [peer, receives] : order) {
                 std::vector<Action> sends;
                 for (const Action& action : schedule.ranks[peer])
-                  if ((action.kind == ActionKind::SendForward || action.kind == ActionKind::SendBackward) &&
+                  if (smp::sched::is_send(action.kind) &&
                       schedule.stage_to_rank[action.peer_stage] == rank)
                     sends.push_back(action);
                 REQUIRE(sends.size() == receives.size());
@@ -350,9 +350,6 @@ TEST_CASE("sends_delivered_by_receive lists each send under the first receive th
     }
     return Action{kind, action.peer_stage, action.microbatch, action.stage};
   };
-  auto is_send = [](const Action& action) {
-    return action.kind == ActionKind::SendForward || action.kind == ActionKind::SendBackward;
-  };
   auto is_receive = [](const Action& action) {
     return action.kind == ActionKind::RecvForward || action.kind == ActionKind::RecvBackward;
   };
@@ -369,7 +366,7 @@ TEST_CASE("sends_delivered_by_receive lists each send under the first receive th
       const auto& actions = schedule.ranks[r];
       std::vector<std::pair<int, std::size_t>> after;
       if (i + 1 < actions.size()) after.emplace_back(r, i + 1);
-      if (is_send(actions[i]) && schedule.stage_to_rank[actions[i].peer_stage] != r) {
+      if (smp::sched::is_send(actions[i].kind) && schedule.stage_to_rank[actions[i].peer_stage] != r) {
         const int peer = schedule.stage_to_rank[actions[i].peer_stage];
         const auto& theirs = schedule.ranks[peer];
         after.emplace_back(peer, std::find(theirs.begin(), theirs.end(), other_end(actions[i])) - theirs.begin());
@@ -414,7 +411,7 @@ TEST_CASE("sends_delivered_by_receive lists each send under the first receive th
                 }
               }
               for (std::size_t send = 0; send < mine.size(); ++send) {
-                if (!is_send(mine[send]) || schedule.stage_to_rank[mine[send].peer_stage] == rank) continue;
+                if (!smp::sched::is_send(mine[send].kind) || schedule.stage_to_rank[mine[send].peer_stage] == rank) continue;
                 const int peer = schedule.stage_to_rank[mine[send].peer_stage];
                 const auto& theirs = schedule.ranks[peer];
                 const std::size_t taken =

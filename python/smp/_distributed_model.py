@@ -14,6 +14,7 @@ from . import _materialize, _routing, _smp, tp
 from ._graph import GraphModel, _is_sequential, _kind, transient_buffers
 from ._model_graph import graph_of, shard_for_tensor_parallelism
 from ._model_io import own_loss
+from ._planning import adopt_planned_layout
 from ._smp import ConfigError, ModelError
 from ._state import runtime
 
@@ -103,7 +104,6 @@ class DistributedModel(torch.nn.Module):
         # "auto" layout keys: chosen now that the model is known, the same on every rank (smp.plan's prediction).
         self.planned, self._planned_steps, self._planned_routing = None, [], {}
         if rt.config.auto_keys:
-            from ._planning import adopt_planned_layout
             self.planned = adopt_planned_layout(model, sample, dynamic_shapes, tp_plan)
         if rt.tensor_parallel_degree > 1:
             shard_for_tensor_parallelism(model, tp_plan)

@@ -31,7 +31,7 @@ def _capture(model, sample, stages, pinned, dynamic_shapes=None, experts=None):
             graph, leaf_inputs, output_spec, shapes = exporting.capture(
                 model, args, kwargs, stages, pinned, GraphModel, torch.device(runtime().device), experts,
                 dynamic_shapes)
-            return graph, CapturedIO(model, args, kwargs, leaf_inputs, output_spec, split_sample, shapes)
+            return graph, CapturedIO(model, args, kwargs, leaf_inputs, output_spec, shapes)
         except CaptureError as error:
             export_error = error
     name = type(model).__name__

@@ -59,9 +59,8 @@ class CapturedIO:
     engine's inputs and whose other values (None, flags) were baked into the capture; its outputs rebuilt from the
     engine's tensors into what the model's forward returns (a ModelOutput, tuple, dict)."""
 
-    def __init__(self, model, sample_args, sample_kwargs, leaf_inputs, output_spec, split, shapes):
+    def __init__(self, model, sample_args, sample_kwargs, leaf_inputs, output_spec, shapes):
         self._model = model
-        self._split = split
         self._positional = len(sample_args)
         self._keys = list(sample_kwargs)
         self._sample_leaves = pytree.tree_leaves((sample_args, sample_kwargs))
@@ -71,7 +70,7 @@ class CapturedIO:
         self._shapes = shapes  # _export_capture.InputShapes: which dimensions may change, and how far
 
     def engine_inputs(self, inputs, what="inputs"):
-        args, kwargs = self._split(self._model, inputs)
+        args, kwargs = split_sample(self._model, inputs)
         if len(args) != self._positional:
             raise ConfigError(f"{what}: {len(args)} positional inputs, the sample had {self._positional}")
         extra = [key for key in kwargs if key not in self._keys]

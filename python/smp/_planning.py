@@ -13,7 +13,8 @@ import warnings
 
 import torch
 
-from . import _routing, _smp
+from . import _routing, _smp, tp
+from ._expert_parallel import experts_modules
 from ._graph import GraphModel
 from ._model_graph import graph_of, shard_for_tensor_parallelism
 from ._smp import ConfigError
@@ -31,8 +32,10 @@ class Plan:
     counts priced ({experts module path: rows of tokens per expert}), and .routing_imbalance(row), what they give the
     busiest rank in one of .layouts."""
 
-    def __init__(self, layouts, report, unplanned_degrees=None, predict=None, routing=None, world=1, global_batch=1):
+    def __init__(self, layouts, report, unplanned_degrees=None, predict=None, routing=None, world=1, global_batch=1,
+                 choice=None):
         self.layouts = layouts
+        self._choice = choice  # a job's own plan: {"config": the adopted config's text} or {"error": why none}
         self.report = report
         self.unplanned_degrees = unplanned_degrees or {}  # {tensor-parallel degree: why the model cannot take it}
         self._predict = predict
@@ -102,7 +105,6 @@ def _optimizer_seconds_per_byte(device, shapes, optimizer=torch.optim.AdamW, mos
 def _candidate_degrees(model, tp_plan, world, config):
     """The tensor-parallel degrees to plan: the config's when it fixes one; when it says "auto", every divisor of
     the world a plan can shard `model` at (its own plan, a Hugging Face model's, or `tp_plan`), else 1 alone."""
-    from . import tp
     if "tensor_parallel_degree" not in config.auto_keys:
         return [config.tensor_parallel_degree]
     shardable = isinstance(model, torch.nn.Module) and not isinstance(model, GraphModel) and \
@@ -115,7 +117,6 @@ def _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, config, d
     a sharded copy for a degree the job has not adopted, its collectives counted, not run. Returns the profile and
     how many ranks its experts are split over: the model's own plan shards them as a job at ep 1 does (the planner
     makes them whole again for a layout dividing them), unless the config fixes an expert-parallel degree."""
-    from . import tp
     # The model comes unsharded (DistributedModel shards it once the layout is chosen), unless it is an
     # smp.GraphModel, whose tensor-parallel layers were built for the job's degree.
     if isinstance(model, GraphModel) and degree != tp.degree():
@@ -128,7 +129,6 @@ def _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, config, d
             model = copy.deepcopy(model)
             fixed_ep = "expert_parallel_degree" not in config.auto_keys and config.expert_parallel_degree > 1
             shard_for_tensor_parallelism(model, tp_plan, announce=False, experts_divided=fixed_ep)
-            from ._expert_parallel import experts_modules
             # The model's own plan splits the experts at ep 1 and leaves them whole at ep > 1, which the planner
             # then undoes; a given plan's split stays whatever the degree.
             if tp_plan is None and any(hasattr(parameter, "_smp_shard") for experts in experts_modules(model).values()
@@ -155,7 +155,6 @@ def _routing_of(model, sample, tokens_per_expert):
     """{experts module path: rows of tokens per expert} as smp.plan's tokens_per_expert asks: None, counted on the
     sample (a row per sample); "even", none; or the counts given ({router or experts module path: tokens per expert,
     or a row of them per sample or step})."""
-    from ._expert_parallel import experts_modules
     experts = experts_modules(model) if isinstance(model, torch.nn.Module) else {}
     if tokens_per_expert is None:
         return _routing.per_sample(model, sample, experts)
@@ -167,7 +166,6 @@ def _mark_experts(profile, model, sample, split, routed=None):
     token rows they read on `sample`, one microbatch: its tokens x the model's experts per token x its hidden
     width, at the parameters' element size (what the ranks exchange), over how many tensor-parallel ranks the
     profile's experts are `split`, and how their routers chose (`routed`: _routing_of's; None: even)."""
-    from ._expert_parallel import experts_modules
     experts = experts_modules(model) if isinstance(model, torch.nn.Module) else {}
     if not experts:
         return
@@ -261,9 +259,7 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     the model's parameter shapes) per parameter byte; its temporaries (Adam's) as torch.optim's default holds them
     on this device (one parameter at a time on a CPU, all at once on a GPU). Predictions take the zero-bubble split
     as profiled (I and W per node) and assume the all-reduce follows the last backward without overlap.
-    dynamic_shapes: as smp.DistributedModel will be given it (the plan's cut names the captured graph's nodes).
-    _for_this_job (an "auto" job's own plan): each layout the config's fixed keys exclude is rejected, naming the key,
-    so that the report ranks what the job chooses from."""
+    dynamic_shapes: as smp.DistributedModel will be given it (the plan's cut names the captured graph's nodes)."""
     if dynamic_shapes == "none" or (isinstance(dynamic_shapes, collections.abc.Mapping) and
                                     any(0 not in dims for dims in dynamic_shapes.values())):
         raise ConfigError(f"dynamic_shapes {dynamic_shapes!r}: smp.plan (and an \"auto\" layout) profiles the model on "
@@ -303,7 +299,7 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
         for degree, profile in profiles.items():
             marked[degree] = profile.copy()  # the profile as measured, for predictions on other routing
             _mark_experts(marked[degree], model, sample, splits[degree], routed)
-        layouts, report = _smp.plan_layouts(
+        layouts, report, choice = _smp.plan_layouts(
             marked, rt.config, world, int(global_batch_size or 0),
             -1.0 if memory_limit_mb is None else float(memory_limit_mb), float(optimizer_moments), latency_us * 1e-6,
             -1.0 if link_gbps is None else link_gbps * 1e9, float(compute_scale), optimizer_s_per_byte,
@@ -311,7 +307,7 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
             float(shared_cores), rt.device != "cpu",  # torch.optim steps all parameters at once on a GPU (foreach)
             (synchronization_us or 0.0) * 1e-6, (synchronized_gbps or 0.0) * 1e9, _for_this_job)
         found = Plan(layouts, report, unplanned, predict, routed, world,
-                     int(global_batch_size or rt.config.global_batch_size))
+                     int(global_batch_size or rt.config.global_batch_size), choice)
         found.report += _routing_report(found)
         for degree, why in unplanned.items():
             found.report += f"tp {degree}: not planned: {why}\n"
@@ -327,21 +323,12 @@ def _choose(model, sample, rt, links, speeds, dynamic_shapes, tp_plan):
                  device_speeds=speeds, shared_cores=links["shared_processors"] or None, dynamic_shapes=dynamic_shapes,
                  tp_plan=tp_plan, synchronization_us=links["synchronization_s"] * 1e6,
                  synchronized_gbps=links["synchronized_bytes_per_s"] / 1e9, _for_this_job=True)
-    reasons = []
-    for row in found.layouts:
-        if row["rejected"] is not None:
-            continue
-        try:
-            chosen = _smp.adopting_layout(rt.config, row["config"], rt.world_size)
-        except ConfigError as error:
-            reasons.append(f"{row['layout']}: {error}")
-            continue
-        if chosen is not None:
-            # Beside a step's counts: every microbatch's together.
-            return chosen.text, row, found.report, found.routing_imbalance(row, whole_step=True)
-        reasons.append(f"{row['layout']}: not what the keys the config fixes ask")
-    raise ConfigError(f"{rt.config.source}: no planned layout of {rt.world_size} ranks fits and keeps the layout keys "
-                      "the config gives:\n" + found.report + ("\n" + "\n".join(reasons[:5]) if reasons else ""))
+    if "error" in found._choice:
+        unplanned = "".join(f"\ntp {degree}: not planned: {why}" for degree, why in found.unplanned_degrees.items())
+        raise ConfigError(found._choice["error"] + unplanned)
+    row = found.best  # the job's choice: the fastest it can adopt, which its own plan ranks first
+    # Beside a step's counts: every microbatch's together.
+    return found._choice["config"], row, found.report, found.routing_imbalance(row, whole_step=True)
 
 
 def adopt_planned_layout(model, sample, dynamic_shapes=None, tp_plan=None):

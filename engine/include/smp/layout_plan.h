@@ -120,8 +120,8 @@ struct LayoutPrediction {
   // The layout's keys with the cut ("partition_overrides"): what a job adopts.
   std::string config_json() const;
   double peak_memory_mib() const;
-  // The chosen layout's (the first that fits) simulated step as a timeline SVG (to_svg: one row per pipeline rank,
-  // its predicted compute and waits); empty for the others.
+  // The first fitting layout's simulated step (the one a job chooses) as a timeline SVG (to_svg: one row per
+  // pipeline rank, its predicted compute and waits); empty for the others.
   std::string timeline_svg;
 };
 
@@ -137,7 +137,7 @@ std::vector<int> divisors(int n);
 // optimizer's state per parameter, in parameter sizes (Adam 2, SGD with momentum 1). Fitting layouts come first,
 // fastest first; a layout the partition search cannot place is rejected with its reason.
 std::vector<LayoutPrediction> plan_layouts(const ModelProfile& profile, const Config& base, int world_size, const PlanningCosts& costs = {},
-                                           double optimizer_moments = 2.0);
+                                           double optimizer_moments = 2.0, bool for_a_job = false);
 // Expert parallelism ("expert_parallel_degree" fixed, or "auto": every degree dividing the replicas and
 // ModelProfile::experts) is planned from the same profile (at each tensor-parallel degree: a model's own plan leaves
 // the experts whole at ep > 1, ModelProfile::experts_split, so each tp rank divides its experts with the same tp rank
@@ -149,10 +149,11 @@ std::vector<LayoutPrediction> plan_layouts(const ModelProfile& profile, const Co
 // parameters and activations, its collectives counted, not run), and for each degree tp dividing world_size every
 // layout of the world_size / tp groups as above. A group computes as one rank of the pipeline; its collectives are
 // priced on `costs`' all-reduce links, and the processors a host shares (costs.shared_processors, ranks_per_node)
-// count per group.
+// count per group. `for_a_job`: the layouts a job under `base` cannot adopt rejected too (keep_what_the_config_fixes),
+// so that the first fitting one, the one drawn, is the one it chooses.
 std::vector<LayoutPrediction> plan_layouts(const std::map<int, ModelProfile>& by_degree, const Config& base,
                                            int world_size, const PlanningCosts& costs = {},
-                                           double optimizer_moments = 2.0);
+                                           double optimizer_moments = 2.0, bool for_a_job = false);
 
 // `given`, a config with "auto" layout keys (Config::auto_keys), with those keys set from `layout_keys` (a layout's
 // Layout::config_json()): the config a job adopting that layout trains under; nullopt when the layout differs from
@@ -161,7 +162,8 @@ std::vector<LayoutPrediction> plan_layouts(const std::map<int, ModelProfile>& by
 std::optional<Config> adopting_layout(const Config& given, const std::string& layout_keys, int world_size);
 
 // For a job whose config has "auto" keys (nothing otherwise): each layout it cannot adopt (adopting_layout) rejected,
-// naming the setting the config fixes otherwise, so that its report ranks what the job chooses from.
+// naming the setting the config fixes otherwise, so that its report ranks what the job chooses from; the fitting
+// layouts stay first.
 void keep_what_the_config_fixes(std::vector<LayoutPrediction>& predictions, const Config& given, int world_size);
 
 // For a job whose config has "auto" keys: the fastest fitting prediction it can adopt, with the config it then
@@ -175,7 +177,8 @@ std::pair<LayoutPrediction, Config> choose_layout(const std::vector<LayoutPredic
 std::string layout_timeline_svg(const ModelProfile& profile, const Config& base, int world_size, const Layout& layout,
                                 const PlanningCosts& costs = {}, double optimizer_moments = 2.0);
 
-// A table a person reads: the first `shown` fitting layouts, then the rejected ones with why, and the choice.
+// A table a person reads: the first `shown` fitting layouts, the count of those the config's fixed keys exclude (per
+// key), the others rejected with why, and the choice.
 std::string layout_report(const std::vector<LayoutPrediction>& predictions, int shown = 15);
 
 }  // namespace smp

@@ -13,9 +13,10 @@
 namespace smp {
 
 // Collective over the world (every rank calls it at once): the links between the ranks, measured as a transfer's
-// latency (half the round trip of 1 KiB between ranks 2k and 2k + 1) and the all-reduce's bandwidth in ring terms
-// (4 MiB against a scalar: each rank sends 2 (n - 1) / n of the bytes), the fastest of the rounds after 2 untimed; and on a CPU host
-// with more ranks than cores, the cores they share. The planner's costs.
+// latency (half the round trip of 1 KiB between ranks 2k and 2k + 1, the median of 10 rounds after 2 untimed) and the
+// all-reduce's bandwidth in ring terms (4 MiB against a scalar: each rank sends 2 (n - 1) / n of the bytes; the median
+// of 9 rounds after 2 untimed); and on a CPU host with more ranks than cores, the processors they share (and, for a
+// job planning tensor or expert parallelism, a collective's cost right after computing). The planner's costs.
 PlanningCosts measured_planning_costs(Runtime& runtime);
 
 // profile_graph's SplitBackwardTimer as the zero-bubble schedules run it (smp::WeightPass): the planner's profile.

@@ -163,9 +163,13 @@ void keep_what_the_config_fixes(std::vector<LayoutPrediction>& predictions, cons
         prediction.timeline_svg.clear();  // drawn for the fastest layout, which the job may not take
       }
     } catch (const ConfigError& error) {
-      prediction.rejected = error.what();
+      prediction.rejected = std::string("the config's other keys refuse it: ") + error.what();
+      prediction.timeline_svg.clear();
     }
   }
+  // Fitting layouts first, as plan_layouts leaves them, each part still in order of its predicted step.
+  std::stable_partition(predictions.begin(), predictions.end(),
+                        [](const LayoutPrediction& prediction) { return prediction.rejected.empty(); });
 }
 
 std::pair<LayoutPrediction, Config> choose_layout(const std::vector<LayoutPrediction>& predictions, const Config& given,
@@ -183,8 +187,14 @@ std::pair<LayoutPrediction, Config> choose_layout(const std::vector<LayoutPredic
     }
   }
   // The first line must say why on its own: a rank's error line is the message's first.
-  const auto rejected = std::find_if(predictions.begin(), predictions.end(),
-                                     [](const LayoutPrediction& prediction) { return !prediction.rejected.empty(); });
+  // A layout rejected for what it needs says more than one the config's keys exclude.
+  auto rejected = std::find_if(predictions.begin(), predictions.end(), [](const LayoutPrediction& prediction) {
+    return !prediction.rejected.empty() && prediction.rejected.rfind(kFixedByConfig, 0) != 0;
+  });
+  if (rejected == predictions.end()) {
+    rejected = std::find_if(predictions.begin(), predictions.end(),
+                            [](const LayoutPrediction& prediction) { return !prediction.rejected.empty(); });
+  }
   const std::string example = !reasons.empty()                 ? reasons.front()
                               : rejected != predictions.end() ? rejected->layout.describe() + ": " + rejected->rejected
                                                                : "none planned";

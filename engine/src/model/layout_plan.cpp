@@ -454,12 +454,13 @@ double LayoutPrediction::peak_memory_mib() const {
 }
 
 std::vector<LayoutPrediction> plan_layouts(const ModelProfile& profile, const Config& base, int world_size,
-                                           const PlanningCosts& costs, double optimizer_moments) {
-  return plan_layouts(std::map<int, ModelProfile>{{1, profile}}, base, world_size, costs, optimizer_moments);
+                                           const PlanningCosts& costs, double optimizer_moments, bool for_a_job) {
+  return plan_layouts(std::map<int, ModelProfile>{{1, profile}}, base, world_size, costs, optimizer_moments, for_a_job);
 }
 
 std::vector<LayoutPrediction> plan_layouts(const std::map<int, ModelProfile>& by_degree, const Config& base,
-                                           int world_size, const PlanningCosts& costs, double optimizer_moments) {
+                                           int world_size, const PlanningCosts& costs, double optimizer_moments,
+                                           bool for_a_job) {
   if (by_degree.empty() || world_size < 1) {
     throw ConfigError("plan_layouts: needs a profiled model, its microbatch size and a world size");
   }
@@ -520,6 +521,7 @@ std::vector<LayoutPrediction> plan_layouts(const std::map<int, ModelProfile>& by
     if (a.peak_memory_mib() != b.peak_memory_mib()) return a.peak_memory_mib() < b.peak_memory_mib();
     return a.layout.microbatches < b.layout.microbatches;
   });
+  if (for_a_job) keep_what_the_config_fixes(predictions, base, world_size);
   if (!predictions.empty() && predictions.front().rejected.empty()) {
     const Layout& best = predictions.front().layout;
     predictions.front().timeline_svg = layout_timeline_svg(by_degree.at(std::max(1, best.tensor_parallel)), base,

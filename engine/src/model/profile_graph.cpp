@@ -42,14 +42,22 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+void drop_gradients(torch::nn::Module& module) {
+  for (const auto& parameter : module.parameters()) {
+    if (parameter.grad().defined()) parameter.mutable_grad() = at::Tensor();
+  }
+}
+
 // Profiling runs the modules in training mode: batch norm updates its running statistics and dropout draws
-// random numbers. Both are put back when it ends, so that profiling on rank 0 changes nothing the training sees.
+// random numbers, and backward passes leave gradients. All are put back (the gradients dropped) when it ends, also
+// when it throws, so that profiling on rank 0 changes nothing the training sees.
 class TrainingStateKept {
  public:
   TrainingStateKept(const GraphModel& model, c10::Device device) {
     std::set<const void*> seen;
     for (const auto& node : model.nodes()) {
       if (!node.built()) continue;  // built apart for its profile, and dropped after
+      modules_.push_back(node.module);
       for (const auto& buffer : node.module->buffers()) {
         if (seen.insert(buffer.unsafeGetTensorImpl()).second) buffers_.emplace_back(buffer, buffer.clone());
       }
@@ -61,6 +69,7 @@ class TrainingStateKept {
     // that error is the one to report, not this one, and a destructor must not throw.
     try {
       at::NoGradGuard no_graph;
+      for (const auto& module : modules_) drop_gradients(*module);
       for (auto& [buffer, saved] : buffers_) buffer.copy_(saved);
       random_.restore();
     } catch (const std::exception& error) {
@@ -71,6 +80,7 @@ class TrainingStateKept {
   TrainingStateKept& operator=(const TrainingStateKept&) = delete;
 
  private:
+  std::vector<std::shared_ptr<torch::nn::Module>> modules_;
   std::vector<std::pair<at::Tensor, at::Tensor>> buffers_;  // (live, saved)
   RandomState random_;
 };
@@ -84,8 +94,9 @@ std::optional<c10::Device> device_of(torch::nn::Module& module) {
   return std::nullopt;
 }
 
-// A module on `device` for as long as this lives, then back where it was, also when its profile throws (a caller
-// that catches the ModelError keeps its model as it was).
+// A module on `device` for as long as this lives, then back where it was without the gradients its profile left,
+// also when its profile throws (a caller that catches the error keeps its model as it was: a first train_step would
+// otherwise add those gradients to its own).
 class ModuleVisit {
  public:
   ModuleVisit(torch::nn::Module& module, c10::Device device) : module_(module), home_(device_of(module)) {
@@ -95,6 +106,7 @@ class ModuleVisit {
     else home_.reset();  // already there (or nothing to move)
   }
   ~ModuleVisit() {
+    drop_gradients(module_);
     if (!home_) return;
     try {  // as in ~TrainingStateKept: the profile's own error, if any, is the one to report
       module_.to(*home_);
@@ -205,11 +217,7 @@ void scale_to_whole_model(const GraphModel& model, const std::vector<at::Tensor>
     forward_times.push_back(forward_s);
     backward_times.push_back(backward_s);
   }
-  for (const auto& node : model.nodes()) {
-    for (const auto& parameter : node.module->parameters()) {
-      if (parameter.grad().defined()) parameter.mutable_grad() = at::Tensor();
-    }
-  }
+  for (const auto& node : model.nodes()) drop_gradients(*node.module);
   const double forward_factor = least(forward_times) / forward_sum;
   const double backward_factor = least(backward_times) / backward_sum;
   for (auto& profile : profiles) {
@@ -367,9 +375,7 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
         backward_collectives = {skipped_backward.count - skipped_forward.count,
                                 skipped_backward.ring_bytes - skipped_forward.ring_bytes};
         if (time_split && output.requires_grad() && repeat >= 0) {
-          for (const auto& parameter : node.module->parameters()) {
-            if (parameter.grad().defined()) parameter.mutable_grad() = at::Tensor();
-          }
+          drop_gradients(*node.module);
           std::vector<at::Tensor> fresh;
           for (const auto& argument : arguments) {
             at::Tensor leaf = argument.defined() ? argument.detach().clone() : argument;
@@ -397,10 +403,6 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
       if (repeat < 0) continue;
       forward_times.push_back(forward_s);
       backward_times.push_back(backward_s);
-    }
-    // The profile must leave no trace in the training state (buffers and random numbers: TrainingStateKept).
-    for (const auto& parameter : node.module->parameters()) {
-      if (parameter.grad().defined()) parameter.mutable_grad() = at::Tensor();
     }
     profile.forward_s = least(forward_times);
     profile.backward_s = least(backward_times);

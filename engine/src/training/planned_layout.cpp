@@ -57,7 +57,9 @@ ModelProfile profile_for_planning(const GraphModel& model, const ModelInputs& sa
     profile.larger_batch = 2 * batch;
   } catch (const std::exception& error) {
     // A model that takes the sample may still refuse twice it (a reshape to the sample's size, memory): planned
-    // from the one size, each microbatch's cost then in proportion to its samples.
+    // from the one size, each microbatch's cost then in proportion to its samples. Not a device that failed: one
+    // that refuses further work (a CUDA device-side assert) ends the plan here, naming that error.
+    if (!device.is_cpu()) at::accelerator::synchronizeDevice(device.index());
     log::warn("planning from the sample's size alone: the model on " + std::to_string(2 * batch) +
               " samples failed (" + std::string(error.what()).substr(0, 300) + ")");
   }
@@ -126,8 +128,7 @@ std::string plan_on_rank0(Runtime& runtime, const std::map<int, ModelProfile>& b
                   "; the ranks computing at once had %.2f processors", costs.shared_processors);
   }
   log::info(links);
-  auto predictions = plan_layouts(by_degree, config, world, costs);
-  keep_what_the_config_fixes(predictions, runtime.config(), world);
+  const auto predictions = plan_layouts(by_degree, config, world, costs, /*optimizer_moments=*/2.0, /*for_a_job=*/true);
   std::string not_planned;
   for (const auto& [degree, why] : unplanned) not_planned += "tp " + std::to_string(degree) + ": not planned: " + why + "\n";
   const ModelProfile& profiled = by_degree.begin()->second;
@@ -148,8 +149,7 @@ std::string plan_on_rank0(Runtime& runtime, const std::map<int, ModelProfile>& b
   if (!config.trace_dir.empty()) {
     std::filesystem::create_directories(config.trace_dir);
     const std::string path = config.trace_dir + "/planned_layout.svg";
-    write_file_atomically(path, layout_timeline_svg(by_degree.at(prediction.layout.tensor_parallel), config, world,
-                                                    prediction.layout, costs));
+    write_file_atomically(path, prediction.timeline_svg);
     log::info("wrote the planned layout's simulated step to " + path);
   }
   return chosen.text;
