@@ -236,8 +236,21 @@ TEST_CASE("config: auto layout keys are left to the planner, with a provisional 
   const Config stages = parse(R"({"partitions": "auto", "ddp": false, "global_batch_size": 8})").provisional_layout(4);
   CHECK(stages.partitions == 4);
   CHECK_FALSE(stages.ddp);
+  // A global batch the ranks cannot all share: as few stages as leave replicas that share it (6 on 4 ranks: 2 stages;
+  // 7: 4).
+  const Config odd = parse(R"({"partitions": "auto", "ddp": "auto", "global_batch_size": 6})").provisional_layout(4);
+  CHECK(odd.partitions == 2);
+  CHECK(odd.replicas_for_world(4) == 2);
+  CHECK(parse(R"({"partitions": "auto", "ddp": "auto", "global_batch_size": 7})").provisional_layout(4).partitions == 4);
   // Keys fixed beside "auto" are read as ever.
   CHECK(parse(R"({"pipeline": "auto", "partitions": 2, "global_batch_size": 8})").partitions == 2);
+  // The alias takes "auto" too; a misspelt "auto" is named as one.
+  CHECK(parse(R"({"pipeline_parallel_degree": "auto", "global_batch_size": 8})").auto_keys ==
+        std::vector<std::string>{"partitions"});
+  CHECK_THROWS_WITH(parse(R"({"pipeline_parallel_degree": "auto", "partitions": 2, "global_batch_size": 8})"),
+                    Contains("is an alias of \"partitions\""));
+  CHECK_THROWS_WITH(parse(R"({"partitions": "Auto", "global_batch_size": 8})"),
+                    Contains("key \"partitions\": \"Auto\" (did you mean \"auto\"?"));
 
   CHECK_THROWS_WITH(parse(R"({"partitions": "auto"})"),
                     Contains("\"partitions\": \"auto\" needs \"global_batch_size\""));

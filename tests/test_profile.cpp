@@ -437,6 +437,30 @@ TEST_CASE("a job's plan rejects the layouts its fixed keys exclude, naming the k
   CHECK_THAT(report, Catch::Matchers::Contains("excluded by the keys the config fixes (layouts that set them otherwise): "
                                                "activation_checkpointing "));
   CHECK_THAT(report, !Catch::Matchers::Contains(": the config fixes"));  // counted, not listed
+  // The job's fixed microbatch count is considered even where the planner alone would not go (1 on 4 stages), and
+  // so is a replica's whole batch as its microbatches when it has fewer samples than stages.
+  const smp::Config one_microbatch = smp::Config::from_json_text(
+      R"({"global_batch_size": 16, "partitions": "auto", "ddp": false})", "job.json");
+  const auto fixed_count = smp::plan_layouts({modules, 2}, one_microbatch, 4, {0.0, 1e9, 1e9}, 2.0, true);
+  REQUIRE_FALSE(fixed_count.empty());
+  CHECK(fixed_count.front().rejected.empty());
+  CHECK(fixed_count.front().layout.microbatches == 1);
+  CHECK(fixed_count.front().layout.partitions == 4);
+  smp::Config three = smp::Config::from_json_text(R"({"global_batch_size": 3})", "plan");
+  const auto small_batch = smp::plan_layouts({modules, 2}, three, 4, {0.0, 1e9, 1e9});
+  CHECK(std::any_of(small_batch.begin(), small_batch.end(), [](const smp::LayoutPrediction& p) {
+    return p.rejected.empty() && p.layout.partitions == 4 && p.layout.microbatches == 3;
+  }));
+  three.global_batch_size = (1 << 30) + 1;  // past what the config takes: refused, not divided into
+  CHECK_THROWS_WITH(smp::plan_layouts({modules, 2}, three, 4), Catch::Matchers::Contains("at most 1073741824"));
+  // A schedule the config fixes names the key, not the invalid config a layout's other keys would make with it.
+  const smp::Config fixed_v = smp::Config::from_json_text(
+      R"({"global_batch_size": 16, "partitions": "auto", "virtual_stages": "auto", "microbatches": "auto",
+          "pipeline": "zb_v"})", "job.json");
+  const auto v_only = smp::plan_layouts({modules, 2}, fixed_v, 2, {0.0, 1e9, 1e9}, 2.0, true);
+  for (const auto& prediction : v_only) {
+    if (prediction.layout.pipeline != "zb_v") CHECK(prediction.rejected == "the config fixes pipeline otherwise");
+  }
   // Rejected for what they need (memory), they are still listed one by one.
   smp::Config tight = given;
   tight.memory_limit_mb = 1e-3;
@@ -537,7 +561,8 @@ TEST_CASE("plans beyond this machine: a decoder's shape on a described cluster",
       R"({"name": "Llama-3 8B", "layers": 32, "hidden": 4096, "ffn": 14336, "heads": 32, "kv_heads": 8,
           "vocab": 128256, "sequence": 8192})", "llama3_8b.json");
   CHECK(llama8b.parameters() == Approx(8.03e9).epsilon(0.001));  // Meta's count
-  CHECK(llama8b.flops_per_token() == Approx(6 * llama8b.parameters() + 12.0 * 32 * 4096 * 8192));
+  // The input embedding is a lookup, not a product: left out of the model FLOPs (its 0.53e9 parameters).
+  CHECK(llama8b.flops_per_token() == Approx(6 * (llama8b.parameters() - 128256.0 * 4096) + 12.0 * 32 * 4096 * 8192));
   const auto node = smp::ClusterSpec::from_json_text(R"({"nodes": 1, "devices_per_node": 8})", "h100.json");
 
   // One sequence's costs: the blocks' products at peak x efficiency, halved by tp, plus tp's all-reduces.
@@ -797,7 +822,7 @@ TEST_CASE("tensor-parallel layouts: a shard profiled alone counts its collective
   for (const auto& prediction : smp::plan_layouts(std::map<int, smp::ModelProfile>{{1, {whole, 2}}, {2, {shard, 2}}},
                                                   small, 2, links)) {
     if (prediction.layout.tensor_parallel == 2) {
-      CHECK_THAT(prediction.rejected, Catch::Matchers::Contains("memory limit of 1048576"));
+      CHECK_THAT(prediction.rejected, Catch::Matchers::Contains("memory limit of 1.0 MiB"));
       ++limited;
     }
   }

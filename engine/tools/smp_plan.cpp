@@ -5,7 +5,10 @@
 // MODEL: name, layers, hidden, ffn, heads, kv_heads, vocab, sequence, tied_embeddings (examples/models/).
 // GLOBAL_BATCH: sequences per step. Prints every tp x pp x dp layout that fits, ranked, and the choice.
 
+#include <algorithm>
+#include <charconv>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -24,15 +27,29 @@ std::string read_file(const std::string& path) {
   return text.str();
 }
 
+// The whole argument as a whole number in [least, most], or a one-line error naming it ("8x" and "1.5" are not).
+int whole_number(const char* text, const char* what, int least, int most) {
+  int value = 0;
+  const char* end = text + std::strlen(text);
+  const auto [stopped, error] = std::from_chars(text, end, value);
+  if (error != std::errc() || stopped != end || value < least || value > most) {
+    throw smp::ConfigError(std::string(what) + " \"" + text + "\": expected a whole number from " +
+                           std::to_string(least) + " to " + std::to_string(most));
+  }
+  return value;
+}
+
 int run(int argc, char** argv) {
   if (argc < 4 || argc > 5) throw std::runtime_error("usage: smp_plan CLUSTER.json MODEL.json GLOBAL_BATCH [SHOWN]");
   const auto cluster = smp::ClusterSpec::from_json_text(read_file(argv[1]), argv[1]);
   const auto shape = smp::DecoderShape::from_json_text(read_file(argv[2]), argv[2]);
-  const int global_batch = std::stoi(argv[3]);
-  const int shown = argc == 5 ? std::stoi(argv[4]) : 10;
+  const int global_batch = whole_number(argv[3], "GLOBAL_BATCH", 1, 1 << 30);
+  const int shown = argc == 5 ? whole_number(argv[4], "SHOWN", 0, 1 << 30) : 10;
   const auto predictions = smp::plan_on_cluster(shape, cluster, global_batch);
   std::fputs(smp::cluster_report(predictions, shape, cluster, global_batch, shown).c_str(), stdout);
-  return 0;
+  const bool fits = std::any_of(predictions.begin(), predictions.end(),
+                                [](const smp::ClusterPrediction& p) { return p.prediction.rejected.empty(); });
+  return fits ? 0 : 1;  // a script can tell a plan from none
 }
 
 }  // namespace

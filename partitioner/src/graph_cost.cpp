@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <string>
 
 #include "graph_internals.h"
@@ -19,6 +20,13 @@ std::string stage_text(int stage) { return "stage " + std::to_string(stage); }
 std::string node_label(const ModuleGraph& graph, int node) {
   const std::string& name = graph.nodes[node].name;
   return name.empty() ? "#" + std::to_string(node) : "'" + name + "'";
+}
+
+std::string readable_bytes(double bytes) {
+  char text[64];
+  if (bytes < 1024.0 * 1024.0) std::snprintf(text, sizeof text, "%.0f bytes", bytes);
+  else std::snprintf(text, sizeof text, "%.1f MiB", bytes / (1024.0 * 1024.0));
+  return text;
 }
 
 Adjacency::Adjacency(const ModuleGraph& graph)
@@ -213,8 +221,8 @@ StageBounds validate(const ModuleGraph& graph, const Adjacency& adjacency, const
       if (stage == 0 || need - limit < closest_need - closest_limit) closest_need = need, closest_limit = limit;
     }
     if (!fits) {
-      throw PartitionError("module " + node_label(graph, node) + " alone needs " + std::to_string(closest_need) +
-                           " bytes, over the per-stage memory limit of " + std::to_string(closest_limit) + " bytes");
+      throw PartitionError("module " + node_label(graph, node) + " alone needs " + readable_bytes(closest_need) +
+                           ", over the per-stage memory limit of " + readable_bytes(closest_limit));
     }
   }
 

@@ -14,6 +14,8 @@ constexpr double kInfinity = std::numeric_limits<double>::infinity();
 
 // "'name'" for messages (or "#index" for a nameless node).
 std::string node_label(const ModuleGraph& graph, int node);
+// An amount of memory as a person reads it in an error: whole bytes below a MiB, else MiB with one decimal.
+std::string readable_bytes(double bytes);
 
 struct OutEdge {
   int to = 0;

@@ -178,14 +178,14 @@ std::vector<int> stage_of_node_from(const std::vector<int>& order, const std::ve
 
 std::string memory_limits_text(const GraphPartitionOptions& options) {
   if (options.stage_memory_limit_bytes.empty()) {
-    return "the memory limit of " + std::to_string(options.memory_limit_bytes) + " bytes";
+    return "the memory limit of " + detail::readable_bytes(options.memory_limit_bytes);
   }
   std::string text = "its memory limit (";
   for (std::size_t stage = 0; stage < options.stage_memory_limit_bytes.size(); ++stage) {
     const double own = options.stage_memory_limit_bytes[stage];
-    text += (stage ? ", " : "") + std::to_string(own > 0 ? own : options.memory_limit_bytes);
+    text += (stage ? ", " : "") + detail::readable_bytes(own > 0 ? own : options.memory_limit_bytes);
   }
-  return text + " bytes by stage)";
+  return text + " by stage)";
 }
 
 [[noreturn]] void throw_no_split(const ModuleGraph& graph, const GraphPartitionOptions& options,
@@ -203,7 +203,7 @@ std::string memory_limits_text(const GraphPartitionOptions& options) {
       throw PartitionError("found no split of the " + std::to_string(graph.nodes.size()) + " modules into " +
                            std::to_string(options.num_stages) + " stages that keeps every stage within " +
                            memory_limits_text(options) + " (the modules need " +
-                           std::to_string(total_bytes) + " bytes in all, with the fewest activation copies)");
+                           detail::readable_bytes(total_bytes) + " in all, with the fewest activation copies)");
     }
   }
   throw PartitionError("the pinned modules leave no way to give each of the " + std::to_string(options.num_stages) +

@@ -102,6 +102,31 @@ def _optimizer_seconds_per_byte(device, shapes, optimizer=torch.optim.AdamW, mos
     return sorted(times[2:])[2] / sum(parameter.nbytes for parameter in parameters)
 
 
+def _check_plan_arguments(world_size, global_batch_size, memory_limit_mb, optimizer_moments, compute_scale,
+                          device_speeds, world):
+    """One-line errors for smp.plan's arguments, naming the argument, before anything is profiled."""
+    def whole(value):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if world_size is not None and (not whole(world_size) or world_size < 1):
+        raise ConfigError(f"smp.plan: world_size {world_size!r}: expected a whole number of ranks, at least 1")
+    if global_batch_size is not None and (not whole(global_batch_size) or not 1 <= global_batch_size <= 1 << 30):
+        raise ConfigError(f"smp.plan: global_batch_size {global_batch_size!r}: expected a whole number of samples "
+                          f"from 1 to {1 << 30}")
+    if memory_limit_mb is not None and not (isinstance(memory_limit_mb, (int, float)) and memory_limit_mb >= 0):
+        raise ConfigError(f"smp.plan: memory_limit_mb {memory_limit_mb!r}: expected a number, at least 0 (0: none)")
+    if not (isinstance(optimizer_moments, (int, float)) and optimizer_moments >= 0):
+        raise ConfigError(f"smp.plan: optimizer_moments {optimizer_moments!r}: expected a number, at least 0 "
+                          "(Adam 2, SGD with momentum 1)")
+    if not (isinstance(compute_scale, (int, float)) and compute_scale > 0):
+        raise ConfigError(f"smp.plan: compute_scale {compute_scale!r}: expected a positive number")
+    if device_speeds:  # None or []: the config's
+        if isinstance(device_speeds, str) or not all(isinstance(s, (int, float)) and s > 0 for s in device_speeds):
+            raise ConfigError(f"smp.plan: device_speeds {device_speeds!r}: expected a list of positive numbers, one "
+                              "per rank (an \"auto\" job measures them with \"device_speeds\": \"measure\")")
+        if len(device_speeds) != world:
+            raise ConfigError(f"smp.plan: device_speeds has {len(device_speeds)} speeds for a world of {world} ranks")
+
+
 def _candidate_degrees(model, tp_plan, world, config):
     """The tensor-parallel degrees to plan: the config's when it fixes one; when it says "auto", every divisor of
     the world a plan can shard `model` at (its own plan, a Hugging Face model's, or `tp_plan`), else 1 alone."""
@@ -266,6 +291,8 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
                           "the sample and on twice its samples, so every input's first dimension must stay free "
                           "(\"all\", \"batch\", or 0 among each named input's dimensions)")
     rt = runtime()
+    _check_plan_arguments(world_size, global_batch_size, memory_limit_mb, optimizer_moments, compute_scale,
+                          device_speeds, world_size or rt.world_size)
     world = world_size or rt.world_size
     degrees = list(tensor_parallel_degrees or _candidate_degrees(model, tp_plan, world, rt.config))
     if any(degree < 1 or world % degree for degree in degrees):
@@ -280,6 +307,13 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
             if len(degrees) == 1:
                 raise
             unplanned[degree] = str(error)
+    if "tensor_parallel_degree" in rt.config.auto_keys and tensor_parallel_degrees is None:
+        for degree in range(2, world + 1):
+            if world % degree == 0 and degree not in degrees:
+                unplanned[degree] = (
+                    "an smp.GraphModel's tensor-parallel layers are built for one degree, the job's"
+                    if isinstance(model, GraphModel) else
+                    f"{type(model).__name__} has no tensor-parallel plan (its own, a Hugging Face model's, or tp_plan)")
     if not profiles:
         raise ConfigError("smp.plan: no tensor-parallel degree could be planned: " +
                           "; ".join(f"{degree}: {why}" for degree, why in unplanned.items()))

@@ -23,6 +23,17 @@ def main():
     sample = {"input_ids": ids, "labels": ids}
     failures = []
 
+    # Arguments a plan cannot take fail at once, naming the argument, before the model is profiled.
+    for bad, named in ((dict(world_size=0), "world_size 0"), (dict(global_batch_size=2**31 - 1), "global_batch_size"),
+                       (dict(device_speeds=[1, 1]), "2 speeds for a world of 4"),
+                       (dict(device_speeds="measure"), "device_speeds 'measure'"), (dict(compute_scale=0), "compute_scale")):
+        try:
+            smp.plan(net, sample, **{"world_size": 4, **bad})
+            failures.append(f"smp.plan accepted {bad}")
+        except smp.ConfigError as error:
+            if named not in str(error):
+                failures.append(f"smp.plan({bad}): {error} does not name {named!r}")
+
     found = smp.plan(net, sample, world_size=4)
     print(found, flush=True)
     fitting = [layout for layout in found.layouts if layout["rejected"] is None]

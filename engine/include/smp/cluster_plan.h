@@ -38,7 +38,8 @@ struct DecoderShape {
   double layer_parameters() const;
   double parameters() const;
   // Model FLOPs per token, forward and backward, by the convention throughput reports use (torchtitan, Megatron):
-  // 6 x parameters + 12 x layers x hidden x sequence (attention counted without the causal mask's saving).
+  // 6 x the parameters that multiply (all but the input embedding, a lookup; the output projection counts, tied or
+  // not) + 12 x layers x hidden x sequence (attention counted without the causal mask's saving).
   double flops_per_token() const;
   static DecoderShape from_json_text(const std::string& text, const std::string& source);
 };

@@ -3,6 +3,7 @@
 #include "smp/scheduler/schedule.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <fstream>
 #include <limits>
@@ -410,10 +411,25 @@ Config Config::from_json_text(const std::string& text, const std::string& source
   }
 
   // "auto" layout keys are left to their defaults here and chosen by the planner later.
+  if (smp_keys.contains("pipeline_parallel_degree") && smp_keys["pipeline_parallel_degree"] == "auto") {
+    if (smp_keys.contains("partitions")) {
+      throw ConfigError(source + ": key \"pipeline_parallel_degree\": is an alias of \"partitions\"; give only one of them");
+    }
+    smp_keys["partitions"] = "auto";  // the alias's "auto" is partitions'
+    smp_keys.erase("pipeline_parallel_degree");
+  }
   for (const std::string& name : Config::planned_keys()) {
-    if (smp_keys.contains(name) && smp_keys[name] == "auto") {
+    if (!smp_keys.contains(name) || !smp_keys[name].is_string()) continue;
+    const std::string value = smp_keys[name].get<std::string>();
+    if (value == "auto") {
       config.auto_keys.push_back(name);
       smp_keys.erase(name);
+      continue;
+    }
+    std::string lower = value;
+    std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+    if (lower.rfind("auto", 0) == 0) {
+      throw ConfigError(source + ": key \"" + name + "\": \"" + value + "\" (did you mean \"auto\"? the planner chooses it)");
     }
   }
   if (!config.auto_keys.empty()) {
@@ -460,9 +476,15 @@ bool Config::plans(const std::string& key) const {
 Config Config::provisional_layout(int world_size) const {
   Config config = *this;
   if (plans("partitions")) {
-    // Every rank a replica where replicas may be had; else every rank a stage.
+    // Every rank a replica where replicas may be had (as few stages as leave replicas that share the global batch
+    // evenly); else every rank a stage. Only until the plan: the job then adopts the layout chosen.
     const bool replicas_allowed = plans("ddp") || ddp;
-    config.partitions = replicas_allowed ? 1 : std::max(1, world_size / std::max(1, tensor_parallel_degree));
+    const int ranks = std::max(1, world_size / std::max(1, tensor_parallel_degree));
+    int partitions = replicas_allowed ? 1 : ranks;
+    while (partitions < ranks && (ranks % partitions != 0 || global_batch_size % (ranks / partitions) != 0)) {
+      ++partitions;
+    }
+    config.partitions = partitions;
   }
   if (plans("ddp")) config.ddp = world_size > config.partitions * config.tensor_parallel_degree;
   // Without replicas and with the stages fixed, the tensor-parallel ranks fill the world.

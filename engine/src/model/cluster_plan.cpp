@@ -90,7 +90,8 @@ double DecoderShape::parameters() const {
 }
 
 double DecoderShape::flops_per_token() const {
-  return 6.0 * parameters() + 12.0 * layers * static_cast<double>(hidden) * sequence;
+  const double multiplying = layers * layer_parameters() + static_cast<double>(vocab) * hidden + hidden;
+  return 6.0 * multiplying + 12.0 * layers * static_cast<double>(hidden) * sequence;
 }
 
 DecoderShape DecoderShape::from_json_text(const std::string& text, const std::string& source) {

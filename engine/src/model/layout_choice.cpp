@@ -113,17 +113,29 @@ std::string first_difference(const Settings& a, const Settings& b, const char* c
   return differs;
 }
 
+// The layout keys as the config names them, in the order of layout_asked's settings.
+constexpr const char* kSettings[] = {"tensor_parallel_degree", "partitions",     "ddp",
+                                     "expert_parallel_degree", "virtual_stages", "microbatches",
+                                     "pipeline",               "activation_checkpointing", "shard_optimizer_state"};
+
 // The first setting in which a job's config and a planned layout's differ ("" when none), as the report says it.
 std::string setting_that_differs(const Config& job, const Config& planned, int world_size) {
-  static const char* const kSettings[] = {"tensor_parallel_degree", "partitions",
-                                          "ddp",                    "expert_parallel_degree",
-                                          "virtual_stages",         "microbatches",
-                                          "pipeline",               "activation_checkpointing",
-                                          "shard_optimizer_state"};
   const auto asked = layout_asked(job, world_size);
   static_assert(std::tuple_size_v<decltype(asked)> == std::size(kSettings));
   return first_difference(asked, layout_asked(planned, world_size), kSettings,
                           std::make_index_sequence<std::size(kSettings)>{});
+}
+
+// The first layout key the config's document fixes to another value than `layout_keys` gives it ("" when none).
+std::string key_given_otherwise(const Config& given, const std::string& layout_keys) {
+  const nlohmann::json document = nlohmann::json::parse(given.text);
+  const nlohmann::json& section = document.contains("smp") ? document["smp"] : document;
+  const nlohmann::json keys = nlohmann::json::parse(layout_keys);
+  for (const char* name : kSettings) {
+    if (given.plans(name) || !section.contains(name) || !keys.contains(name)) continue;
+    if (section[name] != keys[name]) return name;
+  }
+  return {};
 }
 
 // The config a job adopting `layout_keys` trains under, and the first setting in which it differs from the layout.
@@ -163,7 +175,11 @@ void keep_what_the_config_fixes(std::vector<LayoutPrediction>& predictions, cons
         prediction.timeline_svg.clear();  // drawn for the fastest layout, which the job may not take
       }
     } catch (const ConfigError& error) {
+      // The layout's keys beside the fixed ones make no config ("pipeline": "zb_v" fixed, a layout's virtual_stages
+      // 1): named by the first fixed key the config gives otherwise, where it gives one.
       prediction.rejected = std::string("the config's other keys refuse it: ") + error.what();
+      const std::string fixed = key_given_otherwise(given, prediction.config_json());
+      if (!fixed.empty()) prediction.rejected = kFixedByConfig + fixed + " otherwise";
       prediction.timeline_svg.clear();
     }
   }

@@ -20,6 +20,7 @@ namespace smp {
 namespace {
 
 constexpr double kMiB = 1024.0 * 1024.0;
+constexpr int kMostSamples = 1 << 30;
 
 struct ScheduleChoice {
   const char* name;  // a generator's, which the config takes too
@@ -348,7 +349,7 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
     }
     if (limit > 0 && prediction.memory_mib[rank] > limit) {
       char why[160];
-      std::snprintf(why, sizeof why, "needs %.0f MiB on pipeline rank %d, whose memory limit is %.0f MiB",
+      std::snprintf(why, sizeof why, "needs %.1f MiB on pipeline rank %d, whose memory limit is %.1f MiB",
                     prediction.memory_mib[rank], rank, limit);
       prediction.rejected = why;
       break;
@@ -369,19 +370,21 @@ std::string experts_refusal(int ep, int experts, int tp, bool sequence_parallel)
 }
 
 // Every schedule, microbatch count, recompute and ZeRO-1 choice for `partitions` pipeline ranks x `replicas`, each
-// replica taking `per_replica` samples a step, of a model cut into `modules` nodes.
-std::vector<Layout> layouts_of(int partitions, int replicas, int per_replica, int modules) {
+// replica taking `per_replica` samples a step, of a model cut into `modules` nodes. `fixed_microbatches` (0: none):
+// the count a job's config fixes, considered whatever the ranges below say, since the job takes no other.
+std::vector<Layout> layouts_of(int partitions, int replicas, int per_replica, int modules, int fixed_microbatches) {
   std::vector<Layout> layouts;
   for (const auto& choice : kSchedules) {
     // One stage runs GPipe's order alone: every schedule is the same there.
     if (partitions == 1 && (choice.virtual_stages > 1 || std::string(choice.name) != "gpipe")) continue;
     if (partitions * choice.virtual_stages > modules) continue;
     for (int microbatches : divisors(per_replica)) {
-      // Fewer microbatches than stages leave most of a pipeline idle; more than 8 per stage gain little and
-      // multiply the runs.
+      // Fewer microbatches than stages leave most of a pipeline idle (unless the replica's batch has no more
+      // samples: then one a microbatch); more than 8 per stage gain little and multiply the runs.
       const int stages = partitions * choice.virtual_stages;
-      if (partitions > 1 && (microbatches < partitions || microbatches > 8 * stages)) continue;
-      if (partitions == 1 && microbatches > 4) continue;
+      const bool fewest = microbatches < partitions && microbatches != per_replica;
+      const bool in_range = partitions > 1 ? !fewest && microbatches <= 8 * stages : microbatches <= 4;
+      if (fixed_microbatches > 0 ? microbatches != fixed_microbatches : !in_range) continue;
       for (bool recompute : {false, true}) {
         for (bool sharded : {false, true}) {
           if (sharded && replicas == 1) continue;
@@ -472,6 +475,10 @@ std::vector<LayoutPrediction> plan_layouts(const std::map<int, ModelProfile>& by
   if (base.global_batch_size < 1) {
     throw ConfigError(base.source + ": planning a layout needs \"global_batch_size\" (the batch a step takes)");
   }
+  if (base.global_batch_size > kMostSamples) {  // as the config takes it: sample counts stay in int arithmetic
+    throw ConfigError(base.source + ": a global batch of " + std::to_string(base.global_batch_size) +
+                      " samples: at most " + std::to_string(kMostSamples));
+  }
   const bool experts_planned = base.plans("expert_parallel_degree");
   // The expert-parallel degrees a layout of `replicas` can take: the config's, or for "auto" each divisor of the
   // replicas that divides the experts. With tensor parallelism each tensor-parallel rank holds its experts whole
@@ -498,7 +505,8 @@ std::vector<LayoutPrediction> plan_layouts(const std::map<int, ModelProfile>& by
       const int per_replica = base.global_batch_size / replicas;
       for (int ep : expert_degrees(replicas, profile)) {
         const std::string refused = experts_refusal(ep, profile.experts, tp, base.sequence_parallel);
-        for (Layout& layout : layouts_of(partitions, replicas, per_replica, modules)) {
+        for (Layout& layout : layouts_of(partitions, replicas, per_replica, modules,
+                                               for_a_job && !base.plans("microbatches") ? base.microbatches : 0)) {
           LayoutPrediction prediction;
           layout.tensor_parallel = tp;
           layout.experts = ep;
