@@ -28,7 +28,7 @@ void read_keys(const json& object, const std::string& source, const std::map<std
       *number->second = value.get<double>();
     } else if (auto integer = integers.find(key); integer != integers.end()) {
       if (!value.is_number_integer() || value.get<long long>() < 1 || value.get<long long>() > (1LL << 30)) {
-        throw ConfigError(source + ": key \"" + key + "\": expected a positive integer, got " + value.dump());
+        throw ConfigError(source + ": key \"" + key + "\": expected a positive integer up to 2^30, got " + value.dump());
       }
       *integer->second = value.get<int>();
     } else if (auto text = strings.find(key); text != strings.end() && value.is_string()) {
@@ -37,10 +37,11 @@ void read_keys(const json& object, const std::string& source, const std::map<std
       *flag->second = value.get<bool>();
     } else {
       std::string known;
-      for (const auto& [name, _] : numbers) known += (known.empty() ? "" : ", ") + name;
-      for (const auto& [name, _] : integers) known += ", " + name;
-      for (const auto& [name, _] : strings) known += ", " + name;
-      for (const auto& [name, _] : flags) known += ", " + name;
+      const auto list = [&known](const std::string& name) { known += (known.empty() ? "" : ", ") + name; };
+      for (const auto& [name, _] : numbers) list(name);
+      for (const auto& [name, _] : integers) list(name);
+      for (const auto& [name, _] : strings) list(name);
+      for (const auto& [name, _] : flags) list(name);
       throw ConfigError(source + ": unknown key \"" + key + "\" or a value of the wrong type (keys: " + known + ")");
     }
   }
@@ -94,6 +95,8 @@ double DecoderShape::flops_per_token() const {
   return 6.0 * multiplying + 12.0 * layers * static_cast<double>(hidden) * sequence;
 }
 
+constexpr int kMostLayers = 1 << 16;
+
 DecoderShape DecoderShape::from_json_text(const std::string& text, const std::string& source) {
   const json object = parsed(text, source);
   DecoderShape shape;
@@ -101,6 +104,10 @@ DecoderShape DecoderShape::from_json_text(const std::string& text, const std::st
             {{"layers", &shape.layers}, {"hidden", &shape.hidden}, {"ffn", &shape.ffn}, {"heads", &shape.heads},
              {"kv_heads", &shape.kv_heads}, {"vocab", &shape.vocab}, {"sequence", &shape.sequence}},
             {{"name", &shape.name}}, {{"tied_embeddings", &shape.tied_embeddings}});
+  if (shape.layers > kMostLayers) {  // a profile holds a module per layer
+    throw ConfigError(source + ": key \"layers\": at most " + std::to_string(kMostLayers) + ", got " +
+                      std::to_string(shape.layers));
+  }
   if (shape.hidden % shape.heads != 0 || shape.heads % shape.kv_heads != 0) {
     throw ConfigError(source + ": \"hidden\" must divide by \"heads\", and \"heads\" by \"kv_heads\"");
   }
