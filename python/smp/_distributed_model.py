@@ -70,6 +70,10 @@ def _no_loss(output, target):
     return torch.zeros((), device=leaves[0].device if leaves else "cpu")
 
 
+_META_NEEDS_CAPTURE = ("a model built on the meta device must be a module with a forward of its own (captured whole); "
+                       "build a Sequential or a GraphModel's modules normally")
+
+
 class DistributedModel(torch.nn.Module):
     """This rank's stages of `model`: an nn.Sequential, an smp.GraphModel, or any nn.Module with a forward of its
     own (an unmodified Hugging Face or torchvision model), captured whole with torch.export and cut at whatever
@@ -103,6 +107,9 @@ class DistributedModel(torch.nn.Module):
         started = time.perf_counter()
         # "auto" layout keys: chosen now that the model is known, the same on every rank (smp.plan's prediction).
         self.planned, self._planned_steps, self._planned_routing = None, [], {}
+        meta = isinstance(model, torch.nn.Module) and _materialize.is_meta(model)
+        if meta and (_is_sequential(model) or isinstance(model, (GraphModel, torch.jit.ScriptModule))):
+            raise ModelError(_META_NEEDS_CAPTURE)  # before planning, which would run its modules
         if rt.config.auto_keys:
             self.planned = adopt_planned_layout(model, sample, dynamic_shapes, tp_plan)
         if rt.tensor_parallel_degree > 1:
@@ -125,10 +132,9 @@ class DistributedModel(torch.nn.Module):
             else set()
         captured = time.perf_counter()
         materialize_local = None
-        if isinstance(model, torch.nn.Module) and _materialize.is_meta(model):
+        if meta:
             if not graph._captured:
-                raise ModelError("a model built on the meta device must be a module with a forward of its own (captured "
-                                 "whole); build a Sequential or a GraphModel's modules normally")
+                raise ModelError(_META_NEEDS_CAPTURE)
             materialize_local = _materializer(model, graph, rt, init_fn)
             for node in graph._captured.values():
                 object.__setattr__(node, "_job_device", torch.device(rt.device))

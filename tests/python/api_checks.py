@@ -489,6 +489,10 @@ def main():
             return self.scale(self.linear(x))
 
     with torch.device("meta"):
+        meta_chain = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())
+    expect_error("a meta-built Sequential", smp.ModelError, "forward of its own",
+                 lambda: smp.DistributedModel(meta_chain, torch.zeros(2, 3)))
+    with torch.device("meta"):
         meta_net = MetaModel()
     expect_error("a meta module without reset_parameters", smp.ModelError, "module 'scale' (Scale)",
                  lambda: smp.DistributedModel(meta_net, torch.zeros(2, 3)))
