@@ -128,13 +128,19 @@ def _check_plan_arguments(world_size, global_batch_size, memory_limit_mb, optimi
 
 
 def _candidate_degrees(model, tp_plan, world, config):
-    """The tensor-parallel degrees to plan: the config's when it fixes one; when it says "auto", every divisor of
-    the world a plan can shard `model` at (its own plan, a Hugging Face model's, or `tp_plan`), else 1 alone."""
+    """The tensor-parallel degrees to plan, and {degree: why not} for those left out: the config's degree when it
+    fixes one; when it says "auto", every divisor of the world a plan can shard `model` at (its own plan, a Hugging
+    Face model's, or `tp_plan`), else 1 alone."""
     if "tensor_parallel_degree" not in config.auto_keys:
-        return [config.tensor_parallel_degree]
-    shardable = isinstance(model, torch.nn.Module) and not isinstance(model, GraphModel) and \
-        (tp_plan is not None or tp.builtin_plan(model) is not None)
-    return [degree for degree in range(1, world + 1) if world % degree == 0 and (degree == 1 or shardable)]
+        return [config.tensor_parallel_degree], {}
+    divisors = [degree for degree in range(1, world + 1) if world % degree == 0]
+    if isinstance(model, GraphModel):
+        why = "an smp.GraphModel's tensor-parallel layers are built for one degree, the job's"
+    elif not isinstance(model, torch.nn.Module) or (tp_plan is None and tp.builtin_plan(model) is None):
+        why = f"{type(model).__name__} has no tensor-parallel plan (its own, a Hugging Face model's, or tp_plan)"
+    else:
+        return divisors, {}
+    return [1], {degree: why for degree in divisors if degree > 1}
 
 
 def _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, config, device):
@@ -294,7 +300,8 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     _check_plan_arguments(world_size, global_batch_size, memory_limit_mb, optimizer_moments, compute_scale,
                           device_speeds, world_size or rt.world_size)
     world = world_size or rt.world_size
-    degrees = list(tensor_parallel_degrees or _candidate_degrees(model, tp_plan, world, rt.config))
+    degrees, unplannable = (list(tensor_parallel_degrees), {}) if tensor_parallel_degrees else \
+        _candidate_degrees(model, tp_plan, world, rt.config)
     if any(degree < 1 or world % degree for degree in degrees):
         raise ConfigError(f"tensor_parallel_degrees {degrees}: each must divide the world of {world} ranks")
     _check_routing_argument(tokens_per_expert)
@@ -307,13 +314,7 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
             if len(degrees) == 1:
                 raise
             unplanned[degree] = str(error)
-    if "tensor_parallel_degree" in rt.config.auto_keys and tensor_parallel_degrees is None:
-        for degree in range(2, world + 1):
-            if world % degree == 0 and degree not in degrees:
-                unplanned[degree] = (
-                    "an smp.GraphModel's tensor-parallel layers are built for one degree, the job's"
-                    if isinstance(model, GraphModel) else
-                    f"{type(model).__name__} has no tensor-parallel plan (its own, a Hugging Face model's, or tp_plan)")
+    unplanned.update(unplannable)
     if not profiles:
         raise ConfigError("smp.plan: no tensor-parallel degree could be planned: " +
                           "; ".join(f"{degree}: {why}" for degree, why in unplanned.items()))

@@ -126,10 +126,16 @@ std::string setting_that_differs(const Config& job, const Config& planned, int w
                           std::make_index_sequence<std::size(kSettings)>{});
 }
 
+// The config document's smp keys: its "smp" section, or the whole document.
+template <typename Json>
+Json& smp_section(Json& document) {
+  return document.contains("smp") ? document["smp"] : document;
+}
+
 // The first layout key the config's document fixes to another value than `layout_keys` gives it ("" when none).
 std::string key_given_otherwise(const Config& given, const std::string& layout_keys) {
   const nlohmann::json document = nlohmann::json::parse(given.text);
-  const nlohmann::json& section = document.contains("smp") ? document["smp"] : document;
+  const nlohmann::json& section = smp_section(document);
   const nlohmann::json keys = nlohmann::json::parse(layout_keys);
   for (const char* name : kSettings) {
     if (given.plans(name) || !section.contains(name) || !keys.contains(name)) continue;
@@ -141,7 +147,7 @@ std::string key_given_otherwise(const Config& given, const std::string& layout_k
 // The config a job adopting `layout_keys` trains under, and the first setting in which it differs from the layout.
 std::pair<Config, std::string> adopted_config(const Config& given, const std::string& layout_keys, int world_size) {
   nlohmann::json document = nlohmann::json::parse(given.text);
-  nlohmann::json& section = document.contains("smp") ? document["smp"] : document;
+  nlohmann::json& section = smp_section(document);
   const nlohmann::json keys = nlohmann::json::parse(layout_keys);
   for (const auto& key : given.auto_keys) section[key] = keys.at(key);
   Config chosen = Config::from_json_text(document.dump(), given.source);
