@@ -121,6 +121,11 @@ CostModel::CostModel(const ModuleGraph& graph, const GraphPartitionOptions& opti
   if (total_compute_s > 0) per_compute_s = (1 - w) * speeds / total_compute_s;
   if (options.bandwidth_bytes_per_s > 0) per_sent_byte = per_compute_s / options.bandwidth_bytes_per_s;
   if (total_memory_bytes > 0) per_memory_byte = w * stages / total_memory_bytes;
+  if (options.parameters_on_every_stage) {
+    const auto with_parameters = std::count_if(graph.nodes.begin(), graph.nodes.end(),
+                                               [](const GraphNode& node) { return node.parameter_bytes > 0; });
+    needs_parameters = options.num_stages > 1 && with_parameters >= options.num_stages;
+  }
   memory_limits.assign(compute_factors.size(), kInfinity);
   split_memory_limits.assign(compute_factors.size(), kInfinity);
   for (std::size_t stage = 0; stage < memory_limits.size(); ++stage) {
@@ -273,7 +278,9 @@ GraphPartition evaluate(const ModuleGraph& graph, const std::vector<int>& stage_
     }
   }
   const detail::Adjacency adjacency(graph);
-  const detail::CostModel costs(graph, options);
+  GraphPartitionOptions judged = options;
+  judged.parameters_on_every_stage = false;  // a rule of the search, not a cost: a given partition's costs stay finite
+  const detail::CostModel costs(graph, judged);
   detail::StageMeter meter(graph, adjacency, costs, num_stages);
   GraphPartition partition;
   partition.bottleneck = meter.bottleneck(stage_of_node);

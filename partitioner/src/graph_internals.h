@@ -31,14 +31,17 @@ struct Adjacency {
 // What a stage gathers from its nodes; its cost and memory follow from these and from which stage it is.
 struct StageTotals {
   double compute_s = 0, recompute_s = 0, memory_bytes = 0, activation_bytes = 0, sent_bytes = 0;
+  int parameter_nodes = 0;  // a count, not a sum of bytes: bytes added and taken away need not come back to 0
 
   void add(const GraphNode& node, double sign = 1.0) {
+    if (node.parameter_bytes > 0) parameter_nodes += sign > 0 ? 1 : -1;
     compute_s += sign * node.compute_s;
     recompute_s += sign * node.recompute_s;
     memory_bytes += sign * node.memory_bytes;
     activation_bytes += sign * node.activation_bytes;
   }
   StageTotals& operator+=(const StageTotals& other) {
+    parameter_nodes += other.parameter_nodes;
     compute_s += other.compute_s, recompute_s += other.recompute_s, memory_bytes += other.memory_bytes;
     activation_bytes += other.activation_bytes, sent_bytes += other.sent_bytes;
     return *this;
@@ -56,6 +59,11 @@ struct CostModel {
     return totals.memory_bytes + activation_copies[stage] * totals.activation_bytes;
   }
   double stage_cost(int stage, const StageTotals& totals) const {
+    if (needs_parameters && totals.parameter_nodes == 0) return kInfinity;
+    return growing_stage_cost(stage, totals);
+  }
+  // The cost without the parameter rule, which only grows as nodes join a stage: a bound for partial stages.
+  double growing_stage_cost(int stage, const StageTotals& totals) const {
     const double memory_bytes = stage_memory_bytes(stage, totals);
     if (memory_bytes > memory_limits[stage]) return kInfinity;
     return per_compute_s * stage_compute_s(stage, totals) + per_memory_byte * memory_bytes +
@@ -76,6 +84,7 @@ struct CostModel {
   std::vector<char> recomputes;           // per stage, 0 or 1
   std::vector<double> compute_factors;    // per stage: 1 / its device's speed
   double mean_activation_copies = 1, mean_recomputes = 0;
+  bool needs_parameters = false;  // parameters_on_every_stage, and enough nodes with parameters for it
 };
 
 // A producer's sent bytes: its output goes once to each other stage that consumes it, at the size of its largest
@@ -141,6 +150,7 @@ struct LinearProblem {
   std::vector<char> recomputes;           // per stage (empty: none)
   std::vector<double> compute_factors;    // per stage (empty: 1 each)
   std::vector<int> pinned;           // -1 or the required stage; never decreasing along the positions
+  std::vector<char> holds_parameters;  // per position (empty: no rule): every segment must hold one that does
 };
 
 // The split into `num_stages` non-empty contiguous segments with the smallest bottleneck, where a segment costs

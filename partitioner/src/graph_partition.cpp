@@ -164,6 +164,7 @@ LinearProblem linear_problem(const ModuleGraph& graph, const Adjacency& adjacenc
     problem.memory_bytes.push_back(info.memory_bytes);
     problem.activation_bytes.push_back(info.activation_bytes);
     if (!options.pinned.empty()) problem.pinned.push_back(options.pinned[node]);
+    if (costs.needs_parameters) problem.holds_parameters.push_back(info.parameter_bytes > 0 ? 1 : 0);
   }
   return problem;
 }
@@ -210,12 +211,10 @@ std::string memory_limits_text(const GraphPartitionOptions& options) {
                        " stages at least one module");
 }
 
-}  // namespace
-
-GraphPartition partition_graph(const ModuleGraph& graph, const GraphPartitionOptions& options) {
-  const Adjacency adjacency(graph);
-  const StageBounds bounds = detail::validate(graph, adjacency, options);
-  const CostModel costs(graph, options);
+// The best partition the search finds, or nothing when no tried order gives a split that meets the rules.
+std::optional<GraphPartition> search_partition(const ModuleGraph& graph, const Adjacency& adjacency,
+                                               const StageBounds& bounds, const CostModel& costs,
+                                               const GraphPartitionOptions& options) {
   const int num_stages = options.num_stages;
 
   const std::vector<std::vector<int>> orders = starting_orders(graph, adjacency, costs, bounds, num_stages);
@@ -256,12 +255,30 @@ GraphPartition partition_graph(const ModuleGraph& graph, const GraphPartitionOpt
       try {
         return optimal_partition_exhaustive(graph, options, kExhaustiveFallbackPlacements);
       } catch (const PartitionError&) {
-        // None exists, or the search gave up: say what was found, as below.
+        // None exists, or the search gave up.
       }
     }
-    throw_no_split(graph, options, linear_problem(graph, adjacency, costs, options, orders.front(), {}));
   }
-  return std::move(*best);
+  return best;
+}
+
+}  // namespace
+
+GraphPartition partition_graph(const ModuleGraph& graph, const GraphPartitionOptions& options) {
+  const Adjacency adjacency(graph);
+  const StageBounds bounds = detail::validate(graph, adjacency, options);
+  const CostModel costs(graph, options);
+  if (auto found = search_partition(graph, adjacency, bounds, costs, options)) return std::move(*found);
+  // Pins or a memory limit that leave some stage without parameters win over that rule.
+  GraphPartitionOptions without_rule = options;
+  without_rule.parameters_on_every_stage = false;
+  const CostModel plain_costs(graph, without_rule);
+  if (costs.needs_parameters) {
+    if (auto found = search_partition(graph, adjacency, bounds, plain_costs, without_rule)) return std::move(*found);
+  }
+  throw_no_split(graph, without_rule,
+                 linear_problem(graph, adjacency, plain_costs, without_rule,
+                                starting_orders(graph, adjacency, plain_costs, bounds, 1).front(), {}));
 }
 
 GraphPartition partition_uniform(const ModuleGraph& graph, const GraphPartitionOptions& options) {
@@ -296,7 +313,8 @@ GraphPartition optimal_partition_exhaustive(const ModuleGraph& graph, const Grap
 
   // Nodes are placed in their topological order, each no earlier than its predecessors and within its pin
   // bounds. A stage's compute and memory terms only grow as nodes join it (sends only add), so a stage whose
-  // partial cost already reaches the best bottleneck prunes the branch.
+  // partial cost already reaches the best bottleneck prunes the branch (the parameter rule is judged on complete
+  // assignments: a stage may yet gain its parameters).
   std::vector<int> stage_of_node(num_nodes), best_stage_of_node;
   std::vector<detail::StageTotals> totals(num_stages);
   std::vector<int> nodes_on_stage(num_stages, 0);
@@ -321,15 +339,16 @@ GraphPartition optimal_partition_exhaustive(const ModuleGraph& graph, const Grap
       stage_of_node[node] = stage;
       totals[stage].add(graph.nodes[node]);
       if (nodes_on_stage[stage]++ == 0) --empty_stages;
-      if (costs.stage_cost(stage, totals[stage]) < best) place(node + 1);
+      if (costs.growing_stage_cost(stage, totals[stage]) < best) place(node + 1);
       if (--nodes_on_stage[stage] == 0) ++empty_stages;
       totals[stage].add(graph.nodes[node], -1.0);
     }
   };
   place(0);
   if (best_stage_of_node.empty()) {
-    throw PartitionError("no acyclic split into " + std::to_string(num_stages) +
-                         " non-empty stages meets the pins and the memory limit");
+    throw PartitionError("no acyclic split into " + std::to_string(num_stages) + " non-empty stages meets the pins" +
+                         (costs.needs_parameters ? ", the memory limit and parameters on every stage"
+                                                 : " and the memory limit"));
   }
   return evaluate(graph, best_stage_of_node, options);
 }

@@ -16,6 +16,9 @@
 // the interval depends on the stage.
 // Then each stage's segment ending at j tries the latest position where the stages before it can end: O(n k)
 // plus O(log n) per distinct start tried (see feasible_per_stage).
+//
+// When every segment must hold a position with parameters, that bounds the start from above: no later than the
+// last such position before j.
 
 #include <algorithm>
 #include <cstdint>
@@ -105,6 +108,7 @@ class SegmentSearch {
         num_stages_(num_stages),
         sends_ending_at_(num_positions_),
         last_pinned_before_(num_positions_ + 1, -1),
+        latest_start_(num_positions_ + 1, -1),
         pin_changed_before_(num_positions_ + 1, -1),
         counts_(num_positions_ + 1, num_stages),
         merged_(counts_.words()) {
@@ -139,6 +143,8 @@ class SegmentSearch {
     }
     for (int end = 1; end <= num_positions_; ++end) {
       const int position = end - 1;
+      const bool required = problem.holds_parameters.empty() || problem.holds_parameters[position];
+      latest_start_[end] = required ? position : latest_start_[position];
       const bool pinned = !problem.pinned.empty() && problem.pinned[position] >= 0;
       last_pinned_before_[end] = pinned ? position : last_pinned_before_[position];
       const int previous = last_pinned_before_[position];
@@ -165,7 +171,7 @@ class SegmentSearch {
   std::vector<int> stages() const {
     std::vector<int> stage_of_position(num_positions_);
     for (int stage = num_stages_ - 1, end = num_positions_; stage >= 0; --stage) {
-      int start = end - 1;
+      int start = latest_start_[end];
       while (!(stage == 0 ? start == 0 : counts_.has(start, stage))) --start;
       std::fill(stage_of_position.begin() + start, stage_of_position.begin() + end, stage);
       end = start;
@@ -203,9 +209,10 @@ class SegmentSearch {
       counts_.clear(end);
       std::uint64_t* reach = counts_[end];
       const int first = factors.first_start[end], last_pinned = last_pinned_before_[end];
-      union_of_starts(std::max(first, last_pinned + 1), end - 1, reach, 0);
+      const int latest = latest_start_[end];
+      union_of_starts(std::max(first, last_pinned + 1), latest, reach, 0);
       if (last_pinned >= 0) {
-        union_of_starts(std::max(first, pin_changed_before_[end] + 1), last_pinned, reach,
+        union_of_starts(std::max(first, pin_changed_before_[end] + 1), std::min(last_pinned, latest), reach,
                         problem_.pinned[last_pinned] + 1);
       }
       record_in_table(end);
@@ -219,9 +226,9 @@ class SegmentSearch {
   // limit and the pins bound the start from below), so if any start in it works, the latest one does.
   bool feasible_per_stage(double bottleneck) {
     FenwickTree sends(send_cost_);
-    // latest_end_[t]: the latest position so far where t segments can end (position 0 ends zero), or -1.
-    std::fill(latest_end_.begin(), latest_end_.end(), -1);
-    latest_end_[0] = 0;
+    // ends_[t]: the positions so far where t segments can end, ascending (position 0 ends zero).
+    for (std::vector<int>& ends : ends_) ends.clear();
+    ends_[0].push_back(0);
     counts_.clear(0);
     for (int end = 1; end <= num_positions_; ++end) {
       for (const LinearProblem::Send& send : sends_ending_at_[end - 1]) sends.add(send.producer, -send.cost);
@@ -232,7 +239,7 @@ class SegmentSearch {
       const int last_pinned = last_pinned_before_[end];
       const int stages_ending_here = std::min(num_stages_, end);  // every segment holds a position
       for (int stage = 0; stage < stages_ending_here; ++stage) {
-        const int start = latest_end_[stage];
+        const int start = latest_end_at_most(stage, latest_start_[end]);
         if (start < 0) continue;
         const FactorClass& factors = classes_[class_of_stage_[stage]];
         int lowest_start = factors.first_start_by_memory[end];
@@ -247,7 +254,7 @@ class SegmentSearch {
         if (cost <= bottleneck) counts_.insert(end, stage + 1);
       }
       for (int count = 1; count <= stages_ending_here; ++count) {
-        if (counts_.has(end, count)) latest_end_[count] = end;
+        if (counts_.has(end, count)) ends_[count].push_back(end);
       }
     }
     return counts_.has(num_positions_, num_stages_);
@@ -268,7 +275,7 @@ class SegmentSearch {
     const bool recomputes_matter = any_nonzero({&problem_.recompute_cost});
     const bool speeds_matter = any_nonzero({&problem_.compute_cost, &problem_.recompute_cost});
     class_of_stage_.assign(num_stages_, 0);
-    latest_end_.assign(num_stages_ + 1, -1);
+    ends_.assign(num_stages_ + 1, {});
     for (int stage = 0; stage < num_stages_; ++stage) {
       FactorClass factors;
       if (copies_matter) factors.copies = problem_.activation_copies.empty() ? 1.0 : problem_.activation_copies[stage];
@@ -282,6 +289,14 @@ class SegmentSearch {
       if (same == classes_.end()) same = classes_.insert(classes_.end(), factors);
       class_of_stage_[stage] = static_cast<int>(same - classes_.begin());
     }
+  }
+
+  // The latest position at most `bound` where `count` segments can end, or -1.
+  int latest_end_at_most(int count, int bound) const {
+    const std::vector<int>& ends = ends_[count];
+    if (ends.empty() || ends.back() <= bound) return ends.empty() ? -1 : ends.back();
+    const auto after = std::upper_bound(ends.begin(), ends.end(), bound);
+    return after == ends.begin() ? -1 : *(after - 1);
   }
 
   // table_[level][i] = union of counts_ over [i, i + 2^level), filled as soon as its last position is known.
@@ -311,11 +326,14 @@ class SegmentSearch {
   const int num_positions_, num_stages_;
   std::vector<FactorClass> classes_;
   std::vector<int> class_of_stage_;
-  std::vector<int> latest_end_;                      // scratch of feasible_per_stage
+  std::vector<std::vector<int>> ends_;               // scratch of feasible_per_stage
   double total_cost_ = 0;
   std::vector<double> send_cost_;  // per position: all its sends, before any consumer is reached
   std::vector<std::vector<LinearProblem::Send>> sends_ending_at_;  // by the position of their last consumer
   std::vector<int> last_pinned_before_;              // per segment end j: the last pinned position < j, or -1
+  std::vector<int> latest_start_;                    // per j: the latest start a segment ending at j may have (j - 1,
+                                                     // or the last position < j with parameters when each segment
+                                                     // needs one), or -1
   std::vector<int> pin_changed_before_;              // per j: the last pinned position before it whose stage
                                                      // differs from the last pinned one's, or -1
   CountSets counts_;                                 // per position: the segment counts that can end there

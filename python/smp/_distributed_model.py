@@ -5,6 +5,7 @@ import collections
 import gc
 import itertools
 import os
+import sys
 import time
 import weakref
 
@@ -148,6 +149,13 @@ class DistributedModel(torch.nn.Module):
         last = len(order)
         self._parameter_names = sorted(self._model.named_parameters(), key=lambda name: order.get(name, last))
         self._buffer_names = sorted(self._model.named_buffers(), key=lambda name: order.get(name, last))
+        if not self._parameter_names and isinstance(model, torch.nn.Module) and \
+                next(model.parameters(), None) is not None:
+            print(f"smp: rank {rt.rank} holds no parameters (its stages {list(self.stages)} have none), so "
+                  "torch.optim refuses model.parameters() here (\"optimizer got an empty parameter list\"): the "
+                  "partition gives every stage parameters when at least as many modules have some as there are "
+                  "stages and \"partition_overrides\" allow it; pin a module with parameters to this stage, or use "
+                  "fewer \"partitions\"", file=sys.stderr, flush=True)
         # How DistributedOptimizer finds the model of the parameters it is given: on the tensors, no registry.
         owner = weakref.ref(self)
         for parameter in self._model.named_parameters().values():

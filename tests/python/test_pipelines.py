@@ -45,6 +45,12 @@ def test_slow_rank_measured_gets_less_and_equals_pytorch(job):
     assert "on a device of speed 0." in finished.output, finished.output
 
 
+def test_a_slow_rank_still_gets_parameters(job):
+    """A device 20 times slower is given a Linear, not a lone ReLU (torch.optim refuses an empty parameter list);
+    a model with too few modules with parameters leaves a rank none, which that rank says (empty_stage_check.py)."""
+    assert_passed(job(2, "empty_stage_check.py"))
+
+
 def test_torchscript_sequential_equals_pytorch(job):
     assert_passed(job(2, "pipeline_worker.py", "--model", "sequential", "--script", "--smp",
                       smp_keys(partitions=2, microbatches=4, global_batch_size=8)))

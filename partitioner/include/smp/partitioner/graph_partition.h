@@ -49,6 +49,11 @@ struct GraphPartitionOptions {
   // memory_limit_bytes). A faster stage gets more of the model, in proportion.
   std::vector<double> stage_speeds;
   std::vector<double> stage_memory_limit_bytes;
+  // Every stage gets a node with parameter_bytes > 0, when at least num_stages nodes have some: a rank without
+  // parameters has nothing for its optimizer to step (torch.optim refuses an empty parameter list), and a slow
+  // device would otherwise be handed a lone activation function. The search alone honours it; pins that leave a
+  // stage without parameters win over it. evaluate() does not judge it.
+  bool parameters_on_every_stage = true;
 };
 
 // The objective: the bottleneck, the largest per-stage cost, where with w = memory_weight and k = num_stages
@@ -85,7 +90,8 @@ GraphPartition evaluate(const ModuleGraph& graph, const std::vector<int>& stage_
 // order), refines it by moving nodes across stage boundaries while the bottleneck drops, and repeats on the order
 // of the refined stages while that helps. Exact on chains (a chain's sends are priced exactly), a heuristic on
 // DAGs: the split estimates where an output's consumers will land. Deterministic: the same input gives the same
-// partition on every rank. Honours pins and the memory limit; when no tried order yields a split within the limit,
+// partition on every rank. Honours pins, the memory limit and parameters_on_every_stage (dropped when the pins and
+// the limit leave no split with it); when no tried order yields a split within the limit,
 // a graph of at most 12 nodes gets the exhaustive search's answer (exact), a larger one the error.
 // Throws PartitionError, naming nodes by name, for: an edge that is not from < to, more stages than nodes, a pin out
 // of range, pins against the edges (a node pinned to an earlier stage than a node it depends on), a node over the
@@ -98,8 +104,8 @@ GraphPartition partition_uniform(const ModuleGraph& graph, const GraphPartitionO
 // ... and DeepSpeed's "parameters" method: the split with the smallest largest parameter_bytes per stage.
 GraphPartition partition_by_parameters(const ModuleGraph& graph, const GraphPartitionOptions& options);
 
-// The optimum over every acyclic assignment (stage monotone along edges, every stage non-empty, pins and memory
-// limit honoured), by branch and bound; the yardstick for small DAGs. Throws PartitionError above 16 nodes.
+// The optimum over every acyclic assignment (stage monotone along edges, every stage non-empty, pins, memory
+// limit and parameters_on_every_stage honoured), by branch and bound; the yardstick for small DAGs. Throws PartitionError above 16 nodes.
 // `max_placements` bounds the work (node placements tried; 0: none): past it, PartitionError saying it gave up.
 GraphPartition optimal_partition_exhaustive(const ModuleGraph& graph, const GraphPartitionOptions& options,
                                             std::uint64_t max_placements = 0);
