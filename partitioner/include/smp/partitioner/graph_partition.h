@@ -52,7 +52,9 @@ struct GraphPartitionOptions {
   // Every stage gets a node with parameter_bytes > 0, when at least num_stages nodes have some: a rank without
   // parameters has nothing for its optimizer to step (torch.optim refuses an empty parameter list), and a slow
   // device would otherwise be handed a lone activation function. The search alone honours it; pins that leave a
-  // stage without parameters win over it. evaluate() does not judge it.
+  // stage without parameters win over it. evaluate() does not judge it. Its price shows where the stages nearly
+  // number the modules with parameters: in bench_partition's 252 cases two bottlenecks grew, ResNet-like graphs at
+  // 10 GB/s of 11 nodes on 8 stages (1.18x) and of 98 nodes on 64 stages (1.71x).
   bool parameters_on_every_stage = true;
 };
 
