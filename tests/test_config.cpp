@@ -132,7 +132,16 @@ TEST_CASE("config: a key beside the smp section is an smp key misplaced or a sec
 
 TEST_CASE("config: every bad value is a one-line error naming the key", "[config]") {
   CHECK_THROWS_WITH(parse(R"({"microbatchs": 4})"), Contains("unknown key \"microbatchs\"") && Contains("did you mean \"microbatches\""));
-  CHECK_THROWS_WITH(parse(R"({"zzzzzzzzzz": 4})"), Contains("unknown key \"zzzzzzzzzz\""));
+  CHECK_THROWS_WITH(parse(R"({"zzzzzzzzzz": 4})"), Contains("unknown key \"zzzzzzzzzz\"") && Contains("see README"));
+  // Other frameworks' names are no typos of smp's: known ones are named, others get the keys sharing their words.
+  CHECK_THROWS_WITH(parse(R"({"tensor_model_parallel_size": 2})"),
+                    Contains("unknown key \"tensor_model_parallel_size\" (smp's is \"tensor_parallel_degree\")"));
+  CHECK_THROWS_WITH(parse(R"({"gradient_accumulation_steps": 4})"), Contains("(smp's is \"microbatches\")"));
+  CHECK_THROWS_WITH(parse(R"({"checkpoint_frequency": 1})"),
+                    Contains("unknown key \"checkpoint_frequency\" (smp's keys like it: ") &&
+                        Contains("\"checkpoint_interval\"") && Contains("\"checkpoints_kept\""));
+  CHECK_THROWS_WITH(parse(R"({"sequence_parallel_size": 2})"),
+                    Contains("(smp's keys like it: \"sequence_parallel\", ") && !Contains("global_batch_size"));
   CHECK_THROWS_WITH(parse(R"({"partitions": "4"})"), Contains("key \"partitions\": expected an integer, got string"));
   CHECK_THROWS_WITH(parse(R"({"partitions": 0})"), Contains("key \"partitions\": must be in [1, 4096], got 0"));
   CHECK_THROWS_WITH(parse(R"({"partitions": 2.5})"), Contains("key \"partitions\": expected an integer"));

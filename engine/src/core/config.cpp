@@ -7,6 +7,7 @@
 #include <cmath>
 #include <fstream>
 #include <limits>
+#include <set>
 #include <sstream>
 #include <vector>
 
@@ -340,6 +341,78 @@ const std::vector<Key>& key_table() {
   return table;
 }
 
+std::vector<std::string> words_of(const std::string& key) {
+  std::vector<std::string> words;
+  std::size_t start = 0;
+  for (std::size_t end = 0; end <= key.size(); ++end) {
+    if (end < key.size() && key[end] != '_') continue;
+    if (end > start) words.push_back(key.substr(start, end - start));
+    start = end + 1;
+  }
+  return words;
+}
+
+// What other frameworks (Megatron, DeepSpeed, torch.distributed.pipelining, Hugging Face's Trainer) call smp's keys.
+const std::vector<std::pair<std::string, std::string>>& other_frameworks_names() {
+  static const std::vector<std::pair<std::string, std::string>> names = {
+      {"pp", "partitions"}, {"pp_size", "partitions"}, {"pipeline_parallel_size", "partitions"},
+      {"pipeline_model_parallel_size", "partitions"}, {"num_stages", "partitions"}, {"stages", "partitions"},
+      {"tp", "tensor_parallel_degree"}, {"tp_size", "tensor_parallel_degree"},
+      {"tensor_parallel_size", "tensor_parallel_degree"}, {"tensor_model_parallel_size", "tensor_parallel_degree"},
+      {"ep", "expert_parallel_degree"}, {"ep_size", "expert_parallel_degree"},
+      {"expert_parallel_size", "expert_parallel_degree"}, {"expert_model_parallel_size", "expert_parallel_degree"},
+      {"virtual_pipeline_model_parallel_size", "virtual_stages"}, {"chunks", "microbatches"},
+      {"num_microbatches", "microbatches"}, {"n_microbatches", "microbatches"},
+      {"gradient_accumulation_steps", "microbatches"}, {"schedule", "pipeline"}, {"pipeline_schedule", "pipeline"},
+      {"batch_size", "global_batch_size"}, {"train_batch_size", "global_batch_size"},
+      {"save_steps", "checkpoint_interval"}, {"save_interval", "checkpoint_interval"},
+      {"checkpoint_every", "checkpoint_interval"}, {"save_total_limit", "checkpoints_kept"},
+      {"zero_stage", "shard_optimizer_state"}, {"gradient_checkpointing", "activation_checkpointing"},
+      {"recompute_granularity", "activation_checkpointing"}, {"timeout", "comm_timeout_s"},
+  };
+  return names;
+}
+
+std::string other_frameworks_name(const std::string& key) {
+  for (const auto& [theirs, ours] : other_frameworks_names()) {
+    if (theirs == key) return ours;
+  }
+  return {};
+}
+
+// A name that is no typo of smp's may share its words: the known keys with the most words in common with `key` (a
+// word matching when one begins the other, as "checkpoint" and "checkpoints"; words that say little, such as
+// "size" or "steps", not counted), at most four, or "".
+std::string keys_sharing_a_word(const std::string& key) {
+  constexpr std::size_t kShortestWord = 3, kShown = 4;
+  static const std::set<std::string> vague = {"size", "step", "steps", "num", "number", "count", "max", "min",
+                                              "degree", "total"};
+  std::vector<std::string> words;
+  for (std::string& word : words_of(key)) {
+    if (word.size() >= kShortestWord && !vague.count(word)) words.push_back(std::move(word));
+  }
+  auto begins = [](const std::string& longer, const std::string& shorter) {
+    return longer.compare(0, shorter.size(), shorter) == 0;
+  };
+  std::vector<std::pair<int, std::string>> shared;  // (-words in common, name): the most first, then by name
+  for (const Key& known : key_table()) {
+    int common = 0;
+    for (const std::string& word : words) {
+      for (const std::string& other : words_of(known.name)) {
+        if (other.size() >= kShortestWord && !vague.count(other) && (begins(word, other) || begins(other, word))) {
+          ++common;
+          break;
+        }
+      }
+    }
+    if (common > 0) shared.emplace_back(-common, known.name);
+  }
+  std::sort(shared.begin(), shared.end());
+  std::string text;
+  for (std::size_t i = 0; i < shared.size() && i < kShown; ++i) text += (i ? ", \"" : "\"") + shared[i].second + "\"";
+  return text;
+}
+
 bool is_known_key(const std::string& name) {
   const auto& table = key_table();
   return std::any_of(table.begin(), table.end(), [&](const Key& key) { return name == key.name; });
@@ -406,8 +479,12 @@ Config Config::from_json_text(const std::string& text, const std::string& source
       const std::size_t distance = edit_distance(it.key(), key.name);
       if (distance < nearest_distance) nearest_distance = distance, nearest = key.name;
     }
+    const std::string ours = other_frameworks_name(it.key());
+    if (!ours.empty()) throw ConfigError(source + ": unknown key \"" + it.key() + "\" (smp's is \"" + ours + "\")");
+    if (!nearest.empty()) throw ConfigError(source + ": unknown key \"" + it.key() + "\" (did you mean \"" + nearest + "\"?)");
+    const std::string related = keys_sharing_a_word(it.key());
     throw ConfigError(source + ": unknown key \"" + it.key() + "\"" +
-                      (nearest.empty() ? std::string(" (see README for the keys)") : " (did you mean \"" + nearest + "\"?)"));
+                      (related.empty() ? std::string(" (see README for the keys)") : " (smp's keys like it: " + related + ")"));
   }
 
   // "auto" layout keys are left to their defaults here and chosen by the planner later.
