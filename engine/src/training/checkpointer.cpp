@@ -410,14 +410,17 @@ std::optional<FoundCheckpoint> checkpoint_to_resume(Runtime& runtime, const std:
     throw CheckpointError(directory + " was saved with " + std::to_string(manifest.partitions) + " partitions x " +
                           std::to_string(manifest.virtual_stages) + " virtual stages, this job has " +
                           std::to_string(config.partitions) + " x " + std::to_string(config.virtual_stages) +
-                          "; export it (smp_checkpoint export) and load it with DistributedModel::load_parameters");
+                          ": a resume keeps the cut; export it whole (smp_checkpoint export-safetensors, or smp.export_safetensors in " +
+                          "Python) and load that with load_parameters, which takes each rank's modules (the optimizer " +
+                          "state starts anew)");
   }
   const int degree = runtime.topology().tensor_parallel_degree();
   if (manifest.tensor_parallel_degree != degree) {
     throw CheckpointError(directory + " was written with \"tensor_parallel_degree\" " +
                           std::to_string(manifest.tensor_parallel_degree) + ", this job has " + std::to_string(degree) +
-                          ": a resume keeps the shards; export it whole (smp_checkpoint export) and load it with "
-                          "DistributedModel::load_parameters, which cuts each rank's shards");
+                          ": a resume keeps the shards; export it whole (smp_checkpoint export-safetensors, or "
+                          "smp.export_safetensors in Python) and load that with load_parameters, which cuts each rank's "
+                          "shards (the optimizer state starts anew)");
   }
   const int expert_shares = runtime.topology().expert_parallel_degree();
   if (manifest.expert_parallel_degree != expert_shares) {
@@ -425,7 +428,8 @@ std::optional<FoundCheckpoint> checkpoint_to_resume(Runtime& runtime, const std:
                           std::to_string(manifest.expert_parallel_degree) + ", this job has " +
                           std::to_string(expert_shares) +
                           ": a resume keeps the experts where they were; export it whole (smp.export_safetensors, "
-                          "smp_checkpoint export) and load it with load_parameters, which takes each rank's experts");
+                          "smp_checkpoint export) and load it with load_parameters, which takes each rank's experts (the optimizer state "
+                          "starts anew)");
   }
   const int shards = config.shard_optimizer_state ? runtime.topology().data_parallel_degree() : 1;
   if (expert_shares > 1 && manifest.optimizer_shards != shards) {
