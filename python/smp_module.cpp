@@ -495,10 +495,10 @@ PYBIND11_MODULE(_smp, module) {
 
   module.def(
       "batched_inputs",
-      [](const OptionalTensors& inputs, const std::optional<at::Tensor>& targets) {
-        return DistributedModel::batched_inputs(defined_or_not(inputs), targets.value_or(at::Tensor()));
+      [](const OptionalTensors& inputs, const std::optional<at::Tensor>& targets, const std::string& caller) {
+        return DistributedModel::batched_inputs(defined_or_not(inputs), targets.value_or(at::Tensor()), caller.c_str());
       },
-      py::arg("inputs"), py::arg("targets"));
+      py::arg("inputs"), py::arg("targets"), py::arg("caller") = "train_step");
   // Counts CPU tensor bytes while open (benchmarks: a step's memory beside the planner's prediction).
   py::class_<CpuTensorMeter>(module, "CpuTensorMeter")
       .def(py::init<>())

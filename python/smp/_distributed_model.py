@@ -164,7 +164,7 @@ class DistributedModel(torch.nn.Module):
     def _engine_step(self, step, inputs, targets, loss, keep_outputs, replica_share, what):
         rt = runtime()
         values = self._io.engine_inputs(inputs, what)
-        batched = _smp.batched_inputs(values, targets)
+        batched = _smp.batched_inputs(values, targets, what)
         if not replica_share:
             values = [rt.replica_slice(v) if b else v for v, b in zip(values, batched)]
             targets = rt.replica_slice(targets) if targets is not None and targets.dim() > 0 else targets

@@ -78,6 +78,9 @@ def main():
         failures.append("evaluate without keep_outputs kept outputs")
     expect_error("a replica share that is not the global batch / replicas", smp.ConfigError, "global_batch_size of 4",
                  lambda: eager_model.train_step(torch.randn(2, 3), torch.randn(2, 2), F.mse_loss, replica_share=True))
+    expect_error("targets of another batch than the inputs", smp.ConfigError,
+                 "evaluate: 3 targets, but no input has a first dimension of that size (inputs [4, 3])",
+                 lambda: eager_model.evaluate(batch, torch.randn(3, 2), F.mse_loss))
     # all_reduce_sum: in place, also into a strided view (summed through a dense copy); bool is refused.
     counts = torch.arange(6, dtype=torch.float64).reshape(2, 3)
     runtime.all_reduce_sum(counts[:, ::2])

@@ -108,7 +108,9 @@ class DistributedModel {
   StepOutput evaluate(const std::map<std::string, at::Tensor>& inputs, const at::Tensor& targets,
                       const OutputsLossFunction& loss, bool keep_outputs = false);
   // Which of a step's inputs are split into microbatches (the rest goes to every microbatch), by the rule above.
-  static std::vector<bool> batched_inputs(const ModelInputs& inputs, const at::Tensor& targets);
+  // ConfigError (after `caller`) for targets whose rows no input has.
+  static std::vector<bool> batched_inputs(const ModelInputs& inputs, const at::Tensor& targets,
+                                          const char* caller = "train_step");
   const GraphModel& model() const { return model_; }
 
   // Copies this rank's parameters and buffers, by name, from a full-model file (export_checkpoint) or from

@@ -23,7 +23,8 @@
 
 namespace smp {
 
-std::vector<bool> DistributedModel::batched_inputs(const ModelInputs& inputs, const at::Tensor& targets) {
+std::vector<bool> DistributedModel::batched_inputs(const ModelInputs& inputs, const at::Tensor& targets,
+                                                   const char* caller) {
   std::optional<std::int64_t> batch;
   if (targets.defined() && targets.dim() > 0) batch = targets.size(0);
   for (const auto& input : inputs) {
@@ -31,6 +32,13 @@ std::vector<bool> DistributedModel::batched_inputs(const ModelInputs& inputs, co
   }
   std::vector<bool> batched;
   for (const auto& input : inputs) batched.push_back(batch && input.defined() && input.dim() > 0 && input.size(0) == *batch);
+  // Targets sample for sample with no input: a batch that lost or gained rows on one side, not a batch to split.
+  if (targets.defined() && targets.dim() > 0 && std::none_of(batched.begin(), batched.end(), [](bool b) { return b; })) {
+    std::string sizes;
+    for (const auto& input : inputs) sizes += (sizes.empty() ? "" : ", ") + (input.defined() ? c10::str(input.sizes()) : "None");
+    throw ConfigError(std::string(caller) + ": " + std::to_string(*batch) + " targets, but no input has a first "
+                      "dimension of that size (inputs " + sizes + ")");
+  }
   return batched;
 }
 
@@ -47,7 +55,7 @@ MicrobatchData DistributedModel::microbatch_data(const char* caller, const Model
     throw ConfigError(std::string(caller) + ": " + std::to_string(given_batched.size()) + " batched flags for " +
                       std::to_string(inputs.size()) + " inputs");
   }
-  const std::vector<bool> batched = given_batched.empty() ? batched_inputs(inputs, targets) : given_batched;
+  const std::vector<bool> batched = given_batched.empty() ? batched_inputs(inputs, targets, caller) : given_batched;
   std::optional<std::int64_t> batch;
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     if (batched[i]) batch = inputs[i].size(0);
@@ -57,12 +65,6 @@ MicrobatchData DistributedModel::microbatch_data(const char* caller, const Model
     throw ConfigError(std::string(caller) + ": the replica's batch of " +
                       (batch ? std::to_string(*batch) : std::string("no")) + " samples does not split into " +
                       std::to_string(microbatches) + " microbatches");
-  }
-  if (targets.defined() && targets.dim() > 0 && std::none_of(batched.begin(), batched.end(), [](bool b) { return b; })) {
-    std::string sizes;
-    for (const auto& input : inputs) sizes += (sizes.empty() ? "" : ", ") + (input.defined() ? c10::str(input.sizes()) : "None");
-    throw ConfigError(std::string(caller) + ": " + std::to_string(*batch) + " targets, but no input has a first "
-                      "dimension of that size (inputs " + sizes + ")");
   }
   MicrobatchData data;
   const c10::Device device = runtime_->device();
