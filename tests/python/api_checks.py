@@ -81,6 +81,12 @@ def main():
     expect_error("targets of another batch than the inputs", smp.ConfigError,
                  "evaluate: 3 targets, but no input has a first dimension of that size (inputs [4, 3])",
                  lambda: eager_model.evaluate(batch, torch.randn(3, 2), F.mse_loss))
+    expect_error("a loss of several values", smp.ModelError,
+                 "the loss function returned a tensor of shape [2, 2] for microbatch 0: it must reduce the microbatch",
+                 lambda: eager_model.train_step(batch, torch.randn(4, 2), lambda output, target: (output - target) ** 2))
+    expect_error("a loss detached from the output", smp.ModelError, "the loss of microbatch 0 does not require gradients",
+                 lambda: eager_model.train_step(batch, torch.randn(4, 2),
+                                                lambda output, target: F.mse_loss(output, target).detach()))
     # all_reduce_sum: in place, also into a strided view (summed through a dense copy); bool is refused.
     counts = torch.arange(6, dtype=torch.float64).reshape(2, 3)
     runtime.all_reduce_sum(counts[:, ::2])

@@ -423,8 +423,16 @@ class PipelineExecutor::Step {
       for (std::size_t i = 0; i < produced.model_outputs.size(); ++i) keep_output(microbatch, i, produced.model_outputs[i]);
     }
     const at::Tensor target = data_.targets.empty() ? at::Tensor() : data_.targets.at(microbatch);
-    entry.loss = data_.loss(produced.model_outputs, target) *
-                 (data_.loss_scale / static_cast<double>(schedule_.num_microbatches));
+    const at::Tensor loss = data_.loss(produced.model_outputs, target);
+    // A loss of several values would go into backward as their sum (its root gradient is ones_like) and fail only
+    // when the step's loss is read.
+    if (!loss.defined() || loss.numel() != 1) {
+      throw ModelError("the loss function returned " +
+                       (loss.defined() ? "a tensor of shape " + c10::str(loss.sizes()) : std::string("no tensor")) +
+                       " for microbatch " + std::to_string(microbatch) +
+                       ": it must reduce the microbatch to one value (as .mean() or .sum() do)");
+    }
+    entry.loss = loss * (data_.loss_scale / static_cast<double>(schedule_.num_microbatches));
   }
 
   // The roots of this stage's backward and the gradients flowing into them.
@@ -438,6 +446,11 @@ class PipelineExecutor::Step {
     }
     std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> roots;
     if (entry.loss.defined()) {
+      if (!entry.loss.requires_grad()) {
+        throw ModelError("the loss of microbatch " + std::to_string(microbatch) + " does not require gradients: the "
+                         "loss function detached it from the model's output (.detach(), .item(), torch.no_grad), or "
+                         "no parameter of the model trains");
+      }
       roots.first.push_back(entry.loss);
       roots.second.push_back(at::ones_like(entry.loss));
     }
