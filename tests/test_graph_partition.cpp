@@ -366,6 +366,7 @@ TEST_CASE("every stage gets parameters when enough modules have them") {
     GraphPartitionOptions options = stages(2);
     options.pinned = {-1, -1, 0, 1};
     CHECK(partition_graph(graph, options).stage_of_node == std::vector<int>{0, 0, 0, 1});
+    CHECK(optimal_partition_exhaustive(graph, options).stage_of_node == std::vector<int>{0, 0, 0, 1});
   }
   SECTION("fewer modules with parameters than stages: the rule is off") {
     ModuleGraph graph = linear_relu_chain(2);

@@ -62,7 +62,8 @@ struct CostModel {
     if (needs_parameters && totals.parameter_nodes == 0) return kInfinity;
     return growing_stage_cost(stage, totals);
   }
-  // The cost without the parameter rule, which only grows as nodes join a stage: a bound for partial stages.
+  // The cost without the parameter rule, which only grows as nodes join a stage (compute, memory, and sends, which
+  // only add): a bound for partial stages.
   double growing_stage_cost(int stage, const StageTotals& totals) const {
     const double memory_bytes = stage_memory_bytes(stage, totals);
     if (memory_bytes > memory_limits[stage]) return kInfinity;

@@ -345,10 +345,15 @@ GraphPartition optimal_partition_exhaustive(const ModuleGraph& graph, const Grap
     }
   };
   place(0);
+  if (best_stage_of_node.empty() && costs.needs_parameters) {
+    // As in partition_graph: pins or a memory limit that leave some stage without parameters win over the rule.
+    GraphPartitionOptions without_rule = options;
+    without_rule.parameters_on_every_stage = false;
+    return optimal_partition_exhaustive(graph, without_rule, max_placements);
+  }
   if (best_stage_of_node.empty()) {
-    throw PartitionError("no acyclic split into " + std::to_string(num_stages) + " non-empty stages meets the pins" +
-                         (costs.needs_parameters ? ", the memory limit and parameters on every stage"
-                                                 : " and the memory limit"));
+    throw PartitionError("no acyclic split into " + std::to_string(num_stages) +
+                         " non-empty stages meets the pins and the memory limit");
   }
   return evaluate(graph, best_stage_of_node, options);
 }

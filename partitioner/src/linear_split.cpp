@@ -222,15 +222,19 @@ class SegmentSearch {
 
   // Stages cost differently, so the earliest start differs per stage; instead of one descent per stage and end,
   // each stage's segment tries only the latest position where the stages before it can end. That suffices: the
-  // allowed starts form an interval up to end - 1 (the cost only falls as the start moves later, and the memory
-  // limit and the pins bound the start from below), so if any start in it works, the latest one does.
+  // allowed starts form an interval up to latest_start_[end] (the cost only falls as the start moves later, and
+  // the memory limit and the pins bound the start from below), so if any start in it works, the latest one does.
   bool feasible_per_stage(double bottleneck) {
     FenwickTree sends(send_cost_);
-    // ends_[t]: the positions so far where t segments can end, ascending (position 0 ends zero).
-    for (std::vector<int>& ends : ends_) ends.clear();
-    ends_[0].push_back(0);
+    // latest_end_[t]: the latest position so far where t segments can end (position 0 ends zero), or -1;
+    // bounded_end_[t]: the same at most latest_start_[end], which is end - 1 or stays where it was, so a copy of
+    // latest_end_ taken whenever it is end - 1 keeps it.
+    std::fill(latest_end_.begin(), latest_end_.end(), -1);
+    std::fill(bounded_end_.begin(), bounded_end_.end(), -1);
+    latest_end_[0] = 0;
     counts_.clear(0);
     for (int end = 1; end <= num_positions_; ++end) {
+      if (latest_start_[end] == end - 1) bounded_end_ = latest_end_;
       for (const LinearProblem::Send& send : sends_ending_at_[end - 1]) sends.add(send.producer, -send.cost);
       const double sends_before_end = sends.prefix(end);
       int cached_start = -1;  // most stages try the same few starts: their sends' prefix is asked once
@@ -239,7 +243,7 @@ class SegmentSearch {
       const int last_pinned = last_pinned_before_[end];
       const int stages_ending_here = std::min(num_stages_, end);  // every segment holds a position
       for (int stage = 0; stage < stages_ending_here; ++stage) {
-        const int start = latest_end_at_most(stage, latest_start_[end]);
+        const int start = bounded_end_[stage];
         if (start < 0) continue;
         const FactorClass& factors = classes_[class_of_stage_[stage]];
         int lowest_start = factors.first_start_by_memory[end];
@@ -254,7 +258,7 @@ class SegmentSearch {
         if (cost <= bottleneck) counts_.insert(end, stage + 1);
       }
       for (int count = 1; count <= stages_ending_here; ++count) {
-        if (counts_.has(end, count)) ends_[count].push_back(end);
+        if (counts_.has(end, count)) latest_end_[count] = end;
       }
     }
     return counts_.has(num_positions_, num_stages_);
@@ -275,7 +279,8 @@ class SegmentSearch {
     const bool recomputes_matter = any_nonzero({&problem_.recompute_cost});
     const bool speeds_matter = any_nonzero({&problem_.compute_cost, &problem_.recompute_cost});
     class_of_stage_.assign(num_stages_, 0);
-    ends_.assign(num_stages_ + 1, {});
+    latest_end_.assign(num_stages_ + 1, -1);
+    bounded_end_.assign(num_stages_ + 1, -1);
     for (int stage = 0; stage < num_stages_; ++stage) {
       FactorClass factors;
       if (copies_matter) factors.copies = problem_.activation_copies.empty() ? 1.0 : problem_.activation_copies[stage];
@@ -289,14 +294,6 @@ class SegmentSearch {
       if (same == classes_.end()) same = classes_.insert(classes_.end(), factors);
       class_of_stage_[stage] = static_cast<int>(same - classes_.begin());
     }
-  }
-
-  // The latest position at most `bound` where `count` segments can end, or -1.
-  int latest_end_at_most(int count, int bound) const {
-    const std::vector<int>& ends = ends_[count];
-    if (ends.empty() || ends.back() <= bound) return ends.empty() ? -1 : ends.back();
-    const auto after = std::upper_bound(ends.begin(), ends.end(), bound);
-    return after == ends.begin() ? -1 : *(after - 1);
   }
 
   // table_[level][i] = union of counts_ over [i, i + 2^level), filled as soon as its last position is known.
@@ -326,7 +323,7 @@ class SegmentSearch {
   const int num_positions_, num_stages_;
   std::vector<FactorClass> classes_;
   std::vector<int> class_of_stage_;
-  std::vector<std::vector<int>> ends_;               // scratch of feasible_per_stage
+  std::vector<int> latest_end_, bounded_end_;        // scratch of feasible_per_stage
   double total_cost_ = 0;
   std::vector<double> send_cost_;  // per position: all its sends, before any consumer is reached
   std::vector<std::vector<LinearProblem::Send>> sends_ending_at_;  // by the position of their last consumer

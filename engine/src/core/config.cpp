@@ -364,7 +364,6 @@ const std::vector<std::pair<std::string, std::string>>& other_frameworks_names()
       {"virtual_pipeline_model_parallel_size", "virtual_stages"}, {"chunks", "microbatches"},
       {"num_microbatches", "microbatches"}, {"n_microbatches", "microbatches"},
       {"gradient_accumulation_steps", "microbatches"}, {"schedule", "pipeline"}, {"pipeline_schedule", "pipeline"},
-      {"batch_size", "global_batch_size"}, {"train_batch_size", "global_batch_size"},
       {"save_steps", "checkpoint_interval"}, {"save_interval", "checkpoint_interval"},
       {"checkpoint_every", "checkpoint_interval"}, {"save_total_limit", "checkpoints_kept"},
       {"zero_stage", "shard_optimizer_state"}, {"gradient_checkpointing", "activation_checkpointing"},

@@ -23,6 +23,22 @@
 
 namespace smp {
 
+namespace {
+
+// Targets sample for sample with no input: a batch that lost or gained rows on one side, not a batch to split.
+void check_targets_batched_with_an_input(const char* caller, const ModelInputs& inputs, const at::Tensor& targets,
+                                         const std::vector<bool>& batched) {
+  if (!targets.defined() || targets.dim() == 0 || std::any_of(batched.begin(), batched.end(), [](bool b) { return b; })) {
+    return;
+  }
+  std::string sizes;
+  for (const auto& input : inputs) sizes += (sizes.empty() ? "" : ", ") + (input.defined() ? c10::str(input.sizes()) : "None");
+  throw ConfigError(std::string(caller) + ": " + std::to_string(targets.size(0)) + " targets, but no input has a first "
+                    "dimension of that size (inputs " + sizes + ")");
+}
+
+}  // namespace
+
 std::vector<bool> DistributedModel::batched_inputs(const ModelInputs& inputs, const at::Tensor& targets,
                                                    const char* caller) {
   std::optional<std::int64_t> batch;
@@ -32,13 +48,7 @@ std::vector<bool> DistributedModel::batched_inputs(const ModelInputs& inputs, co
   }
   std::vector<bool> batched;
   for (const auto& input : inputs) batched.push_back(batch && input.defined() && input.dim() > 0 && input.size(0) == *batch);
-  // Targets sample for sample with no input: a batch that lost or gained rows on one side, not a batch to split.
-  if (targets.defined() && targets.dim() > 0 && std::none_of(batched.begin(), batched.end(), [](bool b) { return b; })) {
-    std::string sizes;
-    for (const auto& input : inputs) sizes += (sizes.empty() ? "" : ", ") + (input.defined() ? c10::str(input.sizes()) : "None");
-    throw ConfigError(std::string(caller) + ": " + std::to_string(*batch) + " targets, but no input has a first "
-                      "dimension of that size (inputs " + sizes + ")");
-  }
+  check_targets_batched_with_an_input(caller, inputs, targets, batched);
   return batched;
 }
 
@@ -56,6 +66,7 @@ MicrobatchData DistributedModel::microbatch_data(const char* caller, const Model
                       std::to_string(inputs.size()) + " inputs");
   }
   const std::vector<bool> batched = given_batched.empty() ? batched_inputs(inputs, targets, caller) : given_batched;
+  if (!given_batched.empty()) check_targets_batched_with_an_input(caller, inputs, targets, batched);
   std::optional<std::int64_t> batch;
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     if (batched[i]) batch = inputs[i].size(0);

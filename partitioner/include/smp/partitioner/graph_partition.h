@@ -51,8 +51,9 @@ struct GraphPartitionOptions {
   std::vector<double> stage_memory_limit_bytes;
   // Every stage gets a node with parameter_bytes > 0, when at least num_stages nodes have some: a rank without
   // parameters has nothing for its optimizer to step (torch.optim refuses an empty parameter list), and a slow
-  // device would otherwise be handed a lone activation function. The search alone honours it; pins that leave a
-  // stage without parameters win over it. evaluate() does not judge it. Its price shows where the stages nearly
+  // device would otherwise be handed a lone activation function. The searches alone honour it; pins or a memory
+  // limit that leave a stage without parameters win over it (and so does a large DAG's heuristic that finds no
+  // split with it). evaluate() does not judge it. Its price shows where the stages nearly
   // number the modules with parameters: in bench_partition's 252 cases two bottlenecks grew, ResNet-like graphs at
   // 10 GB/s of 11 nodes on 8 stages (1.18x) and of 98 nodes on 64 stages (1.71x).
   bool parameters_on_every_stage = true;
@@ -92,8 +93,8 @@ GraphPartition evaluate(const ModuleGraph& graph, const std::vector<int>& stage_
 // order), refines it by moving nodes across stage boundaries while the bottleneck drops, and repeats on the order
 // of the refined stages while that helps. Exact on chains (a chain's sends are priced exactly), a heuristic on
 // DAGs: the split estimates where an output's consumers will land. Deterministic: the same input gives the same
-// partition on every rank. Honours pins, the memory limit and parameters_on_every_stage (dropped when the pins and
-// the limit leave no split with it); when no tried order yields a split within the limit,
+// partition on every rank. Honours pins, the memory limit and parameters_on_every_stage (dropped when the search
+// finds no split with it); when no tried order yields a split within the limit,
 // a graph of at most 12 nodes gets the exhaustive search's answer (exact), a larger one the error.
 // Throws PartitionError, naming nodes by name, for: an edge that is not from < to, more stages than nodes, a pin out
 // of range, pins against the edges (a node pinned to an earlier stage than a node it depends on), a node over the
@@ -107,7 +108,7 @@ GraphPartition partition_uniform(const ModuleGraph& graph, const GraphPartitionO
 GraphPartition partition_by_parameters(const ModuleGraph& graph, const GraphPartitionOptions& options);
 
 // The optimum over every acyclic assignment (stage monotone along edges, every stage non-empty, pins, memory
-// limit and parameters_on_every_stage honoured), by branch and bound; the yardstick for small DAGs. Throws PartitionError above 16 nodes.
+// limit and parameters_on_every_stage honoured, the last dropped as partition_graph drops it), by branch and bound; the yardstick for small DAGs. Throws PartitionError above 16 nodes.
 // `max_placements` bounds the work (node placements tried; 0: none): past it, PartitionError saying it gave up.
 GraphPartition optimal_partition_exhaustive(const ModuleGraph& graph, const GraphPartitionOptions& options,
                                             std::uint64_t max_placements = 0);
