@@ -180,6 +180,10 @@ class GlooCommunicator final : public Communicator {
   c10::Device device() const override { return device_; }
   bool in_order() const override { return in_order_; }
 
+  void leave(const std::string& reason) override {
+    if (channels_) channels_->leave(reason);
+  }
+
   void connect(const std::vector<std::pair<int, int>>& channels) override {
     if (!channels_) return;
     std::vector<int> peers;

@@ -26,6 +26,10 @@ class LanedCommunicator final : public Communicator {
     first_->synchronize();
     second_->synchronize();
   }
+  void leave(const std::string& reason) override {
+    first_->leave(reason);
+    second_->leave(reason);
+  }
   std::unique_ptr<Pending> isend(const at::Tensor& tensor, int peer, int tag) override {
     return lane().isend(tensor, peer, tag);
   }

@@ -160,6 +160,8 @@ class NcclCommunicator final : public Communicator {
     host_->synchronize();
     watchdog_->wait_all();
   }
+  // NCCL has no way to tell a peer why: a peer waiting on this rank's NCCL transfers ends at its watchdog's timeout.
+  void leave(const std::string& reason) override { host_->leave(reason); }
 
   void connect(const std::vector<std::pair<int, int>>& wanted) override {
     // Every member sees the same sorted list. Senders publish the ids of their channels before anyone waits for

@@ -11,9 +11,11 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <set>
 #include <sstream>
 
+#include <ATen/ops/empty.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "smp/comm/sockets.h"
@@ -23,6 +25,9 @@ namespace {
 
 constexpr std::uint32_t kHandshakeMagic = 0x736d7043;  // "smpC"
 constexpr std::size_t kHeaderBytes = 12;               // int32 tag, int64 payload bytes
+// The last message of a rank that leaves the job, its reason the payload; no transfer uses this tag.
+constexpr std::int32_t kFarewellTag = std::numeric_limits<std::int32_t>::min();
+constexpr std::size_t kFarewellBytes = 4000;
 
 using Clock = std::chrono::steady_clock;
 
@@ -212,6 +217,11 @@ struct SocketChannels::Connection {
       if (target) {
         target->done = true;
         target.reset();
+      } else if (tag == kFarewellTag) {
+        recv_error = peer_name + " left the job: " + std::string(spill.begin(), spill.end());
+        spill.clear();
+        header_read = 0;
+        return;
       } else {
         arrived[tag].push_back(std::move(spill));
         spill.clear();
@@ -398,7 +408,34 @@ void SocketChannels::connect(const std::vector<int>& peers) {
   }
 }
 
+void SocketChannels::leave(const std::string& reason) {
+  const std::string said = reason.substr(0, kFarewellBytes);
+  std::vector<std::shared_ptr<Connection>> peers;
+  {
+    std::lock_guard<std::mutex> lock(progress_mutex_);
+    for (const auto& [peer, connection] : connections_) peers.push_back(connection);
+  }
+  bool blocked = false;
+  for (const auto& connection : peers) {
+    auto out = std::make_shared<Outgoing>();
+    const std::int64_t bytes = static_cast<std::int64_t>(said.size());
+    std::memcpy(out->header, &kFarewellTag, 4);
+    std::memcpy(out->header + 4, &bytes, 8);
+    out->keep = at::empty({bytes}, at::kByte);
+    std::memcpy(out->keep.data_ptr(), said.data(), said.size());
+    out->payload_bytes = said.size();
+    std::lock_guard<std::mutex> lock(connection->send_mutex);
+    if (!connection->send_error.empty()) continue;  // already broken: nobody reads there
+    connection->queue.push_back(out);
+    // Written now if nothing waits before it, else by the progress thread after what does.
+    blocked = blocked || connection->queue.size() > 1 || !connection->write_queue();
+    connection->send_error = "this rank left the job (" + said + ")";
+  }
+  if (blocked) wake_progress();
+}
+
 std::unique_ptr<Pending> SocketChannels::isend(const at::Tensor& tensor, int peer, int tag, std::string what) {
+  if (tag == kFarewellTag) throw CommError(what + ": tag " + std::to_string(tag) + " is reserved");
   auto connection = connections_.at(peer);
   auto out = std::make_shared<Outgoing>();
   const std::int32_t tag32 = tag;

@@ -11,7 +11,7 @@
 //
 // Messages are matched by (peer, tag), first posted first matched, like Gloo's. A message that arrives before its
 // receive is posted is kept in memory until it is. Every wait is bounded by the group's timeout, and a peer that
-// dies closes its connections: either fails the wait naming the peer.
+// dies closes its connections, and one that leaves the job (leave) says why: either fails the wait naming the peer.
 
 #include <chrono>
 #include <condition_variable>
@@ -45,6 +45,10 @@ class SocketChannels {
   // with this rank among its peers: the lower rank of a pair connects, the higher one accepts.
   void connect(const std::vector<int>& peers);
   bool connected(int peer) const { return connections_.count(peer) > 0; }
+
+  // Sends `reason` to every peer after what is queued for it: their waits on this rank fail with it (the peer "left
+  // the job: <reason>"); sends here fail afterwards.
+  void leave(const std::string& reason);
 
   // A contiguous CPU tensor, kept alive until written.
   std::unique_ptr<Pending> isend(const at::Tensor& tensor, int peer, int tag, std::string what);

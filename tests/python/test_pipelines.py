@@ -51,6 +51,12 @@ def test_a_slow_rank_still_gets_parameters(job):
     assert_passed(job(2, "empty_stage_check.py"))
 
 
+def test_a_failed_step_stops_every_rank_at_once(job):
+    """A step that fails on one rank midway fails its peer at once, naming it, and both refuse later steps rather
+    than pair later activations with earlier targets (failed_step_check.py)."""
+    assert_passed(job(2, "failed_step_check.py"))
+
+
 def test_torchscript_sequential_equals_pytorch(job):
     assert_passed(job(2, "pipeline_worker.py", "--model", "sequential", "--script", "--smp",
                       smp_keys(partitions=2, microbatches=4, global_batch_size=8)))

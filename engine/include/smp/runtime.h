@@ -86,6 +86,14 @@ class Runtime {
   // Only the members call it, with the same arguments.
   std::shared_ptr<comm::Communicator> make_group(const std::vector<int>& members, const std::string& name);
 
+  // After a failure midway through work shared with its peers (a step that threw on this rank alone, while its
+  // peers wait for its transfers or collectives), this rank is out of step with them for good: it leaves every
+  // group it is in (Communicator::leave: peers waiting on it fail now, naming `reason`), and left_job() holds the
+  // reason from then on, for whoever would start more shared work. A job of one process has no peers: nothing to
+  // leave, and it stays in step.
+  void leave_job(const std::string& reason);
+  const std::optional<std::string>& left_job() const { return left_job_; }
+
   // A number that every rank draws in the same order, to keep the keys of repeated exchanges apart (e.g. two
   // models built by one job).
   int next_exchange() { return exchanges_++; }
@@ -120,6 +128,8 @@ class Runtime {
   std::shared_ptr<comm::Communicator> tensor_parallel_;
   std::shared_ptr<comm::Communicator> expert_parallel_;
   std::shared_ptr<comm::Communicator> expert_data_parallel_;
+  std::vector<std::weak_ptr<comm::Communicator>> groups_;  // every group made, for leave_job
+  std::optional<std::string> left_job_;
   int exchanges_ = 0;
   std::string bind_host_;
   int layout_generation_ = 0;  // layouts adopted after the first (adopt_layout)

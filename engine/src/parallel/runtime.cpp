@@ -213,6 +213,7 @@ Runtime::Runtime(const Config& given, const comm::LaunchInfo& launch)
   for (int rank = 0; rank < launch_.world_size; ++rank) everyone[rank] = rank;
   // The world group carries control values (losses, flags) that live on the CPU.
   world_ = comm::make_gloo_group(store_, everyone, launch_.rank, "world", bind_host_, timeout_of(config_));
+  groups_.push_back(world_);
   make_layout_groups("");
   if (launch_.rank == 0) {
     log::info("config " + config_.source + ": " + config_.describe());
@@ -271,8 +272,18 @@ void Runtime::adopt_layout(const Config& chosen) {
 
 std::shared_ptr<comm::Communicator> Runtime::make_group(const std::vector<int>& members, const std::string& name) {
   auto host = comm::make_gloo_group(store_, members, launch_.rank, name, bind_host_, timeout_of(config_), device_);
-  if (!nccl_) return host;
-  return comm::make_nccl_group(store_, std::move(host), device_);
+  auto group = nccl_ ? comm::make_nccl_group(store_, std::move(host), device_) : std::move(host);
+  groups_.push_back(group);
+  return group;
+}
+
+void Runtime::leave_job(const std::string& reason) {
+  if (left_job_ || launch_.world_size == 1) return;
+  left_job_ = reason;
+  log::error("rank " + std::to_string(launch_.rank) + " leaves the job, out of step with its peers: " + reason);
+  for (const auto& made : groups_) {
+    if (const auto group = made.lock()) group->leave(reason);
+  }
 }
 
 void Runtime::check_job_identity(const std::string& where) {
@@ -328,7 +339,7 @@ std::string Runtime::from_rank0(const std::string& key, const std::function<std:
 at::Tensor Runtime::replica_slice(const at::Tensor& global_batch) const {
   const int replicas = topology_.data_parallel_degree();
   const int64_t size = global_batch.size(0);
-  config_.check_batch(static_cast<int>(size), replicas);
+  config_.check_batch(static_cast<int>(size), replicas, true);
   const int64_t share = size / replicas;
   return global_batch.narrow(0, share * dp_rank(), share);
 }

@@ -177,6 +177,7 @@ StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tenso
                                      const OutputsLossFunction& loss, bool keep_outputs,
                                      const std::vector<bool>& batched) {
   const auto start = std::chrono::steady_clock::now();
+  refuse_after_leaving("evaluate");
   MicrobatchData data = microbatch_data("evaluate", inputs, targets, loss, batched);
   data.keep_outputs = keep_outputs;
   if (!evaluator_) {
@@ -194,14 +195,16 @@ StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tenso
   StepOutput output;
   at::Tensor loss_total = at::zeros({1}, at::kDouble);
   try {
-    const ExecutorStats stats = evaluator_->run(stage_callbacks(), data);
-    if (stats.has_loss && counts_loss()) loss_total[0] = stats.loss_sum;
-    output.sends_posted = stats.sends_posted;
-    output.all_outputs = stats.outputs;
-    if (!stats.outputs.empty()) output.outputs = stats.outputs.front();
-    output.sends_released_early = stats.sends_released_early;
-    output.peak_sends_held = stats.peak_sends_held;
-    runtime_->world().all_reduce_sum(loss_total);  // the last stages' losses, summed over replicas
+    with_peers("evaluate after step " + std::to_string(step_), [&] {
+      const ExecutorStats stats = evaluator_->run(stage_callbacks(), data);
+      if (stats.has_loss && counts_loss()) loss_total[0] = stats.loss_sum;
+      output.sends_posted = stats.sends_posted;
+      output.all_outputs = stats.outputs;
+      if (!stats.outputs.empty()) output.outputs = stats.outputs.front();
+      output.sends_released_early = stats.sends_released_early;
+      output.peak_sends_held = stats.peak_sends_held;
+      runtime_->world().all_reduce_sum(loss_total);  // the last stages' losses, summed over replicas
+    });
   } catch (const comm::CommError& error) {
     throw comm::CommError("evaluation after step " + std::to_string(step_) + ", stage-rank " +
                           std::to_string(runtime_->pp_rank()) + ": " + error.what());
@@ -253,6 +256,7 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
                                        const OutputsLossFunction& loss, bool keep_outputs,
                                        const std::vector<bool>& batched) {
   auto start = std::chrono::steady_clock::now();
+  refuse_after_leaving("train_step");
   const Config& config = runtime_->config();
   MicrobatchData data = microbatch_data("train_step", inputs, targets, loss, batched);
   data.keep_outputs = keep_outputs;
@@ -288,46 +292,48 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   StepOutput output;
   at::Tensor loss_total;
   try {
-    gradients_->arm();
-    // A traced step's timeline shows the tensor- and expert-parallel collectives inside the compute that ran them.
-    const bool traced = !config.trace_dir.empty() && step_ == config.trace_step;
-    std::vector<TimelineEvent> collectives;
-    std::optional<CollectiveObserver> observer;  // reports one collective at a time, from any thread
-    if (traced && (runtime_->topology().tensor_parallel_degree() > 1 || gradients_->has_expert_shards())) {
-      observer.emplace([&](const char* kind, std::int64_t, double start_us, double end_us, bool second_lane) {
-        collectives.push_back({kind, 0, 0, start_us, end_us, -1, second_lane});
-      });
-    }
-    stats = executor_->run(callbacks, data);
-    observer.reset();
-    for (auto& collective : collectives) {
-      for (const auto& event : stats.events) {
-        // An overlapped pair's forward and backward run at once: each collective belongs to its own thread's.
-        if (event.start_us <= collective.start_us && collective.start_us <= event.end_us &&
-            event.second_lane == collective.second_lane) {
-          collective.stage = event.stage;
-          collective.microbatch = event.microbatch;
-        }
+    with_peers("step " + std::to_string(step_), [&] {
+      gradients_->arm();
+      // A traced step's timeline shows the tensor- and expert-parallel collectives inside the compute that ran them.
+      const bool traced = !config.trace_dir.empty() && step_ == config.trace_step;
+      std::vector<TimelineEvent> collectives;
+      std::optional<CollectiveObserver> observer;  // reports one collective at a time, from any thread
+      if (traced && (runtime_->topology().tensor_parallel_degree() > 1 || gradients_->has_expert_shards())) {
+        observer.emplace([&](const char* kind, std::int64_t, double start_us, double end_us, bool second_lane) {
+          collectives.push_back({kind, 0, 0, start_us, end_us, -1, second_lane});
+        });
       }
-      stats.events.push_back(std::move(collective));
-    }
-    std::tie(output.gradient_buckets, output.buckets_overlapped) = gradients_->finish();
-    const bool gradients_finite = gradients_->finite_unscaling(loss_scaler_->scale());
-    // One world all-reduce: slot 0 sums the last stages' losses (every rank learns the mean over replicas),
-    // slot 1 + r is set by rank r when its gradients are not finite.
-    loss_total = at::zeros({1 + runtime_->world_size()}, at::kDouble);
-    loss_total[0] = stats.has_loss && counts_loss() ? stats.loss_sum : 0.0;
-    if (!gradients_finite) loss_total[1 + runtime_->rank()] = 1.0;
-    runtime_->world().all_reduce_sum(loss_total);
-    if (!config.trace_dir.empty() && step_ == config.trace_step) {
-      // Writing the trace is not the step's: a planned layout's measured step would count it.
-      const auto writing = std::chrono::steady_clock::now();
-      write_timeline(stats.events);
-      start += std::chrono::steady_clock::now() - writing;
-    }
+      stats = executor_->run(callbacks, data);
+      observer.reset();
+      for (auto& collective : collectives) {
+        for (const auto& event : stats.events) {
+          // An overlapped pair's forward and backward run at once: each collective belongs to its own thread's.
+          if (event.start_us <= collective.start_us && collective.start_us <= event.end_us &&
+              event.second_lane == collective.second_lane) {
+            collective.stage = event.stage;
+            collective.microbatch = event.microbatch;
+          }
+        }
+        stats.events.push_back(std::move(collective));
+      }
+      std::tie(output.gradient_buckets, output.buckets_overlapped) = gradients_->finish();
+      const bool gradients_finite = gradients_->finite_unscaling(loss_scaler_->scale());
+      // One world all-reduce: slot 0 sums the last stages' losses (every rank learns the mean over replicas),
+      // slot 1 + r is set by rank r when its gradients are not finite.
+      loss_total = at::zeros({1 + runtime_->world_size()}, at::kDouble);
+      loss_total[0] = stats.has_loss && counts_loss() ? stats.loss_sum : 0.0;
+      if (!gradients_finite) loss_total[1 + runtime_->rank()] = 1.0;
+      runtime_->world().all_reduce_sum(loss_total);
+    });
   } catch (const comm::CommError& error) {
     throw comm::CommError("step " + std::to_string(step_) + ", stage-rank " + std::to_string(runtime_->pp_rank()) +
                           ": " + error.what());
+  }
+  if (!config.trace_dir.empty() && step_ == config.trace_step) {
+    // Writing the trace is not the step's: a planned layout's measured step would count it.
+    const auto writing = std::chrono::steady_clock::now();
+    write_timeline(stats.events);
+    start += std::chrono::steady_clock::now() - writing;
   }
   output.loss = loss_total[0].item<double>() / runtime_->topology().data_parallel_degree();
   std::string bad_ranks;
@@ -357,6 +363,32 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   output.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   log_step_against_plan(*runtime_, step_ - 1, output.seconds);
   return output;
+}
+
+void DistributedModel::refuse_after_leaving(const char* caller) const {
+  if (const auto& reason = runtime_->left_job()) {
+    throw comm::CommError(std::string(caller) + ": this rank left the job when " + *reason +
+                          "; its peers are out of step with it, so no step can run in this job again: end the job "
+                          "and resume from the last checkpoint");
+  }
+}
+
+void DistributedModel::with_peers(const std::string& what, const std::function<void()>& work) {
+  try {
+    work();
+  } catch (...) {
+    std::string error = "an unknown error";
+    try {
+      throw;
+    } catch (const std::exception& thrown) {
+      error = thrown.what();
+    } catch (...) {
+    }
+    // The first line says what failed; tracebacks and such stay with this rank's own error.
+    error = error.substr(0, std::min<std::size_t>(error.find('\n'), 1000));
+    runtime_->leave_job(what + " failed on rank " + std::to_string(runtime_->rank()) + ": " + error);
+    throw;
+  }
 }
 
 }  // namespace smp

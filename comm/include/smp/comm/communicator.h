@@ -59,6 +59,11 @@ class Communicator {
   // CommError naming the first that failed. Call before the host reads what such transfers delivered or produced
   // from it, or treats them as done.
   virtual void synchronize() {}
+  // This rank leaves the group after a failure that put it out of step with its peers (a step that threw midway):
+  // a peer waiting on it for a point-to-point transfer or a small collective over smp's own connections fails at
+  // once, naming `reason`; other transfers (Gloo's large collectives, NCCL) end at the peer's timeout or when this
+  // process exits. Nothing may be sent here afterwards.
+  virtual void leave(const std::string& reason) { (void)reason; }
 
   // The tensor must stay alive and unchanged until the transfer completes; the Pending keeps a reference.
   virtual std::unique_ptr<Pending> isend(const at::Tensor& tensor, int peer, int tag) = 0;

@@ -1,0 +1,62 @@
+"""A 2-rank pipeline where one rank's step fails midway, its peer waiting for its transfers: both must raise (the
+peer at once, naming the failed rank and why, not at the timeout) and refuse every later step, never pair later
+activations with earlier targets. Errors found before any transfer (a batch that does not split) leave the job in
+step. Exits 0 only then."""
+
+import time
+
+import torch
+
+import smp
+
+runtime = smp.init({"partitions": 2, "microbatches": 2, "global_batch_size": 4, "pipeline": "1f1b",
+                    "comm_timeout_s": 120, "device": "cpu"})
+failures = []
+torch.manual_seed(0)
+inputs, targets = torch.randn(4, 16), torch.randn(4, 8)
+net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8), torch.nn.ReLU())
+model = smp.DistributedModel(net, inputs[:2])
+
+
+def raised(call):
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - the type is what is checked
+        return error
+    return None
+
+
+error = raised(lambda: model.train_step(inputs, targets[:3], torch.nn.functional.mse_loss))
+if not isinstance(error, smp.ConfigError):
+    failures.append(f"3 targets for 4 inputs raised {error!r}, expected ConfigError")
+before = model.train_step(inputs, targets, torch.nn.functional.mse_loss).loss
+if not before > 0:
+    failures.append(f"a step after a ConfigError gave loss {before}")
+
+
+def failing_loss(outputs, target):
+    raise ZeroDivisionError("the loss of a broken batch")
+
+
+start = time.monotonic()
+error = raised(lambda: model.train_step(inputs, targets, failing_loss))
+waited = time.monotonic() - start
+if runtime.rank == 1 and not isinstance(error, ZeroDivisionError):
+    failures.append(f"the last stage's failing loss raised {error!r}")
+if runtime.rank == 0:
+    if not isinstance(error, smp.CommError) or "rank 1 left the job" not in str(error) or \
+            "the loss of a broken batch" not in str(error):
+        failures.append(f"the first stage, waiting for the failed rank's gradients, raised {error!r}")
+    if waited > 60:
+        failures.append(f"the first stage learned of the failure after {waited:.1f} s (timeout 120 s)")
+
+for name, call in [("train_step", lambda: model.train_step(inputs, targets, torch.nn.functional.mse_loss)),
+                   ("evaluate", lambda: model.evaluate(inputs, targets, torch.nn.functional.mse_loss))]:
+    error = raised(call)
+    if not isinstance(error, smp.CommError) or "left the job" not in str(error) or \
+            "resume from the last checkpoint" not in str(error):
+        failures.append(f"{name} after the failed step raised {error!r}, expected a refusal")
+
+for failure in failures:
+    print(f"rank {runtime.rank}: {failure}")
+raise SystemExit(1 if failures else 0)
