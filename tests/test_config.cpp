@@ -180,6 +180,12 @@ TEST_CASE("config: world size must be partitions x replicas", "[config]") {
   CHECK_THROWS_WITH(config.replicas_for_world(8), Contains("\"ddp\" is false"));
   CHECK_NOTHROW(config.check_batch(64, 2));
   CHECK_THROWS_WITH(config.check_batch(20, 2), Contains("a global batch of 20 does not split into 2 replicas x 4 microbatches"));
+  CHECK_THROWS_WITH(config.check_batch(20, 2), Contains("make \"global_batch_size\" a multiple of 8"));
+  // A step's batch is what to change, not the config.
+  config.global_batch_size = 64;
+  CHECK_THROWS_WITH(config.check_batch(20, 2, true),
+                    Contains("the step's batch: a global batch of 20 does not split into 2 replicas x 4 microbatches; "
+                             "give batches of a multiple of 8 samples (the config's global_batch_size is 64)"));
 }
 
 TEST_CASE("expert_parallel_degree divides the replicas", "[config]") {

@@ -37,7 +37,7 @@ import torch
 import torch.utils._pytree as pytree
 
 ENVIRONMENT = "SMP_CAPTURE_CACHE"
-_FORMAT = 2  # 2: the values sketched (smp._value_sketch), no fake tensors
+_FORMAT = 3  # 2: the values sketched (smp._value_sketch), no fake tensors; 3: export's guards kept
 _log = logging.getLogger("smp.capture_cache")
 
 
@@ -45,10 +45,10 @@ def directory():
     return os.environ.get(ENVIRONMENT) or None
 
 
-def _cached_export(graph_module, input_specs, output_specs, constants, range_constraints, out_spec):
+def _cached_export(graph_module, input_specs, output_specs, constants, range_constraints, out_spec, guards_code):
     """The parts of an ExportedProgram smp's capture reads, under the same names, as read back from the cache."""
     return types.SimpleNamespace(
-        graph_module=graph_module, constants=constants, range_constraints=range_constraints,
+        graph_module=graph_module, constants=constants, range_constraints=range_constraints, _guards_code=guards_code,
         graph_signature=types.SimpleNamespace(input_specs=input_specs, output_specs=output_specs),
         call_spec=types.SimpleNamespace(out_spec=out_spec))
 
@@ -250,7 +250,7 @@ def load(name, model, quiet=False):
         graph_module = GraphPickler.loads(entry["graph"], FakeTensorMode(shape_env=ShapeEnv()))
         constants = torch.load(io.BytesIO(entry["constants"]), weights_only=False)
         exported = _cached_export(graph_module, entry["inputs"], entry["outputs"], constants, entry["ranges"],
-                                  entry["out_spec"])
+                                  entry["out_spec"], entry["guards"])
     except FileNotFoundError:
         return None
     except Exception as error:  # noqa: BLE001 - a damaged or foreign entry is exported again and replaced
@@ -287,6 +287,7 @@ def store(name, exported, fixed_because):
         data = pickle.dumps({"graph": GraphPickler.dumps(exported.graph_module, options),
                              "inputs": list(signature.input_specs), "outputs": list(signature.output_specs),
                              "constants": constants.getvalue(), "ranges": dict(exported.range_constraints),
+                             "guards": list(getattr(exported, "_guards_code", None) or []),
                              "out_spec": exported.call_spec.out_spec, "fixed_because": fixed_because})
     except Exception as error:  # noqa: BLE001 - many kinds; the export stands, uncached, and says why once
         _log.warning("capture cache: this export cannot be kept (%s: %s)", type(error).__name__, error)

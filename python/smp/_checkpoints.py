@@ -44,15 +44,21 @@ class Checkpointer:
         self._checkpointer = _smp.Checkpointer(model._model, snapshot, load)
 
     def resume(self):
+        """Loads the newest complete checkpoint when the config says "resume": true and returns the step to start
+        at (the one after the saved step), else 0."""
         return self._checkpointer.resume()
 
     def due(self, step):
+        """Whether `step` (0-based, the step just done) is a save point of checkpoint_interval."""
         return self._checkpointer.due(step)
 
     def save(self, step):
+        """Saves the state after `step`, the 0-based step just done (resume() then returns step + 1). Every rank
+        calls it; it returns once the state is copied, and the files are written in the background."""
         self._checkpointer.save(step)
 
     def wait(self):
+        """Waits for the save in progress; raises CheckpointError if it failed. Call it before the program ends."""
         self._checkpointer.wait()
 
 

@@ -28,7 +28,7 @@ from ._captured_node import (_ASSERTS, CapturedNode, _attribute, _is_op, _mutate
                              run_fuser)
 from ._data_flow import READS_METADATA_ONLY, data_flow, is_random
 from ._exporting import dynamic_shapes, export_as_if_on, export_model, real_constant
-from ._input_limits import InputShapes, TableLookups
+from ._input_limits import InputShapes, TableLookups, shape_guards
 from ._smp import ModelError
 from ._value_sketch import sketch_of, sketch_values
 
@@ -231,7 +231,8 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
             leaf_inputs.append(None)
 
     shapes = InputShapes.of(exported, [node for node in user_inputs if node in input_names], fixed_because,
-                            held_by_input)
+                            held_by_input, shape_guards(getattr(exported, "_guards_code", None), model, args, kwargs,
+                                                        leaf_inputs, leaves))
     for node in list(graph.nodes):
         if _is_op(node) and node.target in _ASSERTS and not node.users:
             graph.erase_node(node)

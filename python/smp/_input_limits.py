@@ -1,8 +1,11 @@
 """What each microbatch given to a captured model may be, checked on every rank before a step sends anything: the
 shapes the capture allows (InputShapes) and the embedding rows the inputs alone decide (TableLookups)."""
 
+import inspect
+
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from ._captured_node import _attribute, _is_op
 from ._smp import ConfigError
@@ -95,18 +98,55 @@ def _finite(bound):
         return None
 
 
+def shape_guards(guards_code, model, args, kwargs, leaf_inputs, leaves):
+    """Export's guards beyond the ranges (x.size()[0] != 3 where the code branched on that size, or two dimensions
+    tied), over smp's engine inputs: [(compiled expression of `inputs`, its text by input names)]. They read
+    L['name'] (the forward's argument paths); a guard over anything else (a baked-in value) is left out."""
+    if not guards_code:
+        return []
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+        bound.apply_defaults()
+        paths = pytree.tree_leaves_with_path(bound.arguments)
+    except (TypeError, ValueError):
+        return []
+    engine_names = {id(leaf): name for leaf, name in zip(leaves, leaf_inputs) if name is not None}
+    sources = {}
+    for index, (path, leaf) in enumerate(paths):
+        name = engine_names.get(id(leaf))
+        if name is not None:
+            # export's own tracer names the inputs by their flat position; the forward's paths otherwise
+            sources[f"L['flat_args'][{index}]"] = name
+            sources["L" + pytree.keystr(path)] = name
+    guards = []
+    for code in guards_code:
+        readable = actual = code
+        for source in sorted(sources, key=len, reverse=True):
+            actual = actual.replace(source, f"inputs[{sources[source]!r}]")
+            readable = readable.replace(source, sources[source])
+        if "L[" in actual:
+            continue
+        try:
+            guards.append((compile(actual, "<export guard>", "eval"), " ".join(readable.split())))
+        except SyntaxError:
+            continue
+    return guards
+
+
 class InputShapes:
     """What shapes the captured code takes, per engine input: each dimension either fixed (the sample's size) or a
-    symbol of the export with the range it allows; inputs that share a symbol must agree on it."""
+    symbol of the export with the range it allows; inputs that share a symbol must agree on it; and export's other
+    guards on them (shape_guards)."""
 
-    def __init__(self, dimensions, fixed_because, held=None):
+    def __init__(self, dimensions, fixed_because, held=None, guards=()):
         self.dimensions = dimensions  # input name -> [int, or (symbol, low, high)]
         self.fixed_because = fixed_because  # why export could not let any shape change, or None
         self.held = held or {}  # input name -> the dimensions smp kept at the sample's size (dynamic_shapes)
+        self.guards = list(guards)
         self.lookups = None  # TableLookups, set once the graph is planned
 
     @classmethod
-    def of(cls, exported, inputs, fixed_because, held=None):
+    def of(cls, exported, inputs, fixed_because, held=None, guards=()):
         ranges = {str(symbol): bounds for symbol, bounds in exported.range_constraints.items()}
         dimensions = {}
         for node in inputs:
@@ -123,7 +163,25 @@ class InputShapes:
                 low = 0 if low is None else low
                 sizes.append((symbol, low, high))
             dimensions[node.name] = sizes
-        return cls(dimensions, fixed_because, held)
+        return cls(dimensions, fixed_because, held, guards)
+
+    def check_guards(self, microbatch, what):
+        """microbatch: engine input name -> one microbatch's tensor. A guard that fails means the model's code would
+        take another path for these shapes than the one captured (which the sample took)."""
+        if not self.guards:
+            return
+        from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+        namespace = {**SYMPY_INTERP, "torch": torch, "inputs": microbatch}
+        for code, readable in self.guards:
+            try:
+                holds = bool(eval(code, namespace))  # noqa: S307 - export's own guard text, over shapes
+            except Exception:  # noqa: BLE001 - a guard this check cannot read is left to the model
+                continue
+            if not holds:
+                shapes = ", ".join(f"'{name}' {tuple(t.shape)}" for name, t in microbatch.items())
+                raise ConfigError(f"{what}: the captured model cannot take microbatch inputs {shapes}: its code takes "
+                                  f"another path for them than for the sample, which the capture followed (export's "
+                                  f"guard {readable} fails); give a sample of these shapes, or inputs the guard allows")
 
     def check(self, name, shape, what):
         """Raises ConfigError when a microbatch's input `name` of `shape` is one the captured code cannot take."""

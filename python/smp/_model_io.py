@@ -106,6 +106,8 @@ class CapturedIO:
             self._shapes.check(name, shape, what)
             shapes[name] = shape
         self._shapes.check_agreement(shapes, what)
+        self._shapes.check_guards({name: value.chunk(microbatches)[0] if is_batched else value
+                                   for name, value, is_batched in zip(self.input_names, engine_inputs, batched)}, what)
         if self._shapes.lookups is not None:
             for index in range(microbatches):
                 microbatch = {name: value.chunk(microbatches)[index] if is_batched else value

@@ -373,6 +373,21 @@ def main():
                  lambda: keyword.train_step(dict(keyword_batch(4), attention_mask=torch.ones(4, 6))))
     expect_error("a microbatch of one sample (the capture allows 2 and more)", smp.ConfigError, "at least 2",
                  lambda: keyword.train_step(keyword_batch(2)))
+
+    # Code that branches on a size the capture let change: export followed the sample's branch, and guards it.
+    class ThreeRowsDiffer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            out = self.linear(x)
+            return out * 0 if x.shape[0] == 3 else out
+
+    branching = smp.DistributedModel(ThreeRowsDiffer(), torch.randn(2, 3))
+    branching.train_step(torch.randn(8, 3), torch.randn(8, 2), F.mse_loss)  # microbatches of 4 rows
+    expect_error("microbatches of a size the model's code branches on", smp.ConfigError, "x.size()[0] != 3",
+                 lambda: branching.train_step(torch.randn(6, 3), torch.randn(6, 2), F.mse_loss))
     expect_error("an id beyond the embedding table, before any communication", smp.ConfigError,
                  "row 12 of 'embed.weight', which has 10 rows",
                  lambda: keyword.train_step(dict(keyword_batch(4), input_ids=torch.full((4, 5), 12))))

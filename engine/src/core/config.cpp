@@ -612,12 +612,17 @@ int Config::replicas_for_world(int world_size) const {
   return replicas;
 }
 
-void Config::check_batch(int global_batch, int replicas) const {
+void Config::check_batch(int global_batch, int replicas, bool given_to_step) const {
   const long long pieces = static_cast<long long>(replicas) * microbatches;
   if (global_batch % pieces != 0) {
-    throw ConfigError(source + ": a global batch of " + std::to_string(global_batch) + " does not split into " +
-                      std::to_string(replicas) + " replicas x " + std::to_string(microbatches) +
-                      " microbatches; make \"global_batch_size\" a multiple of " + std::to_string(pieces));
+    const std::string split = "a global batch of " + std::to_string(global_batch) + " does not split into " +
+                              std::to_string(replicas) + " replicas x " + std::to_string(microbatches) + " microbatches";
+    if (!given_to_step) {
+      throw ConfigError(source + ": " + split + "; make \"global_batch_size\" a multiple of " + std::to_string(pieces));
+    }
+    throw ConfigError("the step's batch: " + split + "; give batches of a multiple of " + std::to_string(pieces) +
+                      " samples" + (global_batch_size > 0 ? " (the config's global_batch_size is " +
+                                                                std::to_string(global_batch_size) + ")" : std::string()));
   }
 }
 
