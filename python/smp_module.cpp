@@ -360,6 +360,15 @@ PYBIND11_MODULE(_smp, module) {
       .def_property_readonly("device", [](const Runtime& runtime) { return runtime.device().str(); })
       .def_property_readonly("config", &Runtime::config, py::return_value_policy::reference_internal)
       .def("replica_slice", &Runtime::replica_slice, py::arg("global_batch"))
+      .def("_refuse_after_leaving", &Runtime::refuse_after_leaving, py::arg("caller"))
+      .def(
+          "_with_peers",
+          [](Runtime& runtime, const std::string& what, const py::function& work) {
+            py::object result;
+            runtime.with_peers(what, [&] { result = work(); });
+            return result;
+          },
+          py::arg("what"), py::arg("work"))
       .def("_adopt_layout", &Runtime::adopt_layout, py::arg("chosen"), py::call_guard<py::gil_scoped_release>())
       // The links and compute slowdown for planning this job (every rank calls it at once).
       .def(

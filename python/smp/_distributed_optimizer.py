@@ -133,14 +133,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         even zero gradients would move the weights through momentum. Returns what the wrapped optimizer's step
         returns (the closure's loss), None when the step was dropped (the `skipped` flag of train_step's result
         says so too)."""
+        runtime()._refuse_after_leaving("optimizer.step")
         if self._model._model.last_step_skipped:
             return None
-        return self.optimizer.step(closure)  # with sharded state, its hook shares the updates
+        # A rank whose update failed holds other weights than its replicas (and, with sharded state, leaves them
+        # waiting for its shares): it leaves the job.
+        return runtime()._with_peers("the optimizer's step", lambda: self.optimizer.step(closure))
 
     def clip_grad_norm(self, max_norm):
         """Scales the gradients so that their 2-norm over the whole model is at most max_norm; returns the norm
         before clipping. Every rank calls it."""
-        return self._model._model.clip_grad_norm(float(max_norm))
+        runtime()._refuse_after_leaving("clip_grad_norm")
+        return runtime()._with_peers("clip_grad_norm", lambda: self._model._model.clip_grad_norm(float(max_norm)))
 
     def state_dict(self):
         """The optimizer's state_dict; with sharded state, this replica's share, marked with the replica it

@@ -1,5 +1,5 @@
 """A 2-rank pipeline where one rank's step fails midway, its peer waiting for its transfers: both must raise (the
-peer at once, naming the failed rank and why, not at the timeout) and refuse every later step, never pair later
+peer at once, naming the failed rank and why, not at the timeout) and refuse every later step (and optimizer step), never pair later
 activations with earlier targets. Errors found before any transfer (a batch that does not split) leave the job in
 step. Exits 0 only then."""
 
@@ -16,6 +16,7 @@ torch.manual_seed(0)
 inputs, targets = torch.randn(4, 16), torch.randn(4, 8)
 net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8), torch.nn.ReLU())
 model = smp.DistributedModel(net, inputs[:2])
+optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 def raised(call):
@@ -30,6 +31,8 @@ error = raised(lambda: model.train_step(inputs, targets[:3], torch.nn.functional
 if not isinstance(error, smp.ConfigError):
     failures.append(f"3 targets for 4 inputs raised {error!r}, expected ConfigError")
 before = model.train_step(inputs, targets, torch.nn.functional.mse_loss).loss
+optimizer.clip_grad_norm(1.0)
+optimizer.step()
 if not before > 0:
     failures.append(f"a step after a ConfigError gave loss {before}")
 
@@ -51,7 +54,8 @@ if runtime.rank == 0:
         failures.append(f"the first stage learned of the failure after {waited:.1f} s (timeout 120 s)")
 
 for name, call in [("train_step", lambda: model.train_step(inputs, targets, torch.nn.functional.mse_loss)),
-                   ("evaluate", lambda: model.evaluate(inputs, targets, torch.nn.functional.mse_loss))]:
+                   ("evaluate", lambda: model.evaluate(inputs, targets, torch.nn.functional.mse_loss)),
+                   ("optimizer.step", optimizer.step), ("clip_grad_norm", lambda: optimizer.clip_grad_norm(1.0))]:
     error = raised(call)
     if not isinstance(error, smp.CommError) or "left the job" not in str(error) or \
             "resume from the last checkpoint" not in str(error):

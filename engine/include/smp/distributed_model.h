@@ -189,11 +189,6 @@ class DistributedModel {
                                  const OutputsLossFunction& loss, const std::vector<bool>& batched) const;
   ModelInputs inputs_by_name(const char* caller, const std::map<std::string, at::Tensor>& inputs) const;
   static OutputsLossFunction of_first_output(const LossFunction& loss);
-  // CommError naming `caller` once this rank has left the job (Runtime::leave_job): its peers are out of step.
-  void refuse_after_leaving(const char* caller) const;
-  // Runs `work`, which its peers run alongside (a schedule's transfers, the step's collectives); when it throws,
-  // this rank leaves the job naming `what`, and the error goes on. Errors before such work leave the job in step.
-  void with_peers(const std::string& what, const std::function<void()>& work);
   void check_single_input(const char* caller, const at::Tensor& inputs, const at::Tensor& targets) const;
   void build_stages(const sched::Schedule& schedule);
   void make_optimizer_shards();

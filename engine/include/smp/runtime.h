@@ -93,6 +93,12 @@ class Runtime {
   // leave, and it stays in step.
   void leave_job(const std::string& reason);
   const std::optional<std::string>& left_job() const { return left_job_; }
+  // Runs `work`, which the peers run alongside (a schedule's transfers, a step's collectives); when it throws, this
+  // rank leaves the job naming `what` and the error, and the error goes on. Errors before such work leave the job
+  // in step.
+  void with_peers(const std::string& what, const std::function<void()>& work);
+  // CommError naming `caller` once this rank has left the job: its peers are out of step with it.
+  void refuse_after_leaving(const std::string& caller) const;
 
   // A number that every rank draws in the same order, to keep the keys of repeated exchanges apart (e.g. two
   // models built by one job).

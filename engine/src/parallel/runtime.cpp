@@ -277,6 +277,32 @@ std::shared_ptr<comm::Communicator> Runtime::make_group(const std::vector<int>& 
   return group;
 }
 
+void Runtime::with_peers(const std::string& what, const std::function<void()>& work) {
+  try {
+    work();
+  } catch (...) {
+    std::string error = "an unknown error";
+    try {
+      throw;
+    } catch (const std::exception& thrown) {
+      error = thrown.what();
+    } catch (...) {
+    }
+    // The first line says what failed; tracebacks and such stay with this rank's own error.
+    error = error.substr(0, std::min<std::size_t>(error.find('\n'), 1000));
+    leave_job(what + " failed on rank " + std::to_string(launch_.rank) + ": " + error);
+    throw;
+  }
+}
+
+void Runtime::refuse_after_leaving(const std::string& caller) const {
+  if (left_job_) {
+    throw comm::CommError(caller + ": this rank left the job when " + *left_job_ +
+                          "; its peers are out of step with it, so no step can run in this job again: end the job "
+                          "and resume from the last checkpoint");
+  }
+}
+
 void Runtime::leave_job(const std::string& reason) {
   if (left_job_ || launch_.world_size == 1) return;
   left_job_ = reason;

@@ -177,7 +177,7 @@ StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tenso
                                      const OutputsLossFunction& loss, bool keep_outputs,
                                      const std::vector<bool>& batched) {
   const auto start = std::chrono::steady_clock::now();
-  refuse_after_leaving("evaluate");
+  runtime_->refuse_after_leaving("evaluate");
   MicrobatchData data = microbatch_data("evaluate", inputs, targets, loss, batched);
   data.keep_outputs = keep_outputs;
   if (!evaluator_) {
@@ -195,7 +195,7 @@ StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tenso
   StepOutput output;
   at::Tensor loss_total = at::zeros({1}, at::kDouble);
   try {
-    with_peers("evaluate after step " + std::to_string(step_), [&] {
+    runtime_->with_peers("evaluate after step " + std::to_string(step_), [&] {
       const ExecutorStats stats = evaluator_->run(stage_callbacks(), data);
       if (stats.has_loss && counts_loss()) loss_total[0] = stats.loss_sum;
       output.sends_posted = stats.sends_posted;
@@ -256,7 +256,7 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
                                        const OutputsLossFunction& loss, bool keep_outputs,
                                        const std::vector<bool>& batched) {
   auto start = std::chrono::steady_clock::now();
-  refuse_after_leaving("train_step");
+  runtime_->refuse_after_leaving("train_step");
   const Config& config = runtime_->config();
   MicrobatchData data = microbatch_data("train_step", inputs, targets, loss, batched);
   data.keep_outputs = keep_outputs;
@@ -292,7 +292,7 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   StepOutput output;
   at::Tensor loss_total;
   try {
-    with_peers("step " + std::to_string(step_), [&] {
+    runtime_->with_peers("step " + std::to_string(step_), [&] {
       gradients_->arm();
       // A traced step's timeline shows the tensor- and expert-parallel collectives inside the compute that ran them.
       const bool traced = !config.trace_dir.empty() && step_ == config.trace_step;
@@ -363,32 +363,6 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   output.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   log_step_against_plan(*runtime_, step_ - 1, output.seconds);
   return output;
-}
-
-void DistributedModel::refuse_after_leaving(const char* caller) const {
-  if (const auto& reason = runtime_->left_job()) {
-    throw comm::CommError(std::string(caller) + ": this rank left the job when " + *reason +
-                          "; its peers are out of step with it, so no step can run in this job again: end the job "
-                          "and resume from the last checkpoint");
-  }
-}
-
-void DistributedModel::with_peers(const std::string& what, const std::function<void()>& work) {
-  try {
-    work();
-  } catch (...) {
-    std::string error = "an unknown error";
-    try {
-      throw;
-    } catch (const std::exception& thrown) {
-      error = thrown.what();
-    } catch (...) {
-    }
-    // The first line says what failed; tracebacks and such stay with this rank's own error.
-    error = error.substr(0, std::min<std::size_t>(error.find('\n'), 1000));
-    runtime_->leave_job(what + " failed on rank " + std::to_string(runtime_->rank()) + ": " + error);
-    throw;
-  }
 }
 
 }  // namespace smp

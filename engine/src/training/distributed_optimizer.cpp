@@ -40,12 +40,24 @@ DistributedOptimizer::DistributedOptimizer(DistributedModel& model, std::unique_
 void DistributedOptimizer::zero_grad() { model_.zero_grad(); }
 
 void DistributedOptimizer::step() {
+  Runtime& runtime = model_.runtime();
+  runtime.refuse_after_leaving("DistributedOptimizer::step");
   // A skipped step must not move the weights: even zero gradients would, through momentum.
   if (model_.last_step_skipped()) return;
-  optimizer_->step();
-  model_.share_updated_parameters();
+  // A rank whose update failed holds other weights than its replicas (and, with sharded state, leaves them
+  // waiting for its shares).
+  runtime.with_peers("the optimizer's step", [&] {
+    optimizer_->step();
+    model_.share_updated_parameters();
+  });
 }
 
-double DistributedOptimizer::clip_grad_norm(double max_norm) { return model_.clip_grad_norm(max_norm); }
+double DistributedOptimizer::clip_grad_norm(double max_norm) {
+  Runtime& runtime = model_.runtime();
+  runtime.refuse_after_leaving("DistributedOptimizer::clip_grad_norm");
+  double norm = 0.0;
+  runtime.with_peers("clip_grad_norm", [&] { norm = model_.clip_grad_norm(max_norm); });
+  return norm;
+}
 
 }  // namespace smp
