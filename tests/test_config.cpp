@@ -181,6 +181,10 @@ TEST_CASE("config: world size must be partitions x replicas", "[config]") {
   CHECK_NOTHROW(config.check_batch(64, 2));
   CHECK_THROWS_WITH(config.check_batch(20, 2), Contains("a global batch of 20 does not split into 2 replicas x 4 microbatches"));
   CHECK_THROWS_WITH(config.check_batch(20, 2), Contains("make \"global_batch_size\" a multiple of 8"));
+  // "ddp": "auto" is not false: the planner has yet to choose.
+  const auto planned = smp::Config::from_json_text(R"({"partitions": 2, "microbatches": 4, "ddp": "auto",
+                                                      "global_batch_size": 32})", "auto config");
+  CHECK_THROWS_WITH(planned.replicas_for_world(4), Contains("\"ddp\" is \"auto\": the planner chooses the replicas"));
   // A step's batch is what to change, not the config.
   config.global_batch_size = 64;
   CHECK_THROWS_WITH(config.check_batch(20, 2, true),

@@ -21,7 +21,11 @@
 #include <torch/optim/sgd.h>
 #include <torch/serialize/input-archive.h>
 
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
 
 #include <thread>
 
@@ -391,6 +395,52 @@ OneProcessJob one_process_job(const std::string& checkpoint_dir, bool resume) {
 }
 
 }  // namespace
+
+TEST_CASE("a checkpoint_dir that cannot be written is refused when the Checkpointer is made", "[checkpoint]") {
+  char directory_template[] = "/tmp/smp_unwritable_XXXXXX";
+  REQUIRE(::mkdtemp(directory_template) != nullptr);
+  const std::string blocker = std::string(directory_template) + "/a-file";
+  std::ofstream(blocker) << "not a directory";
+  auto job = one_process_job(blocker + "/checkpoints", false);
+  CHECK_THROWS_WITH(smp::Checkpointer(*job.model, std::make_unique<RecordedOptimizerState>()),
+                    Catch::Contains("checkpoint_dir \"" + blocker + "/checkpoints\": rank 0 cannot write there"));
+}
+
+TEST_CASE("a program that ends without wait() after a failed save exits with status 1", "[checkpoint]") {
+  char directory_template[] = "/tmp/smp_failed_save_XXXXXX";
+  REQUIRE(::mkdtemp(directory_template) != nullptr);
+  const std::string directory = directory_template;
+  std::fflush(nullptr);
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    {
+      auto job = one_process_job(directory, false);
+      smp::Checkpointer checkpointer(*job.model, std::make_unique<RecordedOptimizerState>());
+      std::filesystem::remove_all(directory);
+      std::ofstream(directory) << "the directory became a file";  // the save cannot make its directory
+      checkpointer.save(0);
+    }
+    std::_Exit(0);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  std::filesystem::remove(directory);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 1);
+}
+
+TEST_CASE("a loss function that fails says so, with the outputs' and target's shapes", "[graph]") {
+  const auto config = smp::Config::from_json_text(R"({"device": "cpu"})", "test config");
+  auto runtime = smp::Runtime::init(config, smp::comm::LaunchInfo{});
+  torch::nn::Sequential net(torch::nn::Linear(3, 2));
+  smp::DistributedModel model(runtime, net, at::zeros({2, 3}));
+  const auto loss = [](const at::Tensor& output, const at::Tensor& target) { return at::mse_loss(output, target); };
+  CHECK_THROWS_WITH(model.train_step(at::randn({2, 3}), at::randn({2, 5}), loss),
+                    Catch::Matchers::Contains("the loss function failed on microbatch 0 (outputs [2, 2], target [2, 5]): "
+                                              "The size of tensor a (2) must match"));
+  model.train_step(at::randn({2, 3}), at::randn({2, 2}), loss);  // one process: the step can be tried again
+}
 
 TEST_CASE("a checkpoint keeps optimizer state of any serialization, and refuses to load it into another", "[checkpoint]") {
   char directory_template[] = "/tmp/smp_optimizer_format_XXXXXX";

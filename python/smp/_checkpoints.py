@@ -1,8 +1,11 @@
 """Checkpoints from Python: smp.Checkpointer (a model's and its optimizer's state saved and resumed), and whole-model
 exports of a checkpoint."""
 
+import atexit
 import io
 import os
+import sys
+import weakref
 
 import torch
 
@@ -42,6 +45,9 @@ class Checkpointer:
             optimizer._load_shares(first_share, shares_to_read, read, on_first=scheduler_state)
 
         self._checkpointer = _smp.Checkpointer(model._model, snapshot, load)
+        # A program that ends without wait() must not end as if its last checkpoint were saved: the engine's
+        # Checkpointer then exits with status 1, and Python may never collect this one, so exit waits for it.
+        atexit.register(_wait_at_exit, weakref.ref(self))
 
     def resume(self):
         """Loads the newest complete checkpoint when the config says "resume": true and returns the step to start
@@ -60,6 +66,19 @@ class Checkpointer:
     def wait(self):
         """Waits for the save in progress; raises CheckpointError if it failed. Call it before the program ends."""
         self._checkpointer.wait()
+
+
+def _wait_at_exit(checkpointer):
+    checkpointer = checkpointer()
+    if checkpointer is None:
+        return
+    try:
+        checkpointer.wait()
+    except CheckpointError as error:
+        print(f"smp: the last checkpoint was not saved and nothing called Checkpointer.wait(): {error}; "
+              "exiting with status 1", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
 
 
 def latest_checkpoint(root):

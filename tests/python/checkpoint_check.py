@@ -95,6 +95,26 @@ def check(out, steps, processes):
                 raise SystemExit(f"after {steps} steps, rank {rank}: {name} differs by {difference:.3g}")
 
 
+NO_WAIT = """
+import shutil, sys, torch, smp
+root = sys.argv[1]
+smp.init({"partitions": 1, "microbatches": 1, "checkpoint_dir": root, "device": "cpu"})
+model = smp.DistributedModel(torch.nn.Linear(3, 2), torch.zeros(2, 3))
+checkpointer = smp.Checkpointer(model, smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1)))
+shutil.rmtree(root)
+open(root, "w").write("the checkpoint directory became a file")
+checkpointer.save(0)  # fails in the background; nothing calls wait()
+"""
+
+
+def lost_save(python, root):
+    """A program whose last save failed and that never called wait() must not exit 0."""
+    result = subprocess.run([python, "-c", NO_WAIT, root], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if result.returncode != 1 or "the last checkpoint was not saved" not in result.stderr:
+        raise SystemExit(f"a failed save without wait() exited {result.returncode}:\n{result.stderr[-2000:]}")
+
+
 def main():
     smprun, python = sys.argv[1:3]
     sharded = "--sharded" in sys.argv[3:]
@@ -144,6 +164,8 @@ def main():
         for name, tensor in net.named_parameters():
             if not torch.allclose(tensor, expected[name].detach(), rtol=1e-3, atol=1e-5):
                 raise SystemExit(f"exported model: {name} differs from 6 steps of plain PyTorch")
+        if not sharded and not tensor_parallel:
+            lost_save(python, os.path.join(directory, "lost"))
     print("trained 4 steps" + (" in tensor-parallel shards" if tensor_parallel else "") + ", resumed" +
           (" into one replica, then into two shards again" if sharded else "") +
           ", trained to 6, exported: parameters equal plain PyTorch's")

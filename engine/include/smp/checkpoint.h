@@ -80,7 +80,8 @@ class Checkpointer {
   // writes the manifest and prunes old checkpoints. A save first waits for the previous one.
   void save(std::int64_t step);
   // Waits for the save in progress; throws CheckpointError if it failed. Call it before the program ends (the
-  // destructor also waits, but can only log a failure).
+  // destructor also waits, and when that save failed logs it and ends the process with status 1: a job must not
+  // pass for saved). The constructor checks that checkpoint_dir can be written (CheckpointError).
   void wait();
   ~Checkpointer();
   Checkpointer(const Checkpointer&) = delete;

@@ -596,6 +596,10 @@ int Config::replicas_for_world(int world_size) const {
                       " x replicas processes");
   }
   const int replicas = world_size / model_ranks;
+  if (replicas > 1 && !ddp && std::find(auto_keys.begin(), auto_keys.end(), "ddp") != auto_keys.end()) {
+    throw ConfigError(source + ": \"ddp\" is \"auto\": the planner chooses the replicas when the model is given to "
+                      "DistributedModel; until then the runtime's topology() is the provisional layout's");
+  }
   if (replicas > 1 && !ddp) {
     throw ConfigError(source + ": world size " + std::to_string(world_size) + " with " + model_degrees + " gives " +
                       std::to_string(replicas) + " replicas, but \"ddp\" is false; set \"ddp\": true or launch " +

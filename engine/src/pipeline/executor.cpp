@@ -423,7 +423,19 @@ class PipelineExecutor::Step {
       for (std::size_t i = 0; i < produced.model_outputs.size(); ++i) keep_output(microbatch, i, produced.model_outputs[i]);
     }
     const at::Tensor target = data_.targets.empty() ? at::Tensor() : data_.targets.at(microbatch);
-    const at::Tensor loss = data_.loss(produced.model_outputs, target);
+    at::Tensor loss;
+    try {
+      loss = data_.loss(produced.model_outputs, target);
+    } catch (const c10::Error& error) {
+      // LibTorch's message alone ("The size of tensor a (4) must match ...") does not say it came from the loss.
+      std::string outputs;
+      for (const auto& output : produced.model_outputs) {
+        outputs += (outputs.empty() ? "" : ", ") + (output.defined() ? c10::str(output.sizes()) : std::string("None"));
+      }
+      throw ModelError("the loss function failed on microbatch " + std::to_string(microbatch) + " (outputs " + outputs +
+                       ", target " + (target.defined() ? c10::str(target.sizes()) : std::string("None")) +
+                       "): " + error.what_without_backtrace());
+    }
     // A loss of several values would go into backward as their sum (its root gradient is ones_like) and fail only
     // when the step's loss is read.
     if (!loss.defined() || loss.numel() != 1) {

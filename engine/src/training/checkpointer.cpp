@@ -2,7 +2,12 @@
 // writer a partition file, rank 0 the manifest last), and resumed.
 #include "smp/checkpoint.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
 #include <filesystem>
 #include <sstream>
 #include <unordered_map>
@@ -110,7 +115,23 @@ Checkpointer::Checkpointer(DistributedModel& model, DistributedOptimizer& optimi
     : Checkpointer(model, std::make_unique<LibTorchOptimizerState>(optimizer)) {}
 
 Checkpointer::Checkpointer(DistributedModel& model, std::unique_ptr<OptimizerCheckpointState> optimizer_state)
-    : model_(model), optimizer_state_(std::move(optimizer_state)) {}
+    : model_(model), optimizer_state_(std::move(optimizer_state)) {
+  if (!enabled()) return;
+  // Found now, not at the first save, which may come thousands of steps into training.
+  const std::string& root = model_.runtime().config().checkpoint_dir;
+  const std::string probe = root + "/.smp-write-probe-" + std::to_string(model_.runtime().rank()) + "-" +
+                            std::to_string(::getpid());
+  try {
+    std::filesystem::create_directories(root);
+    write_file_atomically(probe, "probe");
+    std::filesystem::remove(probe);
+  } catch (const std::exception& error) {
+    std::error_code ignored;
+    std::filesystem::remove(probe, ignored);
+    throw CheckpointError("checkpoint_dir \"" + root + "\": rank " + std::to_string(model_.runtime().rank()) +
+                          " cannot write there (" + comm::brief_message(error) + ")");
+  }
+}
 
 bool Checkpointer::enabled() const { return !model_.runtime().config().checkpoint_dir.empty(); }
 
@@ -124,6 +145,11 @@ Checkpointer::~Checkpointer() {
     wait();
   } catch (const std::exception& error) {
     log::error(std::string("checkpoint failed: ") + error.what());
+    if (std::uncaught_exceptions() > 0) return;  // the program is failing already, and will say why
+    // Nothing called wait(): the program would end as if its last checkpoint were saved.
+    log::error("the last checkpoint was not saved and nothing called Checkpointer::wait(); exiting with status 1");
+    std::fflush(nullptr);
+    std::_Exit(1);
   }
 }
 
