@@ -50,6 +50,7 @@ FlagWithValue split_flag(const std::string& arg) {
   if (arg.rfind("--", 0) == 0 && equals != std::string::npos) {
     return {arg.substr(0, equals), arg.substr(equals + 1)};
   }
+  if (arg.size() > 2 && arg.rfind("-n", 0) == 0) return {"-n", arg.substr(2)};  // -n4, as mpirun takes it
   return {arg, std::nullopt};
 }
 

@@ -239,6 +239,13 @@ TEST_CASE("corrupt and truncated checkpoints are refused with a clear error", "[
   const auto verify = run_command(std::string(paths::smp_checkpoint) + " verify " + newest, 60);
   CHECK(verify.status == 1);
   CHECK_THAT(verify.output, Contains("partition-0001.pt: checksum mismatch"));
+  // The root and one checkpoint mistaken for each other.
+  const auto verify_root = run_command(std::string(paths::smp_checkpoint) + " verify " + dir, 60);
+  CHECK(verify_root.status == 1);
+  CHECK_THAT(verify_root.output, Contains("holds checkpoints") && Contains("smp_checkpoint list " + dir));
+  const auto list_one = run_command(std::string(paths::smp_checkpoint) + " list " + newest, 60);
+  CHECK(list_one.status == 1);
+  CHECK_THAT(list_one.output, Contains("is one checkpoint, not a directory of them"));
 
   std::filesystem::resize_file(older + "/partition-0000.pt", 10);
   const auto truncated = run_command(std::string(paths::smp_checkpoint) + " verify " + older, 60);

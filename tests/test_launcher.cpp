@@ -240,6 +240,11 @@ TEST_CASE("parse_command_line reads every option", "[launcher]") {
   CHECK(parsed.options.program_and_args == std::vector<std::string>{"prog", "-n", "--x"});
 }
 
+TEST_CASE("parse_command_line takes -n with its value attached, as mpirun does", "[launcher]") {
+  CHECK(parse_command_line({"-n4", "--", "prog"}).options.world_size == 4);
+  CHECK_THROWS_WITH(parse_command_line({"-nx", "--", "prog"}), Catch::Contains("-n"));
+}
+
 TEST_CASE("parse_command_line defaults", "[launcher]") {
   const LaunchOptions options = parse_command_line({"-n", "1", "--", "prog"}).options;
   CHECK(options.world_size == 1);

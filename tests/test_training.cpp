@@ -164,9 +164,14 @@ TEST_CASE("impossible partitions are refused naming the modules", "[training][mu
 
 TEST_CASE("a schedule loaded from a CSV file runs", "[training][multiprocess][schedules]") {
   const std::string csv = scratch_path("schedule.csv");
-  const auto dumped = run_command(std::string(paths::smp_schedule) + " --schedule zb_h1 --ranks 2 --microbatches 4 --csv " + csv, 30);
+  // The config's name for it ("zero_bubble") is the generator's (zb_h1).
+  const auto dumped = run_command(std::string(paths::smp_schedule) + " --schedule zero_bubble --ranks 2 --microbatches 4 --csv " + csv, 30);
   INFO(dumped.output);
   REQUIRE(dumped.status == 0);
+  CHECK_THAT(dumped.output, Contains("schedule zb_h1"));
+  const auto help = run_command(std::string(paths::smp_schedule) + " --help", 30);
+  CHECK(help.status == 0);
+  CHECK_THAT(help.output, Contains("zb_h1 (config \"zero_bubble\")"));
   const auto config = write_config("from_csv", smp_config(2, 1, 4, "interleaved", "cluster", 8, 60, R"(, "schedule_file": ")" + csv + "\""));
   const auto result = run_worker(2, config, "--steps 2");
   check_clean_run(result, 2);

@@ -22,17 +22,35 @@ std::string sharding(const smp::CheckpointManifest& manifest) {
   return ", optimizer state sharded over " + std::to_string(manifest.optimizer_shards) + " replicas";
 }
 
+bool is_checkpoint(const std::filesystem::path& directory) {
+  return std::filesystem::exists(directory / "manifest.json") ||
+         std::filesystem::exists(directory / smp::partition_file_name(0, -1));
+}
+
 int run(int argc, char** argv) {
   const std::string usage =
-      "usage: smp_checkpoint list ROOT | verify DIR | export DIR FILE | export-safetensors DIR OUTDIR [MAX_SHARD_BYTES]";
+      "usage: smp_checkpoint list ROOT                 every checkpoint under ROOT (checkpoint_dir), complete or not\n"
+      "       smp_checkpoint verify DIR                one checkpoint's manifest, files, sizes and checksums\n"
+      "       smp_checkpoint export DIR FILE           the partitions merged into one full-model file\n"
+      "       smp_checkpoint export-safetensors DIR OUTDIR [MAX_SHARD_BYTES]\n"
+      "                                                Hugging Face safetensors shards and index (5 GB shards)";
+  if (argc == 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) {
+    std::printf("%s\n", usage.c_str());
+    return 0;
+  }
   if (argc < 3) throw std::runtime_error(usage);
   const std::string command = argv[1];
   if (command == "list" && argc == 3) {
+    if (is_checkpoint(argv[2])) {
+      throw std::runtime_error(std::string(argv[2]) + " is one checkpoint, not a directory of them: smp_checkpoint "
+                               "verify " + argv[2] + " checks it");
+    }
     std::vector<std::filesystem::path> directories;
     for (const auto& entry : std::filesystem::directory_iterator(argv[2])) {
       if (entry.is_directory()) directories.push_back(entry.path());
     }
     std::sort(directories.begin(), directories.end());
+    if (directories.empty()) std::printf("no checkpoints under %s\n", argv[2]);
     for (const auto& directory : directories) {
       try {
         const auto manifest = smp::verify_checkpoint(directory.string());
@@ -45,6 +63,14 @@ int run(int argc, char** argv) {
     return 0;
   }
   if (command == "verify" && argc == 3) {
+    if (!is_checkpoint(argv[2]) && std::filesystem::is_directory(argv[2])) {
+      for (const auto& entry : std::filesystem::directory_iterator(argv[2])) {
+        if (entry.is_directory() && is_checkpoint(entry.path())) {
+          throw std::runtime_error(std::string(argv[2]) + " holds checkpoints (" + entry.path().filename().string() +
+                                   ", ...), it is not one: verify one of them, or smp_checkpoint list " + argv[2]);
+        }
+      }
+    }
     const auto manifest = smp::verify_checkpoint(argv[2]);
     std::printf("%s: complete, step %lld, %d partitions x %d virtual stages, saved by %d replicas%s\n", argv[2],
                 static_cast<long long>(manifest.step), manifest.partitions, manifest.virtual_stages, manifest.replicas,

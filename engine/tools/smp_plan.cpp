@@ -39,8 +39,21 @@ int whole_number(const char* text, const char* what, int least, int most) {
   return value;
 }
 
+constexpr const char* kUsage =
+    "usage: smp_plan CLUSTER.json MODEL.json GLOBAL_BATCH [SHOWN]\n"
+    "Predicts, by simulation, every tp x pp x dp layout of a decoder that fits the cluster, ranked, and the choice.\n"
+    "  CLUSTER.json: nodes, devices_per_node, device_memory_gib, peak_tflops, compute_efficiency, memory_tbps,\n"
+    "                intra_node_gbps, inter_node_gbps, intra_node_latency_us, inter_node_latency_us\n"
+    "  MODEL.json:   name, layers, hidden, ffn, heads, kv_heads, vocab, sequence, tied_embeddings\n"
+    "  GLOBAL_BATCH: sequences per step; SHOWN: how many layouts to print (10)\n"
+    "Examples in the source tree's examples/clusters/ and examples/models/.";
+
 int run(int argc, char** argv) {
-  if (argc < 4 || argc > 5) throw std::runtime_error("usage: smp_plan CLUSTER.json MODEL.json GLOBAL_BATCH [SHOWN]");
+  if (argc == 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) {
+    std::printf("%s\n", kUsage);
+    return 0;
+  }
+  if (argc < 4 || argc > 5) throw std::runtime_error(kUsage);
   const auto cluster = smp::ClusterSpec::from_json_text(read_file(argv[1]), argv[1]);
   const auto shape = smp::DecoderShape::from_json_text(read_file(argv[2]), argv[2]);
   const int global_batch = whole_number(argv[3], "GLOBAL_BATCH", 1, 1 << 30);

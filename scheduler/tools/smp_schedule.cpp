@@ -18,13 +18,22 @@ namespace {
 
 using namespace smp::sched;
 
+void print_usage(std::FILE* to) {
+  std::fprintf(to, "usage: smp_schedule --schedule NAME --ranks P --microbatches M [--virtual-stages V] [--active A] "
+                   "[--csv OUT] [--forward T] [--backward T] [--backward-input T] [--backward-weight T] [--latency S]\n"
+                   "       smp_schedule --load FILE.csv\n"
+                   "Simulates the schedule (makespan, bubble, peak in-flight activations per rank); --csv writes its "
+                   "action list, which --load and the config's \"schedule_file\" read.\nschedules:");
+  for (const auto& kind : schedule_kinds()) {
+    std::fprintf(to, " %s", kind.name);
+    if (*kind.config_alias) std::fprintf(to, " (config \"%s\")", kind.config_alias);
+  }
+  std::fprintf(to, "\n");
+}
+
 [[noreturn]] void usage_error(const std::string& message) {
-  std::fprintf(stderr, "smp_schedule: %s\nusage: smp_schedule --schedule NAME --ranks P --microbatches M "
-                       "[--virtual-stages V] [--active A] [--csv OUT] [--forward T] [--backward T] "
-                       "[--backward-input T] [--backward-weight T] [--latency S]\n"
-                       "       smp_schedule --load FILE.csv\nschedules:", message.c_str());
-  for (const auto& name : schedule_names()) std::fprintf(stderr, " %s", name.c_str());
-  std::fprintf(stderr, "\n");
+  std::fprintf(stderr, "smp_schedule: %s\n", message.c_str());
+  print_usage(stderr);
   std::exit(2);
 }
 
@@ -39,11 +48,15 @@ double number(const std::string& flag, const char* text) {
 
 int main(int argc, char** argv) {
   std::string name, csv_out, load;
-  int ranks = 0, microbatches = 0, virtual_stages = 1, active = 0;
+  int ranks = -1, microbatches = -1, virtual_stages = 1, active = 0;  // -1: not given
   StageCosts stage_costs;
   P2PCosts p2p;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") {
+      print_usage(stdout);
+      return 0;
+    }
     if (i + 1 >= argc) usage_error(flag + " needs a value");
     const char* value = argv[++i];
     if (flag == "--schedule") name = value;
@@ -67,8 +80,10 @@ int main(int argc, char** argv) {
       if (!in) usage_error("cannot open " + load);
       schedule = read_csv(in);
     } else {
-      if (name.empty() || ranks < 1 || microbatches < 1) usage_error("--schedule, --ranks and --microbatches are required");
-      schedule = make_schedule(name, ranks, microbatches, virtual_stages, active);
+      if (name.empty() || ranks == -1 || microbatches == -1) usage_error("--schedule, --ranks and --microbatches are required");
+      if (ranks < 1 || microbatches < 1) usage_error("--ranks and --microbatches must be at least 1");
+      // The config's names ("interleaved", "simple") too, as the engine reads them.
+      schedule = make_schedule(find_schedule_kind(name, virtual_stages).name, ranks, microbatches, virtual_stages, active);
     }
     const auto graph = StageGraph::chain(schedule.num_stages);
     bool lowered = false;
