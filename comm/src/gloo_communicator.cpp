@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <cctype>
 #include <numeric>
 #include <cstdlib>
 #include <functional>
@@ -83,7 +84,15 @@ class GlooPending final : public Pending {
     try {
       work_->wait(timeout_);
     } catch (const std::exception& error) {
-      throw CommError(what_ + " failed: " + brief_message(error));
+      std::string reason = brief_message(error);
+      std::string lower = reason;
+      std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+      // Gloo says only "Operation timed out!": a member that never came, or came to another collective.
+      if (lower.find("timed out") != std::string::npos) {
+        reason += " (after " + std::to_string(timeout_.count() / 1000) + " s, comm_timeout_s: a member of the group "
+                  "never joined; do all ranks run the same steps, in the same order?)";
+      }
+      throw CommError(what_ + " failed: " + reason);
     }
     work_.reset();
     if (finish_) finish_();
