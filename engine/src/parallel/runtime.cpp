@@ -290,7 +290,14 @@ void Runtime::with_peers(const std::string& what, const std::function<void()>& w
     }
     // The first line says what failed; tracebacks and such stay with this rank's own error.
     error = error.substr(0, std::min<std::size_t>(error.find('\n'), 1000));
-    leave_job(what + " failed on rank " + std::to_string(launch_.rank) + ": " + error);
+    // Failing because a peer left, this rank passes on where the failure began, not one more level of "left".
+    const std::size_t origin = error.rfind(" left the job: ");
+    const std::size_t origin_rank = origin == std::string::npos ? origin : error.rfind("rank ", origin);
+    if (origin_rank != std::string::npos) {
+      leave_job(what + " failed on rank " + std::to_string(launch_.rank) + " after " + error.substr(origin_rank));
+    } else {
+      leave_job(what + " failed on rank " + std::to_string(launch_.rank) + ": " + error);
+    }
     throw;
   }
 }
