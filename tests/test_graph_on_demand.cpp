@@ -130,6 +130,18 @@ TEST_CASE("nodes built on demand refuse what cannot work, naming it", "[graph][o
   CHECK_THROWS_WITH(model.materialize(1), Catch::Matchers::Contains("node \"embed\" has no such parameter"));
 }
 
+TEST_CASE("a tied parameter counts at its first and its last holder, and the signature lists it once", "[profile]") {
+  smp::GraphModel model = on_demand_model();
+  SECTION("built") { model.materialize(7); }
+  SECTION("built on demand") {}
+  const auto profiles = smp::profile_graph(model, at::randn({4, 8}), 0);
+  const std::int64_t embed_bytes = 16 * 8 * 4;
+  CHECK(profiles[0].parameter_bytes == embed_bytes);
+  CHECK(profiles[3].parameter_bytes == embed_bytes);  // the head's stage holds a copy
+  CHECK(profiles[0].parameter_shapes == "embed.weight:16,8,;");
+  CHECK(profiles[3].parameter_shapes.empty());
+}
+
 TEST_CASE("identical nodes share one profile measurement, so identical blocks are cut evenly every time",
           "[profile][on_demand]") {
   // 16 identical blocks between a small first and last layer, on 4 stages: equal costs for equal blocks, whatever

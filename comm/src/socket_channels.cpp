@@ -125,6 +125,7 @@ struct SocketChannels::Connection {
   std::map<int, std::deque<std::shared_ptr<Incoming>>> posted;    // by tag, in posting order
   std::map<int, std::deque<std::vector<unsigned char>>> arrived;  // by tag: messages no receive was posted for
   std::string recv_error;
+  bool read_to_end = false;  // after this rank left: the peer closed (progress thread only)
   // The message being read.
   unsigned char header[kHeaderBytes];
   std::size_t header_read = 0;
@@ -314,6 +315,27 @@ SocketChannels::SocketChannels(c10::intrusive_ptr<c10d::Store> store, std::strin
       describe_(std::move(describe)) {}
 
 SocketChannels::~SocketChannels() {
+  bool left;
+  {
+    std::lock_guard<std::mutex> lock(progress_mutex_);
+    left = left_;
+  }
+  if (left && progress_.joinable()) {
+    // The farewell may wait behind other messages: a little time for it to go, or peers learn nothing of why.
+    const auto deadline = Clock::now() + std::chrono::seconds(2);
+    bool queued = true;
+    while (queued && Clock::now() < deadline) {
+      queued = false;
+      {
+        std::lock_guard<std::mutex> lock(progress_mutex_);
+        for (auto& [peer, connection] : connections_) {
+          std::lock_guard<std::mutex> send_lock(connection->send_mutex);
+          queued = queued || !connection->queue.empty();
+        }
+      }
+      if (queued) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
   if (progress_.joinable()) {
     {
       std::lock_guard<std::mutex> lock(progress_mutex_);
@@ -415,7 +437,6 @@ void SocketChannels::leave(const std::string& reason) {
     std::lock_guard<std::mutex> lock(progress_mutex_);
     for (const auto& [peer, connection] : connections_) peers.push_back(connection);
   }
-  bool blocked = false;
   for (const auto& connection : peers) {
     auto out = std::make_shared<Outgoing>();
     const std::int64_t bytes = static_cast<std::int64_t>(said.size());
@@ -428,10 +449,15 @@ void SocketChannels::leave(const std::string& reason) {
     if (!connection->send_error.empty()) continue;  // already broken: nobody reads there
     connection->queue.push_back(out);
     // Written now if nothing waits before it, else by the progress thread after what does.
-    blocked = blocked || connection->queue.size() > 1 || !connection->write_queue();
+    if (connection->queue.size() == 1) connection->write_queue();
     connection->send_error = "this rank left the job (" + said + ")";
+    connection->written.notify_all();  // a send waiting here ends now
   }
-  if (blocked) wake_progress();
+  {
+    std::lock_guard<std::mutex> lock(progress_mutex_);
+    left_ = true;
+  }
+  if (!peers.empty()) wake_progress();  // for what is still queued, and to start dropping what peers send
 }
 
 std::unique_ptr<Pending> SocketChannels::isend(const at::Tensor& tensor, int peer, int tag, std::string what) {
@@ -494,16 +520,21 @@ void SocketChannels::wake_progress() {
 }
 
 void SocketChannels::progress_sends() {
+  std::vector<char> discarded(1 << 16);
   while (true) {
     std::vector<pollfd> waiting{{wake_[0], POLLIN, 0}};
-    std::vector<Connection*> writers;
+    std::vector<Connection*> polled;
     {
       std::lock_guard<std::mutex> connections_lock(progress_mutex_);
       for (auto& [peer, connection] : connections_) {
         std::lock_guard<std::mutex> lock(connection->send_mutex);
-        if (connection->queue.empty()) continue;
-        waiting.push_back({connection->fd, POLLOUT, 0});
-        writers.push_back(connection.get());
+        short events = connection->queue.empty() ? 0 : POLLOUT;
+        // Once this rank has left, what peers still send here is read and dropped: a peer blocked sending to it
+        // gets on to its next receive, which meets the farewell.
+        if (left_ && !connection->read_to_end) events |= POLLIN;
+        if (events == 0) continue;
+        waiting.push_back({connection->fd, events, 0});
+        polled.push_back(connection.get());
       }
     }
     ::poll(waiting.data(), waiting.size(), -1);
@@ -514,10 +545,25 @@ void SocketChannels::progress_sends() {
     char drain[64];
     while (::read(wake_[0], drain, sizeof drain) > 0) {
     }
-    for (std::size_t i = 0; i < writers.size(); ++i) {
-      if (!waiting[i + 1].revents) continue;
-      std::lock_guard<std::mutex> lock(writers[i]->send_mutex);
-      writers[i]->write_queue();
+    for (std::size_t i = 0; i < polled.size(); ++i) {
+      const short revents = waiting[i + 1].revents;
+      if (!revents) continue;
+      Connection& connection = *polled[i];
+      if (waiting[i + 1].events & POLLOUT) {
+        std::lock_guard<std::mutex> lock(connection.send_mutex);
+        connection.write_queue();
+      }
+      if (waiting[i + 1].events & POLLIN) {
+        std::unique_lock<std::mutex> lock(connection.recv_mutex, std::try_to_lock);
+        if (!lock.owns_lock()) continue;
+        while (true) {
+          const ssize_t n = ::recv(connection.fd, discarded.data(), discarded.size(), MSG_DONTWAIT);
+          if (n > 0) continue;
+          if (n < 0 && (errno == EAGAIN || errno == EINTR)) break;
+          connection.read_to_end = true;  // closed or failed: nothing more to drop
+          break;
+        }
+      }
     }
   }
 }

@@ -76,6 +76,7 @@ class SocketChannels {
   int wake_[2] = {-1, -1};  // a pipe that wakes it
   std::mutex progress_mutex_;
   bool stopping_ = false;
+  bool left_ = false;  // leave() was called: the progress thread drops what peers send
 };
 
 }  // namespace smp::comm

@@ -78,6 +78,40 @@ def _attribute(root, path):
     return value
 
 
+def _owner_path(node):
+    """The path of the innermost module whose forward ran the operation ("layer1.0.bn1"), or None."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    owner = list(stack.values())[-1]
+    return owner[0] if isinstance(owner, tuple) and owner and isinstance(owner[0], str) else None
+
+
+def _follows_mode(node):
+    """An operation whose result depends on its module's training flag: one with a training argument (dropout,
+    batch norm) or a buffer update (batch norm's count of batches)."""
+    if not _is_op(node):
+        return False
+    if _mutates_first_argument(node) and node.args and getattr(node.args[0], "op", None) == "get_attr":
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(argument.name in _TRAINING_ARGUMENTS for argument in schema.arguments)
+
+
+def mode_owners(graph, model):
+    """[(path, module)]: the modules of `model` whose training flag the graph's operations follow, as each of
+    PyTorch's modules follows its own (a batch norm frozen with .eval() inside a model in training)."""
+    owners = []
+    for path in sorted({_owner_path(node) for node in graph.nodes if _follows_mode(node)} - {None}):
+        try:
+            module = _attribute(model, path)
+        except AttributeError:
+            continue
+        if isinstance(module, torch.nn.Module):
+            owners.append((path, module))
+    return owners
+
+
 class CapturedNode(torch.nn.Module):
     """One engine node: its parameters and buffers under their model paths, and the generated code that computes the
     node's value from its sources. The code is made per (training mode, device): dropout and batch norm follow the
@@ -85,7 +119,7 @@ class CapturedNode(torch.nn.Module):
     creates (arange, masks) go to the device the node runs on. While its tensors are on the meta device (a model
     built there, before this rank makes its own stages real) it runs on random stand-ins, for profiling."""
 
-    def __init__(self, graph, attributes, name, captured_device, sources=()):
+    def __init__(self, graph, attributes, name, captured_device, sources=(), owners=()):
         super().__init__()
         for path, value in attributes.items():
             _set_path(self, path, value)
@@ -94,6 +128,7 @@ class CapturedNode(torch.nn.Module):
         object.__setattr__(self, "_variants", {})
         object.__setattr__(self, "_name", name)
         object.__setattr__(self, "_sources", list(sources))  # the engine names of what the graph's inputs are
+        object.__setattr__(self, "_owners", list(owners))  # mode_owners: not submodules, the model's own
         object.__setattr__(self, "_captured_device", captured_device)
         object.__setattr__(self, "_stand_ins", None)
         # True while any tensor is on the meta device; stand-ins are for profiling, before this rank makes its own
@@ -110,23 +145,27 @@ class CapturedNode(torch.nn.Module):
             return tensor.device
         return self._captured_device
 
-    def _code(self, root, training, device):
-        return _retargeted(root, self._graph, training, device)
+    def frozen(self):
+        """The paths of the model's modules in eval mode whose operations this node runs (mode_owners)."""
+        return frozenset(path for path, module in self._owners if not module.training)
 
-    def _variant(self, training, device):
-        key = (training, device)
+    def _code(self, root, training, device, frozen):
+        return _retargeted(root, self._graph, training, device, frozen)
+
+    def _variant(self, training, device, frozen):
+        key = (training, device, frozen)
         code = self._variants.get(key)
         if code is None:
-            code = self._variants[key] = self._code(self, training, device)
+            code = self._variants[key] = self._code(self, training, device, frozen)
         return code
 
-    def _on_stand_ins(self, training, device):
+    def _on_stand_ins(self, training, device, frozen):
         """Random tensors of the shapes of this node's, on `device`: one node's at a time across the process."""
         global _NODE_WITH_STAND_INS
         if _NODE_WITH_STAND_INS is not None and _NODE_WITH_STAND_INS is not self:
             _NODE_WITH_STAND_INS.drop_stand_ins()
         _NODE_WITH_STAND_INS = self
-        if self._stand_ins is None or self._stand_ins[0] != (training, device):
+        if self._stand_ins is None or self._stand_ins[0] != (training, device, frozen):
             root = torch.nn.Module()
             with torch.no_grad():
                 for path, tensor in self.named_parameters():
@@ -137,7 +176,8 @@ class CapturedNode(torch.nn.Module):
                 for node in self._graph.nodes:  # what else the code reads (a higher-order operation's subgraph)
                     if node.op == "get_attr" and not isinstance(_attribute(self, node.target), torch.Tensor):
                         _set_path(root, node.target, _attribute(self, node.target))
-            object.__setattr__(self, "_stand_ins", ((training, device), self._code(root, training, device)))
+            code = self._code(root, training, device, frozen)
+            object.__setattr__(self, "_stand_ins", ((training, device, frozen), code))
         return self._stand_ins[1]
 
     def drop_stand_ins(self):
@@ -173,8 +213,8 @@ class CapturedNode(torch.nn.Module):
                 meta = [path for path, t in itertools.chain(self.named_parameters(), self.named_buffers()) if t.is_meta]
                 raise ModelError(f"node '{self._name}' reads {meta[0]}, still on the meta device on this rank: its "
                                  "module was not made real")
-            return self._on_stand_ins(self.training, device)(*sources)
-        return self._variant(self.training, device)(*sources)
+            return self._on_stand_ins(self.training, device, self.frozen())(*sources)
+        return self._variant(self.training, device, self.frozen())(*sources)
 
     def extra_repr(self):
         return self._name
@@ -254,23 +294,25 @@ def _eager_binding(op):
     return None
 
 
-def _retargeted(root, source, training, device):
+def _retargeted(root, source, training, device, frozen=frozenset()):
     """The code of a captured graph for one training mode and device: dropout and batch norm follow the mode (the
-    export baked in the one it ran in), buffer updates happen in training only, tensors the code creates (arange,
-    masks) go to `device`; the same for the subgraphs of higher-order operations (a no-grad region, autocast)."""
+    export baked in the one it ran in), or evaluation where their module's path is in `frozen`; buffer updates
+    happen in training only; tensors the code creates (arange, masks) go to `device`; the same for the subgraphs of
+    higher-order operations (a no-grad region, autocast)."""
     graph = fx.Graph()
     values = {}
     # A new graph, never `source` itself: a GraphModule made over a graph becomes its owner, and the graph would keep
     # that module (and the tensors it holds, profiling stand-ins) alive.
     for node in source.nodes:
-        if not training and _is_op(node) and _mutates_first_argument(node) and \
+        in_training = training and (not frozen or _owner_path(node) not in frozen)
+        if not in_training and _is_op(node) and _mutates_first_argument(node) and \
                 node.args[0].op == "get_attr" and not node.users:
             continue  # a buffer update (batch norm's count of batches): training only
         if _is_op(node) and node.target in _ASSERTS and not node.users:
             continue
         copy = graph.node_copy(node, lambda n: values[n])
         if _is_op(copy):
-            if not training:
+            if not in_training:
                 copy.args, copy.kwargs = _in_evaluation(copy.target, copy.args, copy.kwargs)
             _set_device_argument(copy, device)
             copy.target = _eager_binding(copy.target) or copy.target
@@ -279,7 +321,7 @@ def _retargeted(root, source, training, device):
     for node in graph.nodes:
         subgraph = _attribute(code, node.target) if node.op == "get_attr" else None
         if isinstance(subgraph, fx.GraphModule):
-            _set_path(code, node.target, _retargeted(subgraph, subgraph.graph, training, device))
+            _set_path(code, node.target, _retargeted(subgraph, subgraph.graph, training, device, frozen))
     return code
 
 
@@ -319,7 +361,7 @@ class FusedRun:
 
     def __call__(self, *sources):
         first = self._members[0]
-        key = (first.training, first._device(sources))
+        key = (first.training, first._device(sources), frozenset().union(*(member.frozen() for member in self._members)))
         code = self._variants.get(key)
         if code is None:
             code = self._variants[key] = _retargeted(self._root, self._graph, *key)

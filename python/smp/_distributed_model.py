@@ -104,6 +104,9 @@ class DistributedModel(torch.nn.Module):
 
     def __init__(self, model, sample, init_fn=None, tp_plan=None, dynamic_shapes=None):
         super().__init__()
+        # Not a submodule (its tensors are the engine's to list): train()/eval() reach its modules' flags.
+        object.__setattr__(self, "_net", model)
+        object.__setattr__(self, "_said_eval_mode", False)
         rt = runtime()
         started = time.perf_counter()
         # "auto" layout keys: chosen now that the model is known, the same on every rank (smp.plan's prediction).
@@ -206,6 +209,13 @@ class DistributedModel(torch.nn.Module):
         along its first dimension (0-dim ones give one value per microbatch); None on the other ranks.
         replica_share=True: the inputs and targets are already this replica's share (runtime().dp_rank's part of
         the global batch, every replica's the same size), so that each replica loads only its own data."""
+        net = self._net
+        if isinstance(net, torch.nn.Module) and not net.training and not self._said_eval_mode:
+            self._said_eval_mode = True
+            if runtime().rank == 0:
+                print("smp: train_step with the model in eval mode (dropout off, batch norm on its running "
+                      "statistics), as PyTorch trains it so; model.train() first to train in training mode "
+                      "(from_pretrained returns a model in eval mode)", flush=True)
         result = self._engine_step(self._model.train_step, inputs, targets, loss, keep_outputs, replica_share,
                                    "train_step")
         if self.planned is not None and "measured_step_ms" not in self.planned:
@@ -242,6 +252,15 @@ class DistributedModel(torch.nn.Module):
                       f"{sum(planned_routing[path] for path in compared) / len(compared):.2f}x (a step's rows per "
                       f"expert-parallel group; mean over steps 2-5 and this rank's {len(compared)} experts layers)",
                       flush=True)
+
+    def train(self, mode=True):
+        """Training mode here and on the wrapped model's modules, whose own flags train_step follows module by
+        module, as PyTorch does (a batch norm frozen with .eval() after this stays frozen); evaluate() and calling
+        the model run every module in eval mode, whatever their flags."""
+        super().train(mode)
+        if isinstance(self._net, torch.nn.Module):
+            self._net.train(mode)
+        return self
 
     def evaluate(self, inputs, targets=None, loss=None, keep_outputs=False, replica_share=False):
         """The mean loss over the global batch without gradients (validation), taken like train_step by every rank:

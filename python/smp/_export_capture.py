@@ -24,8 +24,8 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from . import _capture_cache, _expert_parallel, _routing
-from ._captured_node import (_ASSERTS, CapturedNode, _attribute, _is_op, _mutates_first_argument, placeholder_name,
-                             run_fuser)
+from ._captured_node import (_ASSERTS, CapturedNode, _attribute, _is_op, _mutates_first_argument, mode_owners,
+                             placeholder_name, run_fuser)
 from ._data_flow import READS_METADATA_ONLY, data_flow, is_random
 from ._exporting import dynamic_shapes, export_as_if_on, export_model, real_constant
 from ._input_limits import InputShapes, TableLookups, shape_guards
@@ -312,7 +312,8 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
             if is_random(op):
                 runs_in[op].append(node_name[value])
         source_names = [value_name[s] for s in sources]
-        module = CapturedNode(node_graph, node_attributes, node_name[value], captured_device, source_names)
+        module = CapturedNode(node_graph, node_attributes, node_name[value], captured_device, source_names,
+                              mode_owners(node_graph, model))
         engine._add_call(node_name[value], module, module, source_names, names_from_root=True,
                          profile_key=module.profile_key())
         engine._captured[node_name[value]] = module
@@ -443,5 +444,7 @@ def _node_graph(value, extra, value_name, attributes, order, extra_inputs):
             env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(env[value])
     for node in graph.nodes:  # what the capture knew of each value (fake tensors): not needed to run, and not small
-        node.meta = {}
+        # The module each operation ran in stays: dropout and batch norm follow that module's flag (mode_owners).
+        stack = node.meta.get("nn_module_stack")
+        node.meta = {"nn_module_stack": dict(list(stack.items())[-1:])} if stack else {}
     return graph, sources, node_attributes, needed

@@ -2,6 +2,7 @@
 shapes the capture allows (InputShapes) and the embedding rows the inputs alone decide (TableLookups)."""
 
 import inspect
+import re
 
 import torch
 import torch.fx as fx
@@ -98,6 +99,9 @@ def _finite(bound):
         return None
 
 
+_ZERO_ONE_ASSUMPTION = re.compile(r"!=\s*\(?[01]\)?\s*$|^\s*\(?[01]\)?\s*!=")
+
+
 def shape_guards(guards_code, model, args, kwargs, leaf_inputs, leaves):
     """Export's guards beyond the ranges (x.size()[0] != 3 where the code branched on that size, or two dimensions
     tied), over smp's engine inputs: [(compiled expression of `inputs`, its text by input names)]. They read
@@ -120,6 +124,10 @@ def shape_guards(guards_code, model, args, kwargs, leaf_inputs, leaves):
             sources["L" + pytree.keystr(path)] = name
     guards = []
     for code in guards_code:
+        if _ZERO_ONE_ASSUMPTION.search(code):
+            # Export's own assumption that a size is not 0 or 1 (it specializes those), not a branch of the model:
+            # `(x.size()[1] // 4) != 1` holds in the sample, yet the captured code serves a 1 there too.
+            continue
         readable = actual = code
         for source in sorted(sources, key=len, reverse=True):
             actual = actual.replace(source, f"inputs[{sources[source]!r}]")
@@ -179,9 +187,10 @@ class InputShapes:
                 continue
             if not holds:
                 shapes = ", ".join(f"'{name}' {tuple(t.shape)}" for name, t in microbatch.items())
-                raise ConfigError(f"{what}: the captured model cannot take microbatch inputs {shapes}: its code takes "
-                                  f"another path for them than for the sample, which the capture followed (export's "
-                                  f"guard {readable} fails); give a sample of these shapes, or inputs the guard allows")
+                raise ConfigError(f"{what}: the captured model cannot take microbatch inputs {shapes}: export "
+                                  f"captured it under a condition these shapes break (its guard {readable}), where "
+                                  "the model's code takes another path than the sample's, or fails; give a sample of "
+                                  "these shapes, or inputs the guard allows")
 
     def check(self, name, shape, what):
         """Raises ConfigError when a microbatch's input `name` of `shape` is one the captured code cannot take."""

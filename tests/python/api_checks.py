@@ -374,6 +374,34 @@ def main():
     expect_error("a microbatch of one sample (the capture allows 2 and more)", smp.ConfigError, "at least 2",
                  lambda: keyword.train_step(keyword_batch(2)))
 
+    # A batch norm frozen with .eval() inside a model in training keeps its statistics, as in PyTorch: each captured
+    # operation follows its own module's flag; the wrapper's train() reaches them all.
+    class Normed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.norm, self.head = torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(self.norm(self.linear(x)))
+
+    torch.manual_seed(3)
+    normed_net = Normed()
+    reference = copy.deepcopy(normed_net)
+    normed = smp.DistributedModel(normed_net, torch.randn(2, 3))
+    normed_net.norm.eval()
+    reference.norm.eval()
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    statistics = normed_net.norm.running_mean.clone()
+    frozen_loss = normed.train_step(x, y, F.mse_loss).loss
+    expected = sum(F.mse_loss(reference(x[i:i + 2]), y[i:i + 2]).item() for i in (0, 2)) / 2
+    if not torch.equal(normed_net.norm.running_mean, statistics) or abs(frozen_loss - expected) > 1e-6 * abs(expected):
+        failures.append(f"a frozen batch norm: loss {frozen_loss} against PyTorch's {expected}, statistics "
+                        f"{'kept' if torch.equal(normed_net.norm.running_mean, statistics) else 'changed'}")
+    normed.train()
+    normed.train_step(x, y, F.mse_loss)
+    if torch.equal(normed_net.norm.running_mean, statistics):
+        failures.append("after the wrapper's train(), the batch norm still kept its statistics")
+
     # Code that branches on a size the capture let change: export followed the sample's branch, and guards it.
     class ThreeRowsDiffer(torch.nn.Module):
         def __init__(self):
@@ -414,8 +442,9 @@ def main():
     expect_error("a model torch.export cannot capture", smp.ModelError, "mask.sum() > 0",
                  lambda: smp.DistributedModel(DataDependent(), {"x": torch.zeros(2, 3), "mask": torch.ones(2)}))
 
-    # A model handed over in eval mode (as from_pretrained gives it) is captured in training mode: train_step uses
-    # dropout and batch statistics (and updates them), evaluate neither; attention's dropout is off in evaluate.
+    # A model handed over in eval mode (as from_pretrained gives it) is captured in training mode, and trains in
+    # eval mode as PyTorch would until the wrapper's train(): then train_step uses dropout and batch statistics (and
+    # updates them), evaluate neither; attention's dropout is off in evaluate.
     class Regularized(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -432,8 +461,12 @@ def main():
     statistics = regularized_net.norm.running_mean.clone()
     regularized = smp.DistributedModel(regularized_net, torch.randn(2, 8))
     regularized.train_step(torch.randn(4, 8), torch.randn(4, 8), F.mse_loss)
+    if not torch.equal(statistics, regularized_net.norm.running_mean):
+        failures.append("a model in eval mode updated batch norm's statistics in train_step")
+    regularized.train()
+    regularized.train_step(torch.randn(4, 8), torch.randn(4, 8), F.mse_loss)
     if torch.equal(statistics, regularized_net.norm.running_mean):
-        failures.append("a model captured from eval mode did not update batch norm's statistics in train_step")
+        failures.append("after train(), a model captured from eval mode did not update batch norm's statistics")
     probe = torch.randn(4, 8)
     first = regularized.evaluate(probe, torch.zeros(4, 8), F.mse_loss, keep_outputs=True).outputs
     second = regularized.evaluate(probe, torch.zeros(4, 8), F.mse_loss, keep_outputs=True).outputs

@@ -3,6 +3,7 @@ peer at once, naming the failed rank and why, not at the timeout) and refuse eve
 activations with earlier targets. Errors found before any transfer (a batch that does not split) leave the job in
 step. Exits 0 only then."""
 
+import sys
 import time
 
 import torch
@@ -14,7 +15,9 @@ runtime = smp.init({"partitions": 2, "microbatches": 2, "global_batch_size": 4, 
 failures = []
 torch.manual_seed(0)
 inputs, targets = torch.randn(4, 16), torch.randn(4, 8)
-net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8), torch.nn.ReLU())
+failing_call = sys.argv[1] if len(sys.argv) > 1 else "train_step"
+width = 2 ** 19 if failing_call == "evaluate" else 32
+net = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, 8), torch.nn.ReLU())
 model = smp.DistributedModel(net, inputs[:2])
 optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
@@ -42,14 +45,14 @@ def failing_loss(outputs, target):
 
 
 start = time.monotonic()
-error = raised(lambda: model.train_step(inputs, targets, failing_loss))
+error = raised(lambda: getattr(model, failing_call)(inputs, targets, failing_loss))
 waited = time.monotonic() - start
 if runtime.rank == 1 and not isinstance(error, ZeroDivisionError):
     failures.append(f"the last stage's failing loss raised {error!r}")
 if runtime.rank == 0:
     if not isinstance(error, smp.CommError) or "rank 1 left the job" not in str(error) or \
             "the loss of a broken batch" not in str(error):
-        failures.append(f"the first stage, waiting for the failed rank's gradients, raised {error!r}")
+        failures.append(f"the first stage, waiting for the failed rank, raised {error!r}")
     if waited > 60:
         failures.append(f"the first stage learned of the failure after {waited:.1f} s (timeout 120 s)")
 

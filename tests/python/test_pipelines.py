@@ -57,6 +57,12 @@ def test_a_failed_step_stops_every_rank_at_once(job):
     assert_passed(job(2, "failed_step_check.py"))
 
 
+def test_a_failed_evaluation_frees_peers_blocked_sending_to_it(job):
+    """The failed rank reads and drops what its peer still sends it, so that the peer, blocked on a large send,
+    reaches the farewell at once rather than at the timeout (failed_step_check.py evaluate)."""
+    assert_passed(job(2, "failed_step_check.py", "evaluate"))
+
+
 def test_torchscript_sequential_equals_pytorch(job):
     assert_passed(job(2, "pipeline_worker.py", "--model", "sequential", "--script", "--smp",
                       smp_keys(partitions=2, microbatches=4, global_batch_size=8)))

@@ -25,12 +25,13 @@ struct ModuleProfile {
   std::string name;              // path in the model, e.g. "3" or "blocks.3"
   double forward_s = 0.0;        // the least over repeats, on the trial microbatch
   double backward_s = 0.0;
-  std::int64_t parameter_bytes = 0;
+  std::int64_t parameter_bytes = 0;  // a tied parameter at its first and its last holder (profile_graph)
   std::int64_t output_bytes = 0;  // what crosses to a consumer on another stage, if cut there
   std::vector<int> producers;      // nodes whose outputs this one reads (the model input is not a node)
   // What its forward keeps alive for backward besides its output (saved tensors, intermediates), per microbatch.
   std::int64_t activation_bytes = 0;
-  // "name:d0,d1,;" for each parameter counted here (not sent to other ranks): what the model's signature is made of.
+  // "name:d0,d1,;" for each parameter first held here (not sent to other ranks): what the model's signature is made
+  // of. parameter_bytes also counts a tied parameter at its last holder (profile_graph), which this does not list.
   std::string parameter_shapes;
   // Part of forward_s + backward_s: the loss train_step will compute on this node's output, assumed (profile_graph).
   double assumed_loss_s = 0.0;

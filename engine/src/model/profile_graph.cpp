@@ -274,7 +274,8 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
   std::optional<CpuTensorMeter> meter;
   if (!on_accelerator) meter.emplace();
   auto live_bytes = [&] { return on_accelerator ? device_allocated_bytes(device) : meter->live_bytes(); };
-  std::set<const void*> counted;  // a tied parameter's bytes count once, at its first node
+  std::set<const void*> counted;  // a tied parameter's bytes count at its first node here, and at its last below
+  std::map<std::string, std::int64_t> counted_bytes;  // by parameter name
   // Nodes of equal profile keys on inputs of equal shapes compute the same thing: one measurement for all of them,
   // so that noise cannot tell identical blocks apart (and profiling a deep model takes a few blocks' time).
   struct Measured {
@@ -304,6 +305,7 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
     for (const auto& [name, parameter] : GraphModel::own_parameters(node)) {
       if (built_apart || counted.insert(parameter.unsafeGetTensorImpl()).second) {
         const std::int64_t bytes = parameter.numel() * static_cast<std::int64_t>(parameter.element_size());
+        counted_bytes[name] = bytes;
         profile.parameter_bytes += bytes;
         profile.largest_parameter_bytes = std::max(profile.largest_parameter_bytes, bytes);
         profile.parameter_shapes += name + ":";
@@ -430,6 +432,19 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
   if (repeats > 0 && scale_to_whole) scale_to_whole_model(model, sample, device, profiles, repeats, kUntimedRounds, settle);
   if (repeats > 0) charge_assumed_loss(model, values, profiles, repeats, kUntimedRounds, settle);
   values.clear();
+  // A tied parameter (an embedding and the head reading it) also counts at its last holder: the stage holding it
+  // keeps a copy with its gradient and optimizer state, and the two are most often far apart (stage 0 and the
+  // last). Not at every holder: blocks sharing one layer's weights (ALBERT) mostly sit together, where counting
+  // each would multiply one copy; a holder in between alone on a stage still goes uncounted. parameter_shapes, the
+  // model's signature, lists it once.
+  for (const auto& tie : model.ties()) {
+    if (tie.nodes.size() < 2 || tie.nodes.back() == tie.nodes.front()) continue;
+    const auto bytes = tie.tensor.defined() ? tie.tensor.numel() * static_cast<std::int64_t>(tie.tensor.element_size())
+                                            : counted_bytes[tie.parameter];
+    ModuleProfile& last = profiles.at(static_cast<std::size_t>(tie.nodes.back()));
+    last.parameter_bytes += bytes;
+    last.largest_parameter_bytes = std::max(last.largest_parameter_bytes, bytes);
+  }
   // The cached blocks go back to the device: processes sharing a GPU (over Gloo) need them more than rank 0 does.
   if (on_accelerator) at::accelerator::emptyCache();
   return profiles;
