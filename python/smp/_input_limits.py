@@ -116,12 +116,14 @@ def shape_guards(guards_code, model, args, kwargs, leaf_inputs, leaves):
         return []
     engine_names = {id(leaf): name for leaf, name in zip(leaves, leaf_inputs) if name is not None}
     sources = {}
-    for index, (path, leaf) in enumerate(paths):
+    for path, leaf in paths:
         name = engine_names.get(id(leaf))
         if name is not None:
-            # export's own tracer names the inputs by their flat position; the forward's paths otherwise
-            sources[f"L['flat_args'][{index}]"] = name
             sources["L" + pytree.keystr(path)] = name
+    # export's own tracer may name an input by its position among the flattened (args, kwargs), as smp's leaves
+    for index, name in enumerate(leaf_inputs):
+        if name is not None:
+            sources[f"L['flat_args'][{index}]"] = name
     guards = []
     for code in guards_code:
         if _ZERO_ONE_ASSUMPTION.search(code):
