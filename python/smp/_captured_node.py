@@ -79,12 +79,13 @@ def _attribute(root, path):
 
 
 def _owner_path(node):
-    """The path of the innermost module whose forward ran the operation ("layer1.0.bn1"), or None."""
+    """The path of the innermost module whose forward ran the operation ("layer1.0.bn1"); "" for the model's own
+    forward."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
-        return None
+        return ""
     owner = list(stack.values())[-1]
-    return owner[0] if isinstance(owner, tuple) and owner and isinstance(owner[0], str) else None
+    return owner[0] if isinstance(owner, tuple) and owner and isinstance(owner[0], str) else ""
 
 
 def _follows_mode(node):
@@ -102,9 +103,9 @@ def mode_owners(graph, model):
     """[(path, module)]: the modules of `model` whose training flag the graph's operations follow, as each of
     PyTorch's modules follows its own (a batch norm frozen with .eval() inside a model in training)."""
     owners = []
-    for path in sorted({_owner_path(node) for node in graph.nodes if _follows_mode(node)} - {None}):
+    for path in sorted({_owner_path(node) for node in graph.nodes if _follows_mode(node)}):
         try:
-            module = _attribute(model, path)
+            module = _attribute(model, path) if path else model
         except AttributeError:
             continue
         if isinstance(module, torch.nn.Module):
