@@ -414,7 +414,8 @@ PYBIND11_MODULE(_smp, module) {
             // ("terminate called without an active exception", 9 of 20 two-process runs that exit right after).
             // The copy is also dense, as the transports need (they sum data_ptr() over numel()).
             const at::Tensor owned = tensor.clone(at::MemoryFormat::Contiguous);
-            runtime.world().all_reduce_sum(owned);
+            runtime.refuse_after_leaving("all_reduce_sum");
+            runtime.with_peers("all_reduce_sum", [&] { runtime.world().all_reduce_sum(owned); });
             tensor.copy_(owned);
           },
           py::arg("tensor"), py::call_guard<py::gil_scoped_release>())

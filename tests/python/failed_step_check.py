@@ -58,7 +58,8 @@ if runtime.rank == 0:
 
 for name, call in [("train_step", lambda: model.train_step(inputs, targets, torch.nn.functional.mse_loss)),
                    ("evaluate", lambda: model.evaluate(inputs, targets, torch.nn.functional.mse_loss)),
-                   ("optimizer.step", optimizer.step), ("clip_grad_norm", lambda: optimizer.clip_grad_norm(1.0))]:
+                   ("optimizer.step", optimizer.step), ("clip_grad_norm", lambda: optimizer.clip_grad_norm(1.0)),
+                   ("all_reduce_sum", lambda: runtime.all_reduce_sum(torch.ones(1)))]:
     error = raised(call)
     if not isinstance(error, smp.CommError) or "left the job" not in str(error) or \
             "resume from the last checkpoint" not in str(error):
