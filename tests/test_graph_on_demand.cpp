@@ -163,7 +163,9 @@ TEST_CASE("identical nodes share one profile measurement, so identical blocks ar
   const auto config = smp::Config::from_json_text(R"({"partitions": 4, "microbatches": 4})", "test");
   std::vector<std::vector<std::size_t>> cuts;
   for (int run = 0; run < 3; ++run) {
-    const auto profiles = smp::profile_graph(make(), at::randn({32, 8}), 3);
+    // Five repeats: the embedding and the head are timed on their own, and with three a loaded host once cut
+    // 14/1/1/0 here (their least time still slowed, presumably).
+    const auto profiles = smp::profile_graph(make(), at::randn({32, 8}), 5);
     for (int block = 1; block < 16; ++block) {
       CHECK(profiles[1 + block].forward_s == profiles[1].forward_s);
       CHECK(profiles[1 + block].backward_s == profiles[1].backward_s);
