@@ -88,12 +88,18 @@ def _owner_path(node):
     return owner[0] if isinstance(owner, tuple) and owner and isinstance(owner[0], str) else ""
 
 
+def _is_buffer_update(node):
+    """An in-place write into a buffer that nothing reads after (batch norm's count of batches): training only."""
+    return _is_op(node) and _mutates_first_argument(node) and bool(node.args) and \
+        getattr(node.args[0], "op", None) == "get_attr" and not node.users
+
+
 def _follows_mode(node):
     """An operation whose result depends on its module's training flag: one with a training argument (dropout,
-    batch norm) or a buffer update (batch norm's count of batches)."""
+    batch norm) or a buffer update."""
     if not _is_op(node):
         return False
-    if _mutates_first_argument(node) and node.args and getattr(node.args[0], "op", None) == "get_attr":
+    if _is_buffer_update(node):
         return True
     schema = getattr(node.target, "_schema", None)
     return schema is not None and any(argument.name in _TRAINING_ARGUMENTS for argument in schema.arguments)
@@ -306,9 +312,8 @@ def _retargeted(root, source, training, device, frozen=frozenset()):
     # that module (and the tensors it holds, profiling stand-ins) alive.
     for node in source.nodes:
         in_training = training and (not frozen or _owner_path(node) not in frozen)
-        if not in_training and _is_op(node) and _mutates_first_argument(node) and \
-                node.args[0].op == "get_attr" and not node.users:
-            continue  # a buffer update (batch norm's count of batches): training only
+        if not in_training and _is_buffer_update(node):
+            continue
         if _is_op(node) and node.target in _ASSERTS and not node.users:
             continue
         copy = graph.node_copy(node, lambda n: values[n])
