@@ -57,6 +57,7 @@ smp_pytest(test_pipelines.py slow_rank_measured_gets_less_and_equals_pytorch 320
 smp_pytest(test_pipelines.py a_slow_rank_still_gets_parameters 320)
 smp_pytest(test_pipelines.py a_failed_step_stops_every_rank_at_once 320)
 smp_pytest(test_pipelines.py a_failed_evaluation_frees_peers_blocked_sending_to_it 320)
+smp_pytest(test_pipelines.py ranks_out_of_step_fail_at_once_saying_how 320)
 smp_pytest(test_pipelines.py torchscript_sequential_equals_pytorch 320)
 smp_pytest(test_pipelines.py torchscript_graph_interleaved_equals_pytorch 320)
 smp_pytest(test_pipelines.py sharded_optimizer_state_equals_pytorch 320)

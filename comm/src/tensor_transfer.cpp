@@ -8,8 +8,10 @@
 namespace smp::comm {
 namespace {
 
-// Header layout (int64): [magic, count, kind, then per tensor: dtype, ndim, dims...].
-constexpr int64_t kHeaderMagic = 0x736d7002;  // "smp" + format version 2
+// Header layout (int64): [magic, count, kind, stamp's call, stamp's batch, then per tensor: dtype, ndim, dims...]; a
+// packed transfer's: [magic, count, kPacked, call, batch, layout message's length, payload's bytes].
+constexpr int64_t kHeaderMagic = 0x736d7003;  // "smp" + format version 3
+constexpr int kLayoutSlot = 5;
 constexpr int kHeaderSlots = 64;
 constexpr int kMaxDims = 8;
 // Where the payloads go: to the receives posted ahead for the remembered layout, or to tags of their own; or, for
@@ -22,7 +24,7 @@ constexpr int64_t kPackAlignment = 64;  // each tensor's bytes start aligned, so
 
 bool fits_header(const std::vector<at::Tensor>& tensors) {
   if (static_cast<int>(tensors.size()) > kMaxTensorsPerTransfer) return false;
-  int used = 3;
+  int used = kLayoutSlot;
   for (const auto& tensor : tensors) {
     if (tensor.dim() > kMaxDims) return false;
     used += 2 + static_cast<int>(tensor.dim());
@@ -48,13 +50,15 @@ std::vector<TensorLayout> layout_of(const std::vector<at::Tensor>& tensors) {
 }
 
 // Only for tensors that fit_header.
-at::Tensor make_header(const std::vector<at::Tensor>& tensors, int64_t kind) {
+at::Tensor make_header(const std::vector<at::Tensor>& tensors, int64_t kind, TransferStamp stamp) {
   at::Tensor header = at::zeros({kHeaderSlots}, at::kLong);
   auto* slot = header.data_ptr<int64_t>();
   int used = 0;
   slot[used++] = kHeaderMagic;
   slot[used++] = static_cast<int64_t>(tensors.size());
   slot[used++] = kind;
+  slot[used++] = stamp.call;
+  slot[used++] = stamp.batch;
   for (const auto& tensor : tensors) {
     slot[used++] = static_cast<int64_t>(tensor.scalar_type());
     slot[used++] = tensor.dim();
@@ -90,7 +94,7 @@ const std::vector<TensorLayout>* TransferLayouts::find(int peer, int tag) const 
 }
 
 std::unique_ptr<Pending> send_tensors(Communicator& comm, const std::vector<at::Tensor>& tensors, int peer, int tag,
-                                      const std::string& /*what*/, TransferLayouts* layouts) {
+                                      const std::string& /*what*/, TransferLayouts* layouts, TransferStamp stamp) {
   class Group final : public Pending {
    public:
     std::vector<std::unique_ptr<Pending>> parts;
@@ -119,14 +123,16 @@ std::unique_ptr<Pending> send_tensors(Communicator& comm, const std::vector<at::
     slot[0] = kHeaderMagic;
     slot[1] = static_cast<int64_t>(tensors.size());
     slot[2] = kPacked;
-    slot[3] = static_cast<int64_t>(description.size());
-    slot[4] = packed_size;
+    slot[3] = stamp.call;
+    slot[4] = stamp.batch;
+    slot[5] = static_cast<int64_t>(description.size());
+    slot[6] = packed_size;
     group->parts.push_back(comm.isend(header, peer, tag));
     at::Tensor layout_message = at::empty({static_cast<int64_t>(description.size())}, at::kLong);
     std::copy(description.begin(), description.end(), layout_message.data_ptr<int64_t>());
     group->parts.push_back(comm.isend(layout_message, peer, layout_tag(tag)));
   } else {
-    group->parts.push_back(comm.isend(make_header(tensors, as_expected ? kAsExpected : kNewLayout), peer, tag));
+    group->parts.push_back(comm.isend(make_header(tensors, as_expected ? kAsExpected : kNewLayout, stamp), peer, tag));
   }
   if (expected && !as_expected) {
     // The receives posted ahead for the old layout are retired with a byte each (a send may be smaller than its
@@ -162,12 +168,14 @@ std::unique_ptr<Pending> send_tensors(Communicator& comm, const std::vector<at::
   return group;
 }
 
-IncomingTensors::IncomingTensors(Communicator& comm, int peer, int tag, std::string what, TransferLayouts* layouts)
+IncomingTensors::IncomingTensors(Communicator& comm, int peer, int tag, std::string what, TransferLayouts* layouts,
+                                 TransferStamp stamp)
     : comm_(comm),
       peer_(peer),
       tag_(tag),
       what_(std::move(what)),
       layouts_(remembers(comm, layouts) ? layouts : nullptr),
+      stamp_(stamp),
       header_(at::empty({kHeaderSlots}, at::kLong)) {
   header_receive_ = comm_.irecv(header_, peer_, tag_);
 }
@@ -207,10 +215,18 @@ std::vector<at::Tensor> IncomingTensors::wait() {
   if (slot[0] != kHeaderMagic) throw malformed("bad magic number");
   const int64_t count = slot[1];
   const int64_t kind = slot[2];
-  if (kind == kPacked) return receive_packed(count, slot[3], slot[4]);
+  const TransferStamp sent{slot[3], slot[4]};
+  const auto differ = [](int64_t theirs, int64_t ours) {
+    return theirs != ours && theirs != kUnchecked && ours != kUnchecked;
+  };
+  if (differ(sent.call, stamp_.call) || differ(sent.batch, stamp_.batch)) {
+    throw TransferOutOfStep(what_ + ": rank " + std::to_string(comm_.global_rank(peer_)) + " is out of step with this rank",
+                            sent, stamp_);
+  }
+  if (kind == kPacked) return receive_packed(count, slot[5], slot[6]);
   if (count < 0 || count > kMaxTensorsPerTransfer) throw malformed("tensor count " + std::to_string(count));
   if (kind != kAsExpected && kind != kNewLayout) throw malformed("kind " + std::to_string(kind));
-  std::vector<TensorLayout> layout = read_layout(slot + 3, kHeaderSlots - 3, count);
+  std::vector<TensorLayout> layout = read_layout(slot + kLayoutSlot, kHeaderSlots - kLayoutSlot, count);
   // The sender sent to (or retired) the receives of the layout both ends remember: they must exist here, posted
   // now if this rank had not come to it.
   post_expected();

@@ -63,6 +63,13 @@ def test_a_failed_evaluation_frees_peers_blocked_sending_to_it(job):
     assert_passed(job(2, "failed_step_check.py", "evaluate"))
 
 
+@pytest.mark.parametrize("mistake", ["evaluate_alone", "own_batch"])
+def test_ranks_out_of_step_fail_at_once_saying_how(job, mistake):
+    """A rank that evaluates alone, or draws a batch of its own, makes every rank fail at that step, saying which
+    call or batch differs, where it used to pair another call's activations with its own (out_of_step_check.py)."""
+    assert_passed(job(2, "out_of_step_check.py", mistake))
+
+
 def test_torchscript_sequential_equals_pytorch(job):
     assert_passed(job(2, "pipeline_worker.py", "--model", "sequential", "--script", "--smp",
                       smp_keys(partitions=2, microbatches=4, global_batch_size=8)))

@@ -214,6 +214,7 @@ class DistributedModel {
   // replicas holding the same experts.
   std::vector<std::unique_ptr<OptimizerShards>> shards_;
   long long step_ = 0;  // steps run so far, for error messages
+  long long evaluations_since_step_ = 0;  // with step_, which program call this rank is in (ProgramCall)
   std::string exchange_;  // prefix of this model's store keys
   std::optional<FoundCheckpoint> resumed_from_;
   std::string model_signature_;

@@ -19,6 +19,7 @@
 #include "smp/comm/tensor_transfer.h"
 #include "smp/errors.h"
 #include "pipeline/activation_checkpoint.h"
+#include "pipeline/program_call.h"
 #include "pipeline/split_backward.h"
 
 namespace smp {
@@ -520,7 +521,7 @@ class PipelineExecutor::Step {
       const int peer = peer_of(action);
       if (peer == me_) continue;
       posted_[i] = std::make_unique<comm::IncomingTensors>(executor_.pipeline_, peer, tag_of(action), where(action),
-                                                           &executor_.layouts_);
+                                                           &executor_.layouts_, data_.stamp);
       receives_from_[peer].push_back(i);
     }
     for (const auto& [peer, receives] : receives_from_) {
@@ -541,6 +542,18 @@ class PipelineExecutor::Step {
   // later is taken in early and kept. That never waits for more than the wanted message does: its sender sent
   // everything before it first.
   std::vector<at::Tensor> receive_posted(std::size_t index) {
+    try {
+      return receive_posted_of_this_call(index);
+    } catch (const comm::TransferOutOfStep& error) {
+      const ProgramCall theirs = ProgramCall::from_id(error.sent.call), ours = ProgramCall::from_id(error.expected.call);
+      const std::string why = error.sent.call != error.expected.call
+                                  ? "it is in its " + theirs.describe() + ", this rank in its " + ours.describe()
+                                  : "in " + ours.describe() + " it was given a batch of other shapes than this rank's";
+      throw comm::CommError(std::string(error.what()) + " (" + why + "): " + kSameCallsEverywhere);
+    }
+  }
+
+  std::vector<at::Tensor> receive_posted_of_this_call(std::size_t index) {
     if (taken_early_[index]) return std::move(early_[index]);
     if (!executor_.receive_order_.empty()) {
       const int peer = peer_of(actions_[index]);
@@ -606,7 +619,7 @@ class PipelineExecutor::Step {
     // send is done: without waiting here, the host would run ahead and hold one output per microbatch after all.
     if (released) executor_.pipeline_.synchronize();
     sends_[index] = comm::send_tensors(executor_.pipeline_, tensors, peer, tag_of(action), where(action),
-                                       &executor_.layouts_);
+                                       &executor_.layouts_, data_.stamp);
     ++stats_.sends_posted;
     stats_.peak_sends_held = std::max(stats_.peak_sends_held, static_cast<int>(sends_.size()));
   }

@@ -284,7 +284,10 @@ void DistributedModel::restore_loss_scale(double scale, long long steps_since_ch
   loss_scaler_->restore(scale, steps_since_change);
 }
 
-void DistributedModel::resume_at(long long step) { step_ = step; }
+void DistributedModel::resume_at(long long step) {
+  step_ = step;
+  evaluations_since_step_ = 0;
+}
 
 void DistributedModel::load_state(const TensorSource& source) {
   const Topology& topology = runtime_->topology();

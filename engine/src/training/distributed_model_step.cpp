@@ -16,6 +16,7 @@
 #include "smp/log.h"
 #include "smp/planned_layout.h"
 #include "smp/timeline.h"
+#include "pipeline/program_call.h"
 #include "training/gradient_sync.h"
 #include "training/loss_scaler.h"
 #include "training/nonfinite_steps.h"
@@ -155,6 +156,112 @@ class EvaluationMode {
   std::vector<bool> was_training_;
 };
 
+// What the ranks of a replica compare of their batches (they must be given the same): the shapes and dtypes, hashed
+// (exact in a double), and the values' sum and sum of magnitudes, which differ between batches almost surely and
+// between the same batch's only by the order of a reduction.
+struct BatchFingerprint {
+  std::int64_t shapes = 0;
+  double sum = 0.0;
+  double magnitude = 0.0;
+};
+
+BatchFingerprint fingerprint(const ModelInputs& inputs, const at::Tensor& targets) {
+  BatchFingerprint print;
+  std::uint64_t hash = 1469598103934665603ULL;  // FNV-1a
+  const auto mix = [&hash](std::int64_t value) {
+    hash ^= static_cast<std::uint64_t>(value);
+    hash *= 1099511628211ULL;
+  };
+  std::vector<at::Tensor> tensors(inputs.begin(), inputs.end());
+  tensors.push_back(targets);
+  for (const at::Tensor& tensor : tensors) {
+    mix(tensor.defined());
+    if (!tensor.defined()) continue;
+    mix(static_cast<std::int64_t>(tensor.scalar_type()));
+    mix(tensor.dim());
+    for (std::int64_t size : tensor.sizes()) mix(size);
+    if (tensor.numel() == 0 || tensor.is_meta() || at::isComplexType(tensor.scalar_type())) continue;
+    const at::Tensor values = tensor.detach().to(at::kDouble);
+    print.sum += values.sum().item<double>();
+    print.magnitude += values.abs().sum().item<double>();
+  }
+  print.shapes = static_cast<std::int64_t>(hash & ((std::uint64_t{1} << 52) - 1));
+  return print;
+}
+
+// The closing all-reduce of every train_step and evaluate, over the world: slot 0 sums the last stages' losses
+// (every rank learns the mean over replicas); per rank r, flags when its gradients are not finite, its program call,
+// and its batch's fingerprint. Its size is the same in both, so that ranks in different calls still meet here and
+// learn it, where no transfer between them has (replicas of one stage).
+class ClosingSums {
+  enum Field { kNotFinite, kCall, kShapes, kSum, kMagnitude, kFields };
+
+ public:
+  ClosingSums(const Topology& topology, int rank, std::int64_t call, const BatchFingerprint& batch)
+      : topology_(topology), world_(topology.world_size()), sums_(at::zeros({1 + kFields * world_}, at::kDouble)) {
+    slot(kCall, rank) = static_cast<double>(call);
+    slot(kShapes, rank) = static_cast<double>(batch.shapes);
+    slot(kSum, rank) = batch.sum;
+    slot(kMagnitude, rank) = batch.magnitude;
+  }
+  void add_loss(double loss) { data()[0] = loss; }
+  void mark_not_finite(int rank) { slot(kNotFinite, rank) = 1.0; }
+  at::Tensor& tensor() { return sums_; }
+
+  double loss() const { return data()[0]; }
+  bool finite_on(int rank) const { return slot(kNotFinite, rank) == 0.0; }
+
+  // Throws, the same error on every rank, when some rank is in another call, or a replica's ranks were given
+  // different batches.
+  void check_in_step() const {
+    std::map<std::int64_t, std::vector<int>> ranks_by_call;
+    for (int rank = 0; rank < world_; ++rank) {
+      ranks_by_call[static_cast<std::int64_t>(slot(kCall, rank))].push_back(rank);
+    }
+    if (ranks_by_call.size() > 1) {
+      std::string groups;
+      for (const auto& [call, ranks] : ranks_by_call) {
+        groups += (groups.empty() ? "" : "; ") + std::string(ranks.size() == 1 ? "rank " : "ranks ");
+        for (std::size_t i = 0; i < ranks.size(); ++i) groups += (i ? ", " : "") + std::to_string(ranks[i]);
+        groups += " in " + ProgramCall::from_id(call).describe();
+      }
+      throw comm::CommError("the ranks are in different calls (" + groups + "): " + kSameCallsEverywhere);
+    }
+    std::map<int, int> first_of_replica;
+    for (int rank = 0; rank < world_; ++rank) {
+      const auto [first, inserted] = first_of_replica.emplace(topology_.coordinates_of(rank).dp_rank, rank);
+      if (inserted) continue;
+      const int other = first->second;
+      const bool same_shapes = slot(kShapes, rank) == slot(kShapes, other);
+      if (same_shapes && same_values(slot(kSum, rank), slot(kSum, other), slot(kMagnitude, other)) &&
+          same_values(slot(kMagnitude, rank), slot(kMagnitude, other), slot(kMagnitude, other))) {
+        continue;
+      }
+      throw comm::CommError("rank " + std::to_string(rank) + " was given a batch with other " +
+                            (same_shapes ? "values" : "shapes") + " than rank " + std::to_string(other) +
+                            ", in the same replica (" + ProgramCall::from_id(static_cast<std::int64_t>(slot(kCall, rank))).describe() +
+                            "): " + kSameCallsEverywhere);
+    }
+  }
+
+ private:
+  // Equal up to a reduction's order; a batch holding NaN or Inf (a test of the non-finite handling) sums to NaN or
+  // Inf alike on every rank.
+  static bool same_values(double a, double b, double magnitude) {
+    if (!std::isfinite(a) || !std::isfinite(b)) return (std::isnan(a) && std::isnan(b)) || a == b;
+    return std::abs(a - b) <= 1e-9 * (std::isfinite(magnitude) ? magnitude : 0.0);
+  }
+
+  double* data() { return sums_.data_ptr<double>(); }
+  const double* data() const { return sums_.data_ptr<double>(); }
+  double& slot(Field field, int rank) { return data()[1 + field * world_ + rank]; }
+  double slot(Field field, int rank) const { return data()[1 + field * world_ + rank]; }
+
+  const Topology& topology_;
+  int world_;
+  at::Tensor sums_;
+};
+
 }  // namespace
 
 StepOutput DistributedModel::evaluate(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss,
@@ -193,23 +300,27 @@ StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tenso
   }
   const EvaluationMode evaluation_mode(std::move(local_modules));
   StepOutput output;
-  at::Tensor loss_total = at::zeros({1}, at::kDouble);
+  ++evaluations_since_step_;
+  const BatchFingerprint batch = fingerprint(inputs, targets);
+  data.stamp = {ProgramCall{step_, evaluations_since_step_}.id(), batch.shapes};
+  ClosingSums sums(runtime_->topology(), runtime_->rank(), data.stamp.call, batch);
   try {
     runtime_->with_peers("evaluate after step " + std::to_string(step_), [&] {
       const ExecutorStats stats = evaluator_->run(stage_callbacks(), data);
-      if (stats.has_loss && counts_loss()) loss_total[0] = stats.loss_sum;
+      if (stats.has_loss && counts_loss()) sums.add_loss(stats.loss_sum);
       output.sends_posted = stats.sends_posted;
       output.all_outputs = stats.outputs;
       if (!stats.outputs.empty()) output.outputs = stats.outputs.front();
       output.sends_released_early = stats.sends_released_early;
       output.peak_sends_held = stats.peak_sends_held;
-      runtime_->world().all_reduce_sum(loss_total);  // the last stages' losses, summed over replicas
+      runtime_->world().all_reduce_sum(sums.tensor());
+      sums.check_in_step();
     });
   } catch (const comm::CommError& error) {
     throw comm::CommError("evaluation after step " + std::to_string(step_) + ", stage-rank " +
                           std::to_string(runtime_->pp_rank()) + ": " + error.what());
   }
-  output.loss = loss_total[0].item<double>() / runtime_->topology().data_parallel_degree();
+  output.loss = sums.loss() / runtime_->topology().data_parallel_degree();
   output.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return output;
 }
@@ -261,6 +372,8 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   MicrobatchData data = microbatch_data("train_step", inputs, targets, loss, batched);
   data.keep_outputs = keep_outputs;
   data.loss_scale = loss_scaler_->scale();
+  const BatchFingerprint batch = fingerprint(inputs, targets);
+  data.stamp = {ProgramCall{step_, 0}.id(), batch.shapes};
   const c10::Device device = runtime_->device();
 
   StageCallbacks callbacks = stage_callbacks();
@@ -290,7 +403,7 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
 
   ExecutorStats stats;
   StepOutput output;
-  at::Tensor loss_total;
+  ClosingSums sums(runtime_->topology(), runtime_->rank(), data.stamp.call, batch);
   try {
     runtime_->with_peers("step " + std::to_string(step_), [&] {
       gradients_->arm();
@@ -318,12 +431,10 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
       }
       std::tie(output.gradient_buckets, output.buckets_overlapped) = gradients_->finish();
       const bool gradients_finite = gradients_->finite_unscaling(loss_scaler_->scale());
-      // One world all-reduce: slot 0 sums the last stages' losses (every rank learns the mean over replicas),
-      // slot 1 + r is set by rank r when its gradients are not finite.
-      loss_total = at::zeros({1 + runtime_->world_size()}, at::kDouble);
-      loss_total[0] = stats.has_loss && counts_loss() ? stats.loss_sum : 0.0;
-      if (!gradients_finite) loss_total[1 + runtime_->rank()] = 1.0;
-      runtime_->world().all_reduce_sum(loss_total);
+      if (stats.has_loss && counts_loss()) sums.add_loss(stats.loss_sum);
+      if (!gradients_finite) sums.mark_not_finite(runtime_->rank());
+      runtime_->world().all_reduce_sum(sums.tensor());
+      sums.check_in_step();
     });
   } catch (const comm::CommError& error) {
     throw comm::CommError("step " + std::to_string(step_) + ", stage-rank " + std::to_string(runtime_->pp_rank()) +
@@ -335,10 +446,10 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
     write_timeline(stats.events);
     start += std::chrono::steady_clock::now() - writing;
   }
-  output.loss = loss_total[0].item<double>() / runtime_->topology().data_parallel_degree();
+  output.loss = sums.loss() / runtime_->topology().data_parallel_degree();
   std::string bad_ranks;
   for (int rank = 0; rank < runtime_->world_size(); ++rank) {
-    if (loss_total[1 + rank].item<double>() != 0.0) {
+    if (!sums.finite_on(rank)) {
       const auto where = runtime_->topology().coordinates_of(rank);
       bad_ranks += (bad_ranks.empty() ? "" : ", ") + std::string("rank ") + std::to_string(rank) + " (stage-rank " +
                    std::to_string(where.pp_rank) + ")";
@@ -353,6 +464,7 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   last_step_skipped_ = output.skipped;
   earlier.add_this_step();
   ++step_;
+  evaluations_since_step_ = 0;
   output.peak_stashed_microbatches = stats.peak_stashed_microbatches;
   output.sends_released_early = stats.sends_released_early;
   output.forwards_overlapped = stats.forwards_overlapped;

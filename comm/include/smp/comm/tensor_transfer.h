@@ -30,6 +30,25 @@ constexpr int kMaxTensorsPerTransfer = 15;
 // expected, then those of a new layout.
 constexpr int kTagsPerTransfer = 32;
 
+// What a transfer's header says of the program's state at the sender, for the receiver to compare with its own: which
+// call of the program it is in (the engine numbers its steps and evaluations) and a signature of the batch it was
+// given. Ranks that make different calls (one skipped a step) or pass batches of other shapes would otherwise pair
+// one call's tensors with another's and train on wrong data without an error. kUnchecked: not compared.
+constexpr std::int64_t kUnchecked = -1;
+struct TransferStamp {
+  std::int64_t call = kUnchecked;
+  std::int64_t batch = kUnchecked;
+};
+
+// IncomingTensors::wait's error when the sender's stamp is not this end's.
+class TransferOutOfStep : public CommError {
+ public:
+  TransferOutOfStep(const std::string& what, TransferStamp sent, TransferStamp expected)
+      : CommError(what), sent(sent), expected(expected) {}
+  TransferStamp sent;
+  TransferStamp expected;
+};
+
 struct TensorLayout {
   c10::ScalarType dtype;
   std::vector<std::int64_t> sizes;
@@ -49,15 +68,19 @@ class TransferLayouts {
 };
 
 // Posts the header and every tensor; the tensors are kept alive by the returned Pending. `layouts` (may be null:
-// nothing remembered, every transfer a new layout) is this end's memory of the channel's transfers.
+// nothing remembered, every transfer a new layout) is this end's memory of the channel's transfers; `stamp` goes in
+// the header.
 std::unique_ptr<Pending> send_tensors(Communicator& comm, const std::vector<at::Tensor>& tensors, int peer, int tag,
-                                      const std::string& what, TransferLayouts* layouts = nullptr);
+                                      const std::string& what, TransferLayouts* layouts = nullptr,
+                                      TransferStamp stamp = {});
 
 // Posts the header receive at construction, so it can be done ahead of the compute that needs the tensors.
-// `layouts` as in send_tensors, on the receiving end (it must outlive this).
+// `layouts` as in send_tensors, on the receiving end (it must outlive this); a header whose stamp differs from
+// `stamp` (in a field neither end left kUnchecked) makes wait() throw TransferOutOfStep.
 class IncomingTensors {
  public:
-  IncomingTensors(Communicator& comm, int peer, int tag, std::string what, TransferLayouts* layouts = nullptr);
+  IncomingTensors(Communicator& comm, int peer, int tag, std::string what, TransferLayouts* layouts = nullptr,
+                  TransferStamp stamp = {});
   // Posts the payload receives of the layout this tag had last time, if any, so that the sender's payloads go out
   // at once: buffers of those shapes exist from now on, so call it shortly before the transfer is due.
   void post_expected();
@@ -73,6 +96,7 @@ class IncomingTensors {
   int tag_;
   std::string what_;
   TransferLayouts* layouts_;
+  TransferStamp stamp_;
   at::Tensor header_;
   std::unique_ptr<Pending> header_receive_;
   std::vector<at::Tensor> expected_;  // posted ahead, in the layout remembered
