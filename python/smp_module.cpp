@@ -545,6 +545,8 @@ PYBIND11_MODULE(_smp, module) {
         }
         return nodes;
       })
+      .def_readwrite("least_microbatch", &ModelProfile::least_microbatch)
+      .def_readwrite("most_microbatch", &ModelProfile::most_microbatch)
       .def("copy", [](const ModelProfile& profile) { return profile; })
       .def("mark_experts", &ModelProfile::mark_experts, py::arg("token_bytes"), py::arg("experts"),
            py::arg("split") = 1, py::arg("routed") = std::map<std::string, ExpertRouting>{},

@@ -175,6 +175,16 @@ class InputShapes:
             dimensions[node.name] = sizes
         return cls(dimensions, fixed_because, held, guards)
 
+    def first_dimension_range(self):
+        """(least, most) the inputs whose first dimension may change allow there together (most 0: unbounded)."""
+        least, highs = 1, []
+        for sizes in self.dimensions.values():
+            if sizes and not isinstance(sizes[0], int):
+                _, low, high = sizes[0]
+                least = max(least, low)
+                highs += [high] if high is not None else []
+        return least, min(highs, default=0)
+
     def check_guards(self, microbatch, what):
         """microbatch: engine input name -> one microbatch's tensor. A guard that fails means the model's code would
         take another path for these shapes than the one captured (which the sample took)."""
@@ -209,6 +219,10 @@ class InputShapes:
                                f"{{'{name}': [..., {dim}]}} or \"all\" lets it change)")
                     elif self.fixed_because:
                         why = f"the model could not be captured with changing shapes ({self.fixed_because})"
+                    elif allowed == 1:
+                        why = ("export keeps a size of 1 constant (it specializes sizes 0 and 1), so a sample with 1 "
+                               "there fixes it: give a sample with at least 2 in that dimension (microbatches of 1 "
+                               "then need a sample of 1)")
                     else:
                         why = "the model's code fixes it (export kept it constant)"
                     raise ConfigError(f"{what}: input '{name}' gives microbatches of shape {tuple(shape)}, but its "

@@ -50,8 +50,19 @@ class GraphIO:
     def check_microbatch(self, engine_inputs, batched, microbatches, what):
         pass  # a GraphModel's modules take any shape they accept
 
+    def microbatch_range(self):
+        return 1, 0
+
     def model_outputs(self, outputs):
         return tuple(outputs) if self.several_outputs else outputs[0]
+
+
+def _kind(tensor):
+    """What kind of values a tensor holds, as far as the captured code cares (int32 ids for int64 ones embed alike;
+    floats where ids were are an error deep in the model)."""
+    if tensor.dtype == torch.bool:
+        return "boolean"
+    return "complex" if tensor.is_complex() else "floating-point" if tensor.is_floating_point() else "integer"
 
 
 class CapturedIO:
@@ -89,6 +100,10 @@ class CapturedIO:
             if name is not None:
                 if not isinstance(leaf, torch.Tensor):
                     raise ConfigError(f"{what}: input '{name}' is {_describe(leaf)}; the sample had a tensor there")
+                if isinstance(sample, torch.Tensor) and _kind(leaf) != _kind(sample):
+                    # Found here, before any rank computes: inside the step it would fail one stage and end the job.
+                    raise ConfigError(f"{what}: input '{name}' holds {leaf.dtype}, the sample held {sample.dtype}; "
+                                      f"pass {_kind(sample)} values there, as the sample did")
                 values.append(leaf)
             elif isinstance(leaf, torch.Tensor) or leaf != sample:
                 raise ConfigError(f"{what}: {_describe(leaf)} where the sample had {_describe(sample)}, which the "
@@ -113,6 +128,11 @@ class CapturedIO:
                 microbatch = {name: value.chunk(microbatches)[index] if is_batched else value
                               for name, value, is_batched in zip(self.input_names, engine_inputs, batched)}
                 self._shapes.lookups.check(self._model, microbatch, what)
+
+    def microbatch_range(self):
+        """(least, most) samples a microbatch may have, as the capture allows its inputs' first dimension (most 0:
+        unbounded); the planner leaves out layouts beyond them."""
+        return self._shapes.first_dimension_range()
 
     def model_outputs(self, outputs):
         tensors = iter(outputs)

@@ -172,7 +172,9 @@ def _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, config, d
         graph, io_ = graph_of(model, sample, 2 * world, list(config.partition_overrides), dynamic_shapes,
                               experts=(1, 0))
         # On the job's device, and on twice the sample too (a stage call's fixed cost against its cost per sample).
-        return _smp.profile_for_planning(graph._graph, io_.engine_inputs(sample, "sample"), str(device)), experts_split
+        profile = _smp.profile_for_planning(graph._graph, io_.engine_inputs(sample, "sample"), str(device))
+        profile.least_microbatch, profile.most_microbatch = io_.microbatch_range()
+        return profile, experts_split
 
 
 def _check_routing_argument(tokens_per_expert):

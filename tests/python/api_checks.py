@@ -668,7 +668,10 @@ def fused_runs():
     if abs(loss - expected) > 1e-6:
         failures.append(f"fused run: loss {loss}, PyTorch {expected}")
     expect_error("a failure inside a fused run", smp.ModelError, '"embed" to "',
-                 lambda: model.train_step(torch.full((2, 4), 1.5), targets, F.mse_loss))  # ids of a float type
+                 lambda: model.train_step(inputs.short(), targets, F.mse_loss))  # ids embedding does not take
+    # Floats where the sample had ids: refused before any rank computes, where inside the step it would end the job.
+    expect_error("float ids", smp.ConfigError, "input 'ids' holds torch.float32, the sample held torch.int64",
+                 lambda: model.train_step(torch.full((2, 4), 1.5), targets, F.mse_loss))
 
 
 def pytorch_conventions():

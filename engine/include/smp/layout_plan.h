@@ -82,6 +82,11 @@ struct ModelProfile {
   // at tp t of a model whose own plan splits its experts, as a job at ep 1 does and at ep > 1 does not. A layout
   // dividing the experts (ep > 1) undoes the split first (divide_experts). 1 where a given plan's split stays.
   int experts_split = 1;
+  // The microbatch sizes the model takes, in samples (a captured model's range of its inputs' first dimension:
+  // export keeps sizes 0 and 1 apart from a dimension that may change, so a capture on a sample of 2 takes at least
+  // 2); a layout outside them is rejected. most_microbatch 0: no upper bound.
+  int least_microbatch = 1;
+  int most_microbatch = 0;
   // The profile on a microbatch of `samples`, compute times `compute_scale`.
   std::vector<ModuleProfile> at(int samples, double compute_scale = 1.0) const;
   // A mixture-of-experts model's experts: {experts module's path: the token rows' bytes it reads per microbatch of

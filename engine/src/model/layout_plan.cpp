@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <numeric>
 #include <sstream>
 #include <utility>
 
@@ -169,6 +170,16 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   // The experts' state is sharded over the replicas holding the same experts.
   const int ep = std::max(1, layout.experts);
   const int expert_shards = layout.shard_optimizer_state ? layout.replicas / ep : 1;
+  if (per_microbatch < profile.least_microbatch ||
+      (profile.most_microbatch > 0 && per_microbatch > profile.most_microbatch)) {
+    prediction.rejected = "microbatches of " + std::to_string(per_microbatch) +
+                          (per_microbatch == 1 ? " sample" : " samples") + ": the model takes " +
+                          (per_microbatch < profile.least_microbatch
+                               ? "at least " + std::to_string(profile.least_microbatch)
+                               : "at most " + std::to_string(profile.most_microbatch)) +
+                          " (the sample's capture)";
+    return;
+  }
   StagePlan plan;
   StageDevices devices;
   try {
@@ -341,6 +352,20 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   }
   prediction.optimizer_s = costs.optimizer_s_per_byte * stepped_most * sharing;
   prediction.step_s = prediction.pipeline_s + prediction.gradient_sync_s + prediction.optimizer_s;
+  // A rank without parameters cannot build its optimizer (torch.optim refuses an empty parameter list). The
+  // partition search gives every rank some where enough modules have them; where too few do, the layout is out.
+  const double model_parameter_bytes = std::accumulate(rank_parameter_bytes.begin(), rank_parameter_bytes.end(), 0.0);
+  for (std::size_t rank = 0; rank < ranks && model_parameter_bytes > 0; ++rank) {
+    if (rank_parameter_bytes[rank] > 0) continue;
+    std::string held;
+    for (int stage = 0; stage < stages; ++stage) {
+      if (schedule.stage_to_rank.at(stage) != static_cast<int>(rank)) continue;
+      held += (held.empty() ? "" : ", ") + prediction.stages[static_cast<std::size_t>(stage)];
+    }
+    prediction.rejected = "pipeline rank " + std::to_string(rank) + " would hold no parameters (it runs modules " + held +
+                          "): fewer modules have parameters than there are stages";
+    return;
+  }
   for (int rank = 0; rank < layout.partitions; ++rank) {
     // The rank's own device, where devices differ in memory (its first stage's: a rank's stages share it).
     double limit = base.memory_limit_mb;
@@ -370,19 +395,26 @@ std::string experts_refusal(int ep, int experts, int tp, bool sequence_parallel)
 }
 
 // Every schedule, microbatch count, recompute and ZeRO-1 choice for `partitions` pipeline ranks x `replicas`, each
-// replica taking `per_replica` samples a step, of a model cut into `modules` nodes. `fixed_microbatches` (0: none):
-// the count a job's config fixes, considered whatever the ranges below say, since the job takes no other.
-std::vector<Layout> layouts_of(int partitions, int replicas, int per_replica, int modules, int fixed_microbatches) {
+// replica taking `per_replica` samples a step, of a model cut into `modules` nodes whose microbatches hold at least
+// `least_microbatch` samples. `fixed_microbatches` (0: none): the count a job's config fixes, considered whatever the
+// ranges below say, since the job takes no other.
+std::vector<Layout> layouts_of(int partitions, int replicas, int per_replica, int modules, int least_microbatch,
+                               int fixed_microbatches) {
+  // The most microbatches a replica's batch makes that the model takes.
+  int most_microbatches = 1;
+  for (int count : divisors(per_replica)) {
+    if (per_replica / count >= least_microbatch) most_microbatches = count;
+  }
   std::vector<Layout> layouts;
   for (const auto& choice : kSchedules) {
     // One stage runs GPipe's order alone: every schedule is the same there.
     if (partitions == 1 && (choice.virtual_stages > 1 || std::string(choice.name) != "gpipe")) continue;
     if (partitions * choice.virtual_stages > modules) continue;
     for (int microbatches : divisors(per_replica)) {
-      // Fewer microbatches than stages leave most of a pipeline idle (unless the replica's batch has no more
-      // samples: then one a microbatch); more than 8 per stage gain little and multiply the runs.
+      // Fewer microbatches than stages leave most of a pipeline idle (unless the replica's batch makes no more that
+      // the model takes); more than 8 per stage gain little and multiply the runs.
       const int stages = partitions * choice.virtual_stages;
-      const bool fewest = microbatches < partitions && microbatches != per_replica;
+      const bool fewest = microbatches < partitions && microbatches != most_microbatches;
       const bool in_range = partitions > 1 ? !fewest && microbatches <= 8 * stages : microbatches <= 4;
       if (fixed_microbatches > 0 ? microbatches != fixed_microbatches : !in_range) continue;
       for (bool recompute : {false, true}) {
@@ -479,6 +511,19 @@ std::vector<LayoutPrediction> plan_layouts(const std::map<int, ModelProfile>& by
     throw ConfigError(base.source + ": a global batch of " + std::to_string(base.global_batch_size) +
                       " samples: at most " + std::to_string(kMostSamples));
   }
+  // Layouts of more stages than the model has nodes are never enumerated (layouts_of): a job fixing that many would
+  // otherwise hear only of the layouts its keys exclude.
+  if (for_a_job && !base.plans("partitions") && !base.plans("virtual_stages")) {
+    std::size_t nodes = 0;
+    for (const auto& [tp, profile] : by_degree) nodes = std::max(nodes, profile.modules.size());
+    if (static_cast<std::size_t>(base.num_stages()) > nodes) {
+      throw ConfigError(base.source + ": cannot split the model's " + std::to_string(nodes) + " modules into " +
+                        std::to_string(base.num_stages()) + " pipeline stages (\"partitions\" " +
+                        std::to_string(base.partitions) + " x \"virtual_stages\" " +
+                        std::to_string(base.virtual_stages) + ", which the config fixes): fix fewer, or let the " +
+                        "planner choose them (\"auto\")");
+    }
+  }
   const bool experts_planned = base.plans("expert_parallel_degree");
   // The expert-parallel degrees a layout of `replicas` can take: the config's, or for "auto" each divisor of the
   // replicas that divides the experts. With tensor parallelism each tensor-parallel rank holds its experts whole
@@ -505,7 +550,7 @@ std::vector<LayoutPrediction> plan_layouts(const std::map<int, ModelProfile>& by
       const int per_replica = base.global_batch_size / replicas;
       for (int ep : expert_degrees(replicas, profile)) {
         const std::string refused = experts_refusal(ep, profile.experts, tp, base.sequence_parallel);
-        for (Layout& layout : layouts_of(partitions, replicas, per_replica, modules,
+        for (Layout& layout : layouts_of(partitions, replicas, per_replica, modules, profile.least_microbatch,
                                                for_a_job && !base.plans("microbatches") ? base.microbatches : 0)) {
           LayoutPrediction prediction;
           layout.tensor_parallel = tp;
