@@ -167,6 +167,11 @@ TEST_CASE("config: malformed documents", "[config]") {
   CHECK_THROWS_WITH(parse("[1, 2]"), Contains("expected a JSON object"));
   CHECK_THROWS_WITH(parse(std::string(1000, '[') + std::string(1000, ']')), Contains("nested 1000 levels deep"));
   CHECK_THROWS_WITH(parse("{\"seed\": \"\xff\xfe\"}"), Contains("not valid JSON"));
+  // JSON parsers keep the last of a repeated key silently: 2 stages written, 1 trained.
+  CHECK_THROWS_WITH(parse("{\"partitions\": 2, \"microbatches\": 2, \"partitions\": 1}"),
+                    Contains("job.json: key \"partitions\" is given twice"));
+  CHECK_THROWS_WITH(parse("{\"smp\": {\"ddp\": true, \"ddp\": false}}"), Contains("key \"ddp\" is given twice"));
+  CHECK_NOTHROW(parse("{\"smp\": {\"partitions\": 2}, \"app\": {\"partitions\": 3}}"));
   CHECK_THROWS_AS(Config::from_file("/nonexistent/job.json"), ConfigError);
 }
 

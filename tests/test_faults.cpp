@@ -246,6 +246,10 @@ TEST_CASE("corrupt and truncated checkpoints are refused with a clear error", "[
   const auto list_one = run_command(std::string(paths::smp_checkpoint) + " list " + newest, 60);
   CHECK(list_one.status == 1);
   CHECK_THAT(list_one.output, Contains("is one checkpoint, not a directory of them"));
+  // A path that is not there, rather than a filesystem library's message or "the save did not finish".
+  const auto missing = run_command(std::string(paths::smp_checkpoint) + " verify " + dir + "/step-99", 60);
+  CHECK(missing.status == 1);
+  CHECK_THAT(missing.output, Contains(dir + "/step-99 does not exist: give one checkpoint's directory"));
 
   std::filesystem::resize_file(older + "/partition-0000.pt", 10);
   const auto truncated = run_command(std::string(paths::smp_checkpoint) + " verify " + older, 60);

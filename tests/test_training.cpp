@@ -172,6 +172,10 @@ TEST_CASE("a schedule loaded from a CSV file runs", "[training][multiprocess][sc
   const auto help = run_command(std::string(paths::smp_schedule) + " --help", 30);
   CHECK(help.status == 0);
   CHECK_THAT(help.output, Contains("zb_h1 (config \"zero_bubble\")"));
+  // A V takes its 2 stages per rank untold, as the config's "pipeline": "zb_v" does.
+  const auto v = run_command(std::string(paths::smp_schedule) + " --schedule zb_v --ranks 2 --microbatches 4", 30);
+  CHECK(v.status == 0);
+  CHECK_THAT(v.output, Contains("schedule zb_v"));
   const auto config = write_config("from_csv", smp_config(2, 1, 4, "interleaved", "cluster", 8, 60, R"(, "schedule_file": ")" + csv + "\""));
   const auto result = run_worker(2, config, "--steps 2");
   check_clean_run(result, 2);

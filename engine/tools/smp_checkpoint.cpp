@@ -40,6 +40,12 @@ int run(int argc, char** argv) {
   }
   if (argc < 3) throw std::runtime_error(usage);
   const std::string command = argv[1];
+  if ((command == "list" || command == "verify" || command == "export" || command == "export-safetensors") &&
+      !std::filesystem::is_directory(argv[2])) {
+    throw std::runtime_error(std::string(argv[2]) + (std::filesystem::exists(argv[2]) ? " is not a directory" : " does not exist") +
+                             (command == "list" ? ": give checkpoint_dir, the directory of the checkpoints"
+                                                : ": give one checkpoint's directory (smp_checkpoint list ROOT lists them)"));
+  }
   if (command == "list" && argc == 3) {
     if (is_checkpoint(argv[2])) {
       throw std::runtime_error(std::string(argv[2]) + " is one checkpoint, not a directory of them: smp_checkpoint "

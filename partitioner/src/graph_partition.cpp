@@ -202,7 +202,8 @@ std::string memory_limits_text(const GraphPartitionOptions& options) {
       // Exact on chains and on small graphs; on larger DAGs the search may miss a split that exists, so it says
       // what it found.
       throw PartitionError("found no split of the " + std::to_string(graph.nodes.size()) + " modules into " +
-                           std::to_string(options.num_stages) + " stages that keeps every stage within " +
+                           std::to_string(options.num_stages) + (options.num_stages == 1 ? " stage" : " stages") +
+                           " that keeps every stage within " +
                            memory_limits_text(options) + " (the modules need " +
                            detail::readable_bytes(total_bytes) + " in all, with the fewest activation copies)");
     }

@@ -50,7 +50,7 @@ def init(config, sections=None):
     application reads (e.g. ("model", "training")), and any other top-level key is then a ConfigError naming it
     (an smp key put beside the section always is)."""
     if isinstance(config, dict):
-        parsed = _smp.Config.from_json_text(json.dumps(config), "<config dict>")
+        parsed = _smp.Config.from_json_text(json.dumps(config), "smp.init's config")
     else:
         parsed = _smp.Config.from_file(os.fspath(config))
     if sections is not None:

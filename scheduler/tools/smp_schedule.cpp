@@ -23,7 +23,8 @@ void print_usage(std::FILE* to) {
                    "[--csv OUT] [--forward T] [--backward T] [--backward-input T] [--backward-weight T] [--latency S]\n"
                    "       smp_schedule --load FILE.csv\n"
                    "Simulates the schedule (makespan, bubble, peak in-flight activations per rank); --csv writes its "
-                   "action list, which --load and the config's \"schedule_file\" read.\nschedules:");
+                   "action list, which --load and the config's \"schedule_file\" read. --virtual-stages: stages per rank, "
+                   "by default 2 for the V schedules and interleaved_1f1b, else 1.\nschedules:");
   for (const auto& kind : schedule_kinds()) {
     std::fprintf(to, " %s", kind.name);
     if (*kind.config_alias) std::fprintf(to, " (config \"%s\")", kind.config_alias);
@@ -48,7 +49,7 @@ double number(const std::string& flag, const char* text) {
 
 int main(int argc, char** argv) {
   std::string name, csv_out, load;
-  int ranks = -1, microbatches = -1, virtual_stages = 1, active = 0;  // -1: not given
+  int ranks = -1, microbatches = -1, virtual_stages = 0, active = 0;  // -1, 0: not given
   StageCosts stage_costs;
   P2PCosts p2p;
   for (int i = 1; i < argc; ++i) {
@@ -82,7 +83,12 @@ int main(int argc, char** argv) {
     } else {
       if (name.empty() || ranks == -1 || microbatches == -1) usage_error("--schedule, --ranks and --microbatches are required");
       if (ranks < 1 || microbatches < 1) usage_error("--ranks and --microbatches must be at least 1");
-      // The config's names ("interleaved", "simple") too, as the engine reads them.
+      // The config's names ("interleaved", "simple") too, as the engine reads them. Untold, a V takes its 2 stages
+      // per rank, as the config's "pipeline" does, and interleaved 1F1B 2 (with 1 it is 1F1B).
+      if (virtual_stages == 0) {
+        const int per_rank = find_schedule_kind(name).stages_per_rank;
+        virtual_stages = per_rank == 0 ? 2 : per_rank;
+      }
       schedule = make_schedule(find_schedule_kind(name, virtual_stages).name, ranks, microbatches, virtual_stages, active);
     }
     const auto graph = StageGraph::chain(schedule.num_stages);

@@ -136,6 +136,7 @@ class Runtime {
   std::shared_ptr<comm::Communicator> expert_data_parallel_;
   std::vector<std::weak_ptr<comm::Communicator>> groups_;  // every group made, for leave_job
   std::optional<std::string> left_job_;
+  mutable bool said_batch_differs_ = false;  // replica_slice's note, once
   int exchanges_ = 0;
   std::string bind_host_;
   int layout_generation_ = 0;  // layouts adopted after the first (adopt_layout)

@@ -357,6 +357,7 @@ const std::vector<std::pair<std::string, std::string>>& other_frameworks_names()
   static const std::vector<std::pair<std::string, std::string>> names = {
       {"pp", "partitions"}, {"pp_size", "partitions"}, {"pipeline_parallel_size", "partitions"},
       {"pipeline_model_parallel_size", "partitions"}, {"num_stages", "partitions"}, {"stages", "partitions"},
+      {"pp_degree", "partitions"}, {"tp_degree", "tensor_parallel_degree"}, {"ep_degree", "expert_parallel_degree"},
       {"tp", "tensor_parallel_degree"}, {"tp_size", "tensor_parallel_degree"},
       {"tensor_parallel_size", "tensor_parallel_degree"}, {"tensor_model_parallel_size", "tensor_parallel_degree"},
       {"ep", "expert_parallel_degree"}, {"ep_size", "expert_parallel_degree"},
@@ -443,7 +444,19 @@ Config Config::from_json_text(const std::string& text, const std::string& source
       else if ((c == '}' || c == ']') && depth > 0) --depth;
     }
     if (max_depth > 64) throw ConfigError(source + ": nested " + std::to_string(max_depth) + " levels deep; at most 64 allowed");
-    document = json::parse(text);
+    // A key given twice in one object: JSON parsers keep one of them silently (the last), so the job would run
+    // with a layout its file seems not to give.
+    std::vector<std::set<std::string>> keys_by_depth;
+    const json::parser_callback_t refuse_repeated_keys = [&](int, json::parse_event_t event, json& parsed) {
+      if (event == json::parse_event_t::object_start) keys_by_depth.emplace_back();
+      if (event == json::parse_event_t::object_end && !keys_by_depth.empty()) keys_by_depth.pop_back();
+      if (event == json::parse_event_t::key && !keys_by_depth.empty() &&
+          !keys_by_depth.back().insert(parsed.get<std::string>()).second) {
+        throw ConfigError(source + ": key \"" + parsed.get<std::string>() + "\" is given twice; give it once");
+      }
+      return true;
+    };
+    document = json::parse(text, refuse_repeated_keys);
   } catch (const json::exception& error) {
     throw ConfigError(source + ": not valid JSON: " + error.what());
   }
@@ -648,6 +661,13 @@ std::string Config::describe() const {
        << " auto_partition=" << (auto_partition ? "true" : "false") << " seed=" << seed << " device=" << device
        << " backend=" << backend;
   if (global_batch_size > 0) text << " global_batch_size=" << global_batch_size;
+  if (!checkpointed_stages.empty()) {
+    text << " activation_checkpointing=stages:";
+    for (std::size_t i = 0; i < checkpointed_stages.size(); ++i) text << (i ? "," : "") << checkpointed_stages[i];
+  }
+  if (!checkpointed_modules.empty()) text << " activation_checkpointing=" << checkpointed_modules.size() << " modules";
+  if (bf16) text << " bf16";
+  if (fp16) text << " fp16";
   if (!auto_keys.empty()) {
     text << " (planned when the model is known:";
     for (const auto& key : auto_keys) text << " " << key;

@@ -6,6 +6,7 @@
 #endif
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <set>
 #include <thread>
@@ -356,6 +357,13 @@ std::string Runtime::from_rank0(const std::string& key, const std::function<std:
       value = make();
     } catch (const std::exception& error) {
       publish(key, std::string("error\n") + error.what());
+      // Rank 0 hosts the store, which ends with its process: the others read the error first (a dead one is not
+      // waited for past a few seconds).
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      while (store_->add("smp/" + key + "/error_read", 0) < world_size() - 1 &&
+             std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
       throw;
     }
     publish(key, "value\n" + value);
@@ -364,6 +372,7 @@ std::string Runtime::from_rank0(const std::string& key, const std::function<std:
   const std::string message = fetch(key);
   const auto newline = message.find('\n');
   if (message.compare(0, newline, "value") != 0) {
+    store_->add("smp/" + key + "/error_read", 1);
     throw ConfigError("rank 0 failed: " + message.substr(newline + 1));
   }
   return message.substr(newline + 1);
@@ -373,6 +382,13 @@ at::Tensor Runtime::replica_slice(const at::Tensor& global_batch) const {
   const int replicas = topology_.data_parallel_degree();
   const int64_t size = global_batch.size(0);
   config_.check_batch(static_cast<int>(size), replicas, true);
+  if (config_.global_batch_size > 0 && size != config_.global_batch_size && !said_batch_differs_ && rank() == 0) {
+    // Not refused: an epoch's last batch is often shorter. But the layout was checked, and an "auto" one planned,
+    // for the config's size.
+    said_batch_differs_ = true;
+    log::warn("a step's batch has " + std::to_string(size) + " samples, the config's global_batch_size " +
+              std::to_string(config_.global_batch_size) + " (what the layout was checked and planned for); said once");
+  }
   const int64_t share = size / replicas;
   return global_batch.narrow(0, share * dp_rank(), share);
 }
