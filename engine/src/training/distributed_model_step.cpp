@@ -181,9 +181,16 @@ BatchFingerprint fingerprint(const ModelInputs& inputs, const at::Tensor& target
     mix(tensor.dim());
     for (std::int64_t size : tensor.sizes()) mix(size);
     if (tensor.numel() == 0 || tensor.is_meta() || at::isComplexType(tensor.scalar_type())) continue;
-    const at::Tensor values = tensor.detach().to(at::kDouble);
-    print.sum += values.sum().item<double>();
-    print.magnitude += values.abs().sum().item<double>();
+    // Accumulated in double without a double copy of the batch (an image batch on a GPU would need one), and read
+    // back once per tensor.
+    const at::Tensor values = tensor.detach();
+    const at::Tensor sum = values.sum(at::kDouble);
+    const at::Tensor magnitude = values.is_floating_point()           ? at::linalg_vector_norm(values, 1, {}, false, at::kDouble)
+                                 : values.scalar_type() == at::kBool ? sum
+                                                                     : values.abs().sum(at::kDouble);
+    const at::Tensor both = at::stack({sum, magnitude}).cpu();
+    print.sum += both[0].item<double>();
+    print.magnitude += both[1].item<double>();
   }
   print.shapes = static_cast<std::int64_t>(hash & ((std::uint64_t{1} << 52) - 1));
   return print;
