@@ -86,9 +86,10 @@ class TableLookups:
             if read.numel() and (int(read.max()) >= rows or int(read.min()) < 0):
                 bad = int(read.max()) if int(read.max()) >= rows else int(read.min())
                 shapes = ", ".join(f"'{name}' {tuple(t.shape)}" for name, t in microbatch.items())
+                why = ("an input holds a negative id, or a position the model computes from it is negative" if bad < 0
+                       else "the inputs are longer, or hold larger ids, than the model takes")
                 raise ConfigError(f"{what}: the model would read row {bad} of '{path}', which has {rows} rows "
-                                  f"(microbatch inputs {shapes}): the inputs are longer, or hold larger ids, than "
-                                  "the model takes")
+                                  f"(microbatch inputs {shapes}): {why}")
 
 
 def _finite(bound):
