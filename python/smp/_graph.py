@@ -110,7 +110,9 @@ class GraphModel:
             raise TypeError(f"expected a torch.nn.Sequential, got {_kind(sequential)}")
         graph = GraphModel(input_name)
         previous = input_name
-        for name, child in sequential.named_children():
+        # _modules, as Sequential.forward runs them: named_children() yields a module used twice once, which would drop
+        # its second call.
+        for name, child in sequential._modules.items():
             graph.add(name, child, [previous])
             previous = name
         if previous == input_name:

@@ -601,6 +601,7 @@ def main():
 
     fused_runs()
     pytorch_conventions()
+    repeated_module_in_a_sequential()
     return report.finish(failures)
 
 
@@ -670,7 +671,7 @@ def fused_runs():
     expect_error("a failure inside a fused run", smp.ModelError, '"embed" to "',
                  lambda: model.train_step(inputs.short(), targets, F.mse_loss))  # ids embedding does not take
     # Floats where the sample had ids: refused before any rank computes, where inside the step it would end the job.
-    expect_error("float ids", smp.ConfigError, "input 'ids' holds torch.float32, the sample held torch.int64",
+    expect_error("float ids", smp.ConfigError, "the model would read rows of 'embed.weight' at torch.float32 positions",
                  lambda: model.train_step(torch.full((2, 4), 1.5), targets, F.mse_loss))
 
 
@@ -730,6 +731,23 @@ def pytorch_conventions():
                         f"{len(steps)} hooked steps")
     if "stages=[0]" not in repr(model):
         failures.append(f"repr: {model!r}")
+
+
+def repeated_module_in_a_sequential():
+    """A Sequential calling one module twice runs it twice, as Sequential.forward does (named_children() lists it once,
+    and a graph built from it lost the second call: a wrong loss without an error)."""
+    torch.manual_seed(4)
+    shared = torch.nn.Linear(8, 8)
+    net = torch.nn.Sequential(shared, torch.nn.ReLU(), shared, torch.nn.Tanh())
+    reference = copy.deepcopy(net)
+    inputs, targets = torch.randn(4, 8), torch.randn(4, 8)
+    model = smp.DistributedModel(net, inputs[:2])
+    if model._graph.node_names() != ["0", "1", "2", "3"]:
+        failures.append(f"a Sequential reusing a module became nodes {model._graph.node_names()}")
+    loss = model.train_step(inputs, targets, F.mse_loss).loss
+    expected = sum(F.mse_loss(reference(i), t) for i, t in zip(inputs.chunk(2), targets.chunk(2))).item() / 2
+    if abs(loss - expected) > 1e-6:
+        failures.append(f"a Sequential reusing a module: loss {loss}, PyTorch {expected}")
 
 
 if __name__ == "__main__":
