@@ -12,7 +12,7 @@ namespace {
 // packed transfer's: [magic, count, kPacked, call, batch, layout message's length, payload's bytes].
 constexpr int64_t kHeaderMagic = 0x736d7003;  // "smp" + format version 3
 constexpr int kLayoutSlot = 5;
-constexpr int kHeaderSlots = 64;
+constexpr int kHeaderSlots = 72;  // 64 of layout, as before the stamp took two
 constexpr int kMaxDims = 8;
 // Where the payloads go: to the receives posted ahead for the remembered layout, or to tags of their own; or, for
 // a layout the header cannot describe (more tensors, or more dimensions, than it has room for: a cut across a dense

@@ -83,6 +83,11 @@ class TableLookups:
         with torch.no_grad():
             rows_read = self._code(*values)
         for (path, rows), read in zip(self._tables, rows_read):
+            if read.is_floating_point() or read.is_complex():
+                # Found here, before any rank computes: inside the step it would fail one stage and end the job.
+                shapes = ", ".join(f"'{name}' {t.dtype}" for name, t in microbatch.items())
+                raise ConfigError(f"{what}: the model would read rows of '{path}' at {read.dtype} positions "
+                                  f"(microbatch inputs {shapes}): pass integer ids, as the sample did")
             if read.numel() and (int(read.max()) >= rows or int(read.min()) < 0):
                 bad = int(read.max()) if int(read.max()) >= rows else int(read.min())
                 shapes = ", ".join(f"'{name}' {tuple(t.shape)}" for name, t in microbatch.items())
@@ -176,14 +181,20 @@ class InputShapes:
             dimensions[node.name] = sizes
         return cls(dimensions, fixed_because, held, guards)
 
-    def first_dimension_range(self):
-        """(least, most) the inputs whose first dimension may change allow there together (most 0: unbounded)."""
+    def first_dimension_range(self, names):
+        """(least, most) the inputs `names` allow in their first dimension together (most 0: unbounded): a range
+        where it may change, the sample's size where the capture fixed it."""
         least, highs = 1, []
-        for sizes in self.dimensions.values():
-            if sizes and not isinstance(sizes[0], int):
-                _, low, high = sizes[0]
-                least = max(least, low)
-                highs += [high] if high is not None else []
+        for name in names:
+            sizes = self.dimensions.get(name)
+            if not sizes:
+                continue
+            if isinstance(sizes[0], int):
+                least, highs = max(least, sizes[0]), highs + [sizes[0]]
+                continue
+            _, low, high = sizes[0]
+            least = max(least, low)
+            highs += [high] if high is not None else []
         return least, min(highs, default=0)
 
     def check_guards(self, microbatch, what):

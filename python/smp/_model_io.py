@@ -57,14 +57,6 @@ class GraphIO:
         return tuple(outputs) if self.several_outputs else outputs[0]
 
 
-def _kind(tensor):
-    """What kind of values a tensor holds, as far as the captured code cares (int32 ids for int64 ones embed alike;
-    floats where ids were are an error deep in the model)."""
-    if tensor.dtype == torch.bool:
-        return "boolean"
-    return "complex" if tensor.is_complex() else "floating-point" if tensor.is_floating_point() else "integer"
-
-
 class CapturedIO:
     """A captured model's inputs: the sample's structure of positional and keyword arguments, whose tensors are the
     engine's inputs and whose other values (None, flags) were baked into the capture; its outputs rebuilt from the
@@ -100,10 +92,6 @@ class CapturedIO:
             if name is not None:
                 if not isinstance(leaf, torch.Tensor):
                     raise ConfigError(f"{what}: input '{name}' is {_describe(leaf)}; the sample had a tensor there")
-                if isinstance(sample, torch.Tensor) and _kind(leaf) != _kind(sample):
-                    # Found here, before any rank computes: inside the step it would fail one stage and end the job.
-                    raise ConfigError(f"{what}: input '{name}' holds {leaf.dtype}, the sample held {sample.dtype}; "
-                                      f"pass {_kind(sample)} values there, as the sample did")
                 values.append(leaf)
             elif isinstance(leaf, torch.Tensor) or leaf != sample:
                 raise ConfigError(f"{what}: {_describe(leaf)} where the sample had {_describe(sample)}, which the "
@@ -130,9 +118,13 @@ class CapturedIO:
                 self._shapes.lookups.check(self._model, microbatch, what)
 
     def microbatch_range(self):
-        """(least, most) samples a microbatch may have, as the capture allows its inputs' first dimension (most 0:
-        unbounded); the planner leaves out layouts beyond them."""
-        return self._shapes.first_dimension_range()
+        """(least, most) samples a microbatch may have, as the capture allows the batched inputs' first dimension
+        (most 0: unbounded); the planner leaves out layouts beyond them. Batched: the sample's inputs whose first
+        dimension is its largest (a position table of one row is not)."""
+        sample = {name: leaf for leaf, name in zip(self._sample_leaves, self._leaf_inputs)
+                  if name is not None and isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
+        rows = max((tensor.shape[0] for tensor in sample.values()), default=0)
+        return self._shapes.first_dimension_range([name for name, tensor in sample.items() if tensor.shape[0] == rows])
 
     def model_outputs(self, outputs):
         tensors = iter(outputs)

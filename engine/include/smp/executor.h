@@ -61,8 +61,8 @@ struct MicrobatchData {
   OutputsLossFunction loss;
   double loss_scale = 1.0;  // fp16: backward starts from loss * scale; the reported loss is unscaled
   bool keep_outputs = false;  // ExecutorStats::outputs
-  // The program call these microbatches are of and their batch's signature: every transfer carries them, and a
-  // receiver whose own differ fails at once (the DistributedModel sets them; unchecked by default).
+  // The program call these microbatches are of and their batch's signature, carried by every transfer (ProgramCall;
+  // the DistributedModel sets them, unchecked by default).
   comm::TransferStamp stamp;
 };
 

@@ -65,6 +65,9 @@ struct ModuleProfile {
   // Of its compute and activations, the experts' share (their work per token against its other parameters'): what
   // the busiest rank's extra rows scale.
   double expert_compute_share = 0.0;
+  // It holds parameters, its own or tied ones that parameter_bytes counts elsewhere: a rank whose stages hold none
+  // cannot build its optimizer (the planner rejects such a layout).
+  bool holds_parameters = false;
 };
 
 struct StagePlan {

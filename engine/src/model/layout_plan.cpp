@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
-#include <numeric>
 #include <sstream>
 #include <utility>
 
@@ -352,18 +351,26 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   }
   prediction.optimizer_s = costs.optimizer_s_per_byte * stepped_most * sharing;
   prediction.step_s = prediction.pipeline_s + prediction.gradient_sync_s + prediction.optimizer_s;
-  // A rank without parameters cannot build its optimizer (torch.optim refuses an empty parameter list). The
-  // partition search gives every rank some where enough modules have them; where too few do, the layout is out.
-  const double model_parameter_bytes = std::accumulate(rank_parameter_bytes.begin(), rank_parameter_bytes.end(), 0.0);
-  for (std::size_t rank = 0; rank < ranks && model_parameter_bytes > 0; ++rank) {
-    if (rank_parameter_bytes[rank] > 0) continue;
+  // A rank without parameters cannot build its optimizer (torch.optim refuses an empty parameter list).
+  std::vector<bool> rank_holds(ranks, false);
+  bool model_holds = false;
+  for (int stage = 0; stage < stages; ++stage) {
+    for (int module : plan.modules_of_stage(stage)) {
+      const auto& node = plan.modules[static_cast<std::size_t>(module)];
+      const bool holds = node.holds_parameters || node.parameter_bytes > 0;
+      model_holds |= holds;
+      if (holds) rank_holds[static_cast<std::size_t>(schedule.stage_to_rank.at(stage))] = true;
+    }
+  }
+  for (std::size_t rank = 0; rank < ranks && model_holds; ++rank) {
+    if (rank_holds[rank]) continue;
     std::string held;
     for (int stage = 0; stage < stages; ++stage) {
       if (schedule.stage_to_rank.at(stage) != static_cast<int>(rank)) continue;
       held += (held.empty() ? "" : ", ") + prediction.stages[static_cast<std::size_t>(stage)];
     }
-    prediction.rejected = "pipeline rank " + std::to_string(rank) + " would hold no parameters (it runs modules " + held +
-                          "): fewer modules have parameters than there are stages";
+    prediction.rejected = "pipeline rank " + std::to_string(rank) + " would hold no parameters (it runs modules " +
+                          held + "), and torch.optim refuses an empty parameter list";
     return;
   }
   for (int rank = 0; rank < layout.partitions; ++rank) {

@@ -303,6 +303,7 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
     // had says nothing about them.
     const bool built_apart = !model.nodes()[index].built();
     for (const auto& [name, parameter] : GraphModel::own_parameters(node)) {
+      profile.holds_parameters = true;
       if (built_apart || counted.insert(parameter.unsafeGetTensorImpl()).second) {
         const std::int64_t bytes = parameter.numel() * static_cast<std::int64_t>(parameter.element_size());
         counted_bytes[name] = bytes;
@@ -438,6 +439,7 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
   // each would multiply one copy; a holder in between alone on a stage still goes uncounted. parameter_shapes, the
   // model's signature, lists it once.
   for (const auto& tie : model.ties()) {
+    for (int holder : tie.nodes) profiles.at(static_cast<std::size_t>(holder)).holds_parameters = true;
     if (tie.nodes.size() < 2 || tie.nodes.back() == tie.nodes.front()) continue;
     const auto bytes = tie.tensor.defined() ? tie.tensor.numel() * static_cast<std::int64_t>(tie.tensor.element_size())
                                             : counted_bytes[tie.parameter];

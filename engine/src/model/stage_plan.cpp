@@ -133,7 +133,8 @@ std::string StagePlan::to_json() const {
                                    {"output_bytes", module.output_bytes},
                                    {"activation_bytes", module.activation_bytes},
                                    {"producers", module.producers},
-                                   {"assumed_loss_s", module.assumed_loss_s}});
+                                   {"assumed_loss_s", module.assumed_loss_s},
+                                   {"holds_parameters", module.holds_parameters}});
   }
   return document.dump();
 }
@@ -152,6 +153,8 @@ StagePlan StagePlan::from_json(const std::string& text) {
                             module.at("producers").get<std::vector<int>>(),
                             module.value("activation_bytes", std::int64_t{0}), std::string(),
                             module.value("assumed_loss_s", 0.0)});
+    plan.modules.back().holds_parameters =
+        module.value("holds_parameters", plan.modules.back().parameter_bytes > 0);
   }
   return plan;
 }

@@ -359,10 +359,13 @@ std::string Runtime::from_rank0(const std::string& key, const std::function<std:
       publish(key, std::string("error\n") + error.what());
       // Rank 0 hosts the store, which ends with its process: the others read the error first (a dead one is not
       // waited for past a few seconds).
-      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-      while (store_->add("smp/" + key + "/error_read", 0) < world_size() - 1 &&
-             std::chrono::steady_clock::now() < deadline) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      try {
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+        while (store_->add("smp/" + key + "/error_read", 0) < world_size() - 1 &&
+               std::chrono::steady_clock::now() < deadline) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+      } catch (const std::exception&) {  // the store's trouble must not replace the error it carries
       }
       throw;
     }
@@ -372,7 +375,10 @@ std::string Runtime::from_rank0(const std::string& key, const std::function<std:
   const std::string message = fetch(key);
   const auto newline = message.find('\n');
   if (message.compare(0, newline, "value") != 0) {
-    store_->add("smp/" + key + "/error_read", 1);
+    try {
+      store_->add("smp/" + key + "/error_read", 1);
+    } catch (const std::exception&) {  // rank 0 gone already: its error is what matters
+    }
     throw ConfigError("rank 0 failed: " + message.substr(newline + 1));
   }
   return message.substr(newline + 1);

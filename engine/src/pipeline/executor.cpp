@@ -546,7 +546,9 @@ class PipelineExecutor::Step {
       return receive_posted_of_this_call(index);
     } catch (const comm::TransferOutOfStep& error) {
       const ProgramCall theirs = ProgramCall::from_id(error.sent.call), ours = ProgramCall::from_id(error.expected.call);
-      const std::string why = error.sent.call != error.expected.call
+      const bool calls_differ = error.sent.call != error.expected.call && error.sent.call != comm::kUnchecked &&
+                                error.expected.call != comm::kUnchecked;
+      const std::string why = calls_differ
                                   ? "it is in its " + theirs.describe() + ", this rank in its " + ours.describe()
                                   : "in " + ours.describe() + " it was given a batch of other shapes than this rank's";
       throw comm::CommError(std::string(error.what()) + " (" + why + "): " + kSameCallsEverywhere);

@@ -157,15 +157,21 @@ class EvaluationMode {
 };
 
 // What the ranks of a replica compare of their batches (they must be given the same): the shapes and dtypes, hashed
-// (exact in a double), and the values' sum and sum of magnitudes, which differ between batches almost surely and
-// between the same batch's only by the order of a reduction.
+// (exact in a double), and of each tensor's values a strided sample of at most kSampled, summed with weights by
+// position (a batch in another order differs too) and in magnitude (the tolerance's scale). Cheap whatever the batch
+// (an image batch would otherwise be read whole, in double), and left on the batch's device until the step's end.
 struct BatchFingerprint {
   std::int64_t shapes = 0;
-  double sum = 0.0;
-  double magnitude = 0.0;
+  std::vector<at::Tensor> values;  // per tensor: (weighted sum, weighted magnitude), on its device; none unchecked
 };
 
-BatchFingerprint fingerprint(const ModelInputs& inputs, const at::Tensor& targets) {
+// Only then are a batch's values compared (a replica's ranks with each other).
+bool several_ranks_per_replica(const Topology& topology) {
+  return topology.pipeline_degree() * topology.tensor_parallel_degree() > 1;
+}
+
+BatchFingerprint fingerprint(const ModelInputs& inputs, const at::Tensor& targets, bool values_compared) {
+  constexpr std::int64_t kSampled = 1 << 16, kWeights = 13;
   BatchFingerprint print;
   std::uint64_t hash = 1469598103934665603ULL;  // FNV-1a
   const auto mix = [&hash](std::int64_t value) {
@@ -180,17 +186,15 @@ BatchFingerprint fingerprint(const ModelInputs& inputs, const at::Tensor& target
     mix(static_cast<std::int64_t>(tensor.scalar_type()));
     mix(tensor.dim());
     for (std::int64_t size : tensor.sizes()) mix(size);
-    if (tensor.numel() == 0 || tensor.is_meta() || at::isComplexType(tensor.scalar_type())) continue;
-    // Accumulated in double without a double copy of the batch (an image batch on a GPU would need one), and read
-    // back once per tensor.
-    const at::Tensor values = tensor.detach();
-    const at::Tensor sum = values.sum(at::kDouble);
-    const at::Tensor magnitude = values.is_floating_point()           ? at::linalg_vector_norm(values, 1, {}, false, at::kDouble)
-                                 : values.scalar_type() == at::kBool ? sum
-                                                                     : values.abs().sum(at::kDouble);
-    const at::Tensor both = at::stack({sum, magnitude}).cpu();
-    print.sum += both[0].item<double>();
-    print.magnitude += both[1].item<double>();
+    if (!values_compared || tensor.numel() == 0 || tensor.is_meta() || at::isComplexType(tensor.scalar_type())) {
+      continue;
+    }
+    const std::int64_t count = tensor.numel();
+    const at::Tensor sampled =
+        tensor.detach().contiguous().view(-1).slice(0, 0, count, std::max<std::int64_t>(1, count / kSampled)).to(at::kDouble);
+    const at::Tensor weights =
+        at::arange(sampled.numel(), sampled.options()).remainder_(kWeights).add_(1);
+    print.values.push_back(at::stack({(sampled * weights).sum(), (sampled.abs() * weights).sum()}));
   }
   print.shapes = static_cast<std::int64_t>(hash & ((std::uint64_t{1} << 52) - 1));
   return print;
@@ -198,22 +202,33 @@ BatchFingerprint fingerprint(const ModelInputs& inputs, const at::Tensor& target
 
 // The closing all-reduce of every train_step and evaluate, over the world: slot 0 sums the last stages' losses
 // (every rank learns the mean over replicas); per rank r, flags when its gradients are not finite, its program call,
-// and its batch's fingerprint. Its size is the same in both, so that ranks in different calls still meet here and
-// learn it, where no transfer between them has (replicas of one stage).
+// and its batch's fingerprint. Calls of one kind meet here (train_step n and m; evaluations), where no transfer
+// between their ranks has (replicas of one stage); a train_step and an evaluate wait in different collectives.
 class ClosingSums {
   enum Field { kNotFinite, kCall, kShapes, kSum, kMagnitude, kFields };
 
  public:
-  ClosingSums(const Topology& topology, int rank, std::int64_t call, const BatchFingerprint& batch)
-      : topology_(topology), world_(topology.world_size()), sums_(at::zeros({1 + kFields * world_}, at::kDouble)) {
+  ClosingSums(const Topology& topology, int rank, std::int64_t call, BatchFingerprint batch)
+      : topology_(topology),
+        world_(topology.world_size()),
+        rank_(rank),
+        batch_(std::move(batch)),
+        sums_(at::zeros({1 + kFields * world_}, at::kDouble)) {
     slot(kCall, rank) = static_cast<double>(call);
-    slot(kShapes, rank) = static_cast<double>(batch.shapes);
-    slot(kSum, rank) = batch.sum;
-    slot(kMagnitude, rank) = batch.magnitude;
+    slot(kShapes, rank) = static_cast<double>(batch_.shapes);
   }
   void add_loss(double loss) { data()[0] = loss; }
   void mark_not_finite(int rank) { slot(kNotFinite, rank) = 1.0; }
-  at::Tensor& tensor() { return sums_; }
+  // The step's sums to all-reduce, the batch's values read back now that its work is queued.
+  at::Tensor& tensor() {
+    for (const at::Tensor& values : batch_.values) {
+      const at::Tensor here = values.cpu();
+      slot(kSum, rank_) += here[0].item<double>();
+      slot(kMagnitude, rank_) += here[1].item<double>();
+    }
+    batch_.values.clear();
+    return sums_;
+  }
 
   double loss() const { return data()[0]; }
   bool finite_on(int rank) const { return slot(kNotFinite, rank) == 0.0; }
@@ -266,6 +281,8 @@ class ClosingSums {
 
   const Topology& topology_;
   int world_;
+  int rank_;
+  BatchFingerprint batch_;
   at::Tensor sums_;
 };
 
@@ -308,9 +325,9 @@ StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tenso
   const EvaluationMode evaluation_mode(std::move(local_modules));
   StepOutput output;
   ++evaluations_since_step_;
-  const BatchFingerprint batch = fingerprint(inputs, targets);
+  BatchFingerprint batch = fingerprint(inputs, targets, several_ranks_per_replica(runtime_->topology()));
   data.stamp = {ProgramCall{step_, evaluations_since_step_}.id(), batch.shapes};
-  ClosingSums sums(runtime_->topology(), runtime_->rank(), data.stamp.call, batch);
+  ClosingSums sums(runtime_->topology(), runtime_->rank(), data.stamp.call, std::move(batch));
   try {
     runtime_->with_peers("evaluate after step " + std::to_string(step_), [&] {
       const ExecutorStats stats = evaluator_->run(stage_callbacks(), data);
@@ -379,7 +396,7 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   MicrobatchData data = microbatch_data("train_step", inputs, targets, loss, batched);
   data.keep_outputs = keep_outputs;
   data.loss_scale = loss_scaler_->scale();
-  const BatchFingerprint batch = fingerprint(inputs, targets);
+  BatchFingerprint batch = fingerprint(inputs, targets, several_ranks_per_replica(runtime_->topology()));
   data.stamp = {ProgramCall{step_, 0}.id(), batch.shapes};
   const c10::Device device = runtime_->device();
 
@@ -410,7 +427,7 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
 
   ExecutorStats stats;
   StepOutput output;
-  ClosingSums sums(runtime_->topology(), runtime_->rank(), data.stamp.call, batch);
+  ClosingSums sums(runtime_->topology(), runtime_->rank(), data.stamp.call, std::move(batch));
   try {
     runtime_->with_peers("step " + std::to_string(step_), [&] {
       gradients_->arm();

@@ -30,10 +30,9 @@ constexpr int kMaxTensorsPerTransfer = 15;
 // expected, then those of a new layout.
 constexpr int kTagsPerTransfer = 32;
 
-// What a transfer's header says of the program's state at the sender, for the receiver to compare with its own: which
-// call of the program it is in (the engine numbers its steps and evaluations) and a signature of the batch it was
-// given. Ranks that make different calls (one skipped a step) or pass batches of other shapes would otherwise pair
-// one call's tensors with another's and train on wrong data without an error. kUnchecked: not compared.
+// What a transfer's header says of the sender's place in the program, for the receiver to compare with its own
+// (why: the engine's ProgramCall, engine/src/pipeline/program_call.h): which call it is in and a signature of the
+// batch it was given, opaque numbers here. kUnchecked: not compared.
 constexpr std::int64_t kUnchecked = -1;
 struct TransferStamp {
   std::int64_t call = kUnchecked;
