@@ -227,8 +227,9 @@ class InputShapes:
             if isinstance(allowed, int):
                 if size != allowed:
                     if dim in self.held.get(name, ()):
-                        why = ("smp.DistributedModel's dynamic_shapes held it at the sample's size (dynamic_shapes "
-                               f"{{'{name}': [..., {dim}]}} or \"all\" lets it change)")
+                        free = sorted({d for d, s in enumerate(sizes) if not isinstance(s, int)} | {0, dim})
+                        why = ("smp.DistributedModel's dynamic_shapes held it at the sample's size (dynamic_shapes="
+                               f"{{'{name}': {free}}}, the dimensions that may change, or \"all\" lets it)")
                     elif self.fixed_because:
                         why = f"the model could not be captured with changing shapes ({self.fixed_because})"
                     elif allowed == 1:
