@@ -118,7 +118,14 @@ def data_flow(graph, order, attributes, name):
         if not _mutates_first_argument(node):
             continue
         written = node.args[0]
-        if written in attributes:
+        # Through earlier writes (mean.mul_(0.9).add_(x)): each returns the tensor it wrote, the buffer itself.
+        target = written
+        while _is_op(target) and _mutates_first_argument(target) and target.args:
+            target = target.args[0]
+        if target in attributes:
+            # A buffer's update stays in place, computed once where it is (were it recomputed where read, the
+            # buffer would be written once per reader; out of place, not at all).
+            dynamic.add(node)
             continue
         shared = storage.get(written)
         aliases = [other for other in graph.nodes if shared is not None and other is not written and other is not node
