@@ -24,8 +24,8 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from . import _capture_cache, _expert_parallel, _routing
-from ._captured_node import (_ASSERTS, CapturedNode, _attribute, _is_op, _mutates_first_argument, mode_owners,
-                             placeholder_name, run_fuser)
+from ._captured_node import (_ASSERTS, CapturedNode, _attribute, _is_op, _mutates_first_argument, _owner_path,
+                             mode_owners, placeholder_name, run_fuser)
 from ._data_flow import READS_METADATA_ONLY, data_flow, is_random
 from ._exporting import dynamic_shapes, export_as_if_on, export_model, real_constant
 from ._input_limits import InputShapes, TableLookups, shape_guards
@@ -288,10 +288,18 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
     # In graph order, so that every node reads values made before it.
     materialized = sorted({value for values in plan.values() for value in values}, key=lambda n: order[n])
     home_of_value = {value: home for home, values in plan.items() for value in values}
+    # Each buffer update runs with its module's unit, or, where that module was cut into its children (its forward's
+    # own operations between them), with the first of them.
+    home_of_update = {}
     for op in side_effects:
-        if units.unit_of(op) not in plan:
+        unit = units.unit_of(op)
+        owner = unit if unit is not None else _owner_path(op)  # a module cut into children has no unit of its own
+        homes = [home for home in plan if isinstance(home, str) and owner and
+                 (home == owner or home.startswith(owner + "."))]
+        if not homes:
             raise ModelError(f"{name}'s forward updates a buffer in place outside any submodule "
                              f"({op.format_node()}); do it inside a module the forward calls, so that a stage holds it")
+        home_of_update[op] = owner if owner in homes else homes[0]
     runs_in = collections.defaultdict(list)  # a random operation -> the nodes that would run it
     counters = {}  # a router's chosen experts -> the operation counting them, run by the node that computes them
     for chosen, experts, router in _routing.routers(graph, dynamic, _module_paths):
@@ -300,7 +308,7 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
         order[counters[chosen]] = order[chosen] + 0.5
     for value in materialized:
         home = home_of_value[value]
-        extra = [op for op in side_effects if units.unit_of(op) == home] if plan[home][0] is value else []
+        extra = [op for op in side_effects if home_of_update[op] == home] if plan[home][0] is value else []
         node_graph, sources, node_attributes, computed = _node_graph(value, extra, value_name, attributes, order,
                                                                      extra_inputs)
         counted_here = [counters.pop(chosen) for chosen in list(counters) if chosen in computed]

@@ -70,6 +70,12 @@ def test_ranks_out_of_step_fail_at_once_saying_how(job, mistake):
     assert_passed(job(2, "out_of_step_check.py", mistake))
 
 
+def test_module_patterns_equal_pytorch(job):
+    """Patterns that once trained differently from PyTorch without an error: a Sequential reusing a module, a buffer
+    written twice in place, a counter in a module cut into its children (module_patterns_check.py)."""
+    assert_passed(job(2, "module_patterns_check.py"))
+
+
 def test_torchscript_sequential_equals_pytorch(job):
     assert_passed(job(2, "pipeline_worker.py", "--model", "sequential", "--script", "--smp",
                       smp_keys(partitions=2, microbatches=4, global_batch_size=8)))

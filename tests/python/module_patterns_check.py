@@ -1,0 +1,87 @@
+"""Model patterns that trained differently from PyTorch without an error, on 2 pipeline stages against plain PyTorch
+on the same microbatches (every step's loss, then every parameter and buffer this rank holds):
+  - an nn.Sequential calling one module twice (its second call was dropped);
+  - a buffer written by two in-place operations in a row (the second ran out of place, lost to the buffer);
+  - a call counter in a module that the cut splits into its children (refused as "outside any submodule").
+Exits 0 only when all agree."""
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+import smp
+
+runtime = smp.init({"partitions": 2, "microbatches": 2, "global_batch_size": 4, "device": "cpu"})
+failures = []
+WIDTH = 8
+
+
+class Running(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("mean", torch.ones(WIDTH))
+
+    def forward(self, x):
+        self.mean.mul_(0.9)
+        self.mean.add_(0.1 * x.detach().mean(0))
+        return torch.tanh(self.lin(x - self.mean))
+
+
+class Counted(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(self.lin(x))
+
+
+class Chain(torch.nn.Module):
+    def __init__(self, middle):
+        super().__init__()
+        self.a, self.middle, self.b, self.c = torch.nn.Linear(WIDTH, WIDTH), middle, torch.nn.Linear(WIDTH, WIDTH), \
+            torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(self.middle(torch.tanh(self.a(x))))))
+
+
+def reused_sequential():
+    shared = torch.nn.Linear(WIDTH, WIDTH)
+    return torch.nn.Sequential(shared, torch.nn.ReLU(), shared, torch.nn.Tanh())
+
+
+def check(label, build):
+    torch.manual_seed(3)
+    net = build()
+    reference = copy.deepcopy(net)
+    inputs, targets = torch.randn(4, WIDTH), torch.randn(4, WIDTH)
+    model = smp.DistributedModel(net, inputs[:2])
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        loss = model.train_step(inputs, targets, F.mse_loss).loss
+        optimizer.step()
+        optimizer.zero_grad()
+        expected = sum(F.mse_loss(reference(i), t) for i, t in zip(inputs.chunk(2), targets.chunk(2))) / 2
+        expected.backward()
+        plain.step()
+        plain.zero_grad()
+        if abs(loss - expected.item()) > 1e-6:
+            failures.append(f"{label}, step {step}: loss {loss}, PyTorch {expected.item()}")
+    whole = dict(reference.named_parameters()) | dict(reference.named_buffers())
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if not torch.allclose(tensor.float(), whole[name].float(), atol=1e-6):
+            failures.append(f"{label}: {name} is {tensor.flatten()[:3].tolist()}, PyTorch {whole[name].flatten()[:3].tolist()}")
+
+
+check("a Sequential calling one module twice", reused_sequential)
+check("a buffer written twice in place", lambda: Chain(Running()))
+check("a call counter in a module cut into its children", lambda: Chain(Counted()))
+for failure in failures:
+    print(f"rank {runtime.rank}: {failure}")
+raise SystemExit(1 if failures else 0)
