@@ -2,7 +2,8 @@
 on the same microbatches (every step's loss, then every parameter and buffer this rank holds):
   - an nn.Sequential calling one module twice (its second call was dropped);
   - a buffer written by two in-place operations in a row (the second ran out of place, lost to the buffer);
-  - a call counter in a module that the cut splits into its children (refused as "outside any submodule").
+  - a call counter in a module that the cut splits into its children (refused as "outside any submodule");
+  - a forward writing its input in place (microbatches were views sharing one version counter: autograd refused).
 Exits 0 only when all agree."""
 
 import copy
@@ -50,6 +51,12 @@ class Chain(torch.nn.Module):
         return self.c(torch.tanh(self.b(self.middle(torch.tanh(self.a(x))))))
 
 
+class WritesItsInput(Chain):
+    def forward(self, x):
+        x.mul_(2.0)
+        return super().forward(x)
+
+
 def reused_sequential():
     shared = torch.nn.Linear(WIDTH, WIDTH)
     return torch.nn.Sequential(shared, torch.nn.ReLU(), shared, torch.nn.Tanh())
@@ -64,10 +71,10 @@ def check(label, build):
     optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     plain = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(3):
-        loss = model.train_step(inputs, targets, F.mse_loss).loss
+        loss = model.train_step(inputs.clone(), targets, F.mse_loss).loss  # clones: a forward may write its input
         optimizer.step()
         optimizer.zero_grad()
-        expected = sum(F.mse_loss(reference(i), t) for i, t in zip(inputs.chunk(2), targets.chunk(2))) / 2
+        expected = sum(F.mse_loss(reference(i.clone()), t) for i, t in zip(inputs.chunk(2), targets.chunk(2))) / 2
         expected.backward()
         plain.step()
         plain.zero_grad()
@@ -82,6 +89,7 @@ def check(label, build):
 check("a Sequential calling one module twice", reused_sequential)
 check("a buffer written twice in place", lambda: Chain(Running()))
 check("a call counter in a module cut into its children", lambda: Chain(Counted()))
+check("a forward writing its input in place", lambda: WritesItsInput(torch.nn.Linear(WIDTH, WIDTH)))
 for failure in failures:
     print(f"rank {runtime.rank}: {failure}")
 raise SystemExit(1 if failures else 0)

@@ -87,8 +87,12 @@ MicrobatchData DistributedModel::microbatch_data(const char* caller, const Model
       for (auto& microbatch : data.inputs) microbatch[i] = on_device;
       continue;
     }
+    // Each microbatch a tensor of its own to autograd (a view shares its base's version counter): a forward writing
+    // its input in place (x.mul_(2)) would otherwise spoil what the earlier microbatches saved for their backward.
     const auto chunks = on_device.chunk(microbatches);
-    for (int m = 0; m < microbatches; ++m) data.inputs[m][i] = chunks[m];
+    for (int m = 0; m < microbatches; ++m) {
+      data.inputs[m][i] = chunks[m].requires_grad() ? chunks[m] : chunks[m].variable_data();
+    }
   }
   if (targets.defined()) data.targets = (targets.dim() > 0 ? targets.to(device).chunk(microbatches)
                                                            : std::vector<at::Tensor>(microbatches, targets.to(device)));
