@@ -73,6 +73,7 @@ class GraphModel:
         self._several_outputs = False
         self._captured = {}  # node name -> CapturedNode, for a model captured whole
         self._transient_buffers = []
+        self._script_nodes = {}  # id of a TorchScript module -> the node that runs it
 
     @property
     def input_names(self):
@@ -83,6 +84,14 @@ class GraphModel:
         return list(self._graph.output_names)
 
     def add(self, name, module, inputs):
+        if isinstance(module, torch.jit.ScriptModule):
+            # The engine runs a copy of each node's TorchScript module: two nodes would train two copies of what
+            # PyTorch trains once. Eager modules used twice share their parameters as tied ones.
+            first = self._script_nodes.setdefault(id(module), name)
+            if first != name:
+                raise ModelError(f"node '{name}' runs the TorchScript module of node '{first}' again: smp would train "
+                                 "two copies of its parameters; pass the eager module (its uses then share them), "
+                                 "or a module of its own")
         key = _profile_key(module) if isinstance(module, torch.nn.Module) else ""
         self._graph.add(name, _engine_module(name, module), list(inputs), profile_key=key)
         if isinstance(module, torch.nn.Module):

@@ -601,6 +601,9 @@ def main():
 
     fused_runs()
     pytorch_conventions()
+    scripted = torch.jit.script(torch.nn.Linear(4, 4))
+    expect_error("a TorchScript module used twice", smp.ModelError, "runs the TorchScript module of node '0' again",
+                 lambda: smp.DistributedModel(torch.nn.Sequential(scripted, torch.nn.ReLU(), scripted), torch.randn(2, 4)))
     return report.finish(failures)
 
 
