@@ -2,6 +2,7 @@
 
 import io
 import itertools
+import weakref
 
 import torch
 
@@ -73,7 +74,7 @@ class GraphModel:
         self._several_outputs = False
         self._captured = {}  # node name -> CapturedNode, for a model captured whole
         self._transient_buffers = []
-        self._script_nodes = {}  # id of a TorchScript module -> the node that runs it
+        self._script_nodes = {}  # id of a TorchScript module -> (the node that runs it, a weak reference to it)
 
     @property
     def input_names(self):
@@ -87,8 +88,11 @@ class GraphModel:
         if isinstance(module, torch.jit.ScriptModule):
             # The engine runs a copy of each node's TorchScript module: two nodes would train two copies of what
             # PyTorch trains once. Eager modules used twice share their parameters as tied ones.
-            first = self._script_nodes.setdefault(id(module), name)
-            if first != name:
+            # By a weak reference: the engine keeps its copy, and the object freed, its id may come again.
+            first, held = self._script_nodes.get(id(module), (name, None))
+            if held is None or held() is not module:
+                self._script_nodes[id(module)] = (name, weakref.ref(module))
+            elif first != name:
                 raise ModelError(f"node '{name}' runs the TorchScript module of node '{first}' again: smp would train "
                                  "two copies of its parameters; pass the eager module (its uses then share them), "
                                  "or a module of its own")
