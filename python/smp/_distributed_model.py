@@ -16,6 +16,7 @@ from ._graph import GraphModel, _is_sequential, _kind, transient_buffers
 from ._model_graph import graph_of, shard_for_tensor_parallelism
 from ._model_io import own_loss
 from ._planning import adopt_planned_layout
+from ._shared_buffers import check_updated_buffers_on_one_stage
 from ._smp import ConfigError, ModelError
 from ._state import runtime
 
@@ -143,6 +144,7 @@ class DistributedModel(torch.nn.Module):
             for node in graph._captured.values():
                 object.__setattr__(node, "_job_device", torch.device(rt.device))
         self._model = _smp.DistributedModel(rt, graph._graph, io_.engine_inputs(sample, "sample"), materialize_local)
+        check_updated_buffers_on_one_stage(model, graph, self._model.stage_of_module)
         # Where construction time went (capture; profiling, partitioning and building the stages), for benchmarks.
         self._seconds = {"capture": captured - started, "engine": time.perf_counter() - captured}
         # The full model's names in its order: named_parameters() and state_dict() follow it, as PyTorch's do.

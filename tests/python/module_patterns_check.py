@@ -3,7 +3,8 @@ on the same microbatches (every step's loss, then every parameter and buffer thi
   - an nn.Sequential calling one module twice (its second call was dropped);
   - a buffer written by two in-place operations in a row (the second ran out of place, lost to the buffer);
   - a call counter in a module that the cut splits into its children (refused as "outside any submodule");
-  - a forward writing its input in place (microbatches were views sharing one version counter: autograd refused).
+  - a forward writing its input in place (microbatches were views sharing one version counter: autograd refused);
+  - a batch norm called on two stages is refused (each stage would update a copy of its statistics).
 Exits 0 only when all agree."""
 
 import copy
@@ -90,6 +91,14 @@ check("a Sequential calling one module twice", reused_sequential)
 check("a buffer written twice in place", lambda: Chain(Running()))
 check("a call counter in a module cut into its children", lambda: Chain(Counted()))
 check("a forward writing its input in place", lambda: WritesItsInput(torch.nn.Linear(WIDTH, WIDTH)))
+try:
+    bn = torch.nn.BatchNorm1d(WIDTH)
+    smp.DistributedModel(torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), bn, torch.nn.Linear(WIDTH, WIDTH), bn),
+                         torch.randn(2, WIDTH))
+    failures.append("a batch norm called on two stages was accepted")
+except smp.ModelError as error:
+    if "buffer 'running_mean' is updated by the forward and held by nodes on stages 0, 1 (1, 3)" not in str(error):
+        failures.append(f"a batch norm called on two stages: {error}")
 for failure in failures:
     print(f"rank {runtime.rank}: {failure}")
 raise SystemExit(1 if failures else 0)
