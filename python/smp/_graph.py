@@ -74,7 +74,8 @@ class GraphModel:
         self._several_outputs = False
         self._captured = {}  # node name -> CapturedNode, for a model captured whole
         self._transient_buffers = []
-        self._script_nodes = {}  # id of a TorchScript module -> (the node that runs it, a weak reference to it)
+        # id of a parameter -> (the first node holding it, whether that node is TorchScript, a weak reference to it)
+        self._parameter_nodes = {}
 
     @property
     def input_names(self):
@@ -85,22 +86,29 @@ class GraphModel:
         return list(self._graph.output_names)
 
     def add(self, name, module, inputs):
-        if isinstance(module, torch.jit.ScriptModule):
-            # The engine runs a copy of each node's TorchScript module: two nodes would train two copies of what
-            # PyTorch trains once. Eager modules used twice share their parameters as tied ones.
-            # By a weak reference: the engine keeps its copy, and the object freed, its id may come again.
-            first, held = self._script_nodes.get(id(module), (name, None))
-            if held is None or held() is not module:
-                self._script_nodes[id(module)] = (name, weakref.ref(module))
-            elif first != name:
-                raise ModelError(f"node '{name}' runs the TorchScript module of node '{first}' again: smp would train "
-                                 "two copies of its parameters; pass the eager module (its uses then share them), "
-                                 "or a module of its own")
+        if isinstance(module, torch.nn.Module):
+            self._check_shared_with_script(name, module)
         key = _profile_key(module) if isinstance(module, torch.nn.Module) else ""
         self._graph.add(name, _engine_module(name, module), list(inputs), profile_key=key)
         if isinstance(module, torch.nn.Module):
             self._transient_buffers += transient_buffers(module, name + ".")
         return self
+
+    def _check_shared_with_script(self, name, module):
+        """The engine runs a copy of each node's TorchScript module: a parameter a TorchScript node shares with another
+        node (the same module used twice, an embedding tied to a head) would be trained as two copies where PyTorch
+        trains one. Eager modules' shared parameters are tied instead. Weak references: a module freed after add
+        may hand its ids on."""
+        script = isinstance(module, torch.jit.ScriptModule)
+        for path, parameter in module.named_parameters():
+            first, first_script, held = self._parameter_nodes.get(id(parameter), (None, False, None))
+            if held is None or held() is not parameter:
+                self._parameter_nodes[id(parameter)] = (name, script, weakref.ref(parameter))
+            elif first != name and (script or first_script):
+                raise ModelError(f"node '{name}' shares parameter '{path}' with node '{first}', and one of them is "
+                                 "TorchScript, which smp runs as a copy per node: it would train two copies of what "
+                                 "PyTorch trains once; pass eager modules (their shared parameters are tied), or give "
+                                 "each node its own")
 
     def set_outputs(self, outputs):
         """The model's outputs, in the order the loss function (and keep_outputs) receive them as a tuple."""
