@@ -244,8 +244,10 @@ class InputShapes:
             symbol, low, high = allowed
             if size < low or (high is not None and size > high):
                 bound = f"{low} to {high}" if high is not None else f"at least {low}"
+                hint = (f" (an epoch's short last batch: drop it, as DataLoader's drop_last=True does, or give "
+                        f"batches of at least {low} samples a microbatch)" if dim == 0 and size < low else "")
                 raise ConfigError(f"{what}: input '{name}' gives microbatches of shape {tuple(shape)}; the captured "
-                                  f"model takes {bound} in its dimension {dim}")
+                                  f"model takes {bound} in its dimension {dim}{hint}")
 
     def check_agreement(self, shapes, what):
         """Inputs sharing a symbol (input_ids and labels' sequence length) have the same size there."""

@@ -76,6 +76,12 @@ def test_module_patterns_equal_pytorch(job):
     assert_passed(job(2, "module_patterns_check.py"))
 
 
+def test_replicas_keep_the_first_replicas_buffers(job):
+    """Batch norm's running statistics, updated by each replica from its share, are replica 0's on every replica
+    after each step, as under torch DDP (replica_buffers_check.py)."""
+    assert_passed(job(2, "replica_buffers_check.py"))
+
+
 def test_torchscript_sequential_equals_pytorch(job):
     assert_passed(job(2, "pipeline_worker.py", "--model", "sequential", "--script", "--smp",
                       smp_keys(partitions=2, microbatches=4, global_batch_size=8)))

@@ -192,6 +192,10 @@ class DistributedModel {
   void check_single_input(const char* caller, const at::Tensor& inputs, const at::Tensor& targets) const;
   void build_stages(const sched::Schedule& schedule);
   void make_optimizer_shards();
+  // Replicas take replica 0's buffers after a step (batch norm's running statistics), as torch DDP's default
+  // broadcast_buffers does: each updated its own from its share, so evaluation and checkpoints (replica 0's) would
+  // otherwise depend on the replica. Not under expert parallelism, whose replicas hold different experts.
+  void share_first_replica_buffers();
   void write_timeline(const std::vector<TimelineEvent>& events);
   // Whether this rank's losses go into the step's: the tensor-parallel ranks of the last stage compute the same.
   bool counts_loss() const { return runtime_->tp_rank() == 0; }

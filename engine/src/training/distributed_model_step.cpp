@@ -463,6 +463,7 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
       if (!gradients_finite) sums.mark_not_finite(runtime_->rank());
       runtime_->world().all_reduce_sum(sums.tensor());
       sums.check_in_step();
+      share_first_replica_buffers();
     });
   } catch (const comm::CommError& error) {
     throw comm::CommError("step " + std::to_string(step_) + ", stage-rank " + std::to_string(runtime_->pp_rank()) +
@@ -503,6 +504,28 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   output.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   log_step_against_plan(*runtime_, step_ - 1, output.seconds);
   return output;
+}
+
+void DistributedModel::share_first_replica_buffers() {
+  const Topology& topology = runtime_->topology();
+  if (topology.data_parallel_degree() < 2 || topology.expert_parallel_degree() > 1 || named_buffers_.empty()) return;
+  // One broadcast per dtype and device, not one per buffer (a ResNet has three per batch norm).
+  std::map<std::pair<c10::ScalarType, std::string>, std::vector<at::Tensor>> groups;
+  for (const auto& [name, buffer] : named_buffers_) {
+    if (buffer.defined() && buffer.numel() > 0) groups[{buffer.scalar_type(), buffer.device().str()}].push_back(buffer);
+  }
+  for (auto& [key, buffers] : groups) {
+    std::vector<at::Tensor> flat;
+    for (const auto& buffer : buffers) flat.push_back(buffer.detach().reshape(-1));
+    at::Tensor packed = at::cat(flat);
+    runtime_->data_parallel().broadcast(packed, 0);
+    std::int64_t offset = 0;
+    at::NoGradGuard no_grad;
+    for (auto& buffer : buffers) {
+      buffer.detach().copy_(packed.narrow(0, offset, buffer.numel()).view(buffer.sizes()));
+      offset += buffer.numel();
+    }
+  }
 }
 
 }  // namespace smp

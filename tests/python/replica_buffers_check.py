@@ -1,0 +1,30 @@
+"""Two replicas of a model with batch norm: each updates the running statistics from its share, and after every step
+both hold replica 0's, as torch DDP's default broadcast_buffers leaves them (they drifted apart before, and so did
+evaluation of the same rows and the checkpoints, which keep replica 0's). Exits 0 only then."""
+
+import torch
+import torch.nn.functional as F
+
+import smp
+
+runtime = smp.init({"partitions": 1, "microbatches": 2, "global_batch_size": 8, "ddp": True, "device": "cpu"})
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+model = smp.DistributedModel(net, torch.randn(2, 4))
+optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+failures = []
+for step in range(3):
+    # Shares that differ a lot between replicas: their statistics would too.
+    inputs = torch.cat([torch.randn(4, 4), 5 + 3 * torch.randn(4, 4)])
+    model.train_step(inputs, torch.randn(8, 2), F.mse_loss)
+    optimizer.step()
+    optimizer.zero_grad()
+mean = dict(model.named_buffers())["1.running_mean"].clone()
+everyone = mean.unsqueeze(0).repeat(2, 1)
+everyone[1 - runtime.dp_rank] = 0
+runtime.all_reduce_sum(everyone)  # each replica's own row, the other's zero
+if not torch.equal(everyone[0], everyone[1]):
+    failures.append(f"running means differ between replicas: {everyone[0][:3].tolist()} and {everyone[1][:3].tolist()}")
+for failure in failures:
+    print(f"rank {runtime.rank}: {failure}")
+raise SystemExit(1 if failures else 0)
