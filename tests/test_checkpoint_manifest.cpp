@@ -170,7 +170,7 @@ TEST_CASE("checkpoint: divided experts need a partition file per pipeline rank a
                     Contains("dp_rank 1, outside [2, 3]"));
 }
 
-TEST_CASE("checkpoint: the newest complete checkpoint wins; damaged ones are skipped with a reason", "[checkpoint]") {
+TEST_CASE("checkpoint: the newest complete checkpoint wins, damaged ones are skipped with a reason", "[checkpoint]") {
   const auto root = fresh_root("latest");
   CHECK_FALSE(find_latest_checkpoint(root).has_value());
   write_checkpoint(root, 3);

@@ -654,7 +654,7 @@ TEST_CASE("freezing a parameter after the model was built is refused, naming it"
                     Catch::Matchers::Contains("parameter 0.bias was frozen after the DistributedModel was built"));
 }
 
-TEST_CASE("kept outputs are the model's, in batch order; 0-dim outputs give one value per microbatch", "[outputs]") {
+TEST_CASE("kept outputs are the model's, in batch order, and 0-dim outputs give one value per microbatch", "[outputs]") {
   // Two virtual stages on one rank, the second checkpointed: its recompute in backward must not add outputs.
   const auto config = smp::Config::from_json_text(
       R"({"device": "cpu", "microbatches": 3, "virtual_stages": 2, "pipeline": "interleaved", "auto_partition": false,

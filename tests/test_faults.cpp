@@ -67,7 +67,7 @@ TEST_CASE("the fp16 loss scale survives a checkpoint", "[faults][checkpoint][pre
   check_clean_run(resumed, 2);
 }
 
-TEST_CASE("a killed rank stops the job; resuming gives the uninterrupted losses bit for bit", "[faults][checkpoint]") {
+TEST_CASE("a killed rank stops the job, and resuming gives the uninterrupted losses bit for bit", "[faults][checkpoint]") {
   const auto uninterrupted_config = write_config("uninterrupted", smp_config(2, 2, 2, "interleaved", "cluster", 8, 20));
   const auto uninterrupted = run_command(worker(uninterrupted_config, "--steps 6"), 120);
   INFO(uninterrupted.output);
@@ -95,6 +95,12 @@ TEST_CASE("a killed rank stops the job; resuming gives the uninterrupted losses 
   const auto after = step_losses(continued.output);
   REQUIRE(after.size() == 4);  // steps 2..5
   for (std::size_t i = 0; i < after.size(); ++i) CHECK(after[i] == expected[i + 2]);
+
+  // A program that never calls resume() under "resume": true trains from its start, and its first save says so.
+  const auto forgot = run_command(worker(resume_config, "--steps 2 --skip-resume 1"), 120);
+  INFO(forgot.output);
+  CHECK(forgot.status == 0);
+  CHECK_THAT(forgot.output, Contains("but resume() was not called: this job trained from its start, and saves step 1"));
 }
 
 TEST_CASE("a rank that stops answering makes the others fail within the timeout and names it", "[faults]") {

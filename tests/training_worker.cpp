@@ -50,6 +50,7 @@ struct Options {
   int step_sleep_ms = 0;  // each step starts this much later: a job that lasts, whatever the machine's speed
   bool vary_length = false;  // gpt: the sequence length changes from step to step
   bool accumulate = false;   // each step is two train_steps on the batch's halves, gradients accumulated between
+  bool skip_resume = false;  // never calls Checkpointer::resume (a program that forgot it)
   std::string load_full;  // a full-model file (smp_checkpoint export) to load instead of training
   int expect_step = -1;   // with load_full: the file holds the state after this step
   double rtol = 1e-4;
@@ -233,6 +234,7 @@ Options parse(int argc, char** argv) {
     else if (flag == "--step-sleep-ms") options.step_sleep_ms = std::stoi(value);
     else if (flag == "--vary-length") options.vary_length = value == "1";
     else if (flag == "--accumulate") options.accumulate = value == "1";
+    else if (flag == "--skip-resume") options.skip_resume = value == "1";
     else if (flag == "--load-full") options.load_full = value;
     else if (flag == "--expect-step") options.expect_step = std::stoi(value);
     else throw std::runtime_error("training_worker: unknown flag " + flag);
@@ -268,7 +270,7 @@ int run(int argc, char** argv) {
   }
   smp::DistributedOptimizer optimizer(distributed, make_optimizer(options, distributed.parameters()));
   smp::Checkpointer checkpointer(distributed, optimizer);
-  const int first_step = static_cast<int>(checkpointer.resume());
+  const int first_step = options.skip_resume ? 0 : static_cast<int>(checkpointer.resume());
 
   at::manual_seed(config.seed);
   auto reference = make_model(options);

@@ -162,6 +162,11 @@ void Checkpointer::save(std::int64_t step) {
   wait();  // one save at a time; a failure of the previous one surfaces here
   Runtime& runtime = model_.runtime();
   const Config& config = runtime.config();
+  if (model_.resumed_from() && !resume_called_ && runtime.rank() == 0) {
+    log::warn("\"resume\" is true and " + model_.resumed_from()->directory + " was found, but resume() was not called: "
+              "this job trained from its start, and saves step " + std::to_string(step) + " beside the older checkpoints");
+  }
+  resume_called_ = true;  // said once
   const std::string directory = config.checkpoint_dir + "/" + checkpoint_directory_name(step);
   const std::string key = "checkpoint/" + std::to_string(runtime.next_exchange()) + "/";
 
@@ -321,6 +326,7 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
 }
 
 std::int64_t Checkpointer::resume() {
+  resume_called_ = true;
   const auto& origin = model_.resumed_from();
   if (!origin) return 0;
   Runtime& runtime = model_.runtime();
