@@ -1,3 +1,13 @@
+# catch_discover_tests hands each name to ctest as a CMake list item: a ';' in a name splits it, and ctest then runs
+# a part that matches no test case, which passes without running anything.
+file(GLOB smp_catch_sources ${CMAKE_CURRENT_LIST_DIR}/*.cpp)
+foreach(source IN LISTS smp_catch_sources)
+  file(STRINGS ${source} names_with_semicolons REGEX "TEST_CASE\\(\"[^\"]*;")
+  if(names_with_semicolons)
+    message(FATAL_ERROR "${source}: a TEST_CASE name holds ';', which ctest would split and never run; use ','")
+  endif()
+endforeach()
+
 # Torch-free unit tests: config validation, topology, chain partition search, timeline formatting.
 add_executable(test_core
   ${CMAKE_CURRENT_LIST_DIR}/test_config.cpp
