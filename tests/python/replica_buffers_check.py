@@ -1,13 +1,15 @@
 """Two replicas of a model with batch norm: each updates the running statistics from its share, and after every step
 both hold replica 0's, as torch DDP's default broadcast_buffers leaves them (they drifted apart before, and so did
-evaluation of the same rows and the checkpoints, which keep replica 0's). Exits 0 only then."""
+evaluation of the same rows and the checkpoints, which keep replica 0's). Then shares of different sizes
+(replica_share=True) are refused on both: replicas count equally in the mean loss. Exits 0 only then."""
 
 import torch
 import torch.nn.functional as F
 
 import smp
 
-runtime = smp.init({"partitions": 1, "microbatches": 2, "global_batch_size": 8, "ddp": True, "device": "cpu"})
+# No global_batch_size: it would refuse the uneven shares below on one rank alone, before the step.
+runtime = smp.init({"partitions": 1, "microbatches": 2, "ddp": True, "device": "cpu"})
 torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
 model = smp.DistributedModel(net, torch.randn(2, 4))
@@ -25,6 +27,13 @@ everyone[1 - runtime.dp_rank] = 0
 runtime.all_reduce_sum(everyone)  # each replica's own row, the other's zero
 if not torch.equal(everyone[0], everyone[1]):
     failures.append(f"running means differ between replicas: {everyone[0][:3].tolist()} and {everyone[1][:3].tolist()}")
+share = torch.randn(8 if runtime.dp_rank == 0 else 4, 4)
+try:
+    model.train_step(share, torch.randn(share.shape[0], 2), F.mse_loss, replica_share=True)
+    failures.append("replica shares of 4 and 2 samples were accepted")
+except smp.CommError as error:
+    if "replicas count equally in the mean loss, so their shares must be the same size" not in str(error):
+        failures.append(f"shares of 8 and 4 samples: {error}")
 for failure in failures:
     print(f"rank {runtime.rank}: {failure}")
 raise SystemExit(1 if failures else 0)

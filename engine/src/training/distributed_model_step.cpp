@@ -166,6 +166,7 @@ class EvaluationMode {
 // (an image batch would otherwise be read whole, in double), and left on the batch's device until the step's end.
 struct BatchFingerprint {
   std::int64_t shapes = 0;
+  std::int64_t samples = 0;  // the replica's share: replicas count equally in the mean loss, so shares must match
   std::vector<at::Tensor> values;  // per tensor: (weighted sum, weighted magnitude), on its device; none unchecked
 };
 
@@ -174,9 +175,14 @@ bool several_ranks_per_replica(const Topology& topology) {
   return topology.pipeline_degree() * topology.tensor_parallel_degree() > 1;
 }
 
-BatchFingerprint fingerprint(const ModelInputs& inputs, const at::Tensor& targets, bool values_compared) {
+BatchFingerprint fingerprint(const ModelInputs& inputs, const at::Tensor& targets, const std::vector<bool>& batched,
+                             bool values_compared) {
   constexpr std::int64_t kSampled = 1 << 16, kWeights = 13;
   BatchFingerprint print;
+  for (std::size_t i = 0; i < inputs.size() && i < batched.size() && print.samples == 0; ++i) {
+    if (batched[i] && inputs[i].defined()) print.samples = inputs[i].size(0);
+  }
+  if (print.samples == 0 && targets.defined() && targets.dim() > 0) print.samples = targets.size(0);
   std::uint64_t hash = 1469598103934665603ULL;  // FNV-1a
   const auto mix = [&hash](std::int64_t value) {
     hash ^= static_cast<std::uint64_t>(value);
@@ -209,7 +215,7 @@ BatchFingerprint fingerprint(const ModelInputs& inputs, const at::Tensor& target
 // and its batch's fingerprint. Calls of one kind meet here (train_step n and m; evaluations), where no transfer
 // between their ranks has (replicas of one stage); a train_step and an evaluate wait in different collectives.
 class ClosingSums {
-  enum Field { kNotFinite, kCall, kShapes, kSum, kMagnitude, kFields };
+  enum Field { kNotFinite, kCall, kShapes, kSum, kMagnitude, kSamples, kFields };
 
  public:
   ClosingSums(const Topology& topology, int rank, std::int64_t call, BatchFingerprint batch)
@@ -220,6 +226,7 @@ class ClosingSums {
         sums_(at::zeros({1 + kFields * world_}, at::kDouble)) {
     slot(kCall, rank) = static_cast<double>(call);
     slot(kShapes, rank) = static_cast<double>(batch_.shapes);
+    slot(kSamples, rank) = static_cast<double>(batch_.samples);
   }
   void add_loss(double loss) { data()[0] = loss; }
   void mark_not_finite(int rank) { slot(kNotFinite, rank) = 1.0; }
@@ -237,8 +244,8 @@ class ClosingSums {
   double loss() const { return data()[0]; }
   bool finite_on(int rank) const { return slot(kNotFinite, rank) == 0.0; }
 
-  // Throws, the same error on every rank, when some rank is in another call, or a replica's ranks were given
-  // different batches.
+  // Throws, the same error on every rank, when some rank is in another call, a replica's ranks were given different
+  // batches, or the replicas' shares differ in size.
   void check_in_step() const {
     std::map<std::int64_t, std::vector<int>> ranks_by_call;
     for (int rank = 0; rank < world_; ++rank) {
@@ -267,6 +274,13 @@ class ClosingSums {
                             (same_shapes ? "values" : "shapes") + " than rank " + std::to_string(other) +
                             ", in the same replica (" + ProgramCall::from_id(static_cast<std::int64_t>(slot(kCall, rank))).describe() +
                             "): " + kSameCallsEverywhere);
+    }
+    for (int rank = 1; rank < world_; ++rank) {
+      if (slot(kSamples, rank) == slot(kSamples, 0)) continue;
+      throw comm::CommError("rank " + std::to_string(rank) + "'s batch has " +
+                            std::to_string(static_cast<std::int64_t>(slot(kSamples, rank))) + " samples, rank 0's " +
+                            std::to_string(static_cast<std::int64_t>(slot(kSamples, 0))) +
+                            ": replicas count equally in the mean loss, so their shares must be the same size");
     }
   }
 
@@ -329,7 +343,8 @@ StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tenso
   const EvaluationMode evaluation_mode(std::move(local_modules));
   StepOutput output;
   ++evaluations_since_step_;
-  BatchFingerprint batch = fingerprint(inputs, targets, several_ranks_per_replica(runtime_->topology()));
+  BatchFingerprint batch = fingerprint(inputs, targets, batched.empty() ? batched_inputs(inputs, targets) : batched,
+                                       several_ranks_per_replica(runtime_->topology()));
   data.stamp = {ProgramCall{step_, evaluations_since_step_}.id(), batch.shapes};
   ClosingSums sums(runtime_->topology(), runtime_->rank(), data.stamp.call, std::move(batch));
   try {
@@ -400,7 +415,8 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   MicrobatchData data = microbatch_data("train_step", inputs, targets, loss, batched);
   data.keep_outputs = keep_outputs;
   data.loss_scale = loss_scaler_->scale();
-  BatchFingerprint batch = fingerprint(inputs, targets, several_ranks_per_replica(runtime_->topology()));
+  BatchFingerprint batch = fingerprint(inputs, targets, batched.empty() ? batched_inputs(inputs, targets) : batched,
+                                       several_ranks_per_replica(runtime_->topology()));
   data.stamp = {ProgramCall{step_, 0}.id(), batch.shapes};
   const c10::Device device = runtime_->device();
 
