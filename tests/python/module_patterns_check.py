@@ -12,6 +12,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
+import report
 import smp
 
 runtime = smp.init({"partitions": 2, "microbatches": 2, "global_batch_size": 4, "device": "cpu"})
@@ -91,15 +92,11 @@ check("a Sequential calling one module twice", reused_sequential)
 check("a buffer written twice in place", lambda: Chain(Running()))
 check("a call counter in a module cut into its children", lambda: Chain(Counted()))
 check("a forward writing its input in place", lambda: WritesItsInput(torch.nn.Linear(WIDTH, WIDTH)))
-try:
-    bn = torch.nn.BatchNorm1d(WIDTH)
-    # First and last: on stage 0 and stage 1 whatever the cut.
-    smp.DistributedModel(torch.nn.Sequential(bn, torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH), bn),
-                         torch.randn(2, WIDTH))
-    failures.append("a batch norm called on two stages was accepted")
-except smp.ModelError as error:
-    if "buffer 'running_mean' is updated by the forward and held by nodes on stages 0, 1 (0, 3)" not in str(error):
-        failures.append(f"a batch norm called on two stages: {error}")
-for failure in failures:
-    print(f"rank {runtime.rank}: {failure}")
-raise SystemExit(1 if failures else 0)
+bn = torch.nn.BatchNorm1d(WIDTH)
+# First and last: on stage 0 and stage 1 whatever the cut.
+report.expect_error(failures, "a batch norm called on two stages", smp.ModelError,
+                    "buffer 'running_mean' is updated by the forward and held by nodes on stages 0, 1 (0, 3)",
+                    lambda: smp.DistributedModel(torch.nn.Sequential(bn, torch.nn.Linear(WIDTH, WIDTH),
+                                                                     torch.nn.Linear(WIDTH, WIDTH), bn),
+                                                 torch.randn(2, WIDTH)))
+raise SystemExit(report.finish(failures))

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+import report
 import smp
 
 runtime = smp.init({"partitions": 2, "microbatches": 2, "global_batch_size": 4, "pipeline": "1f1b",
@@ -43,6 +44,4 @@ elif expected[mistake] not in error or "the ranks of a replica with the same bat
     failures.append(f"the error does not say that {expected[mistake]!r}: {error}")
 if waited > 60:
     failures.append(f"the mistake was found after {waited:.1f} s (timeout 120 s)")
-for failure in failures:
-    print(f"rank {runtime.rank}: {failure}")
-raise SystemExit(1 if failures else 0)
+raise SystemExit(report.finish(failures))

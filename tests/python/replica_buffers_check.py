@@ -6,6 +6,7 @@ evaluation of the same rows and the checkpoints, which keep replica 0's). Then s
 import torch
 import torch.nn.functional as F
 
+import report
 import smp
 
 # No global_batch_size: it would refuse the uneven shares below on one rank alone, before the step.
@@ -28,12 +29,7 @@ runtime.all_reduce_sum(everyone)  # each replica's own row, the other's zero
 if not torch.equal(everyone[0], everyone[1]):
     failures.append(f"running means differ between replicas: {everyone[0][:3].tolist()} and {everyone[1][:3].tolist()}")
 share = torch.randn(8 if runtime.dp_rank == 0 else 4, 4)
-try:
-    model.train_step(share, torch.randn(share.shape[0], 2), F.mse_loss, replica_share=True)
-    failures.append("replica shares of 4 and 2 samples were accepted")
-except smp.CommError as error:
-    if "replicas count equally in the mean loss, so their shares must be the same size" not in str(error):
-        failures.append(f"shares of 8 and 4 samples: {error}")
-for failure in failures:
-    print(f"rank {runtime.rank}: {failure}")
-raise SystemExit(1 if failures else 0)
+report.expect_error(failures, "replica shares of 8 and 4 samples", smp.CommError,
+                    "replicas count equally in the mean loss, so their shares must be the same size",
+                    lambda: model.train_step(share, torch.randn(share.shape[0], 2), F.mse_loss, replica_share=True))
+raise SystemExit(report.finish(failures))
