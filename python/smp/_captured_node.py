@@ -54,6 +54,15 @@ def _mutates_first_argument(node):
     return alias is not None and alias.is_write
 
 
+def written_through(value):
+    """The tensor an in-place write into `value` writes: through earlier in-place writes, each of which returns the
+    tensor it wrote (mean.mul_(0.9).add_(x) writes mean)."""
+    while isinstance(value, torch.fx.Node) and _is_op(value) and _mutates_first_argument(value) and value.args and \
+            isinstance(value.args[0], torch.fx.Node):
+        value = value.args[0]
+    return value
+
+
 def _set_path(root, path, value):
     *parents, leaf = path.split(".")
     module = root

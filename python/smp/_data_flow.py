@@ -5,7 +5,7 @@ import collections
 
 import torch
 
-from ._captured_node import _is_op, _mutates_first_argument
+from ._captured_node import _is_op, _mutates_first_argument, written_through
 from ._smp import ModelError
 from ._value_sketch import sketch_of
 
@@ -118,11 +118,7 @@ def data_flow(graph, order, attributes, name):
         if not _mutates_first_argument(node):
             continue
         written = node.args[0]
-        # Through earlier writes (mean.mul_(0.9).add_(x)): each returns the tensor it wrote, the buffer itself.
-        target = written
-        while _is_op(target) and _mutates_first_argument(target) and target.args:
-            target = target.args[0]
-        if target in attributes:
+        if written_through(written) in attributes:
             # A buffer's update stays in place, computed once where it is (were it recomputed where read, the
             # buffer would be written once per reader; out of place, not at all).
             dynamic.add(node)

@@ -6,7 +6,7 @@ import collections
 
 import torch
 
-from ._captured_node import _is_op
+from ._captured_node import _is_op, written_through
 from ._smp import ModelError
 
 
@@ -25,17 +25,8 @@ def _written_by(node):
             continue
         # batch_norm writes its running statistics without saying so in its schema.
         if argument.name in _RUNNING_STATISTICS or (argument.alias_info is not None and argument.alias_info.is_write):
-            targets.append(_root(value))
+            targets.append(written_through(value))
     return targets
-
-
-def _root(value):
-    while _is_op(value) and value.args and isinstance(value.args[0], torch.fx.Node) and \
-            getattr(value.target, "_schema", None) is not None and value.target._schema.arguments and \
-            value.target._schema.arguments[0].alias_info is not None and \
-            value.target._schema.arguments[0].alias_info.is_write:
-        value = value.args[0]
-    return value
 
 
 def _captured_writes(node):
@@ -51,7 +42,7 @@ def _captured_writes(node):
                 inputs.add(placeholders.index(target))
     output = next(n for n in node._graph.nodes if n.op == "output").args[0]
     output = output[0] if isinstance(output, (tuple, list)) and len(output) == 1 else output
-    root = _root(output) if isinstance(output, torch.fx.Node) and _is_op(output) else None
+    root = written_through(output) if isinstance(output, torch.fx.Node) and _is_op(output) else None
     return buffers, inputs, root.target if root is not None and root.op == "get_attr" and root.target in buffers \
         else None
 
