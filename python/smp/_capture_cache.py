@@ -8,7 +8,8 @@ versions, the source files defining every module class of the model, the model's
 plain and tensor attributes, forward hooks and replaced functions, its parameters' and buffers' names, shapes,
 dtypes, whether they train and which share one tensor), a Hugging Face model's config, the tensor-parallel group's
 size, the sample (its structure, every tensor's shape, dtype, device and values), which dimensions may change, the
-device a meta-built model is exported for, the experts divided and the grad and autocast modes. Anything else a
+device a meta-built model is exported for, the experts divided, the grad and autocast modes and the model's own
+(training, or eval for the export that checks evaluation's path). Anything else a
 model's code reads (another file's helper it calls, a parameter's value it branches on) is not: clear the directory
 when such code changes. A model the key cannot describe (a class or hook without a source file) is not cached.
 Entries are pickles, which run code when read: the directory must be writable by no one else.
@@ -167,7 +168,7 @@ def _model_description(model):
     return "\n".join(lines)
 
 
-def key(model, args, kwargs, free, device, on_meta, divided):
+def key(model, args, kwargs, free, device, on_meta, divided, mode="train"):
     """The entry's name for this export; None when no cache is asked for, or when the model holds something the key
     cannot describe (a class defined without a source file, a hook made by exec): then it is exported as always."""
     if directory() is None:
@@ -179,7 +180,7 @@ def key(model, args, kwargs, free, device, on_meta, divided):
                  *[(torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")])
         from . import tp
         text = "\n".join([_code_digest(), _model_description(model), str(spec), *sample, repr(free), str(device),
-                          str(on_meta), repr(sorted(divided)), repr(modes), repr((tp.degree(), tp.rank()))])
+                          str(on_meta), repr(sorted(divided)), repr(modes), repr((tp.degree(), tp.rank())), mode])
     except Exception as error:  # noqa: BLE001 - a capture the key cannot describe is exported, not cached
         _log.debug("capture cache: not for this model (%s: %s)", type(error).__name__, error)
         return None

@@ -97,6 +97,26 @@ def _owner_path(node):
     return owner[0] if isinstance(owner, tuple) and owner and isinstance(owner[0], str) else ""
 
 
+def module_paths(node):
+    """The paths of the modules whose forwards ran the operation, outermost first."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [path for path, _ in stack.values()]
+
+
+# An operation of a module whose eval-mode forward returns its input (stochastic depth: `if not self.training:
+# return x`), as smp._evaluation_path found by comparing the two modes' exports: left out in evaluation, and its
+# module's output there is the input that IN_EVALUATION_ROUTE leads to (argument positions from the output).
+IN_EVALUATION = "smp_in_evaluation"
+IN_EVALUATION_ROUTE = "smp_in_evaluation_route"
+
+
+def evaluation_input(node):
+    """The value an operation tagged as its module's output stands for in evaluation: its module's input."""
+    for index in node.meta[IN_EVALUATION_ROUTE]:
+        node = node.args[index]
+    return node
+
+
 def _is_buffer_update(node):
     """An in-place write into a buffer that nothing reads after (batch norm's count of batches): training only."""
     return _is_op(node) and _mutates_first_argument(node) and bool(node.args) and \
@@ -108,7 +128,7 @@ def _follows_mode(node):
     batch norm) or a buffer update."""
     if not _is_op(node):
         return False
-    if _is_buffer_update(node):
+    if _is_buffer_update(node) or IN_EVALUATION in node.meta:
         return True
     schema = getattr(node.target, "_schema", None)
     return schema is not None and any(argument.name in _TRAINING_ARGUMENTS for argument in schema.arguments)
@@ -322,6 +342,10 @@ def _retargeted(root, source, training, device, frozen=frozenset()):
     for node in source.nodes:
         in_training = training and (not frozen or _owner_path(node) not in frozen)
         if not in_training and _is_buffer_update(node):
+            continue
+        if not in_training and IN_EVALUATION in node.meta:
+            if node.meta[IN_EVALUATION] == "output":
+                values[node] = values[evaluation_input(node)]
             continue
         if _is_op(node) and node.target in _ASSERTS and not node.users:
             continue

@@ -28,6 +28,16 @@ def _copied(into, source, non_blocking=False):
 _OUT_OF_PLACE = {_aten.bernoulli_.float: _aten.bernoulli.p, _aten.copy_.default: _copied}
 
 
+def _spell_out_defaults(node):
+    """Gives the positional arguments an operation's call left to their defaults."""
+    arguments = list(node.args)
+    for argument in node.target._schema.arguments[len(arguments):]:
+        if argument.kwarg_only or argument.name in node.kwargs or not argument.has_default_value():
+            break
+        arguments.append(argument.default_value)
+    node.args = tuple(arguments)
+
+
 def _permute_back(view, value):
     dims = list(view.args[1])
     inverse = [0] * len(dims)
@@ -152,6 +162,7 @@ def data_flow(graph, order, attributes, name):
         if functional is None:
             raise ModelError(f"{name}'s forward writes in place ({node.format_node()}) with an operation that has no "
                              "out-of-place form; write it out of place so that it can be cut into stages")
+        _spell_out_defaults(node)  # the out-of-place form may lack them (bernoulli_'s p=0.5, bernoulli.p's required)
         node.target = functional
         later = {view: [r for r in view.users if r is not node and order.get(r, -1) > order[node]] for view in chain}
         new_value, after = node, node

@@ -12,6 +12,7 @@ import weakref
 import torch
 
 from . import _materialize, _routing, _smp, tp
+from ._evaluation_path import check_mode
 from ._graph import GraphModel, _is_sequential, _kind, transient_buffers
 from ._model_graph import graph_of, shard_for_tensor_parallelism
 from ._model_io import own_loss
@@ -130,6 +131,7 @@ class DistributedModel(torch.nn.Module):
                               dynamic_shapes)
         self._io = io_
         self._graph = graph
+        self._evaluation_differs = getattr(graph, "_evaluation_differs", None)
         # Non-persistent buffers (a rotary table) stay out of checkpoints and exports, as out of state_dict.
         from_module = isinstance(model, torch.nn.Module) and not _is_sequential(model)
         graph._graph.set_transient_buffers(transient_buffers(model) if from_module else graph._transient_buffers)
@@ -218,6 +220,7 @@ class DistributedModel(torch.nn.Module):
                 print("smp: train_step with the model in eval mode (dropout off, batch norm on its running "
                       "statistics), as PyTorch trains it so; model.train() first to train in training mode "
                       "(from_pretrained returns a model in eval mode)", flush=True)
+        check_mode(net, self._evaluation_differs, "train_step")
         result = self._engine_step(self._model.train_step, inputs, targets, loss, keep_outputs, replica_share,
                                    "train_step")
         if self.planned is not None and "measured_step_ms" not in self.planned:
@@ -269,6 +272,7 @@ class DistributedModel(torch.nn.Module):
         the schedule's forwards alone, keeping nothing for a backward, with the modules in eval mode (dropout off,
         batch norm on its running statistics) and back in training mode after. Returns .loss and .seconds, and
         .outputs as train_step does with keep_outputs=True; replica_share as in train_step."""
+        check_mode(self._net, self._evaluation_differs, "evaluate" if loss is not _no_loss else "calling the model")
         return self._engine_step(self._model.evaluate, inputs, targets, loss, keep_outputs, replica_share,
                                  "evaluate")
 

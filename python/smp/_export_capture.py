@@ -23,21 +23,16 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from . import _capture_cache, _expert_parallel, _routing
-from ._captured_node import (_ASSERTS, CapturedNode, _attribute, _is_op, _mutates_first_argument, _owner_path,
-                             mode_owners, placeholder_name, run_fuser)
+from . import _capture_cache, _evaluation_path, _expert_parallel, _routing
+from ._captured_node import (_ASSERTS, IN_EVALUATION, IN_EVALUATION_ROUTE, CapturedNode, _attribute, _is_op,
+                             _mutates_first_argument, _owner_path, mode_owners, module_paths, placeholder_name, run_fuser)
 from ._data_flow import READS_METADATA_ONLY, data_flow, is_random
-from ._exporting import dynamic_shapes, export_as_if_on, export_model, real_constant
+from ._exporting import CaptureError, dynamic_shapes, export_as_if_on, export_model, real_constant
 from ._input_limits import InputShapes, TableLookups, shape_guards
 from ._smp import ModelError
 from ._value_sketch import sketch_of, sketch_values
 
 _aten = torch.ops.aten
-
-def _module_paths(node):
-    stack = node.meta.get("nn_module_stack") or {}
-    return [path for path, _ in stack.values()]
-
 
 def _signature_kinds(exported):
     """Placeholder name -> (kind, target) from the export's graph signature."""
@@ -61,7 +56,7 @@ class _Units:
                 self.parameter_count[".".join(parts[:depth])] += parameter.numel()
         self.used = set()  # module paths some operation ran inside, and their containers (never called themselves)
         for op in ops:
-            for path in _module_paths(op):
+            for path in module_paths(op):
                 parts = path.split(".")
                 self.used.update(".".join(parts[:depth]) for depth in range(1, len(parts) + 1))
         self.units = set()
@@ -112,7 +107,7 @@ class _Units:
             self.expand(heaviest)
 
     def unit_of(self, op):
-        for path in reversed(_module_paths(op)):
+        for path in reversed(module_paths(op)):
             if path in self.units:
                 return path
         return None
@@ -132,14 +127,16 @@ def _merge_tensor_parallel_copies(graph):
 
 
 def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=torch.device("cpu"), experts=(1, 0),
-            dynamic=None):
+            dynamic=None, evaluation=True, evaluation_first=False):
     """Exports `model` on the sample (args, kwargs) and builds the engine's graph: returns (graph, input leaves,
     output spec, input shapes), where the input leaves say for each leaf of the flattened (args, kwargs) the engine input name it
     feeds (None for leaves baked into the capture), the output spec how the model's outputs are rebuilt from the
     engine's output tensors, and the InputShapes each microbatch is checked against. A model on the meta device is
     exported as if on `device`, where the job runs it. `experts`: (expert-parallel degree, this rank's place in its
     group); above 1, the experts modules are divided over the group (smp._expert_parallel). `dynamic`: which input
-    dimensions may change (smp._exporting.dynamic_shapes' choice)."""
+    dimensions may change (smp._exporting.dynamic_shapes' choice). `evaluation`: also export it in eval mode, and note
+    on the graph (`_evaluation_differs`) where that path differs from the training one (smp._evaluation_path);
+    `evaluation_first`: that export first, where the capture cache shares exports (half a job's ranks)."""
     name = type(model).__name__
     expert_degree, expert_rank = experts
     divided = _expert_parallel.experts_modules(model) if expert_degree > 1 else {}
@@ -159,14 +156,37 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
         config.use_cache = False
     free, held = dynamic_shapes(model, args, kwargs, dynamic)
     try:
-        def export():
+        def export(shapes):
             with torch.random.fork_rng(devices=[]), _expert_parallel.opaque_for_export(divided):
-                exported_here, why_fixed = (export_as_if_on(device, model, args, kwargs, free) if on_meta else
-                                            export_model(model, args, kwargs, free))
+                exported_here, why_fixed = (export_as_if_on(device, model, args, kwargs, shapes) if on_meta else
+                                            export_model(model, args, kwargs, shapes))
             sketch_values(exported_here.graph_module.graph)
             return exported_here, why_fixed
-        exported, fixed_because = _capture_cache.exported(
-            _capture_cache.key(model, args, kwargs, free, device, on_meta, divided), model, export)
+        def exported_in(mode):
+            model.train(mode == "train")
+            return _capture_cache.exported(_capture_cache.key(model, args, kwargs, free, device, on_meta, divided,
+                                                              mode=mode), model, lambda: export(free))
+        # With the capture cache, half the ranks export the eval mode first: the two exports run side by side, each
+        # read back by the others.
+        modes_in_order = ["train", "eval"] if evaluation else ["train"]
+        if evaluation_first and _capture_cache.directory():
+            modes_in_order.reverse()
+        exports = {}
+        for mode in modes_in_order:
+            try:
+                exports[mode] = exported_in(mode)
+            except CaptureError as error:
+                if mode == "train":
+                    raise
+                exports[mode] = error
+        exported, fixed_because = exports["train"]
+        evaluation_differs = None
+        if evaluation:
+            if isinstance(exports["eval"], CaptureError):
+                evaluation_differs = ("", f"its eval mode cannot be captured: {exports['eval']}")
+            else:
+                evaluation_differs = _evaluation_path.evaluation_difference(exported.graph_module.graph,
+                                                                             exports["eval"][0].graph_module.graph)
     finally:
         for module, mode in modes:
             module.training = mode
@@ -264,6 +284,7 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
     _draw_once(plan, input_names, order, units)
 
     engine = graph_factory([input_names[n] for n in user_inputs if n in input_names])
+    engine._evaluation_differs = evaluation_differs
     captured_device = next((t.device for t in parameters.values()), torch.device("cpu"))
     value_name = dict(input_names)  # what a node reads a value by: a model input's name, or its node's
     node_name = {}  # value -> the engine node that makes it (a returned input: an identity node of its own)
@@ -275,7 +296,7 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
             elif isinstance(home, str):
                 base = home
             else:  # glue: named inside the module whose forward it belongs to
-                paths = _module_paths(value)
+                paths = module_paths(value)
                 base = f"{paths[-1]}.{value.name}" if paths and paths[-1] else value.name
             candidate, suffix = (base if index == 0 else f"{base}#{index}"), index
             while candidate in taken or any(candidate.startswith(t + ".") or t.startswith(candidate + ".")
@@ -302,7 +323,7 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
         home_of_update[op] = owner if owner in homes else homes[0]
     runs_in = collections.defaultdict(list)  # a random operation -> the nodes that would run it
     counters = {}  # a router's chosen experts -> the operation counting them, run by the node that computes them
-    for chosen, experts, router in _routing.routers(graph, dynamic, _module_paths):
+    for chosen, experts, router in _routing.routers(graph, dynamic, module_paths):
         with graph.inserting_after(chosen):
             counters[chosen] = graph.call_function(_routing.RoutingCounter(router), (chosen, experts))
         order[counters[chosen]] = order[chosen] + 0.5
@@ -452,7 +473,9 @@ def _node_graph(value, extra, value_name, attributes, order, extra_inputs):
             env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(env[value])
     for node in graph.nodes:  # what the capture knew of each value (fake tensors): not needed to run, and not small
-        # The module each operation ran in stays: dropout and batch norm follow that module's flag (mode_owners).
+        # The module each operation ran in stays: dropout and batch norm follow that module's flag (mode_owners);
+        # and what evaluation leaves out (stochastic depth's operations).
         stack = node.meta.get("nn_module_stack")
-        node.meta = {"nn_module_stack": dict(list(stack.items())[-1:])} if stack else {}
+        kept = {key: node.meta[key] for key in (IN_EVALUATION, IN_EVALUATION_ROUTE) if key in node.meta}
+        node.meta = {"nn_module_stack": dict(list(stack.items())[-1:]), **kept} if stack else kept
     return graph, sources, node_attributes, needed

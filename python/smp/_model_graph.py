@@ -16,7 +16,7 @@ def _contains_scripted(model):
     return any(isinstance(m, torch.jit.ScriptModule) for m in model.modules())
 
 
-def _capture(model, sample, stages, pinned, dynamic_shapes=None, experts=None):
+def _capture(model, sample, stages, pinned, dynamic_shapes=None, experts=None, evaluation=True):
     """A model with a forward of its own as an engine graph and its IO: torch.export first (any depth, keyword
     inputs, any output); torch.fx when export cannot take it (or the model has TorchScript children, which export
     does not enter) and the model takes one tensor. `experts`: (expert-parallel degree, this rank's place) to divide
@@ -30,7 +30,7 @@ def _capture(model, sample, stages, pinned, dynamic_shapes=None, experts=None):
         try:
             graph, leaf_inputs, output_spec, shapes = exporting.capture(
                 model, args, kwargs, stages, pinned, GraphModel, torch.device(runtime().device), experts,
-                dynamic_shapes)
+                dynamic_shapes, evaluation, evaluation_first=runtime().rank % 2 == 1)
             return graph, CapturedIO(model, args, kwargs, leaf_inputs, output_spec, shapes)
         except CaptureError as error:
             export_error = error
@@ -54,10 +54,11 @@ def _capture(model, sample, stages, pinned, dynamic_shapes=None, experts=None):
     return graph, GraphIO(graph.input_names, False)
 
 
-def graph_of(model, sample, stages, pinned, dynamic_shapes=None, experts=None):
+def graph_of(model, sample, stages, pinned, dynamic_shapes=None, experts=None, evaluation=True):
     """The smp.GraphModel a model runs as, and how its inputs and outputs map to the graph's, for `stages` stages;
     `dynamic_shapes` says which input dimensions a captured model lets change (smp._exporting.dynamic_shapes);
-    `experts`, the expert-parallel degree and place a captured model's experts are divided for (default the job's)."""
+    `experts`, the expert-parallel degree and place a captured model's experts are divided for (default the job's);
+    `evaluation`: check that evaluation's path is the training one's (smp._evaluation_path), for a model that runs."""
     if isinstance(model, GraphModel):
         return model, GraphIO(model.input_names, model._several_outputs)
     if _is_sequential(model):
@@ -68,7 +69,7 @@ def graph_of(model, sample, stages, pinned, dynamic_shapes=None, experts=None):
         raise TypeError(f"pass an nn.Sequential or an smp.GraphModel, got {_kind(model)}: script its children, "
                         "not the model, or pass the model unscripted (smp traces its forward)")
     if isinstance(model, torch.nn.Module):
-        return _capture(model, sample, stages, pinned, dynamic_shapes, experts)
+        return _capture(model, sample, stages, pinned, dynamic_shapes, experts, evaluation)
     raise TypeError(f"expected a torch.nn.Module or an smp.GraphModel, got {type(model).__name__}")
 
 

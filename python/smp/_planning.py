@@ -170,7 +170,7 @@ def _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, config, d
         # Not divided over expert-parallel ranks, whatever degree the config fixes: the planner divides them itself
         # (and dividing them here would cut the model's own experts before the job does).
         graph, io_ = graph_of(model, sample, 2 * world, list(config.partition_overrides), dynamic_shapes,
-                              experts=(1, 0))
+                              experts=(1, 0), evaluation=False)
         # On the job's device, and on twice the sample too (a stage call's fixed cost against its cost per sample).
         profile = _smp.profile_for_planning(graph._graph, io_.engine_inputs(sample, "sample"), str(device))
         profile.least_microbatch, profile.most_microbatch = io_.microbatch_range()

@@ -4,7 +4,11 @@ on the same microbatches (every step's loss, then every parameter and buffer thi
   - a buffer written by two in-place operations in a row (the second ran out of place, lost to the buffer);
   - a call counter in a module that the cut splits into its children (refused as "outside any submodule");
   - a forward writing its input in place (microbatches were views sharing one version counter: autograd refused);
-  - a batch norm called on two stages is refused (each stage would update a copy of its statistics).
+  - a batch norm called on two stages is refused (each stage would update a copy of its statistics);
+and in evaluation, against the PyTorch model in eval mode:
+  - stochastic depth (torchvision's, p 0.5) returns its input (it dropped rows in evaluate too);
+  - a forward branching on self.training is refused in evaluate, and in train_step in eval mode (evaluate computed
+    the training branch).
 Exits 0 only when all agree."""
 
 import copy
@@ -64,6 +68,28 @@ def reused_sequential():
     return torch.nn.Sequential(shared, torch.nn.ReLU(), shared, torch.nn.Tanh())
 
 
+class Deep(torch.nn.Module):
+    """Residual blocks behind stochastic depth, as torchvision's ConvNeXt and EfficientNet have them."""
+
+    def __init__(self):
+        super().__init__()
+        from torchvision.ops import StochasticDepth
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(4))
+        self.drop = torch.nn.ModuleList(StochasticDepth(0.5, "row") for _ in range(4))
+
+    def forward(self, x):
+        for block, drop in zip(self.blocks, self.drop):
+            x = x + drop(torch.tanh(block(x)))
+        return x
+
+
+class Noisy(Chain):
+    def forward(self, x):
+        if self.training:
+            x = x + 0.1
+        return super().forward(x)
+
+
 def check(label, build):
     torch.manual_seed(3)
     net = build()
@@ -92,6 +118,38 @@ check("a Sequential calling one module twice", reused_sequential)
 check("a buffer written twice in place", lambda: Chain(Running()))
 check("a call counter in a module cut into its children", lambda: Chain(Counted()))
 check("a forward writing its input in place", lambda: WritesItsInput(torch.nn.Linear(WIDTH, WIDTH)))
+
+
+def check_evaluation():
+    torch.manual_seed(4)
+    net = Deep()
+    reference = copy.deepcopy(net).eval()
+    inputs, targets = torch.randn(4, WIDTH), torch.randn(4, WIDTH)
+    model = smp.DistributedModel(net, inputs[:2])
+    model.eval()
+    with torch.no_grad():
+        expected = sum(F.mse_loss(reference(i), t) for i, t in zip(inputs.chunk(2), targets.chunk(2))).item() / 2
+        outputs = model(inputs)
+    loss = model.evaluate(inputs, targets, F.mse_loss).loss
+    if abs(loss - expected) > 1e-6:
+        failures.append(f"stochastic depth in evaluate: loss {loss}, PyTorch in eval mode {expected}")
+    if outputs is not None and not torch.allclose(outputs, reference(inputs), atol=1e-6):
+        failures.append("stochastic depth: the outputs of model(inputs) in eval mode differ from PyTorch's")
+    model.train()
+    model.train_step(inputs, targets, F.mse_loss)  # training still drops rows: runs (its numbers are random)
+
+    torch.manual_seed(4)
+    model = smp.DistributedModel(Noisy(torch.nn.Linear(WIDTH, WIDTH)), inputs[:2])
+    report.expect_error(failures, "evaluate of a forward branching on self.training", smp.ModelError,
+                        "evaluate: Noisy's forward takes another path in eval mode than in training mode",
+                        lambda: model.evaluate(inputs, targets, F.mse_loss))
+    model.eval()
+    report.expect_error(failures, "train_step in eval mode of a forward branching on self.training", smp.ModelError,
+                        "train_step with Noisy in eval mode: its forward takes another path in eval mode",
+                        lambda: model.train_step(inputs, targets, F.mse_loss))
+
+
+check_evaluation()
 bn = torch.nn.BatchNorm1d(WIDTH)
 # First and last: on stage 0 and stage 1 whatever the cut.
 report.expect_error(failures, "a batch norm called on two stages", smp.ModelError,
