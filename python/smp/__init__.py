@@ -28,6 +28,7 @@ import torch  # noqa: F401 - loads LibTorch before the extension that links it
 
 from . import _materialize, _smp, _state, ep, tp  # noqa: F401 - smp.ep and smp.tp are public
 from ._checkpoints import Checkpointer, export_checkpoint, export_safetensors, latest_checkpoint, load_full_model
+from ._clip import take_over_torch_clipping
 from ._distributed_model import DistributedModel, StepResult  # noqa: F401 - what train_step returns
 from ._distributed_optimizer import DistributedOptimizer
 from ._graph import GraphModel
@@ -56,6 +57,7 @@ def init(config, sections=None):
     if sections is not None:
         parsed.check_sections(list(sections))
     _state.set_runtime(_smp.Runtime.init(parsed))
+    take_over_torch_clipping()  # torch.nn.utils.clip_grad_norm_ over a DistributedModel: the whole model's norm
     return _state.runtime()
 
 

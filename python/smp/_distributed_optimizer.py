@@ -6,6 +6,7 @@ import io
 
 import torch
 
+from ._clip import clip_model_grad_norm
 from ._distributed_model import DistributedModel
 from ._smp import CheckpointError
 from ._state import runtime
@@ -143,8 +144,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def clip_grad_norm(self, max_norm):
         """Scales the gradients so that their 2-norm over the whole model is at most max_norm; returns the norm
         before clipping. Every rank calls it."""
-        runtime()._refuse_after_leaving("clip_grad_norm")
-        return runtime()._with_peers("clip_grad_norm", lambda: self._model._model.clip_grad_norm(float(max_norm)))
+        return clip_model_grad_norm(self._model, max_norm)
 
     def state_dict(self):
         """The optimizer's state_dict; with sharded state, this replica's share, marked with the replica it

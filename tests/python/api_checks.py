@@ -335,6 +335,12 @@ def main():
                  lambda: smp.DistributedOptimizer(torch.optim.SGD(list(model.parameters())[:-1], lr=0.1)))
     expect_error("a batch that does not split into microbatches", smp.ConfigError, "batch",
                  lambda: model.train_step(torch.randn(3, 3), torch.randn(3, 2), F.mse_loss))
+    # torch's clipping over some of a model's parameters (the whole model's is checked against PyTorch by the
+    # pipeline jobs): refused on every rank, before any communication, rather than clipped by part of a norm.
+    expect_error("torch's clip_grad_norm_ over some of the parameters", ValueError, "pass model.parameters()",
+                 lambda: torch.nn.utils.clip_grad_norm_(list(model.parameters())[:1], 1.0))
+    expect_error("torch's clip_grad_norm_ by another norm", ValueError, "norm_type inf",
+                 lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=float("inf")))
 
     # Keyword inputs (as a Hugging Face model takes them): what does not fit the captured sample is refused before
     # any communication, naming the input.

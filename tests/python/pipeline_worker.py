@@ -232,8 +232,8 @@ def main():
             # zero_grad clears every gradient, its step shares the updates.
             optimizer.optimizer.zero_grad()
             output = model.train_step(inputs, targets, F.mse_loss)
-            if args.clip:
-                optimizer.clip_grad_norm(args.clip)
+            if args.clip:  # as a ported loop clips: torch's function, by the whole model's norm over every stage
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             optimizer.optimizer.step()
         else:
             *batch, share = own_share(inputs, targets)
