@@ -327,6 +327,7 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
         with graph.inserting_after(chosen):
             counters[chosen] = graph.call_function(_routing.RoutingCounter(router), (chosen, experts))
         order[counters[chosen]] = order[chosen] + 0.5
+    made = []  # (value, its node's graph, attributes, source names), in graph order
     for value in materialized:
         home = home_of_value[value]
         extra = [op for op in side_effects if home_of_update[op] == home] if plan[home][0] is value else []
@@ -340,7 +341,9 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
         for op in computed:
             if is_random(op):
                 runs_in[op].append(node_name[value])
-        source_names = [value_name[s] for s in sources]
+        made.append((value, node_graph, node_attributes, [value_name[s] for s in sources]))
+    _hold_unread(model, made, node_name, first_path, divided)
+    for value, node_graph, node_attributes, source_names in made:
         module = CapturedNode(node_graph, node_attributes, node_name[value], captured_device, source_names,
                               mode_owners(node_graph, model))
         engine._add_call(node_name[value], module, module, source_names, names_from_root=True,
@@ -364,6 +367,30 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
                    [None if isinstance(leaf, fx.Node) else leaf for leaf in output_leaves])
     shapes.lookups = TableLookups.of(graph, dynamic, attributes, input_names, order)
     return engine, leaf_inputs, output_spec, shapes
+
+
+def _hold_unread(model, made, node_name, first_path, divided):
+    """Gives the parameters and persistent buffers no node reads (a head the forward does not call) to the node
+    nearest them in the module tree (the first of those as near): they are the model's all the same, in its
+    state_dict, checkpoints and exports, and train as PyTorch trains them (no gradient). Not for divided experts,
+    whose tensors the model holds whole and the nodes by share."""
+    held = {id(tensor) for _, _, attributes, _ in made for tensor in attributes.values()
+            if isinstance(tensor, torch.Tensor)}
+    for path, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in held or first_path.get(id(tensor), path) != path or \
+                any(path.startswith(experts + ".") for experts in divided):
+            continue
+        parts = path.split(".")[:-1]
+
+        def shared_depth(entry):
+            node_parts = node_name[entry[0]].split("#")[0].split(".")
+            depth = 0
+            while depth < min(len(parts), len(node_parts)) and parts[depth] == node_parts[depth]:
+                depth += 1
+            return depth
+        nearest = max(made, key=shared_depth)  # max keeps the first of equals
+        nearest[2][path] = tensor
+        held.add(id(tensor))
 
 
 def _plan_nodes(graph, ops, dynamic, units, output_leaves, side_effects):

@@ -4,6 +4,7 @@ on the same microbatches (every step's loss, then every parameter and buffer thi
   - a buffer written by two in-place operations in a row (the second ran out of place, lost to the buffer);
   - a call counter in a module that the cut splits into its children (refused as "outside any submodule");
   - a forward writing its input in place (microbatches were views sharing one version counter: autograd refused);
+  - a head the forward never calls (its parameters were in no rank's state_dict, so not in checkpoints);
   - a batch norm called on two stages is refused (each stage would update a copy of its statistics);
 and in evaluation, against the PyTorch model in eval mode:
   - stochastic depth (torchvision's, p 0.5) returns its input (it dropped rows in evaluate too);
@@ -83,6 +84,12 @@ class Deep(torch.nn.Module):
         return x
 
 
+class WithUnusedHead(Chain):
+    def __init__(self, middle):
+        super().__init__(middle)
+        self.unused_head = torch.nn.Linear(WIDTH, 2)
+
+
 class Noisy(Chain):
     def forward(self, x):
         if self.training:
@@ -109,6 +116,16 @@ def check(label, build):
         if abs(loss - expected.item()) > 1e-6:
             failures.append(f"{label}, step {step}: loss {loss}, PyTorch {expected.item()}")
     whole = dict(reference.named_parameters()) | dict(reference.named_buffers())
+    # A tensor under several names (a module called twice) is held under its first.
+    names_of = {}
+    for name, tensor in reference.state_dict(keep_vars=True).items():
+        names_of.setdefault(id(tensor), []).append(name)
+    own = model.state_dict()
+    held = torch.tensor([float(any(n in own for n in names)) for names in names_of.values()])
+    runtime.all_reduce_sum(held)
+    lost = [names[0] for names, count in zip(names_of.values(), held.tolist()) if count == 0]
+    if lost:
+        failures.append(f"{label}: no rank's state_dict holds {lost}")
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if not torch.allclose(tensor.float(), whole[name].float(), atol=1e-6):
             failures.append(f"{label}: {name} is {tensor.flatten()[:3].tolist()}, PyTorch {whole[name].flatten()[:3].tolist()}")
@@ -118,6 +135,7 @@ check("a Sequential calling one module twice", reused_sequential)
 check("a buffer written twice in place", lambda: Chain(Running()))
 check("a call counter in a module cut into its children", lambda: Chain(Counted()))
 check("a forward writing its input in place", lambda: WritesItsInput(torch.nn.Linear(WIDTH, WIDTH)))
+check("a head the forward never calls", lambda: WithUnusedHead(torch.nn.Linear(WIDTH, WIDTH)))
 
 
 def check_evaluation():
