@@ -77,6 +77,18 @@ _META_NEEDS_CAPTURE = ("a model built on the meta device must be a module with a
                        "build a Sequential or a GraphModel's modules normally")
 
 
+def _check_enough_modules(model, graph, stages):
+    """A captured model cut into fewer pieces than stages, said in the model's terms rather than the partition's."""
+    names = graph.node_names()
+    if not getattr(graph, "_captured", None) or len(names) >= stages:
+        return
+    raise ModelError(f"{type(model).__name__} was captured as {len(names)} module(s) "
+                     f"({', '.join(repr(n) for n in names[:6])}{', ...' if len(names) > 6 else ''}) for {stages} "
+                     "pipeline stages: smp cuts between the modules the forward calls, each stage needs one, and "
+                     "parameters the model's own forward uses (an nn.ParameterList, a weight given to F.linear) stay "
+                     "with the model; put each layer's in a submodule of its own, or use fewer \"partitions\"")
+
+
 class DistributedModel(torch.nn.Module):
     """This rank's stages of `model`: an nn.Sequential, an smp.GraphModel, or any nn.Module with a forward of its
     own (an unmodified Hugging Face or torchvision model), captured whole with torch.export and cut at whatever
@@ -131,6 +143,7 @@ class DistributedModel(torch.nn.Module):
                               dynamic_shapes)
         self._io = io_
         self._graph = graph
+        _check_enough_modules(model, graph, rt.config.num_stages())
         self._evaluation_differs = getattr(graph, "_evaluation_differs", None)
         # Non-persistent buffers (a rotary table) stay out of checkpoints and exports, as out of state_dict.
         from_module = isinstance(model, torch.nn.Module) and not _is_sequential(model)

@@ -18,10 +18,11 @@ class CaptureError(Exception):
 def _model_frame(error):
     """Where in the model's own code (not torch's) the export failed: 'file:line in function: code'."""
     import os
+    import sysconfig
     import traceback
-    torch_dir = os.path.dirname(torch.__file__)
+    elsewhere = (os.path.dirname(torch.__file__), os.path.dirname(__file__), sysconfig.get_paths()["stdlib"])
     frames = [frame for frame in traceback.extract_tb(error.__traceback__)
-              if not frame.filename.startswith(torch_dir) and not frame.filename.startswith(os.path.dirname(__file__))]
+              if not frame.filename.startswith(elsewhere) and not frame.filename.startswith("<")]  # exec'd code
     if not frames:
         return None
     frame = frames[-1]
@@ -117,7 +118,19 @@ def _export_fixed(model, args, kwargs):
         text = str(error).strip()
         first = text.splitlines()[0] if text else ""
         where = _model_frame(error)
-        raise CaptureError(f"{type(error).__name__}: {first}" + (f" (at {where})" if where else "")) from error
+        raise CaptureError(f"{type(error).__name__}: {first}" + (f" (at {where})" if where else "") +
+                           _hint(error, first)) from error
+
+
+def _hint(error, first):
+    """What a user can do about an export failure whose text does not say it."""
+    import re
+    unhashable = re.fullmatch(r"unhashable type: '(\w+)'", first) if isinstance(error, TypeError) else None
+    if unhashable:  # export's words for an output of a class pytree does not know
+        return (f"; if the forward returns a {unhashable.group(1)} (a dataclass or other class of its own), register "
+                f"it so that its tensors can be found: torch.export.register_dataclass({unhashable.group(1)}), or "
+                "torch.utils._pytree.register_pytree_node for another class")
+    return ""
 
 
 def export_as_if_on(device, model, args, kwargs, shapes):

@@ -6,6 +6,7 @@ on the same microbatches (every step's loss, then every parameter and buffer thi
   - a forward writing its input in place (microbatches were views sharing one version counter: autograd refused);
   - a head the forward never calls (its parameters were in no rank's state_dict, so not in checkpoints);
   - a batch norm called on two stages is refused (each stage would update a copy of its statistics);
+  - a model whose layers are its own parameters (a ParameterList) is refused in its terms, not the partition's;
 and in evaluation, against the PyTorch model in eval mode:
   - stochastic depth (torchvision's, p 0.5) returns its input (it dropped rows in evaluate too);
   - a forward branching on self.training is refused in evaluate, and in train_step in eval mode (evaluate computed
@@ -168,6 +169,22 @@ def check_evaluation():
 
 
 check_evaluation()
+
+
+class OwnParameters(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(WIDTH, WIDTH)) for _ in range(3))
+
+    def forward(self, x):
+        for weight in self.weights:
+            x = torch.tanh(F.linear(x, weight))
+        return x
+
+
+report.expect_error(failures, "a model whose layers are its own parameters", smp.ModelError,
+                    "OwnParameters was captured as 1 module(s)",
+                    lambda: smp.DistributedModel(OwnParameters(), torch.randn(2, WIDTH)))
 bn = torch.nn.BatchNorm1d(WIDTH)
 # First and last: on stage 0 and stage 1 whatever the cut.
 report.expect_error(failures, "a batch norm called on two stages", smp.ModelError,
