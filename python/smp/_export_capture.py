@@ -317,6 +317,10 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
         owner = unit if unit is not None else _owner_path(op)  # a module cut into children has no unit of its own
         homes = [home for home in plan if isinstance(home, str) and owner and
                  (home == owner or home.startswith(owner + "."))]
+        if not homes and owner:
+            raise ModelError(f"{name}'s forward calls {owner} and uses nothing it returns, but {owner} updates a buffer "
+                             f"in place ({op.format_node()}): smp places a module by the values it makes; use its "
+                             "output, or do not call it")
         if not homes:
             raise ModelError(f"{name}'s forward updates a buffer in place outside any submodule "
                              f"({op.format_node()}); do it inside a module the forward calls, so that a stage holds it")
