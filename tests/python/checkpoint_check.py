@@ -2,7 +2,8 @@
 checkpoints after each; a second job resumes from the newest checkpoint (optimizer and scheduler state) and trains 2
 more. Both runs' final parameters must equal 6 (or 4) steps of plain PyTorch training on the same batches, so the
 learning rate must continue where it was. Launches both jobs itself. With --sharded, the first job has two replicas
-that shard the optimizer state ("shard_optimizer_state"); the second, one replica, trains one step from it (reading both
+that shard the optimizer state ("shard_optimizer_state"), each drawing random numbers of its own, which a resume
+continues replica by replica; the second, one replica, trains one step from it (reading both
 shares), and a third, sharded over two replicas again, resumes from that one's unsharded checkpoint: each time every
 replica must hold exactly the Adam moments of the parameters it updates. With --tp, each stage is split over two
 tensor-parallel ranks (a column- and a row-parallel layer): every shard writes its file, the resumed job continues
@@ -33,6 +34,7 @@ model = smp.DistributedModel(net, torch.zeros(2, 6), tp_plan=plan)
 optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda step: 1.0 / (step + 1))
 checkpointer = smp.Checkpointer(model, optimizer, lr_scheduler=scheduler)
+torch.manual_seed(100 + runtime.dp_rank)  # each replica's own augmentation stream, as the README advises
 first = checkpointer.resume()
 held = {id(p) for group in optimizer.optimizer.param_groups for p in group["params"]}
 stray = [p for p in optimizer.optimizer.state if id(p) not in held]
@@ -41,6 +43,7 @@ if stray:
 for step in range(first, steps):
     data = torch.Generator().manual_seed(step)
     inputs, targets = torch.randn(8, 6, generator=data), torch.randn(8, 3, generator=data)
+    torch.rand(3)  # the augmentation's draws
     optimizer.zero_grad()
     model.train_step(inputs, targets, F.mse_loss)
     optimizer.step()
@@ -48,6 +51,7 @@ for step in range(first, steps):
     if checkpointer.due(step):
         checkpointer.save(step)
 checkpointer.wait()
+print(f"rank {runtime.rank}: draws next {torch.rand(1).item():.8f}", flush=True)
 # Each tensor with where it sits in the whole: (dim, blocks, tp rank, degree) for a shard.
 torch.save({name: (tensor.detach().clone(), getattr(tensor, "_smp_shard", None) and
                    (*tensor._smp_shard, runtime.tp_rank, runtime.tensor_parallel_degree))
@@ -131,9 +135,15 @@ def main():
         if tensor_parallel:
             config.update(tensor_parallel_degree=2)
         out = os.path.join(directory, "parameters")
-        run(smprun, python, worker, config, 4, out, processes)
+        trained = run(smprun, python, worker, config, 4, out, processes)
         check(out, 4, processes)
         if sharded:
+            # Resumed with nothing left to train, every rank draws what it would have drawn next: its own replica's
+            # stream (before, each replica took the first replica's).
+            again = run(smprun, python, worker, dict(config, resume=True), 4, out, processes)
+            draws = [sorted(line for line in output.splitlines() if "draws next" in line) for output in (trained, again)]
+            if draws[0] != draws[1] or len(draws[0]) != processes or len({line.split()[-1] for line in draws[0]}) < 2:
+                raise SystemExit(f"random states after the resume: {draws[1]}, without it: {draws[0]}")
             one_replica = {key: value for key, value in config.items() if key not in ("ddp", "shard_optimizer_state")}
             resumed = run(smprun, python, worker, dict(one_replica, resume=True), 5, out, 2)
             if "resumed at 4" not in resumed:

@@ -107,6 +107,8 @@ class Runtime {
   // Small control messages (the partition plan): rank `from` publishes, the others wait up to the timeout.
   void publish(const std::string& key, const std::string& value);
   std::string fetch(const std::string& key);
+  // Drops a published key once every reader has it (what a job publishes per step would otherwise pile up).
+  void forget(const std::string& key);
   // What `make` returns on rank 0, on every rank (the others wait up to the timeout). When it throws there, the
   // others throw ConfigError naming rank 0's reason, and rank 0 rethrows its own.
   std::string from_rank0(const std::string& key, const std::function<std::string()>& make);

@@ -339,6 +339,8 @@ void Runtime::publish(const std::string& key, const std::string& value) {
   store_->set("smp/" + key, std::vector<uint8_t>(value.begin(), value.end()));
 }
 
+void Runtime::forget(const std::string& key) { store_->deleteKey("smp/" + key); }
+
 std::string Runtime::fetch(const std::string& key) {
   try {
     const auto bytes = store_->get("smp/" + key);

@@ -109,6 +109,33 @@ class LibTorchOptimizerState final : public OptimizerCheckpointState {
   DistributedOptimizer& optimizer_;
 };
 
+// Where a rank of replica `dp_rank` publishes its random state for the save under `key`: beside the other replicas
+// of its pipeline and tensor-parallel rank, whose partition files gather them.
+std::string random_state_key(const std::string& key, const Coordinates& rank) {
+  return key + "random_state/" + std::to_string(rank.pp_rank) + "/" + std::to_string(rank.tp_rank) + "/" +
+         std::to_string(rank.dp_rank);
+}
+
+// This rank's random state: the CPU generator's and, on a GPU, its device's default generator's.
+std::string random_state_bytes(const c10::Device& device) {
+  c10::List<at::Tensor> states;
+  states.push_back(at::detail::getDefaultCPUGenerator().get_state());
+  if (device.is_cuda()) states.push_back(at::globalContext().defaultGenerator(device).get_state());
+  const std::vector<char> bytes = torch::jit::pickle_save(states);
+  return std::string(bytes.data(), bytes.size());
+}
+
+void restore_random_state(const at::Tensor& bytes, const c10::Device& device) {
+  const char* data = static_cast<const char*>(bytes.data_ptr());
+  const auto states = torch::jit::pickle_load(std::vector<char>(data, data + bytes.numel())).toTensorList();
+  at::Generator generator = at::detail::getDefaultCPUGenerator();  // a handle on the default one
+  generator.set_state(states.get(0));
+  if (device.is_cuda() && states.size() > 1) {
+    at::Generator cuda_generator = at::globalContext().defaultGenerator(device);  // a handle on the default one
+    cuda_generator.set_state(states.get(1));
+  }
+}
+
 }  // namespace
 
 Checkpointer::Checkpointer(DistributedModel& model, DistributedOptimizer& optimizer)
@@ -226,6 +253,11 @@ void Checkpointer::save(std::int64_t step) {
     contents->insert("loss_scale", model_.loss_scale());
     contents->insert("steps_since_scale_change", static_cast<std::int64_t>(model_.steps_since_scale_change()));
   }
+  // Every rank's random state, the replicas' included: each replica draws its own (per-replica augmentation, seeded
+  // by dp_rank), and a resume must continue each one's sequence, not give them all the first replica's. The
+  // partition files' writers gather them by replica.
+  runtime.publish(random_state_key(key, runtime.topology().coordinates_of(runtime.rank())),
+                  random_state_bytes(runtime.device()));
   std::optional<CheckpointManifest> manifest;
   if (runtime.rank() == 0) {
     manifest.emplace();
@@ -275,6 +307,14 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
     std::string report;
     try {
       contents->insert("optimizer", bytes_tensor(optimizer_bytes()));
+      if (runtime.dp_rank() < expert_shares) {  // a partition file
+        c10::List<at::Tensor> by_replica;
+        for (int replica = 0; replica < runtime.topology().data_parallel_degree(); ++replica) {
+          by_replica.push_back(
+              bytes_tensor(runtime.fetch(random_state_key(key, {runtime.pp_rank(), replica, runtime.tp_rank()}))));
+        }
+        contents->insert("random_states_by_replica", by_replica);
+      }
       std::filesystem::create_directories(directory);
       const auto bytes = torch::jit::pickle_save(*contents);
       write_file_atomically(directory + "/" + file_name, std::string_view(bytes.data(), bytes.size()));
@@ -317,6 +357,10 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
         manifest->files.push_back(file);
       }
     }
+  }
+  // Every partition file's writer has read the random states it gathers (it reported after writing).
+  for (int rank = 0; rank < runtime.world_size(); ++rank) {
+    runtime.forget(random_state_key(key, runtime.topology().coordinates_of(rank)));
   }
   write_file_atomically(directory + "/manifest.json", manifest->to_json());
   fsync_directory(directory);
@@ -401,13 +445,23 @@ std::int64_t Checkpointer::resume() {
   model_.load_state(state_in(contents, path));
   optimizer_state_->load(saved, runtime.device());
   try {
-    auto generator = at::detail::getDefaultCPUGenerator();
-    generator.set_state(contents.at("rng").toTensor());
-    // A GPU job's dropout and other random kernels continue their sequence too (CPU jobs have no such state).
-    const c10::Device device = runtime.device();
-    if (device.is_cuda() && contents.contains("cuda_rng")) {
-      at::Generator cuda_generator = at::globalContext().defaultGenerator(device);  // a handle on the default one
-      cuda_generator.set_state(contents.at("cuda_rng").toTensor());
+    if (contents.contains("random_states_by_replica")) {
+      const auto by_replica = contents.at("random_states_by_replica").toTensorList();
+      if (runtime.dp_rank() < static_cast<int>(by_replica.size())) {
+        restore_random_state(by_replica.get(runtime.dp_rank()), runtime.device());
+      } else if (runtime.pp_rank() == 0 && runtime.tp_rank() == 0) {
+        log::info(directory + " holds the random state of " + std::to_string(by_replica.size()) +
+                  " replicas: replica " + std::to_string(runtime.dp_rank()) + " keeps its own");
+      }
+    } else {  // written before each replica's state was kept: the first replica's
+      auto generator = at::detail::getDefaultCPUGenerator();
+      generator.set_state(contents.at("rng").toTensor());
+      // A GPU job's dropout and other random kernels continue their sequence too (CPU jobs have no such state).
+      const c10::Device device = runtime.device();
+      if (device.is_cuda() && contents.contains("cuda_rng")) {
+        at::Generator cuda_generator = at::globalContext().defaultGenerator(device);  // a handle on the default one
+        cuda_generator.set_state(contents.at("cuda_rng").toTensor());
+      }
     }
     if (contents.contains("loss_scale")) {  // absent in checkpoints written before it was saved
       model_.restore_loss_scale(contents.at("loss_scale").toDouble(),
