@@ -430,6 +430,38 @@ TEST_CASE("a program that ends without wait() after a failed save exits with sta
   CHECK(WEXITSTATUS(status) == 1);
 }
 
+TEST_CASE("a save that pruning would delete at once is refused: a step lower than the last, another run's directory",
+          "[checkpoint]") {
+  char directory_template[] = "/tmp/smp_save_order_XXXXXX";
+  REQUIRE(::mkdtemp(directory_template) != nullptr);
+  const std::string directory = directory_template;
+  {
+    auto job = one_process_job(directory, false);
+    smp::Checkpointer checkpointer(*job.model, std::make_unique<RecordedOptimizerState>());
+    checkpointer.save(5);
+    CHECK_THROWS_WITH(checkpointer.save(2), Catch::Contains("save(2) after save(5)") &&
+                                                Catch::Contains("a step that only grows"));
+    checkpointer.save(6);
+    checkpointer.wait();
+  }
+  {  // a fresh run in the same directory, not resumed
+    auto job = one_process_job(directory, false);
+    smp::Checkpointer checkpointer(*job.model, std::make_unique<RecordedOptimizerState>());
+    CHECK_THROWS_WITH(checkpointer.save(0), Catch::Contains("holds checkpoints up to step 6 of an earlier run") &&
+                                                Catch::Contains("empty checkpoint_dir"));
+  }
+  {  // resumed from them, it goes on
+    auto job = one_process_job(directory, true);
+    smp::Checkpointer checkpointer(*job.model, std::make_unique<RecordedOptimizerState>());
+    CHECK(checkpointer.resume() == 7);
+    checkpointer.save(7);
+    checkpointer.wait();
+    CHECK(smp::highest_saved_step(directory) == 7);
+  }
+  // Not std::filesystem::remove_all: libtorch.so's copy of it crashes in programs linked with LibTorch.
+  CHECK(std::system(("rm -rf " + directory).c_str()) == 0);
+}
+
 TEST_CASE("a loss function that fails says so, with the outputs' and target's shapes", "[graph]") {
   const auto config = smp::Config::from_json_text(R"({"device": "cpu"})", "test config");
   auto runtime = smp::Runtime::init(config, smp::comm::LaunchInfo{});

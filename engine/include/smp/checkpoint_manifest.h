@@ -90,6 +90,11 @@ struct FoundCheckpoint {
 std::optional<FoundCheckpoint> find_latest_checkpoint(const std::string& root, std::vector<std::string>* skipped = nullptr);
 
 // Removes all but the newest `keep` complete checkpoints, and any incomplete one older than the newest complete.
+// Complete here: the manifest parses and every file has its size (checksums are read when a checkpoint is loaded or
+// verified, not at every save, which would read every kept checkpoint whole).
 void prune_checkpoints(const std::string& root, int keep);
+
+// The highest step under `root` whose save finished (its manifest written), if any.
+std::optional<std::int64_t> highest_saved_step(const std::string& root);
 
 }  // namespace smp

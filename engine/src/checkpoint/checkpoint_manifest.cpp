@@ -328,15 +328,35 @@ void remove_tree(const std::string& path) {
 
 }  // namespace
 
+namespace {
+
+bool files_complete(const std::string& directory) {
+  try {
+    const auto manifest = read_manifest(directory);
+    std::error_code error;
+    for (const auto& file : manifest.files) {
+      if (fs::file_size(directory + "/" + file.name, error) != file.size || error) return false;
+    }
+    return true;
+  } catch (const CheckpointError&) {
+    return false;
+  }
+}
+
+}  // namespace
+
+std::optional<std::int64_t> highest_saved_step(const std::string& root) {
+  for (const auto& [step, path] : checkpoint_directories(root)) {
+    std::error_code error;
+    if (fs::exists(path / "manifest.json", error)) return step;
+  }
+  return std::nullopt;
+}
+
 void prune_checkpoints(const std::string& root, int keep) {
   int complete_seen = 0;
   for (const auto& [step, path] : checkpoint_directories(root)) {
-    bool complete = true;
-    try {
-      verify_checkpoint(path.string());
-    } catch (const CheckpointError&) {
-      complete = false;
-    }
+    const bool complete = files_complete(path.string());
     // An incomplete directory newer than every complete one may be a save still in progress: leave it.
     const bool remove = complete ? ++complete_seen > keep : complete_seen > 0;
     if (remove) remove_tree(path.string());

@@ -189,6 +189,27 @@ void Checkpointer::save(std::int64_t step) {
   wait();  // one save at a time; a failure of the previous one surfaces here
   Runtime& runtime = model_.runtime();
   const Config& config = runtime.config();
+  // Pruning keeps the highest steps: a lower one than a checkpoint already there would be deleted as soon as written,
+  // and a resume would take the other. Every rank refuses alike, before anything is written.
+  if (last_saved_ >= 0 && step < last_saved_) {
+    throw CheckpointError("save(" + std::to_string(step) + ") after save(" + std::to_string(last_saved_) +
+                          "): checkpoints are kept by step, the highest " + std::to_string(config.checkpoints_kept) +
+                          ", so a lower step would be deleted at once; give save() a step that only grows (the "
+                          "global step, not the step within an epoch)");
+  }
+  if (last_saved_ < 0) {  // this run's first save, not resumed: is the directory another run's?
+    const std::string earlier = runtime.from_rank0("checkpoint/" + std::to_string(runtime.next_exchange()) +
+                                                   "/earlier", [&] {
+      const auto highest = highest_saved_step(config.checkpoint_dir);
+      if (!highest || *highest < step) return std::string();
+      return config.checkpoint_dir + " holds checkpoints up to step " + std::to_string(*highest) +
+             " of an earlier run, and this run, not resumed from them, saves step " + std::to_string(step) +
+             ": pruning keeps the highest steps, so this run's checkpoints would be deleted as written and a resume "
+             "would take the earlier run's. Resume from them (\"resume\": true, then resume()), or give this run an "
+             "empty checkpoint_dir";
+    });
+    if (!earlier.empty()) throw CheckpointError(earlier);
+  }
   if (model_.resumed_from() && !resume_called_ && runtime.rank() == 0) {
     log::warn("\"resume\" is true and " + model_.resumed_from()->directory + " was found, but resume() was not called: "
               "this job trained from its start, and saves step " + std::to_string(step) + " beside the older checkpoints");
