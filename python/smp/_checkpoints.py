@@ -24,10 +24,14 @@ class Checkpointer:
         if not isinstance(optimizer, DistributedOptimizer):
             raise TypeError(f"expected an smp.DistributedOptimizer, got {type(optimizer).__name__}")
         inner = optimizer.optimizer
+        name_of = {id(tensor): name for name, tensor in model._model.named_parameters().items()}
 
         def snapshot():
-            # Serialized now, in the save's pause, so that the writer thread never needs Python.
-            state = {"optimizer": inner.state_dict()}
+            # Serialized now, in the save's pause, so that the writer thread never needs Python. torch.optim's state
+            # goes by position in the groups: the names in that order let a resume match it by name, and the class
+            # tells another optimizer's state from this one's.
+            state = {"optimizer": inner.state_dict(), "optimizer_class": type(inner).__name__,
+                     "parameter_names": [[name_of[id(p)] for p in group["params"]] for group in inner.param_groups]}
             if lr_scheduler is not None:
                 state["lr_scheduler"] = lr_scheduler.state_dict()
             buffer = io.BytesIO()

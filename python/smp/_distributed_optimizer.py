@@ -25,6 +25,18 @@ def _owner_of(optimizer):
                      "module's parameters are not the ones it trains)")
 
 
+def _in_saved_order(params, saved_names, by_name, index):
+    """The parameters of group `index` in the order a checkpoint's optimizer held them (its state goes by position),
+    found by name; the same set, else CheckpointError naming what moved."""
+    names = {id(tensor): name for name, tensor in by_name.items()}
+    held = {names.get(id(p)) for p in params}
+    if held != set(saved_names):
+        moved = sorted(set(saved_names) ^ held)
+        raise ValueError(f"parameter group {index} held other parameters when the checkpoint was saved (differing: "
+                         f"{', '.join(map(str, moved[:4]))}{', ...' if len(moved) > 4 else ''})")
+    return [by_name[name] for name in saved_names]
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """A torch.optim optimizer over this rank's parameters, built over ``model.parameters()`` (parameter groups
     with options of their own are fine), that behaves as one: param_groups, state, state_dict, LR schedulers::
@@ -194,11 +206,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
             state = torch.load(io.BytesIO(state), map_location="cpu", weights_only=True)
             if on_first is not None and share == first_share:
                 on_first(state)
+            saved_class = state.get("optimizer_class", type(inner).__name__)
+            if saved_class != type(inner).__name__:
+                raise CheckpointError(f"{path}: its optimizer state is a {saved_class}'s, and this optimizer is a "
+                                      f"{type(inner).__name__}: resume with the optimizer that saved it, or load the "
+                                      "parameters alone (smp.export_checkpoint, then load_parameters)")
             saved_with = {id(by_name[name]) for name in names if name in by_name}
             try:
-                for group, built in zip(inner.param_groups, self._built_groups):
+                for index, (group, built) in enumerate(zip(inner.param_groups, self._built_groups)):
                     group["params"] = [p for p in built if id(p) in saved_with]
                     group.pop("param_names", None)  # torch.optim checks them against the saved ones otherwise
+                    if "parameter_names" in state:  # by name, in the saving optimizer's order
+                        group["params"] = _in_saved_order(group["params"], state["parameter_names"][index], by_name,
+                                                          index)
                 inner.load_state_dict(state["optimizer"])
             except Exception as error:
                 restore_groups()

@@ -1,7 +1,8 @@
 """smp.Checkpointer from Python: a 2-stage job trains 4 steps (torch.optim.AdamW under a LambdaLR warm-up) and
 checkpoints after each; a second job resumes from the newest checkpoint (optimizer and scheduler state) and trains 2
-more. Both runs' final parameters must equal 6 (or 4) steps of plain PyTorch training on the same batches, so the
-learning rate must continue where it was. Launches both jobs itself. With --sharded, the first job has two replicas
+more, its optimizer built over the parameters in reverse order. Both runs' final parameters must equal 6 (or 4) steps
+of plain PyTorch training on the same batches, so the learning rate must continue where it was, and each Adam moment
+with its own parameter. Launches both jobs itself. With --sharded, the first job has two replicas
 that shard the optimizer state ("shard_optimizer_state"), each drawing random numbers of its own, which a resume
 continues replica by replica; the second, one replica, trains one step from it (reading both
 shares), and a third, sharded over two replicas again, resumes from that one's unsharded checkpoint: each time every
@@ -31,7 +32,9 @@ net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Line
                           torch.nn.Linear(16, 3))
 plan = {"0": "colwise", "2": "rowwise"} if runtime.tensor_parallel_degree > 1 else None
 model = smp.DistributedModel(net, torch.zeros(2, 6), tp_plan=plan)
-optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+# A resumed job may list the parameters in another order: the saved state follows them by name.
+order = -1 if sys.argv[4:] == ["reversed"] else 1
+optimizer = smp.DistributedOptimizer(torch.optim.AdamW(list(model.parameters())[::order], lr=1e-2))
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda step: 1.0 / (step + 1))
 checkpointer = smp.Checkpointer(model, optimizer, lr_scheduler=scheduler)
 torch.manual_seed(100 + runtime.dp_rank)  # each replica's own augmentation stream, as the README advises
@@ -76,9 +79,9 @@ def reference(steps):
     return dict(net.named_parameters())
 
 
-def run(smprun, python, worker, config, steps, out, processes):
+def run(smprun, python, worker, config, steps, out, processes, *extra):
     result = subprocess.run([smprun, "-n", str(processes), "--timeout", "120", "--", python, worker, json.dumps(config),
-                             str(steps), out], capture_output=True, text=True, timeout=180)
+                             str(steps), out, *extra], capture_output=True, text=True, timeout=180)
     if result.returncode != 0:
         print(result.stdout[-4000:], result.stderr[-4000:], sep="\n")
         raise SystemExit(f"job of {steps} steps: exit status {result.returncode}")
@@ -153,7 +156,7 @@ def main():
             if "resumed at 5" not in resumed:
                 raise SystemExit(f"the sharded job did not resume at step 5:\n{resumed}")
         else:
-            resumed = run(smprun, python, worker, dict(config, resume=True), 6, out, processes)
+            resumed = run(smprun, python, worker, dict(config, resume=True), 6, out, processes, "reversed")
             if "resumed at 4" not in resumed:
                 raise SystemExit(f"the second job did not resume at step 4:\n{resumed}")
         check(out, 6, processes)
