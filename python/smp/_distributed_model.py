@@ -180,6 +180,10 @@ class DistributedModel(torch.nn.Module):
         owner = weakref.ref(self)
         for parameter in self._model.named_parameters().values():
             parameter._smp_model = owner
+        if isinstance(model, torch.nn.Module):
+            kept = {id(t) for t in itertools.chain(self._model.named_parameters().values(),
+                                                   self._model.named_buffers().values())}
+            _materialize.release_other_stages(model, kept, list(self.stages))
 
     def _engine_step(self, step, inputs, targets, loss, keep_outputs, replica_share, what):
         rt = runtime()

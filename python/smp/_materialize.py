@@ -118,3 +118,39 @@ def materialize(model, device="cpu", seed=0, init_fn=None):
     paths = {owners[id(t)] for t in itertools.chain(model.parameters(), model.buffers()) if t.is_meta}
     materialize_modules(model, paths, torch.device(device), seed, init_fn)
     return model
+
+
+def release_other_stages(model, kept, stages):
+    """The inverse, once a model is cut: `model`'s tensors that this rank does not train (`kept`: the ids of those it
+    does) become meta tensors, so that the model the user still holds cannot be saved or run as if trained (its other
+    stages would stay at their first values on every rank) and holds no memory for them; calling it then says so.
+    Tied tensors stay tied; TorchScript modules are left as they are (the engine trains copies of them). Returns how many
+    tensors were released."""
+    if isinstance(model, torch.jit.ScriptModule):
+        return 0  # TorchScript: the engine trains copies, and a scripted module takes no hooks
+    released = {}
+    for module in model.modules():
+        if isinstance(module, torch.jit.ScriptModule):
+            continue
+        for table in (module._parameters, module._buffers):
+            for key, tensor in table.items():
+                if tensor is None or tensor.is_meta or id(tensor) in kept:
+                    continue
+                if id(tensor) not in released:
+                    empty = torch.empty_like(tensor, device="meta")
+                    released[id(tensor)] = torch.nn.Parameter(empty, tensor.requires_grad) \
+                        if isinstance(tensor, torch.nn.Parameter) else empty
+                table[key] = released[id(tensor)]
+    if released:
+        name = type(model).__name__
+
+        def refuse(module, args):
+            raise ModelError(f"{name} was given to smp.DistributedModel, which trains it in pieces: this rank holds "
+                             f"its stage(s) {stages} only, and the model's other tensors were released (now on the "
+                             "meta device). Call the DistributedModel (model(inputs), model.evaluate) to run it; for "
+                             "the whole trained model, save a checkpoint and use smp.export_safetensors (a Hugging "
+                             "Face directory) or smp.export_checkpoint with smp.load_full_model")
+
+        model.register_forward_pre_hook(refuse)
+    release_freed_memory()
+    return len(released)

@@ -9,6 +9,7 @@ on the same microbatches (every step's loss, then every parameter and buffer thi
   - a model whose layers are its own parameters (a ParameterList) is refused in its terms, not the partition's;
 and in evaluation, against the PyTorch model in eval mode:
   - stochastic depth (torchvision's, p 0.5) returns its input (it dropped rows in evaluate too);
+  - the wrapped model keeps only this rank's tensors, and calling it says why (it ran half trained);
   - a forward branching on self.training is refused in evaluate, and in train_step in eval mode (evaluate computed
     the training branch).
 Exits 0 only when all agree."""
@@ -156,6 +157,11 @@ def check_evaluation():
         failures.append("stochastic depth: the outputs of model(inputs) in eval mode differ from PyTorch's")
     model.train()
     model.train_step(inputs, targets, F.mse_loss)  # training still drops rows: runs (its numbers are random)
+    # The model given to DistributedModel keeps only this rank's tensors: run or saved, it would be half trained.
+    if not any(t.is_meta for t in net.parameters()) or any(t.is_meta for _, t in model.named_parameters()):
+        failures.append("the wrapped model kept the other stages' tensors (or lost this rank's)")
+    report.expect_error(failures, "the wrapped model called after the wrapping", smp.ModelError,
+                        "was given to smp.DistributedModel, which trains it in pieces", lambda: net(inputs))
 
     torch.manual_seed(4)
     model = smp.DistributedModel(Noisy(torch.nn.Linear(WIDTH, WIDTH)), inputs[:2])
