@@ -163,8 +163,16 @@ class DistributedModel(torch.nn.Module):
         # Where construction time went (capture; profiling, partitioning and building the stages), for benchmarks.
         self._seconds = {"capture": captured - started, "engine": time.perf_counter() - captured}
         # The full model's names in its order: named_parameters() and state_dict() follow it, as PyTorch's do.
-        full_names = list(model.state_dict(keep_vars=True)) if isinstance(model, torch.nn.Module) else []
+        full_state = model.state_dict(keep_vars=True) if isinstance(model, torch.nn.Module) else {}
+        full_names = list(full_state)
         self._full_names = set(full_names)
+        # A tied tensor's other names (lm_head.weight for transformer.wte.weight): load_state_dict takes it by any.
+        first_name = {}
+        self._aliases = collections.defaultdict(list)
+        for name, tensor in full_state.items():
+            if id(tensor) in first_name:
+                self._aliases[first_name[id(tensor)]].append(name)
+            first_name.setdefault(id(tensor), name)
         order = {name: index for index, name in enumerate(full_names)}
         last = len(order)
         self._parameter_names = sorted(self._model.named_parameters(), key=lambda name: order.get(name, last))
@@ -350,7 +358,9 @@ class DistributedModel(torch.nn.Module):
         if assign:
             raise ValueError("assign=True would put new tensors where the engine trains its own; smp copies into them")
         own = self.state_dict(keep_vars=True)
-        missing = [name for name in own if name not in state_dict]
+        given = {name: next((alias for alias in [name, *self._aliases.get(name, ())] if alias in state_dict), None)
+                 for name in own}  # the key each of this rank's tensors loads from
+        missing = [name for name, key in given.items() if key is None]
         unexpected = [name for name in state_dict if name not in own and name not in self._full_names]
         problems = []
         if strict and missing:
@@ -358,15 +368,15 @@ class DistributedModel(torch.nn.Module):
         if strict and unexpected:
             problems.append(f"unexpected keys: {', '.join(unexpected[:5])}{', ...' if len(unexpected) > 5 else ''}")
         for name, tensor in own.items():
-            shape = tuple(state_dict[name].shape) if name in state_dict else None
+            shape = tuple(state_dict[given[name]].shape) if given[name] is not None else None
             if shape is not None and shape != tuple(tensor.shape) and shape != tp.whole_shape(tensor):
                 problems.append(f"{name}: shape {shape} in the state_dict, {tp.whole_shape(tensor)} in the model")
         if problems:
             raise RuntimeError("Error(s) in loading state_dict for DistributedModel:\n\t" + "\n\t".join(problems))
         with torch.no_grad():
             for name, tensor in own.items():
-                if name in state_dict:
-                    tensor.copy_(tp.local_part(tensor, state_dict[name]))
+                if given[name] is not None:
+                    tensor.copy_(tp.local_part(tensor, state_dict[given[name]]))
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def load_parameters(self, path):
