@@ -2,6 +2,7 @@
 nn.Module, and what its steps return."""
 
 import collections
+import collections.abc
 import gc
 import itertools
 import os
@@ -212,9 +213,14 @@ class DistributedModel(torch.nn.Module):
         if any(b and v.shape[0] % microbatches == 0 for v, b in zip(values, batched)):
             self._io.check_microbatch(values, batched, microbatches, what)
         model_outputs = self._io.model_outputs
+        # Hugging Face's num_items_in_batch (as its Trainer passes it): the model's loss is then a sum over the items
+        # divided by the batch's count, not a mean; the engine's mean over microbatches and replicas would divide it
+        # again by their number.
+        counted = loss is None and isinstance(inputs, collections.abc.Mapping) and "num_items_in_batch" in inputs
+        pieces = microbatches * rt.data_parallel_degree if counted else 1
         if loss is None:
             def engine_loss(outputs, target):
-                return own_loss(model_outputs(outputs))
+                return own_loss(model_outputs(outputs)) * pieces if pieces > 1 else own_loss(model_outputs(outputs))
         else:
             def engine_loss(outputs, target):
                 return loss(model_outputs(outputs), target)

@@ -97,7 +97,22 @@ def export_model(model, args, kwargs, shapes):
     except Exception as error:  # noqa: BLE001 - export raises many kinds; the fixed-shape export says what is wrong
         text = str(error).strip()
         reason = f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+        through = _through_var_keyword(model, args, kwargs)
+        if through and "tree_name" in text:  # torch 2.11's words for any input under **kwargs
+            reason = (f"torch.export leaves no shape free while inputs go through the forward's **kwargs "
+                      f"({', '.join(map(repr, through))}); every batch must then have the sample's shapes")
     return _export_fixed(model, args, kwargs), reason
+
+
+def _through_var_keyword(model, args, kwargs):
+    """The names of the inputs that a forward takes through its **kwargs."""
+    try:
+        signature = inspect.signature(model.forward)
+        bound = signature.bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return []
+    return [name for parameter in signature.parameters.values() if parameter.kind is parameter.VAR_KEYWORD
+            for name in bound.get(parameter.name, {})]
 
 
 def _export(model, args, kwargs, **options):

@@ -607,6 +607,7 @@ def main():
 
     fused_runs()
     pytorch_conventions()
+    items_counted()
     scripted = torch.jit.script(torch.nn.Linear(4, 4))
     expect_error("a TorchScript module used twice", smp.ModelError, "node '2' shares parameter 'weight' with node '0'",
                  lambda: smp.DistributedModel(torch.nn.Sequential(scripted, torch.nn.ReLU(), scripted), torch.randn(2, 4)))
@@ -681,6 +682,33 @@ def fused_runs():
     # Floats where the sample had ids: refused before any rank computes, where inside the step it would end the job.
     expect_error("float ids", smp.ConfigError, "the model would read rows of 'embed.weight' at torch.float32 positions",
                  lambda: model.train_step(torch.full((2, 4), 1.5), targets, F.mse_loss))
+
+
+class SummedOverItems(torch.nn.Module):
+    """A loss as Hugging Face models compute it given num_items_in_batch: a sum over the items, divided by the global
+    batch's count."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 1)
+
+    def forward(self, x, labels, num_items_in_batch):
+        return {"loss": ((self.linear(x).squeeze(-1) - labels) ** 2).sum() / num_items_in_batch}
+
+
+def items_counted():
+    """num_items_in_batch: train_step's loss is the whole batch's sum over its count (the engine's mean over
+    microbatches would divide it again)."""
+    torch.manual_seed(6)
+    net = SummedOverItems()
+    reference = copy.deepcopy(net)
+    x, labels = torch.randn(4, 3), torch.randn(4)
+    count = torch.tensor(4.0)
+    model = smp.DistributedModel(net, {"x": x[:2], "labels": labels[:2], "num_items_in_batch": count})
+    loss = model.train_step({"x": x, "labels": labels, "num_items_in_batch": count}).loss
+    expected = reference(x, labels, count)["loss"].item()
+    if abs(loss - expected) > 1e-6:
+        failures.append(f"num_items_in_batch: train_step's loss {loss}, PyTorch's on the whole batch {expected}")
 
 
 def pytorch_conventions():
