@@ -55,7 +55,7 @@ class StepResult:
     replicas'); {} otherwise."""
 
     def __init__(self, engine_output, outputs, tokens_per_expert=None):
-        self.loss = engine_output.loss
+        self.loss = Loss(engine_output.loss) if engine_output.loss is not None else None
         self.skipped = engine_output.skipped
         self.seconds = engine_output.seconds
         self.gradient_buckets = engine_output.gradient_buckets
@@ -66,6 +66,17 @@ class StepResult:
 
     def __repr__(self):
         return f"StepResult(loss={self.loss}, skipped={self.skipped}, seconds={self.seconds:.3f})"
+
+
+class Loss(float):
+    """A step's loss: a float (the global batch's mean, the same on every rank) that answers .item() as the tensor a
+    training loop expects does; the engine has run its backward already."""
+
+    def item(self):
+        return float(self)
+
+    def backward(self, *args, **kwargs):
+        raise RuntimeError("train_step ran the backward already (its gradients are in .grad): call optimizer.step()")
 
 
 def _no_loss(output, target):
@@ -315,6 +326,35 @@ class DistributedModel(torch.nn.Module):
                             "sample, takes both kinds)")
         inputs = kwargs if kwargs else (args[0] if len(args) == 1 else tuple(args))
         return self.evaluate(inputs, None, loss=_no_loss, keep_outputs=True).outputs
+
+    @property
+    def module(self):
+        """The model given to DistributedModel, as DistributedDataParallel's .module (holding this rank's tensors
+        only: see smp._materialize.release_other_stages)."""
+        return self._net
+
+    @property
+    def device(self):
+        return torch.device(runtime().device)
+
+    @property
+    def dtype(self):
+        return next((p.dtype for p in self.parameters()), torch.get_default_dtype())
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        net = self.__dict__.get("_net")
+        if name == "config" and hasattr(net, "config"):
+            return net.config  # a Hugging Face model's: read by training loops
+        hints = {"generate": "generation runs token by token, which a pipeline does not; export the trained model "
+                             "(smp.export_safetensors) and generate with it in one process",
+                 "gradient_checkpointing_enable": "smp recomputes activations by its config: \"activation_"
+                                                  "checkpointing\": true (or the stages or modules to recompute)"}
+        raise AttributeError(f"'DistributedModel' object has no attribute '{name}'" +
+                             (f": {hints[name]}" if name in hints else ""))
 
     def extra_repr(self):
         return f"stages={list(self.stages)}, parameters={len(self._parameter_names)} of the model's on this rank"

@@ -82,7 +82,9 @@ class CapturedIO:
                               f"(its inputs: {', '.join(self._keys)}); pass the same inputs as the sample")
         missing = [key for key in self._keys if key not in kwargs]
         if missing:
-            raise ConfigError(f"{what}: no '{missing[0]}', which the sample had")
+            raise ConfigError(f"{what}: no '{missing[0]}', which the sample had: a captured model takes the sample's "
+                              "inputs (one it computes its loss from, such as labels, too: give placeholder values, "
+                              "e.g. labels=input_ids, when only the outputs are wanted)")
         ordered = {key: kwargs[key] for key in self._keys}
         leaves, _ = pytree.tree_flatten((args, ordered))
         if len(leaves) != len(self._sample_leaves):

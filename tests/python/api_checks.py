@@ -726,6 +726,14 @@ def pytorch_conventions():
         failures.append("parameters() does not yield the trained tensors")
     if list(model.state_dict()) != list(reference.state_dict()):
         failures.append(f"state_dict() keys {list(model.state_dict())}, the model's {list(reference.state_dict())}")
+    # What training loops written for DistributedDataParallel and Hugging Face models reach for.
+    if model.module is not net or model.device != torch.device("cpu") or model.dtype != torch.float32:
+        failures.append(f"module, device, dtype: {type(model.module).__name__}, {model.device}, {model.dtype}")
+    loss = model.train_step(torch.randn(4, 4), torch.randn(4, 2), F.mse_loss).loss
+    if loss.item() != float(loss):
+        failures.append(f"the step's loss answers .item() with {loss.item()}, not {float(loss)}")
+    expect_error("the step's loss given to backward", RuntimeError, "ran the backward already", loss.backward)
+    expect_error("generate", AttributeError, "export the trained model", lambda: model.generate)
     # load_state_dict: a full model's state_dict by name; what is missing, unknown or of another shape is refused.
     other = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     result = model.load_state_dict(other.state_dict())

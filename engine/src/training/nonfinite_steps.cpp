@@ -29,7 +29,14 @@ bool skips_step(const Config& config, long long step, double loss, const std::st
                            (!loss_finite ? "the loss is " + std::to_string(loss) : std::string()) +
                            (!loss_finite && !nonfinite_ranks.empty() ? "; " : "") +
                            (nonfinite_ranks.empty() ? "" : "non-finite gradients on " + nonfinite_ranks);
-  if (!config.skip_nonfinite_steps) throw NonFiniteError(what + " (set \"nonfinite\": \"skip\" to skip such steps)");
+  // A mean over no elements is the usual NaN loss of a step whose inputs are fine: say it before offering to skip.
+  const std::string empty_mean = !loss_finite && std::isnan(loss)
+                                     ? "; a microbatch whose loss is a mean over no elements (every label ignored, -100) "
+                                       "gives NaN: weigh tokens over the global batch instead (the README's token-weighted loss)"
+                                     : "";
+  if (!config.skip_nonfinite_steps) {
+    throw NonFiniteError(what + empty_mean + " (set \"nonfinite\": \"skip\" to skip such steps)");
+  }
   if (logs) log::warn(what + "; skipping the step");
   return true;
 }
