@@ -463,7 +463,14 @@ std::int64_t Checkpointer::resume() {
     read.bytes.assign(static_cast<const char*>(bytes.data_ptr()), static_cast<std::size_t>(bytes.numel()));
     return read;
   };
-  model_.load_state(state_in(contents, path));
+  try {
+    model_.load_state(state_in(contents, path));
+  } catch (const CheckpointError& error) {
+    if (manifest.schedule.empty() || manifest.schedule == model_.schedule().name) throw;
+    throw CheckpointError(std::string(error.what()) + " (it was saved under the \"" + manifest.schedule +
+                          "\" schedule, which places stages on ranks otherwise than this job's \"" +
+                          model_.schedule().name + "\": resume with that pipeline, or export and load_parameters)");
+  }
   optimizer_state_->load(saved, runtime.device());
   try {
     if (contents.contains("random_states_by_replica")) {

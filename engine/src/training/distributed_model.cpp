@@ -148,7 +148,14 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
     std::vector<std::string> names;
     for (const auto& node : model_.nodes()) names.push_back(node.name);
     resumed_from_ = checkpoint_to_resume(*runtime_, exchange_ + "resume_from", names, model_signature_);
-    if (resumed_from_) plan_.stage_of_module = resumed_from_->manifest.stage_of_module;
+    if (resumed_from_) {
+      if (runtime_->rank() == 0 && plan_.stage_of_module != resumed_from_->manifest.stage_of_module) {
+        log::info("resuming from " + resumed_from_->directory + " keeps the cut it was saved with; this job's " +
+                  "config and profile (partition_overrides, device speeds, memory, timings) would cut it otherwise " +
+                  "(for another cut: smp_checkpoint export, then load_parameters in a fresh job)");
+      }
+      plan_.stage_of_module = resumed_from_->manifest.stage_of_module;
+    }
   }
   if (runtime_->rank() == 0) {
     log::info(plan_.report());
