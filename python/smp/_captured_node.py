@@ -108,6 +108,18 @@ def module_paths(node):
 # module's output there is the input that IN_EVALUATION_ROUTE leads to (argument positions from the output).
 IN_EVALUATION = "smp_in_evaluation"
 IN_EVALUATION_ROUTE = "smp_in_evaluation_route"
+ORIGIN = "smp_origin"  # the name of the export's operation a node's copy was made from
+
+
+def _take_evaluation_tags(graph, tags):
+    """Tags the copies of the operations named in `tags` ({export name: tags}); returns whether any was."""
+    tagged = False
+    for node in graph.nodes:
+        tag = tags.get(node.meta.get(ORIGIN))
+        if tag:
+            node.meta.update(tag)
+            tagged = True
+    return tagged
 
 
 def evaluation_input(node):
@@ -180,6 +192,13 @@ class CapturedNode(torch.nn.Module):
         for tensor in itertools.chain(self.parameters(), self.buffers()):
             return tensor.device
         return self._captured_device
+
+    def take_evaluation_tags(self, tags, model):
+        """What evaluation leaves out, found after the node was made (smp._evaluation_path): its code made anew."""
+        if _take_evaluation_tags(self._graph, tags):
+            object.__setattr__(self, "_owners", mode_owners(self._graph, model))
+            self._variants.clear()
+            object.__setattr__(self, "_stand_ins", None)
 
     def frozen(self):
         """The paths of the model's modules in eval mode whose operations this node runs (mode_owners)."""
@@ -398,6 +417,10 @@ class FusedRun:
         self._graph.output(tuple(outputs))
         self._variants = {}
 
+    def take_evaluation_tags(self, tags):
+        if _take_evaluation_tags(self._graph, tags):
+            self._variants.clear()
+
     def __call__(self, *sources):
         first = self._members[0]
         key = (first.training, first._device(sources), frozenset().union(*(member.frozen() for member in self._members)))
@@ -407,13 +430,15 @@ class FusedRun:
         return code(*sources)
 
 
-def run_fuser(captured, node_names):
+def run_fuser(captured, node_names, made):
     """The fuser a captured model's engine graph takes (GraphModel.set_run_fuser): `captured` maps node names to their
-    CapturedNode, `node_names` is the engine's node order."""
+    CapturedNode, `node_names` is the engine's node order; each run made is added to `made` (a WeakSet)."""
     def fuse(nodes, inputs):
         members = [captured.get(node_names[index]) for index in nodes]
         if any(member is None or member._meta for member in members):
             return None
-        return FusedRun(members, inputs)
+        run = FusedRun(members, inputs)
+        made.add(run)
+        return run
 
     return fuse

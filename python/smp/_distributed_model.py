@@ -156,7 +156,7 @@ class DistributedModel(torch.nn.Module):
         self._io = io_
         self._graph = graph
         _check_enough_modules(model, graph, rt.config.num_stages())
-        self._evaluation_differs = getattr(graph, "_evaluation_differs", None)
+        self._evaluation_checked, self._evaluation_differs = False, None
         # Non-persistent buffers (a rotary table) stay out of checkpoints and exports, as out of state_dict.
         from_module = isinstance(model, torch.nn.Module) and not _is_sequential(model)
         graph._graph.set_transient_buffers(transient_buffers(model) if from_module else graph._transient_buffers)
@@ -262,7 +262,8 @@ class DistributedModel(torch.nn.Module):
                 print("smp: train_step with the model in eval mode (dropout off, batch norm on its running "
                       "statistics), as PyTorch trains it so; model.train() first to train in training mode "
                       "(from_pretrained returns a model in eval mode)", flush=True)
-        check_mode(net, self._evaluation_differs, "train_step")
+        if isinstance(net, torch.nn.Module) and not all(module.training for module in net.modules()):
+            check_mode(net, self._evaluation_path(), "train_step")
         result = self._engine_step(self._model.train_step, inputs, targets, loss, keep_outputs, replica_share,
                                    "train_step")
         if self.planned is not None and "measured_step_ms" not in self.planned:
@@ -309,12 +310,21 @@ class DistributedModel(torch.nn.Module):
             self._net.train(mode)
         return self
 
+    def _evaluation_path(self):
+        """Where the model's eval-mode forward parts from its training capture (smp._evaluation_path), found at the
+        first call that runs modules in eval mode, by every rank alike."""
+        if not self._evaluation_checked:
+            check = getattr(self._graph, "_check_evaluation", None)
+            self._evaluation_differs = check() if check is not None else None
+            self._evaluation_checked = True
+        return self._evaluation_differs
+
     def evaluate(self, inputs, targets=None, loss=None, keep_outputs=False, replica_share=False):
         """The mean loss over the global batch without gradients (validation), taken like train_step by every rank:
         the schedule's forwards alone, keeping nothing for a backward, with the modules in eval mode (dropout off,
         batch norm on its running statistics) and back in training mode after. Returns .loss and .seconds, and
         .outputs as train_step does with keep_outputs=True; replica_share as in train_step."""
-        check_mode(self._net, self._evaluation_differs, "evaluate" if loss is not _no_loss else "calling the model")
+        check_mode(self._net, self._evaluation_path(), "evaluate" if loss is not _no_loss else "calling the model")
         return self._engine_step(self._model.evaluate, inputs, targets, loss, keep_outputs, replica_share,
                                  "evaluate")
 

@@ -65,11 +65,9 @@ def path_as_evaluated(graph, in_training):
     layout-only copies are left out."""
     names = {}
     steps = []
-    inputs = 0
     for node in graph.nodes:
         if node.op == "placeholder":
-            names[node] = ("input", inputs)
-            inputs += 1
+            names[node] = ("input", node.name)  # by name: the two exports may order them otherwise
         elif node.op == "get_attr":
             target = node.graph.owning_module
             value = getattr(target, node.target, None) if target is not None else None

@@ -17,14 +17,17 @@ stage of the node that reads it.
 """
 
 import collections
+import contextlib
+import functools
 import itertools
+import weakref
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from . import _capture_cache, _evaluation_path, _expert_parallel, _routing
-from ._captured_node import (_ASSERTS, IN_EVALUATION, IN_EVALUATION_ROUTE, CapturedNode, _attribute, _is_op,
+from . import _capture_cache, _evaluation_path, _expert_parallel, _materialize, _routing
+from ._captured_node import (_ASSERTS, IN_EVALUATION, IN_EVALUATION_ROUTE, ORIGIN, CapturedNode, _attribute, _is_op,
                              _mutates_first_argument, _owner_path, mode_owners, module_paths, placeholder_name, run_fuser)
 from ._data_flow import READS_METADATA_ONLY, data_flow, is_random
 from ._exporting import CaptureError, dynamic_shapes, export_as_if_on, export_model, real_constant
@@ -127,74 +130,31 @@ def _merge_tensor_parallel_copies(graph):
 
 
 def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=torch.device("cpu"), experts=(1, 0),
-            dynamic=None, evaluation=True, evaluation_first=False):
+            dynamic=None, evaluation=True):
     """Exports `model` on the sample (args, kwargs) and builds the engine's graph: returns (graph, input leaves,
     output spec, input shapes), where the input leaves say for each leaf of the flattened (args, kwargs) the engine input name it
     feeds (None for leaves baked into the capture), the output spec how the model's outputs are rebuilt from the
     engine's output tensors, and the InputShapes each microbatch is checked against. A model on the meta device is
     exported as if on `device`, where the job runs it. `experts`: (expert-parallel degree, this rank's place in its
     group); above 1, the experts modules are divided over the group (smp._expert_parallel). `dynamic`: which input
-    dimensions may change (smp._exporting.dynamic_shapes' choice). `evaluation`: also export it in eval mode, and note
-    on the graph (`_evaluation_differs`) where that path differs from the training one (smp._evaluation_path);
-    `evaluation_first`: that export first, where the capture cache shares exports (half a job's ranks)."""
+    dimensions may change (smp._exporting.dynamic_shapes' choice). `evaluation`: give the graph the check of
+    evaluation's path that its first evaluation runs (`_check_evaluation`, smp._evaluation_path)."""
     name = type(model).__name__
     expert_degree, expert_rank = experts
     divided = _expert_parallel.experts_modules(model) if expert_degree > 1 else {}
     if expert_degree > 1:
         _expert_parallel.check_divisible(divided, expert_degree)
-    # Capturing must leave no trace in the training state: buffers, and the random numbers dropout draws next.
-    buffers_before = [(b, b.detach().clone()) for b in model.buffers()]
-    on_meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
-    # Captured in training mode, whatever mode the model is in (from_pretrained gives eval): evaluation turns dropout
-    # and batch statistics off in the captured code, but nothing could turn them on.
-    modes = [(module, module.training) for module in model.modules()]
-    model.train()
-    # A forward that passes its keyword arguments on (GraniteMoE's) takes use_cache from the model's config.
-    config = getattr(model, "config", None)
-    cached = getattr(config, "use_cache", None)
-    if cached:
-        config.use_cache = False
+    args, kwargs = _distinct_inputs(args, kwargs)
+    on_meta = _materialize.is_meta(model)
     free, held = dynamic_shapes(model, args, kwargs, dynamic)
-    try:
-        def export(shapes):
-            with torch.random.fork_rng(devices=[]), _expert_parallel.opaque_for_export(divided):
-                exported_here, why_fixed = (export_as_if_on(device, model, args, kwargs, shapes) if on_meta else
-                                            export_model(model, args, kwargs, shapes))
-            sketch_values(exported_here.graph_module.graph)
-            return exported_here, why_fixed
-        def exported_in(mode):
-            model.train(mode == "train")
-            return _capture_cache.exported(_capture_cache.key(model, args, kwargs, free, device, on_meta, divided,
-                                                              mode=mode), model, lambda: export(free))
-        # With the capture cache, half the ranks export the eval mode first: the two exports run side by side, each
-        # read back by the others.
-        modes_in_order = ["train", "eval"] if evaluation else ["train"]
-        if evaluation_first and _capture_cache.directory():
-            modes_in_order.reverse()
-        exports = {}
-        for mode in modes_in_order:
-            try:
-                exports[mode] = exported_in(mode)
-            except CaptureError as error:
-                if mode == "train":
-                    raise
-                exports[mode] = error
-        exported, fixed_because = exports["train"]
-        evaluation_differs = None
-        if evaluation:
-            if isinstance(exports["eval"], CaptureError):
-                evaluation_differs = ("", f"its eval mode cannot be captured: {exports['eval']}")
-            else:
-                evaluation_differs = _evaluation_path.evaluation_difference(exported.graph_module.graph,
-                                                                             exports["eval"][0].graph_module.graph)
-    finally:
-        for module, mode in modes:
-            module.training = mode
-        if cached:
-            config.use_cache = cached
-    with torch.no_grad():
-        for buffer, saved in buffers_before:
-            buffer.copy_(saved)
+    with _exporting(model):
+        exported, fixed_because = _export_in("train", model, args, kwargs, free, device, divided, on_meta)
+    # Evaluation's path is checked at the first evaluation (smp._evaluation_path), against the export as it was
+    # before the capture rewrites it below: most jobs never evaluate, and a second export at every capture cost the
+    # test suite a fifth of its time.
+    raw_graph = _copied(exported.graph_module)
+    evaluation_check = functools.partial(_check_evaluation, model, args, kwargs, free, device, divided, raw_graph) \
+        if evaluation else None
     graph = exported.graph_module.graph
     _merge_tensor_parallel_copies(graph)
     kinds = _signature_kinds(exported)
@@ -284,7 +244,8 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
     _draw_once(plan, input_names, order, units)
 
     engine = graph_factory([input_names[n] for n in user_inputs if n in input_names])
-    engine._evaluation_differs = evaluation_differs
+    engine._fused_runs = weakref.WeakSet()  # what evaluation's tags reach besides the nodes
+    engine._check_evaluation = (lambda: evaluation_check(engine)) if evaluation_check else None
     captured_device = next((t.device for t in parameters.values()), torch.device("cpu"))
     value_name = dict(input_names)  # what a node reads a value by: a model input's name, or its node's
     node_name = {}  # value -> the engine node that makes it (a returned input: an identity node of its own)
@@ -366,11 +327,98 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
         raise ModelError(f"{name}'s forward returns no tensor")
     engine._graph.set_outputs(outputs)
     # Not the GraphModel itself: the engine's graph holds the fuser, and would keep itself alive through it.
-    engine._graph.set_run_fuser(run_fuser(engine._captured, engine.node_names()))
+    engine._graph.set_run_fuser(run_fuser(engine._captured, engine.node_names(), engine._fused_runs))
     output_spec = (exported.call_spec.out_spec,
                    [None if isinstance(leaf, fx.Node) else leaf for leaf in output_leaves])
     shapes.lookups = TableLookups.of(graph, dynamic, attributes, input_names, order)
     return engine, leaf_inputs, output_spec, shapes
+
+
+def _distinct_inputs(args, kwargs):
+    """The sample with a tensor given as two inputs (labels=input_ids, Hugging Face's way) given as two tensors:
+    export makes one tensor one input, whose readers then read whichever name it kept, the labels for the embedding,
+    wrong as soon as a batch's labels differ from its inputs (-100 padding)."""
+    seen = set()
+
+    def distinct(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        if id(value) in seen:
+            return value.clone()
+        seen.add(id(value))
+        return value
+
+    return pytree.tree_map(distinct, (args, kwargs))
+
+
+@contextlib.contextmanager
+def _exporting(model):
+    """Exports leave no trace in the training state: the modules' modes, buffers, the random numbers dropout draws
+    next, a Hugging Face config's use_cache (a forward that passes its keyword arguments on, GraniteMoE's, takes it
+    from there)."""
+    buffers_before = [(b, b.detach().clone()) for b in model.buffers()]
+    modes = [(module, module.training) for module in model.modules()]
+    config = getattr(model, "config", None)
+    cached = getattr(config, "use_cache", None)
+    if cached:
+        config.use_cache = False
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        for module, mode in modes:
+            module.training = mode
+        if cached:
+            config.use_cache = cached
+        with torch.no_grad():
+            for buffer, saved in buffers_before:
+                buffer.copy_(saved)
+
+
+def _export_in(mode, model, args, kwargs, free, device, divided, on_meta):
+    """The model exported in training or eval mode ("train", "eval"), through the capture cache. Captured in
+    training mode whatever mode the model is in (from_pretrained gives eval): evaluation turns dropout and batch
+    statistics off in the captured code, but nothing could turn them on."""
+    model.train(mode == "train")
+
+    def export():
+        with _expert_parallel.opaque_for_export(divided):
+            exported, why_fixed = (export_as_if_on(device, model, args, kwargs, free) if on_meta else
+                                   export_model(model, args, kwargs, free))
+        sketch_values(exported.graph_module.graph)
+        return exported, why_fixed
+
+    key = _capture_cache.key(model, args, kwargs, free, device, on_meta, divided, mode=mode)
+    return _capture_cache.exported(key, model, export)
+
+
+def _copied(graph_module):
+    """The export's graph as it is now (its nodes' names and what the capture knows of them), apart from the
+    capture's rewrites of it."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(graph_module.graph, {}))
+    return fx.GraphModule(graph_module, graph)
+
+
+def _check_evaluation(model, args, kwargs, free, device, divided, raw, engine):
+    """(module path, what differs) where the model's eval-mode export takes another path than evaluating its
+    training capture `raw` would, else None, the captured code then tagged to leave out in evaluation what the eval
+    forward does not run (stochastic depth). The model may hold only this rank's tensors by now (the others
+    released to the meta device): exported on fake tensors then, the release's refusal held off."""
+    try:
+        with _exporting(model), _materialize.released_model_runs():
+            evaluated, _ = _export_in("eval", model, args, kwargs, free, device, divided, _materialize.is_meta(model))
+    except CaptureError as error:
+        return "", f"its eval mode cannot be captured: {error}"
+    differs = _evaluation_path.evaluation_difference(raw.graph, evaluated.graph_module.graph)
+    if differs is None:
+        tags = {node.name: {key: node.meta[key] for key in (IN_EVALUATION, IN_EVALUATION_ROUTE) if key in node.meta}
+                for node in raw.graph.nodes if IN_EVALUATION in node.meta}
+        for captured in engine._captured.values():
+            captured.take_evaluation_tags(tags, model)
+        for run in list(engine._fused_runs):
+            run.take_evaluation_tags(tags)
+    return differs
 
 
 def _hold_unread(model, made, node_name, first_path, divided):
@@ -502,11 +550,12 @@ def _node_graph(value, extra, value_name, attributes, order, extra_inputs):
             env[node] = graph.get_attr(path)
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])
+            env[node].meta[ORIGIN] = node.name
     graph.output(env[value])
     for node in graph.nodes:  # what the capture knew of each value (fake tensors): not needed to run, and not small
         # The module each operation ran in stays: dropout and batch norm follow that module's flag (mode_owners);
-        # and what evaluation leaves out (stochastic depth's operations).
+        # and the export's name for it, by which evaluation's tags find it (smp._evaluation_path).
         stack = node.meta.get("nn_module_stack")
-        kept = {key: node.meta[key] for key in (IN_EVALUATION, IN_EVALUATION_ROUTE) if key in node.meta}
-        node.meta = {"nn_module_stack": dict(list(stack.items())[-1:]), **kept} if stack else kept
+        origin = {ORIGIN: node.meta[ORIGIN]} if ORIGIN in node.meta else {}
+        node.meta = {"nn_module_stack": dict(list(stack.items())[-1:]), **origin} if stack else origin
     return graph, sources, node_attributes, needed

@@ -2,6 +2,7 @@
 modules its stages read, and initializes each from a generator seeded by (seed, module path), so that the weights
 do not depend on the partition; ``smp.materialize`` makes a whole model real the same way in one process."""
 
+import contextlib
 import ctypes
 import itertools
 
@@ -120,6 +121,20 @@ def materialize(model, device="cpu", seed=0, init_fn=None):
     return model
 
 
+_released_may_run = False
+
+
+@contextlib.contextmanager
+def released_model_runs():
+    """Lets a released model run its forward (smp's own export of it on fake tensors, which reads no tensor)."""
+    global _released_may_run
+    before, _released_may_run = _released_may_run, True
+    try:
+        yield
+    finally:
+        _released_may_run = before
+
+
 def release_other_stages(model, kept, stages):
     """The inverse, once a model is cut: `model`'s tensors that this rank does not train (`kept`: the ids of those it
     does) become meta tensors, so that the model the user still holds cannot be saved or run as if trained (its other
@@ -145,6 +160,8 @@ def release_other_stages(model, kept, stages):
         name = type(model).__name__
 
         def refuse(module, args):
+            if _released_may_run:
+                return
             raise ModelError(f"{name} was given to smp.DistributedModel, which trains it in pieces: this rank holds "
                              f"its stage(s) {stages} only, and the model's other tensors were released (now on the "
                              "meta device). Call the DistributedModel (model(inputs), model.evaluate) to run it; for "

@@ -30,7 +30,7 @@ def _capture(model, sample, stages, pinned, dynamic_shapes=None, experts=None, e
         try:
             graph, leaf_inputs, output_spec, shapes = exporting.capture(
                 model, args, kwargs, stages, pinned, GraphModel, torch.device(runtime().device), experts,
-                dynamic_shapes, evaluation, evaluation_first=runtime().rank % 2 == 1)
+                dynamic_shapes, evaluation)
             return graph, CapturedIO(model, args, kwargs, leaf_inputs, output_spec, shapes)
         except CaptureError as error:
             export_error = error
@@ -58,7 +58,8 @@ def graph_of(model, sample, stages, pinned, dynamic_shapes=None, experts=None, e
     """The smp.GraphModel a model runs as, and how its inputs and outputs map to the graph's, for `stages` stages;
     `dynamic_shapes` says which input dimensions a captured model lets change (smp._exporting.dynamic_shapes);
     `experts`, the expert-parallel degree and place a captured model's experts are divided for (default the job's);
-    `evaluation`: check that evaluation's path is the training one's (smp._evaluation_path), for a model that runs."""
+    `evaluation`: let its first evaluation check that evaluation's path is the training one's (smp._evaluation_path),
+    for a model that runs."""
     if isinstance(model, GraphModel):
         return model, GraphIO(model.input_names, model._several_outputs)
     if _is_sequential(model):

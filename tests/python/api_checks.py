@@ -608,6 +608,7 @@ def main():
     fused_runs()
     pytorch_conventions()
     items_counted()
+    one_tensor_as_two_inputs()
     scripted = torch.jit.script(torch.nn.Linear(4, 4))
     expect_error("a TorchScript module used twice", smp.ModelError, "node '2' shares parameter 'weight' with node '0'",
                  lambda: smp.DistributedModel(torch.nn.Sequential(scripted, torch.nn.ReLU(), scripted), torch.randn(2, 4)))
@@ -694,6 +695,30 @@ class SummedOverItems(torch.nn.Module):
 
     def forward(self, x, labels, num_items_in_batch):
         return {"loss": ((self.linear(x).squeeze(-1) - labels) ** 2).sum() / num_items_in_batch}
+
+
+class LossOfItsOwn(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, inputs, labels):
+        return {"loss": F.mse_loss(self.linear(inputs), labels)}
+
+
+def one_tensor_as_two_inputs():
+    """A sample giving one tensor as two inputs (labels=input_ids): the capture read the labels where the model reads
+    its inputs, wrong once a batch's labels differ."""
+    torch.manual_seed(7)
+    net = LossOfItsOwn()
+    reference = copy.deepcopy(net)
+    same = torch.randn(2, 4)
+    model = smp.DistributedModel(net, {"inputs": same, "labels": same})
+    inputs, labels = torch.randn(4, 4), torch.randn(4, 4)
+    loss = model.train_step({"inputs": inputs, "labels": labels}).loss
+    expected = sum(reference(i, t)["loss"].item() for i, t in zip(inputs.chunk(2), labels.chunk(2))) / 2
+    if abs(loss - expected) > 1e-6:
+        failures.append(f"a sample giving one tensor as two inputs: loss {loss}, PyTorch {expected}")
 
 
 def items_counted():

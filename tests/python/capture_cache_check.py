@@ -1,7 +1,6 @@
 """One rank of a 2-rank job checking the capture cache (SMP_CAPTURE_CACHE, smp/_capture_cache.py) in a directory of
 its own: the two ranks capturing a GPT-2 export it once between them; an identical model built again is not exported
-and trains exactly as the first (each capture exports in training and in eval mode, each kept alike);
-another sample length, another config, tied against untied weights, another value
+and trains exactly as the first; another sample length, another config, tied against untied weights, another value
 of a tensor attribute, or an edited and reloaded model class is exported again; a damaged entry is exported again and
 replaced, with a warning; a directory that cannot be made leaves the capture to run; without the variable nothing is
 read or written. Exits 0 only then.
@@ -23,13 +22,12 @@ import smp
 from smp import _exporting
 
 exports = []
-unpaired = []
 _original_export = _exporting._export
 
 
-def _counted_export(model, *args, **kwargs):
-    exports.append(model.training)  # each capture exports in training mode, then in eval mode (evaluation's path)
-    return _original_export(model, *args, **kwargs)
+def _counted_export(*args, **kwargs):
+    exports.append(1)
+    return _original_export(*args, **kwargs)
 
 
 _exporting._export = _counted_export
@@ -37,15 +35,12 @@ runtime = None
 
 
 def exported_by_the_job(action):
-    """How many training-mode exports the job's ranks ran, together, while each ran `action`; and what it returned on
-    this rank. An eval-mode export is kept and read back as its training-mode one is: as many of each."""
+    """How many exports the job's ranks ran, together, while each ran `action`; and what it returned on this rank."""
     before = len(exports)
     result = action()
-    counts = torch.tensor([float(sum(exports[before:])), float(len(exports) - before - sum(exports[before:]))])
-    runtime.all_reduce_sum(counts)
-    if counts[0] != counts[1]:
-        unpaired.append(f"{int(counts[0])} exports in training mode but {int(counts[1])} in eval mode")
-    return int(counts[0].item()), result
+    count = torch.tensor([float(len(exports) - before)])
+    runtime.all_reduce_sum(count)
+    return int(count.item()), result
 
 
 def gpt2(layers=2):
@@ -109,9 +104,8 @@ def main():
     entries = lambda: sorted(glob.glob(os.path.join(os.environ["SMP_CAPTURE_CACHE"], "export-*.pkl")))  # noqa: E731
 
     count, first = exported_by_the_job(lambda: smp.DistributedModel(gpt2(), sample()))
-    if count != 1 or len(entries()) != 2:
-        failures.append(f"two ranks capturing one model: {count} exports, {len(entries())} entries (1, and 2: the "
-                        "training and eval mode exports)")
+    if count != 1 or len(entries()) != 1:
+        failures.append(f"two ranks capturing one model: {count} exports, {len(entries())} entries (1 and 1)")
     count, again = exported_by_the_job(lambda: smp.DistributedModel(gpt2(), sample()))
     if count != 0:
         failures.append(f"the same model captured again: {count} exports, expected none")
@@ -164,8 +158,8 @@ def main():
     logging.getLogger("smp.capture_cache").removeHandler(handler)
     warned = torch.tensor([float(any("ignoring" in warning for warning in warnings))])
     runtime.all_reduce_sum(warned)
-    if count != 1 or warned.item() < 1:  # by the rank that read each: one the training export, one the eval one
-        failures.append(f"a damaged entry: {count} exports, {warned.item():.0f} ranks warned; expected 1 and some")
+    if count != 1 or warned.item() != 1:
+        failures.append(f"a damaged entry: {count} exports, {warned.item():.0f} ranks warned; expected 1 and 1")
     count, _ = exported_by_the_job(lambda: smp.DistributedModel(gpt2(), sample()))
     if count != 0:
         failures.append(f"after a damaged entry was replaced: {count} exports, expected none")
@@ -192,7 +186,7 @@ def main():
     os.environ["SMP_CAPTURE_CACHE"] = os.path.join(directory, "cache")
     if sorted(os.listdir(os.environ["SMP_CAPTURE_CACHE"])) != listing:
         failures.append("without SMP_CAPTURE_CACHE the cache directory changed")
-    sys.exit(report.finish(failures + unpaired))
+    sys.exit(report.finish(failures))
 
 
 if __name__ == "__main__":
