@@ -1,7 +1,8 @@
 """Gradient clipping by the whole model's norm, over every stage and shard: DistributedOptimizer.clip_grad_norm,
 and torch.nn.utils.clip_grad_norm_ given a DistributedModel's parameters. Each rank holds only its stages'
 gradients, so torch's own function, as a ported training loop calls it, would clip each stage by its own norm and
-train differently from the single process, without an error; smp takes that call over for its parameters alone."""
+train differently from the single process, without an error; smp takes that call over for its parameters alone
+(the name as smp.init leaves it in torch.nn.utils: a function imported from there before smp.init is torch's own)."""
 
 import functools
 
@@ -34,19 +35,22 @@ def _clip_grad_norm_(original, parameters, max_norm, norm_type=2.0, error_if_non
         return original(listed, max_norm, norm_type, error_if_nonfinite, foreach)
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
     given = {id(p) for p in listed if p.requires_grad}
-    if given != trainable:
-        raise ValueError(f"torch.nn.utils.clip_grad_norm_ was given {len(given)} of the {len(trainable)} trainable "
-                         "parameters this rank holds of an smp.DistributedModel: smp clips by the whole model's norm, "
-                         "over every stage; pass model.parameters() (or call optimizer.clip_grad_norm)")
+    # Those without a gradient may be left out ([p for p in ... if p.grad is not None]): clipping leaves them alone.
+    left_out = [p for p in model.parameters() if p.requires_grad and p.grad is not None and id(p) not in given]
+    if left_out or not given <= trainable:
+        raise ValueError(f"torch.nn.utils.clip_grad_norm_ was given {len(given & trainable)} of the {len(trainable)} "
+                         "trainable parameters this rank holds of an smp.DistributedModel"
+                         f"{' and other tensors' if not given <= trainable else ''}: smp clips by the whole model's "
+                         "norm, over every stage; pass model.parameters() (or call optimizer.clip_grad_norm)")
     if float(norm_type) != 2.0:
         raise ValueError(f"torch.nn.utils.clip_grad_norm_ with norm_type {norm_type} over an smp.DistributedModel: "
                          "smp clips by the 2-norm over every stage")
-    norm = clip_model_grad_norm(model, max_norm)
-    total = torch.tensor(norm)
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"the total norm of order {float(norm_type)} for gradients from `parameters` is "
-                           "non-finite, so it cannot be clipped (error_if_nonfinite=True)")
-    return total
+    if error_if_nonfinite:  # as torch raises it: before any gradient is scaled
+        norm = clip_model_grad_norm(model, float("inf"))
+        if not torch.isfinite(torch.tensor(norm)):
+            raise RuntimeError(f"the total norm of order {float(norm_type)} for gradients from `parameters` is "
+                               "non-finite, so it cannot be clipped (error_if_nonfinite=True)")
+    return torch.tensor(clip_model_grad_norm(model, max_norm))
 
 
 def take_over_torch_clipping():

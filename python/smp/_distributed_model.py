@@ -137,6 +137,9 @@ class DistributedModel(torch.nn.Module):
         started = time.perf_counter()
         # "auto" layout keys: chosen now that the model is known, the same on every rank (smp.plan's prediction).
         self.planned, self._planned_steps, self._planned_routing = None, [], {}
+        if _materialize.was_released(model):
+            raise ModelError(f"{type(model).__name__} was given to an smp.DistributedModel already, which keeps only "
+                             "this rank's parameters of it: build the model anew for another DistributedModel")
         meta = isinstance(model, torch.nn.Module) and _materialize.is_meta(model)
         if meta and (_is_sequential(model) or isinstance(model, (GraphModel, torch.jit.ScriptModule))):
             raise ModelError(_META_NEEDS_CAPTURE)  # before planning, which would run its modules
@@ -201,8 +204,7 @@ class DistributedModel(torch.nn.Module):
         for parameter in self._model.named_parameters().values():
             parameter._smp_model = owner
         if isinstance(model, torch.nn.Module):
-            kept = {id(t) for t in itertools.chain(self._model.named_parameters().values(),
-                                                   self._model.named_buffers().values())}
+            kept = {id(t) for t in self._model.named_parameters().values()}
             _materialize.release_other_stages(model, kept, list(self.stages))
 
     def _engine_step(self, step, inputs, targets, loss, keep_outputs, replica_share, what):
@@ -227,7 +229,8 @@ class DistributedModel(torch.nn.Module):
         # Hugging Face's num_items_in_batch (as its Trainer passes it): the model's loss is then a sum over the items
         # divided by the batch's count, not a mean; the engine's mean over microbatches and replicas would divide it
         # again by their number.
-        counted = loss is None and isinstance(inputs, collections.abc.Mapping) and "num_items_in_batch" in inputs
+        counted = loss is None and isinstance(inputs, collections.abc.Mapping) and \
+            inputs.get("num_items_in_batch") is not None
         pieces = microbatches * rt.data_parallel_degree if counted else 1
         if loss is None:
             def engine_loss(outputs, target):

@@ -27,7 +27,7 @@ def _owner_of(optimizer):
 
 def _in_saved_order(params, saved_names, by_name, index):
     """The parameters of group `index` in the order a checkpoint's optimizer held them (its state goes by position),
-    found by name; the same set, else CheckpointError naming what moved."""
+    found by name; the same set, else ValueError naming what moved (the caller's CheckpointError names the file)."""
     names = {id(tensor): name for name, tensor in by_name.items()}
     held = {names.get(id(p)) for p in params}
     if held != set(saved_names):

@@ -185,20 +185,22 @@ def _described(step):
 
 def check_mode(model, differs, call):
     """Raises ModelError where `call` ("evaluate", "train_step") would run the captured training path in place of
-    the model's eval path: evaluation always; train_step where the module that branches, or one around it, is in
-    eval mode (every rank decides alike, before anything is sent)."""
+    the model's eval path: evaluation always; train_step where any module is in eval mode (every rank decides alike,
+    before anything is sent)."""
     if differs is None or not isinstance(model, torch.nn.Module):
         return
     path, what = differs
     name = type(model).__name__
     where = f"{name}.{path}" if path else name
     if call == "train_step":
-        parts = path.split(".") if path else []
-        around = [model] + [model.get_submodule(".".join(parts[:depth])) for depth in range(1, len(parts) + 1)]
-        if all(module.training for module in around):
+        # Only the first difference is known: any module in eval mode may be one that branches.
+        frozen = [path or name for path, module in model.named_modules() if not module.training]
+        if not frozen:
             return
-        raise ModelError(f"train_step with {where} in eval mode: its forward takes another path in eval mode than in "
-                         f"training mode ({what}), and smp captured the training path; call model.train() first")
+        raise ModelError(f"train_step with modules in eval mode ({', '.join(frozen[:3])}"
+                         f"{', ...' if len(frozen) > 3 else ''}), and {where}'s forward takes another path in eval mode "
+                         f"than in training mode ({what}): smp captured the training path alone; call model.train() "
+                         "first")
     raise ModelError(f"{call}: {where}'s forward takes another path in eval mode than in training mode ({what}), "
                      f"and smp captured the training path, which {call} would compute in place of the eval one. "
                      "Make that forward the same in both modes where it branches on self.training (dropout and batch "

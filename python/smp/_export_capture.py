@@ -153,8 +153,12 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
     # before the capture rewrites it below: most jobs never evaluate, and a second export at every capture cost the
     # test suite a fifth of its time.
     raw_graph = _copied(exported.graph_module)
-    evaluation_check = functools.partial(_check_evaluation, model, args, kwargs, free, device, divided, raw_graph) \
+    # Its capture cache key now, while every rank describes the model alike (later each holds its own tensors only):
+    # the ranks of a job then export it once between them.
+    evaluation_key = _capture_cache.key(model, args, kwargs, free, device, True, divided, mode="eval") \
         if evaluation else None
+    evaluation_check = functools.partial(_check_evaluation, model, args, kwargs, free, device, divided, raw_graph,
+                                         evaluation_key) if evaluation else None
     graph = exported.graph_module.graph
     _merge_tensor_parallel_copies(graph)
     kinds = _signature_kinds(exported)
@@ -375,11 +379,12 @@ def _exporting(model):
                 buffer.copy_(saved)
 
 
-def _export_in(mode, model, args, kwargs, free, device, divided, on_meta):
+def _export_in(mode, model, args, kwargs, free, device, divided, on_meta, key=None):
     """The model exported in training or eval mode ("train", "eval"), through the capture cache. Captured in
     training mode whatever mode the model is in (from_pretrained gives eval): evaluation turns dropout and batch
     statistics off in the captured code, but nothing could turn them on."""
-    model.train(mode == "train")
+    for module in model.modules():  # the flags alone: a train() of the model's own may do more (merge weights)
+        module.training = mode == "train"
 
     def export():
         with _expert_parallel.opaque_for_export(divided):
@@ -388,7 +393,8 @@ def _export_in(mode, model, args, kwargs, free, device, divided, on_meta):
         sketch_values(exported.graph_module.graph)
         return exported, why_fixed
 
-    key = _capture_cache.key(model, args, kwargs, free, device, on_meta, divided, mode=mode)
+    if key is None:
+        key = _capture_cache.key(model, args, kwargs, free, device, on_meta, divided, mode=mode)
     return _capture_cache.exported(key, model, export)
 
 
@@ -400,14 +406,15 @@ def _copied(graph_module):
     return fx.GraphModule(graph_module, graph)
 
 
-def _check_evaluation(model, args, kwargs, free, device, divided, raw, engine):
+def _check_evaluation(model, args, kwargs, free, device, divided, raw, key, engine):
     """(module path, what differs) where the model's eval-mode export takes another path than evaluating its
     training capture `raw` would, else None, the captured code then tagged to leave out in evaluation what the eval
     forward does not run (stochastic depth). The model may hold only this rank's tensors by now (the others
     released to the meta device): exported on fake tensors then, the release's refusal held off."""
     try:
         with _exporting(model), _materialize.released_model_runs():
-            evaluated, _ = _export_in("eval", model, args, kwargs, free, device, divided, _materialize.is_meta(model))
+            # On fake tensors whatever the model holds (the same export on every rank, which the key promises).
+            evaluated, _ = _export_in("eval", model, args, kwargs, free, device, divided, True, key)
     except CaptureError as error:
         return "", f"its eval mode cannot be captured: {error}"
     differs = _evaluation_path.evaluation_difference(raw.graph, evaluated.graph_module.graph)

@@ -20,9 +20,13 @@ def _model_frame(error):
     import os
     import sysconfig
     import traceback
-    elsewhere = (os.path.dirname(torch.__file__), os.path.dirname(__file__), sysconfig.get_paths()["stdlib"])
-    frames = [frame for frame in traceback.extract_tb(error.__traceback__)
-              if not frame.filename.startswith(elsewhere) and not frame.filename.startswith("<")]  # exec'd code
+    ours = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+    stdlib = sysconfig.get_paths()["stdlib"]
+
+    def models_code(name):  # not exec'd code, torch's, smp's, or Python's own (where conda puts site-packages too)
+        return not name.startswith(("<", *ours)) and (not name.startswith(stdlib) or "site-packages" in name)
+
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if models_code(frame.filename)]
     if not frames:
         return None
     frame = frames[-1]

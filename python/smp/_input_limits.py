@@ -73,10 +73,12 @@ class TableLookups:
                 values.append(microbatch[source])
                 continue
             _, path, captured = source
-            try:
-                value = _attribute(model, path)  # the model's own (a buffer made real on this rank)
-            except AttributeError:
-                value = captured
+            value = captured  # the engine's own, the same on every rank
+            if not isinstance(value, torch.Tensor) or value.is_meta:
+                try:
+                    value = _attribute(model, path)  # a model built on the meta device: made real on this rank
+                except AttributeError:
+                    pass
             if not isinstance(value, torch.Tensor) or value.is_meta:
                 return  # not held on this rank: the rank holding it checks
             values.append(value.cpu())

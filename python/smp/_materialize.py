@@ -5,6 +5,7 @@ do not depend on the partition; ``smp.materialize`` makes a whole model real the
 import contextlib
 import ctypes
 import itertools
+import weakref
 
 import torch
 
@@ -122,6 +123,11 @@ def materialize(model, device="cpu", seed=0, init_fn=None):
 
 
 _released_may_run = False
+_released = weakref.WeakSet()  # models released by a DistributedModel
+
+
+def was_released(model):
+    return isinstance(model, torch.nn.Module) and model in _released
 
 
 @contextlib.contextmanager
@@ -136,26 +142,27 @@ def released_model_runs():
 
 
 def release_other_stages(model, kept, stages):
-    """The inverse, once a model is cut: `model`'s tensors that this rank does not train (`kept`: the ids of those it
-    does) become meta tensors, so that the model the user still holds cannot be saved or run as if trained (its other
-    stages would stay at their first values on every rank) and holds no memory for them; calling it then says so.
-    Tied tensors stay tied; TorchScript modules are left as they are (the engine trains copies of them). Returns how many
-    tensors were released."""
+    """The inverse, once a model is cut: `model`'s parameters that this rank does not train (`kept`: the ids of those
+    it does) become meta tensors, so that the model the user still holds cannot be saved or run as if trained (its
+    other stages would stay at their first values on every rank); calling it then says so. Buffers stay (a rank's
+    own modules read their non-persistent ones, and smp's checks of the inputs read tables from them); tied
+    parameters stay tied; TorchScript modules are left as they are (the engine trains copies of them). The memory
+    is not freed by this: the other stages' captured nodes still hold their tensors. Returns how many parameters were
+    released."""
     if isinstance(model, torch.jit.ScriptModule):
         return 0  # TorchScript: the engine trains copies, and a scripted module takes no hooks
     released = {}
     for module in model.modules():
         if isinstance(module, torch.jit.ScriptModule):
             continue
-        for table in (module._parameters, module._buffers):
-            for key, tensor in table.items():
-                if tensor is None or tensor.is_meta or id(tensor) in kept:
-                    continue
-                if id(tensor) not in released:
-                    empty = torch.empty_like(tensor, device="meta")
-                    released[id(tensor)] = torch.nn.Parameter(empty, tensor.requires_grad) \
-                        if isinstance(tensor, torch.nn.Parameter) else empty
-                table[key] = released[id(tensor)]
+        table = module._parameters
+        for key, tensor in table.items():
+            if tensor is None or tensor.is_meta or id(tensor) in kept:
+                continue
+            if id(tensor) not in released:
+                released[id(tensor)] = torch.nn.Parameter(torch.empty_like(tensor, device="meta"),
+                                                          tensor.requires_grad)
+            table[key] = released[id(tensor)]
     if released:
         name = type(model).__name__
 
@@ -169,5 +176,6 @@ def release_other_stages(model, kept, stages):
                              "Face directory) or smp.export_checkpoint with smp.load_full_model")
 
         model.register_forward_pre_hook(refuse)
+        _released.add(model)
     release_freed_memory()
     return len(released)

@@ -31,8 +31,8 @@ bool skips_step(const Config& config, long long step, double loss, const std::st
                            (nonfinite_ranks.empty() ? "" : "non-finite gradients on " + nonfinite_ranks);
   // A mean over no elements is the usual NaN loss of a step whose inputs are fine: say it before offering to skip.
   const std::string empty_mean = !loss_finite && std::isnan(loss)
-                                     ? "; a microbatch whose loss is a mean over no elements (every label ignored, -100) "
-                                       "gives NaN: weigh tokens over the global batch instead (the README's token-weighted loss)"
+                                     ? "; if a microbatch's loss is a mean over no elements (every label ignored, -100), "
+                                       "it is NaN: weigh tokens over the global batch instead (the README's token-weighted loss)"
                                      : "";
   if (!config.skip_nonfinite_steps) {
     throw NonFiniteError(what + empty_mean + " (set \"nonfinite\": \"skip\" to skip such steps)");
