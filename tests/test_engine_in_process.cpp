@@ -394,12 +394,17 @@ OneProcessJob one_process_job(const std::string& checkpoint_dir, bool resume) {
   return job;
 }
 
+// A new empty directory under /tmp, "/tmp/smp_<name>_XXXXXX".
+std::string fresh_temporary_directory(const std::string& name) {
+  std::string path = "/tmp/smp_" + name + "_XXXXXX";
+  REQUIRE(::mkdtemp(path.data()) != nullptr);
+  return path;
+}
+
 }  // namespace
 
 TEST_CASE("a checkpoint_dir that cannot be written is refused when the Checkpointer is made", "[checkpoint]") {
-  char directory_template[] = "/tmp/smp_unwritable_XXXXXX";
-  REQUIRE(::mkdtemp(directory_template) != nullptr);
-  const std::string blocker = std::string(directory_template) + "/a-file";
+  const std::string blocker = fresh_temporary_directory("unwritable") + "/a-file";
   std::ofstream(blocker) << "not a directory";
   auto job = one_process_job(blocker + "/checkpoints", false);
   CHECK_THROWS_WITH(smp::Checkpointer(*job.model, std::make_unique<RecordedOptimizerState>()),
@@ -407,9 +412,7 @@ TEST_CASE("a checkpoint_dir that cannot be written is refused when the Checkpoin
 }
 
 TEST_CASE("a program that ends without wait() after a failed save exits with status 1", "[checkpoint]") {
-  char directory_template[] = "/tmp/smp_failed_save_XXXXXX";
-  REQUIRE(::mkdtemp(directory_template) != nullptr);
-  const std::string directory = directory_template;
+  const std::string directory = fresh_temporary_directory("failed_save");
   std::fflush(nullptr);
   const pid_t child = ::fork();
   REQUIRE(child >= 0);
@@ -432,9 +435,7 @@ TEST_CASE("a program that ends without wait() after a failed save exits with sta
 
 TEST_CASE("a save that pruning would delete at once is refused: a step lower than the last, another run's directory",
           "[checkpoint]") {
-  char directory_template[] = "/tmp/smp_save_order_XXXXXX";
-  REQUIRE(::mkdtemp(directory_template) != nullptr);
-  const std::string directory = directory_template;
+  const std::string directory = fresh_temporary_directory("save_order");
   {
     auto job = one_process_job(directory, false);
     smp::Checkpointer checkpointer(*job.model, std::make_unique<RecordedOptimizerState>());
@@ -475,9 +476,7 @@ TEST_CASE("a loss function that fails says so, with the outputs' and target's sh
 }
 
 TEST_CASE("a checkpoint keeps optimizer state of any serialization, and refuses to load it into another", "[checkpoint]") {
-  char directory_template[] = "/tmp/smp_optimizer_format_XXXXXX";
-  REQUIRE(::mkdtemp(directory_template) != nullptr);
-  const std::string directory = directory_template;
+  const std::string directory = fresh_temporary_directory("optimizer_format");
   {
     auto job = one_process_job(directory, false);
     smp::Checkpointer checkpointer(*job.model, std::make_unique<RecordedOptimizerState>());
