@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from . import _capture_cache, _evaluation_path, _expert_parallel, _materialize, _routing
+from . import _capture_cache, _evaluation_path, _expert_parallel, _materialize, _mode_calls, _routing
 from ._captured_node import (_ASSERTS, IN_EVALUATION, IN_EVALUATION_ROUTE, ORIGIN, CapturedNode, _attribute, _is_op,
                              _mutates_first_argument, _owner_path, mode_owners, module_paths, placeholder_name, run_fuser)
 from ._data_flow import READS_METADATA_ONLY, data_flow, is_random
@@ -411,6 +411,9 @@ def _check_evaluation(model, args, kwargs, free, device, divided, raw, key, engi
     training capture `raw` would, else None, the captured code then tagged to leave out in evaluation what the eval
     forward does not run (stochastic depth). The model may hold only this rank's tensors by now (the others
     released to the meta device): exported on fake tensors then, the release's refusal held off."""
+    with _exporting(model), _materialize.released_model_runs():
+        if _mode_calls.same_in_both_modes(model, args, kwargs, device, divided):
+            return None
     try:
         with _exporting(model), _materialize.released_model_runs():
             # On fake tensors whatever the model holds (the same export on every rank, which the key promises).

@@ -3,6 +3,7 @@ export where the model lets it change, on the sample's shapes where it cannot; a
 exported as if on the job's device; export's failures as CaptureError naming the line of the model's code."""
 
 import collections.abc
+import contextlib
 import inspect
 
 import torch
@@ -155,10 +156,19 @@ def _hint(error, first):
 def export_as_if_on(device, model, args, kwargs, shapes):
     """Exports a model built on the meta device as if its tensors were on `device`, where the job runs it: model code
     that branches on the device (transformers' experts count tokens with histc on floats on a CPU, on integers
-    elsewhere) takes the branch that will run. Its tensors stand in as fake tensors on that device for the export,
-    and are the model's own meta tensors again afterwards."""
+    elsewhere) takes the branch that will run."""
+    with on_fake_tensors(device, model, args, kwargs) as (args, kwargs):
+        return export_model(model, args, kwargs, shapes)
+
+
+@contextlib.contextmanager
+def on_fake_tensors(device, model, args, kwargs, shape_env=None):
+    """Yields (args, kwargs) as fake tensors on `device`, inside their fake mode, the model's parameters and buffers
+    standing in as fake tensors there too (a tied tensor stays one), and its own tensors again afterwards: the model
+    runs without reading or writing a value of its own, whatever device (meta included) holds them. `shape_env`:
+    lets operations whose output size depends on values (nonzero) run, their sizes unbacked symbols."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=shape_env)
     converter = mode.fake_tensor_converter
 
     def fake(tensor):
@@ -173,14 +183,13 @@ def export_as_if_on(device, model, args, kwargs, shapes):
     stand_ins = {}
     try:
         for table, key, tensor in originals:
-            if id(tensor) not in stand_ins:  # a tied tensor stays one tensor
+            if id(tensor) not in stand_ins:
                 stand_in = fake(tensor)
                 stand_ins[id(tensor)] = torch.nn.Parameter(stand_in, tensor.requires_grad) \
                     if isinstance(tensor, torch.nn.Parameter) else stand_in
             table[key] = stand_ins[id(tensor)]
         with mode:
-            args, kwargs = pytree.tree_map(lambda v: fake(v) if isinstance(v, torch.Tensor) else v, (args, kwargs))
-            return export_model(model, args, kwargs, shapes)
+            yield pytree.tree_map(lambda v: fake(v) if isinstance(v, torch.Tensor) else v, (args, kwargs))
     finally:
         for table, key, tensor in originals:
             table[key] = tensor

@@ -11,7 +11,11 @@ and in evaluation, against the PyTorch model in eval mode:
   - stochastic depth (torchvision's, p 0.5) returns its input (it dropped rows in evaluate too);
   - the wrapped model keeps only this rank's tensors, and calling it says why (it ran half trained);
   - a forward branching on self.training is refused in evaluate, and in train_step in eval mode (evaluate computed
-    the training branch).
+    the training branch);
+  - the quick recording of both modes' calls (smp._mode_calls, which spares the eval-mode export) finds those paths
+    equal only where evaluation computes the eval path: dropout, batch norm and attention's dropout by their flags,
+    a buffer's update nothing reads; a branch, an in-place write, an extra output, a scalar, instance norm's
+    statistics and a buffer read after its update are left to the exports.
 Exits 0 only when all agree."""
 
 import copy
@@ -175,6 +179,59 @@ def check_evaluation():
 
 
 check_evaluation()
+
+
+class Branches(torch.nn.Module):
+    """One way of taking another path in eval mode per `kind`, or none ("dropout and batch norm", "buffer unread")."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.lin, self.aux = torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, 2)
+        self.dropout, self.norm = torch.nn.Dropout(0.3), torch.nn.BatchNorm1d(WIDTH)
+        self.instance = torch.nn.InstanceNorm1d(WIDTH, track_running_stats=True)
+        self.register_buffer("calls", torch.zeros(WIDTH))
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.kind == "dropout and batch norm":
+            q = h.view(x.shape[0], 1, 2, WIDTH // 2)
+            attended = F.scaled_dot_product_attention(q, q, q, dropout_p=0.1 if self.training else 0.0)
+            return self.norm(self.dropout(h)) + F.dropout(x, 0.2, self.training) + attended.reshape(h.shape)
+        if self.kind == "buffer unread":
+            if self.training:
+                self.calls.add_(1)
+            return h
+        if self.kind == "buffer read after its update":
+            if self.training:
+                self.calls.add_(1)
+            return h + self.calls
+        if self.kind == "instance norm's statistics":
+            return self.instance(h.unsqueeze(1)).squeeze(1)
+        if self.training:
+            if self.kind == "a branch":
+                h = torch.tanh(h)
+            elif self.kind == "an in-place write":
+                h[:, 0] = 0
+            elif self.kind == "an extra output":
+                return h, self.aux(h)
+        if self.kind == "a scalar":
+            return h * (2 if self.training else 3)
+        return h
+
+
+def check_quick_mode_answers():
+    from smp import _mode_calls
+    x = torch.randn(4, WIDTH)
+    for kind, same in [("dropout and batch norm", True), ("buffer unread", True), ("a branch", False),
+                       ("an in-place write", False), ("an extra output", False), ("a scalar", False),
+                       ("instance norm's statistics", False), ("buffer read after its update", False)]:
+        answer = _mode_calls.same_in_both_modes(Branches(kind), (x,), {}, torch.device("cpu"), {})
+        if answer != same:
+            failures.append(f"the quick recording of both modes says {kind} is {'' if answer else 'not '}the same")
+
+
+check_quick_mode_answers()
 
 # A tensor under two names (the module called twice) loads by either, as PyTorch's load_state_dict does.
 tied = smp.DistributedModel(reused_sequential(), torch.randn(2, WIDTH))
