@@ -175,7 +175,7 @@ int run(int argc, char** argv) {
     std::printf("validation loss %.6f\n", validation);
     std::printf("validation next-byte accuracy %.6f\n", guesses[0].item<double>() / guesses[1].item<double>());
   }
-  if (first_step < training.steps) checkpointer.save(training.steps - 1);
+  if (checkpointer.enabled() && first_step < training.steps) checkpointer.save(training.steps - 1);
   checkpointer.wait();  // saves are written in the background: the last one must be complete before exiting
   return 0;
 }

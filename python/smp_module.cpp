@@ -473,6 +473,13 @@ PYBIND11_MODULE(_smp, module) {
            py::arg("loss"), py::arg("keep_outputs") = false, py::arg("batched") = std::vector<bool>{})
       .def("evaluate", with_python_loss<&DistributedModel::evaluate>, py::arg("inputs"), py::arg("targets"),
            py::arg("loss"), py::arg("keep_outputs") = false, py::arg("batched") = std::vector<bool>{})
+      .def(
+          "next_call_takes_share_of",
+          [](DistributedModel& model, const OptionalTensors& inputs, const std::optional<at::Tensor>& targets,
+             const std::vector<bool>& batched) {
+            model.next_call_takes_share_of(defined_or_not(inputs), targets.value_or(at::Tensor()), batched);
+          },
+          py::arg("inputs"), py::arg("targets"), py::arg("batched"))
       .def("named_parameters",
            [](const DistributedModel& model) {
              py::dict parameters;
@@ -494,6 +501,8 @@ PYBIND11_MODULE(_smp, module) {
       .def("partition_report", [](const DistributedModel& model) { return model.plan().report(); })
       .def_property_readonly("loss_scale", &DistributedModel::loss_scale)
       .def_property_readonly("last_step_skipped", &DistributedModel::last_step_skipped)
+      .def_property_readonly("gradients_dropped", &DistributedModel::gradients_dropped)
+      .def("forget_dropped_gradients", &DistributedModel::forget_dropped_gradients)
       .def("clip_grad_norm", &DistributedModel::clip_grad_norm, py::arg("max_norm"),
            py::call_guard<py::gil_scoped_release>())
       .def("zero_grad", &DistributedModel::zero_grad, py::arg("set_to_none") = true)

@@ -26,6 +26,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include <thread>
 
@@ -1052,4 +1053,25 @@ TEST_CASE("a module sees recomputing() only while it runs again for its backward
       CHECK_FALSE(smp::recomputing());
     }
   }
+}
+
+TEST_CASE("launch variables: torchrun's agent store is joined, a world size without a rank refused", "[launch]") {
+  const auto from = [](std::map<std::string, std::string> variables) {
+    return smp::comm::LaunchInfo::from_environment([variables](const char* name) -> const char* {
+      const auto found = variables.find(name);
+      return found == variables.end() ? nullptr : found->second.c_str();
+    });
+  };
+  const std::map<std::string, std::string> torchrun = {
+      {"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}};
+  CHECK_FALSE(from(torchrun).store_hosted_by_launcher);  // smprun's, or torchrun's of old: rank 0 hosts it
+  auto agent = torchrun;
+  agent["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+  agent["TORCHELASTIC_RESTART_COUNT"] = "3";
+  const auto joined = from(agent);
+  CHECK(joined.store_hosted_by_launcher);
+  CHECK(joined.store_prefix == "smp_attempt_3");  // a restart's keys apart from the attempt before
+  CHECK_THROWS_WITH(from({{"WORLD_SIZE", "2"}}),
+                    Catch::Contains("WORLD_SIZE=\"2\" is set but RANK is not") && Catch::Contains("neither"));
+  CHECK(from({{"WORLD_SIZE", "1"}}).world_size == 1);
 }

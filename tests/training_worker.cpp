@@ -44,7 +44,7 @@ struct Options {
   int kill_step = -1;
   int stop_rank = -1;   // this rank stops answering (SIGSTOP) at the start of stop_step
   int stop_step = -1;
-  int nan_step = -1;    // the inputs of this step are NaN
+  int nan_step = -1;    // the inputs of this step are NaN (under --accumulate, its first half's)
   std::set<int> spike_steps;  // the loss of these steps is multiplied by 1e30: finite, but fp16 gradients overflow
   int input_width = 8;  // a width the model does not take gives a shape error
   int step_sleep_ms = 0;  // each step starts this much later: a job that lasts, whatever the machine's speed
@@ -186,6 +186,13 @@ std::vector<at::Tensor> parameters_of(const smp::GraphModel& model) {
   return tensors;
 }
 
+// NaN inputs; only the first half's when the step is two train_steps on the halves (--accumulate).
+at::Tensor not_finite(at::Tensor inputs, bool first_half) {
+  inputs = inputs.clone();
+  (first_half ? inputs.narrow(0, 0, inputs.size(0) / 2) : inputs).fill_(std::nan(""));
+  return inputs;
+}
+
 std::pair<at::Tensor, at::Tensor> global_batch(const Options& options, int64_t size, int step, uint64_t seed) {
   auto generator = at::make_generator<at::CPUGeneratorImpl>(seed * 7919 + static_cast<uint64_t>(step));
   if (options.model == "gpt") {
@@ -293,7 +300,7 @@ int run(int argc, char** argv) {
   auto reference_step = [&](int step) {
     current_step = step;
     auto [inputs, targets] = global_batch(options, batch, step, config.seed);
-    if (step == options.nan_step) inputs = at::full_like(inputs, std::nan(""));
+    if (step == options.nan_step) inputs = not_finite(inputs, options.accumulate);
     inputs = inputs.to(device);
     targets = targets.to(device);
     reference_optimizer->zero_grad();
@@ -412,7 +419,7 @@ int run(int argc, char** argv) {
     if (options.step_sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(options.step_sleep_ms));
     if (runtime->rank() == options.stop_rank && step == options.stop_step) raise(SIGSTOP);
     auto [inputs, targets] = global_batch(options, batch, step, config.seed);
-    if (step == options.nan_step) inputs = at::full_like(inputs, std::nan(""));
+    if (step == options.nan_step) inputs = not_finite(inputs, options.accumulate);
     optimizer.zero_grad();
     current_step = step;
     smp::StepOutput output;
@@ -424,6 +431,7 @@ int run(int argc, char** argv) {
       output = distributed.train_step(runtime->replica_slice(inputs.narrow(0, half, half)),
                                       runtime->replica_slice(targets.narrow(0, half, half)), loss);
       output.loss = (first.loss + output.loss) / 2;
+      output.skipped = output.skipped || first.skipped;  // optimizer.step() was not taken
     } else {
       output = distributed.train_step(runtime->replica_slice(inputs), runtime->replica_slice(targets), loss,
                                       /*keep_outputs=*/true);

@@ -45,6 +45,14 @@ LaunchInfo LaunchInfo::from_environment(const std::function<const char*(const ch
     }
   }
   if (!found) {
+    for (const auto& candidate : kLaunchers) {
+      const char* world_size = lookup(candidate.world_size);
+      if (world_size && std::string(world_size) != "1" && std::string(world_size) != "0") {
+        throw CommError(std::string("environment variable ") + candidate.world_size + "=\"" + world_size +
+                        "\" is set but " + candidate.rank + " is not: set both (each process its own " +
+                        candidate.rank + "), or neither for a one-process job");
+      }
+    }
     // Run directly, without a launcher: a one-process job that needs no rendezvous.
     info.launcher = "none (single process)";
     return info;
@@ -70,6 +78,13 @@ LaunchInfo LaunchInfo::from_environment(const std::function<const char*(const ch
     if (!port) throw CommError(std::string("MASTER_PORT is not set (launched by ") + info.launcher + ")");
     info.master_addr = addr;
     info.master_port = parse_int("MASTER_PORT", port, 1, 65535);
+    const char* agent_store = lookup("TORCHELASTIC_USE_AGENT_STORE");
+    if (agent_store && (std::string(agent_store) == "True" || std::string(agent_store) == "true" ||
+                        std::string(agent_store) == "1")) {
+      info.store_hosted_by_launcher = true;
+      const char* restarts = lookup("TORCHELASTIC_RESTART_COUNT");
+      info.store_prefix = std::string("smp_attempt_") + (restarts ? restarts : "0");
+    }
   }
   return info;
 }

@@ -2,9 +2,10 @@
 and torch.nn.utils.clip_grad_norm_ given a DistributedModel's parameters. Each rank holds only its stages'
 gradients, so torch's own function, as a ported training loop calls it, would clip each stage by its own norm and
 train differently from the single process, without an error; smp takes that call over for its parameters alone
-(the name as smp.init leaves it in torch.nn.utils: a function imported from there before smp.init is torch's own)."""
+(the name in torch.nn.utils, and wherever a module imported it from there before smp.init)."""
 
 import functools
+import sys
 
 import torch
 import torch.nn.utils
@@ -63,3 +64,19 @@ def take_over_torch_clipping():
         taken_over = functools.wraps(original)(functools.partial(_clip_grad_norm_, original))
         taken_over._smp_original = original
         namespace.clip_grad_norm_ = taken_over
+        _rebind_imported(original, taken_over)
+
+
+def _rebind_imported(original, taken_over):
+    """A `from torch.nn.utils import clip_grad_norm_` run before smp.init (a training script's first lines) bound
+    torch's own function in the importing module, which would clip each stage by its own norm: those names take the
+    takeover too. torch's and smp's own modules keep what they hold."""
+    for name, module in list(sys.modules.items()):
+        if module is None or name in ("torch", "smp") or name.startswith(("torch.", "smp.")):
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for key, value in list(namespace.items()):
+            if value is original:
+                namespace[key] = taken_over

@@ -212,6 +212,8 @@ class DistributedModel(torch.nn.Module):
         values = self._io.engine_inputs(inputs, what)
         batched = _smp.batched_inputs(values, targets, what)
         if not replica_share:
+            # Every rank must have been given the same global batch: the step compares them.
+            self._model.next_call_takes_share_of(values, targets, batched)
             values = [rt.replica_slice(v) if b else v for v, b in zip(values, batched)]
             targets = rt.replica_slice(targets) if targets is not None and targets.dim() > 0 else targets
         else:

@@ -142,12 +142,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._model._model.zero_grad(set_to_none)
 
     def step(self, closure=None):
-        """Steps the optimizer, unless the engine dropped this step (an fp16 overflow, a skipped non-finite step):
-        even zero gradients would move the weights through momentum. Returns what the wrapped optimizer's step
-        returns (the closure's loss), None when the step was dropped (the `skipped` flag of train_step's result
-        says so too)."""
+        """Steps the optimizer, unless the engine dropped a train_step whose gradients .grad holds (an fp16
+        overflow, a skipped non-finite step, since zero_grad or the last step): even zero gradients would move the
+        weights through momentum, and the train_steps accumulated after a dropped one hold part of the gradient
+        (GradScaler skips such a step too). Returns what the wrapped optimizer's step returns (the closure's loss),
+        None when the step was not taken (the `skipped` flag of train_step's results says why)."""
         runtime()._refuse_after_leaving("optimizer.step")
-        if self._model._model.last_step_skipped:
+        engine = self._model._model
+        dropped = engine.gradients_dropped
+        engine.forget_dropped_gradients()
+        if dropped:
             return None
         # A rank whose update failed holds other weights than its replicas (and, with sharded state, leaves them
         # waiting for its shares): it leaves the job.

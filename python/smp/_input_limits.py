@@ -213,6 +213,11 @@ class InputShapes:
                 continue
             if not holds:
                 shapes = ", ".join(f"'{name}' {tuple(t.shape)}" for name, t in microbatch.items())
+                split = _sequence_split(readable)
+                if split:
+                    raise ConfigError(f"{what}: microbatch inputs {shapes}: sequence parallelism splits the sequence "
+                                      f"over \"tensor_parallel_degree\" {split}, so every batch's sequence length "
+                                      f"must divide by {split} (pad the batch to a multiple of it)")
                 raise ConfigError(f"{what}: the captured model cannot take microbatch inputs {shapes}: export "
                                   f"captured it under a condition these shapes break (its guard {readable}), where "
                                   "the model's code takes another path than the sample's, or fails; give a sample of "
@@ -263,3 +268,17 @@ class InputShapes:
                     raise ConfigError(f"{what}: input '{name}' has {shape[dim]} in its dimension {dim} where "
                                       f"'{first[0]}' has {first[2]} in its dimension {first[1]}; the model needs "
                                       "them equal")
+
+
+def _sequence_split(guard):
+    """The tensor-parallel degree when `guard` is sequence parallelism's (a length's remainder by it), else None."""
+    import re
+    from ._state import runtime
+    try:
+        config = runtime().config
+        degree = runtime().tensor_parallel_degree
+    except Exception:  # noqa: BLE001 - no runtime: not a job's guard
+        return None
+    if not config.sequence_parallel or degree < 2:
+        return None
+    return degree if re.search(rf"%\s*{degree}\b", guard) else None

@@ -97,7 +97,9 @@ class CapturedIO:
                 values.append(leaf)
             elif isinstance(leaf, torch.Tensor) or leaf != sample:
                 raise ConfigError(f"{what}: {_describe(leaf)} where the sample had {_describe(sample)}, which the "
-                                  "capture keeps as it was; pass the sample's value")
+                                  "capture keeps as it was; pass the sample's value, or give a value that changes "
+                                  "from step to step as a tensor (torch.tensor(value)) in the sample and in every "
+                                  "batch")
         return values
 
     def check_microbatch(self, engine_inputs, batched, microbatches, what):

@@ -7,6 +7,7 @@ import tempfile
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils import clip_grad_norm_ as imported_before_init  # as ported training scripts import it
 
 import smp
 import report
@@ -341,6 +342,8 @@ def main():
                  lambda: torch.nn.utils.clip_grad_norm_(list(model.parameters())[:1], 1.0))
     expect_error("torch's clip_grad_norm_ by another norm", ValueError, "norm_type inf",
                  lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=float("inf")))
+    expect_error("torch's clip_grad_norm_ imported before smp.init", ValueError, "pass model.parameters()",
+                 lambda: imported_before_init(list(model.parameters())[:1], 1.0))
 
     # Keyword inputs (as a Hugging Face model takes them): what does not fit the captured sample is refused before
     # any communication, naming the input.

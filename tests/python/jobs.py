@@ -60,15 +60,19 @@ def python_executable(directory):
 
 def launcher(tmp_path):
     """run(processes, script, *args): runs tests/python/SCRIPT with ARGS in PROCESSES ranks (0: one plain process,
-    for scripts that launch jobs themselves) and returns a Job."""
+    for scripts that launch jobs themselves) and returns a Job; by="torchrun" launches the ranks with torchrun
+    (standalone: its own store on a free port) in place of smprun."""
 
-    def run(processes, script, *args, timeout=240):
+    def run(processes, script, *args, timeout=240, by="smprun"):
         reports = tmp_path / f"reports-{len(list(tmp_path.iterdir()))}"
         reports.mkdir()
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", SMP_TEST_REPORTS=str(reports))
         path = script if os.path.isabs(script) else os.path.join(HERE, script)
         command = [*python_command(), path, *map(str, args)]
-        if processes > 0:
+        if processes > 0 and by == "torchrun":
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                       str(processes), "--no-python"] + command
+        elif processes > 0:
             command = [smprun_path(), "-n", str(processes), "--timeout", str(timeout), "--"] + command
         try:
             result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout + 60)

@@ -1,11 +1,19 @@
-"""Two pipeline stages whose ranks fall out of step, as programs do by mistake: both ranks must raise at once, saying
-how (not pair one call's activations with another's, nor wait for the timeout).
+"""Ranks that fall out of step or disagree, as programs do by mistake: every rank must raise at once, saying how (not
+pair one call's activations with another's, train apart without a word, nor wait for the timeout).
 
   evaluate_alone: rank 0 evaluates after the first step while rank 1 goes on training (`if rank == 0:`).
   own_batch:      rank 1 draws a batch of its own, of the same shapes (an unseeded sampler).
+  replica_batch:  two data-parallel replicas, rank 1 given another global batch (each replica takes its share of
+                  the global batch, so the ranks must be given the same one); the replicas' models are initialized
+                  under different seeds first, and must start from replica 0's weights (as under torch DDP).
+  own_config:     rank 1 reads other microbatches: it refuses at smp.init, naming the key (the job then ends).
+  own_model:      rank 1's model has one more layer: it refuses at DistributedModel, naming the module.
+  replica_model:  rank 1's replica is wider: it refuses at DistributedModel, naming the parameter.
 
-Exits 0 only then."""
+The first three exit 0 only when both ranks raised the expected error; the last three exit 1 on rank 1 with the
+error, which the test reads."""
 
+import os
 import sys
 import time
 
@@ -14,14 +22,30 @@ import torch
 import report
 import smp
 
-runtime = smp.init({"partitions": 2, "microbatches": 2, "global_batch_size": 4, "pipeline": "1f1b",
-                    "comm_timeout_s": 120, "device": "cpu"})
 mistake = sys.argv[1]
+replicas = mistake in ("replica_batch", "replica_model")
+keys = {"partitions": 1 if replicas else 2, "ddp": replicas, "microbatches": 2, "global_batch_size": 4, "pipeline": "1f1b",
+        "comm_timeout_s": 120, "device": "cpu"}
+if mistake == "own_config" and os.environ.get("RANK") == "1":
+    keys["microbatches"] = 4
+runtime = smp.init(keys)
 torch.manual_seed(0)
 inputs, targets = torch.randn(4, 16), torch.randn(4, 8)
-net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+torch.manual_seed(runtime.rank if mistake == "replica_batch" else 0)
+hidden = 48 if mistake == "replica_model" and runtime.rank == 1 else 32
+layers = [torch.nn.Linear(16, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 8)]
+if mistake == "own_model" and runtime.rank == 1:
+    layers.append(torch.nn.Tanh())
+net = torch.nn.Sequential(*layers)
 model = smp.DistributedModel(net, inputs[:2])
 loss = torch.nn.functional.mse_loss
+failures = []
+if mistake == "replica_batch":
+    first = [p.detach().clone() for _, p in model.named_parameters()]
+    for tensor in first:
+        runtime.all_reduce_sum(tensor)
+    if not all(torch.allclose(total, 2 * p) for total, (_, p) in zip(first, model.named_parameters())):
+        failures.append("the replicas did not start from replica 0's weights")
 model.train_step(inputs, targets, loss)
 
 start = time.monotonic()
@@ -30,17 +54,19 @@ try:
     if mistake == "evaluate_alone" and runtime.rank == 0:
         model.evaluate(inputs, targets, loss)
     own = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
-    model.train_step(own if mistake == "own_batch" and runtime.rank == 1 else inputs, targets, loss)
+    model.train_step(own if mistake in ("own_batch", "replica_batch") and runtime.rank == 1 else inputs, targets,
+                     loss)
 except smp.CommError as raised:
     error = str(raised)
 waited = time.monotonic() - start
 
 expected = {"evaluate_alone": "it is in its evaluate 1 after step 1, this rank in its train_step 1",
-            "own_batch": "rank 1 was given a batch with other values than rank 0, in the same replica (train_step 1)"}
-failures = []
+            "own_batch": "rank 1 was given a batch with other values than rank 0, in the same replica (train_step 1)",
+            "replica_batch": "rank 1 was given a global batch with other values than rank 0 (train_step 1)"}
+advice = {"replica_batch": "pass each replica's own share with replica_share=True"}
 if error is None:
     failures.append("no error")
-elif expected[mistake] not in error or "the ranks of a replica with the same batch" not in error:
+elif expected[mistake] not in error or advice.get(mistake, "the ranks of a replica with the same batch") not in error:
     failures.append(f"the error does not say that {expected[mistake]!r}: {error}")
 if waited > 60:
     failures.append(f"the mistake was found after {waited:.1f} s (timeout 120 s)")

@@ -63,11 +63,31 @@ def test_a_failed_evaluation_frees_peers_blocked_sending_to_it(job):
     assert_passed(job(2, "failed_step_check.py", "evaluate"))
 
 
-@pytest.mark.parametrize("mistake", ["evaluate_alone", "own_batch"])
+@pytest.mark.parametrize("mistake", ["evaluate_alone", "own_batch", "replica_batch"])
 def test_ranks_out_of_step_fail_at_once_saying_how(job, mistake):
-    """A rank that evaluates alone, or draws a batch of its own, makes every rank fail at that step, saying which
-    call or batch differs, where it used to pair another call's activations with its own (out_of_step_check.py)."""
+    """A rank that evaluates alone, or draws a batch of its own, or a replica given another global batch, makes every
+    rank fail at that step, saying which call or batch differs, where it used to pair another call's activations with
+    its own, or train each replica on a share of another batch (out_of_step_check.py)."""
     assert_passed(job(2, "out_of_step_check.py", mistake))
+
+
+@pytest.mark.parametrize("mistake, said", [
+    ("own_config", 'rank 1\'s config differs from rank 0\'s: "microbatches" 4 here, 2 on rank 0'),
+    ("own_model", "rank 1's model differs from rank 0's: module 3 is 3 <- 2 here, nothing on rank 0"),
+    ("replica_model", "rank 1 holds other parameters than rank 0, a replica of the same stage: parameter 0 is "
+                      "0.weight Float [48, 16] here, 0.weight Float [32, 16] on rank 0")])
+def test_ranks_that_disagree_refuse_at_the_start(job, mistake, said):
+    """A rank reading another config, or building another model (where it segfaulted, or aborted in Gloo), refuses
+    before any step, naming the key, module or parameter (out_of_step_check.py)."""
+    finished = job(2, "out_of_step_check.py", mistake)
+    assert finished.returncode != 0 and said in finished.output, finished.output
+
+
+def test_torchrun_launches_the_same_job(job):
+    """Under torchrun, whose agent already hosts a store on MASTER_PORT, the ranks join that store (every rank once
+    failed, the port in use) and train as under smprun."""
+    assert_passed(job(2, "pipeline_worker.py", "--model", "sequential", "--smp",
+                      smp_keys(partitions=2, microbatches=2, global_batch_size=4, comm_timeout_s=60), by="torchrun"))
 
 
 def test_module_patterns_equal_pytorch(job):

@@ -99,6 +99,7 @@ class Checkpointer {
   DistributedModel& model_;
   std::unique_ptr<OptimizerCheckpointState> optimizer_state_;
   std::int64_t last_saved_ = -1;
+  bool said_disabled_ = false;
   bool resume_called_ = false;  // a save without it, where the config asked to resume, says so once
   std::future<void> pending_;  // the save being written
 };

@@ -31,6 +31,13 @@
 
 namespace smp {
 
+// A global batch whose share a replica is given (DistributedModel::next_call_takes_share_of).
+struct GlobalBatch {
+  ModelInputs inputs;
+  at::Tensor targets;
+  std::vector<bool> batched;
+};
+
 struct StepOutput {
   double loss = 0.0;     // mean loss over the global batch, the same on every rank
   bool skipped = false;  // non-finite loss or gradients with "nonfinite": "skip": gradients were zeroed
@@ -124,7 +131,16 @@ class DistributedModel {
   const std::optional<FoundCheckpoint>& resumed_from() const { return resumed_from_; }
   // Parameter names and shapes of the whole model, so a checkpoint of another model is refused.
   const std::string& model_signature() const { return model_signature_; }
+  // The next train_step or evaluate is given this replica's share of this global batch (Python's train_step takes
+  // it): that call also checks that every rank was given the same global batch.
+  void next_call_takes_share_of(const ModelInputs& inputs, const at::Tensor& targets,
+                                const std::vector<bool>& batched = {});
   bool last_step_skipped() const { return last_step_skipped_; }
+  // Whether a train_step whose gradients .grad holds (since zero_grad or the last optimizer step) was dropped, or
+  // threw: the optimizer step on them is not taken, as GradScaler skips a step any of whose accumulated backward
+  // passes overflowed (the steps after a dropped one would step on part of the gradient).
+  bool gradients_dropped() const { return gradients_dropped_; }
+  void forget_dropped_gradients() { gradients_dropped_ = false; }
   // fp16 dynamic loss scaling: the scale and the steps since it last changed (checkpoints keep both).
   double loss_scale() const;
   long long steps_since_scale_change() const;
@@ -196,6 +212,14 @@ class DistributedModel {
   // broadcast_buffers does: each updated its own from its share, so evaluation and checkpoints (replica 0's) would
   // otherwise depend on the replica. Not under expert parallelism, whose replicas hold different experts.
   void share_first_replica_buffers();
+  // Every replica takes the first replica's values of these tensors (not with expert parallelism, whose replicas
+  // hold different experts).
+  void share_first_replicas(const std::vector<std::pair<std::string, at::Tensor>>& tensors);
+  // ModelError naming the first module or parameter where this rank's model parts from rank 0's, or from its
+  // replicas' (ranks building different models would index rank 0's cut out of range, or all-reduce gradients of
+  // other sizes).
+  void check_same_modules(const std::string& rank0_modules) const;
+  void check_replicas_alike();
   void write_timeline(const std::vector<TimelineEvent>& events);
   // Whether this rank's losses go into the step's: the tensor-parallel ranks of the last stage compute the same.
   bool counts_loss() const { return runtime_->tp_rank() == 0; }
@@ -223,6 +247,8 @@ class DistributedModel {
   std::optional<FoundCheckpoint> resumed_from_;
   std::string model_signature_;
   bool last_step_skipped_ = false;
+  bool gradients_dropped_ = false;
+  std::optional<GlobalBatch> global_batch_;  // next_call_takes_share_of's, until that call
   std::unique_ptr<LossScaler> loss_scaler_;  // fp16's dynamic scale (1 without fp16)
 };
 

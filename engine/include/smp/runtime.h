@@ -122,6 +122,9 @@ class Runtime {
   void make_layout_groups(const std::string& prefix);
   // Refuses to go on with a store that another job (another SMP_JOB_ID or TORCHELASTIC_RUN_ID) hosts.
   void check_job_identity(const std::string& where);
+  // ConfigError on a rank whose smp keys differ from rank 0's (ranks reading different files or per-rank values):
+  // they would each plan another schedule or precision and meet only at a timeout, or train apart silently.
+  void check_same_config();
 
   Config config_;
   comm::LaunchInfo launch_;

@@ -17,7 +17,9 @@
 #include <c10/util/Logging.h>
 #include <torch/cuda.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <nlohmann/json.hpp>
 
 #include "smp/comm/laned_communicator.h"
 #include "smp/comm/sockets.h"
@@ -155,9 +157,9 @@ Runtime::Runtime(const Config& given, const comm::LaunchInfo& launch)
   } else {
     c10d::TCPStoreOptions options;
     options.port = static_cast<std::uint16_t>(launch_.master_port);
-    options.isServer = launch_.rank == 0;
-    options.numWorkers = launch_.world_size;
-    options.waitWorkers = true;
+    options.isServer = launch_.rank == 0 && !launch_.store_hosted_by_launcher;
+    if (!launch_.store_hosted_by_launcher) options.numWorkers = launch_.world_size;
+    options.waitWorkers = !launch_.store_hosted_by_launcher;
     options.timeout = timeout;
     // Rank 0 opens the listening socket itself, on MASTER_ADDR only: c10d would listen on every interface, and a
     // second job on the same port must fail here rather than find this one's store.
@@ -165,12 +167,15 @@ Runtime::Runtime(const Config& given, const comm::LaunchInfo& launch)
     const std::string where = launch_.master_addr + ":" + std::to_string(launch_.master_port);
     try {
       store_ = c10::make_intrusive<c10d::TCPStore>(launch_.master_addr, options);
+      // torchrun's store outlives a restart of the workers: each attempt keeps its keys apart.
+      if (launch_.store_hosted_by_launcher) store_ = c10::make_intrusive<c10d::PrefixStore>(launch_.store_prefix, store_);
     } catch (const std::exception& error) {
       throw comm::CommError("rendezvous at " + where + " failed for rank " + std::to_string(launch_.rank) + " of " +
                             std::to_string(launch_.world_size) + " (launched by " + launch_.launcher +
                             "): " + comm::brief_message(error));
     }
     check_job_identity(where);
+    check_same_config();
     // Every process says what CUDA_VISIBLE_DEVICES shows it; a host's processes are assumed to have consecutive
     // ranks (as smprun, torchrun and Slurm's default block distribution give them), checked by the host name.
     char host[256] = {};
@@ -333,6 +338,38 @@ void Runtime::check_job_identity(const std::string& where) {
     throw comm::CommError("the rendezvous store at " + where + " belongs to another job (job id " + theirs +
                           ", this job " + mine + "); pick another MASTER_PORT");
   }
+}
+
+void Runtime::check_same_config() {
+  if (launch_.rank == 0) {
+    publish("config", config_.text);
+    return;
+  }
+  const std::string theirs = fetch("config");
+  if (theirs == config_.text) return;
+  const auto smp_keys = [](const std::string& text) {
+    nlohmann::json document = nlohmann::json::parse(text, nullptr, false);
+    if (document.is_object() && document.contains("smp") && document["smp"].is_object()) return document["smp"];
+    return document.is_object() ? document : nlohmann::json::object();
+  };
+  const nlohmann::json mine = smp_keys(config_.text), first = smp_keys(theirs);
+  std::string differences;
+  for (const auto& [key, value] : mine.items()) {
+    const std::string there = first.contains(key) ? first[key].dump() : "not given";
+    if (!first.contains(key) || first[key] != value) {
+      differences += (differences.empty() ? "" : ", ") + ("\"" + key + "\" " + value.dump() + " here, " + there +
+                                                         " on rank 0");
+    }
+  }
+  for (const auto& [key, value] : first.items()) {
+    if (!mine.contains(key)) {
+      differences += (differences.empty() ? "" : ", ") + ("\"" + key + "\" not given here, " + value.dump() +
+                                                         " on rank 0");
+    }
+  }
+  if (differences.empty()) return;  // the same smp keys (another application section, other spacing)
+  throw ConfigError(config_.source + ": rank " + std::to_string(launch_.rank) + "'s config differs from rank 0's: " +
+                    differences + "; every rank must read the same config");
 }
 
 void Runtime::publish(const std::string& key, const std::string& value) {

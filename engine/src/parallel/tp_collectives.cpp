@@ -193,10 +193,12 @@ at::Tensor call(const c10::OperatorHandle& op, const at::Tensor& input, int64_t 
 // is guarded as Python's `%` would.)
 void check_sequence(const at::Tensor& input, const Group& group) {
   if (input.dim() < 2 || input.sym_size(kSequenceDim) % group->size() != 0) {
-    const std::string length = input.dim() < 2 ? "no" : c10::str(input.sym_size(kSequenceDim));
+    // A capture's symbolic length is said by the size it stands for (the sample's), not its symbol's name.
+    const std::string length =
+        input.dim() < 2 ? "no" : std::to_string(input.sym_size(kSequenceDim).guard_int(__FILE__, __LINE__));
     throw ConfigError("sequence parallelism: a sequence of " + length +
                       " positions does not split over \"tensor_parallel_degree\" " + std::to_string(group->size()) +
-                      " (its length must divide by it)");
+                      " (its length must divide by it: pad the batch to a multiple of it)");
   }
 }
 

@@ -185,7 +185,17 @@ void Checkpointer::wait() {
 }
 
 void Checkpointer::save(std::int64_t step) {
-  if (!enabled() || step == last_saved_) return;
+  if (!enabled()) {
+    // An explicit save with nowhere to save to: said once, not silently skipped (a program may save at its end
+    // whatever the config, as the examples do when checkpoints are on).
+    if (!said_disabled_ && model_.runtime().rank() == 0) {
+      log::warn("Checkpointer::save(" + std::to_string(step) + "): the config gives no \"checkpoint_dir\", so " +
+                "nothing is saved");
+    }
+    said_disabled_ = true;
+    return;
+  }
+  if (step == last_saved_) return;
   wait();  // one save at a time; a failure of the previous one surfaces here
   Runtime& runtime = model_.runtime();
   const Config& config = runtime.config();

@@ -75,6 +75,41 @@ std::vector<std::string> pinned_paths(const Config& config) {
   return paths;
 }
 
+// The model's modules and what each reads, one per line: what every rank's copy of the model must agree on before
+// rank 0's cut of it means anything to them.
+std::string modules_listed(const GraphModel& model) {
+  std::string listed;
+  for (const auto& node : model.nodes()) {
+    listed += node.name + " <-";
+    for (const auto& input : node.inputs) listed += " " + input;
+    listed += "\n";
+  }
+  return listed;
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> lines;
+  std::size_t start = 0;
+  for (std::size_t end; (end = text.find('\n', start)) != std::string::npos; start = end + 1) {
+    lines.push_back(text.substr(start, end - start));
+  }
+  return lines;
+}
+
+// The first line where two listings part, said as "X here, Y on rank R".
+std::string first_difference(const std::string& mine, const std::string& theirs, int their_rank, const char* what) {
+  const auto here = lines_of(mine), there = lines_of(theirs);
+  for (std::size_t i = 0; i < std::max(here.size(), there.size()); ++i) {
+    const std::string a = i < here.size() ? here[i] : "nothing", b = i < there.size() ? there[i] : "nothing";
+    if (a != b) {
+      return std::string(what) + " " + std::to_string(i) + " is " + a + " here, " + b + " on rank " +
+             std::to_string(their_rank) + " (" + std::to_string(here.size()) + " " + what + "s here, " +
+             std::to_string(there.size()) + " there)";
+    }
+  }
+  return "";
+}
+
 }  // namespace
 
 DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, const torch::nn::Sequential& model,
@@ -138,10 +173,12 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
     }
     plan_ = plan_stages(std::move(profiles), config, copies, optimizer_state_shards(), &devices);
     runtime_->publish(exchange_ + "model_signature", model_signature_);
+    runtime_->publish(exchange_ + "modules", modules_listed(model_));
     runtime_->publish(exchange_ + "stage_plan", plan_.to_json());
   } else {
     runtime_->publish(exchange_ + "ready/" + std::to_string(runtime_->rank()), "");
     model_signature_ = runtime_->fetch(exchange_ + "model_signature");
+    check_same_modules(runtime_->fetch(exchange_ + "modules"));
     plan_ = StagePlan::from_json(runtime_->fetch(exchange_ + "stage_plan"));
   }
   if (config.resume) {
@@ -175,9 +212,45 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
   for (int node : local_nodes) model_.build(node);  // nodes built on demand: this rank's, and no other
   if (materialize) materialize(model_, local_nodes);
   build_stages(schedule);
+  check_replicas_alike();
+  // Replicas start from the first's weights, as torch's DistributedDataParallel makes them: a model initialized
+  // under another seed per rank would otherwise train apart, each replica averaging gradients of other weights.
+  share_first_replicas(named_parameters_);
+  share_first_replica_buffers();
   executor_ = std::make_unique<PipelineExecutor>(lower_and_validate(std::move(schedule), graph_, config), graph_,
                                                  runtime_->pipeline(), config.checkpointed_stages,
                                                  config.overlap_forward_backward);
+}
+
+void DistributedModel::check_same_modules(const std::string& rank0_modules) const {
+  const std::string mine = modules_listed(model_);
+  if (mine == rank0_modules) return;
+  throw ModelError("rank " + std::to_string(runtime_->rank()) + "'s model differs from rank 0's: " +
+                   first_difference(mine, rank0_modules, 0, "module") +
+                   "; every rank must build the same model (the same config and code)");
+}
+
+void DistributedModel::check_replicas_alike() {
+  const Topology& topology = runtime_->topology();
+  if (topology.data_parallel_degree() < 2) return;
+  const auto here = topology.coordinates_of(runtime_->rank());
+  std::string parameters;
+  for (const auto& [name, parameter] : named_parameters_) {
+    parameters += name + " " + c10::toString(parameter.scalar_type()) + " " + c10::str(parameter.sizes()) + "\n";
+  }
+  const std::string key = exchange_ + "replica_parameters/" + std::to_string(here.pp_rank) + "/" +
+                          std::to_string(here.tp_rank);
+  const int first = topology.data_parallel_group(here.pp_rank, here.tp_rank).front();
+  if (runtime_->rank() == first) {
+    runtime_->publish(key, parameters);
+    return;
+  }
+  const std::string theirs = runtime_->fetch(key);
+  if (theirs == parameters) return;
+  throw ModelError("rank " + std::to_string(runtime_->rank()) + " holds other parameters than rank " +
+                   std::to_string(first) + ", a replica of the same stage: " +
+                   first_difference(parameters, theirs, first, "parameter") +
+                   "; every rank must build the same model (the same config and code)");
 }
 
 void DistributedModel::build_stages(const sched::Schedule& schedule) {

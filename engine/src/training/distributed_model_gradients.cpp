@@ -12,7 +12,10 @@ namespace smp {
 
 double DistributedModel::clip_grad_norm(double max_norm) { return gradients_->clip_norm(max_norm); }
 
-void DistributedModel::zero_grad(bool set_to_none) { gradients_->zero(set_to_none); }
+void DistributedModel::zero_grad(bool set_to_none) {
+  gradients_->zero(set_to_none);
+  gradients_dropped_ = false;
+}
 
 const std::vector<at::Tensor>& DistributedModel::norm_parameters() const { return gradients_->norm_parameters(); }
 

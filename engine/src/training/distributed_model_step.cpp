@@ -215,18 +215,28 @@ BatchFingerprint fingerprint(const ModelInputs& inputs, const at::Tensor& target
 // and its batch's fingerprint. Calls of one kind meet here (train_step n and m; evaluations), where no transfer
 // between their ranks has (replicas of one stage); a train_step and an evaluate wait in different collectives.
 class ClosingSums {
-  enum Field { kNotFinite, kCall, kShapes, kSum, kMagnitude, kSamples, kFields };
+  enum Field {
+    kNotFinite, kCall, kShapes, kSum, kMagnitude, kSamples,
+    kWholeGiven, kWholeShapes, kWholeSum, kWholeMagnitude,  // the global batch each replica took its share of
+    kFields
+  };
 
  public:
-  ClosingSums(const Topology& topology, int rank, std::int64_t call, BatchFingerprint batch)
+  ClosingSums(const Topology& topology, int rank, std::int64_t call, BatchFingerprint batch,
+              std::optional<BatchFingerprint> whole = std::nullopt)
       : topology_(topology),
         world_(topology.world_size()),
         rank_(rank),
         batch_(std::move(batch)),
+        whole_(std::move(whole)),
         sums_(at::zeros({1 + kFields * world_}, at::kDouble)) {
     slot(kCall, rank) = static_cast<double>(call);
     slot(kShapes, rank) = static_cast<double>(batch_.shapes);
     slot(kSamples, rank) = static_cast<double>(batch_.samples);
+    if (whole_) {
+      slot(kWholeGiven, rank) = 1.0;
+      slot(kWholeShapes, rank) = static_cast<double>(whole_->shapes);
+    }
   }
   void add_loss(double loss) { data()[0] = loss; }
   void mark_not_finite(int rank) { slot(kNotFinite, rank) = 1.0; }
@@ -238,6 +248,14 @@ class ClosingSums {
       slot(kMagnitude, rank_) += here[1].item<double>();
     }
     batch_.values.clear();
+    if (whole_) {
+      for (const at::Tensor& values : whole_->values) {
+        const at::Tensor here = values.cpu();
+        slot(kWholeSum, rank_) += here[0].item<double>();
+        slot(kWholeMagnitude, rank_) += here[1].item<double>();
+      }
+      whole_->values.clear();
+    }
     return sums_;
   }
 
@@ -275,6 +293,7 @@ class ClosingSums {
                             ", in the same replica (" + ProgramCall::from_id(static_cast<std::int64_t>(slot(kCall, rank))).describe() +
                             "): " + kSameCallsEverywhere);
     }
+    check_global_batches();
     for (int rank = 1; rank < world_; ++rank) {
       if (slot(kSamples, rank) == slot(kSamples, 0)) continue;
       throw comm::CommError("rank " + std::to_string(rank) + "'s batch has " +
@@ -285,6 +304,37 @@ class ClosingSums {
   }
 
  private:
+  // Ranks that took their replica's share of a global batch (Python's train_step without replica_share) must all
+  // have been given the same one: replicas of another batch (a sampler seeded per rank) would each train on a share
+  // of a different batch, silently.
+  void check_global_batches() const {
+    int first = -1;
+    for (int rank = 0; rank < world_; ++rank) {
+      if (slot(kWholeGiven, rank) == 0.0) continue;
+      if (first < 0) {
+        first = rank;
+        continue;
+      }
+      const bool same_shapes = slot(kWholeShapes, rank) == slot(kWholeShapes, first);
+      if (same_shapes && same_values(slot(kWholeSum, rank), slot(kWholeSum, first), slot(kWholeMagnitude, first)) &&
+          same_values(slot(kWholeMagnitude, rank), slot(kWholeMagnitude, first), slot(kWholeMagnitude, first))) {
+        continue;
+      }
+      throw comm::CommError("rank " + std::to_string(rank) + " was given a global batch with other " +
+                            (same_shapes ? "values" : "shapes") + " than rank " + std::to_string(first) + " (" +
+                            ProgramCall::from_id(static_cast<std::int64_t>(slot(kCall, rank))).describe() +
+                            "): every rank passes the same global batch and each replica takes its share of it; "
+                            "draw it alike on every rank (the same seed), or pass each replica's own share with "
+                            "replica_share=True");
+    }
+    if (first < 0) return;
+    for (int rank = 0; rank < world_; ++rank) {
+      if (slot(kWholeGiven, rank) != 0.0) continue;
+      throw comm::CommError("rank " + std::to_string(rank) + " passed its replica's share (replica_share=True) and rank " +
+                            std::to_string(first) + " the global batch: every rank must pass the same kind");
+    }
+  }
+
   // Equal up to a reduction's order; a batch holding NaN or Inf (a test of the non-finite handling) sums to NaN or
   // Inf alike on every rank.
   static bool same_values(double a, double b, double magnitude) {
@@ -301,10 +351,28 @@ class ClosingSums {
   int world_;
   int rank_;
   BatchFingerprint batch_;
+  std::optional<BatchFingerprint> whole_;
   at::Tensor sums_;
 };
 
+// The fingerprint of the global batch a call was told it takes its share of, taken once (the call compares it
+// across replicas); none without replicas to compare.
+std::optional<BatchFingerprint> take_fingerprint(std::optional<GlobalBatch>& given, const Topology& topology) {
+  std::optional<GlobalBatch> batch = std::move(given);
+  given.reset();
+  if (!batch || topology.data_parallel_degree() < 2) return std::nullopt;
+  return fingerprint(batch->inputs, batch->targets,
+                     batch->batched.empty() ? DistributedModel::batched_inputs(batch->inputs, batch->targets)
+                                             : batch->batched,
+                     true);
+}
+
 }  // namespace
+
+void DistributedModel::next_call_takes_share_of(const ModelInputs& inputs, const at::Tensor& targets,
+                                                const std::vector<bool>& batched) {
+  global_batch_ = GlobalBatch{inputs, targets, batched};
+}
 
 StepOutput DistributedModel::evaluate(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss,
                                      bool keep_outputs) {
@@ -326,6 +394,8 @@ StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tenso
                                      const OutputsLossFunction& loss, bool keep_outputs,
                                      const std::vector<bool>& batched) {
   const auto start = std::chrono::steady_clock::now();
+  // Taken first: a call that fails before its closing sums must not leave it to the next.
+  std::optional<BatchFingerprint> global_batch = take_fingerprint(global_batch_, runtime_->topology());
   runtime_->refuse_after_leaving("evaluate");
   MicrobatchData data = microbatch_data("evaluate", inputs, targets, loss, batched);
   data.keep_outputs = keep_outputs;
@@ -346,7 +416,8 @@ StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tenso
   BatchFingerprint batch = fingerprint(inputs, targets, batched.empty() ? batched_inputs(inputs, targets) : batched,
                                        several_ranks_per_replica(runtime_->topology()));
   data.stamp = {ProgramCall{step_, evaluations_since_step_}.id(), batch.shapes};
-  ClosingSums sums(runtime_->topology(), runtime_->rank(), data.stamp.call, std::move(batch));
+  ClosingSums sums(runtime_->topology(), runtime_->rank(), data.stamp.call, std::move(batch),
+                   std::move(global_batch));
   try {
     runtime_->with_peers("evaluate after step " + std::to_string(step_), [&] {
       const ExecutorStats stats = evaluator_->run(stage_callbacks(), data);
@@ -410,6 +481,7 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
                                        const OutputsLossFunction& loss, bool keep_outputs,
                                        const std::vector<bool>& batched) {
   auto start = std::chrono::steady_clock::now();
+  std::optional<BatchFingerprint> global_batch = take_fingerprint(global_batch_, runtime_->topology());
   runtime_->refuse_after_leaving("train_step");
   const Config& config = runtime_->config();
   MicrobatchData data = microbatch_data("train_step", inputs, targets, loss, batched);
@@ -432,6 +504,8 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
 
   // Until the step has succeeded, it counts as dropped: an optimizer step after a step that threw is not taken.
   last_step_skipped_ = true;
+  const bool dropped_before = gradients_dropped_;
+  gradients_dropped_ = true;
   // Which parameters are averaged over replicas and summed over tied copies was fixed when the model was built.
   for (std::size_t i = 0; i < named_parameters_.size(); ++i) {
     if (named_parameters_[i].second.requires_grad() != trainable_at_build_[i]) {
@@ -447,7 +521,8 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
 
   ExecutorStats stats;
   StepOutput output;
-  ClosingSums sums(runtime_->topology(), runtime_->rank(), data.stamp.call, std::move(batch));
+  ClosingSums sums(runtime_->topology(), runtime_->rank(), data.stamp.call, std::move(batch),
+                   std::move(global_batch));
   try {
     runtime_->with_peers("step " + std::to_string(step_), [&] {
       gradients_->arm();
@@ -507,6 +582,7 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
     }
   }
   last_step_skipped_ = output.skipped;
+  gradients_dropped_ = dropped_before || output.skipped;
   earlier.add_this_step();
   ++step_;
   evaluations_since_step_ = 0;
@@ -522,12 +598,14 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   return output;
 }
 
-void DistributedModel::share_first_replica_buffers() {
+void DistributedModel::share_first_replica_buffers() { share_first_replicas(named_buffers_); }
+
+void DistributedModel::share_first_replicas(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
   const Topology& topology = runtime_->topology();
-  if (topology.data_parallel_degree() < 2 || topology.expert_parallel_degree() > 1 || named_buffers_.empty()) return;
+  if (topology.data_parallel_degree() < 2 || topology.expert_parallel_degree() > 1 || tensors.empty()) return;
   // One broadcast per dtype and device, not one per buffer (a ResNet has three per batch norm).
   std::map<std::pair<c10::ScalarType, std::string>, std::vector<at::Tensor>> groups;
-  for (const auto& [name, buffer] : named_buffers_) {
+  for (const auto& [name, buffer] : tensors) {
     if (buffer.defined() && buffer.numel() > 0) groups[{buffer.scalar_type(), buffer.device().str()}].push_back(buffer);
   }
   for (auto& [key, buffers] : groups) {

@@ -42,8 +42,11 @@ void DistributedOptimizer::zero_grad() { model_.zero_grad(); }
 void DistributedOptimizer::step() {
   Runtime& runtime = model_.runtime();
   runtime.refuse_after_leaving("DistributedOptimizer::step");
-  // A skipped step must not move the weights: even zero gradients would, through momentum.
-  if (model_.last_step_skipped()) return;
+  // A skipped step must not move the weights: even zero gradients would, through momentum. Nor may the train_steps
+  // accumulated after one step on their part of the gradient.
+  const bool dropped = model_.gradients_dropped();
+  model_.forget_dropped_gradients();
+  if (dropped) return;
   // A rank whose update failed holds other weights than its replicas (and, with sharded state, leaves them
   // waiting for its shares).
   runtime.with_peers("the optimizer's step", [&] {
