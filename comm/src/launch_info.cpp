@@ -45,7 +45,9 @@ LaunchInfo LaunchInfo::from_environment(const std::function<const char*(const ch
     }
   }
   if (!found) {
-    for (const auto& candidate : kLaunchers) {
+    // torchrun's and smprun's variables only: an salloc shell sets SLURM_NTASKS for the processes srun would start,
+    // not for a program run in it directly.
+    for (const auto& candidate : {kLaunchers[0]}) {
       const char* world_size = lookup(candidate.world_size);
       if (world_size && std::string(world_size) != "1" && std::string(world_size) != "0") {
         throw CommError(std::string("environment variable ") + candidate.world_size + "=\"" + world_size +

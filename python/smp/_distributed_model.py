@@ -210,10 +210,16 @@ class DistributedModel(torch.nn.Module):
     def _engine_step(self, step, inputs, targets, loss, keep_outputs, replica_share, what):
         rt = runtime()
         values = self._io.engine_inputs(inputs, what)
+        on_meta = [name for name, value in zip(self._io.input_names or range(len(values)), values)
+                   if isinstance(value, torch.Tensor) and value.is_meta]
+        if on_meta or (isinstance(targets, torch.Tensor) and targets.is_meta):
+            where = f"input '{on_meta[0]}'" if on_meta else "the targets"
+            raise ConfigError(f"{what}: {where} is on the meta device, which holds no values: a model may be built "
+                              "there, its batches must be real tensors")
         batched = _smp.batched_inputs(values, targets, what)
+        global_batch = None
         if not replica_share:
-            # Every rank must have been given the same global batch: the step compares them.
-            self._model.next_call_takes_share_of(values, targets, batched)
+            global_batch = (values, targets)
             values = [rt.replica_slice(v) if b else v for v, b in zip(values, batched)]
             targets = rt.replica_slice(targets) if targets is not None and targets.dim() > 0 else targets
         else:
@@ -243,6 +249,8 @@ class DistributedModel(torch.nn.Module):
         # Which inputs are split was decided on the whole batch: a replica's share may have the size of an input
         # that is not the batch's.
         _routing.take()  # what profiling or an interrupted step counted
+        if global_batch is not None:  # every rank must have been given the same one: the step compares them
+            self._model.next_call_takes_share_of(*global_batch, batched)
         result = step(values, targets, engine_loss, keep_outputs, batched)
         kept = result.all_outputs
         return StepResult(result, model_outputs(kept) if kept is not None else None, _routing.take())
@@ -305,6 +313,10 @@ class DistributedModel(torch.nn.Module):
                       f"{sum(planned_routing[path] for path in compared) / len(compared):.2f}x (a step's rows per "
                       f"expert-parallel group; mean over steps 2-5 and this rank's {len(compared)} experts layers)",
                       flush=True)
+
+    def zero_grad(self, set_to_none=True):
+        """Clears the gradients of this rank's parameters, as the DistributedOptimizer's zero_grad does."""
+        self._model.zero_grad(set_to_none)
 
     def train(self, mode=True):
         """Training mode here and on the wrapped model's modules, whose own flags train_step follows module by

@@ -13,7 +13,8 @@ paths part and tag what evaluation leaves out (stochastic depth).
 A record is made as torch.export's own tracing sees the forward: torch.compiler.is_exporting() and is_compiling()
 true, the experts divided over ranks called as one operation, an in-place call's output named anew (the traced graph
 reads it from there). What a record cannot share with an export is anything outside torch's calls that changes
-between two runs of one forward: Python random numbers drawn in a forward (a layer drop), which an export bakes in."""
+between two runs of one forward: a forward that draws Python's or NumPy's random numbers (a layer drop, which the
+capture baked in) is left to the exports."""
 
 import contextlib
 import inspect
@@ -35,11 +36,58 @@ class _Unsure(Exception):
 def same_in_both_modes(model, args, kwargs, device, divided):
     """True when the forward makes the same torch calls in eval mode as in training mode once evaluation re-targets the
     latter; False when they differ or cannot be known that way (then only the exports can tell)."""
+    outside = _Outside()
     try:
-        return _record(model, args, kwargs, device, divided, True) == \
-            _record(model, args, kwargs, device, divided, False)
+        return _record(model, args, kwargs, device, divided, True, outside) == \
+            _record(model, args, kwargs, device, divided, False, outside)
     except Exception:  # noqa: BLE001 - a forward fake tensors cannot run (sizes a value decides): the exports tell
         return False
+
+
+class _Outside:
+    """Names of the tensors a model keeps outside its parameters and buffers (plain attributes), one table for both
+    recordings: the same object is the same name in either mode, another object another name (`self.a if
+    self.training else self.b` differs)."""
+
+    def __init__(self):
+        self._names = {}
+        self._kept = []  # so that no id is reused while both recordings run
+
+    def name(self, tensor):
+        if id(tensor) not in self._names:
+            self._names[id(tensor)] = ("outside", len(self._names))
+            self._kept.append(tensor)
+        return self._names[id(tensor)]
+
+
+@contextlib.contextmanager
+def _python_random_unread():
+    """Raises _Unsure when the forward draws Python's or NumPy's random numbers (a layer drop: the capture baked in
+    its own draw, which a recording cannot know), and leaves their states as they were."""
+    import random
+    states = [(random.getstate, random.setstate)]
+    try:
+        import numpy
+        states.append((numpy.random.get_state, numpy.random.set_state))
+    except ImportError:
+        pass
+    before = [get() for get, _ in states]
+    try:
+        yield
+    finally:
+        after = [get() for get, _ in states]
+        for (_, put), state in zip(states, before):
+            put(state)
+    if any(not _same_state(a, b) for a, b in zip(before, after)):
+        raise _Unsure("the forward draws Python random numbers")
+
+
+def _same_state(a, b):
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    if hasattr(a, "shape") and hasattr(b, "shape"):  # a NumPy state's key array
+        return a.shape == b.shape and bool((a == b).all())
+    return a == b
 
 
 @contextlib.contextmanager
@@ -76,7 +124,7 @@ def _smp_operations_seen():
             setattr(_smp, name, function)
 
 
-def _record(model, args, kwargs, device, divided, training):
+def _record(model, args, kwargs, device, divided, training, outside):
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     for module in model.modules():
         module.training = training
@@ -88,8 +136,8 @@ def _record(model, args, kwargs, device, divided, training):
         for index, leaf in enumerate(pytree.tree_leaves((args, kwargs))):
             if isinstance(leaf, torch.Tensor):
                 named[id(leaf)] = ("input", index)
-        recorder = _Recorder(named, training, torch._guards.detect_fake_mode((args, kwargs)))
-        with recorder, _smp_operations_seen():
+        recorder = _Recorder(named, training, torch._guards.detect_fake_mode((args, kwargs)), outside)
+        with recorder, _smp_operations_seen(), _python_random_unread():
             output = model(*args, **kwargs)
         leaves, structure = pytree.tree_flatten(output)
         recorder.calls.append(_Call("output", (str(structure), recorder.named(leaves)), None, False))
@@ -109,12 +157,12 @@ def _in_place(name):
 
 
 class _Recorder(TorchFunctionMode):
-    def __init__(self, named, retarget, fake_mode):
+    def __init__(self, named, retarget, fake_mode, outside):
         super().__init__()
         self._named = named
         self._fake_mode = fake_mode
         self._retarget = retarget
-        self._outside = 0
+        self._outside = outside
         self._inside = False
         self._kept = []  # every tensor named, so that no id is reused during the run
         self.calls = []
@@ -125,9 +173,7 @@ class _Recorder(TorchFunctionMode):
             if name is None and getattr(value, "fake_mode", None) is self._fake_mode:
                 raise _Unsure("a tensor made by a call the recording does not see")
             if name is None:  # a tensor the model keeps outside its parameters and buffers
-                name = self._named[id(value)] = ("outside", self._outside)
-                self._outside += 1
-                self._kept.append(value)
+                name = self._outside.name(value)
             return name
         if isinstance(value, (list, tuple)):
             return (type(value).__name__, tuple(self.named(item) for item in value))

@@ -336,6 +336,8 @@ def main():
                  lambda: smp.DistributedOptimizer(torch.optim.SGD(list(model.parameters())[:-1], lr=0.1)))
     expect_error("a batch that does not split into microbatches", smp.ConfigError, "batch",
                  lambda: model.train_step(torch.randn(3, 3), torch.randn(3, 2), F.mse_loss))
+    expect_error("a batch on the meta device", smp.ConfigError, "is on the meta device, which holds no values",
+                 lambda: model.train_step(torch.randn(4, 3, device="meta"), torch.randn(4, 2), F.mse_loss))
     # torch's clipping over some of a model's parameters (the whole model's is checked against PyTorch by the
     # pipeline jobs): refused on every rank, before any communication, rather than clipped by part of a norm.
     expect_error("torch's clip_grad_norm_ over some of the parameters", ValueError, "pass model.parameters()",

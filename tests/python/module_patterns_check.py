@@ -15,10 +15,12 @@ and in evaluation, against the PyTorch model in eval mode:
   - the quick recording of both modes' calls (smp._mode_calls, which spares the eval-mode export) finds those paths
     equal only where evaluation computes the eval path: dropout, batch norm and attention's dropout by their flags,
     a buffer's update nothing reads; a branch, an in-place write, an extra output, a scalar, instance norm's
-    statistics and a buffer read after its update are left to the exports.
+    statistics, a buffer read after its update, a tensor attribute chosen by the mode and a Python random draw
+    are left to the exports.
 Exits 0 only when all agree."""
 
 import copy
+import random
 
 import torch
 import torch.nn.functional as F
@@ -191,6 +193,7 @@ class Branches(torch.nn.Module):
         self.dropout, self.norm = torch.nn.Dropout(0.3), torch.nn.BatchNorm1d(WIDTH)
         self.instance = torch.nn.InstanceNorm1d(WIDTH, track_running_stats=True)
         self.register_buffer("calls", torch.zeros(WIDTH))
+        self.scale_in_training, self.scale_in_eval = torch.full((WIDTH,), 2.0), torch.full((WIDTH,), 3.0)
 
     def forward(self, x):
         h = self.lin(x)
@@ -208,6 +211,10 @@ class Branches(torch.nn.Module):
             return h + self.calls
         if self.kind == "instance norm's statistics":
             return self.instance(h.unsqueeze(1)).squeeze(1)
+        if self.kind == "a tensor attribute":  # neither parameter nor buffer
+            return h * (self.scale_in_training if self.training else self.scale_in_eval)
+        if self.kind == "a Python random draw":  # a layer drop: the capture baked in its own draw
+            return h if self.training and random.random() < 0.5 else torch.tanh(h)
         if self.training:
             if self.kind == "a branch":
                 h = torch.tanh(h)
@@ -225,7 +232,8 @@ def check_quick_mode_answers():
     x = torch.randn(4, WIDTH)
     for kind, same in [("dropout and batch norm", True), ("buffer unread", True), ("a branch", False),
                        ("an in-place write", False), ("an extra output", False), ("a scalar", False),
-                       ("instance norm's statistics", False), ("buffer read after its update", False)]:
+                       ("instance norm's statistics", False), ("buffer read after its update", False),
+                       ("a tensor attribute", False), ("a Python random draw", False)]:
         answer = _mode_calls.same_in_both_modes(Branches(kind), (x,), {}, torch.device("cpu"), {})
         if answer != same:
             failures.append(f"the quick recording of both modes says {kind} is {'' if answer else 'not '}the same")

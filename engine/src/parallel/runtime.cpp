@@ -8,7 +8,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <fstream>
+#include <optional>
 #include <set>
+#include <sstream>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -352,14 +355,38 @@ void Runtime::check_same_config() {
     if (document.is_object() && document.contains("smp") && document["smp"].is_object()) return document["smp"];
     return document.is_object() ? document : nlohmann::json::object();
   };
-  const nlohmann::json mine = smp_keys(config_.text), first = smp_keys(theirs);
+  nlohmann::json mine = smp_keys(config_.text), first = smp_keys(theirs);
+  // Keys that may differ in their text but not their meaning: a schedule file each rank wrote for itself (compared by
+  // contents), where a rank writes its trace, how much it logs, how long it waits.
+  for (const char* key : {"trace_dir", "log_level", "comm_timeout_s"}) {
+    mine.erase(key);
+    first.erase(key);
+  }
+  const auto contents = [](const nlohmann::json& path) -> std::optional<std::string> {
+    std::ifstream file(path.is_string() ? path.get<std::string>() : std::string());
+    std::stringstream text;
+    text << file.rdbuf();
+    if (!file) return std::nullopt;
+    return text.str();
+  };
+  if (mine.contains("schedule_file") && first.contains("schedule_file") && mine["schedule_file"] != first["schedule_file"]) {
+    const auto here = contents(mine["schedule_file"]), there = contents(first["schedule_file"]);
+    if (here && there) {
+      mine["schedule_file"] = *here;
+      first["schedule_file"] = *there;
+    } else {  // rank 0's file is another host's: the schedule's own checks are left to tell
+      mine.erase("schedule_file");
+      first.erase("schedule_file");
+    }
+  }
   std::string differences;
   for (const auto& [key, value] : mine.items()) {
     const std::string there = first.contains(key) ? first[key].dump() : "not given";
-    if (!first.contains(key) || first[key] != value) {
-      differences += (differences.empty() ? "" : ", ") + ("\"" + key + "\" " + value.dump() + " here, " + there +
-                                                         " on rank 0");
-    }
+    if (first.contains(key) && first[key] == value) continue;
+    differences += (differences.empty() ? "" : ", ") +
+                   (key == "schedule_file" && first.contains(key)
+                        ? std::string("\"schedule_file\" of other contents than rank 0's")
+                        : "\"" + key + "\" " + value.dump() + " here, " + there + " on rank 0");
   }
   for (const auto& [key, value] : first.items()) {
     if (!mine.contains(key)) {

@@ -504,7 +504,10 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
 
   // Until the step has succeeded, it counts as dropped: an optimizer step after a step that threw is not taken.
   last_step_skipped_ = true;
-  const bool dropped_before = gradients_dropped_;
+  // Gradients cleared however it was done (torch's zero_grad on the wrapper, .grad = None) hold no dropped step.
+  const bool dropped_before =
+      gradients_dropped_ && std::any_of(named_parameters_.begin(), named_parameters_.end(),
+                                        [](const auto& named) { return named.second.grad().defined(); });
   gradients_dropped_ = true;
   // Which parameters are averaged over replicas and summed over tied copies was fixed when the model was built.
   for (std::size_t i = 0; i < named_parameters_.size(); ++i) {
@@ -608,16 +611,32 @@ void DistributedModel::share_first_replicas(const std::vector<std::pair<std::str
   for (const auto& [name, buffer] : tensors) {
     if (buffer.defined() && buffer.numel() > 0) groups[{buffer.scalar_type(), buffer.device().str()}].push_back(buffer);
   }
+  // Packed in pieces of at most kPiece bytes: a model's parameters packed whole would hold a second copy of them.
+  constexpr std::int64_t kPiece = std::int64_t{64} << 20;
+  at::NoGradGuard no_grad;
   for (auto& [key, buffers] : groups) {
-    std::vector<at::Tensor> flat;
-    for (const auto& buffer : buffers) flat.push_back(buffer.detach().reshape(-1));
-    at::Tensor packed = at::cat(flat);
-    runtime_->data_parallel().broadcast(packed, 0);
-    std::int64_t offset = 0;
-    at::NoGradGuard no_grad;
-    for (auto& buffer : buffers) {
-      buffer.detach().copy_(packed.narrow(0, offset, buffer.numel()).view(buffer.sizes()));
-      offset += buffer.numel();
+    for (std::size_t first = 0; first < buffers.size();) {
+      std::size_t end = first;
+      std::int64_t bytes = 0;
+      std::vector<at::Tensor> flat;
+      while (end < buffers.size() && (end == first || bytes + buffers[end].nbytes() <= kPiece)) {
+        flat.push_back(buffers[end].detach().reshape(-1));
+        bytes += static_cast<std::int64_t>(buffers[end].nbytes());
+        ++end;
+      }
+      if (end == first + 1 && buffers[first].is_contiguous()) {  // alone: received in place
+        runtime_->data_parallel().broadcast(buffers[first].detach(), 0);
+        first = end;
+        continue;
+      }
+      at::Tensor packed = at::cat(flat);
+      runtime_->data_parallel().broadcast(packed, 0);
+      std::int64_t offset = 0;
+      for (std::size_t i = first; i < end; ++i) {
+        buffers[i].detach().copy_(packed.narrow(0, offset, buffers[i].numel()).view(buffers[i].sizes()));
+        offset += buffers[i].numel();
+      }
+      first = end;
     }
   }
 }
