@@ -212,9 +212,12 @@ class DistributedModel {
   // broadcast_buffers does: each updated its own from its share, so evaluation and checkpoints (replica 0's) would
   // otherwise depend on the replica. Not under expert parallelism, whose replicas hold different experts.
   void share_first_replica_buffers();
-  // Every replica takes the first replica's values of these tensors (not with expert parallelism, whose replicas
-  // hold different experts).
-  void share_first_replicas(const std::vector<std::pair<std::string, at::Tensor>>& tensors);
+  // Every replica starts from the first replica's parameters: dense ones over the data-parallel group, expert shards
+  // over the replicas holding the same experts.
+  void share_first_replica_parameters();
+  // Every rank of `replicas` takes its group rank 0's values of these tensors.
+  void share_first_replicas(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                            comm::Communicator& replicas);
   // ModelError naming the first module or parameter where this rank's model parts from rank 0's, or from its
   // replicas' (ranks building different models would index rank 0's cut out of range, or all-reduce gradients of
   // other sizes).

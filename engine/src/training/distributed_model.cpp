@@ -215,7 +215,7 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
   check_replicas_alike();
   // Replicas start from the first's weights, as torch's DistributedDataParallel makes them: a model initialized
   // under another seed per rank would otherwise train apart, each replica averaging gradients of other weights.
-  share_first_replicas(named_parameters_);
+  share_first_replica_parameters();
   share_first_replica_buffers();
   executor_ = std::make_unique<PipelineExecutor>(lower_and_validate(std::move(schedule), graph_, config), graph_,
                                                  runtime_->pipeline(), config.checkpointed_stages,

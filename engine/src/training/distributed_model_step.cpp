@@ -601,11 +601,22 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   return output;
 }
 
-void DistributedModel::share_first_replica_buffers() { share_first_replicas(named_buffers_); }
-
-void DistributedModel::share_first_replicas(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+void DistributedModel::share_first_replica_buffers() {
   const Topology& topology = runtime_->topology();
-  if (topology.data_parallel_degree() < 2 || topology.expert_parallel_degree() > 1 || tensors.empty()) return;
+  if (topology.data_parallel_degree() < 2 || topology.expert_parallel_degree() > 1) return;
+  share_first_replicas(named_buffers_, runtime_->data_parallel());
+}
+
+void DistributedModel::share_first_replica_parameters() {
+  std::vector<std::pair<std::string, at::Tensor>> dense, experts;
+  for (const auto& named : named_parameters_) (expert_shard_names().count(named.first) ? experts : dense).push_back(named);
+  if (runtime_->data_parallel().size() > 1) share_first_replicas(dense, runtime_->data_parallel());
+  if (runtime_->expert_data_parallel().size() > 1) share_first_replicas(experts, runtime_->expert_data_parallel());
+}
+
+void DistributedModel::share_first_replicas(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                            comm::Communicator& replicas) {
+  if (tensors.empty()) return;
   // One broadcast per dtype and device, not one per buffer (a ResNet has three per batch norm).
   std::map<std::pair<c10::ScalarType, std::string>, std::vector<at::Tensor>> groups;
   for (const auto& [name, buffer] : tensors) {
@@ -625,12 +636,12 @@ void DistributedModel::share_first_replicas(const std::vector<std::pair<std::str
         ++end;
       }
       if (end == first + 1 && buffers[first].is_contiguous()) {  // alone: received in place
-        runtime_->data_parallel().broadcast(buffers[first].detach(), 0);
+        replicas.broadcast(buffers[first].detach(), 0);
         first = end;
         continue;
       }
       at::Tensor packed = at::cat(flat);
-      runtime_->data_parallel().broadcast(packed, 0);
+      replicas.broadcast(packed, 0);
       std::int64_t offset = 0;
       for (std::size_t i = first; i < end; ++i) {
         buffers[i].detach().copy_(packed.narrow(0, offset, buffers[i].numel()).view(buffers[i].sizes()));
