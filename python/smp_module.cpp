@@ -692,6 +692,8 @@ PYBIND11_MODULE(_smp, module) {
   module.def("recomputing", &recomputing);
   // Whether the process runs without collectives (rank 0 profiling alone, WithoutCollectives).
   module.def("without_collectives", &without_collectives);
+  module.def("current_program_call", &current_program_call);
+  module.def("describe_program_call", &describe_program_call, py::arg("id"));
   module.def("export_checkpoint", &export_checkpoint, py::arg("checkpoint_directory"), py::arg("output_file"),
              py::call_guard<py::gil_scoped_release>());
   module.def("export_checkpoint_safetensors", &export_checkpoint_safetensors, py::arg("checkpoint_directory"),

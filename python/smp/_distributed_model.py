@@ -241,8 +241,22 @@ class DistributedModel(torch.nn.Module):
             inputs.get("num_items_in_batch") is not None
         pieces = microbatches * rt.data_parallel_degree if counted else 1
         if loss is None:
+            coefficient = getattr(getattr(self._net, "config", None), "router_aux_loss_coef", None)
+
             def engine_loss(outputs, target):
-                return own_loss(model_outputs(outputs)) * pieces if pieces > 1 else own_loss(model_outputs(outputs))
+                outputs = model_outputs(outputs)
+                value = own_loss(outputs)
+                if pieces == 1:
+                    return value
+                # A mixture of experts adds its router's auxiliary loss, a mean over the microbatch's own tokens:
+                # only the token sum is scaled, the auxiliary loss averaged over microbatches and replicas as
+                # without num_items_in_batch.
+                auxiliary = outputs.get("aux_loss") if isinstance(outputs, collections.abc.Mapping) else \
+                    getattr(outputs, "aux_loss", None)
+                if isinstance(auxiliary, torch.Tensor) and coefficient:
+                    added = coefficient * auxiliary.to(value.device)
+                    return (value - added) * pieces + added
+                return value * pieces
         else:
             def engine_loss(outputs, target):
                 return loss(model_outputs(outputs), target)
@@ -343,7 +357,7 @@ class DistributedModel(torch.nn.Module):
         .outputs as train_step does with keep_outputs=True; replica_share as in train_step."""
         check_mode(self._net, self._evaluation_path(), "evaluate" if loss is not _no_loss else "calling the model")
         return self._engine_step(self._model.evaluate, inputs, targets, loss, keep_outputs, replica_share,
-                                 "evaluate")
+                                 "evaluate" if loss is not _no_loss else "calling the model")
 
     def forward(self, *args, **kwargs):
         """Inference: the model's outputs for this replica's share of `inputs` (given as train_step takes them:

@@ -175,10 +175,16 @@ class ExpertsAcrossRanks:
             out = self._local_experts(rows, expert_of_row.index_select(0, order) % self.share, parameters)
         else:
             per_expert = torch.bincount(expert_of_row, minlength=self.experts).to("cpu")
-            send = per_expert.view(self.degree, self.share)
+            # The counts go with this rank's program call: a peer in another call (an evaluate beside a
+            # train_step) is named here, before the rows' exchange, whose sizes would not match.
+            call = _smp.current_program_call()
+            counts = per_expert.view(self.degree, self.share)
+            send = torch.cat([counts, torch.full((self.degree, 1), call, dtype=counts.dtype)], 1)
             # receive[r, j]: rows rank r sends to this rank's expert j.
             receive = _runtime()._ep_all_to_all(send, [1] * self.degree, [1] * self.degree, counted=False)
-            input_rows = send.sum(1).tolist()
+            _check_same_call(receive[:, -1].tolist(), call)
+            receive = receive[:, :-1]
+            input_rows = counts.sum(1).tolist()
             output_rows = receive.sum(1).tolist()
             received = ep.all_to_all(rows, output_rows, input_rows)
             local_index = torch.repeat_interleave(
@@ -188,3 +194,12 @@ class ExpertsAcrossRanks:
         by_token = torch.empty_like(out).index_copy(0, order, out).view(count, chosen, -1)  # unsorted
         combined = (by_token * weights.reshape(count, chosen, 1)).sum(1)
         return combined.to(hidden.dtype).view(hidden.shape)
+
+
+def _check_same_call(calls, mine):
+    """CommError naming the first expert-parallel peer in another program call than this rank."""
+    for peer, theirs in enumerate(calls):
+        if theirs != mine:
+            raise _smp.CommError(f"expert parallelism: group rank {peer} is in its {_smp.describe_program_call(theirs)}, "
+                                 f"this rank in its {_smp.describe_program_call(mine)}: every rank must call "
+                                 "train_step and evaluate alike, in the same order (did a rank skip or add a call?)")

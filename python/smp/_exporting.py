@@ -139,12 +139,18 @@ def _export_fixed(model, args, kwargs):
         first = text.splitlines()[0] if text else ""
         where = _model_frame(error)
         raise CaptureError(f"{type(error).__name__}: {first}" + (f" (at {where})" if where else "") +
-                           _hint(error, first)) from error
+                           _hint(error, first, where)) from error
 
 
-def _hint(error, first):
+def _hint(error, first, where=None):
     """What a user can do about an export failure whose text does not say it."""
     import re
+    if "DataDependent" in type(error).__name__ and where and "expert" in where:
+        # transformers' eager experts loop over the experts a batch routes to: a count the export cannot know.
+        return ('; a mixture of experts\' experts in transformers\' "eager" form loop over the experts each batch '
+                'routes to, which torch.export cannot capture: build the model with experts_implementation='
+                '"grouped_mm" or "batched_mm" (in its config or from_pretrained), or divide the experts over ranks '
+                'with "expert_parallel_degree"')
     unhashable = re.fullmatch(r"unhashable type: '(\w+)'", first) if isinstance(error, TypeError) else None
     if unhashable:  # export's words for an output of a class pytree does not know
         return (f"; if the forward returns a {unhashable.group(1)} (a dataclass or other class of its own), register "

@@ -4,6 +4,7 @@ parameters it returns are the engine's own tensors. Exits 0 when every check hol
 import copy
 import sys
 import tempfile
+import types
 
 import torch
 import torch.nn.functional as F
@@ -702,6 +703,16 @@ class SummedOverItems(torch.nn.Module):
         return {"loss": ((self.linear(x).squeeze(-1) - labels) ** 2).sum() / num_items_in_batch}
 
 
+class SummedOverItemsWithAux(SummedOverItems):
+    """And a mixture of experts' router loss beside it, as Hugging Face's add it: a mean over the batch's own rows."""
+    config = types.SimpleNamespace(router_aux_loss_coef=0.5)
+
+    def forward(self, x, labels, num_items_in_batch):
+        auxiliary = self.linear(x).pow(2).mean()
+        loss = super().forward(x, labels, num_items_in_batch)["loss"] + self.config.router_aux_loss_coef * auxiliary
+        return {"loss": loss, "aux_loss": auxiliary}
+
+
 class LossOfItsOwn(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -739,6 +750,17 @@ def items_counted():
     expected = reference(x, labels, count)["loss"].item()
     if abs(loss - expected) > 1e-6:
         failures.append(f"num_items_in_batch: train_step's loss {loss}, PyTorch's on the whole batch {expected}")
+    # The router's auxiliary loss is each microbatch's mean, averaged, not multiplied by the microbatches.
+    net = SummedOverItemsWithAux()
+    reference = copy.deepcopy(net)
+    model = smp.DistributedModel(net, {"x": x[:2], "labels": labels[:2], "num_items_in_batch": count})
+    loss = model.train_step({"x": x, "labels": labels, "num_items_in_batch": count}).loss
+    pieces = [reference(xs, ls, count) for xs, ls in zip(x.chunk(2), labels.chunk(2))]
+    expected = sum(p["loss"].item() - 0.5 * p["aux_loss"].item() for p in pieces) + \
+        0.5 * sum(p["aux_loss"].item() for p in pieces) / 2
+    if abs(loss - expected) > 1e-6:
+        failures.append(f"num_items_in_batch with a router's auxiliary loss: train_step's loss {loss}, the token "
+                        f"sum's global mean plus the microbatches' mean auxiliary loss {expected}")
 
 
 def pytorch_conventions():

@@ -6,6 +6,8 @@ pair one call's activations with another's, train apart without a word, nor wait
   replica_batch:  two data-parallel replicas, rank 1 given another global batch (each replica takes its share of
                   the global batch, so the ranks must be given the same one); the replicas' models are initialized
                   under different seeds first, and must start from replica 0's weights (as under torch DDP).
+  experts_alone:  two replicas dividing a mixture of experts' experts (expert parallelism), rank 0 evaluating alone:
+                  the experts' exchange names the calls (Gloo aborted the process on the rows' sizes).
   own_config:     rank 1 reads other microbatches: it refuses at smp.init, naming the key (the job then ends).
   own_model:      rank 1's model has one more layer: it refuses at DistributedModel, naming the module.
   replica_model:  rank 1's replica is wider: it refuses at DistributedModel, naming the parameter.
@@ -23,9 +25,11 @@ import report
 import smp
 
 mistake = sys.argv[1]
-replicas = mistake in ("replica_batch", "replica_model")
+replicas = mistake in ("replica_batch", "replica_model", "experts_alone")
 keys = {"partitions": 1 if replicas else 2, "ddp": replicas, "microbatches": 2, "global_batch_size": 4, "pipeline": "1f1b",
         "comm_timeout_s": 120, "device": "cpu"}
+if mistake == "experts_alone":
+    keys["expert_parallel_degree"] = 2
 if mistake == "own_config" and os.environ.get("RANK") == "1":
     keys["microbatches"] = 4
 runtime = smp.init(keys)
@@ -37,8 +41,14 @@ layers = [torch.nn.Linear(16, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 
 if mistake == "own_model" and runtime.rank == 1:
     layers.append(torch.nn.Tanh())
 net = torch.nn.Sequential(*layers)
-model = smp.DistributedModel(net, inputs[:2])
 loss = torch.nn.functional.mse_loss
+if mistake == "experts_alone":
+    import real_models
+    net = real_models.language_model("mixtral")
+    inputs, targets = real_models.batch("mixtral", 4, torch.Generator().manual_seed(0))
+    loss = None
+model = smp.DistributedModel(net, inputs[:2] if isinstance(inputs, torch.Tensor) else
+                             {key: value[:1] for key, value in inputs.items()})
 failures = []
 if mistake == "replica_batch":
     first = [p.detach().clone() for _, p in model.named_parameters()]
@@ -51,19 +61,22 @@ model.train_step(inputs, targets, loss)
 start = time.monotonic()
 error = None
 try:
-    if mistake == "evaluate_alone" and runtime.rank == 0:
+    if mistake in ("evaluate_alone", "experts_alone") and runtime.rank == 0:
         model.evaluate(inputs, targets, loss)
     own = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
     model.train_step(own if mistake in ("own_batch", "replica_batch") and runtime.rank == 1 else inputs, targets,
                      loss)
-except smp.CommError as raised:
+except (smp.CommError, smp.ModelError) as raised:  # a stage's failure: ModelError naming the stage and its cause
     error = str(raised)
 waited = time.monotonic() - start
 
 expected = {"evaluate_alone": "it is in its evaluate 1 after step 1, this rank in its train_step 1",
             "own_batch": "rank 1 was given a batch with other values than rank 0, in the same replica (train_step 1)",
-            "replica_batch": "rank 1 was given a global batch with other values than rank 0 (train_step 1)"}
-advice = {"replica_batch": "pass each replica's own share with replica_share=True"}
+            "replica_batch": "rank 1 was given a global batch with other values than rank 0 (train_step 1)",
+            "experts_alone": f"expert parallelism: group rank {1 - runtime.rank} is in its "
+                             f"{'train_step 1' if runtime.rank == 0 else 'evaluate 1 after step 1'}"}
+advice = {"replica_batch": "pass each replica's own share with replica_share=True",
+          "experts_alone": "every rank must call train_step and evaluate alike"}
 if error is None:
     failures.append("no error")
 elif expected[mistake] not in error or advice.get(mistake, "the ranks of a replica with the same batch") not in error:

@@ -4,6 +4,7 @@
 // that rank 0's profiling runs under, alone, with its peers elsewhere.
 
 #include <cstdint>
+#include <string>
 #include <functional>
 #include <vector>
 
@@ -64,6 +65,22 @@ class WithoutCollectives {
 
  private:
   bool before_;
+};
+
+// The program call (ProgramCall::id: which train_step, which evaluate after it) this process runs, -1 outside one:
+// a collective whose ranks may be in different calls (expert parallelism's exchange, where a train_step's backward
+// would meet an evaluate's forward and Gloo abort on their sizes) sends it beside its counts and compares.
+std::int64_t current_program_call();
+std::string describe_program_call(std::int64_t id);
+class InProgramCall {
+ public:
+  explicit InProgramCall(std::int64_t id);
+  ~InProgramCall();
+  InProgramCall(const InProgramCall&) = delete;
+  InProgramCall& operator=(const InProgramCall&) = delete;
+
+ private:
+  std::int64_t before_;
 };
 
 // Expert parallelism's exchange: input_rows[r] consecutive rows of `input` to group rank r, output_rows[r] rows

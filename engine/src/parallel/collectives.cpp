@@ -9,6 +9,7 @@
 
 #include "smp/comm/laned_communicator.h"
 #include "smp/config.h"
+#include "pipeline/program_call.h"
 
 namespace smp {
 
@@ -63,6 +64,17 @@ void count_skipped_collective(int64_t ring_bytes) {
   skipped_count += 1;
   skipped_ring_bytes += ring_bytes;
 }
+
+namespace {
+std::atomic<std::int64_t> program_call{-1};
+}  // namespace
+
+std::int64_t current_program_call() { return program_call.load(); }
+std::string describe_program_call(std::int64_t id) {
+  return id < 0 ? std::string("no train_step or evaluate") : ProgramCall::from_id(id).describe();
+}
+InProgramCall::InProgramCall(std::int64_t id) : before_(program_call.exchange(id)) {}
+InProgramCall::~InProgramCall() { program_call.store(before_); }
 
 WithoutCollectives::WithoutCollectives() : before_(collectives_off.exchange(true)) {}
 WithoutCollectives::~WithoutCollectives() { collectives_off.store(before_); }

@@ -13,6 +13,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/StringUtil.h>
 
+#include "smp/collectives.h"
 #include "smp/log.h"
 #include "smp/planned_layout.h"
 #include "smp/timeline.h"
@@ -416,6 +417,7 @@ StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tenso
   BatchFingerprint batch = fingerprint(inputs, targets, batched.empty() ? batched_inputs(inputs, targets) : batched,
                                        several_ranks_per_replica(runtime_->topology()));
   data.stamp = {ProgramCall{step_, evaluations_since_step_}.id(), batch.shapes};
+  const InProgramCall in_call(data.stamp.call);
   ClosingSums sums(runtime_->topology(), runtime_->rank(), data.stamp.call, std::move(batch),
                    std::move(global_batch));
   try {
@@ -490,6 +492,7 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   BatchFingerprint batch = fingerprint(inputs, targets, batched.empty() ? batched_inputs(inputs, targets) : batched,
                                        several_ranks_per_replica(runtime_->topology()));
   data.stamp = {ProgramCall{step_, 0}.id(), batch.shapes};
+  const InProgramCall in_call(data.stamp.call);
   const c10::Device device = runtime_->device();
 
   StageCallbacks callbacks = stage_callbacks();
