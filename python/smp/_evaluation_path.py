@@ -59,10 +59,11 @@ def _comparable(value, names):
     return repr(value)
 
 
-def path_as_evaluated(graph, in_training):
+def path_as_evaluated(graph, in_training, user_inputs=frozenset()):
     """[(comparable operation, module path)] that evaluation runs: a graph exported in training mode
     (`in_training`) as evaluation re-targets it, or one exported in eval mode as it is. Buffer updates, checks and
-    layout-only copies are left out."""
+    layout-only copies are left out; a write into an input (`user_inputs`: their placeholders' names) is not, as a
+    view taken of it before reads what it wrote."""
     names = {}
     steps = []
     for node in graph.nodes:
@@ -75,9 +76,10 @@ def path_as_evaluated(graph, in_training):
         elif _is_op(node):
             if node.target in _ASSERTS and not node.users:
                 continue
-            if _mutates_first_argument(node) and not node.users and \
-                    getattr(written_through(node.args[0]), "op", None) == "placeholder":
-                continue  # a buffer's update (training only) or an input's, left out of both
+            written = written_through(node.args[0])
+            if _mutates_first_argument(node) and not node.users and getattr(written, "op", None) == "placeholder" \
+                    and written.name not in user_inputs:
+                continue  # a buffer's update (training only), left out of both
             if in_training and IN_EVALUATION in node.meta:
                 if node.meta[IN_EVALUATION] == "output":
                     names[node] = names[evaluation_input(node)]
@@ -95,11 +97,11 @@ def path_as_evaluated(graph, in_training):
     return steps
 
 
-def evaluation_difference(training_graph, evaluation_graph):
+def evaluation_difference(training_graph, evaluation_graph, user_inputs=frozenset()):
     """None when evaluating the training-mode capture computes what the eval-mode export does, once the modules that
     return their input in eval mode are tagged to do so in `training_graph`; else (module path, what differs) at the
     first operation where they part, and nothing tagged."""
-    differs = difference(training_graph, evaluation_graph)
+    differs = difference(training_graph, evaluation_graph, user_inputs)
     if differs is None:
         return None
     tagged = []
@@ -108,7 +110,7 @@ def evaluation_difference(training_graph, evaluation_graph):
             node.meta[IN_EVALUATION] = "output" if node is output else "left out"
         output.meta[IN_EVALUATION_ROUTE] = route
         tagged.extend(members)
-    if tagged and difference(training_graph, evaluation_graph) is None:
+    if tagged and difference(training_graph, evaluation_graph, user_inputs) is None:
         return None
     for node in tagged:
         node.meta.pop(IN_EVALUATION, None)
@@ -152,11 +154,11 @@ def _route(node, target, inside):
     return None
 
 
-def difference(training_graph, evaluation_graph):
+def difference(training_graph, evaluation_graph, user_inputs=frozenset()):
     """None when evaluating the training-mode capture computes what the eval-mode export does; else (module path,
     what differs) at the first operation where they part."""
-    trained = path_as_evaluated(training_graph, True)
-    evaluated = path_as_evaluated(evaluation_graph, False)
+    trained = path_as_evaluated(training_graph, True, user_inputs)
+    evaluated = path_as_evaluated(evaluation_graph, False, user_inputs)
     for index, ((step, owner), (other, other_owner)) in enumerate(zip(trained, evaluated)):
         if step != other:
             return _common_path(owner, other_owner), \

@@ -420,7 +420,8 @@ def _check_evaluation(model, args, kwargs, free, device, divided, raw, key, engi
             evaluated, _ = _export_in("eval", model, args, kwargs, free, device, divided, True, key)
     except CaptureError as error:
         return "", f"its eval mode cannot be captured: {error}"
-    differs = _evaluation_path.evaluation_difference(raw.graph, evaluated.graph_module.graph)
+    user_inputs = {spec.arg.name for spec in evaluated.graph_signature.input_specs if spec.kind.name == "USER_INPUT"}
+    differs = _evaluation_path.evaluation_difference(raw.graph, evaluated.graph_module.graph, user_inputs)
     if differs is None:
         tags = {node.name: {key: node.meta[key] for key in (IN_EVALUATION, IN_EVALUATION_ROUTE) if key in node.meta}
                 for node in raw.graph.nodes if IN_EVALUATION in node.meta}

@@ -278,8 +278,8 @@ def _as_evaluated(function, args, kwargs):
 
 
 def _without_unread_writes(calls):
-    """The calls as comparable tuples, less the in-place writes into a model's tensor or an input (through earlier
-    writes into it) whose output nothing reads afterwards, the later calls' references renumbered."""
+    """The calls as comparable tuples, less the in-place writes into a model's tensor (through earlier writes into
+    it) whose output nothing reads afterwards, the later calls' references renumbered."""
     read = set()
     for call in calls:
         read.update(_values_named(call.arguments))
@@ -288,8 +288,9 @@ def _without_unread_writes(calls):
         if call.in_place and call.written is not None:
             written = call.written
             root[index] = root.get(written[1], written) if written[0] == "value" else written
+    # Not an input's: a view taken of it before the write reads what it wrote.
     kept = [index for index, call in enumerate(calls)
-            if not (call.in_place and index not in read and root.get(index, ("value",))[0] in ("tensor", "input"))]
+            if not (call.in_place and index not in read and root.get(index, ("value",))[0] == "tensor")]
     renumbered = {old: new for new, old in enumerate(kept)}
 
     def renumber(value):

@@ -15,8 +15,9 @@ and in evaluation, against the PyTorch model in eval mode:
   - the quick recording of both modes' calls (smp._mode_calls, which spares the eval-mode export) finds those paths
     equal only where evaluation computes the eval path: dropout, batch norm and attention's dropout by their flags,
     a buffer's update nothing reads; a branch, an in-place write, an extra output, a scalar, instance norm's
-    statistics, a buffer read after its update, a tensor attribute chosen by the mode and a Python random draw
-    are left to the exports.
+    statistics, a buffer read after its update, a tensor attribute chosen by the mode, a Python random draw and an
+    input written in training only (a view taken before reads it) are left to the exports, and evaluate refuses the
+    last.
 Exits 0 only when all agree."""
 
 import copy
@@ -179,6 +180,24 @@ def check_evaluation():
                         "train_step with modules in eval mode (Noisy",
                         lambda: model.train_step(inputs, targets, F.mse_loss))
 
+    # A write into the input in training only, read through a view taken before it: evaluate computed the write.
+    model = smp.DistributedModel(WritesInputInTraining(), inputs[:2].clone())
+    report.expect_error(failures, "evaluate of a forward writing its input in training only", smp.ModelError,
+                        "evaluate: WritesInputInTraining's forward takes another path in eval mode",
+                        lambda: model.evaluate(inputs.clone(), targets, F.mse_loss))
+
+
+class WritesInputInTraining(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        view = x.view(-1, WIDTH)
+        if self.training:
+            x.mul_(2)
+        return self.second(torch.tanh(self.first(view)))
+
 
 check_evaluation()
 
@@ -211,6 +230,11 @@ class Branches(torch.nn.Module):
             return h + self.calls
         if self.kind == "instance norm's statistics":
             return self.instance(h.unsqueeze(1)).squeeze(1)
+        if self.kind == "an input written in training":  # read through a view taken before the write
+            view = x.view(-1, WIDTH)
+            if self.training:
+                x.mul_(2)
+            return self.lin(view)
         if self.kind == "a tensor attribute":  # neither parameter nor buffer
             return h * (self.scale_in_training if self.training else self.scale_in_eval)
         if self.kind == "a Python random draw":  # a layer drop: the capture baked in its own draw
@@ -233,8 +257,9 @@ def check_quick_mode_answers():
     for kind, same in [("dropout and batch norm", True), ("buffer unread", True), ("a branch", False),
                        ("an in-place write", False), ("an extra output", False), ("a scalar", False),
                        ("instance norm's statistics", False), ("buffer read after its update", False),
-                       ("a tensor attribute", False), ("a Python random draw", False)]:
-        answer = _mode_calls.same_in_both_modes(Branches(kind), (x,), {}, torch.device("cpu"), {})
+                       ("a tensor attribute", False), ("a Python random draw", False),
+                       ("an input written in training", False)]:
+        answer = _mode_calls.same_in_both_modes(Branches(kind), (x.clone(),), {}, torch.device("cpu"), {})
         if answer != same:
             failures.append(f"the quick recording of both modes says {kind} is {'' if answer else 'not '}the same")
 
