@@ -200,6 +200,10 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
       log::warn("\"shard_optimizer_state\" has no effect with one data-parallel replica: the optimizer keeps all "
                 "of its state");
     }
+    if (config.sequence_parallel && runtime_->topology().tensor_parallel_degree() == 1) {
+      log::warn("\"sequence_parallel\" has no effect with \"tensor_parallel_degree\" 1: every rank holds whole "
+                "sequences");
+    }
     if (!config.trace_dir.empty()) {
       std::filesystem::create_directories(config.trace_dir);
       write_file_atomically(config.trace_dir + "/partition.json", plan_.to_json());
