@@ -1075,3 +1075,40 @@ TEST_CASE("launch variables: torchrun's agent store is joined, a world size with
                     Catch::Contains("WORLD_SIZE=\"2\" is set but RANK is not") && Catch::Contains("neither"));
   CHECK(from({{"WORLD_SIZE", "1"}}).world_size == 1);
 }
+
+TEST_CASE("a dropped train_step drops the step of its accumulation, until its gradients are cleared however it is done",
+          "[loss_scale]") {
+  auto config = smp::Config::from_json_text(R"({"device": "cpu", "nonfinite": "skip"})", "test config");
+  auto runtime = smp::Runtime::init(config, smp::comm::LaunchInfo{});
+  at::manual_seed(5);
+  torch::nn::Sequential net(torch::nn::Linear(3, 4), torch::nn::Tanh(), torch::nn::Linear(4, 2));
+  smp::DistributedModel model(runtime, net, at::zeros({2, 3}));
+  auto parameters = model.parameters();
+  smp::DistributedOptimizer optimizer(model, std::make_unique<torch::optim::SGD>(parameters, torch::optim::SGDOptions(0.1)));
+  const smp::LossFunction loss = [](const at::Tensor& output, const at::Tensor& target) {
+    return at::mse_loss(output, target);
+  };
+  const at::Tensor inputs = at::randn({2, 3}), targets = at::randn({2, 2});
+  const auto moved_by_step = [&] {
+    const at::Tensor before = parameters[0].detach().clone();
+    optimizer.step();
+    return !at::equal(before, parameters[0]);
+  };
+  const at::Tensor nan_inputs = at::full({2, 3}, std::nan(""));
+  // A dropped call, then a good one added to it: the accumulation's step is not taken (GradScaler's rule).
+  CHECK(model.train_step(nan_inputs, targets, loss).skipped);
+  CHECK_FALSE(model.train_step(inputs, targets, loss).skipped);
+  CHECK_FALSE(moved_by_step());
+  // Gradients cleared in place (zero_grad(set_to_none=False), .grad.zero_()) forget the dropped call.
+  for (const auto& clearing : {"zeroed in place", "set to none"}) {
+    DYNAMIC_SECTION(clearing) {
+      CHECK(model.train_step(nan_inputs, targets, loss).skipped);
+      for (auto& parameter : parameters) {
+        if (std::string(clearing) == "zeroed in place") parameter.mutable_grad().zero_();
+        else parameter.mutable_grad() = at::Tensor();
+      }
+      CHECK_FALSE(model.train_step(inputs, targets, loss).skipped);
+      CHECK(moved_by_step());
+    }
+  }
+}

@@ -241,7 +241,8 @@ class DistributedModel(torch.nn.Module):
             inputs.get("num_items_in_batch") is not None
         pieces = microbatches * rt.data_parallel_degree if counted else 1
         if loss is None:
-            coefficient = getattr(getattr(self._net, "config", None), "router_aux_loss_coef", None)
+            coefficient = _router_loss_coefficient(self._net)
+            name = type(self._net).__name__
 
             def engine_loss(outputs, target):
                 outputs = model_outputs(outputs)
@@ -253,9 +254,18 @@ class DistributedModel(torch.nn.Module):
                 # without num_items_in_batch.
                 auxiliary = outputs.get("aux_loss") if isinstance(outputs, collections.abc.Mapping) else \
                     getattr(outputs, "aux_loss", None)
-                if isinstance(auxiliary, torch.Tensor) and coefficient:
+                if isinstance(auxiliary, torch.Tensor):
+                    if coefficient is None:
+                        raise ModelError(f"num_items_in_batch: {name}'s loss holds a router auxiliary loss (aux_loss) "
+                                         "whose coefficient smp cannot find (router_aux_loss_coef or aux_loss_coef "
+                                         "on the model or its config), to leave it out of scaling the token sum; "
+                                         "pass a loss function instead")
                     added = coefficient * auxiliary.to(value.device)
                     return (value - added) * pieces + added
+                if isinstance(outputs, (tuple, list)) and coefficient and _routes_with_loss(self._net):
+                    raise ModelError(f"num_items_in_batch: {name} returns a tuple (return_dict=False), where smp "
+                                     "cannot find the router's auxiliary loss to leave it out of scaling the token "
+                                     "sum; let it return its output class, or pass a loss function")
                 return value * pieces
         else:
             def engine_loss(outputs, target):
@@ -501,3 +511,21 @@ class DistributedModel(torch.nn.Module):
 
     def partition_report(self):
         return self._model.partition_report()
+
+
+def _router_loss_coefficient(net):
+    """The weight a mixture of experts gives its router's auxiliary loss in its own loss: on the model (DBRX), its
+    config (router_aux_loss_coef, JetMoE's aux_loss_coef), or its text config (vision-language models); None."""
+    config = getattr(net, "config", None)
+    for owner in (net, config, getattr(config, "text_config", None)):
+        for key in ("router_aux_loss_coef", "aux_loss_coef"):
+            value = getattr(owner, key, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+    return None
+
+
+def _routes_with_loss(net):
+    config = getattr(net, "config", None)
+    return any(getattr(owner, "output_router_logits", False)
+               for owner in (config, getattr(config, "text_config", None)))

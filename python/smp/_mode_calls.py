@@ -13,8 +13,9 @@ paths part and tag what evaluation leaves out (stochastic depth).
 A record is made as torch.export's own tracing sees the forward: torch.compiler.is_exporting() and is_compiling()
 true, the experts divided over ranks called as one operation, an in-place call's output named anew (the traced graph
 reads it from there). What a record cannot share with an export is anything outside torch's calls that changes
-between two runs of one forward: a forward that draws Python's or NumPy's random numbers (a layer drop, which the
-capture baked in) is left to the exports."""
+between two runs of one forward: a forward that draws Python's or NumPy's global random numbers (a layer drop,
+which the capture baked in) is left to the exports; one drawing from a generator of its own (random.Random(seed),
+numpy.random.default_rng()) is not seen, and evaluate may then run the draw the capture baked in."""
 
 import contextlib
 import inspect

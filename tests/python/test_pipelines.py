@@ -35,11 +35,12 @@ def test_traced_bf16_matches_float32(job):
 
 
 def test_slow_rank_measured_gets_less_and_equals_pytorch(job):
-    """Devices that differ: rank 1 emulates a device 3 times slower, the ranks measure their speeds, and the
-    partition gives rank 1's stage fewer modules; training still equals plain PyTorch."""
+    """Devices that differ: rank 1 emulates a device 6 times slower, the ranks measure their speeds, and the
+    partition gives rank 1's stage fewer modules; training still equals plain PyTorch. (3 times slower was found
+    equal under a loaded host: every one of rank 0's timed rounds shared its core with other tests' processes.)"""
     finished = job(2, "pipeline_worker.py", "--model", "sequential", "--smp",
                    smp_keys(partitions=2, microbatches=4, global_batch_size=8, memory_weight=0,
-                            device_speeds="measure", emulated_slowdown=[1, 3]))
+                            device_speeds="measure", emulated_slowdown=[1, 6]))
     assert_passed(finished)
     assert "device speeds measured, by rank: 1.000, 0." in finished.output, finished.output
     assert "on a device of speed 0." in finished.output, finished.output

@@ -2,6 +2,7 @@
 // smp::DistributedModel: wraps a model (a GraphModel, or a Sequential chain), keeps on this rank only the modules
 // of its pipeline stages, and runs training steps across the pipeline and the data-parallel replicas.
 
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <set>
@@ -140,7 +141,10 @@ class DistributedModel {
   // threw: the optimizer step on them is not taken, as GradScaler skips a step any of whose accumulated backward
   // passes overflowed (the steps after a dropped one would step on part of the gradient).
   bool gradients_dropped() const { return gradients_dropped_; }
-  void forget_dropped_gradients() { gradients_dropped_ = false; }
+  void forget_dropped_gradients() {
+    gradients_dropped_ = false;
+    left_gradients_.clear();
+  }
   // fp16 dynamic loss scaling: the scale and the steps since it last changed (checkpoints keep both).
   double loss_scale() const;
   long long steps_since_scale_change() const;
@@ -212,6 +216,8 @@ class DistributedModel {
   // broadcast_buffers does: each updated its own from its share, so evaluation and checkpoints (replica 0's) would
   // otherwise depend on the replica. Not under expert parallelism, whose replicas hold different experts.
   void share_first_replica_buffers();
+  void remember_gradients_left();
+  bool gradients_left_as_they_were() const;
   // Every replica starts from the first replica's parameters: dense ones over the data-parallel group, expert shards
   // over the replicas holding the same experts.
   void share_first_replica_parameters();
@@ -251,6 +257,9 @@ class DistributedModel {
   std::string model_signature_;
   bool last_step_skipped_ = false;
   bool gradients_dropped_ = false;
+  // Each parameter's gradient as a dropped step's train_step left it (its tensor and version): a gradient since
+  // replaced or written (zero_grad, with or without set_to_none) no longer holds the dropped step.
+  std::vector<std::pair<const void*, std::uint32_t>> left_gradients_;
   std::optional<GlobalBatch> global_batch_;  // next_call_takes_share_of's, until that call
   std::unique_ptr<LossScaler> loss_scaler_;  // fp16's dynamic scale (1 without fp16)
 };

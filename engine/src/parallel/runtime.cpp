@@ -9,7 +9,6 @@
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
-#include <optional>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -343,8 +342,21 @@ void Runtime::check_job_identity(const std::string& where) {
   }
 }
 
+namespace {
+
+std::string schedule_file_contents(const Config& config) {
+  if (config.schedule_file.empty()) return "";
+  std::ifstream file(config.schedule_file);
+  std::stringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+}  // namespace
+
 void Runtime::check_same_config() {
   if (launch_.rank == 0) {
+    publish("config_schedule_file", schedule_file_contents(config_));
     publish("config", config_.text);
     return;
   }
@@ -356,28 +368,20 @@ void Runtime::check_same_config() {
     return document.is_object() ? document : nlohmann::json::object();
   };
   nlohmann::json mine = smp_keys(config_.text), first = smp_keys(theirs);
-  // Keys that may differ in their text but not their meaning: a schedule file each rank wrote for itself (compared by
-  // contents), where a rank writes its trace, how much it logs, how long it waits.
-  for (const char* key : {"trace_dir", "log_level", "comm_timeout_s"}) {
+  // Keys that may differ in their text but not their meaning: how much a rank logs, how long it waits, where it
+  // writes its trace (given on every rank or none: rank 0 gathers every rank's), a schedule file each rank wrote
+  // for itself (compared by the contents rank 0 published).
+  for (const char* key : {"log_level", "comm_timeout_s"}) {
     mine.erase(key);
     first.erase(key);
   }
-  const auto contents = [](const nlohmann::json& path) -> std::optional<std::string> {
-    std::ifstream file(path.is_string() ? path.get<std::string>() : std::string());
-    std::stringstream text;
-    text << file.rdbuf();
-    if (!file) return std::nullopt;
-    return text.str();
-  };
-  if (mine.contains("schedule_file") && first.contains("schedule_file") && mine["schedule_file"] != first["schedule_file"]) {
-    const auto here = contents(mine["schedule_file"]), there = contents(first["schedule_file"]);
-    if (here && there) {
-      mine["schedule_file"] = *here;
-      first["schedule_file"] = *there;
-    } else {  // rank 0's file is another host's: the schedule's own checks are left to tell
-      mine.erase("schedule_file");
-      first.erase("schedule_file");
-    }
+  if (mine.contains("trace_dir") && first.contains("trace_dir")) {
+    mine.erase("trace_dir");
+    first.erase("trace_dir");
+  }
+  if (mine.contains("schedule_file") && first.contains("schedule_file")) {
+    mine["schedule_file"] = schedule_file_contents(config_);
+    first["schedule_file"] = fetch("config_schedule_file");
   }
   std::string differences;
   for (const auto& [key, value] : mine.items()) {

@@ -14,7 +14,7 @@ double DistributedModel::clip_grad_norm(double max_norm) { return gradients_->cl
 
 void DistributedModel::zero_grad(bool set_to_none) {
   gradients_->zero(set_to_none);
-  gradients_dropped_ = false;
+  forget_dropped_gradients();
 }
 
 const std::vector<at::Tensor>& DistributedModel::norm_parameters() const { return gradients_->norm_parameters(); }

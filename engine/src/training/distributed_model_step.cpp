@@ -507,10 +507,9 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
 
   // Until the step has succeeded, it counts as dropped: an optimizer step after a step that threw is not taken.
   last_step_skipped_ = true;
-  // Gradients cleared however it was done (torch's zero_grad on the wrapper, .grad = None) hold no dropped step.
-  const bool dropped_before =
-      gradients_dropped_ && std::any_of(named_parameters_.begin(), named_parameters_.end(),
-                                        [](const auto& named) { return named.second.grad().defined(); });
+  // Gradients cleared however it was done (torch's zero_grad on the wrapper, .grad = None, .grad.zero_()) hold no
+  // dropped step: only those the engine left as they were since do.
+  const bool dropped_before = gradients_dropped_ && gradients_left_as_they_were();
   gradients_dropped_ = true;
   // Which parameters are averaged over replicas and summed over tied copies was fixed when the model was built.
   for (std::size_t i = 0; i < named_parameters_.size(); ++i) {
@@ -590,6 +589,7 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   last_step_skipped_ = output.skipped;
   gradients_dropped_ = dropped_before || output.skipped;
   earlier.add_this_step();
+  remember_gradients_left();  // as the step leaves them, earlier steps' added back
   ++step_;
   evaluations_since_step_ = 0;
   output.peak_stashed_microbatches = stats.peak_stashed_microbatches;
@@ -602,6 +602,32 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   output.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   log_step_against_plan(*runtime_, step_ - 1, output.seconds);
   return output;
+}
+
+void DistributedModel::remember_gradients_left() {
+  left_gradients_.clear();
+  if (!gradients_dropped_) return;
+  for (const auto& [name, parameter] : named_parameters_) {
+    const at::Tensor& gradient = parameter.grad();
+    left_gradients_.emplace_back(gradient.defined() ? gradient.unsafeGetTensorImpl() : nullptr,
+                                 gradient.defined() ? gradient._version() : 0);
+  }
+}
+
+bool DistributedModel::gradients_left_as_they_were() const {
+  const auto defined = [](const auto& named) { return named.second.grad().defined(); };
+  // A step that threw left no record: the gradients its peers kept count as its own.
+  if (left_gradients_.size() != named_parameters_.size()) {
+    return std::any_of(named_parameters_.begin(), named_parameters_.end(), defined);
+  }
+  for (std::size_t i = 0; i < named_parameters_.size(); ++i) {
+    const at::Tensor& gradient = named_parameters_[i].second.grad();
+    if (gradient.defined() && gradient.unsafeGetTensorImpl() == left_gradients_[i].first &&
+        gradient._version() == left_gradients_[i].second) {
+      return true;
+    }
+  }
+  return false;
 }
 
 void DistributedModel::share_first_replica_buffers() {
