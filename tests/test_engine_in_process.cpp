@@ -1095,6 +1095,8 @@ TEST_CASE("a dropped train_step drops the step of its accumulation, until its gr
     return !at::equal(before, parameters[0]);
   };
   const at::Tensor nan_inputs = at::full({2, 3}, std::nan(""));
+  CHECK_THROWS_WITH(model.train_step(at::zeros({2, 3}, at::TensorOptions().device(at::kMeta)), targets, loss),
+                    Catch::Contains("train_step: input 'input' is on the meta device"));
   // A dropped call, then a good one added to it: the accumulation's step is not taken (GradScaler's rule).
   CHECK(model.train_step(nan_inputs, targets, loss).skipped);
   CHECK_FALSE(model.train_step(inputs, targets, loss).skipped);

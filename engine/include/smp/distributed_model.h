@@ -130,6 +130,8 @@ class DistributedModel {
   void load_state(const TensorSource& source);
   // The checkpoint this model took its partition from (config "resume"), for Checkpointer::resume.
   const std::optional<FoundCheckpoint>& resumed_from() const { return resumed_from_; }
+  // Checkpointer::resume loaded it: a train_step or evaluate of a resumed model before that says so once.
+  void mark_state_resumed() { state_resumed_ = true; }
   // Parameter names and shapes of the whole model, so a checkpoint of another model is refused.
   const std::string& model_signature() const { return model_signature_; }
   // The next train_step or evaluate is given this replica's share of this global batch (Python's train_step takes
@@ -217,6 +219,7 @@ class DistributedModel {
   // otherwise depend on the replica. Not under expert parallelism, whose replicas hold different experts.
   void share_first_replica_buffers();
   void remember_gradients_left();
+  void warn_if_not_resumed();
   bool gradients_left_as_they_were() const;
   // Every replica starts from the first replica's parameters: dense ones over the data-parallel group, expert shards
   // over the replicas holding the same experts.
@@ -254,6 +257,8 @@ class DistributedModel {
   long long evaluations_since_step_ = 0;  // with step_, which program call this rank is in (ProgramCall)
   std::string exchange_;  // prefix of this model's store keys
   std::optional<FoundCheckpoint> resumed_from_;
+  bool state_resumed_ = false;
+  bool said_not_resumed_ = false;
   std::string model_signature_;
   bool last_step_skipped_ = false;
   bool gradients_dropped_ = false;

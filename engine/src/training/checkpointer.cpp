@@ -402,6 +402,7 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
 
 std::int64_t Checkpointer::resume() {
   resume_called_ = true;
+  model_.mark_state_resumed();
   const auto& origin = model_.resumed_from();
   if (!origin) return 0;
   Runtime& runtime = model_.runtime();

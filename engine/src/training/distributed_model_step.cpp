@@ -67,6 +67,15 @@ MicrobatchData DistributedModel::microbatch_data(const char* caller, const Model
     throw ConfigError(std::string(caller) + ": " + std::to_string(given_batched.size()) + " batched flags for " +
                       std::to_string(inputs.size()) + " inputs");
   }
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    if (inputs[i].defined() && inputs[i].is_meta()) {
+      throw ConfigError(std::string(caller) + ": input '" + names[i] + "' is on the meta device, which holds no " +
+                        "values: a model may be built there, its batches must be real tensors");
+    }
+  }
+  if (targets.defined() && targets.is_meta()) {
+    throw ConfigError(std::string(caller) + ": the targets are on the meta device, which holds no values");
+  }
   const std::vector<bool> batched = given_batched.empty() ? batched_inputs(inputs, targets, caller) : given_batched;
   if (!given_batched.empty()) check_targets_batched_with_an_input(caller, inputs, targets, batched);
   std::optional<std::int64_t> batch;
@@ -398,6 +407,7 @@ StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tenso
   // Taken first: a call that fails before its closing sums must not leave it to the next.
   std::optional<BatchFingerprint> global_batch = take_fingerprint(global_batch_, runtime_->topology());
   runtime_->refuse_after_leaving("evaluate");
+  warn_if_not_resumed();
   MicrobatchData data = microbatch_data("evaluate", inputs, targets, loss, batched);
   data.keep_outputs = keep_outputs;
   if (!evaluator_) {
@@ -485,6 +495,7 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   auto start = std::chrono::steady_clock::now();
   std::optional<BatchFingerprint> global_batch = take_fingerprint(global_batch_, runtime_->topology());
   runtime_->refuse_after_leaving("train_step");
+  warn_if_not_resumed();
   const Config& config = runtime_->config();
   MicrobatchData data = microbatch_data("train_step", inputs, targets, loss, batched);
   data.keep_outputs = keep_outputs;
@@ -602,6 +613,14 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   output.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   log_step_against_plan(*runtime_, step_ - 1, output.seconds);
   return output;
+}
+
+void DistributedModel::warn_if_not_resumed() {
+  if (!resumed_from_ || state_resumed_ || said_not_resumed_) return;
+  said_not_resumed_ = true;
+  if (runtime_->rank() != 0) return;
+  log::warn("\"resume\" took the cut of " + resumed_from_->directory + ", but nothing loaded its state " +
+            "(Checkpointer::resume(), smp.Checkpointer.resume()): the model runs from its fresh weights");
 }
 
 void DistributedModel::remember_gradients_left() {
