@@ -7,6 +7,9 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
+#include <c10/util/StringUtil.h>
+
+#include "smp/errors.h"
 
 namespace smp {
 namespace {
@@ -92,6 +95,11 @@ void GradientReducer::post(Bucket& bucket) {
     at::Tensor& parameter = parameters_[member];
     has_gradient.push_back(parameter.grad().defined() ? 1.0f : 0.0f);
     if (!parameter.grad().defined()) parameter.mutable_grad() = at::zeros_like(parameter);
+    if (parameter.grad().is_sparse()) {
+      throw ModelError("a parameter of shape " + c10::str(parameter.sizes()) + " has a sparse gradient (an " +
+                       "Embedding built with sparse=True): data-parallel replicas average dense gradients; build " +
+                       "it with sparse=False");
+    }
     pieces.push_back(parameter.grad().reshape({-1}));
   }
   const at::Tensor& first = parameters_[bucket.members.front()];
