@@ -1033,3 +1033,14 @@ TEST_CASE("expert-parallel layouts: each rank holds its share of the experts and
       R"({"global_batch_size": 4, "expert_parallel_degree": 1, "partitions": "auto", "ddp": "auto",
           "microbatches": "auto"})", "test"), halves.config_json(), 4).has_value());
 }
+
+TEST_CASE("auto_partition false that leaves a stage without a module says so in its own terms", "[profile]") {
+  const auto modules = equal_chain(3, 1 << 10, 1 << 10);
+  const auto config = smp::Config::from_json_text(R"({"partitions": 2, "auto_partition": false})", "test");
+  CHECK_THROWS_WITH(smp::plan_stages(modules, config, {1, 1}),
+                    Catch::Matchers::Contains("\"auto_partition\" is false") &&
+                        Catch::Matchers::Contains("leaves stage 1 without a module"));
+  auto overridden = smp::Config::from_json_text(R"({"partitions": 2, "auto_partition": false,
+      "partition_overrides": {")" + modules[2].name + R"(": 1}})", "test");
+  CHECK_NOTHROW(smp::plan_stages(modules, overridden, {1, 1}));
+}

@@ -298,6 +298,25 @@ StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
                         "\" in the model (its modules: " + names + ")");
     }
   }
+  if (!config.auto_partition) {
+    // Every module is pinned then: a stage none is pinned to cannot be given one, which the search would only say
+    // in its own terms.
+    std::vector<bool> given(static_cast<std::size_t>(num_stages), false);
+    for (int stage : pinned) {
+      if (stage >= 0 && stage < num_stages) given[static_cast<std::size_t>(stage)] = true;
+    }
+    std::string empty;
+    for (int stage = 0; stage < num_stages; ++stage) {
+      if (!given[static_cast<std::size_t>(stage)]) empty += (empty.empty() ? "" : ", ") + std::to_string(stage);
+    }
+    if (!empty.empty()) {
+      throw ConfigError(config.source + ": \"auto_partition\" is false, so every module not named in " +
+                        "\"partition_overrides\" goes to \"default_partition\" (" +
+                        std::to_string(config.default_partition) + "), which leaves stage " + empty +
+                        " without a module: name modules for it in \"partition_overrides\", or set "
+                        "\"auto_partition\": true");
+    }
+  }
   // The partition search sees the profile as a DAG: compute time, memory per node, and the bytes of every tensor
   // between nodes. Memory: parameters, gradients and two optimizer moments (4x the parameter bytes; the moments
   // divided among the replicas when they shard the optimizer state, assuming an even split, though replicas own
