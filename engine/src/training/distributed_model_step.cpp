@@ -294,10 +294,7 @@ class ClosingSums {
       if (inserted) continue;
       const int other = first->second;
       const bool same_shapes = slot(kShapes, rank) == slot(kShapes, other);
-      if (same_shapes && same_values(slot(kSum, rank), slot(kSum, other), slot(kMagnitude, other)) &&
-          same_values(slot(kMagnitude, rank), slot(kMagnitude, other), slot(kMagnitude, other))) {
-        continue;
-      }
+      if (same_shapes && same_batch_values(rank, other, kSum, kMagnitude)) continue;
       throw comm::CommError("rank " + std::to_string(rank) + " was given a batch with other " +
                             (same_shapes ? "values" : "shapes") + " than rank " + std::to_string(other) +
                             ", in the same replica (" + ProgramCall::from_id(static_cast<std::int64_t>(slot(kCall, rank))).describe() +
@@ -326,10 +323,7 @@ class ClosingSums {
         continue;
       }
       const bool same_shapes = slot(kWholeShapes, rank) == slot(kWholeShapes, first);
-      if (same_shapes && same_values(slot(kWholeSum, rank), slot(kWholeSum, first), slot(kWholeMagnitude, first)) &&
-          same_values(slot(kWholeMagnitude, rank), slot(kWholeMagnitude, first), slot(kWholeMagnitude, first))) {
-        continue;
-      }
+      if (same_shapes && same_batch_values(rank, first, kWholeSum, kWholeMagnitude)) continue;
       throw comm::CommError("rank " + std::to_string(rank) + " was given a global batch with other " +
                             (same_shapes ? "values" : "shapes") + " than rank " + std::to_string(first) + " (" +
                             ProgramCall::from_id(static_cast<std::int64_t>(slot(kCall, rank))).describe() +
@@ -347,6 +341,12 @@ class ClosingSums {
 
   // Equal up to a reduction's order; a batch holding NaN or Inf (a test of the non-finite handling) sums to NaN or
   // Inf alike on every rank.
+  // Two ranks' fingerprint sums (weighted sum and magnitude, in those fields) agree.
+  bool same_batch_values(int rank, int other, Field sum, Field magnitude) const {
+    return same_values(slot(sum, rank), slot(sum, other), slot(magnitude, other)) &&
+           same_values(slot(magnitude, rank), slot(magnitude, other), slot(magnitude, other));
+  }
+
   static bool same_values(double a, double b, double magnitude) {
     if (!std::isfinite(a) || !std::isfinite(b)) return (std::isnan(a) && std::isnan(b)) || a == b;
     return std::abs(a - b) <= 1e-9 * (std::isfinite(magnitude) ? magnitude : 0.0);
