@@ -551,6 +551,28 @@ void check_same_state(const std::vector<at::Tensor>& expected, const std::vector
 
 }  // namespace
 
+TEST_CASE("a LibTorch optimizer of another class refuses the saved state, naming both", "[checkpoint]") {
+  const std::string directory = fresh_temporary_directory("optimizer_class");
+  {
+    auto job = one_process_job(directory, false);
+    smp::DistributedOptimizer optimizer(*job.model, std::make_unique<torch::optim::AdamW>(
+                                                        job.model->parameters(), torch::optim::AdamWOptions(0.1)));
+    job.model->train_step(at::ones({2, 3}), at::zeros({2, 2}), [](const at::Tensor& o, const at::Tensor& t) {
+      return at::mse_loss(o, t);
+    });
+    optimizer.step();
+    smp::Checkpointer checkpointer(*job.model, optimizer);
+    checkpointer.save(0);
+    checkpointer.wait();
+  }
+  auto job = one_process_job(directory, true);
+  smp::DistributedOptimizer optimizer(*job.model, std::make_unique<torch::optim::SGD>(
+                                                      job.model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9)));
+  smp::Checkpointer checkpointer(*job.model, optimizer);
+  CHECK_THROWS_WITH(checkpointer.resume(), Catch::Contains("AdamW") && Catch::Contains("SGD"));
+  CHECK(std::system(("rm -rf " + directory).c_str()) == 0);
+}
+
 TEST_CASE("a checkpointed stage recomputes with the forward's random numbers and leaves batch norm's statistics "
           "as one forward does", "[checkpoint][recompute]") {
   check_same_state(state_after_a_step(""), state_after_a_step(R"(, "activation_checkpointing": true)"));

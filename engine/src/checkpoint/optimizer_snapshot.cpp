@@ -8,10 +8,20 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
+#include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
+#include <c10/util/Type.h>
+
+#include "smp/checkpoint_manifest.h"
 
 namespace smp {
 namespace {
+
+// Recorded beside LibTorch's own keys: Optimizer::load reads another class's state as its own, and fails on an
+// internal assert (or, between classes of alike state, not at all) instead of naming the two.
+constexpr const char* kClassKey = "smp_optimizer_class";
+
+std::string class_name(const torch::optim::Optimizer& optimizer) { return c10::demangle(typeid(optimizer).name()); }
 
 // On the CPU: a GPU job's save must not hold a second copy of the optimizer state in device memory (a resume maps
 // the state back to the job's device).
@@ -39,6 +49,7 @@ void copy_tensors(torch::optim::RMSpropParamState& state) {
 std::string serialized(const torch::optim::Optimizer& optimizer) {
   torch::serialize::OutputArchive archive;
   optimizer.save(archive);
+  archive.write(kClassKey, c10::IValue(class_name(optimizer)));
   std::ostringstream bytes;
   archive.save_to(bytes);
   return bytes.str();
@@ -73,6 +84,17 @@ std::function<std::string()> snapshot_optimizer(torch::optim::Optimizer& optimiz
     return snapshot_as<RMSprop, RMSpropParamState, RMSpropOptions>(*rmsprop);
   }
   return [bytes = serialized(optimizer)] { return bytes; };  // another kind: its state cannot be copied generically
+}
+
+void check_saved_optimizer_class(torch::serialize::InputArchive& archive, const torch::optim::Optimizer& optimizer) {
+  c10::IValue saved;
+  if (!archive.try_read(kClassKey, saved)) return;  // written before the class was recorded
+  const std::string expected = class_name(optimizer);
+  if (saved.isString() && saved.toStringRef() != expected) {
+    throw CheckpointError("it was saved by a " + saved.toStringRef() + ", this job's optimizer is a " + expected +
+                          " (resume with the optimizer class that saved it, or load the parameters alone: "
+                          "smp_checkpoint export, then load_parameters)");
+  }
 }
 
 }  // namespace smp

@@ -8,6 +8,9 @@
 namespace torch::optim {
 class Optimizer;
 }
+namespace torch::serialize {
+class InputArchive;
+}
 
 namespace smp {
 
@@ -15,6 +18,11 @@ namespace smp {
 // this moment (LibTorch's archive format, which Optimizer::load reads), with the state tensors on the CPU: load
 // them with InputArchive::load_from(stream, device). Adam, AdamW, SGD and RMSprop state is copied tensor by
 // tensor into a twin optimizer that only ever saves; any other optimizer is serialized right here.
+// The archive also names the optimizer's class.
 std::function<std::string()> snapshot_optimizer(torch::optim::Optimizer& optimizer);
+
+// Throws CheckpointError naming both classes when `archive` was saved by another optimizer class than `optimizer`'s;
+// archives written before the class was recorded pass.
+void check_saved_optimizer_class(torch::serialize::InputArchive& archive, const torch::optim::Optimizer& optimizer);
 
 }  // namespace smp

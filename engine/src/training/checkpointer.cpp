@@ -88,6 +88,7 @@ class LibTorchOptimizerState final : public OptimizerCheckpointState {
         current.bytes.clear();
         torch::serialize::InputArchive archive;
         archive.load_from(stream, device);  // saved from CPU copies (optimizer_snapshot.h)
+        check_saved_optimizer_class(archive, optimizer);
         optimizer.load(archive);
       } catch (const std::exception& error) {
         restore_groups();
