@@ -114,8 +114,10 @@ TEST_CASE("a rank that stops answering makes the others fail within the timeout 
   INFO(result.output);
   CHECK(result.status != 0);
   CHECK(result.status != 124);
-  // Rank 1's pipeline peer (rank 0) waits for it and gives up after comm_timeout_s = 5 s.
-  CHECK_THAT(result.output, Contains("step 2, stage-rank 0") && Contains("receiving from rank 1 failed"));
+  // Rank 1's pipeline peer (rank 0) waits for it and gives up after comm_timeout_s = 5 s; so does its replica peer
+  // (rank 3) in the gradient all-reduce, which may be the first to tell.
+  CHECK_THAT(result.output, (Contains("step 2, stage-rank 0") && Contains("receiving from rank 1 failed")) ||
+                                Contains("rank 1, the group's other member, never joined"));
   CHECK(result.seconds < 5 + 2 + 20);
 }
 

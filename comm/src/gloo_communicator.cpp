@@ -71,12 +71,14 @@ namespace {
 class GlooPending final : public Pending {
  public:
   // `finish` runs after the work completes (copying a staged receive back to the device).
+  // `absent`: who may have failed to come, as the timeout's message names them.
   GlooPending(c10::intrusive_ptr<c10d::Work> work, at::Tensor keep_alive, std::chrono::milliseconds timeout,
-              std::string what, std::function<void()> finish = {})
+              std::string what, std::string absent, std::function<void()> finish = {})
       : work_(std::move(work)),
         keep_alive_(std::move(keep_alive)),
         timeout_(timeout),
         what_(std::move(what)),
+        absent_(std::move(absent)),
         finish_(std::move(finish)) {}
 
   void wait() override {
@@ -89,8 +91,8 @@ class GlooPending final : public Pending {
       std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
       // Gloo says only "Operation timed out!": a member that never came, or came to another collective.
       if (lower.find("timed out") != std::string::npos) {
-        reason += " (after " + std::to_string(timeout_.count() / 1000) + " s, comm_timeout_s: a member of the group "
-                  "never joined; do all ranks run the same steps, in the same order?)";
+        reason += " (after " + std::to_string(timeout_.count() / 1000) + " s, comm_timeout_s: " + absent_ +
+                  " never joined; do all ranks run the same steps, in the same order?)";
       }
       throw CommError(what_ + " failed: " + reason);
     }
@@ -105,6 +107,7 @@ class GlooPending final : public Pending {
   at::Tensor keep_alive_;
   std::chrono::milliseconds timeout_;
   std::string what_;
+  std::string absent_;
   std::function<void()> finish_;
 };
 
@@ -346,6 +349,15 @@ class GlooCommunicator final : public Communicator {
     return found;
   }
   std::string describe(int peer) const { return "rank " + std::to_string(members_.at(peer)); }
+  // Gloo's timeout does not say who stayed away; in a pair it can only be the other one.
+  std::string who_may_be_absent() const {
+    if (size() == 2) return describe(1 - rank_) + ", the group's other member,";
+    std::string others;
+    for (int member = 0; member < size(); ++member) {
+      if (member != rank_) others += (others.empty() ? "" : ", ") + std::to_string(members_[member]);
+    }
+    return "one of the group's other members (ranks " + others + ")";
+  }
   // Sums of a few values (a loss, a norm, flags): along the tree; large ones (gradient buckets) keep Gloo's ring.
   bool over_tree(const at::Tensor& tensor) const {
     constexpr std::size_t kTreeBytes = 64 << 10;
@@ -367,7 +379,8 @@ class GlooCommunicator final : public Communicator {
   std::unique_ptr<Pending> post(Start start, const at::Tensor& keep_alive, std::string what,
                                 std::function<void()> finish = {}) {
     try {
-      return std::make_unique<GlooPending>(start(), keep_alive, timeout_, std::move(what), std::move(finish));
+      return std::make_unique<GlooPending>(start(), keep_alive, timeout_, std::move(what), who_may_be_absent(),
+                                           std::move(finish));
     } catch (const std::exception& error) {
       throw CommError(what + " failed: " + brief_message(error));
     }
