@@ -235,7 +235,12 @@ struct SocketChannels::Connection {
   bool check(ssize_t n) {
     if (n > 0) return true;
     if (n < 0 && (errno == EAGAIN || errno == EINTR)) return false;
-    recv_error = n == 0 ? peer_name + " closed the connection (it exited or failed)" : std::strerror(errno);
+    // A reset is a close with data unread on the peer's side: as much a peer that exited as a plain close.
+    if (n == 0 || errno == ECONNRESET) {
+      recv_error = peer_name + " closed the connection (it exited or failed)";
+    } else {
+      recv_error = std::strerror(errno);
+    }
     return false;
   }
 };
