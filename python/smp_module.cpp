@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -273,6 +274,9 @@ class PythonOptimizerState final : public OptimizerCheckpointState {
   std::shared_ptr<py::object> snapshot_, load_;
 };
 
+// Set by smp's SIGINT handler: the KeyboardInterrupt it raised may reach Python as an engine error.
+std::atomic<bool> interrupted{false};
+
 }  // namespace
 
 PYBIND11_MODULE(_smp, module) {
@@ -284,6 +288,16 @@ PYBIND11_MODULE(_smp, module) {
   py::register_exception<NonFiniteError>(module, "NonFiniteError", PyExc_ArithmeticError);
   py::register_exception<CheckpointError>(module, "CheckpointError", PyExc_RuntimeError);
   py::register_exception<comm::CommError>(module, "CommError", PyExc_RuntimeError);
+  // Ctrl-C (smprun forwards SIGINT to every rank) ends each rank as KeyboardInterrupt, as in plain PyTorch: where
+  // the interrupt stopped a module the engine called, and where it is still pending because the rank waited in C++
+  // on a peer that the interrupt had stopped. Otherwise that peer's leaving surfaced as a CommError, and Python,
+  // raising the pending interrupt while it printed that error, lost its stderr.
+  py::register_exception_translator([](std::exception_ptr thrown) {
+    const bool pending = PyErr_CheckSignals() != 0;  // runs the handlers, which may raise something else
+    if (!pending && !interrupted.exchange(false)) std::rethrow_exception(thrown);
+    if (!PyErr_Occurred()) PyErr_SetNone(PyExc_KeyboardInterrupt);
+  });
+  module.def("note_interrupt", [] { interrupted = true; });
 
   py::class_<ScriptedModule, std::shared_ptr<ScriptedModule>>(module, "ScriptedModule");
   module.def("load_scripted", &load_scripted, py::arg("serialized"));

@@ -60,6 +60,7 @@ smp_pytest(test_pipelines.py a_failed_evaluation_frees_peers_blocked_sending_to_
 smp_pytest(test_pipelines.py ranks_out_of_step_fail_at_once_saying_how 320)
 smp_pytest(test_pipelines.py ranks_that_disagree_refuse_at_the_start 320)
 smp_pytest(test_pipelines.py torchrun_launches_the_same_job 320)
+smp_pytest(test_pipelines.py ctrl_c_ends_every_rank_as_keyboard_interrupt 320)
 smp_pytest(test_pipelines.py module_patterns_equal_pytorch 320)
 smp_pytest(test_pipelines.py replicas_keep_the_first_replicas_buffers 320)
 smp_pytest(test_pipelines.py torchscript_sequential_equals_pytorch 320)

@@ -29,7 +29,13 @@ std::string brief_message(const std::exception& error) {
     return text.substr(start == std::string::npos ? 0 : start + 1, end + 1 - (start == std::string::npos ? 0 : start + 1));
   }
   const auto newline = text.find('\n');
-  return newline == std::string::npos ? text : text.substr(0, newline);
+  if (newline != std::string::npos) text.resize(newline);
+  // pybind11's text for a Python exception raised without a message (KeyboardInterrupt)
+  const std::string empty = ": <EMPTY MESSAGE>";
+  if (text.size() >= empty.size() && text.compare(text.size() - empty.size(), empty.size(), empty) == 0) {
+    text.resize(text.size() - empty.size());
+  }
+  return text;
 }
 
 void check_shards(const at::Tensor& whole, const at::Tensor& shard, int members, const std::string& what) {

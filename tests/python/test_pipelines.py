@@ -2,6 +2,10 @@
 step's loss, evaluation and outputs, and every parameter after training (pipeline_worker.py), in jobs of 1 to 4
 processes; the API's errors (api_checks.py); schedules read from files."""
 
+import os
+import signal
+import subprocess
+import time
 
 import pytest
 
@@ -150,3 +154,40 @@ def test_all_reduce_then_exit(job, smprun, python):
     fault, in 9 of 20 jobs, would let all six pass 3% of the time)."""
     finished = job(0, "exit_check.py", smprun, python)
     assert finished.returncode == 0, finished.error
+
+
+CTRL_C_SCRIPT = """
+import pathlib, sys, torch, torch.nn as nn, torch.nn.functional as F, smp
+runtime = smp.init({"partitions": 2, "microbatches": 2, "device": "cpu"})
+torch.manual_seed(0)
+model = smp.DistributedModel(nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)), torch.zeros(2, 64))
+optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+for step in range(10**9):
+    optimizer.zero_grad()
+    model.train_step(torch.randn(4, 64), torch.randint(0, 4, (4,)), F.cross_entropy)
+    optimizer.step()
+    if step == 2:
+        pathlib.Path(sys.argv[1], str(runtime.rank)).touch()
+"""
+
+
+def test_ctrl_c_ends_every_rank_as_keyboard_interrupt(tmp_path, smprun, python):
+    """SIGINT to smprun (Ctrl-C) reaches every rank in the middle of training: each ends with KeyboardInterrupt, as
+    plain PyTorch does, whichever was inside a module and whichever waited on a peer (that one used to surface the
+    peer's leaving as a CommError, and Python, raising the pending interrupt while printing it, lost its stderr)."""
+    command = [smprun, "-n", "2", "--timeout", "120", "--", python, "-c", CTRL_C_SCRIPT, str(tmp_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as launched:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / str(rank)).exists() for rank in (0, 1)):
+            assert launched.poll() is None and time.monotonic() < deadline, launched.communicate()
+            time.sleep(0.1)
+        launched.send_signal(signal.SIGINT)
+        stdout, stderr = launched.communicate(timeout=60)
+    said = f"{stdout[-2000:]}\n{stderr[-4000:]}"
+    assert launched.returncode == 128 + signal.SIGINT, said
+    for rank in (0, 1):
+        last = [line for line in stderr.splitlines() if line.startswith(f"[rank {rank}]")][-1]
+        assert last == f"[rank {rank}] KeyboardInterrupt", said
+    assert "lost sys.stderr" not in stderr and "CommError" not in stderr, said
