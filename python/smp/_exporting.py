@@ -96,7 +96,8 @@ def export_model(model, args, kwargs, shapes):
     if shapes is None:
         return _export_fixed(model, args, kwargs), None
     try:
-        return _export(model, args, kwargs, dynamic_shapes=shapes), None
+        with _keywords_spread(model, args, kwargs, shapes) as shapes:
+            return _export(model, args, kwargs, dynamic_shapes=shapes), None
     except ConfigError:
         raise
     except Exception as error:  # noqa: BLE001 - export raises many kinds; the fixed-shape export says what is wrong
@@ -107,6 +108,39 @@ def export_model(model, args, kwargs, shapes):
             reason = (f"torch.export leaves no shape free while inputs go through the forward's **kwargs "
                       f"({', '.join(map(repr, through))}); every batch must then have the sample's shapes")
     return _export_fixed(model, args, kwargs), reason
+
+
+@contextlib.contextmanager
+def _keywords_spread(model, args, kwargs, shapes):
+    """torch 2.11's export takes no dynamic_shapes for inputs under a forward's **kwargs (Hugging Face's
+    num_items_in_batch, passed on to the loss): for the export, the model's forward is seen with those inputs as
+    keyword parameters of their own, and yields dynamic_shapes by those names. The module, its paths and its call
+    stay the same."""
+    through = _through_var_keyword(model, args, kwargs)
+    if not through or not isinstance(shapes, dict):
+        yield shapes
+        return
+    forward = model.forward
+    signature = inspect.signature(forward)
+    var_keyword = next(p for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD)
+    parameters = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    parameters += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in through]
+
+    def spread(*call_args, **call_kwargs):
+        return forward(*call_args, **call_kwargs)
+
+    spread.__signature__ = signature.replace(parameters=parameters)
+    spread_shapes = {name: shape for name, shape in shapes.items() if name != var_keyword.name}
+    spread_shapes.update(shapes.get(var_keyword.name) or {name: None for name in through})
+    had_own = "forward" in model.__dict__
+    model.forward = spread
+    try:
+        yield spread_shapes
+    finally:
+        if had_own:
+            model.forward = forward
+        else:
+            del model.forward
 
 
 def _through_var_keyword(model, args, kwargs):

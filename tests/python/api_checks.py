@@ -713,6 +713,17 @@ class SummedOverItemsWithAux(SummedOverItems):
         return {"loss": loss, "aux_loss": auxiliary}
 
 
+class SummedOverTokensThroughKwargs(torch.nn.Module):
+    """As Hugging Face's causal LMs take num_items_in_batch: through **kwargs, on to the loss; batches of tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 1)
+
+    def forward(self, x, labels, **kwargs):
+        return {"loss": ((self.linear(x).squeeze(-1) - labels) ** 2).sum() / kwargs["num_items_in_batch"]}
+
+
 class LossOfItsOwn(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -761,6 +772,19 @@ def items_counted():
     if abs(loss - expected) > 1e-6:
         failures.append(f"num_items_in_batch with a router's auxiliary loss: train_step's loss {loss}, the token "
                         f"sum's global mean plus the microbatches' mean auxiliary loss {expected}")
+    # Through **kwargs, where torch 2.11's export takes no dynamic shapes: batches of another length (dynamic
+    # padding) still run on the sample's capture.
+    net = SummedOverTokensThroughKwargs()
+    reference = copy.deepcopy(net)
+    model = smp.DistributedModel(net, {"x": torch.randn(2, 5, 3), "labels": torch.randn(2, 5),
+                                       "num_items_in_batch": torch.tensor(10.0)})
+    for length in (7, 4):
+        x, labels, count = torch.randn(4, length, 3), torch.randn(4, length), torch.tensor(4.0 * length)
+        loss = model.train_step({"x": x, "labels": labels, "num_items_in_batch": count}).loss
+        expected = reference(x, labels, num_items_in_batch=count)["loss"].item()
+        if abs(loss - expected) > 1e-5:
+            failures.append(f"num_items_in_batch through **kwargs, sequences of {length}: train_step's loss {loss}, "
+                            f"PyTorch's on the whole batch {expected}")
 
 
 def pytorch_conventions():
