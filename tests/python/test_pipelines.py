@@ -191,3 +191,7 @@ def test_ctrl_c_ends_every_rank_as_keyboard_interrupt(tmp_path, smprun, python):
         last = [line for line in stderr.splitlines() if line.startswith(f"[rank {rank}]")][-1]
         assert last == f"[rank {rank}] KeyboardInterrupt", said
     assert "lost sys.stderr" not in stderr and "CommError" not in stderr, said
+
+
+def test_model_draws_leave_the_programs_random_stream_alike_on_every_rank(job, smprun, python):
+    assert_passed(job(0, "random_stream_check.py", smprun, python))

@@ -64,6 +64,7 @@ struct StepOutput {
 
 class GradientSync;
 class LossScaler;
+class ModelRandomStream;
 
 class DistributedModel {
  public:
@@ -153,6 +154,8 @@ class DistributedModel {
   void restore_loss_scale(double scale, long long steps_since_change);
   // The next train_step is step `step` of the job (after a resume), for messages and trace_step.
   void resume_at(long long step);
+  // The stream the model's modules draw their random numbers from in train_step and evaluate (checkpoints keep it).
+  ModelRandomStream& random_stream() { return *random_stream_; }
 
   // This rank's parameters, named as in the full model (e.g. "3.weight"); a tied parameter is named after its
   // first node (GraphModel::named_parameters) on every rank that holds it.
@@ -267,6 +270,7 @@ class DistributedModel {
   std::vector<std::pair<const void*, std::uint32_t>> left_gradients_;
   std::optional<GlobalBatch> global_batch_;  // next_call_takes_share_of's, until that call
   std::unique_ptr<LossScaler> loss_scaler_;  // fp16's dynamic scale (1 without fp16)
+  std::unique_ptr<ModelRandomStream> random_stream_;
 };
 
 }  // namespace smp

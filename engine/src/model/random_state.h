@@ -4,6 +4,7 @@
 // checkpointing's recompute) draws the same numbers, and so that work done on the side (profiling, recomputing)
 // leaves the sequence the rest of training sees as it was.
 
+#include <cstdint>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -32,6 +33,32 @@ class RandomState {
     }
   }
   bool empty() const { return saved_.empty(); }
+
+  // The states the default generators would have once seeded with `seed` (each with it, the CPU's and the GPU's);
+  // the generators keep their own.
+  static RandomState seeded(c10::Device device, std::uint64_t seed) {
+    const RandomState current = capture(device);
+    for (const auto& [generator, state] : current.saved_) {
+      at::Generator handle = generator;
+      std::lock_guard<std::mutex> lock(handle.mutex());
+      handle.set_current_seed(seed);
+    }
+    RandomState result = capture(device);
+    current.restore();
+    return result;
+  }
+  // The CPU generator's state, then the GPU's where there is one.
+  std::vector<at::Tensor> states() const {
+    std::vector<at::Tensor> states;
+    for (const auto& [generator, state] : saved_) states.push_back(state);
+    return states;
+  }
+  // The same generators with these states (from states(), of a job with as many generators); false if they differ.
+  bool take_states(const std::vector<at::Tensor>& states) {
+    if (states.size() != saved_.size()) return false;
+    for (std::size_t i = 0; i < states.size(); ++i) saved_[i].second = states[i];
+    return true;
+  }
 
  private:
   void add(at::Generator generator) {

@@ -20,6 +20,7 @@
 #include <torch/serialize/input-archive.h>
 
 #include "checkpoint/optimizer_snapshot.h"
+#include "training/model_random_stream.h"
 #include "checkpoint/partition_file.h"
 #include "smp/log.h"
 #include "smp/timeline.h"
@@ -117,23 +118,39 @@ std::string random_state_key(const std::string& key, const Coordinates& rank) {
          std::to_string(rank.dp_rank);
 }
 
-// This rank's random state: the CPU generator's and, on a GPU, its device's default generator's.
-std::string random_state_bytes(const c10::Device& device) {
-  c10::List<at::Tensor> states;
-  states.push_back(at::detail::getDefaultCPUGenerator().get_state());
-  if (device.is_cuda()) states.push_back(at::globalContext().defaultGenerator(device).get_state());
+// This rank's random states: the program's (the default generators' between calls: the CPU's and, on a GPU, its
+// device's) and the model's stream's (ModelRandomStream), by name.
+std::string random_state_bytes(const c10::Device& device, const ModelRandomStream& model_stream) {
+  c10::Dict<std::string, c10::List<at::Tensor>> states;
+  c10::List<at::Tensor> program;
+  program.push_back(at::detail::getDefaultCPUGenerator().get_state());
+  if (device.is_cuda()) program.push_back(at::globalContext().defaultGenerator(device).get_state());
+  states.insert("program", program);
+  c10::List<at::Tensor> model;
+  for (const auto& state : model_stream.states()) model.push_back(state);
+  states.insert("model", model);
   const std::vector<char> bytes = torch::jit::pickle_save(states);
   return std::string(bytes.data(), bytes.size());
 }
 
-void restore_random_state(const at::Tensor& bytes, const c10::Device& device) {
+void restore_random_state(const at::Tensor& bytes, const c10::Device& device, ModelRandomStream& model_stream) {
   const char* data = static_cast<const char*>(bytes.data_ptr());
-  const auto states = torch::jit::pickle_load(std::vector<char>(data, data + bytes.numel())).toTensorList();
+  const c10::IValue saved = torch::jit::pickle_load(std::vector<char>(data, data + bytes.numel()));
+  c10::List<at::Tensor> program;
+  if (saved.isTensorList()) {
+    program = saved.toTensorList();  // written before the model's stream was its own: the program's alone
+  } else {
+    const auto states = c10::impl::toTypedDict<std::string, c10::List<at::Tensor>>(saved.toGenericDict());
+    program = states.at("program");
+    const auto model = states.at("model");
+    // A CPU job's checkpoint resumed on a GPU: the model's stream keeps its seeding, as the GPU's generator does.
+    model_stream.take_states(std::vector<at::Tensor>(model.begin(), model.end()));
+  }
   at::Generator generator = at::detail::getDefaultCPUGenerator();  // a handle on the default one
-  generator.set_state(states.get(0));
-  if (device.is_cuda() && states.size() > 1) {
+  generator.set_state(program.get(0));
+  if (device.is_cuda() && program.size() > 1) {
     at::Generator cuda_generator = at::globalContext().defaultGenerator(device);  // a handle on the default one
-    cuda_generator.set_state(states.get(1));
+    cuda_generator.set_state(program.get(1));
   }
 }
 
@@ -289,7 +306,7 @@ void Checkpointer::save(std::int64_t step) {
   // by dp_rank), and a resume must continue each one's sequence, not give them all the first replica's. The
   // partition files' writers gather them by replica.
   runtime.publish(random_state_key(key, runtime.topology().coordinates_of(runtime.rank())),
-                  random_state_bytes(runtime.device()));
+                  random_state_bytes(runtime.device(), model_.random_stream()));
   std::optional<CheckpointManifest> manifest;
   if (runtime.rank() == 0) {
     manifest.emplace();
@@ -488,7 +505,7 @@ std::int64_t Checkpointer::resume() {
     if (contents.contains("random_states_by_replica")) {
       const auto by_replica = contents.at("random_states_by_replica").toTensorList();
       if (runtime.dp_rank() < static_cast<int>(by_replica.size())) {
-        restore_random_state(by_replica.get(runtime.dp_rank()), runtime.device());
+        restore_random_state(by_replica.get(runtime.dp_rank()), runtime.device(), model_.random_stream());
       } else if (runtime.pp_rank() == 0 && runtime.tp_rank() == 0) {
         log::info(directory + " holds the random state of " + std::to_string(by_replica.size()) +
                   " replicas: replica " + std::to_string(runtime.dp_rank()) + " keeps its own");

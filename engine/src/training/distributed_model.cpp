@@ -19,6 +19,7 @@
 #include "pipeline/autocast_scope.h"
 #include "pipeline/activation_checkpoint.h"
 #include "training/loss_scaler.h"
+#include "training/model_random_stream.h"
 #include "training/gradient_sync.h"
 #include "smp/device_speeds.h"
 #include "smp/planned_layout.h"
@@ -144,6 +145,8 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
   model_.set_build_seed(static_cast<std::uint64_t>(config.seed));
   exchange_ = "model" + std::to_string(runtime_->next_exchange()) + "/";
   const std::vector<double> speeds = device_speeds(*runtime_, exchange_);
+  // Rank 0's, so that ranks seeded apart still draw alike where they must (tensor-parallel ranks of a stage).
+  std::uint64_t program_seed = at::detail::getDefaultCPUGenerator().current_seed();
   if (runtime_->rank() == 0) {
     // Measured once every rank has built what it builds before this (a Python model's capture): the profile must
     // not share the cores with them.
@@ -172,12 +175,14 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
       log::info("device speeds measured, by rank: " + measured);
     }
     plan_ = plan_stages(std::move(profiles), config, copies, optimizer_state_shards(), &devices);
+    runtime_->publish(exchange_ + "program_seed", std::to_string(at::detail::getDefaultCPUGenerator().current_seed()));
     runtime_->publish(exchange_ + "model_signature", model_signature_);
     runtime_->publish(exchange_ + "modules", modules_listed(model_));
     runtime_->publish(exchange_ + "stage_plan", plan_.to_json());
   } else {
     runtime_->publish(exchange_ + "ready/" + std::to_string(runtime_->rank()), "");
     model_signature_ = runtime_->fetch(exchange_ + "model_signature");
+    program_seed = std::stoull(runtime_->fetch(exchange_ + "program_seed"));
     check_same_modules(runtime_->fetch(exchange_ + "modules"));
     plan_ = StagePlan::from_json(runtime_->fetch(exchange_ + "stage_plan"));
   }
@@ -221,6 +226,8 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
   // under another seed per rank would otherwise train apart, each replica averaging gradients of other weights.
   share_first_replica_parameters();
   share_first_replica_buffers();
+  random_stream_ = std::make_unique<ModelRandomStream>(runtime_->device(), program_seed, runtime_->pp_rank(),
+                                                      runtime_->dp_rank());
   executor_ = std::make_unique<PipelineExecutor>(lower_and_validate(std::move(schedule), graph_, config), graph_,
                                                  runtime_->pipeline(), config.checkpointed_stages,
                                                  config.overlap_forward_backward);

@@ -20,6 +20,7 @@
 #include "pipeline/program_call.h"
 #include "training/gradient_sync.h"
 #include "training/loss_scaler.h"
+#include "training/model_random_stream.h"
 #include "training/nonfinite_steps.h"
 #include "smp/tp.h"
 
@@ -428,6 +429,7 @@ StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tenso
                                        several_ranks_per_replica(runtime_->topology()));
   data.stamp = {ProgramCall{step_, evaluations_since_step_}.id(), batch.shapes};
   const InProgramCall in_call(data.stamp.call);
+  const ModelRandomStream::Entered model_draws(*random_stream_);
   ClosingSums sums(runtime_->topology(), runtime_->rank(), data.stamp.call, std::move(batch),
                    std::move(global_batch));
   try {
@@ -537,6 +539,7 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
 
   ExecutorStats stats;
   StepOutput output;
+  const ModelRandomStream::Entered model_draws(*random_stream_);
   ClosingSums sums(runtime_->topology(), runtime_->rank(), data.stamp.call, std::move(batch),
                    std::move(global_batch));
   try {
