@@ -63,6 +63,10 @@ def written_through(value):
     return value
 
 
+# Where a node keeps the constant tensors export lifted out of the forward (a table made from literals).
+CONSTANTS = "_smp_constants."
+
+
 def _set_path(root, path, value):
     *parents, leaf = path.split(".")
     module = root
@@ -75,7 +79,8 @@ def _set_path(root, path, value):
     elif isinstance(value, torch.nn.Module):
         module.add_module(leaf, value)
     elif isinstance(value, torch.Tensor):
-        module.register_buffer(leaf, value)
+        # A tensor the forward made from literals is the capture's, not the model's state: out of state_dict.
+        module.register_buffer(leaf, value, persistent=not path.startswith(CONSTANTS))
     else:
         setattr(module, leaf, value)
 

@@ -162,7 +162,10 @@ class DistributedModel(torch.nn.Module):
         self._evaluation_checked, self._evaluation_differs = False, None
         # Non-persistent buffers (a rotary table) stay out of checkpoints and exports, as out of state_dict.
         from_module = isinstance(model, torch.nn.Module) and not _is_sequential(model)
-        graph._graph.set_transient_buffers(transient_buffers(model) if from_module else graph._transient_buffers)
+        transient = transient_buffers(model) if from_module else list(graph._transient_buffers)
+        for node in graph._captured.values():
+            transient += transient_buffers(node)  # the constants a capture lifted out of the forward
+        graph._graph.set_transient_buffers(transient)
         self._persistent_buffers = set(model.state_dict(keep_vars=True)) if isinstance(model, torch.nn.Module) \
             else set()
         captured = time.perf_counter()
@@ -439,13 +442,19 @@ class DistributedModel(torch.nn.Module):
 
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
         """This rank's parameters and persistent buffers by their names in the full model (a share of the model's
-        state_dict: the other ranks hold the rest)."""
+        state_dict: the other ranks hold the rest). A tied tensor is there under each of the model's names for it
+        (transformer.wte.weight and lm_head.weight), as in the model's own state_dict."""
         if args:
             raise TypeError("state_dict takes keyword arguments only (destination, prefix, keep_vars)")
         state = collections.OrderedDict() if destination is None else destination
-        for name, tensor in itertools.chain(self.named_parameters(prefix), self.named_buffers(prefix)):
-            state[name] = tensor if keep_vars else tensor.detach()
+        for name, tensor in self._own_state():
+            for key in (name, *self._aliases.get(name, ())):
+                state[prefix + key] = tensor if keep_vars else tensor.detach()
         return state
+
+    def _own_state(self):
+        """(name, tensor) of this rank's parameters and persistent buffers, each once."""
+        return itertools.chain(self.named_parameters(), self.named_buffers())
 
     def load_state_dict(self, state_dict, strict=True, assign=False):
         """Copies this rank's tensors from `state_dict` by name: the full model's (each rank takes its own, a
@@ -454,7 +463,7 @@ class DistributedModel(torch.nn.Module):
         is copied. Returns (missing_keys, unexpected_keys) as nn.Module's does."""
         if assign:
             raise ValueError("assign=True would put new tensors where the engine trains its own; smp copies into them")
-        own = self.state_dict(keep_vars=True)
+        own = dict(self._own_state())
         given = {name: next((alias for alias in [name, *self._aliases.get(name, ())] if alias in state_dict), None)
                  for name in own}  # the key each of this rank's tensors loads from
         missing = [name for name, key in given.items() if key is None]

@@ -27,8 +27,9 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from . import _capture_cache, _evaluation_path, _expert_parallel, _materialize, _mode_calls, _routing
-from ._captured_node import (_ASSERTS, IN_EVALUATION, IN_EVALUATION_ROUTE, ORIGIN, CapturedNode, _attribute, _is_op,
-                             _mutates_first_argument, _owner_path, mode_owners, module_paths, placeholder_name, run_fuser)
+from ._captured_node import (_ASSERTS, CONSTANTS, IN_EVALUATION, IN_EVALUATION_ROUTE, ORIGIN, CapturedNode, _attribute,
+                             _is_op, _mutates_first_argument, _owner_path, mode_owners, module_paths, placeholder_name,
+                             run_fuser)
 from ._data_flow import READS_METADATA_ONLY, data_flow, is_random
 from ._exporting import CaptureError, dynamic_shapes, export_as_if_on, export_model, real_constant
 from ._input_limits import InputShapes, TableLookups, shape_guards
@@ -189,7 +190,7 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
             elif kind == "BUFFER":
                 attributes[node] = (first_path.get(id(buffers[target]), target), buffers[target])
             elif kind == "CONSTANT_TENSOR":
-                attributes[node] = ("_smp_constants." + target.replace(".", "_"),
+                attributes[node] = (CONSTANTS + target.replace(".", "_"),
                                     real_constant(exported.constants[target], target, name))
             elif kind == "USER_INPUT":
                 user_inputs.append(node)

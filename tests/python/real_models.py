@@ -482,6 +482,16 @@ def train_and_compare(name, args, config, runtime):
             expected = held_by / replicas * (experts_shared if ".experts." in name and "shared" not in name else 1)
             if count != expected:
                 failures.append(f"{name}: {count:.0f} optimizers keep its state, not {expected:.0f}")
+    # The ranks' state_dicts together are the model's: each of its keys on some rank (a tied tensor's every name),
+    # and nothing else (no constant the capture lifted out of the forward).
+    keys = sorted(reference.state_dict())
+    mine = set(model.state_dict())
+    if mine - set(keys):
+        failures.append(f"state_dict keys the model does not have: {sorted(mine - set(keys))[:3]}")
+    held = torch.tensor([float(key in mine) for key in keys], dtype=torch.float64)
+    runtime.all_reduce_sum(held)
+    if (held == 0).any():
+        failures.append(f"state_dict keys on no rank: {[key for key, n in zip(keys, held.tolist()) if n == 0][:3]}")
     checked = 0
     for path, parameter in model.named_parameters():
         if path not in plain:
