@@ -414,7 +414,7 @@ PYBIND11_MODULE(_smp, module) {
           },
           py::arg("key"), py::arg("make"))
       // Sums a CPU tensor in place over every rank of the job (each calls it): for metrics, e.g. counts that only
-      // the ranks running the last stage have.
+      // the ranks running the last stage have. Returns it, so that `total = runtime.all_reduce_sum(total)` works too.
       .def(
           "all_reduce_sum",
           [](Runtime& runtime, const at::Tensor& tensor) {
@@ -431,6 +431,7 @@ PYBIND11_MODULE(_smp, module) {
             runtime.refuse_after_leaving("all_reduce_sum");
             runtime.with_peers("all_reduce_sum", [&] { runtime.world().all_reduce_sum(owned); });
             tensor.copy_(owned);
+            return tensor;
           },
           py::arg("tensor"), py::call_guard<py::gil_scoped_release>())
       // Rows of `tensor` to the members of the expert-parallel group, for smp.ep's all_to_all (autograd is its).

@@ -8,6 +8,7 @@ import itertools
 import os
 import sys
 import time
+import warnings
 import weakref
 
 import torch
@@ -202,6 +203,13 @@ class DistributedModel(torch.nn.Module):
                   "partition gives every stage parameters when at least as many modules have some as there are "
                   "stages and \"partition_overrides\" allow it; pin a module with parameters to this stage, or use "
                   "fewer \"partitions\"", file=sys.stderr, flush=True)
+        synced = [path for path, module in model.named_modules() if isinstance(module, torch.nn.SyncBatchNorm)] \
+            if isinstance(model, torch.nn.Module) else []
+        if synced and runtime().data_parallel_degree > 1 and runtime().rank == 0:
+            warnings.warn(f"SyncBatchNorm ({', '.join(synced[:3])}{', ...' if len(synced) > 3 else ''}) runs as "
+                          "BatchNorm on each microbatch: smp does not pool batch statistics over replicas (nor "
+                          "microbatches); convert them back with BatchNorm, or use GroupNorm/LayerNorm for statistics "
+                          "that do not depend on the batch", stacklevel=2)
         # How DistributedOptimizer finds the model of the parameters it is given: on the tensors, no registry.
         owner = weakref.ref(self)
         for parameter in self._model.named_parameters().values():
@@ -378,6 +386,12 @@ class DistributedModel(torch.nn.Module):
         if args and kwargs:
             raise TypeError("pass the inputs positionally or by keyword, not both (a dict of keyword inputs, as the "
                             "sample, takes both kinds)")
+        if self.training and torch.is_grad_enabled():
+            # A ported loop's `loss = criterion(model(x), y); loss.backward()` would fail later, on outputs that
+            # have no graph (the stages ran on other ranks), or on None where no last stage runs.
+            raise ModelError("calling the model runs its forwards for inference: the outputs have no gradients, on "
+                             "the ranks running the last stage only. Train with model.train_step(inputs, targets, "
+                             "loss_fn); for inference call model.eval() first, or call it under torch.no_grad()")
         inputs = kwargs if kwargs else (args[0] if len(args) == 1 else tuple(args))
         return self.evaluate(inputs, None, loss=_no_loss, keep_outputs=True).outputs
 

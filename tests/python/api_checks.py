@@ -91,7 +91,9 @@ def main():
                                                 lambda output, target: F.mse_loss(output, target).detach()))
     # all_reduce_sum: in place, also into a strided view (summed through a dense copy); bool is refused.
     counts = torch.arange(6, dtype=torch.float64).reshape(2, 3)
-    runtime.all_reduce_sum(counts[:, ::2])
+    view = counts[:, ::2]
+    if runtime.all_reduce_sum(view) is not view:
+        failures.append("all_reduce_sum does not return the tensor it summed into")
     if not torch.equal(counts, torch.arange(6, dtype=torch.float64).reshape(2, 3)):
         failures.append(f"all_reduce_sum over one rank changed a strided view: {counts}")
     expect_error("all_reduce_sum of bools", smp.ConfigError, "non-bool",
@@ -834,6 +836,9 @@ def pytorch_conventions():
     if model.training or not torch.allclose(outputs, reference(inputs), atol=1e-6):
         failures.append(f"model(inputs) in eval mode: training={model.training}, outputs differ from the model's")
     model.train()
+    # A ported training loop's call: refused, saying how to train (its outputs would have no gradients).
+    expect_error("calling the model in training mode", smp.ModelError, "Train with model.train_step",
+                 lambda: model(inputs))
     # The optimizer: found from the parameters alone, a torch.optim.Optimizer for LR schedulers and hooks.
     optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     if not isinstance(optimizer, torch.optim.Optimizer) or optimizer._model is not model:

@@ -1,7 +1,8 @@
 """Two replicas of a model with batch norm: each updates the running statistics from its share, and after every step
 both hold replica 0's, as torch DDP's default broadcast_buffers leaves them (they drifted apart before, and so did
 evaluation of the same rows and the checkpoints, which keep replica 0's). Then shares of different sizes
-(replica_share=True) are refused on both: replicas count equally in the mean loss. Exits 0 only then."""
+(replica_share=True) are refused on both: replicas count equally in the mean loss. A SyncBatchNorm, which smp does not
+synchronize, is said so. Exits 0 only then."""
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,16 @@ everyone[1 - runtime.dp_rank] = 0
 runtime.all_reduce_sum(everyone)  # each replica's own row, the other's zero
 if not torch.equal(everyone[0], everyone[1]):
     failures.append(f"running means differ between replicas: {everyone[0][:3].tolist()} and {everyone[1][:3].tolist()}")
+# SyncBatchNorm is not synchronized over replicas: said on rank 0 when the model is built.
+import warnings  # noqa: E402
+with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")
+    synced = torch.nn.SyncBatchNorm.convert_sync_batchnorm(
+        torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)))
+    smp.DistributedModel(synced, torch.randn(2, 4))
+told = [str(w.message) for w in said if "SyncBatchNorm (1) runs as BatchNorm" in str(w.message)]
+if len(told) != (runtime.rank == 0):
+    failures.append(f"rank {runtime.rank}: SyncBatchNorm under replicas: warned {[str(w.message) for w in said]}")
 share = torch.randn(8 if runtime.dp_rank == 0 else 4, 4)
 report.expect_error(failures, "replica shares of 8 and 4 samples", smp.CommError,
                     "replicas count equally in the mean loss, so their shares must be the same size",
