@@ -3,6 +3,8 @@ as a chain, any other module captured whole) with how its inputs and outputs map
 tensor-parallel shards. DistributedModel builds on it, and so does the planner, which profiles what a job would
 build."""
 
+import inspect
+
 import torch
 
 from . import _expert_parallel, tp
@@ -42,8 +44,9 @@ def _capture(model, sample, stages, pinned, dynamic_shapes=None, experts=None, e
     if not isinstance(sample, torch.Tensor):
         reason = (f"torch.export failed: {export_error}" if export_error is not None else
                   "it has TorchScript children, which torch.export does not enter, and torch.fx takes one tensor input")
-        raise ModelError(f"cannot capture {name} ({reason}); write it as an smp.GraphModel, or change that code so "
-                         "that it can be captured (no branch on a tensor's value)")
+        raise ModelError(f"cannot capture {name} ({reason}); " + (_sample_hint(model, args, kwargs) or
+                         "write it as an smp.GraphModel, or change that code so that it can be captured (no branch "
+                         "on a tensor's value)"))
     try:
         graph = GraphModel.from_module(model, sample)
     except ModelError as error:
@@ -52,6 +55,28 @@ def _capture(model, sample, stages, pinned, dynamic_shapes=None, experts=None, e
         raise ModelError(f"cannot capture {name}: torch.export failed ({export_error}), and torch.fx: {error}") \
             from error
     return graph, GraphIO(graph.input_names, False)
+
+
+def _sample_hint(model, args, kwargs):
+    """What to change in the sample when the forward cannot take it as given, or None."""
+    if kwargs.get("use_cache") is True:
+        return ("use_cache=True makes the forward return its key/value cache, which pipeline stages do not pass on: "
+                "leave use_cache out (smp passes use_cache=False, as training with gradient checkpointing does) or "
+                "pass use_cache=False")
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError:
+        positional = [p for p in signature.parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+        if not args and len(positional) == 1 and positional[0].name not in kwargs:
+            return (f"a dict sample gives the forward keyword arguments ({', '.join(map(repr, kwargs))}), but "
+                    f"{type(model).__name__}.forward takes one dict, {positional[0].name!r}: give the sample and the "
+                    "batches as a one-element tuple, (batch,)")
+    return None
 
 
 def graph_of(model, sample, stages, pinned, dynamic_shapes=None, experts=None, evaluation=True):

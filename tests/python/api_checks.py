@@ -99,6 +99,9 @@ def main():
     expect_error("all_reduce_sum of bools", smp.ConfigError, "non-bool",
                  lambda: runtime.all_reduce_sum(torch.ones(2, dtype=torch.bool)))
     expect_error("not a module", TypeError, "torch.nn.Module", lambda: smp.DistributedModel(len, torch.zeros(2, 3)))
+    expect_error("a dict sample for a forward that takes one dict", smp.ModelError,
+                 "takes one dict, 'batch': give the sample and the batches as a one-element tuple",
+                 lambda: smp.DistributedModel(TakesOneDict(), {"image": torch.zeros(2, 4)}))
     with tempfile.NamedTemporaryFile("wb", suffix=".pt") as not_a_model:
         not_a_model.write(b"not a model")
         not_a_model.flush()
@@ -724,6 +727,15 @@ class SummedOverTokensThroughKwargs(torch.nn.Module):
 
     def forward(self, x, labels, **kwargs):
         return {"loss": ((self.linear(x).squeeze(-1) - labels) ** 2).sum() / kwargs["num_items_in_batch"]}
+
+
+class TakesOneDict(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 2)
+
+    def forward(self, batch):
+        return self.linear(batch["image"])
 
 
 class LossOfItsOwn(torch.nn.Module):
