@@ -76,10 +76,12 @@ class Plan:
 
 
 def _optimizer_seconds_per_byte(device, shapes, optimizer=torch.optim.AdamW, most_elements=1 << 24):
-    """One optimizer step's time per parameter byte on this device: the median of 5 steps over tensors of the
-    model's own parameter shapes (up to `most_elements` of them; one tensor of 4 Mi when none fits). The shapes
-    matter: on a CPU one 4 Mi tensor took 1.6 to 1.9 times as long per byte as a small model's own tensors, whose
-    parameter, gradient and moments stay in the caches through the optimizer's passes over them."""
+    """One optimizer step's time per parameter byte on this device, and its state per parameter element in
+    parameters' worth (Adam's two moments 2, SGD with momentum 1): the median of 5 steps over tensors of the model's
+    own parameter shapes (up to `most_elements` of them; one tensor of 4 Mi when none fits). The shapes matter: on a
+    CPU one 4 Mi tensor took 1.6 to 1.9 times as long per byte as a small model's own tensors, whose parameter,
+    gradient and moments stay in the caches through the optimizer's passes over them. `optimizer`: a torch.optim
+    class, or any callable making an optimizer of a list of parameters."""
     chosen, elements = [], 0
     for shape in shapes:
         numel = 1
@@ -91,7 +93,11 @@ def _optimizer_seconds_per_byte(device, shapes, optimizer=torch.optim.AdamW, mos
     parameters = [torch.zeros(shape, device=device, requires_grad=True) for shape in chosen or [(1 << 22,)]]
     for parameter in parameters:
         parameter.grad = torch.ones_like(parameter)
-    stepper = optimizer(parameters)
+    try:
+        stepper = optimizer(parameters)
+    except Exception as error:  # noqa: BLE001 - whatever the factory raises, said as the argument's fault
+        raise ConfigError(f"smp.plan: optimizer {optimizer!r} did not make an optimizer of a list of parameters: "
+                          f"{type(error).__name__}: {error}") from error
     times = []
     for _ in range(7):
         started = time.perf_counter()
@@ -99,14 +105,21 @@ def _optimizer_seconds_per_byte(device, shapes, optimizer=torch.optim.AdamW, mos
         if parameters[0].is_cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
-    return sorted(times[2:])[2] / sum(parameter.nbytes for parameter in parameters)
+    # The state tensors of a parameter's size (a step count is not state per element).
+    state = sum(value.numel() for per_parameter in stepper.state.values() for value in per_parameter.values()
+                if isinstance(value, torch.Tensor) and value.dim() > 0)
+    elements = sum(parameter.numel() for parameter in parameters)
+    return sorted(times[2:])[2] / sum(parameter.nbytes for parameter in parameters), state / elements
 
 
 def _check_plan_arguments(world_size, global_batch_size, memory_limit_mb, optimizer_moments, compute_scale,
-                          device_speeds, world):
+                          device_speeds, world, optimizer):
     """One-line errors for smp.plan's arguments, naming the argument, before anything is profiled."""
     def whole(value):
         return isinstance(value, int) and not isinstance(value, bool)
+    if not callable(optimizer):
+        raise ConfigError(f"smp.plan: optimizer {optimizer!r}: expected a torch.optim class or a callable making an "
+                          "optimizer of a list of parameters")
     if world_size is not None and (not whole(world_size) or world_size < 1):
         raise ConfigError(f"smp.plan: world_size {world_size!r}: expected a whole number of ranks, at least 1")
     if global_batch_size is not None and (not whole(global_batch_size) or not 1 <= global_batch_size <= 1 << 30):
@@ -114,7 +127,7 @@ def _check_plan_arguments(world_size, global_batch_size, memory_limit_mb, optimi
                           f"from 1 to {1 << 30}")
     if memory_limit_mb is not None and not (isinstance(memory_limit_mb, (int, float)) and memory_limit_mb >= 0):
         raise ConfigError(f"smp.plan: memory_limit_mb {memory_limit_mb!r}: expected a number, at least 0 (0: none)")
-    if not (isinstance(optimizer_moments, (int, float)) and optimizer_moments >= 0):
+    if optimizer_moments is not None and not (isinstance(optimizer_moments, (int, float)) and optimizer_moments >= 0):
         raise ConfigError(f"smp.plan: optimizer_moments {optimizer_moments!r}: expected a number, at least 0 "
                           "(Adam 2, SGD with momentum 1)")
     if not (isinstance(compute_scale, (int, float)) and compute_scale > 0):
@@ -247,15 +260,18 @@ def _routing_report(plan):
     return "".join(lines)
 
 
-def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb=None, optimizer_moments=2.0,
+def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb=None, optimizer_moments=None,
          link_gbps=None, latency_us=50.0, compute_scale=1.0, device_speeds=None, shared_cores=None,
          dynamic_shapes=None, tp_plan=None, tensor_parallel_degrees=None, synchronization_us=None,
-         synchronized_gbps=None, tokens_per_expert=None, _for_this_job=False):
+         synchronized_gbps=None, tokens_per_expert=None, optimizer=torch.optim.AdamW, _for_this_job=False):
     """Predicts every layout of `world_size` ranks (default: this job's) for `model` on `sample` (one microbatch):
     tensor-parallel degree x pipeline stages x data-parallel replicas, schedule (GPipe, 1F1B, ZB-H1; interleaved
     1F1B, ZB-V and DualPipeV at two stages per rank), microbatches, recompute, ZeRO-1. The model is captured and
     profiled here, in this process (call smp.init first; one process will do). global_batch_size and memory_limit_mb
-    default to the config's; optimizer_moments is the optimizer's state per parameter (Adam 2, SGD with momentum 1);
+    default to the config's; optimizer: the job's optimizer, a torch.optim class or a callable making one of a
+    list of parameters (functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9); default AdamW), whose step is
+    timed here; optimizer_moments: its state per parameter (Adam 2, SGD with momentum 1; default as the optimizer
+    keeps it after a step);
     link_gbps (default the config's link_bandwidth_gbps) and latency_us price transfers between stages, the
     replicas' all-reduce and the tensor-parallel collectives. compute_scale is how much slower each rank computes in
     the job than here alone. shared_cores: the processors the job's ranks share (by default, on the CPU, this host's
@@ -288,8 +304,8 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     "device_speeds": "measure" passes the speeds its ranks measured.
     The model is profiled on the sample and on twice its samples: a node costs a fixed part plus a part per sample.
     It is profiled on the job's device (the config's "device"), whatever device the sample was made on.
-    Nodes timed alone are scaled to one pass of the whole model. The optimizer's step is timed here (AdamW, on
-    the model's parameter shapes) per parameter byte; its temporaries (Adam's) as torch.optim's default holds them
+    Nodes timed alone are scaled to one pass of the whole model. The optimizer's step is timed here (`optimizer`,
+    on the model's parameter shapes) per parameter byte; its temporaries (Adam's) as torch.optim's default holds them
     on this device (one parameter at a time on a CPU, all at once on a GPU). Predictions take the zero-bubble split
     as profiled (I and W per node) and assume the all-reduce follows the last backward without overlap.
     dynamic_shapes: as smp.DistributedModel will be given it (the plan's cut names the captured graph's nodes)."""
@@ -300,7 +316,7 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
                           "(\"all\", \"batch\", or 0 among each named input's dimensions)")
     rt = runtime()
     _check_plan_arguments(world_size, global_batch_size, memory_limit_mb, optimizer_moments, compute_scale,
-                          device_speeds, world_size or rt.world_size)
+                          device_speeds, world_size or rt.world_size, optimizer)
     world = world_size or rt.world_size
     degrees, unplannable = (list(tensor_parallel_degrees), {}) if tensor_parallel_degrees else \
         _candidate_degrees(model, tp_plan, world, rt.config)
@@ -323,8 +339,10 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     if shared_cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         shared_cores = cores if rt.device == "cpu" and world > cores else 0
-    optimizer_s_per_byte = _optimizer_seconds_per_byte(torch.device(rt.device),
-                                                       [tuple(p.shape) for p in model.parameters()]) * compute_scale
+    optimizer_s_per_byte, moments_kept = _optimizer_seconds_per_byte(
+        torch.device(rt.device), [tuple(p.shape) for p in model.parameters()], optimizer)
+    optimizer_s_per_byte *= compute_scale
+    optimizer_moments = moments_kept if optimizer_moments is None else optimizer_moments
 
     # Counted only where a layout may divide the experts (the count runs the model once more).
     divides = "expert_parallel_degree" in rt.config.auto_keys or rt.config.expert_parallel_degree > 1

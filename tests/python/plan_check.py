@@ -2,6 +2,7 @@
 ranks; every layout is one of 4 ranks, fitting ones come fastest first, and a memory limit under the fastest's peak
 rejects it, naming the limit, and chooses one that fits. Exits 0 when every check holds; prints each failure."""
 
+import functools
 import json
 import sys
 
@@ -26,7 +27,8 @@ def main():
     # Arguments a plan cannot take fail at once, naming the argument, before the model is profiled.
     for bad, named in ((dict(world_size=0), "world_size 0"), (dict(global_batch_size=2**31 - 1), "global_batch_size"),
                        (dict(device_speeds=[1, 1]), "2 speeds for a world of 4"),
-                       (dict(device_speeds="measure"), "device_speeds 'measure'"), (dict(compute_scale=0), "compute_scale")):
+                       (dict(device_speeds="measure"), "device_speeds 'measure'"), (dict(compute_scale=0), "compute_scale"),
+                       (dict(optimizer="sgd"), "optimizer 'sgd'")):
         try:
             smp.plan(net, sample, **{"world_size": 4, **bad})
             failures.append(f"smp.plan accepted {bad}")
@@ -62,6 +64,23 @@ def main():
         failures.append(f"the best layout's simulated timeline is no SVG naming it: {svg[:120]!r}")
     if any(layout["timeline_svg"] for layout in found.layouts[1:]):
         failures.append("a timeline drawn for a layout other than the best")
+
+    # The job's optimizer, timed and sized as it keeps its state: SGD with momentum holds one moment, not AdamW's
+    # two, so the one-stage layout's rank needs a parameter's worth less (one plan, of one tensor-parallel degree;
+    # a pipeline's cut may move with its stages' memory).
+    adamw = smp.plan(net, sample, world_size=4, tensor_parallel_degrees=[1])
+    sgd = smp.plan(net, sample, world_size=4, tensor_parallel_degrees=[1],
+                   optimizer=functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9))
+    parameter_mib = sum(p.numel() * 4 for p in net.parameters()) / 2**20
+    with_sgd = {layout["layout"]: layout for layout in sgd.layouts}
+    compared = [layout for layout in adamw.layouts if layout["layout"] == "pp 1 x dp 4, gpipe, m 1"]
+    for first in compared:
+        saved = sum(first["memory_mib"]) - sum(with_sgd[first["layout"]]["memory_mib"])
+        if abs(saved - parameter_mib) > 0.01 * parameter_mib:
+            failures.append(f"{first['layout']}: SGD with momentum needs {saved:.3f} MiB less than AdamW over its "
+                            f"stages, not one parameter's worth ({parameter_mib:.3f} MiB)")
+    if not compared:
+        failures.append(f"no one-stage layout among {[layout['layout'] for layout in adamw.layouts]}")
 
     limit = max(found.best["memory_mib"]) - 0.01
     limited = smp.plan(net, sample, world_size=4, memory_limit_mb=limit)
