@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -238,9 +239,10 @@ class Job {
     const sigset_t managed = managed_signal_set();
     sigset_t previous_mask;
     ::sigprocmask(SIG_BLOCK, &managed, &previous_mask);
+    const pid_t launcher = ::getpid();
     const pid_t pid = ::fork();
     if (pid == 0) {
-      exec_rank(stdout_pipe[1], stderr_pipe[1], environment_pointers.data(), previous_mask);
+      exec_rank(stdout_pipe[1], stderr_pipe[1], environment_pointers.data(), previous_mask, launcher);
     }
     const int fork_error = errno;
     ::sigprocmask(SIG_SETMASK, &previous_mask, nullptr);
@@ -263,7 +265,11 @@ class Job {
 
   // In the forked child. smprun is single-threaded, so the child may use any libc function until exec.
   [[noreturn]] void exec_rank(int stdout_write_fd, int stderr_write_fd, char** environment,
-                              const sigset_t& original_mask) const {
+                              const sigset_t& original_mask, pid_t launcher) const {
+    // A rank dies with smprun (an OOM kill, a scheduler's kill -9): left alone, it trained on and kept saving into
+    // and pruning the checkpoint directory that a restarted job was resuming from.
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != launcher) ::_exit(1);  // smprun died before the line above
     // Left as smprun set them, an ignored SIGPIPE would survive exec and change how the program reacts to a
     // closed pipe.
     for (std::size_t index = 0; index < kManagedSignals.size(); ++index) {

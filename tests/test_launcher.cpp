@@ -636,6 +636,18 @@ TEST_CASE("smprun forwards SIGTERM and SIGINT to the ranks", "[launcher][smprun]
   for (const pid_t pid : pids_after("pid=", result.out)) CHECK(eventually_gone(pid));
 }
 
+TEST_CASE("ranks die with smprun when it is killed", "[launcher][smprun]") {
+  SmprunRun run;
+  run.args = {"-n", "2", "--", "sh", "-c", "echo pid=$$; exec sleep 100"};
+  run.signal_triggers = {
+      {[](const SmprunResult& sofar) { return pids_after("pid=", sofar.out).size() == 2; }, SIGKILL}};
+  const SmprunResult result = run_smprun(run);
+  CHECK(result.seconds < 20);
+  const std::vector<pid_t> ranks = pids_after("pid=", result.out);
+  REQUIRE(ranks.size() == 2);
+  for (const pid_t pid : ranks) CHECK(eventually_gone(pid));
+}
+
 TEST_CASE("smprun kills at once on a second signal", "[launcher][smprun]") {
   SmprunRun run;
   // The ranks ignore SIGTERM and the grace period is long, so only the second signal can end them in time.
