@@ -269,14 +269,23 @@ TEST_CASE("corrupt and truncated checkpoints are refused with a clear error", "[
   CHECK(truncated.status == 1);
   CHECK_THAT(truncated.output, Contains("truncated or replaced"));
 
-  // Resuming skips both, says why, and starts over.
+  // Resuming skips both, says why, and refuses to start over beside them (its first save would be refused) before
+  // any step.
   const auto resume_config = write_config("corrupt_resume", smp_config(2, 2, 2, "interleaved", "cluster", 8, 30,
                                                                        checkpoint_keys(dir, 0) + R"(, "resume": true)"));
   const auto resumed = run_command(worker(resume_config, "--steps 1"), 120);
   INFO(resumed.output);
-  CHECK(resumed.status == 0);
-  CHECK_THAT(resumed.output, Contains("skipping checkpoint") && Contains("checksum mismatch") &&
-                                 Contains("no complete checkpoint"));
+  CHECK(resumed.status == 1);
+  CHECK_THAT(resumed.output, Contains("skipping checkpoint") && Contains("\"resume\": no checkpoint in " + dir) &&
+                                 Contains("checksum mismatch") && Contains("truncated or replaced") &&
+                                 !Contains("] step 0 loss"));
+  // A save that never finished (no manifest) is a crash's leftover: the job starts over.
+  std::filesystem::remove_all(older);
+  std::filesystem::remove(newest + "/manifest.json");
+  const auto fresh = run_command(worker(resume_config, "--steps 1"), 120);
+  INFO(fresh.output);
+  CHECK(fresh.status == 0);
+  CHECK_THAT(fresh.output, Contains("the save did not finish") && Contains("no complete checkpoint"));
 }
 
 TEST_CASE("a checkpoint of another model is refused", "[faults][checkpoint]") {

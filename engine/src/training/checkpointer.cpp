@@ -533,6 +533,9 @@ std::int64_t Checkpointer::resume() {
   return manifest.step + 1;
 }
 
+// Rank 0's word, in place of a directory, that the job cannot resume, with why after it.
+const std::string kNoUsableCheckpoint = "\x01";
+
 std::optional<FoundCheckpoint> checkpoint_to_resume(Runtime& runtime, const std::string& key,
                                                     const std::vector<std::string>& module_names,
                                                     const std::string& model_signature) {
@@ -542,11 +545,25 @@ std::optional<FoundCheckpoint> checkpoint_to_resume(Runtime& runtime, const std:
     std::vector<std::string> skipped;
     const auto found = find_latest_checkpoint(config.checkpoint_dir, &skipped);
     for (const auto& reason : skipped) log::warn("skipping checkpoint: " + reason);
-    if (!found) log::info("no complete checkpoint in " + config.checkpoint_dir + "; starting from step 0");
-    runtime.publish(key, found ? found->directory : "");
+    // Saves that never finished (no manifest) are a crash's leftovers, and a fresh start is right. A damaged
+    // checkpoint whose save finished is not: training from step 0 beside it would end at the first save, refused
+    // as a run that was not resumed from the checkpoints there.
+    std::string damaged;
+    for (const auto& reason : skipped) {
+      if (reason.find("(the save did not finish)") == std::string::npos) damaged += (damaged.empty() ? "" : "; ") + reason;
+    }
+    if (!found && !damaged.empty()) {
+      runtime.publish(key, kNoUsableCheckpoint + "\"resume\": no checkpoint in " + config.checkpoint_dir +
+                               " can be resumed: " + damaged + ". Repair or remove them, or give the job another "
+                               "checkpoint_dir to start from step 0");
+    } else {
+      if (!found) log::info("no complete checkpoint in " + config.checkpoint_dir + "; starting from step 0");
+      runtime.publish(key, found ? found->directory : "");
+    }
   }
   const std::string directory = runtime.fetch(key);
   if (directory.empty()) return std::nullopt;
+  if (directory.rfind(kNoUsableCheckpoint, 0) == 0) throw CheckpointError(directory.substr(kNoUsableCheckpoint.size()));
   // Rank 0 verified every file; each rank checks its own again as Checkpointer::resume loads it.
   auto manifest = read_manifest(directory);
   if (manifest.partitions != config.partitions || manifest.virtual_stages != config.virtual_stages) {
