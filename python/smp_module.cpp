@@ -264,7 +264,9 @@ class PythonOptimizerState final : public OptimizerCheckpointState {
       });
       (*load_)(saved.share_count, saved.first_share, saved.shares_to_read, read);
     } catch (const py::error_already_set& error) {
-      throw CheckpointError(error.what());
+      // The package's own CheckpointError already says what is wrong; another error keeps its type's name.
+      const bool ours = error.matches(py::module_::import("smp._smp").attr("CheckpointError"));
+      throw CheckpointError(ours ? std::string(py::str(error.value())) : std::string(error.what()));
     }
   }
 

@@ -250,8 +250,8 @@ def load(name, model, quiet=False):
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
         graph_module = GraphPickler.loads(entry["graph"], FakeTensorMode(shape_env=ShapeEnv()))
         constants = torch.load(io.BytesIO(entry["constants"]), weights_only=False)
-        exported = _cached_export(graph_module, entry["inputs"], entry["outputs"], constants, entry["ranges"],
-                                  entry["out_spec"], entry["guards"])
+        exported = _cached_export(graph_module, _named_as_placeholders(entry["inputs"], graph_module),
+                                  entry["outputs"], constants, entry["ranges"], entry["out_spec"], entry["guards"])
     except FileNotFoundError:
         return None
     except Exception as error:  # noqa: BLE001 - a damaged or foreign entry is exported again and replaced
@@ -264,6 +264,18 @@ def load(name, model, quiet=False):
     if any(spec.kind.name in ("PARAMETER", "BUFFER") and spec.target not in held for spec in entry["inputs"]):
         return None
     return exported, entry["fixed_because"]
+
+
+def _named_as_placeholders(input_specs, graph_module):
+    """The input specs naming the graph's placeholders as read back: the graph made anew avoids Python's builtins
+    in its names, so a forward's `input` (every torch.nn layer's) came back as input_1, which no spec named."""
+    import dataclasses
+    placeholders = [node for node in graph_module.graph.nodes if node.op == "placeholder"]
+    if len(placeholders) != len(input_specs):
+        return input_specs
+    return [spec if getattr(spec.arg, "name", node.name) == node.name else
+            dataclasses.replace(spec, arg=dataclasses.replace(spec.arg, name=node.name))
+            for spec, node in zip(input_specs, placeholders)]
 
 
 def store(name, exported, fixed_because):

@@ -5,6 +5,7 @@ import atexit
 import io
 import os
 import sys
+import warnings
 import weakref
 
 import torch
@@ -12,6 +13,7 @@ import torch
 from . import _smp
 from ._distributed_optimizer import DistributedOptimizer
 from ._smp import CheckpointError, ConfigError
+from ._state import runtime
 
 
 class Checkpointer:
@@ -41,6 +43,10 @@ class Checkpointer:
         def load(share_count, first_share, shares_to_read, read):
             def scheduler_state(state):
                 # Every share holds the same scheduler state: it follows the step count alone.
+                if lr_scheduler is None and "lr_scheduler" in state and runtime().rank == 0:
+                    warnings.warn("resume: the checkpoint holds an LR scheduler's state, but this Checkpointer was "
+                                  "given no lr_scheduler: the learning rate stays where the checkpoint left it, "
+                                  "unscheduled", stacklevel=4)
                 if lr_scheduler is not None:
                     if "lr_scheduler" not in state:
                         raise CheckpointError("the checkpoint was saved without an LR scheduler, but one was given")

@@ -3,6 +3,7 @@ under sharded optimizer state."""
 
 import collections
 import io
+import warnings
 
 import torch
 
@@ -205,6 +206,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 group.pop("param_names", None)
                 group.update(saved)
 
+        options_before = [_options(group) for group in inner.param_groups]
         for share in range(first_share, first_share + shares_to_read):
             path, state, names = read(share)
             state = torch.load(io.BytesIO(state), map_location="cpu", weights_only=True)
@@ -212,7 +214,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 on_first(state)
             saved_class = state.get("optimizer_class", type(inner).__name__)
             if saved_class != type(inner).__name__:
-                raise CheckpointError(f"{path}: its optimizer state is a {saved_class}'s, and this optimizer is a "
+                raise CheckpointError(f"{path}: its optimizer state was saved by {saved_class}, and this optimizer is "
                                       f"{type(inner).__name__}: resume with the optimizer that saved it, or load the "
                                       "parameters alone (smp.export_checkpoint, then load_parameters)")
             saved_with = {id(by_name[name]) for name in names if name in by_name}
@@ -231,3 +233,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             merged.update({p: s for p, s in inner.state.items() if id(p) in kept})
             restore_groups()
         inner.state = collections.defaultdict(dict, merged)
+        changed = sorted({f"{key} {value!r} -> {group.get(key)!r}"
+                          for before, group in zip(options_before, inner.param_groups)
+                          for key, value in before.items() if repr(group.get(key)) != repr(value)})
+        if changed and runtime().rank == 0:
+            warnings.warn(f"resume: the checkpoint's optimizer options replaced this optimizer's ({'; '.join(changed)}), "
+                          "as torch.optim's load_state_dict does: to train on with others, set them in "
+                          "optimizer.param_groups after resume()", stacklevel=3)
+
+
+def _options(group):
+    """A parameter group's options; under an LR scheduler the base learning rate (initial_lr), not the scheduled one."""
+    left_out = {"params", "param_names"} | ({"lr"} if "initial_lr" in group else set())
+    return {key: value for key, value in group.items() if key not in left_out}

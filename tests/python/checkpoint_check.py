@@ -122,6 +122,37 @@ def lost_save(python, root):
         raise SystemExit(f"a failed save without wait() exited {result.returncode}:\n{result.stderr[-2000:]}")
 
 
+OPTIONS = """
+import sys, torch, smp
+root, lr, scheduled = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "scheduled"
+smp.init({"partitions": 1, "microbatches": 1, "checkpoint_dir": root, "resume": True, "device": "cpu"})
+model = smp.DistributedModel(torch.nn.Linear(3, 2), torch.zeros(2, 3))
+optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr))
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda step: 1.0) if scheduled else None
+checkpointer = smp.Checkpointer(model, optimizer, lr_scheduler=scheduler)
+if checkpointer.resume() == 0:
+    checkpointer.save(0)
+    checkpointer.wait()
+print("lr", optimizer.param_groups[0]["lr"])
+"""
+
+
+def options_replaced(python, root):
+    """A resume whose optimizer was built with other options (a learning rate), or without the LR scheduler the
+    checkpoint holds the state of, takes the checkpoint's as torch.optim does, and says so."""
+    def run(*args):
+        return subprocess.run([python, "-c", OPTIONS, root, *args], capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+    saved = run("0.1", "scheduled")
+    resumed = run("0.5", "unscheduled")
+    said = resumed.stderr
+    if saved.returncode or resumed.returncode or "lr 0.1" not in resumed.stdout or \
+            "optimizer options replaced this optimizer's (lr 0.5 -> 0.1)" not in said or \
+            "holds an LR scheduler's state, but this Checkpointer was given no lr_scheduler" not in said:
+        raise SystemExit(f"a resume with another learning rate and no scheduler:\n{saved.stderr[-1500:]}\n"
+                         f"{resumed.stdout[-500:]}\n{said[-2000:]}")
+
+
 def main():
     smprun, python = sys.argv[1:3]
     sharded = "--sharded" in sys.argv[3:]
@@ -179,6 +210,7 @@ def main():
                 raise SystemExit(f"exported model: {name} differs from 6 steps of plain PyTorch")
         if not sharded and not tensor_parallel:
             lost_save(python, os.path.join(directory, "lost"))
+            options_replaced(python, os.path.join(directory, "options"))
     print("trained 4 steps" + (" in tensor-parallel shards" if tensor_parallel else "") + ", resumed" +
           (" into one replica, then into two shards again" if sharded else "") +
           ", trained to 6, exported: parameters equal plain PyTorch's")
