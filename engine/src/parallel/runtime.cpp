@@ -414,9 +414,17 @@ std::string Runtime::fetch(const std::string& key) {
     const auto bytes = store_->get("smp/" + key);
     return std::string(bytes.begin(), bytes.end());
   } catch (const std::exception& error) {
-    // Rank 0 publishes most keys; "visible_devices/N" comes from rank N.
+    // Rank 0 publishes most keys ("visible_devices/N" comes from rank N) and holds the store itself.
+    const std::string reason = comm::brief_message(error);
+    std::string hint;
+    if (reason.find("closed") != std::string::npos || reason.find("reset") != std::string::npos) {
+      hint = " (rank 0 holds the job's store: did it exit or fail?)";
+    } else if (reason.find("timeout") != std::string::npos || reason.find("timed out") != std::string::npos) {
+      hint = " (another rank, most often rank 0, publishes it and did not within comm_timeout_s: is it alive, stuck, "
+             "or running another program?)";
+    }
     throw comm::CommError("rank " + std::to_string(rank()) + " waited for \"" + key + "\" in the rendezvous store: " +
-                          comm::brief_message(error));
+                          reason + hint);
   }
 }
 
