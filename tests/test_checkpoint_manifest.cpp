@@ -66,6 +66,9 @@ TEST_CASE("checkpoint: manifest round trip and strict parsing", "[checkpoint]") 
   CHECK(back.stage_of_module == manifest.stage_of_module);
   CHECK(back.files.size() == 2);
   CHECK(back.files[1].crc32 == 2);
+  CHECK(back.model_parameters.empty());  // written before the list was kept
+  manifest.model_parameters = "0.weight:4,3,;0.bias:4,;";
+  CHECK(CheckpointManifest::parse(manifest.to_json(), "m.json").model_parameters == manifest.model_parameters);
 
   CHECK_THROWS_WITH(CheckpointManifest::parse("{", "m.json"), Contains("m.json: not a valid manifest"));
   CHECK_THROWS_WITH(CheckpointManifest::parse("[]", "m.json"), Contains("expected an object"));
@@ -82,6 +85,8 @@ TEST_CASE("checkpoint: manifest round trip and strict parsing", "[checkpoint]") 
   CHECK_THROWS_WITH(CheckpointManifest::parse(edit([](auto& d) { d["files"].erase(1); }), "m"), Contains("no file for pipeline rank 1"));
   CHECK_THROWS_WITH(CheckpointManifest::parse(edit([](auto& d) { d["stage_of_module"][2] = 5; }), "m"), Contains("stage_of_module[2]"));
   CHECK_THROWS_WITH(CheckpointManifest::parse(edit([](auto& d) { d["files"][0]["crc32"] = -1; }), "m"), Contains("files entry"));
+  CHECK_THROWS_WITH(CheckpointManifest::parse(edit([](auto& d) { d["model_parameters"] = 3; }), "m"),
+                    Contains("model_parameters must be a string"));
 }
 
 TEST_CASE("checkpoint: sharded optimizer state needs one shard file per pipeline rank and later replica",

@@ -296,7 +296,8 @@ TEST_CASE("a checkpoint of another model is refused", "[faults][checkpoint]") {
                                                                            checkpoint_keys(dir, 0) + R"(, "resume": true)"));
   const auto refused = run_worker(2, resume_config, "--model gpt --steps 1");
   CHECK(refused.status != 0);
-  CHECK_THAT(refused.output, Contains("holds another model"));
+  CHECK_THAT(refused.output, Contains("holds another model") && Contains(": parameter 0 is "));
+  INFO(refused.output);
 }
 
 TEST_CASE("a NaN loss stops the job naming the step, or skips the step when configured", "[faults][nonfinite]") {

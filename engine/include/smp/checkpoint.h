@@ -64,7 +64,8 @@ class OptimizerCheckpointState {
 // partition.
 std::optional<FoundCheckpoint> checkpoint_to_resume(Runtime& runtime, const std::string& key,
                                                     const std::vector<std::string>& module_names,
-                                                    const std::string& model_signature);
+                                                    const std::string& model_signature,
+                                                    const std::string& model_parameters = "");
 
 class Checkpointer {
  public:

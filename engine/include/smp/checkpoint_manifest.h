@@ -54,6 +54,9 @@ struct CheckpointManifest {
   std::vector<std::string> module_names;
   std::vector<int> stage_of_module;  // the partition
   std::string model_signature;       // parameter names and shapes, to refuse a different model
+  // The parameters the signature covers, "name:d0,d1,;" each (absent in checkpoints written before): a refusal
+  // names the first that differs.
+  std::string model_parameters;
   std::uint64_t seed = 0;
   std::string config_json;           // the job's config as given
   std::vector<CheckpointFile> files;

@@ -135,6 +135,8 @@ class DistributedModel {
   void mark_state_resumed() { state_resumed_ = true; }
   // Parameter names and shapes of the whole model, so a checkpoint of another model is refused.
   const std::string& model_signature() const { return model_signature_; }
+  // What the signature covers, "name:d0,d1,;" each (rank 0, which profiled the whole model; empty elsewhere).
+  const std::string& model_parameters() const { return model_parameters_; }
   // The next train_step or evaluate is given this replica's share of this global batch (Python's train_step takes
   // it): that call also checks that every rank was given the same global batch.
   void next_call_takes_share_of(const ModelInputs& inputs, const at::Tensor& targets,
@@ -263,6 +265,7 @@ class DistributedModel {
   bool state_resumed_ = false;
   bool said_not_resumed_ = false;
   std::string model_signature_;
+  std::string model_parameters_;
   bool last_step_skipped_ = false;
   bool gradients_dropped_ = false;
   // Each parameter's gradient as a dropped step's train_step left it (its tensor and version): a gradient since

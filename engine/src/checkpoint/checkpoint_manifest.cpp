@@ -131,6 +131,7 @@ std::string CheckpointManifest::to_json() const {
                {"files", files_json}});
   if (tensor_parallel_degree > 1) document["tensor_parallel_degree"] = tensor_parallel_degree;
   if (expert_parallel_degree > 1) document["expert_parallel_degree"] = expert_parallel_degree;
+  if (!model_parameters.empty()) document["model_parameters"] = model_parameters;
   return document.dump(2);
 }
 
@@ -186,6 +187,10 @@ CheckpointManifest CheckpointManifest::parse(const std::string& text, const std:
   manifest.schedule = field("schedule", [](const json& v) { return v.is_string(); }, "a string").get<std::string>();
   manifest.model_signature = field("model_signature", [](const json& v) { return v.is_string(); }, "a string").get<std::string>();
   manifest.config_json = field("config", [](const json& v) { return v.is_string(); }, "a string").get<std::string>();
+  if (document.contains("model_parameters")) {
+    if (!document["model_parameters"].is_string()) throw fail("model_parameters must be a string");
+    manifest.model_parameters = document["model_parameters"].get<std::string>();
+  }
   manifest.seed = field("seed", [](const json& v) { return v.is_number_unsigned() || (v.is_number_integer() && v.get<long long>() >= 0); }, "a non-negative integer").get<std::uint64_t>();
   const json& names = field("module_names", [](const json& v) { return v.is_array(); }, "a list");
   const json& stages = field("stage_of_module", [](const json& v) { return v.is_array(); }, "a list");

@@ -321,6 +321,7 @@ void Checkpointer::save(std::int64_t step) {
     for (const auto& module : model_.plan().modules) manifest->module_names.push_back(module.name);
     manifest->stage_of_module = model_.plan().stage_of_module;
     manifest->model_signature = model_.model_signature();
+    manifest->model_parameters = model_.model_parameters();
     manifest->seed = config.seed;
     manifest->config_json = config.text;
   }
@@ -533,12 +534,43 @@ std::int64_t Checkpointer::resume() {
   return manifest.step + 1;
 }
 
+namespace {
+
+// ": the first parameter where two models' lists ("name:d0,d1,;" each) part", or "" where either is unknown.
+std::string first_difference(const std::string& saved, const std::string& here) {
+  if (saved.empty() || here.empty()) return "";
+  const auto entries = [](const std::string& list) {
+    std::vector<std::string> found;
+    std::size_t start = 0;
+    for (std::size_t end; (end = list.find(';', start)) != std::string::npos; start = end + 1) {
+      found.push_back(list.substr(start, end - start));
+    }
+    return found;
+  };
+  const auto described = [](const std::string& entry) {  // "name:4,3," -> "name [4, 3]"
+    const auto colon = entry.rfind(':');
+    std::string sizes = entry.substr(colon + 1);
+    if (!sizes.empty() && sizes.back() == ',') sizes.pop_back();
+    for (std::size_t at = 0; (at = sizes.find(',', at)) != std::string::npos; at += 2) sizes.replace(at, 1, ", ");
+    return entry.substr(0, colon) + " [" + sizes + "]";
+  };
+  const std::vector<std::string> there = entries(saved), mine = entries(here);
+  std::size_t i = 0;
+  while (i < there.size() && i < mine.size() && there[i] == mine[i]) ++i;
+  if (i == there.size() && i == mine.size()) return "";
+  return ": parameter " + std::to_string(i) + " is " + (i < there.size() ? described(there[i]) : "none") +
+         " there, " + (i < mine.size() ? described(mine[i]) : "none") + " here";
+}
+
 // Rank 0's word, in place of a directory, that the job cannot resume, with why after it.
 const std::string kNoUsableCheckpoint = "\x01";
 
+}  // namespace
+
 std::optional<FoundCheckpoint> checkpoint_to_resume(Runtime& runtime, const std::string& key,
                                                     const std::vector<std::string>& module_names,
-                                                    const std::string& model_signature) {
+                                                    const std::string& model_signature,
+                                                    const std::string& model_parameters) {
   const Config& config = runtime.config();
   // Rank 0 chooses, so that every rank resumes from the same checkpoint even if another is being written.
   if (runtime.rank() == 0) {
@@ -605,10 +637,17 @@ std::optional<FoundCheckpoint> checkpoint_to_resume(Runtime& runtime, const std:
   }
   if (manifest.model_signature != model_signature) {
     throw CheckpointError(directory + " holds another model (" + manifest.model_signature + "; this model: " +
-                          model_signature + ")");
+                          model_signature + ")" + first_difference(manifest.model_parameters, model_parameters));
   }
   if (module_names != manifest.module_names) {
-    throw CheckpointError(directory + ": the model's modules differ from the checkpoint's");
+    std::size_t i = 0;
+    while (i < module_names.size() && i < manifest.module_names.size() && module_names[i] == manifest.module_names[i]) ++i;
+    const auto named = [&](const std::vector<std::string>& names) {
+      return i < names.size() ? "\"" + names[i] + "\"" : std::string("none");
+    };
+    throw CheckpointError(directory + ": the model's modules differ from the checkpoint's: module " +
+                          std::to_string(i) + " is " + named(manifest.module_names) + " there, " +
+                          named(module_names) + " here");
   }
   return FoundCheckpoint{directory, std::move(manifest)};
 }

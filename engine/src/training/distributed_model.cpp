@@ -168,6 +168,7 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
       count += static_cast<std::size_t>(std::count(profile.parameter_shapes.begin(), profile.parameter_shapes.end(), ';'));
     }
     model_signature_ = std::to_string(count) + " parameters, crc32 " + std::to_string(crc32(shapes.data(), shapes.size()));
+    model_parameters_ = shapes;
     const StageDevices devices = stage_devices(config, runtime_->topology(), schedule.stage_to_rank, speeds);
     if (config.measure_device_speeds) {
       std::string measured;
@@ -189,7 +190,8 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
   if (config.resume) {
     std::vector<std::string> names;
     for (const auto& node : model_.nodes()) names.push_back(node.name);
-    resumed_from_ = checkpoint_to_resume(*runtime_, exchange_ + "resume_from", names, model_signature_);
+    resumed_from_ = checkpoint_to_resume(*runtime_, exchange_ + "resume_from", names, model_signature_,
+                                         model_parameters_);
     if (resumed_from_) {
       if (runtime_->rank() == 0 && plan_.stage_of_module != resumed_from_->manifest.stage_of_module) {
         log::info("resuming from " + resumed_from_->directory + " keeps the cut it was saved with; this job's " +
