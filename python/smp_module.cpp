@@ -78,6 +78,13 @@ class ScriptedModule : public torch::nn::Module {
   torch::jit::Module scripted_;
 };
 
+// Called in a handler of the error a Python call raised: Ctrl-C's KeyboardInterrupt goes on through the engine as
+// Interrupted (no layer wraps it, and the bindings give Python KeyboardInterrupt back); any other error as it is.
+[[noreturn]] void rethrow_python_error(const py::error_already_set& error) {
+  if (error.matches(PyExc_KeyboardInterrupt)) throw Interrupted("interrupted (KeyboardInterrupt)");
+  throw;
+}
+
 // A Python object that the engine may drop while the GIL is released (a step, a checkpoint thread): the deleter
 // takes the GIL.
 std::shared_ptr<py::object> held_under_gil(py::object object) {
@@ -144,7 +151,12 @@ class EagerModule : public torch::nn::Module, public tp::Sharded, public tp::Seq
     py::gil_scoped_acquire gil;
     py::tuple arguments(inputs.size());
     for (std::size_t i = 0; i < inputs.size(); ++i) arguments[i] = py::cast(inputs[i]);
-    py::object output = (*call_)(*arguments);
+    py::object output;
+    try {
+      output = (*call_)(*arguments);
+    } catch (const py::error_already_set& error) {
+      rethrow_python_error(error);
+    }
     try {
       return output.cast<at::Tensor>();
     } catch (const py::cast_error&) {
@@ -192,7 +204,11 @@ void set_run_fuser(GraphModel& graph, const py::object& fuser) {
       py::gil_scoped_acquire gil;
       py::tuple arguments(values.size());
       for (std::size_t i = 0; i < values.size(); ++i) arguments[i] = py::cast(values[i]);
-      return (*call)(*arguments).cast<std::vector<at::Tensor>>();
+      try {
+        return (*call)(*arguments).cast<std::vector<at::Tensor>>();
+      } catch (const py::error_already_set& error) {
+        rethrow_python_error(error);
+      }
     });
   });
 }
@@ -211,7 +227,12 @@ OutputsLossFunction python_loss(py::function loss) {
   auto holder = held_under_gil(std::move(loss));
   return [holder](const std::vector<at::Tensor>& outputs, const at::Tensor& target) {
     py::gil_scoped_acquire gil;
-    py::object result = (*holder)(outputs, target.defined() ? py::cast(target) : py::none());
+    py::object result;
+    try {
+      result = (*holder)(outputs, target.defined() ? py::cast(target) : py::none());
+    } catch (const py::error_already_set& error) {
+      rethrow_python_error(error);
+    }
     try {
       return result.cast<at::Tensor>();
     } catch (const py::cast_error&) {
@@ -247,6 +268,7 @@ class PythonOptimizerState final : public OptimizerCheckpointState {
       try {
         *bytes = (*snapshot_)().cast<std::string>();
       } catch (const py::error_already_set& error) {
+        if (error.matches(PyExc_KeyboardInterrupt)) rethrow_python_error(error);
         throw CheckpointError(std::string("saving the optimizer state: ") + error.what());
       }
     }
@@ -264,6 +286,7 @@ class PythonOptimizerState final : public OptimizerCheckpointState {
       });
       (*load_)(saved.share_count, saved.first_share, saved.shares_to_read, read);
     } catch (const py::error_already_set& error) {
+      if (error.matches(PyExc_KeyboardInterrupt)) rethrow_python_error(error);
       // The package's own CheckpointError already says what is wrong; another error keeps its type's name.
       const bool ours = error.matches(py::module_::import("smp._smp").attr("CheckpointError"));
       throw CheckpointError(ours ? std::string(py::str(error.value())) : std::string(error.what()));
@@ -275,9 +298,6 @@ class PythonOptimizerState final : public OptimizerCheckpointState {
  private:
   std::shared_ptr<py::object> snapshot_, load_;
 };
-
-// Set by smp's SIGINT handler: the KeyboardInterrupt it raised may reach Python as an engine error.
-std::atomic<bool> interrupted{false};
 
 }  // namespace
 
@@ -291,15 +311,21 @@ PYBIND11_MODULE(_smp, module) {
   py::register_exception<CheckpointError>(module, "CheckpointError", PyExc_RuntimeError);
   py::register_exception<comm::CommError>(module, "CommError", PyExc_RuntimeError);
   // Ctrl-C (smprun forwards SIGINT to every rank) ends each rank as KeyboardInterrupt, as in plain PyTorch: where
-  // the interrupt stopped a module the engine called, and where it is still pending because the rank waited in C++
-  // on a peer that the interrupt had stopped. Otherwise that peer's leaving surfaced as a CommError, and Python,
-  // raising the pending interrupt while it printed that error, lost its stderr.
+  // the interrupt stopped Python code the engine called (Interrupted), and where it is still pending because the
+  // rank waited in C++ on a peer that the interrupt had stopped. Otherwise that peer's leaving surfaced as a
+  // CommError, and Python, raising the pending interrupt while it printed that error, lost its stderr.
   py::register_exception_translator([](std::exception_ptr thrown) {
-    const bool pending = PyErr_CheckSignals() != 0;  // runs the handlers, which may raise something else
-    if (!pending && !interrupted.exchange(false)) std::rethrow_exception(thrown);
-    if (!PyErr_Occurred()) PyErr_SetNone(PyExc_KeyboardInterrupt);
+    try {
+      std::rethrow_exception(thrown);
+    } catch (const Interrupted&) {
+      PyErr_SetNone(PyExc_KeyboardInterrupt);
+      return;
+    } catch (...) {
+    }
+    // Runs the pending handlers: Python's default SIGINT handler raises KeyboardInterrupt, set as the error now.
+    if (PyErr_CheckSignals() != 0) return;
+    std::rethrow_exception(thrown);
   });
-  module.def("note_interrupt", [] { interrupted = true; });
 
   py::class_<ScriptedModule, std::shared_ptr<ScriptedModule>>(module, "ScriptedModule");
   module.def("load_scripted", &load_scripted, py::arg("serialized"));

@@ -52,6 +52,7 @@
 #include "checkpoint/optimizer_snapshot.h"
 #include "pipeline/split_backward.h"
 #include "training/loss_scaler.h"
+#include "training/model_random_stream.h"
 #include "training/nonfinite_steps.h"
 
 namespace {
@@ -412,6 +413,19 @@ TEST_CASE("a checkpoint_dir that cannot be written is refused when the Checkpoin
                     Catch::Contains("checkpoint_dir \"" + blocker + "/checkpoints\": rank 0 cannot write there"));
 }
 
+TEST_CASE("one job at a time saves into a checkpoint_dir", "[checkpoint]") {
+  const std::string directory = fresh_temporary_directory("locked");
+  auto job = one_process_job(directory, false);
+  {
+    smp::Checkpointer first(*job.model, std::make_unique<RecordedOptimizerState>());
+    CHECK_THROWS_WITH(smp::Checkpointer(*job.model, std::make_unique<RecordedOptimizerState>()),
+                      Catch::Contains("checkpoint_dir \"" + directory + "\" is in use by another job (pid " +
+                                      std::to_string(::getpid())));
+  }
+  CHECK_NOTHROW(smp::Checkpointer(*job.model, std::make_unique<RecordedOptimizerState>()));  // let go with the first
+  CHECK(std::system(("rm -rf " + directory).c_str()) == 0);
+}
+
 TEST_CASE("a program that ends without wait() after a failed save exits with status 1", "[checkpoint]") {
   const std::string directory = fresh_temporary_directory("failed_save");
   std::fflush(nullptr);
@@ -421,7 +435,7 @@ TEST_CASE("a program that ends without wait() after a failed save exits with sta
     {
       auto job = one_process_job(directory, false);
       smp::Checkpointer checkpointer(*job.model, std::make_unique<RecordedOptimizerState>());
-      std::filesystem::remove_all(directory);
+      REQUIRE(std::system(("rm -rf " + directory).c_str()) == 0);  // not remove_all: libtorch.so's crashes
       std::ofstream(directory) << "the directory became a file";  // the save cannot make its directory
       checkpointer.save(0);
     }
@@ -536,8 +550,10 @@ std::vector<at::Tensor> state_after_a_step(const std::string& extra_keys) {
   std::vector<at::Tensor> state;
   for (const auto& parameter : model.parameters()) state.push_back(parameter.grad().clone());
   for (const auto& buffer : buffers) state.push_back(buffer.clone());
-  // The recompute must also leave the random sequence where a run without it would be.
+  // The recompute must also leave the random sequences where a run without it would be: the model's stream, which
+  // its dropout draws from, and the program's.
   state.push_back(at::tensor({first_loss, at::rand({1}).item<double>()}, at::kDouble));
+  for (const at::Tensor& stream : model.random_stream().states()) state.push_back(stream.clone());
   return state;
 }
 
@@ -565,12 +581,33 @@ TEST_CASE("a LibTorch optimizer of another class refuses the saved state, naming
     checkpointer.save(0);
     checkpointer.wait();
   }
-  auto job = one_process_job(directory, true);
-  smp::DistributedOptimizer optimizer(*job.model, std::make_unique<torch::optim::SGD>(
-                                                      job.model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9)));
-  smp::Checkpointer checkpointer(*job.model, optimizer);
-  CHECK_THROWS_WITH(checkpointer.resume(), Catch::Contains("AdamW") && Catch::Contains("SGD"));
-  CHECK(std::system(("rm -rf " + directory).c_str()) == 0);
+  {
+    auto job = one_process_job(directory, true);
+    smp::DistributedOptimizer optimizer(*job.model, std::make_unique<torch::optim::SGD>(
+                                                        job.model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9)));
+    smp::Checkpointer checkpointer(*job.model, optimizer);
+    CHECK_THROWS_WITH(checkpointer.resume(), Catch::Contains("AdamW") && Catch::Contains("SGD"));
+  }
+  // A subclass of a LibTorch optimizer (saved through a copy of its base class) resumes its own state.
+  struct ClippedSGD : torch::optim::SGD {
+    using torch::optim::SGD::SGD;
+  };
+  const std::string subclassed = fresh_temporary_directory("optimizer_subclass");
+  for (const bool resume : {false, true}) {
+    auto job = one_process_job(subclassed, resume);
+    smp::DistributedOptimizer optimizer(*job.model, std::make_unique<ClippedSGD>(
+        job.model->parameters(), torch::optim::SGDOptions(resume ? 0.5 : 0.1).momentum(0.9)));
+    smp::Checkpointer checkpointer(*job.model, optimizer);
+    if (resume) {
+      CHECK_NOTHROW(checkpointer.resume());
+      // The checkpoint's learning rate, as Optimizer::load restores it (rank 0 says so in the log).
+      CHECK(optimizer.local().param_groups()[0].options().get_lr() == 0.1);
+    } else {
+      checkpointer.save(0);
+      checkpointer.wait();
+    }
+  }
+  CHECK(std::system(("rm -rf " + directory + " " + subclassed).c_str()) == 0);
 }
 
 TEST_CASE("a checkpointed stage recomputes with the forward's random numbers and leaves batch norm's statistics "

@@ -23,8 +23,6 @@ copied, so there they are the copy's).
 
 import json
 import os
-import signal
-import threading
 
 import torch  # noqa: F401 - loads LibTorch before the extension that links it
 
@@ -59,23 +57,8 @@ def init(config, sections=None):
     if sections is not None:
         parsed.check_sections(list(sections))
     _state.set_runtime(_smp.Runtime.init(parsed))
-    _note_interrupts()
     take_over_torch_clipping()  # torch.nn.utils.clip_grad_norm_ over a DistributedModel: the whole model's norm
     return _state.runtime()
-
-
-def _note_interrupts():
-    # Python's own Ctrl-C handling, telling the engine: a KeyboardInterrupt raised inside a module the engine called
-    # comes back out of train_step as KeyboardInterrupt, not as the engine's error about it. A handler of the
-    # program's own stays.
-    if threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _interrupted)
-
-
-def _interrupted(signum, frame):
-    _smp.note_interrupt()
-    raise KeyboardInterrupt
 
 
 def materialize(model, device="cpu", seed=0, init_fn=None):

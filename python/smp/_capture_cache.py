@@ -250,8 +250,9 @@ def load(name, model, quiet=False):
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
         graph_module = GraphPickler.loads(entry["graph"], FakeTensorMode(shape_env=ShapeEnv()))
         constants = torch.load(io.BytesIO(entry["constants"]), weights_only=False)
-        exported = _cached_export(graph_module, _named_as_placeholders(entry["inputs"], graph_module),
-                                  entry["outputs"], constants, entry["ranges"], entry["out_spec"], entry["guards"])
+        _placeholders_named_as_specs(entry["inputs"], graph_module)
+        exported = _cached_export(graph_module, entry["inputs"], entry["outputs"], constants, entry["ranges"],
+                                  entry["out_spec"], entry["guards"])
     except FileNotFoundError:
         return None
     except Exception as error:  # noqa: BLE001 - a damaged or foreign entry is exported again and replaced
@@ -266,16 +267,18 @@ def load(name, model, quiet=False):
     return exported, entry["fixed_because"]
 
 
-def _named_as_placeholders(input_specs, graph_module):
-    """The input specs naming the graph's placeholders as read back: the graph made anew avoids Python's builtins
-    in its names, so a forward's `input` (every torch.nn layer's) came back as input_1, which no spec named."""
-    import dataclasses
+def _placeholders_named_as_specs(input_specs, graph_module):
+    """The read-back graph's placeholders under the names the export gave them, which the specs hold: the graph made
+    anew avoids Python's builtins in its names, so a forward's `input` (every torch.nn layer's) came back as input_1,
+    named otherwise than on a rank that exported it itself (the ranks' models then differed) and than its spec."""
     placeholders = [node for node in graph_module.graph.nodes if node.op == "placeholder"]
     if len(placeholders) != len(input_specs):
-        return input_specs
-    return [spec if getattr(spec.arg, "name", node.name) == node.name else
-            dataclasses.replace(spec, arg=dataclasses.replace(spec.arg, name=node.name))
-            for spec, node in zip(input_specs, placeholders)]
+        return
+    for spec, node in zip(input_specs, placeholders):
+        name = getattr(spec.arg, "name", None)
+        if name is not None and node.name != name:
+            node.name = name  # not _rename: it would pick another name again
+    graph_module.recompile()
 
 
 def store(name, exported, fixed_because):

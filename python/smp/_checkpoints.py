@@ -52,7 +52,8 @@ class Checkpointer:
                         raise CheckpointError("the checkpoint was saved without an LR scheduler, but one was given")
                     lr_scheduler.load_state_dict(state["lr_scheduler"])
 
-            optimizer._load_shares(first_share, shares_to_read, read, on_first=scheduler_state)
+            optimizer._load_shares(first_share, shares_to_read, read, on_first=scheduler_state,
+                                   scheduled=lr_scheduler is not None)
 
         self._checkpointer = _smp.Checkpointer(model._model, snapshot, load)
         # A program that ends without wait() must not end as if its last checkpoint were saved: the engine's

@@ -386,7 +386,9 @@ class DistributedModel(torch.nn.Module):
         if args and kwargs:
             raise TypeError("pass the inputs positionally or by keyword, not both (a dict of keyword inputs, as the "
                             "sample, takes both kinds)")
-        if self.training and torch.is_grad_enabled():
+        # The net's own mode too: one handed over in eval mode (from_pretrained's) is for inference.
+        net_training = self._net.training if isinstance(self._net, torch.nn.Module) else True
+        if self.training and net_training and torch.is_grad_enabled():
             # A ported loop's `loss = criterion(model(x), y); loss.backward()` would fail later, on outputs that
             # have no graph (the stages ran on other ranks), or on None where no last stage runs.
             raise ModelError("calling the model runs its forwards for inference: the outputs have no gradients, on "

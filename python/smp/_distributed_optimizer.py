@@ -184,10 +184,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         state = {key: value for key, value in state.items() if key != "smp_optimizer_shard"}
         self.optimizer.load_state_dict(state)
 
-    def _load_shares(self, first_share, shares_to_read, read, on_first=None):
+    def _load_shares(self, first_share, shares_to_read, read, on_first=None, scheduled=False):
         """Loads optimizer state saved as shares, whatever this optimizer's sharding: a checkpoint resumes into
         another number of replicas, or with sharding switched on or off. read(share) gives (path, state_dict, names
-        of the parameters the saving replica's optimizer held); on_first(state_dict) sees the first one read."""
+        of the parameters the saving replica's optimizer held); on_first(state_dict) sees the first one read.
+        Options the checkpoint replaces are said, but for those an LR scheduler moves (`scheduled`)."""
         # load_state_dict matches saved state to the groups' parameters by position: each share loads while the
         # groups hold exactly the parameters of the replica that saved it; the groups then get this replica's back,
         # and the state of those another replica now updates goes at once.
@@ -206,7 +207,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 group.pop("param_names", None)
                 group.update(saved)
 
-        options_before = [_options(group) for group in inner.param_groups]
+        options_before = [_options(group, scheduled) for group in inner.param_groups]
         for share in range(first_share, first_share + shares_to_read):
             path, state, names = read(share)
             state = torch.load(io.BytesIO(state), map_location="cpu", weights_only=True)
@@ -242,7 +243,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                           "optimizer.param_groups after resume()", stacklevel=3)
 
 
-def _options(group):
-    """A parameter group's options; under an LR scheduler the base learning rate (initial_lr), not the scheduled one."""
-    left_out = {"params", "param_names"} | ({"lr"} if "initial_lr" in group else set())
-    return {key: value for key, value in group.items() if key not in left_out}
+def _options(group, scheduled):
+    """The parameter group's options a resume should keep as the program built them: under an LR scheduler only the
+    base learning rate (initial_lr, where the scheduler sets one: the schedulers move lr, and OneCycleLR momentum and
+    betas too), else every option."""
+    if scheduled:
+        return {"initial_lr": group["initial_lr"]} if "initial_lr" in group else {}
+    return {key: value for key, value in group.items() if key not in ("params", "param_names")}

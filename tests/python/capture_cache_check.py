@@ -82,6 +82,19 @@ class TiedOrNot(torch.nn.Module):
         return self.head(self.embed(ids) * self.scale)
 
 
+class TakesInput(torch.nn.Module):
+    """A forward whose argument is named `input`, as every torch.nn layer's: the graph read back from the cache named
+    it input_1, unlike the export of the rank that made the entry (the ranks' models differed), and unlike its spec."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, input):
+        return self.b(torch.tanh(self.a(input))) + input
+
+
 MODULE_V1 = """
 import torch
 class Block(torch.nn.Module):
@@ -112,6 +125,17 @@ def main():
     fresh, kept = losses(first), losses(again)
     if not torch.allclose(torch.tensor(fresh), torch.tensor(kept), rtol=1e-6, atol=0):
         failures.append(f"the model captured from the cache trained to losses {kept}, the exported one to {fresh}")
+
+    # One rank exports, the other reads the entry back; then both read it back.
+    for attempt in ("made", "read back"):
+        count, model = exported_by_the_job(lambda: smp.DistributedModel(TakesInput(), torch.zeros(2, 4)))
+        if count != (attempt == "made"):
+            failures.append(f"a forward taking `input`, entry {attempt}: {count} exports over the 2 ranks")
+        inputs = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+        loss = model.train_step(inputs, torch.zeros(4, 4), torch.nn.functional.mse_loss).loss
+        expected = torch.nn.functional.mse_loss(TakesInput()(inputs), torch.zeros(4, 4)).item()
+        if abs(loss - expected) > 1e-6:
+            failures.append(f"a forward taking `input`, entry {attempt}: loss {loss}, PyTorch's {expected}")
 
     for what, build in (("another sample length", lambda: smp.DistributedModel(gpt2(), sample(length=16))),
                         ("another config (3 layers)", lambda: smp.DistributedModel(gpt2(layers=3), sample()))):

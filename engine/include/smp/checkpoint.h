@@ -67,6 +67,8 @@ std::optional<FoundCheckpoint> checkpoint_to_resume(Runtime& runtime, const std:
                                                     const std::string& model_signature,
                                                     const std::string& model_parameters = "");
 
+class DirectoryLock;
+
 class Checkpointer {
  public:
   // Uses the config's checkpoint_dir, checkpoint_interval, checkpoints_kept and resume.
@@ -103,6 +105,7 @@ class Checkpointer {
   bool said_disabled_ = false;
   bool resume_called_ = false;  // a save without it, where the config asked to resume, says so once
   std::future<void> pending_;  // the save being written
+  std::unique_ptr<DirectoryLock> lock_;  // rank 0's, while it may save
 };
 
 }  // namespace smp

@@ -17,4 +17,11 @@ class NonFiniteError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The program was interrupted (Ctrl-C) while the engine ran its code (a Python module or loss): no layer wraps it
+// into an error of its own, and Python gets KeyboardInterrupt back.
+class Interrupted : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 }  // namespace smp

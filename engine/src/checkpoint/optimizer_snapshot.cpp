@@ -46,10 +46,11 @@ void copy_tensors(torch::optim::RMSpropParamState& state) {
   state.grad_avg(copy_of(state.grad_avg()));
 }
 
-std::string serialized(const torch::optim::Optimizer& optimizer) {
+// `live_class`: the live optimizer's, which a twin of its base class (a subclass's snapshot) does not have.
+std::string serialized(const torch::optim::Optimizer& optimizer, const std::string& live_class) {
   torch::serialize::OutputArchive archive;
   optimizer.save(archive);
-  archive.write(kClassKey, c10::IValue(class_name(optimizer)));
+  archive.write(kClassKey, c10::IValue(live_class));
   std::ostringstream bytes;
   archive.save_to(bytes);
   return bytes.str();
@@ -58,7 +59,7 @@ std::string serialized(const torch::optim::Optimizer& optimizer) {
 // The twin has the same parameter groups (the same parameter tensors, which saving names by address only, and
 // copies of the options) and a deep copy of the state; LibTorch's own save() then writes the archive.
 template <typename Kind, typename State, typename Options>
-std::function<std::string()> snapshot_as(const Kind& live) {
+std::function<std::string()> snapshot_as(const Kind& live, std::string live_class) {
   auto twin = std::make_shared<Kind>(live.param_groups(), static_cast<const Options&>(live.defaults()));
   twin->state().clear();  // some optimizers start with state of their own; the live one's replaces it
   for (const auto& [key, state] : live.state()) {
@@ -66,24 +67,28 @@ std::function<std::string()> snapshot_as(const Kind& live) {
     copy_tensors(*copy);
     twin->state()[key] = std::move(copy);
   }
-  return [twin] { return serialized(*twin); };
+  return [twin, live_class = std::move(live_class)] { return serialized(*twin, live_class); };
 }
 
 }  // namespace
 
 std::function<std::string()> snapshot_optimizer(torch::optim::Optimizer& optimizer) {
   using namespace torch::optim;
+  std::string live_class = class_name(optimizer);
   if (const auto* adamw = dynamic_cast<const AdamW*>(&optimizer)) {
-    return snapshot_as<AdamW, AdamWParamState, AdamWOptions>(*adamw);
+    return snapshot_as<AdamW, AdamWParamState, AdamWOptions>(*adamw, std::move(live_class));
   }
   if (const auto* adam = dynamic_cast<const Adam*>(&optimizer)) {
-    return snapshot_as<Adam, AdamParamState, AdamOptions>(*adam);
+    return snapshot_as<Adam, AdamParamState, AdamOptions>(*adam, std::move(live_class));
   }
-  if (const auto* sgd = dynamic_cast<const SGD*>(&optimizer)) return snapshot_as<SGD, SGDParamState, SGDOptions>(*sgd);
+  if (const auto* sgd = dynamic_cast<const SGD*>(&optimizer)) {
+    return snapshot_as<SGD, SGDParamState, SGDOptions>(*sgd, std::move(live_class));
+  }
   if (const auto* rmsprop = dynamic_cast<const RMSprop*>(&optimizer)) {
-    return snapshot_as<RMSprop, RMSpropParamState, RMSpropOptions>(*rmsprop);
+    return snapshot_as<RMSprop, RMSpropParamState, RMSpropOptions>(*rmsprop, std::move(live_class));
   }
-  return [bytes = serialized(optimizer)] { return bytes; };  // another kind: its state cannot be copied generically
+  // Another kind: its state cannot be copied generically.
+  return [bytes = serialized(optimizer, live_class)] { return bytes; };
 }
 
 void check_saved_optimizer_class(torch::serialize::InputArchive& archive, const torch::optim::Optimizer& optimizer) {

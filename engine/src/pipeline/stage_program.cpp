@@ -86,6 +86,8 @@ void compute_runs(const GraphModel& model, const std::vector<NodeRun>& runs, std
                          std::to_string(run.nodes.size()) + " nodes");
       }
       for (std::size_t i = 0; i < computed.size(); ++i) values[nodes[run.nodes[i]].name] = std::move(computed[i]);
+    } catch (const Interrupted&) {
+      throw;
     } catch (const std::exception& error) {  // LibTorch's, TorchScript's interpreter's, or Python's
       // A model that does not fit its data fails inside LibTorch; say where, without the C++ backtrace.
       const std::string module = run.nodes.size() == 1

@@ -19,6 +19,7 @@
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/serialize/input-archive.h>
 
+#include "checkpoint/directory_lock.h"
 #include "checkpoint/optimizer_snapshot.h"
 #include "training/model_random_stream.h"
 #include "checkpoint/partition_file.h"
@@ -70,6 +71,8 @@ class LibTorchOptimizerState final : public OptimizerCheckpointState {
     const auto restore_groups = [&] {
       for (std::size_t g = 0; g < groups.size(); ++g) groups[g].params() = held[g];
     };
+    std::vector<double> rates_built;
+    for (const auto& group : groups) rates_built.push_back(group.options().get_lr());
     for (int share = saved.first_share; share < saved.first_share + saved.shares_to_read; ++share) {
       SavedOptimizerShare current = saved.read(share);
       try {
@@ -103,6 +106,21 @@ class LibTorchOptimizerState final : public OptimizerCheckpointState {
         if (!kept.count(key)) dropped.push_back(key);
       }
       for (void* key : dropped) optimizer.state().erase(key);
+    }
+    // Optimizer::load takes the saved groups' options, as torch.optim's load_state_dict does: a learning rate the
+    // program changed for the resumed run would be dropped without a word.
+    std::string replaced;
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      const double now = groups[g].options().get_lr();
+      if (now != rates_built[g]) {
+        replaced += (replaced.empty() ? "" : "; ") + std::string("group ") + std::to_string(g) + " lr " +
+                    c10::str(rates_built[g]) + " -> " + c10::str(now);
+      }
+    }
+    // Said, not warned: a program that schedules the rate by hand sets its own at the next step anyway.
+    if (!replaced.empty() && optimizer_.model().runtime().rank() == 0) {
+      log::info("resume: the optimizer's learning rate is the checkpoint's (" + replaced + "), as Optimizer::load "
+                "restores it; to train on with another, set it in param_groups() after resume()");
     }
   }
   std::string format() const override { return "libtorch"; }
@@ -176,6 +194,8 @@ Checkpointer::Checkpointer(DistributedModel& model, std::unique_ptr<OptimizerChe
     throw CheckpointError("checkpoint_dir \"" + root + "\": rank " + std::to_string(model_.runtime().rank()) +
                           " cannot write there (" + comm::brief_message(error) + ")");
   }
+  // Rank 0 writes the manifests and prunes: its lock keeps another job out.
+  if (model_.runtime().rank() == 0) lock_ = std::make_unique<DirectoryLock>(root);
 }
 
 bool Checkpointer::enabled() const { return !model_.runtime().config().checkpoint_dir.empty(); }

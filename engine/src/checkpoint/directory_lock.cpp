@@ -1,0 +1,47 @@
+#include "checkpoint/directory_lock.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "smp/checkpoint_manifest.h"
+
+namespace smp {
+
+DirectoryLock::DirectoryLock(const std::string& root) {
+  const std::string path = root + "/.smp-lock";
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) return;  // the write probe before this said whether the directory can be written
+  if (::flock(fd_, LOCK_EX | LOCK_NB) == 0) {
+    char host[256] = {};
+    ::gethostname(host, sizeof(host) - 1);
+    const std::string holder = "pid " + std::to_string(::getpid()) + " on " + host;
+    if (::ftruncate(fd_, 0) == 0) {
+      [[maybe_unused]] const auto written = ::pwrite(fd_, holder.data(), holder.size(), 0);
+    }
+    return;
+  }
+  const int error = errno;
+  if (error != EWOULDBLOCK) {  // no flock here (some network filesystems): go on unlocked
+    ::close(fd_);
+    fd_ = -1;
+    return;
+  }
+  char holder[300] = {};
+  const auto read = ::pread(fd_, holder, sizeof(holder) - 1, 0);
+  ::close(fd_);
+  fd_ = -1;
+  throw CheckpointError("checkpoint_dir \"" + root + "\" is in use by another job (" +
+                        (read > 0 ? std::string(holder, static_cast<std::size_t>(read)) : std::string("its holder")) +
+                        " saves there): its saves and pruning would delete each other's files; give each job a "
+                        "checkpoint_dir of its own, or end the other first");
+}
+
+DirectoryLock::~DirectoryLock() {
+  if (fd_ >= 0) ::close(fd_);  // closing lets go of the lock
+}
+
+}  // namespace smp
