@@ -143,7 +143,8 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
   }
   auto schedule = make_schedule(config);
   model_.set_build_seed(static_cast<std::uint64_t>(config.seed));
-  exchange_ = "model" + std::to_string(runtime_->next_exchange()) + "/";
+  const auto model_number = runtime_->next_exchange();
+  exchange_ = "model" + std::to_string(model_number) + "/";
   const std::vector<double> speeds = device_speeds(*runtime_, exchange_);
   // Rank 0's, so that ranks seeded apart still draw alike where they must (tensor-parallel ranks of a stage).
   std::uint64_t program_seed = at::detail::getDefaultCPUGenerator().current_seed();
@@ -228,8 +229,10 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
   // under another seed per rank would otherwise train apart, each replica averaging gradients of other weights.
   share_first_replica_parameters();
   share_first_replica_buffers();
-  random_stream_ = std::make_unique<ModelRandomStream>(runtime_->device(), program_seed, runtime_->pp_rank(),
-                                                      runtime_->dp_rank());
+  // The job's models each their own stream (a teacher's dropout and a student's are not the same draws).
+  random_stream_ = std::make_unique<ModelRandomStream>(
+      runtime_->device(), program_seed + 0x9e3779b97f4a7c15ULL * static_cast<std::uint64_t>(model_number),
+      runtime_->pp_rank(), runtime_->dp_rank());
   executor_ = std::make_unique<PipelineExecutor>(lower_and_validate(std::move(schedule), graph_, config), graph_,
                                                  runtime_->pipeline(), config.checkpointed_stages,
                                                  config.overlap_forward_backward);
