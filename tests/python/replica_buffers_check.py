@@ -29,6 +29,12 @@ everyone[1 - runtime.dp_rank] = 0
 runtime.all_reduce_sum(everyone)  # each replica's own row, the other's zero
 if not torch.equal(everyone[0], everyone[1]):
     failures.append(f"running means differ between replicas: {everyone[0][:3].tolist()} and {everyone[1][:3].tolist()}")
+# Both replicas given the same share: said once on rank 0 (a C++ program that forgot replica_slice); the test
+# reads it in the job's output.
+same = torch.randn(4, 4, generator=torch.Generator().manual_seed(3))
+for _ in range(2):
+    model.train_step(same, torch.zeros(4, 2), F.mse_loss, replica_share=True)
+optimizer.zero_grad()
 # SyncBatchNorm is not synchronized over replicas: said on rank 0 when the model is built.
 import warnings  # noqa: E402
 with warnings.catch_warnings(record=True) as said:

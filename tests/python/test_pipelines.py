@@ -104,7 +104,9 @@ def test_module_patterns_equal_pytorch(job):
 def test_replicas_keep_the_first_replicas_buffers(job):
     """Batch norm's running statistics, updated by each replica from its share, are replica 0's on every replica
     after each step, as under torch DDP (replica_buffers_check.py)."""
-    assert_passed(job(2, "replica_buffers_check.py"))
+    finished = job(2, "replica_buffers_check.py")
+    assert_passed(finished)
+    assert finished.stderr.count("every replica was given the same batch") == 1, finished.output
 
 
 def test_torchscript_sequential_equals_pytorch(job):

@@ -273,6 +273,21 @@ class ClosingSums {
   double loss() const { return data()[0]; }
   bool finite_on(int rank) const { return slot(kNotFinite, rank) == 0.0; }
 
+  // Every replica was given the same batch as the first: a C++ program that passed each replica the global batch
+  // (not Runtime::replica_slice's share) trains every replica on all of it, each microbatch larger than planned.
+  bool replicas_given_alike() const {
+    if (topology_.data_parallel_degree() < 2) return false;
+    for (int rank = 1; rank < world_; ++rank) {
+      const auto at = topology_.coordinates_of(rank);
+      if (at.dp_rank == 0) continue;
+      const int first = topology_.rank_of({at.pp_rank, 0, at.tp_rank});
+      if (slot(kShapes, rank) != slot(kShapes, first) || !same_batch_values(rank, first, kSum, kMagnitude)) {
+        return false;
+      }
+    }
+    return true;
+  }
+
   // Throws, the same error on every rank, when some rank is in another call, a replica's ranks were given different
   // batches, or the replicas' shares differ in size.
   void check_in_step() const {
@@ -573,6 +588,14 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
       if (!gradients_finite) sums.mark_not_finite(runtime_->rank());
       runtime_->world().all_reduce_sum(sums.tensor());
       sums.check_in_step();
+      if (!said_replicas_alike_ && sums.replicas_given_alike()) {
+        said_replicas_alike_ = true;
+        if (runtime_->rank() == 0) {
+          log::warn("step " + std::to_string(step_) + ": every replica was given the same batch; train_step takes "
+                    "this replica's share of the global batch (Runtime::replica_slice, or in Python the global "
+                    "batch itself), so each replica trained on all of it");
+        }
+      }
       share_first_replica_buffers();
     });
   } catch (const comm::CommError& error) {
