@@ -478,6 +478,16 @@ TEST_CASE("a save that pruning would delete at once is refused: a step lower tha
   CHECK(std::system(("rm -rf " + directory).c_str()) == 0);
 }
 
+TEST_CASE("inputs and targets of other batch sizes are said so before whether the targets split", "[graph]") {
+  const auto config = smp::Config::from_json_text(R"({"device": "cpu", "microbatches": 4})", "test config");
+  auto runtime = smp::Runtime::init(config, smp::comm::LaunchInfo{});
+  torch::nn::Sequential net(torch::nn::Linear(3, 2));
+  smp::DistributedModel model(runtime, net, at::zeros({2, 3}));
+  const auto loss = [](const at::Tensor& output, const at::Tensor& target) { return at::mse_loss(output, target); };
+  CHECK_THROWS_WITH(model.train_step(at::ones({16, 3}), at::zeros({2, 2}), loss),
+                    Catch::Contains("train_step: 16 inputs but 2 targets"));
+}
+
 TEST_CASE("a loss function that fails says so, with the outputs' and target's shapes", "[graph]") {
   const auto config = smp::Config::from_json_text(R"({"device": "cpu"})", "test config");
   auto runtime = smp::Runtime::init(config, smp::comm::LaunchInfo{});

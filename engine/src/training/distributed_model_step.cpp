@@ -137,11 +137,12 @@ void DistributedModel::check_single_input(const char* caller, const at::Tensor& 
     }
   };
   check(inputs, "input");
-  check(targets, "target");
-  if (inputs.size(0) != targets.size(0)) {
+  // Inputs and targets that disagree say so before a count of targets that does not split hides it.
+  if (targets.defined() && targets.dim() > 0 && inputs.size(0) != targets.size(0)) {
     throw ConfigError(std::string(caller) + ": " + std::to_string(inputs.size(0)) + " inputs but " +
                       std::to_string(targets.size(0)) + " targets");
   }
+  check(targets, "target");
 }
 
 OutputsLossFunction DistributedModel::of_first_output(const LossFunction& loss) {
