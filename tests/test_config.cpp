@@ -133,6 +133,9 @@ TEST_CASE("config: a key beside the smp section is an smp key misplaced or a sec
 TEST_CASE("config: every bad value is a one-line error naming the key", "[config]") {
   CHECK_THROWS_WITH(parse(R"({"microbatchs": 4})"), Contains("unknown key \"microbatchs\"") && Contains("did you mean \"microbatches\""));
   CHECK_THROWS_WITH(parse(R"({"zzzzzzzzzz": 4})"), Contains("unknown key \"zzzzzzzzzz\"") && Contains("see README"));
+  CHECK_THROWS_WITH(parse(R"({"partitions": 2, "training": {"steps": 5}})"),
+                    Contains("unknown key \"training\" (an application's own section? then put smp's keys under an "
+                             "\"smp\" section beside it)"));
   // Other frameworks' names are no typos of smp's: known ones are named, others get the keys sharing their words.
   CHECK_THROWS_WITH(parse(R"({"tensor_model_parallel_size": 2})"),
                     Contains("unknown key \"tensor_model_parallel_size\" (smp's is \"tensor_parallel_degree\")"));

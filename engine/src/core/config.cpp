@@ -495,8 +495,13 @@ Config Config::from_json_text(const std::string& text, const std::string& source
     if (!ours.empty()) throw ConfigError(source + ": unknown key \"" + it.key() + "\" (smp's is \"" + ours + "\")");
     if (!nearest.empty()) throw ConfigError(source + ": unknown key \"" + it.key() + "\" (did you mean \"" + nearest + "\"?)");
     const std::string related = keys_sharing_a_word(it.key());
+    // A section of the application's own (an object) in a file without an "smp" section.
+    const bool section = it.value().is_object() && !document.contains("smp");
     throw ConfigError(source + ": unknown key \"" + it.key() + "\"" +
-                      (related.empty() ? std::string(" (see README for the keys)") : " (smp's keys like it: " + related + ")"));
+                      (section ? std::string(" (an application's own section? then put smp's keys under an \"smp\" "
+                                             "section beside it)")
+                               : related.empty() ? std::string(" (see README for the keys)")
+                                                 : " (smp's keys like it: " + related + ")"));
   }
 
   // "auto" layout keys are left to their defaults here and chosen by the planner later.
