@@ -486,6 +486,9 @@ TEST_CASE("inputs and targets of other batch sizes are said so before whether th
   const auto loss = [](const at::Tensor& output, const at::Tensor& target) { return at::mse_loss(output, target); };
   CHECK_THROWS_WITH(model.train_step(at::ones({16, 3}), at::zeros({2, 2}), loss),
                     Catch::Contains("train_step: 16 inputs but 2 targets"));
+  // A sample of no rows (a batch over more microbatches than it has samples) is refused when the model is built.
+  CHECK_THROWS_WITH(smp::DistributedModel(runtime, net, at::zeros({0, 3})),
+                    Catch::Contains("the sample's input \"input\" has no rows"));
 }
 
 TEST_CASE("a loss function that fails says so, with the outputs' and target's shapes", "[graph]") {

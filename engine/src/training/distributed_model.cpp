@@ -141,6 +141,14 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
     throw ModelError("the sample has " + std::to_string(sample.size()) + " inputs, the model takes " +
                      std::to_string(model_.input_names().size()));
   }
+  for (std::size_t i = 0; i < sample.size(); ++i) {
+    // A replica's batch split into more microbatches than it has samples: profiled, it would plan empty stages.
+    if (sample[i].defined() && sample[i].dim() > 0 && sample[i].size(0) == 0) {
+      throw ConfigError("the sample's input \"" + model_.input_names()[i] + "\" has no rows: the sample is one "
+                        "microbatch (a replica's batch over \"microbatches\", " + std::to_string(config.microbatches) +
+                        "), of at least 1 sample");
+    }
+  }
   auto schedule = make_schedule(config);
   model_.set_build_seed(static_cast<std::uint64_t>(config.seed));
   const auto model_number = runtime_->next_exchange();
