@@ -22,6 +22,7 @@ struct ProgramCall {
 
   std::string describe() const {
     if (evaluation == 0) return "train_step " + std::to_string(step);
+    if (step == 0) return "evaluate " + std::to_string(evaluation) + " before any train_step";
     return "evaluate " + std::to_string(evaluation) + " after step " + std::to_string(step);
   }
 };
