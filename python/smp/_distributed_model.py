@@ -411,6 +411,13 @@ class DistributedModel(torch.nn.Module):
     def dtype(self):
         return next((p.dtype for p in self.parameters()), torch.get_default_dtype())
 
+    def __deepcopy__(self, memo):
+        # torch.optim.swa_utils.AveragedModel and timm's ModelEmaV2 copy the model; pickle failed on the engine.
+        raise TypeError("a DistributedModel cannot be copied: it holds this rank's share of the model and the job's "
+                        "communication. For an average of the weights (EMA, SWA) keep one of this rank's "
+                        "model.state_dict() and update it after each optimizer.step(); to evaluate with it, "
+                        "load_state_dict it in and the trained weights back after (README: averaged weights)")
+
     def __getattr__(self, name):
         try:
             return super().__getattr__(name)

@@ -99,6 +99,8 @@ def main():
     expect_error("all_reduce_sum of bools", smp.ConfigError, "non-bool",
                  lambda: runtime.all_reduce_sum(torch.ones(2, dtype=torch.bool)))
     expect_error("not a module", TypeError, "torch.nn.Module", lambda: smp.DistributedModel(len, torch.zeros(2, 3)))
+    expect_error("an averaged copy of the model (EMA)", TypeError, "keep one of this rank's model.state_dict()",
+                 lambda: torch.optim.swa_utils.AveragedModel(eager_model))
     expect_error("a dict sample for a forward that takes one dict", smp.ModelError,
                  "takes one dict, 'batch': give the sample and the batches as a one-element tuple",
                  lambda: smp.DistributedModel(TakesOneDict(), {"image": torch.zeros(2, 4)}))
