@@ -202,7 +202,11 @@ TEST_CASE("checkpoint: pruning keeps the newest complete ones and a save in prog
   for (int step : {1, 2, 3, 4}) write_checkpoint(root, step);
   std::filesystem::create_directories(root + "/" + checkpoint_directory_name(0));  // stale, incomplete
   std::filesystem::create_directories(root + "/" + checkpoint_directory_name(8));  // newer, in progress
+  std::filesystem::create_directories(root + "/step-0000007");  // not a name a save gives: the user's, kept
+  std::filesystem::create_directories(root + "/step-000000002");
   prune_checkpoints(root, 2);
+  CHECK(std::filesystem::exists(root + "/step-0000007"));
+  CHECK(std::filesystem::exists(root + "/step-000000002"));
   CHECK(std::filesystem::exists(root + "/step-00000008"));
   CHECK(std::filesystem::exists(root + "/step-00000004"));
   CHECK(std::filesystem::exists(root + "/step-00000003"));

@@ -23,8 +23,10 @@ bool safe_file_name(const std::string& name) {
   });
 }
 
+// Only the names saves give their directories (step-%08lld): pruning removes what it finds, and a directory of the
+// user's, say step-0000007, is not a save.
 std::optional<std::int64_t> step_of_directory(const std::string& name) {
-  if (name.size() < 6 || name.rfind("step-", 0) != 0) return std::nullopt;
+  if (name.size() < 13 || name.rfind("step-", 0) != 0 || (name.size() > 13 && name[5] == '0')) return std::nullopt;
   std::int64_t step = 0;
   for (std::size_t i = 5; i < name.size(); ++i) {
     if (!std::isdigit(static_cast<unsigned char>(name[i])) || step > (INT64_MAX / 10 - 10)) return std::nullopt;
