@@ -69,6 +69,10 @@ struct CheckpointManifest {
   static CheckpointManifest parse(const std::string& text, const std::string& source);
 };
 
+// How a checkpoint directory without a manifest (a save that never finished) is described: a resume tells such a
+// crash's leftover from a damaged checkpoint by it.
+inline constexpr const char* kUnfinishedSave = "(the save did not finish)";
+
 std::uint32_t crc32(const void* data, std::size_t size, std::uint32_t crc = 0);
 // CRC-32 and size of a file; CheckpointError naming the path when it cannot be read.
 std::pair<std::uint32_t, std::uint64_t> crc32_of_file(const std::string& path);

@@ -290,7 +290,7 @@ CheckpointManifest CheckpointManifest::parse(const std::string& text, const std:
 CheckpointManifest read_manifest(const std::string& directory) {
   const std::string manifest_path = directory + "/manifest.json";
   std::ifstream in(manifest_path, std::ios::binary);
-  if (!in) throw CheckpointError(manifest_path + ": missing (the save did not finish)");
+  if (!in) throw CheckpointError(manifest_path + ": missing " + kUnfinishedSave);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   return CheckpointManifest::parse(text, manifest_path);
 }

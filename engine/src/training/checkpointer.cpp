@@ -21,6 +21,7 @@
 
 #include "checkpoint/directory_lock.h"
 #include "checkpoint/optimizer_snapshot.h"
+#include "smp/stage_plan.h"
 #include "training/model_random_stream.h"
 #include "checkpoint/partition_file.h"
 #include "smp/log.h"
@@ -556,30 +557,27 @@ std::int64_t Checkpointer::resume() {
 
 namespace {
 
-// ": the first parameter where two models' lists ("name:d0,d1,;" each) part", or "" where either is unknown.
+// ": the first parameter where two models' lists (ModuleProfile::parameter_shapes' form) part", or "" where either
+// is unknown or unreadable.
 std::string first_difference(const std::string& saved, const std::string& here) {
   if (saved.empty() || here.empty()) return "";
-  const auto entries = [](const std::string& list) {
-    std::vector<std::string> found;
-    std::size_t start = 0;
-    for (std::size_t end; (end = list.find(';', start)) != std::string::npos; start = end + 1) {
-      found.push_back(list.substr(start, end - start));
-    }
-    return found;
-  };
-  const auto described = [](const std::string& entry) {  // "name:4,3," -> "name [4, 3]"
-    const auto colon = entry.rfind(':');
-    std::string sizes = entry.substr(colon + 1);
-    if (!sizes.empty() && sizes.back() == ',') sizes.pop_back();
-    for (std::size_t at = 0; (at = sizes.find(',', at)) != std::string::npos; at += 2) sizes.replace(at, 1, ", ");
-    return entry.substr(0, colon) + " [" + sizes + "]";
-  };
-  const std::vector<std::string> there = entries(saved), mine = entries(here);
+  std::vector<std::pair<std::string, std::vector<std::int64_t>>> there, mine;
+  try {
+    ModuleProfile listed;
+    listed.parameter_shapes = saved;
+    there = parameter_shapes_of(listed);
+    listed.parameter_shapes = here;
+    mine = parameter_shapes_of(listed);
+  } catch (const std::exception&) {  // a manifest edited by hand: the counts and CRCs still say it differs
+    return "";
+  }
   std::size_t i = 0;
   while (i < there.size() && i < mine.size() && there[i] == mine[i]) ++i;
   if (i == there.size() && i == mine.size()) return "";
-  return ": parameter " + std::to_string(i) + " is " + (i < there.size() ? described(there[i]) : "none") +
-         " there, " + (i < mine.size() ? described(mine[i]) : "none") + " here";
+  const auto described = [&](const auto& list) {
+    return i < list.size() ? list[i].first + " " + c10::str(c10::IntArrayRef(list[i].second)) : std::string("none");
+  };
+  return ": parameter " + std::to_string(i) + " is " + described(there) + " there, " + described(mine) + " here";
 }
 
 // Rank 0's word, in place of a directory, that the job cannot resume, with why after it.
@@ -602,7 +600,7 @@ std::optional<FoundCheckpoint> checkpoint_to_resume(Runtime& runtime, const std:
     // as a run that was not resumed from the checkpoints there.
     std::string damaged;
     for (const auto& reason : skipped) {
-      if (reason.find("(the save did not finish)") == std::string::npos) damaged += (damaged.empty() ? "" : "; ") + reason;
+      if (reason.find(kUnfinishedSave) == std::string::npos) damaged += (damaged.empty() ? "" : "; ") + reason;
     }
     if (!found && !damaged.empty()) {
       runtime.publish(key, kNoUsableCheckpoint + "\"resume\": no checkpoint in " + config.checkpoint_dir +
