@@ -2,6 +2,8 @@
 exports of a checkpoint."""
 
 import atexit
+import collections.abc
+import copy
 import io
 import os
 import sys
@@ -20,11 +22,20 @@ class Checkpointer:
     """Checkpoints as the config's checkpoint_dir / checkpoint_interval say: resume() continues from the newest
     complete one (when the config says "resume": true) and returns the step to start at; save(step) writes in the
     background; wait() before exiting. Saves the parameters, the optimizer's state_dict, the LR scheduler's when
-    one is given, the RNG state and the fp16 loss scale."""
+    one is given, the RNG state and the fp16 loss scale.
 
-    def __init__(self, model, optimizer, lr_scheduler=None):
+    extra_state: the program's own state to save and resume with them, by name: objects with state_dict() and
+    load_state_dict() (a torchdata StatefulDataLoader, a sampler, a metrics tracker) or plain dicts (saved as they
+    are at save(), refilled in place at resume()), e.g. {"loader": loader, "progress": {"epoch": 0}}. Each rank
+    saves its own with its optimizer state; a resume gives every rank that of the first replica of its pipeline
+    rank, so hold the same on every rank (a loader over the global batch, or one per replica whose position is the
+    same on each)."""
+
+    def __init__(self, model, optimizer, lr_scheduler=None, extra_state=None):
         if not isinstance(optimizer, DistributedOptimizer):
             raise TypeError(f"expected an smp.DistributedOptimizer, got {type(optimizer).__name__}")
+        extra_state = _checked_extra_state(extra_state)
+        extra_checked = []  # whether a save's extra state was read back once: a resume must be able to load it
         inner = optimizer.optimizer
         name_of = {id(tensor): name for name, tensor in model._model.named_parameters().items()}
 
@@ -36,6 +47,11 @@ class Checkpointer:
                      "parameter_names": [[name_of[id(p)] for p in group["params"]] for group in inner.param_groups]}
             if lr_scheduler is not None:
                 state["lr_scheduler"] = lr_scheduler.state_dict()
+            if extra_state:
+                state["extra_state"] = {name: _state_of(held) for name, held in extra_state.items()}
+                if not extra_checked:
+                    _check_loadable(state["extra_state"])
+                    extra_checked.append(True)
             buffer = io.BytesIO()
             torch.save(state, buffer)
             return buffer.getvalue()
@@ -51,6 +67,7 @@ class Checkpointer:
                     if "lr_scheduler" not in state:
                         raise CheckpointError("the checkpoint was saved without an LR scheduler, but one was given")
                     lr_scheduler.load_state_dict(state["lr_scheduler"])
+                _restore_extra_state(extra_state, state.get("extra_state", {}))
 
             optimizer._load_shares(first_share, shares_to_read, read, on_first=scheduler_state,
                                    scheduled=lr_scheduler is not None)
@@ -77,6 +94,55 @@ class Checkpointer:
     def wait(self):
         """Waits for the save in progress; raises CheckpointError if it failed. Call it before the program ends."""
         self._checkpointer.wait()
+
+
+def _checked_extra_state(extra_state):
+    if extra_state is None:
+        return {}
+    if not isinstance(extra_state, collections.abc.Mapping):
+        raise TypeError("extra_state: expected a dict of names to objects with state_dict() and load_state_dict() "
+                        f"(or to dicts), got {type(extra_state).__name__}")
+    for name, held in extra_state.items():
+        if not isinstance(name, str):
+            raise TypeError(f"extra_state: its names must be strings, got {name!r}")
+        if not isinstance(held, dict) and not (callable(getattr(held, "state_dict", None)) and
+                                               callable(getattr(held, "load_state_dict", None))):
+            raise TypeError(f"extra_state[{name!r}]: a {type(held).__name__} has no state_dict() and "
+                            "load_state_dict(); give a dict, or an object with both")
+    return dict(extra_state)
+
+
+def _state_of(held):
+    # A dict is copied now, in the save's pause: the program changes it while the files are written.
+    return copy.deepcopy(held) if isinstance(held, dict) else held.state_dict()
+
+
+def _check_loadable(extra_state):
+    """A resume loads checkpoints with torch.load(weights_only=True): state it could not read back must fail the
+    save that writes it, not the resume that needs it."""
+    buffer = io.BytesIO()
+    torch.save(extra_state, buffer)
+    try:
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    except Exception as error:
+        raise CheckpointError(f"extra_state holds objects a resume could not load (torch.load with weights_only=True): "
+                              f"{error}; keep tensors, numbers, strings, lists and dicts in it, or allow the class "
+                              "with torch.serialization.add_safe_globals") from None
+
+
+def _restore_extra_state(extra_state, saved):
+    said = []
+    for name, held in extra_state.items():
+        if name not in saved:
+            said.append(f"'{name}' is not in the checkpoint and starts as it is")
+        elif isinstance(held, dict):
+            held.clear()
+            held.update(saved[name])
+        else:
+            held.load_state_dict(saved[name])
+    said += [f"the checkpoint's '{name}' was not given, and is left unread" for name in saved if name not in extra_state]
+    if said and runtime().rank == 0:
+        warnings.warn(f"resume: extra_state: {'; '.join(said)}", stacklevel=5)
 
 
 def _wait_at_exit(checkpointer):

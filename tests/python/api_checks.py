@@ -618,6 +618,10 @@ def main():
     if abs(trained[0] - expected) < 1e-6 or trained[0] == trained[1]:
         failures.append(f"train_step after evaluate is not in training mode (dropout): losses {trained}")
 
+    expect_error("extra_state that cannot be saved", TypeError, "a list_iterator has no state_dict()",
+                 lambda: smp.Checkpointer(model, smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1)),
+                                          extra_state={"loader": iter([])}))
+
     fused_runs()
     pytorch_conventions()
     items_counted()

@@ -36,9 +36,26 @@ model = smp.DistributedModel(net, torch.zeros(2, 6), tp_plan=plan)
 order = -1 if sys.argv[4:] == ["reversed"] else 1
 optimizer = smp.DistributedOptimizer(torch.optim.AdamW(list(model.parameters())[::order], lr=1e-2))
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda step: 1.0 / (step + 1))
-checkpointer = smp.Checkpointer(model, optimizer, lr_scheduler=scheduler)
+
+
+class Batches:  # a data loader's place, as torchdata's StatefulDataLoader keeps it
+    def __init__(self):
+        self.next = 0
+
+    def state_dict(self):
+        return {"next": self.next}
+
+    def load_state_dict(self, state):
+        self.next = state["next"]
+
+
+loader, progress = Batches(), {"samples": 0}
+checkpointer = smp.Checkpointer(model, optimizer, lr_scheduler=scheduler,
+                                extra_state={"loader": loader, "progress": progress})
 torch.manual_seed(100 + runtime.dp_rank)  # each replica's own augmentation stream, as the README advises
 first = checkpointer.resume()
+if loader.next != first or progress != {"samples": 8 * first}:
+    raise SystemExit(f"rank {runtime.rank}: resumed at {first} with the loader at {loader.next}, {progress}")
 held = {id(p) for group in optimizer.optimizer.param_groups for p in group["params"]}
 stray = [p for p in optimizer.optimizer.state if id(p) not in held]
 if stray:
@@ -51,6 +68,7 @@ for step in range(first, steps):
     model.train_step(inputs, targets, F.mse_loss)
     optimizer.step()
     scheduler.step()
+    loader.next, progress["samples"] = step + 1, progress["samples"] + 8
     if checkpointer.due(step):
         checkpointer.save(step)
 checkpointer.wait()
@@ -123,12 +141,19 @@ def lost_save(python, root):
 
 
 OPTIONS = """
-import sys, torch, smp
+import datetime, sys, torch, smp
 root, lr, scheduled = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "scheduled"
 smp.init({"partitions": 1, "microbatches": 1, "checkpoint_dir": root, "resume": True, "device": "cpu"})
 model = smp.DistributedModel(torch.nn.Linear(3, 2), torch.zeros(2, 3))
 optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr))
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda step: 1.0) if scheduled else None
+if sys.argv[3] == "unloadable":  # state a weights_only load refuses: the save says so, not the resume
+    checkpointer = smp.Checkpointer(model, optimizer, extra_state={"progress": {"day": datetime.date(2026, 1, 1)}})
+    try:
+        checkpointer.save(0)
+    except smp.CheckpointError as error:
+        print(error)
+    raise SystemExit(0)
 checkpointer = smp.Checkpointer(model, optimizer, lr_scheduler=scheduler)
 if checkpointer.resume() == 0:
     checkpointer.save(0)
@@ -143,6 +168,10 @@ def options_replaced(python, root):
     def run(*args):
         return subprocess.run([python, "-c", OPTIONS, root, *args], capture_output=True, text=True, timeout=120,
                               env=dict(os.environ, OMP_NUM_THREADS="1"))
+    unloadable = run("0.1", "unloadable")
+    if unloadable.returncode or "extra_state holds objects a resume could not load" not in unloadable.stdout:
+        raise SystemExit(f"extra_state a resume cannot load was saved:\n{unloadable.stdout[-1500:]}\n"
+                         f"{unloadable.stderr[-1500:]}")
     saved = run("0.1", "scheduled")
     resumed = run("0.5", "unscheduled")
     said = resumed.stderr
