@@ -37,6 +37,7 @@
 #include "smp/layout_plan.h"
 #include "smp/planned_layout.h"
 #include "smp/runtime.h"
+#include "smp/module_modes.h"
 #include "smp/tp.h"
 
 namespace py = pybind11;
@@ -101,7 +102,11 @@ std::shared_ptr<py::object> held_under_gil(py::object object) {
 // `_smp_shard` = (dim, blocks) (by smp.tp's layers; the tag stays on the tensor through a capture) is a shard; one
 // tagged `_smp_sequence_parallel` sees a slice of the sequence (tp::SequenceParallel); one tagged
 // `_smp_expert_shard` is this rank's share of a layer's experts (ExpertShards).
-class EagerModule : public torch::nn::Module, public tp::Sharded, public tp::SequenceParallel, public ExpertShards {
+class EagerModule : public torch::nn::Module,
+                    public tp::Sharded,
+                    public tp::SequenceParallel,
+                    public ExpertShards,
+                    public ExternalModes {
  public:
   explicit EagerModule(const py::object& module, const py::object& call = py::none())
       : module_(held_under_gil(module)), call_(held_under_gil(call.is_none() ? module : call)) {
@@ -137,6 +142,21 @@ class EagerModule : public torch::nn::Module, public tp::Sharded, public tp::Seq
       module_->attr("train")(on);
     }
     torch::nn::Module::train(on);
+  }
+
+  // The Python modules hold the modes (the program's .eval() on a submodule reaches them, not this wrapper's flags):
+  // each one's is put back as it was.
+  std::function<void()> enter_eval() override {
+    py::gil_scoped_acquire gil;
+    auto modules = held_under_gil(py::list(module_->attr("modules")()));
+    std::vector<bool> training;
+    for (const auto& each : modules->cast<py::list>()) training.push_back(each.attr("training").cast<bool>());
+    module_->attr("eval")();
+    return [modules, training] {
+      py::gil_scoped_acquire gil;
+      const auto list = modules->cast<py::list>();
+      for (std::size_t i = 0; i < training.size(); ++i) py::setattr(list[i], "training", py::bool_(training[i]));
+    };
   }
 
   // The same Python module and call seen anew: its tensors as they are now (made real after a meta-device build).
@@ -244,14 +264,14 @@ OutputsLossFunction python_loss(py::function loss) {
 
 // train_step or evaluate with a Python loss, the GIL released for the step (the loss takes it back).
 template <StepOutput (DistributedModel::*step)(const ModelInputs&, const at::Tensor&, const OutputsLossFunction&, bool,
-                                               const std::vector<bool>&)>
+                                               const std::vector<bool>&, LossReduction)>
 StepOutput with_python_loss(DistributedModel& model, const OptionalTensors& inputs,
                             const std::optional<at::Tensor>& targets, py::function loss, bool keep_outputs,
-                            const std::vector<bool>& batched) {
+                            const std::vector<bool>& batched, LossReduction reduction) {
   const OutputsLossFunction function = python_loss(std::move(loss));
   const ModelInputs model_inputs = defined_or_not(inputs);
   py::gil_scoped_release released;
-  return (model.*step)(model_inputs, targets.value_or(at::Tensor()), function, keep_outputs, batched);
+  return (model.*step)(model_inputs, targets.value_or(at::Tensor()), function, keep_outputs, batched, reduction);
 }
 
 // A torch.optim optimizer's checkpoint state, serialized by the package's Python (torch.save of its state_dict,
@@ -483,6 +503,9 @@ PYBIND11_MODULE(_smp, module) {
         return output.all_outputs.empty() ? py::none() : py::cast(output.all_outputs);
       });
 
+  py::enum_<LossReduction>(module, "LossReduction")
+      .value("mean", LossReduction::kMean)
+      .value("sum", LossReduction::kSum);
   py::class_<DistributedModel>(module, "DistributedModel")
       .def(py::init([](std::shared_ptr<Runtime> runtime, GraphModel model, const OptionalTensors& sample,
                        const py::object& materialize) {
@@ -513,9 +536,11 @@ PYBIND11_MODULE(_smp, module) {
            }),
            py::arg("runtime"), py::arg("model"), py::arg("sample"), py::arg("materialize") = py::none())
       .def("train_step", with_python_loss<&DistributedModel::train_step>, py::arg("inputs"), py::arg("targets"),
-           py::arg("loss"), py::arg("keep_outputs") = false, py::arg("batched") = std::vector<bool>{})
+           py::arg("loss"), py::arg("keep_outputs") = false, py::arg("batched") = std::vector<bool>{},
+           py::arg("reduction") = LossReduction::kMean)
       .def("evaluate", with_python_loss<&DistributedModel::evaluate>, py::arg("inputs"), py::arg("targets"),
-           py::arg("loss"), py::arg("keep_outputs") = false, py::arg("batched") = std::vector<bool>{})
+           py::arg("loss"), py::arg("keep_outputs") = false, py::arg("batched") = std::vector<bool>{},
+           py::arg("reduction") = LossReduction::kMean)
       .def(
           "next_call_takes_share_of",
           [](DistributedModel& model, const OptionalTensors& inputs, const std::optional<at::Tensor>& targets,

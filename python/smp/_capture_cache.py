@@ -12,7 +12,8 @@ device a meta-built model is exported for, the experts divided, the grad and aut
 (training, or eval for the export that checks evaluation's path). Anything else a
 model's code reads (another file's helper it calls, a parameter's value it branches on) is not: clear the directory
 when such code changes. A model the key cannot describe (a class or hook without a source file) is not cached.
-Entries are pickles, which run code when read: the directory must be writable by no one else.
+Entries are pickles, which run code when read: a directory another user owns, or others may write into, is not used
+(said once); one smp makes is made for this user alone.
 
 An entry is the exported graph as the capture keeps it, its values sketched (smp._value_sketch: shapes and shared
 memory, no fake tensors to rebuild), pickled by the GraphPickler torch's own compile caches use, the signature, the constants, the input ranges and the output structure. It is
@@ -197,6 +198,8 @@ def exported(name, model, export):
     entry's lock while the others wait, then read what it wrote. One that cannot be kept leaves a mark, so that the
     others export at once rather than one after another. Any failure of the cache itself (a directory that cannot be
     written, locks a file system lacks) leaves the export to run as without it."""
+    if name is not None and _untrusted(directory()):
+        return export()
     kept = load(name, model, quiet=True)  # readers never wait for each other
     if kept is not None:
         return kept
@@ -211,12 +214,36 @@ def exported(name, model, export):
     return kept if kept is not None else export()
 
 
+_said_untrusted = set()
+
+
+def _untrusted(path):
+    """Whether the directory is one whose entries anyone but this user could have written (entries are pickles, which
+    run code when read): then it is not used, said once."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return False  # made by this user (0700) when the first entry is written, or not at all
+    if stat.st_uid != os.getuid():
+        why = f"it belongs to user id {stat.st_uid}"
+    elif stat.st_mode & 0o022:
+        why = f"others may write into it (mode {stat.st_mode & 0o777:o})"
+    else:
+        return False
+    if path in _said_untrusted:
+        return True
+    _said_untrusted.add(path)
+    _log.warning("capture cache: not using %s: %s, and its entries are pickles, which run code when read; give a "
+                 "directory of your own that only you may write (chmod go-w)", path, why)
+    return True
+
+
 @contextlib.contextmanager
 def _locked(name):
     """Yields whether it holds the entry's lock (released by the holder's end, whatever way it ends); False where the
     directory or the lock cannot be had, said once."""
     try:
-        os.makedirs(directory(), exist_ok=True)
+        os.makedirs(directory(), mode=0o700, exist_ok=True)
         lock = open(_path(name, ".lock"), "a")
     except OSError as error:
         _log.warning("capture cache: exporting without it (%s)", error)

@@ -242,15 +242,15 @@ class DistributedModel(torch.nn.Module):
                 raise ConfigError(f"replica_share: a share of {share} samples x {rt.data_parallel_degree} replicas "
                                   f"is not the config's global_batch_size of {fixed}")
         microbatches = rt.config.microbatches
-        if any(b and v.shape[0] % microbatches == 0 for v, b in zip(values, batched)):
+        if any(b and v.shape[0] >= microbatches for v, b in zip(values, batched)):
             self._io.check_microbatch(values, batched, microbatches, what)
         model_outputs = self._io.model_outputs
         # Hugging Face's num_items_in_batch (as its Trainer passes it): the model's loss is then a sum over the items
-        # divided by the batch's count, not a mean; the engine's mean over microbatches and replicas would divide it
-        # again by their number.
+        # divided by the batch's count, not a mean: the engine adds the microbatches' up instead of weighing them.
         counted = loss is None and isinstance(inputs, collections.abc.Mapping) and \
             inputs.get("num_items_in_batch") is not None
-        pieces = microbatches * rt.data_parallel_degree if counted else 1
+        reduction = _smp.LossReduction.sum if counted else _smp.LossReduction.mean
+        pieces = microbatches * rt.data_parallel_degree
         if loss is None:
             coefficient = _router_loss_coefficient(self._net)
             name = type(self._net).__name__
@@ -258,26 +258,26 @@ class DistributedModel(torch.nn.Module):
             def engine_loss(outputs, target):
                 outputs = model_outputs(outputs)
                 value = own_loss(outputs)
-                if pieces == 1:
+                if not counted:
                     return value
                 # A mixture of experts adds its router's auxiliary loss, a mean over the microbatch's own tokens:
-                # only the token sum is scaled, the auxiliary loss averaged over microbatches and replicas as
-                # without num_items_in_batch.
+                # the token sum is added up, the auxiliary loss averaged over microbatches and replicas as without
+                # num_items_in_batch.
                 auxiliary = outputs.get("aux_loss") if isinstance(outputs, collections.abc.Mapping) else \
                     getattr(outputs, "aux_loss", None)
                 if isinstance(auxiliary, torch.Tensor):
                     if coefficient is None:
                         raise ModelError(f"num_items_in_batch: {name}'s loss holds a router auxiliary loss (aux_loss) "
                                          "whose coefficient smp cannot find (router_aux_loss_coef or aux_loss_coef "
-                                         "on the model or its config), to leave it out of scaling the token sum; "
+                                         "on the model or its config), to average it apart from the token sum; "
                                          "pass a loss function instead")
                     added = coefficient * auxiliary.to(value.device)
-                    return (value - added) * pieces + added
+                    return value - added + added / pieces
                 if isinstance(outputs, (tuple, list)) and coefficient and _routes_with_loss(self._net):
                     raise ModelError(f"num_items_in_batch: {name} returns a tuple (return_dict=False), where smp "
-                                     "cannot find the router's auxiliary loss to leave it out of scaling the token "
+                                     "cannot find the router's auxiliary loss to average it apart from the token "
                                      "sum; let it return its output class, or pass a loss function")
-                return value * pieces
+                return value
         else:
             def engine_loss(outputs, target):
                 return loss(model_outputs(outputs), target)
@@ -286,7 +286,7 @@ class DistributedModel(torch.nn.Module):
         _routing.take()  # what profiling or an interrupted step counted
         if global_batch is not None:  # every rank must have been given the same one: the step compares them
             self._model.next_call_takes_share_of(*global_batch, batched)
-        result = step(values, targets, engine_loss, keep_outputs, batched)
+        result = step(values, targets, engine_loss, keep_outputs, batched, reduction)
         kept = result.all_outputs
         return StepResult(result, model_outputs(kept) if kept is not None else None, _routing.take())
 

@@ -104,22 +104,28 @@ class CapturedIO:
 
     def check_microbatch(self, engine_inputs, batched, microbatches, what):
         """Each microbatch must have a shape the captured code takes: the sample's in the dimensions the model fixes
-        (views, a patch size), any size export allowed in the others (a sequence length, a short last batch)."""
-        shapes = {}
-        for name, value, is_batched in zip(self.input_names, engine_inputs, batched):
-            shape = list(value.shape)
-            if is_batched:
-                shape[0] //= microbatches
-            self._shapes.check(name, shape, what)
-            shapes[name] = shape
-        self._shapes.check_agreement(shapes, what)
-        self._shapes.check_guards({name: value.chunk(microbatches)[0] if is_batched else value
-                                   for name, value, is_batched in zip(self.input_names, engine_inputs, batched)}, what)
+        (views, a patch size), any size export allowed in the others (a sequence length, a short last batch). The
+        engine splits as torch.tensor_split does: where the batch does not split evenly, the first microbatches
+        have a sample more, and both sizes are checked."""
+        split = [torch.tensor_split(value, microbatches) if is_batched else None
+                 for value, is_batched in zip(engine_inputs, batched)]
+
+        def microbatch(index):
+            return {name: pieces[index] if pieces is not None else value
+                    for name, value, pieces in zip(self.input_names, engine_inputs, split)}
+
+        sizes = [next((len(pieces[index]) for pieces in split if pieces is not None), None)
+                 for index in range(microbatches)]
+        for index in sorted({sizes.index(size) for size in sizes}):  # the first microbatch of each size
+            inputs = microbatch(index)
+            shapes = {name: list(value.shape) for name, value in inputs.items()}
+            for name, shape in shapes.items():
+                self._shapes.check(name, shape, what)
+            self._shapes.check_agreement(shapes, what)
+            self._shapes.check_guards(inputs, what)
         if self._shapes.lookups is not None:
             for index in range(microbatches):
-                microbatch = {name: value.chunk(microbatches)[index] if is_batched else value
-                              for name, value, is_batched in zip(self.input_names, engine_inputs, batched)}
-                self._shapes.lookups.check(self._model, microbatch, what)
+                self._shapes.lookups.check(self._model, microbatch(index), what)
 
     def microbatch_range(self):
         """(least, most) samples a microbatch may have, as the capture allows the batched inputs' first dimension
@@ -171,4 +177,9 @@ def split_sample(model, sample):
         parameters = {}
     if "use_cache" in parameters and "use_cache" not in kwargs:
         kwargs["use_cache"] = False
+    # Hugging Face's Trainer passes num_items_in_batch as a tensor, a program's own loop often as an int, which the
+    # capture would keep as the sample's value: as a tensor it may change from step to step.
+    count = kwargs.get("num_items_in_batch")
+    if isinstance(count, int) and not isinstance(count, bool):
+        kwargs["num_items_in_batch"] = torch.tensor(count)
     return args, kwargs

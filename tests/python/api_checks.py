@@ -342,8 +342,9 @@ def main():
                  lambda: smp.DistributedOptimizer(torch.optim.SGD(list(model.parameters()) + [torch.zeros(2, requires_grad=True)], lr=0.1)))
     expect_error("an optimizer that leaves out a parameter", ValueError, "2.bias",
                  lambda: smp.DistributedOptimizer(torch.optim.SGD(list(model.parameters())[:-1], lr=0.1)))
-    expect_error("a batch that does not split into microbatches", smp.ConfigError, "batch",
-                 lambda: model.train_step(torch.randn(3, 3), torch.randn(3, 2), F.mse_loss))
+    expect_error("a batch of fewer samples than microbatches", smp.ConfigError,
+                 "a global batch of 1 samples is fewer than 1 replicas x 2 microbatches",
+                 lambda: model.train_step(torch.randn(1, 3), torch.randn(1, 2), F.mse_loss))
     expect_error("a batch on the meta device", smp.ConfigError, "is on the meta device, which holds no values",
                  lambda: model.train_step(torch.randn(4, 3, device="meta"), torch.randn(4, 2), F.mse_loss))
     # torch's clipping over some of a model's parameters (the whole model's is checked against PyTorch by the
@@ -383,8 +384,9 @@ def main():
     scaled = smp.DistributedModel(KeywordModel(), dict(keyword_batch(2), scale=1.0))
     expect_error("a flag other than the sample's", smp.ConfigError, "capture keeps as it was",
                  lambda: scaled.train_step(dict(keyword_batch(4), scale=2.0)))
-    expect_error("a batch that does not split", smp.ConfigError, "does not split into",
+    expect_error("a batch whose uneven split leaves a microbatch of one sample", smp.ConfigError, "at least 2",
                  lambda: keyword.train_step(keyword_batch(3)))
+    keyword.train_step(keyword_batch(5))  # microbatches of 3 and 2 samples
     keyword.train_step(keyword_batch(6))  # microbatches of 3 samples, captured on 2: the shapes may change
     keyword.train_step({"input_ids": torch.randint(0, 10, (4, 9)), "attention_mask": torch.ones(4, 9),
                         "labels": torch.randint(0, 3, (4,))})  # and the sequence's length
@@ -617,6 +619,21 @@ def main():
     trained = [model.train_step(inputs, targets, F.mse_loss).loss for _ in range(2)]
     if abs(trained[0] - expected) < 1e-6 or trained[0] == trained[1]:
         failures.append(f"train_step after evaluate is not in training mode (dropout): losses {trained}")
+    # Each module gets its own mode back after evaluate, not the model's: a batch norm the program froze stays
+    # frozen (its running statistics unchanged by the next step), and a model in eval mode stays so after a call.
+    regularized[1].eval()
+    frozen = regularized[1].running_mean.clone()
+    model.evaluate(inputs, targets, F.mse_loss)
+    model.train_step(inputs, targets, F.mse_loss)
+    if regularized[1].training or not regularized[2].training or not torch.equal(regularized[1].running_mean, frozen):
+        failures.append(f"evaluate changed the modules' own modes: batch norm training {regularized[1].training}, "
+                        f"dropout training {regularized[2].training}")
+    model.eval()
+    model(inputs)
+    if any(module.training for module in regularized.modules()):
+        failures.append(f"calling a model in eval mode put modules in training mode: "
+                        f"{[module.training for module in regularized.modules()]}")
+    model.train()
 
     expect_error("extra_state that cannot be saved", TypeError, "a list_iterator has no state_dict()",
                  lambda: smp.Checkpointer(model, smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1)),
@@ -625,6 +642,7 @@ def main():
     fused_runs()
     pytorch_conventions()
     items_counted()
+    uneven_batches()
     one_tensor_as_two_inputs()
     scripted = torch.jit.script(torch.nn.Linear(4, 4))
     expect_error("a TorchScript module used twice", smp.ModelError, "node '2' shares parameter 'weight' with node '0'",
@@ -768,6 +786,31 @@ def one_tensor_as_two_inputs():
         failures.append(f"a sample giving one tensor as two inputs: loss {loss}, PyTorch {expected}")
 
 
+def uneven_batches():
+    """A batch that does not split evenly into microbatches (an epoch's last) runs them at two sizes, each counted by
+    its samples: the loss, gradients and evaluation are the whole batch's mean, its kept outputs all its rows."""
+    torch.manual_seed(8)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    reference = copy.deepcopy(net)
+    model = smp.DistributedModel(net, torch.zeros(2, 3))
+    x, y = torch.randn(7, 3), torch.randn(7, 2)
+    loss = model.train_step(x, y, F.mse_loss).loss
+    expected = F.mse_loss(reference(x), y)
+    expected.backward()
+    if abs(loss - expected.item()) > 1e-6:
+        failures.append(f"7 samples in 2 microbatches: loss {loss}, PyTorch's on the whole batch {expected.item()}")
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if not torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7):
+            failures.append(f"7 samples in 2 microbatches: {name}'s gradient differs from PyTorch's on the whole batch")
+    evaluation = model.evaluate(x, y, F.mse_loss, keep_outputs=True)
+    with torch.no_grad():
+        outputs = reference(x)
+    if abs(evaluation.loss - F.mse_loss(outputs, y).item()) > 1e-6 or evaluation.outputs is None or \
+            not torch.allclose(evaluation.outputs, outputs, rtol=1e-5, atol=1e-6):
+        failures.append(f"evaluating 7 samples in 2 microbatches: loss {evaluation.loss}, kept outputs "
+                        f"{None if evaluation.outputs is None else tuple(evaluation.outputs.shape)}")
+
+
 def items_counted():
     """num_items_in_batch: train_step's loss is the whole batch's sum over its count (the engine's mean over
     microbatches would divide it again)."""
@@ -781,6 +824,21 @@ def items_counted():
     expected = reference(x, labels, count)["loss"].item()
     if abs(loss - expected) > 1e-6:
         failures.append(f"num_items_in_batch: train_step's loss {loss}, PyTorch's on the whole batch {expected}")
+    # A batch that splits unevenly (microbatches of 3 and 2): the parts are added up, not weighed by their sizes.
+    odd_x, odd_labels, odd_count = torch.randn(5, 3), torch.randn(5), torch.tensor(5.0)
+    loss = model.train_step({"x": odd_x, "labels": odd_labels, "num_items_in_batch": odd_count}).loss
+    expected = reference(odd_x, odd_labels, odd_count)["loss"].item()
+    if abs(loss - expected) > 1e-6:
+        failures.append(f"num_items_in_batch, 5 samples in 2 microbatches: train_step's loss {loss}, PyTorch's on the "
+                        f"whole batch {expected}")
+    # Given as an int (a program's own loop), the count may change from step to step as a tensor's does.
+    torch.manual_seed(6)
+    model = smp.DistributedModel(SummedOverItems(), {"x": x[:2], "labels": labels[:2], "num_items_in_batch": 2})
+    for count in (4, 5):
+        loss = model.train_step({"x": odd_x[:count], "labels": odd_labels[:count], "num_items_in_batch": count}).loss
+        expected = reference(odd_x[:count], odd_labels[:count], count)["loss"].item()
+        if abs(loss - expected) > 1e-6:
+            failures.append(f"num_items_in_batch as the int {count}: train_step's loss {loss}, PyTorch's {expected}")
     # The router's auxiliary loss is each microbatch's mean, averaged, not multiplied by the microbatches.
     net = SummedOverItemsWithAux()
     reference = copy.deepcopy(net)

@@ -2,7 +2,8 @@
 its own: the two ranks capturing a GPT-2 export it once between them; an identical model built again is not exported
 and trains exactly as the first; another sample length, another config, tied against untied weights, another value
 of a tensor attribute, or an edited and reloaded model class is exported again; a damaged entry is exported again and
-replaced, with a warning; a directory that cannot be made leaves the capture to run; without the variable nothing is
+replaced, with a warning; a directory others may write into is not used, said; one that cannot be made leaves the
+capture to run; without the variable nothing is
 read or written. Exits 0 only then.
 
   capture_cache_check.py DIRECTORY
@@ -187,6 +188,21 @@ def main():
     count, _ = exported_by_the_job(lambda: smp.DistributedModel(gpt2(), sample()))
     if count != 0:
         failures.append(f"after a damaged entry was replaced: {count} exports, expected none")
+
+    # A directory others may write into is not used (its entries are pickles, which run code when read), said once.
+    if runtime.rank == 0:
+        os.chmod(os.environ["SMP_CAPTURE_CACHE"], 0o777)
+    runtime.all_reduce_sum(torch.zeros(1))  # every rank past the chmod before anyone looks
+    warnings.clear()
+    logging.getLogger("smp.capture_cache").addHandler(handler)
+    count, _ = exported_by_the_job(lambda: smp.DistributedModel(gpt2(), sample()))
+    logging.getLogger("smp.capture_cache").removeHandler(handler)
+    if count != 2 or not any("others may write into it (mode 777)" in warning for warning in warnings):
+        failures.append(f"a cache directory others may write: {count} exports (expected one per rank), said "
+                        f"{warnings}")
+    runtime.all_reduce_sum(torch.zeros(1))
+    if runtime.rank == 0:
+        os.chmod(os.environ["SMP_CAPTURE_CACHE"], 0o700)
 
     # A cache directory that cannot be made: the capture runs as without one.
     cache = os.environ["SMP_CAPTURE_CACHE"]

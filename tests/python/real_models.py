@@ -27,6 +27,7 @@ too); without a GPU the job exits 77 (skipped).
 
 import argparse
 import copy
+import itertools
 import json
 import sys
 import warnings
@@ -189,7 +190,7 @@ def batch(name, samples, generator, length=SEQUENCE):
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}, ids
 
 
-def routing_failures(reference, result, routed, runtime):
+def routing_failures(reference, result, routed, routed_by_all, runtime):
     """Each replica's routers counted each of its tokens top-k times, once per forward (a checkpointed stage's
     recompute not again): a router's counts on the rank whose stage chooses its experts, which need not be the rank
     holding its weight (a cut may fall between the router's logits and its top-k), summed over the job to every
@@ -204,10 +205,10 @@ def routing_failures(reference, result, routed, runtime):
     totals = torch.tensor([float(counts[path].sum()) if path in counts else 0.0 for path in routers],
                           dtype=torch.float64)
     runtime.all_reduce_sum(totals)
-    replicas = runtime.data_parallel_degree * runtime.tensor_parallel_degree  # a tp group's ranks each count
+    shards = runtime.tensor_parallel_degree  # a tp group's ranks each count
     for path, total in zip(routers, totals.tolist()):
-        if total != routed * replicas:
-            failures.append(f"router {path} counted {total:.0f} tokens over the job, expected {routed * replicas}")
+        if total != routed_by_all * shards:
+            failures.append(f"router {path} counted {total:.0f} tokens over the job, expected {routed_by_all * shards}")
     return failures
 
 
@@ -219,10 +220,18 @@ def function_loss(name):
     return lambda output, target: F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
 
 
-def microbatch_of(inputs, index, count):
+def microbatches_of(samples, replicas, microbatches):
+    """Per replica, its microbatches' (first row, rows) as the engine splits a global batch of `samples`: into
+    replica shares, each into microbatches, as torch.tensor_split does (the first pieces a sample more where the
+    batch does not split evenly)."""
+    return [[(int(rows[0]), len(rows)) for rows in share.tensor_split(microbatches)]
+            for share in torch.arange(samples).tensor_split(replicas)]
+
+
+def rows_of(inputs, first, rows):
     if isinstance(inputs, torch.Tensor):
-        return inputs.chunk(count)[index]
-    return {key: value.chunk(count)[index] for key, value in inputs.items()}
+        return inputs.narrow(0, first, rows)
+    return {key: value.narrow(0, first, rows) for key, value in inputs.items()}
 
 
 def planned_layout_failures(model, runtime, config):
@@ -402,18 +411,18 @@ def train_and_compare(name, args, config, runtime):
 
         # Plain PyTorch: the same microbatches, gradients accumulated over each replica's and averaged over the
         # replicas (the order data parallelism sums in: ResNet's batch norms over two samples turn the other order's
-        # rounding into 1e-4 relative after three steps, in plain PyTorch alike), one step.
+        # rounding into 1e-4 relative after three steps, in plain PyTorch alike), one step. Each microbatch counts by
+        # its samples: a batch that does not split evenly has microbatches of two sizes.
         expected = 0.0
-        pieces = replicas * microbatches
         replica_gradients = []
-        for replica in range(replicas):
+        for share in microbatches_of(samples, replicas, microbatches):
             reference_optimizer.zero_grad()
-            for index in range(replica * microbatches, (replica + 1) * microbatches):
-                piece = microbatch_of(inputs, index, pieces)
+            for first, rows in share:
+                piece = rows_of(inputs, first, rows)
                 output = reference(**piece) if isinstance(piece, dict) else reference(piece)
-                value = output.loss if own else function_loss(name)(output, targets.chunk(pieces)[index])
-                (value / microbatches).backward()
-                expected += value.item() / pieces
+                value = output.loss if own else function_loss(name)(output, targets.narrow(0, first, rows))
+                (value * (rows * replicas / samples)).backward()
+                expected += value.item() * rows / samples
             replica_gradients.append([p.grad for p in reference.parameters()])
         for parameter, gradients in zip(reference.parameters(), zip(*replica_gradients)):
             present = [g for g in gradients if g is not None]
@@ -422,23 +431,25 @@ def train_and_compare(name, args, config, runtime):
         if abs(result.loss - expected) > loss_tolerance * max(1.0, abs(expected)):
             failures.append(f"step {step}: loss {result.loss} != {expected}")
         if name in MOE:
-            failures += routing_failures(reference, result, samples // replicas * length * TOP_K, runtime)
+            failures += routing_failures(reference, result, len(runtime.replica_slice(torch.arange(samples))) * length *
+                                         TOP_K, samples * length * TOP_K, runtime)
         if runtime.rank == 0:
             print(f"{name} step {step} loss {result.loss:.6f} plain {expected:.6f}", flush=True)
 
-    # Validation: eval mode (dropout off, batch norm on its running statistics), the outputs kept on the last stage.
-    inputs, targets = batch(name, global_batch, data)
+    # Validation: eval mode (dropout off, batch norm on its running statistics), the outputs kept on the last stage;
+    # on the short last batch's size when there is one (an epoch's last validation batch).
+    samples = args.short_last or global_batch
+    inputs, targets = batch(name, samples, data)
     evaluation = model.evaluate(inputs, None if own else targets, loss, keep_outputs=True)
     reference.eval()
     with torch.no_grad():
-        pieces = replicas * microbatches
         outputs, expected = [], 0.0
-        for index in range(pieces):
-            piece = microbatch_of(inputs, index, pieces)
+        for first, rows in itertools.chain(*microbatches_of(samples, replicas, microbatches)):
+            piece = rows_of(inputs, first, rows)
             output = reference(**piece) if isinstance(piece, dict) else reference(piece)
-            expected += (output.loss if own else function_loss(name)(output, targets.chunk(pieces)[index])).item()
+            value = output.loss if own else function_loss(name)(output, targets.narrow(0, first, rows))
+            expected += value.item() * rows / samples
             outputs.append(output if isinstance(output, torch.Tensor) else output.logits)
-        expected /= pieces
     if abs(evaluation.loss - expected) > loss_tolerance * max(1.0, abs(expected)) and not replica_batch_norm:
         failures.append(f"evaluation: loss {evaluation.loss} != {expected}")
     if evaluation.outputs is not None and not replica_batch_norm:

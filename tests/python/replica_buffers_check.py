@@ -1,7 +1,7 @@
 """Two replicas of a model with batch norm: each updates the running statistics from its share, and after every step
 both hold replica 0's, as torch DDP's default broadcast_buffers leaves them (they drifted apart before, and so did
 evaluation of the same rows and the checkpoints, which keep replica 0's). Then shares of different sizes
-(replica_share=True) are refused on both: replicas count equally in the mean loss. A SyncBatchNorm, which smp does not
+(replica_share=True) are refused on both: each replica's share counts as the global batch's over replicas. A SyncBatchNorm, which smp does not
 synchronize, is said so. Exits 0 only then."""
 
 import torch
@@ -47,6 +47,6 @@ if len(told) != (runtime.rank == 0):
     failures.append(f"rank {runtime.rank}: SyncBatchNorm under replicas: warned {[str(w.message) for w in said]}")
 share = torch.randn(8 if runtime.dp_rank == 0 else 4, 4)
 report.expect_error(failures, "replica shares of 8 and 4 samples", smp.CommError,
-                    "replicas count equally in the mean loss, so their shares must be the same size",
+                    "so shares passed apart must be the same size",
                     lambda: model.train_step(share, torch.randn(share.shape[0], 2), F.mse_loss, replica_share=True))
 raise SystemExit(report.finish(failures))

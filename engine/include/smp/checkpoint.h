@@ -6,6 +6,7 @@
 // the background: training waits only for the copy of its state.
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <future>
 #include <memory>
@@ -80,9 +81,11 @@ class Checkpointer {
   bool due(std::int64_t step) const;
   // Saves the state after `step`. Every rank calls it. The call returns once the state is copied; a background
   // thread then writes (writers), and on rank 0 waits (bounded by comm_timeout_s) for every partition file,
-  // writes the manifest and prunes old checkpoints. A save first waits for the previous one.
+  // writes the manifest and prunes old checkpoints; the other ranks' threads end when rank 0 says the checkpoint
+  // is complete (or not). A save first waits for the previous one.
   void save(std::int64_t step);
-  // Waits for the save in progress; throws CheckpointError if it failed. Call it before the program ends (the
+  // Waits for the save in progress, on every rank until the checkpoint is complete (latest_checkpoint finds it);
+  // throws CheckpointError if it failed. Call it before the program ends (the
   // destructor also waits, and when that save failed logs it and ends the process with status 1: a job must not
   // pass for saved). The constructor checks that checkpoint_dir can be written (CheckpointError).
   void wait();
@@ -98,6 +101,9 @@ class Checkpointer {
   void write_checkpoint(std::int64_t step, const std::string& directory, const std::string& key,
                         std::optional<c10::impl::GenericDict> contents, std::function<std::string()> optimizer_bytes,
                         std::optional<CheckpointManifest> manifest);
+  // Rank 0: once every file is reported, the manifest (which makes the checkpoint complete), then pruning.
+  void write_manifest(std::int64_t step, const std::string& directory, const std::string& key,
+                      CheckpointManifest& manifest);
 
   DistributedModel& model_;
   std::unique_ptr<OptimizerCheckpointState> optimizer_state_;
@@ -106,6 +112,7 @@ class Checkpointer {
   bool resume_called_ = false;  // a save without it, where the config asked to resume, says so once
   std::future<void> pending_;  // the save being written
   std::unique_ptr<DirectoryLock> lock_;  // rank 0's, while it may save
+  std::deque<std::string> saved_keys_;  // rank 0: the store keys of its last saves' outcome, until every rank read them
 };
 
 }  // namespace smp

@@ -119,8 +119,8 @@ struct Config {
 
   // The data-parallel degree for a world size, as SMP defines it, or ConfigError naming the fix.
   int replicas_for_world(int world_size) const;
-  // ConfigError unless a global batch splits into replicas x microbatches: global_batch_size's, or with
-  // `given_to_step` the size of a batch a step was given, which then is what the error asks to change.
+  // ConfigError unless global_batch_size splits evenly into replicas x microbatches (what layouts are planned for),
+  // or with `given_to_step` unless a step's batch has a sample at least for each (it may split unevenly).
   void check_batch(int global_batch, int replicas, bool given_to_step = false) const;
 
   int num_stages() const { return partitions * virtual_stages; }

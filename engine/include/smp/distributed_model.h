@@ -39,6 +39,16 @@ struct GlobalBatch {
   std::vector<bool> batched;
 };
 
+// What a step's loss function returns for a microbatch, and so how the step weighs it.
+enum class LossReduction {
+  // The mean over the microbatch's samples: each counts by its share of the global batch's samples (1 /
+  // (microbatches x replicas) where the batch splits evenly), so that the step's loss is the global batch's mean.
+  kMean,
+  // The microbatch's part of the global batch's loss (a sum over its tokens divided by the global batch's count of
+  // them): the step adds the microbatches' parts.
+  kSum,
+};
+
 struct StepOutput {
   double loss = 0.0;     // mean loss over the global batch, the same on every rank
   bool skipped = false;  // non-finite loss or gradients with "nonfinite": "skip": gradients were zeroed
@@ -107,10 +117,13 @@ class DistributedModel {
   // computes itself); `loss` gets the model's outputs in GraphModel::output_names() order.
   // `batched`, when given, says which inputs are split (decided on the global batch by a caller that passes a
   // replica's share: a share's size can match an input that is not the batch's).
+  // `reduction` says what the loss function returns (LossReduction).
   StepOutput train_step(const ModelInputs& inputs, const at::Tensor& targets, const OutputsLossFunction& loss,
-                        bool keep_outputs = false, const std::vector<bool>& batched = {});
+                        bool keep_outputs = false, const std::vector<bool>& batched = {},
+                        LossReduction reduction = LossReduction::kMean);
   StepOutput evaluate(const ModelInputs& inputs, const at::Tensor& targets, const OutputsLossFunction& loss,
-                      bool keep_outputs = false, const std::vector<bool>& batched = {});
+                      bool keep_outputs = false, const std::vector<bool>& batched = {},
+                      LossReduction reduction = LossReduction::kMean);
   // The same with the inputs by name; every model input must be there, and nothing else.
   StepOutput train_step(const std::map<std::string, at::Tensor>& inputs, const at::Tensor& targets,
                         const OutputsLossFunction& loss, bool keep_outputs = false);
@@ -211,9 +224,13 @@ class DistributedModel {
 
   StageOutputs run_stage(int stage, const ModelInputs& model_inputs, const TensorsByStage& from_producers);
   StageCallbacks stage_callbacks();
-  // The replica's batch checked and split into microbatches on the device (ConfigError naming `caller`).
+  // The replica's batch checked and split into microbatches on the device (ConfigError naming `caller`), as
+  // at::tensor_split splits it (the first microbatches a sample more where it does not split evenly), each
+  // microbatch's loss weighed as `reduction` says. `global_samples`: the global batch's size where the call was
+  // told it (next_call_takes_share_of), else none: the replicas' shares are then taken to be alike (checked after).
   MicrobatchData microbatch_data(const char* caller, const ModelInputs& inputs, const at::Tensor& targets,
-                                 const OutputsLossFunction& loss, const std::vector<bool>& batched) const;
+                                 const OutputsLossFunction& loss, const std::vector<bool>& batched,
+                                 LossReduction reduction, std::optional<std::int64_t> global_samples) const;
   ModelInputs inputs_by_name(const char* caller, const std::map<std::string, at::Tensor>& inputs) const;
   static OutputsLossFunction of_first_output(const LossFunction& loss);
   void check_single_input(const char* caller, const at::Tensor& inputs, const at::Tensor& targets) const;

@@ -61,13 +61,18 @@ struct MicrobatchData {
   OutputsLossFunction loss;
   double loss_scale = 1.0;  // fp16: backward starts from loss * scale; the reported loss is unscaled
   bool keep_outputs = false;  // ExecutorStats::outputs
+  // Per microbatch, what its loss counts for in the step (the replica's share of the global batch's mean: its
+  // samples over the global batch's, times the replicas, whose gradients are averaged); empty: 1/microbatches each.
+  std::vector<double> loss_weights;
+  // Their sizes differ (a batch that does not split evenly): kept outputs are then joined once the last arrives.
+  bool uneven = false;
   // The program call these microbatches are of and their batch's signature, carried by every transfer (ProgramCall;
   // the DistributedModel sets them, unchecked by default).
   comm::TransferStamp stamp;
 };
 
 struct ExecutorStats {
-  double loss_sum = 0.0;  // sum over this rank's last-stage microbatches of loss / microbatches
+  double loss_sum = 0.0;  // sum over this rank's last-stage microbatches of loss times its weight (loss_weights)
   bool has_loss = false;  // this rank runs the last stage
   int peak_stashed_microbatches = 0;  // (stage, microbatch) pairs holding activations at once
   int sends_posted = 0;               // to other ranks
@@ -91,8 +96,8 @@ class PipelineExecutor {
                    std::vector<int> checkpointed_stages = {}, bool overlap_forward_backward = false);
 
   // Runs this rank's actions once. A forward_only schedule (evaluation) builds no graphs and keeps nothing past
-  // its sends; otherwise gradients accumulate into the stage parameters' .grad, scaled so that the
-  // sum over microbatches is the gradient of the mean loss over the replica's batch.
+  // its sends; otherwise gradients accumulate into the stage parameters' .grad, each microbatch's scaled by its
+  // loss weight (MicrobatchData::loss_weights).
   ExecutorStats run(const StageCallbacks& stages, const MicrobatchData& data);
 
   const sched::Schedule& schedule() const { return schedule_; }

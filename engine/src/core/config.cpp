@@ -636,15 +636,16 @@ int Config::replicas_for_world(int world_size) const {
 
 void Config::check_batch(int global_batch, int replicas, bool given_to_step) const {
   const long long pieces = static_cast<long long>(replicas) * microbatches;
+  const std::string split = std::to_string(replicas) + " replicas x " + std::to_string(microbatches) + " microbatches";
+  if (given_to_step) {
+    // A step's batch may split unevenly (an epoch's last), but every microbatch needs a sample.
+    if (global_batch >= pieces) return;
+    throw ConfigError("the step's batch: a global batch of " + std::to_string(global_batch) + " samples is fewer than " +
+                      split + ", each of which needs a sample at least");
+  }
   if (global_batch % pieces != 0) {
-    const std::string split = "a global batch of " + std::to_string(global_batch) + " does not split into " +
-                              std::to_string(replicas) + " replicas x " + std::to_string(microbatches) + " microbatches";
-    if (!given_to_step) {
-      throw ConfigError(source + ": " + split + "; make \"global_batch_size\" a multiple of " + std::to_string(pieces));
-    }
-    throw ConfigError("the step's batch: " + split + "; give batches of a multiple of " + std::to_string(pieces) +
-                      " samples" + (global_batch_size > 0 ? " (the config's global_batch_size is " +
-                                                                std::to_string(global_batch_size) + ")" : std::string()));
+    throw ConfigError(source + ": a global batch of " + std::to_string(global_batch) + " does not split into " + split +
+                      "; make \"global_batch_size\" a multiple of " + std::to_string(pieces));
   }
 }
 

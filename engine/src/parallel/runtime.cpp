@@ -473,8 +473,9 @@ at::Tensor Runtime::replica_slice(const at::Tensor& global_batch) const {
     log::warn("a step's batch has " + std::to_string(size) + " samples, the config's global_batch_size " +
               std::to_string(config_.global_batch_size) + " (what the layout was checked and planned for); said once");
   }
-  const int64_t share = size / replicas;
-  return global_batch.narrow(0, share * dp_rank(), share);
+  // As at::tensor_split: the first replicas a sample more where the batch does not split evenly.
+  const int64_t share = size / replicas, left = size % replicas, replica = dp_rank();
+  return global_batch.narrow(0, share * replica + std::min(replica, left), share + (replica < left ? 1 : 0));
 }
 
 }  // namespace smp

@@ -153,6 +153,7 @@ class PipelineExecutor::Step {
     // On a GPU the transfers may still be in flight (their waits only ordered the compute stream after them).
     executor_.pipeline_.synchronize();
     stats_.loss_sum = loss_sum_.defined() ? loss_sum_.item<double>() : 0.0;
+    join_uneven_outputs();
     return std::move(stats_);
   }
 
@@ -389,13 +390,19 @@ class PipelineExecutor::Step {
   }
 
   // Kept outputs go straight into one tensor for the replica's batch, allocated when the first arrives: no list of
-  // them to concatenate (which would hold them twice at the end).
+  // them to concatenate (which would hold them twice at the end). Microbatches of unequal sizes have unequal rows
+  // of output, placed only once all are known: those are joined at the end.
   void keep_output(int microbatch, std::size_t which, const at::Tensor& output) {
     const int microbatches = schedule_.num_microbatches;
     if (stats_.outputs.size() <= which) stats_.outputs.resize(which + 1);
     at::Tensor& kept = stats_.outputs[which];
     // A 0-dim output (a per-microbatch metric) is one row.
     const at::Tensor value = output.dim() == 0 ? output.detach().reshape({1}) : output.detach();
+    if (data_.uneven) {
+      if (uneven_outputs_.size() <= which) uneven_outputs_.resize(which + 1, std::vector<at::Tensor>(microbatches));
+      uneven_outputs_[which][microbatch] = value;
+      return;
+    }
     const int64_t rows = value.size(0);
     if (!kept.defined()) {
       std::vector<int64_t> sizes = value.sizes().vec();
@@ -409,6 +416,20 @@ class PipelineExecutor::Step {
                        std::to_string(microbatch) + "), so keep_outputs cannot join them");
     }
     kept.narrow(0, rows * microbatch, rows).copy_(value);
+  }
+
+  void join_uneven_outputs() {
+    for (std::size_t which = 0; which < uneven_outputs_.size(); ++which) {
+      const auto& pieces = uneven_outputs_[which];
+      for (std::size_t m = 1; m < pieces.size(); ++m) {
+        if (pieces[m].dim() != pieces[0].dim() || pieces[m].sizes().slice(1) != pieces[0].sizes().slice(1)) {
+          throw ModelError("the model's output " + std::to_string(which) + " differs in shape between microbatches (" +
+                           c10::str(pieces[0].sizes()) + " for microbatch 0, " + c10::str(pieces[m].sizes()) +
+                           " for microbatch " + std::to_string(m) + "), so keep_outputs cannot join them");
+        }
+      }
+      stats_.outputs[which] = at::cat(pieces);
+    }
   }
 
   // recompute: the backward of a checkpointed stage running its forward again, whose output was kept already.
@@ -445,7 +466,9 @@ class PipelineExecutor::Step {
                        " for microbatch " + std::to_string(microbatch) +
                        ": it must reduce the microbatch to one value (as .mean() or .sum() do)");
     }
-    entry.loss = loss * (data_.loss_scale / static_cast<double>(schedule_.num_microbatches));
+    const double weight = data_.loss_weights.empty() ? 1.0 / static_cast<double>(schedule_.num_microbatches)
+                                                     : data_.loss_weights.at(microbatch);
+    entry.loss = loss * (data_.loss_scale * weight);
   }
 
   // The roots of this stage's backward and the gradients flowing into them.
@@ -638,6 +661,7 @@ class PipelineExecutor::Step {
   std::map<std::pair<int, int>, Stash> stash_;  // (stage, microbatch)
   int stashed_ = 0;
   at::Tensor loss_sum_;  // on the losses' device, so that summing them does not wait for the GPU
+  std::vector<std::vector<at::Tensor>> uneven_outputs_;  // per output, per microbatch (MicrobatchData::uneven)
   std::map<int, std::vector<at::Tensor>> local_mail_;  // tag -> tensors between two stages of this rank
   std::vector<std::unique_ptr<comm::IncomingTensors>> posted_;  // by action index: receives from other ranks
   std::map<int, std::vector<std::size_t>> receives_from_;       // peer -> its receives, in this rank's order

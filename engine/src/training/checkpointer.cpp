@@ -137,6 +137,20 @@ std::string random_state_key(const std::string& key, const Coordinates& rank) {
          std::to_string(rank.dp_rank);
 }
 
+// Every file's writer reports "size crc" (or "error ...") under its file's key; rank 0 collects them for the manifest.
+std::string report_key(const std::string& key, int pp_rank, int dp_rank, int tp_rank) {
+  return key + std::to_string(pp_rank) + "/" + std::to_string(dp_rank) + "/" + std::to_string(tp_rank);
+}
+
+// Under tensor parallelism every shard of a pipeline rank writes its files, named after it; under expert parallelism
+// the first block's replicas write partition files, one per share of the experts.
+std::string file_name_of(const Topology& topology, int pp_rank, int dp_rank, int tp_rank) {
+  const int shard = topology.tensor_parallel_degree() > 1 ? tp_rank : -1;
+  const int expert_shares = topology.expert_parallel_degree();
+  if (expert_shares > 1 && dp_rank < expert_shares) return partition_file_name(pp_rank, shard, dp_rank);
+  return dp_rank == 0 ? partition_file_name(pp_rank, shard) : optimizer_shard_file_name(pp_rank, dp_rank, shard);
+}
+
 // This rank's random states: the program's (the default generators' between calls: the CPU's and, on a GPU, its
 // device's) and the model's stream's (ModelRandomStream), by name.
 std::string random_state_bytes(const c10::Device& device, const ModelRandomStream& model_stream) {
@@ -359,22 +373,9 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
                                     std::function<std::string()> optimizer_bytes,
                                     std::optional<CheckpointManifest> manifest) {
   Runtime& runtime = model_.runtime();
-  const Config& config = runtime.config();
-  // Every writer reports "size crc" (or "error ...") under its file's key; rank 0 collects them for the manifest.
-  const auto report_key = [&](int pp_rank, int dp_rank, int tp_rank) {
-    return key + std::to_string(pp_rank) + "/" + std::to_string(dp_rank) + "/" + std::to_string(tp_rank);
-  };
-  // Under tensor parallelism every shard of a pipeline rank writes its files, named after it.
-  const int tensor_parallel_degree = runtime.topology().tensor_parallel_degree();
-  // Under expert parallelism the first block's replicas write partition files, one per share of the experts.
   const int expert_shares = runtime.topology().expert_parallel_degree();
-  const auto file_name_of = [&](int pp_rank, int dp_rank, int tp_rank) {
-    const int shard = tensor_parallel_degree > 1 ? tp_rank : -1;
-    if (expert_shares > 1 && dp_rank < expert_shares) return partition_file_name(pp_rank, shard, dp_rank);
-    return dp_rank == 0 ? partition_file_name(pp_rank, shard) : optimizer_shard_file_name(pp_rank, dp_rank, shard);
-  };
   if (contents) {
-    const std::string file_name = file_name_of(runtime.pp_rank(), runtime.dp_rank(), runtime.tp_rank());
+    const std::string file_name = file_name_of(runtime.topology(), runtime.pp_rank(), runtime.dp_rank(), runtime.tp_rank());
     std::string report;
     try {
       contents->insert("optimizer", bytes_tensor(optimizer_bytes()));
@@ -393,21 +394,55 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
     } catch (const std::exception& error) {
       report = "error " + comm::brief_message(error);
     }
-    runtime.publish(report_key(runtime.pp_rank(), runtime.dp_rank(), runtime.tp_rank()), report);
+    runtime.publish(report_key(key, runtime.pp_rank(), runtime.dp_rank(), runtime.tp_rank()), report);
     if (report.rfind("error ", 0) == 0) {
       throw CheckpointError("rank " + std::to_string(runtime.rank()) + " could not save step " + std::to_string(step) +
                             ": " + report.substr(6));
     }
   }
-  if (!manifest) return;
+  // Every rank's save ends when the checkpoint is complete (manifest written), so that after wait() any rank finds
+  // it: rank 0 says how its part ended under `saved_key`.
+  const std::string saved_key = key + "saved";
+  if (!manifest) {
+    std::string said;
+    try {
+      said = runtime.fetch(saved_key);
+    } catch (const comm::CommError& error) {
+      throw CheckpointError("step " + std::to_string(step) + ": rank 0 did not say that the checkpoint was complete (" +
+                            error.what() + ")");
+    }
+    if (said.rfind("error ", 0) == 0) {
+      throw CheckpointError("step " + std::to_string(step) + ": the checkpoint was left incomplete: " + said.substr(6));
+    }
+    return;
+  }
+  try {
+    write_manifest(step, directory, key, *manifest);
+  } catch (const std::exception& error) {
+    runtime.publish(saved_key, "error " + comm::brief_message(error));
+    throw;
+  }
+  runtime.publish(saved_key, "ok");
+  // Every rank has read the one of two saves ago: its save waited for that one's before it began the last.
+  saved_keys_.push_back(saved_key);
+  if (saved_keys_.size() > 2) {
+    runtime.forget(saved_keys_.front());
+    saved_keys_.pop_front();
+  }
+}
 
+void Checkpointer::write_manifest(std::int64_t step, const std::string& directory, const std::string& key,
+                                  CheckpointManifest& manifest) {
+  Runtime& runtime = model_.runtime();
+  const Config& config = runtime.config();
+  const int expert_shares = runtime.topology().expert_parallel_degree();
   for (int pp = 0; pp < config.partitions; ++pp) {
-    for (int tp = 0; tp < tensor_parallel_degree; ++tp) {
-      for (int dp = 0; dp < std::max(manifest->optimizer_shards, expert_shares); ++dp) {
+    for (int tp = 0; tp < runtime.topology().tensor_parallel_degree(); ++tp) {
+      for (int dp = 0; dp < std::max(manifest.optimizer_shards, expert_shares); ++dp) {
         const int writer = runtime.topology().rank_of({pp, dp, tp});
         std::string report;
         try {
-          report = runtime.fetch(report_key(pp, dp, tp));
+          report = runtime.fetch(report_key(key, pp, dp, tp));
         } catch (const comm::CommError& error) {
           throw CheckpointError("step " + std::to_string(step) + ": rank " + std::to_string(writer) +
                                 " did not report its checkpoint file; the checkpoint is left incomplete (" + error.what() + ")");
@@ -417,7 +452,7 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
                                 report.substr(6));
         }
         CheckpointFile file;
-        file.name = file_name_of(pp, dp, tp);
+        file.name = file_name_of(runtime.topology(), pp, dp, tp);
         file.pp_rank = pp;
         const bool partition_file = dp < expert_shares;
         file.dp_rank = partition_file ? -1 : dp;
@@ -425,7 +460,7 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
         file.ep_rank = partition_file ? dp : 0;
         std::istringstream fields(report);
         fields >> file.size >> file.crc32;
-        manifest->files.push_back(file);
+        manifest.files.push_back(file);
       }
     }
   }
@@ -433,7 +468,7 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
   for (int rank = 0; rank < runtime.world_size(); ++rank) {
     runtime.forget(random_state_key(key, runtime.topology().coordinates_of(rank)));
   }
-  write_file_atomically(directory + "/manifest.json", manifest->to_json());
+  write_file_atomically(directory + "/manifest.json", manifest.to_json());
   fsync_directory(directory);
   fsync_directory(config.checkpoint_dir);
   prune_checkpoints(config.checkpoint_dir, config.checkpoints_kept);

@@ -15,6 +15,7 @@
 
 #include "smp/collectives.h"
 #include "smp/log.h"
+#include "smp/module_modes.h"
 #include "smp/planned_layout.h"
 #include "smp/timeline.h"
 #include "pipeline/program_call.h"
@@ -57,7 +58,8 @@ std::vector<bool> DistributedModel::batched_inputs(const ModelInputs& inputs, co
 
 MicrobatchData DistributedModel::microbatch_data(const char* caller, const ModelInputs& inputs,
                                                  const at::Tensor& targets, const OutputsLossFunction& loss,
-                                                 const std::vector<bool>& given_batched) const {
+                                                 const std::vector<bool>& given_batched, LossReduction reduction,
+                                                 std::optional<std::int64_t> global_samples) const {
   const int microbatches = runtime_->config().microbatches;
   const auto& names = model_.input_names();
   if (inputs.size() != names.size()) {
@@ -84,12 +86,22 @@ MicrobatchData DistributedModel::microbatch_data(const char* caller, const Model
     if (batched[i]) batch = inputs[i].size(0);
   }
   if (targets.defined() && targets.dim() > 0) batch = targets.size(0);
-  if (!batch || *batch == 0 || *batch % microbatches != 0) {
+  if (!batch || *batch < microbatches) {
     throw ConfigError(std::string(caller) + ": the replica's batch of " +
                       (batch ? std::to_string(*batch) : std::string("no")) + " samples does not split into " +
-                      std::to_string(microbatches) + " microbatches");
+                      std::to_string(microbatches) + " microbatches (each needs a sample at least)");
   }
   MicrobatchData data;
+  const int replicas = runtime_->topology().data_parallel_degree();
+  const std::int64_t global = global_samples.value_or(*batch * replicas);
+  data.uneven = *batch % microbatches != 0;
+  for (int m = 0; m < microbatches; ++m) {
+    const std::int64_t rows = *batch / microbatches + (m < *batch % microbatches ? 1 : 0);
+    // The replicas' gradients and losses are averaged: each microbatch counts `replicas` times its share.
+    data.loss_weights.push_back(reduction == LossReduction::kSum
+                                    ? static_cast<double>(replicas)
+                                    : static_cast<double>(rows * replicas) / static_cast<double>(global));
+  }
   const c10::Device device = runtime_->device();
   data.inputs.assign(static_cast<std::size_t>(microbatches), ModelInputs(inputs.size()));
   for (std::size_t i = 0; i < inputs.size(); ++i) {
@@ -100,12 +112,12 @@ MicrobatchData DistributedModel::microbatch_data(const char* caller, const Model
     }
     // Each microbatch a tensor of its own to autograd (a view shares its base's version counter): a forward writing
     // its input in place (x.mul_(2)) would otherwise spoil what the earlier microbatches saved for their backward.
-    const auto chunks = on_device.chunk(microbatches);
+    const auto chunks = on_device.tensor_split(microbatches);
     for (int m = 0; m < microbatches; ++m) {
       data.inputs[m][i] = chunks[m].requires_grad() ? chunks[m] : chunks[m].variable_data();
     }
   }
-  if (targets.defined()) data.targets = (targets.dim() > 0 ? targets.to(device).chunk(microbatches)
+  if (targets.defined()) data.targets = (targets.dim() > 0 ? targets.to(device).tensor_split(microbatches)
                                                            : std::vector<at::Tensor>(microbatches, targets.to(device)));
   data.loss = loss;
   return data;
@@ -130,10 +142,11 @@ void DistributedModel::check_single_input(const char* caller, const at::Tensor& 
   // One input and its targets: both are the batch, sample for sample.
   const int microbatches = runtime_->config().microbatches;
   auto check = [&](const at::Tensor& tensor, const char* what) {
-    if (!tensor.defined() || tensor.dim() == 0 || tensor.size(0) % microbatches != 0 || tensor.size(0) == 0) {
+    if (!tensor.defined() || tensor.dim() == 0 || tensor.size(0) < microbatches) {
       throw ConfigError(std::string(caller) + ": the replica's " + what + " batch of " +
                         (tensor.defined() && tensor.dim() > 0 ? std::to_string(tensor.size(0)) : std::string("no")) +
-                        " samples does not split into " + std::to_string(microbatches) + " microbatches");
+                        " samples does not split into " + std::to_string(microbatches) +
+                        " microbatches (each needs a sample at least)");
     }
   };
   check(inputs, "input");
@@ -152,24 +165,39 @@ OutputsLossFunction DistributedModel::of_first_output(const LossFunction& loss) 
 namespace {
 
 // The modules in eval mode (dropout off, batch norm on its running statistics) for as long as it lives; each
-// gets its own mode back after, in reverse order, so that a module shared by two nodes ends as it began.
+// module of each tree gets its own mode back after (a batch norm the program froze stays frozen), the trees in reverse
+// order, so that a module shared by two nodes ends as it began.
 class EvaluationMode {
  public:
-  explicit EvaluationMode(std::vector<std::shared_ptr<torch::nn::Module>> modules) : modules_(std::move(modules)) {
-    for (const auto& module : modules_) {
-      was_training_.push_back(module->is_training());
+  explicit EvaluationMode(const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
+    for (const auto& module : modules) {
+      if (auto* external = dynamic_cast<ExternalModes*>(module.get())) {
+        restore_.push_back(external->enter_eval());
+        continue;
+      }
+      // LibTorch's train(bool) sets a whole tree: each module's own flag goes back parent first (pre-order).
+      std::vector<std::pair<std::shared_ptr<torch::nn::Module>, bool>> flags;
+      for (const auto& each : module->modules()) flags.emplace_back(each, each->is_training());
       module->eval();
+      restore_.push_back([flags] {
+        for (const auto& [each, training] : flags) each->train(training);
+      });
     }
   }
   ~EvaluationMode() {
-    for (std::size_t i = modules_.size(); i-- > 0;) modules_[i]->train(was_training_[i]);
+    for (std::size_t i = restore_.size(); i-- > 0;) {
+      try {
+        restore_[i]();
+      } catch (const std::exception& error) {
+        log::warn(std::string("evaluation could not give a module its training mode back: ") + error.what());
+      }
+    }
   }
   EvaluationMode(const EvaluationMode&) = delete;
   EvaluationMode& operator=(const EvaluationMode&) = delete;
 
  private:
-  std::vector<std::shared_ptr<torch::nn::Module>> modules_;
-  std::vector<bool> was_training_;
+  std::vector<std::function<void()>> restore_;
 };
 
 // What the ranks of a replica compare of their batches (they must be given the same): the shapes and dtypes, hashed
@@ -178,14 +206,13 @@ class EvaluationMode {
 // (an image batch would otherwise be read whole, in double), and left on the batch's device until the step's end.
 struct BatchFingerprint {
   std::int64_t shapes = 0;
-  std::int64_t samples = 0;  // the replica's share: replicas count equally in the mean loss, so shares must match
+  std::int64_t samples = 0;  // the replica's share: shares passed apart must match (ClosingSums::check_in_step)
   std::vector<at::Tensor> values;  // per tensor: (weighted sum, weighted magnitude), on its device; none unchecked
 };
 
-// Only then are a batch's values compared (a replica's ranks with each other).
-bool several_ranks_per_replica(const Topology& topology) {
-  return topology.pipeline_degree() * topology.tensor_parallel_degree() > 1;
-}
+// Only then are a batch's values compared: a replica's ranks with each other, and the replicas to tell whether each
+// was given the same batch (ClosingSums::replicas_given_alike).
+bool batch_values_compared(const Topology& topology) { return topology.world_size() > 1; }
 
 BatchFingerprint fingerprint(const ModelInputs& inputs, const at::Tensor& targets, const std::vector<bool>& batched,
                              bool values_compared) {
@@ -317,21 +344,25 @@ class ClosingSums {
                             ", in the same replica (" + ProgramCall::from_id(static_cast<std::int64_t>(slot(kCall, rank))).describe() +
                             "): " + kSameCallsEverywhere);
     }
-    check_global_batches();
+    // Shares of one global batch may differ by a sample (one that does not split evenly): each counted by its size.
+    if (shares_of_one_global_batch()) return;
     for (int rank = 1; rank < world_; ++rank) {
       if (slot(kSamples, rank) == slot(kSamples, 0)) continue;
       throw comm::CommError("rank " + std::to_string(rank) + "'s batch has " +
                             std::to_string(static_cast<std::int64_t>(slot(kSamples, rank))) + " samples, rank 0's " +
                             std::to_string(static_cast<std::int64_t>(slot(kSamples, 0))) +
-                            ": replicas count equally in the mean loss, so their shares must be the same size");
+                            ": each replica's share counts as the global batch's over replicas in the mean loss, "
+                            "so shares passed apart must be the same size; to split a batch unevenly, pass the "
+                            "global batch (Python: without replica_share; C++: next_call_takes_share_of before "
+                            "the step)");
     }
   }
 
  private:
   // Ranks that took their replica's share of a global batch (Python's train_step without replica_share) must all
   // have been given the same one: replicas of another batch (a sampler seeded per rank) would each train on a share
-  // of a different batch, silently.
-  void check_global_batches() const {
+  // of a different batch, silently. True when they were.
+  bool shares_of_one_global_batch() const {
     int first = -1;
     for (int rank = 0; rank < world_; ++rank) {
       if (slot(kWholeGiven, rank) == 0.0) continue;
@@ -348,12 +379,13 @@ class ClosingSums {
                             "draw it alike on every rank (the same seed), or pass each replica's own share with "
                             "replica_share=True");
     }
-    if (first < 0) return;
+    if (first < 0) return false;
     for (int rank = 0; rank < world_; ++rank) {
       if (slot(kWholeGiven, rank) != 0.0) continue;
       throw comm::CommError("rank " + std::to_string(rank) + " passed its replica's share (replica_share=True) and rank " +
                             std::to_string(first) + " the global batch: every rank must pass the same kind");
     }
+    return true;
   }
 
   // Equal up to a reduction's order; a batch holding NaN or Inf (a test of the non-finite handling) sums to NaN or
@@ -394,6 +426,11 @@ std::optional<BatchFingerprint> take_fingerprint(std::optional<GlobalBatch>& giv
                      true);
 }
 
+std::optional<std::int64_t> samples_of(const std::optional<BatchFingerprint>& global_batch) {
+  if (!global_batch) return std::nullopt;
+  return global_batch->samples;
+}
+
 }  // namespace
 
 void DistributedModel::next_call_takes_share_of(const ModelInputs& inputs, const at::Tensor& targets,
@@ -419,13 +456,14 @@ StepOutput DistributedModel::train_step(const std::map<std::string, at::Tensor>&
 
 StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tensor& targets,
                                      const OutputsLossFunction& loss, bool keep_outputs,
-                                     const std::vector<bool>& batched) {
+                                     const std::vector<bool>& batched, LossReduction reduction) {
   const auto start = std::chrono::steady_clock::now();
   // Taken first: a call that fails before its closing sums must not leave it to the next.
   std::optional<BatchFingerprint> global_batch = take_fingerprint(global_batch_, runtime_->topology());
   runtime_->refuse_after_leaving("evaluate");
   warn_if_not_resumed();
-  MicrobatchData data = microbatch_data("evaluate", inputs, targets, loss, batched);
+  MicrobatchData data = microbatch_data("evaluate", inputs, targets, loss, batched, reduction,
+                                        samples_of(global_batch));
   data.keep_outputs = keep_outputs;
   if (!evaluator_) {
     // The training schedule's forwards in their order: its transfers, channels and tags serve as they are.
@@ -438,11 +476,11 @@ StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tenso
   for (const auto& [stage, local] : stages_) {
     for (int node : local.nodes) local_modules.push_back(model_.nodes()[node].module);
   }
-  const EvaluationMode evaluation_mode(std::move(local_modules));
+  const EvaluationMode evaluation_mode(local_modules);
   StepOutput output;
   ++evaluations_since_step_;
   BatchFingerprint batch = fingerprint(inputs, targets, batched.empty() ? batched_inputs(inputs, targets) : batched,
-                                       several_ranks_per_replica(runtime_->topology()));
+                                       batch_values_compared(runtime_->topology()));
   data.stamp = {ProgramCall{step_, evaluations_since_step_}.id(), batch.shapes};
   const InProgramCall in_call(data.stamp.call);
   const ModelRandomStream::Entered model_draws(*random_stream_);
@@ -509,17 +547,18 @@ StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tens
 
 StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Tensor& targets,
                                        const OutputsLossFunction& loss, bool keep_outputs,
-                                       const std::vector<bool>& batched) {
+                                       const std::vector<bool>& batched, LossReduction reduction) {
   auto start = std::chrono::steady_clock::now();
   std::optional<BatchFingerprint> global_batch = take_fingerprint(global_batch_, runtime_->topology());
   runtime_->refuse_after_leaving("train_step");
   warn_if_not_resumed();
   const Config& config = runtime_->config();
-  MicrobatchData data = microbatch_data("train_step", inputs, targets, loss, batched);
+  MicrobatchData data = microbatch_data("train_step", inputs, targets, loss, batched, reduction,
+                                        samples_of(global_batch));
   data.keep_outputs = keep_outputs;
   data.loss_scale = loss_scaler_->scale();
   BatchFingerprint batch = fingerprint(inputs, targets, batched.empty() ? batched_inputs(inputs, targets) : batched,
-                                       several_ranks_per_replica(runtime_->topology()));
+                                       batch_values_compared(runtime_->topology()));
   data.stamp = {ProgramCall{step_, 0}.id(), batch.shapes};
   const InProgramCall in_call(data.stamp.call);
   const c10::Device device = runtime_->device();
