@@ -104,7 +104,8 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
       if (flag.inline_value) throw UsageError("--no-prefix takes no value");
       options.prefix_output = false;
     } else if (!arg.empty() && arg[0] == '-') {
-      throw UsageError("unknown option '" + arg + "'");
+      const bool torchrun = arg.rfind("--nproc", 0) == 0;  // torchrun's --nproc-per-node / --nproc_per_node
+      throw UsageError("unknown option '" + arg + "'" + (torchrun ? " (smprun's is -n, the number of processes)" : ""));
     } else {
       throw UsageError("unexpected argument '" + arg + "' (put the program after '--')");
     }

@@ -25,7 +25,8 @@ struct LaunchOptions {
   int node_rank = 0;              // this instance's index: its ranks are node_rank * world_size + i
   std::string job_id;             // exported as SMP_JOB_ID; empty: a random one when nodes == 1
   std::string master_addr = "127.0.0.1";
-  int master_port = 0;           // 0: pick a free port at launch
+  int master_port = 0;           // smp's store (SMP_MASTER_PORT); 0: pick a free port at launch
+  int torch_port = 0;            // MASTER_PORT, for the program's torch.distributed (torch_port_beside)
   double timeout_seconds = 0.0;  // 0: no limit
   double grace_seconds = 5.0;    // between SIGTERM and SIGKILL when stopping
   bool prefix_output = true;

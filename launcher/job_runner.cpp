@@ -204,7 +204,8 @@ class Job {
     for (Rank& rank : ranks_) {
       const int error = start_rank(rank, rank_environment(base_environment, rank.index, options_.world_size,
                                                           options_.master_addr, options_.master_port,
-                                                          options_.node_rank, options_.nodes, options_.job_id));
+                                                          options_.torch_port, options_.node_rank, options_.nodes,
+                                                          options_.job_id));
       if (error != 0) {
         fail_launch(rank.global_index, error);
         return;

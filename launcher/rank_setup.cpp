@@ -101,17 +101,27 @@ int pick_free_port(const std::string& address) {
   return port;
 }
 
+int torch_port_beside(int master_port, int nodes, const std::function<int()>& picked) {
+  if (nodes > 1) return master_port < 65535 ? master_port + 1 : master_port - 1;
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    const int port = picked();
+    if (port != master_port) return port;
+  }
+  return master_port < 65535 ? master_port + 1 : master_port - 1;
+}
+
 std::vector<std::string> rank_environment(const std::vector<std::string>& base, int local_rank, int local_world_size,
-                                          const std::string& master_addr, int master_port, int node_rank, int nodes,
-                                          const std::string& job_id) {
-  const std::array<std::pair<const char*, std::string>, 8> rendezvous{{
+                                          const std::string& master_addr, int master_port, int torch_port,
+                                          int node_rank, int nodes, const std::string& job_id) {
+  const std::array<std::pair<const char*, std::string>, 9> rendezvous{{
       {"RANK", std::to_string(node_rank * local_world_size + local_rank)},
       {"LOCAL_RANK", std::to_string(local_rank)},
       {"WORLD_SIZE", std::to_string(nodes * local_world_size)},
       {"LOCAL_WORLD_SIZE", std::to_string(local_world_size)},
       {"GROUP_RANK", std::to_string(node_rank)},
       {"MASTER_ADDR", master_addr},
-      {"MASTER_PORT", std::to_string(master_port)},
+      {"SMP_MASTER_PORT", std::to_string(master_port)},
+      {"MASTER_PORT", std::to_string(torch_port)},
       {"SMP_JOB_ID", job_id},
   }};
   const auto is_rendezvous_variable = [&](const std::string& entry) {

@@ -38,7 +38,10 @@ int main(int argc, char** argv) {
   // Checked once here so that a typo is one clear error instead of N failing ranks.
   const std::string& program = options.program_and_args.front();
   if (const int error = check_executable(program, std::getenv("PATH")); error != 0) {
-    return usage_error("cannot execute '" + program + "': " + std::strerror(error));
+    const bool script = program.size() > 3 && program.compare(program.size() - 3, 3, ".py") == 0;
+    return usage_error("cannot execute '" + program + "': " + std::strerror(error) +
+                       (script ? " (a Python script runs under its interpreter: smprun -n N -- python " + program + ")"
+                               : std::string()));
   }
   if (options.master_port == 0) {
     try {
@@ -46,6 +49,12 @@ int main(int argc, char** argv) {
     } catch (const std::runtime_error& error) {
       return usage_error(std::string(error.what()) + "; pass --master-port");
     }
+  }
+  try {
+    options.torch_port = torch_port_beside(options.master_port, options.nodes,
+                                           [&] { return pick_free_port(options.master_addr); });
+  } catch (const std::runtime_error&) {
+    options.torch_port = options.master_port < 65535 ? options.master_port + 1 : options.master_port - 1;
   }
   if (options.job_id.empty() && options.nodes == 1) {
     std::random_device entropy;

@@ -386,6 +386,8 @@ PYBIND11_MODULE(_smp, module) {
       .def_readonly("microbatches", &Config::microbatches)
       .def_readonly("global_batch_size", &Config::global_batch_size)
       .def_readonly("seed", &Config::seed)
+      .def_readonly("bf16", &Config::bf16)
+      .def_readonly("fp16", &Config::fp16)
       .def_readonly("sequence_parallel", &Config::sequence_parallel)
       .def_readonly("expert_parallel_degree", &Config::expert_parallel_degree)
       .def_readonly("source", &Config::source)

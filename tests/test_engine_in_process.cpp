@@ -1143,6 +1143,10 @@ TEST_CASE("launch variables: torchrun's agent store is joined, a world size with
   const auto joined = from(agent);
   CHECK(joined.store_hosted_by_launcher);
   CHECK(joined.store_prefix == "smp_attempt_3");  // a restart's keys apart from the attempt before
+  // smprun's: smp's store on SMP_MASTER_PORT, MASTER_PORT the program's torch.distributed's.
+  auto smprun = torchrun;
+  smprun["SMP_MASTER_PORT"] = "29611";
+  CHECK(from(smprun).master_port == 29611);
   CHECK_THROWS_WITH(from({{"WORLD_SIZE", "2"}}),
                     Catch::Contains("WORLD_SIZE=\"2\" is set but RANK is not") && Catch::Contains("neither"));
   CHECK(from({{"WORLD_SIZE", "1"}}).world_size == 1);

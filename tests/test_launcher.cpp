@@ -305,22 +305,28 @@ TEST_CASE("parse_command_line names each usage problem", "[launcher]") {
 TEST_CASE("rank_environment sets the rendezvous variables and keeps the rest", "[launcher]") {
   const std::vector<std::string> base{"PATH=/usr/bin", "RANK=7", "OMP_NUM_THREADS=3", "MASTER_PORT=1",
                                       "RANKING=kept", "EMPTY="};
-  const std::vector<std::string> environment = rank_environment(base, 2, 4, "10.1.2.3", 29500);
+  const std::vector<std::string> environment = rank_environment(base, 2, 4, "10.1.2.3", 29500, 29777);
   const std::multiset<std::string> entries(environment.begin(), environment.end());
+  // smp's store on SMP_MASTER_PORT; MASTER_PORT left to the program's torch.distributed.
   const std::multiset<std::string> expected{"PATH=/usr/bin",    "OMP_NUM_THREADS=3",  "RANKING=kept",
                                             "EMPTY=",           "RANK=2",             "LOCAL_RANK=2",
                                             "WORLD_SIZE=4",     "LOCAL_WORLD_SIZE=4", "MASTER_ADDR=10.1.2.3",
-                                            "MASTER_PORT=29500", "GROUP_RANK=0"};
+                                            "SMP_MASTER_PORT=29500", "MASTER_PORT=29777", "GROUP_RANK=0"};
   CHECK(entries == expected);
 }
 
 TEST_CASE("rank_environment numbers the ranks of several nodes globally", "[launcher]") {
-  const auto environment = rank_environment({"SMP_JOB_ID=stale"}, 1, 4, "10.1.2.3", 29500, 1, 2, "job42");
+  const auto environment = rank_environment({"SMP_JOB_ID=stale"}, 1, 4, "10.1.2.3", 29500, 29501, 1, 2, "job42");
   const std::multiset<std::string> entries(environment.begin(), environment.end());
   const std::multiset<std::string> expected{"RANK=5",        "LOCAL_RANK=1",         "WORLD_SIZE=8",
                                             "LOCAL_WORLD_SIZE=4", "GROUP_RANK=1",     "MASTER_ADDR=10.1.2.3",
-                                            "MASTER_PORT=29500", "SMP_JOB_ID=job42"};
+                                            "SMP_MASTER_PORT=29500", "MASTER_PORT=29501", "SMP_JOB_ID=job42"};
   CHECK(entries == expected);
+  // Every node derives torch's port alike; one node picks a free one, never smp's.
+  CHECK(torch_port_beside(29500, 2, [] { return 1; }) == 29501);
+  CHECK(torch_port_beside(65535, 2, [] { return 1; }) == 65534);
+  int picks = 0;
+  CHECK(torch_port_beside(29500, 1, [&] { return ++picks == 1 ? 29500 : 31000; }) == 31000);
 }
 
 TEST_CASE("several nodes need a shared port and a node rank below the node count", "[launcher]") {
@@ -335,7 +341,7 @@ TEST_CASE("several nodes need a shared port and a node rank below the node count
 }
 
 TEST_CASE("rank_environment does not invent OMP_NUM_THREADS", "[launcher]") {
-  for (const std::string& entry : rank_environment({"HOME=/root"}, 0, 1, "127.0.0.1", 1)) {
+  for (const std::string& entry : rank_environment({"HOME=/root"}, 0, 1, "127.0.0.1", 1, 2)) {
     CHECK(entry.rfind("OMP_NUM_THREADS=", 0) != 0);
   }
 }
@@ -477,11 +483,20 @@ TEST_CASE("smprun runs every rank with its environment and prefixes its output",
 }
 
 TEST_CASE("smprun passes --master-addr and --master-port through", "[launcher][smprun]") {
+  // smp's store on SMP_MASTER_PORT; MASTER_PORT another, for the program's torch.distributed.
   const SmprunResult result = run_smprun({"-n", "2", "--master-addr", "localhost", "--master-port", "29123",
-                                          "--", "sh", "-c", "echo $MASTER_ADDR:$MASTER_PORT"});
+                                          "--", "sh", "-c", "echo $MASTER_ADDR:$SMP_MASTER_PORT:$MASTER_PORT"});
   CHECK(result.exit_code == 0);
-  CHECK(contains(result.out, "[rank 0] localhost:29123\n"));
-  CHECK(contains(result.out, "[rank 1] localhost:29123\n"));
+  const std::regex line(R"(\[rank ([01])\] localhost:29123:([0-9]+))");
+  std::set<std::string> torch_ports;
+  for (const std::string& each : split_lines(result.out)) {
+    std::smatch match;
+    INFO(each);
+    REQUIRE(std::regex_match(each, match, line));
+    torch_ports.insert(match[2]);
+  }
+  REQUIRE(torch_ports.size() == 1);
+  CHECK(*torch_ports.begin() != "29123");
 }
 
 TEST_CASE("smprun keeps OMP_NUM_THREADS when set and does not invent it", "[launcher][smprun]") {

@@ -72,16 +72,19 @@ LaunchInfo LaunchInfo::from_environment(const std::function<const char*(const ch
   }
   if (info.world_size > 1) {
     const char* addr = lookup("MASTER_ADDR");
-    const char* port = lookup("MASTER_PORT");
+    // smprun's store port; MASTER_PORT is then the program's own torch.distributed's.
+    const char* smp_port = lookup("SMP_MASTER_PORT");
+    const char* port = smp_port ? smp_port : lookup("MASTER_PORT");
+    const char* port_variable = smp_port ? "SMP_MASTER_PORT" : "MASTER_PORT";
     if (!addr || !*addr) {
       throw CommError(std::string("MASTER_ADDR is not set (launched by ") + info.launcher +
                       "); set it to the host of rank 0");
     }
     if (!port) throw CommError(std::string("MASTER_PORT is not set (launched by ") + info.launcher + ")");
     info.master_addr = addr;
-    info.master_port = parse_int("MASTER_PORT", port, 1, 65535);
+    info.master_port = parse_int(port_variable, port, 1, 65535);
     const char* agent_store = lookup("TORCHELASTIC_USE_AGENT_STORE");
-    if (agent_store && (std::string(agent_store) == "True" || std::string(agent_store) == "true" ||
+    if (!smp_port && agent_store && (std::string(agent_store) == "True" || std::string(agent_store) == "true" ||
                         std::string(agent_store) == "1")) {
       info.store_hosted_by_launcher = true;
       const char* restarts = lookup("TORCHELASTIC_RESTART_COUNT");

@@ -48,7 +48,8 @@ int listen_on(const std::string& host, int port) {
     ::close(fd);
     if (error == EADDRINUSE) {
       throw CommError("cannot host the rendezvous on " + host + ":" + std::to_string(port) +
-                      ": the port is in use (another job, or a process still holding it); pick another MASTER_PORT");
+                      ": the port is in use (another job, or a process still holding it); pick another port (smprun's "
+                      "--master-port, or MASTER_PORT)");
     }
     if (error == EADDRNOTAVAIL) {
       throw CommError("cannot host the rendezvous on " + host + ":" + std::to_string(port) + ": " + host +

@@ -79,6 +79,12 @@ class Loss(float):
     def backward(self, *args, **kwargs):
         raise RuntimeError("train_step ran the backward already (its gradients are in .grad): call optimizer.step()")
 
+    def detach(self):
+        return self  # as a logging line's `total += loss.detach()` takes a tensor's
+
+    def cpu(self):
+        return self
+
 
 def _no_loss(output, target):
     """The loss of a forward for inference: zero, on the outputs' device."""
@@ -131,9 +137,15 @@ class DistributedModel(torch.nn.Module):
 
     def __init__(self, model, sample, init_fn=None, tp_plan=None, dynamic_shapes=None):
         super().__init__()
+        if type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None),
+                                                                    torch.nn.Module):
+            warnings.warn("smp runs each stage's modules as they are, not compiled: training the module "
+                          "torch.compile wrapped, under its own parameter names (README: Not built yet)", stacklevel=2)
+            model = model._orig_mod
         # Not a submodule (its tensors are the engine's to list): train()/eval() reach its modules' flags.
         object.__setattr__(self, "_net", model)
         object.__setattr__(self, "_said_eval_mode", False)
+        object.__setattr__(self, "_said_share", False)
         rt = runtime()
         started = time.perf_counter()
         # "auto" layout keys: chosen now that the model is known, the same on every rank (smp.plan's prediction).
@@ -220,6 +232,8 @@ class DistributedModel(torch.nn.Module):
 
     def _engine_step(self, step, inputs, targets, loss, keep_outputs, replica_share, what):
         rt = runtime()
+        if what == "train_step":
+            _refuse_unscaled_half(rt, what)
         values = self._io.engine_inputs(inputs, what)
         on_meta = [name for name, value in zip(self._io.input_names or range(len(values)), values)
                    if isinstance(value, torch.Tensor) and value.is_meta]
@@ -233,14 +247,6 @@ class DistributedModel(torch.nn.Module):
             global_batch = (values, targets)
             values = [rt.replica_slice(v) if b else v for v, b in zip(values, batched)]
             targets = rt.replica_slice(targets) if targets is not None and targets.dim() > 0 else targets
-        else:
-            # Replicas count equally in the mean over the global batch, so their shares must be the same size:
-            # checked against global_batch_size when the config fixes it.
-            fixed = rt.config.global_batch_size
-            share = next((v.shape[0] for v, b in zip(values, batched) if b), None)
-            if fixed and share is not None and share * rt.data_parallel_degree != fixed:
-                raise ConfigError(f"replica_share: a share of {share} samples x {rt.data_parallel_degree} replicas "
-                                  f"is not the config's global_batch_size of {fixed}")
         microbatches = rt.config.microbatches
         if any(b and v.shape[0] >= microbatches for v, b in zip(values, batched)):
             self._io.check_microbatch(values, batched, microbatches, what)
@@ -411,6 +417,22 @@ class DistributedModel(torch.nn.Module):
     def dtype(self):
         return next((p.dtype for p in self.parameters()), torch.get_default_dtype())
 
+    def _apply(self, fn, recurse=True):
+        # Module.to, .half, .double, .cuda, .cpu come here: the engine's tensors stay where the config put them.
+        probe = next((p for p in self.parameters()), None)
+        if probe is not None:
+            moved = fn(probe.detach())
+            if moved.dtype != probe.dtype or moved.device != probe.device:
+                raise ValueError(f"a DistributedModel stays on the device and dtype its config gives "
+                                 f"({probe.device}, {probe.dtype}; asked {moved.device}, {moved.dtype}): choose the "
+                                 "device with the config's \"device\", mixed precision with \"bf16\" or \"fp16\", "
+                                 "or convert the model before wrapping it")
+        return self
+
+    def compile(self, *args, **kwargs):
+        raise NotImplementedError("smp runs each stage's modules as they are: torch.compile of a DistributedModel "
+                                  "would compile nothing the engine runs (README: Not built yet)")
+
     def __deepcopy__(self, memo):
         # torch.optim.swa_utils.AveragedModel and timm's ModelEmaV2 copy the model; pickle failed on the engine.
         raise TypeError("a DistributedModel cannot be copied: it holds this rank's share of the model and the job's "
@@ -429,7 +451,11 @@ class DistributedModel(torch.nn.Module):
         hints = {"generate": "generation runs token by token, which a pipeline does not; export the trained model "
                              "(smp.export_safetensors) and generate with it in one process",
                  "gradient_checkpointing_enable": "smp recomputes activations by its config: \"activation_"
-                                                  "checkpointing\": true (or the stages or modules to recompute)"}
+                                                  "checkpointing\": true (or the stages or modules to recompute)",
+                 "no_sync": "train_step accumulates over its microbatches and then averages over the replicas: "
+                            "accumulate by raising \"microbatches\" (or call train_step again before "
+                            "optimizer.step(), without zero_grad, each averaged apart)",
+                 "require_backward_grad_sync": "train_step averages the gradients over the replicas in each step"}
         raise AttributeError(f"'DistributedModel' object has no attribute '{name}'" +
                              (f": {hints[name]}" if name in hints else ""))
 
@@ -469,6 +495,13 @@ class DistributedModel(torch.nn.Module):
         (transformer.wte.weight and lm_head.weight), as in the model's own state_dict."""
         if args:
             raise TypeError("state_dict takes keyword arguments only (destination, prefix, keep_vars)")
+        rt = runtime()
+        if rt.rank == 0 and not self._said_share and rt.world_size > rt.data_parallel_degree:
+            # A DDP habit, torch.save(model.state_dict()) on rank 0, would keep part of the model without a word.
+            object.__setattr__(self, "_said_share", True)
+            warnings.warn(f"model.state_dict() holds this rank's share of the model (stages {list(self.stages)}); "
+                          "for the whole model save with smp.Checkpointer and export with smp.export_safetensors or "
+                          "smp.export_checkpoint (said once)", stacklevel=2)
         state = collections.OrderedDict() if destination is None else destination
         for name, tensor in self._own_state():
             for key in (name, *self._aliases.get(name, ())):
@@ -543,6 +576,19 @@ class DistributedModel(torch.nn.Module):
 
     def partition_report(self):
         return self._model.partition_report()
+
+
+def _refuse_unscaled_half(rt, what):
+    """torch.autocast(float16) around a step, as a DDP loop with GradScaler has it: the engine's backward would run
+    without loss scaling (GradScaler cannot scale a loss the engine differentiates), float16 gradients underflowing
+    to zero. The config's "fp16" scales them, dynamically, and casts as autocast does."""
+    device_type = torch.device(rt.device).type
+    if rt.config.fp16 or not torch.is_autocast_enabled(device_type) or \
+            torch.get_autocast_dtype(device_type) != torch.float16:
+        return
+    raise ConfigError(f"{what} under torch.autocast(float16): the engine's backward would run without loss scaling, "
+                      "which GradScaler cannot give it; set \"fp16\": true in the config (autocast and dynamic loss "
+                      "scaling, by the engine) and drop torch.autocast and GradScaler, or use \"bf16\"")
 
 
 def _router_loss_coefficient(net):

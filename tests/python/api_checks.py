@@ -5,6 +5,7 @@ import copy
 import sys
 import tempfile
 import types
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -78,8 +79,8 @@ def main():
             failures.append(f"evaluate(keep_outputs=True) gave {kept}")
     if eager_model.evaluate(batch, torch.randn(4, 2), F.mse_loss).outputs is not None:
         failures.append("evaluate without keep_outputs kept outputs")
-    expect_error("a replica share that is not the global batch / replicas", smp.ConfigError, "global_batch_size of 4",
-                 lambda: eager_model.train_step(torch.randn(2, 3), torch.randn(2, 2), F.mse_loss, replica_share=True))
+    # A share of another size than global_batch_size's (an epoch's short last batch, loaded per replica) trains.
+    eager_model.train_step(torch.randn(2, 3), torch.randn(2, 2), F.mse_loss, replica_share=True)
     expect_error("targets of another batch than the inputs", smp.ConfigError,
                  "evaluate: 3 targets, but no input has a first dimension of that size (inputs [4, 3])",
                  lambda: eager_model.evaluate(batch, torch.randn(3, 2), F.mse_loss))
@@ -888,6 +889,26 @@ def pytorch_conventions():
         failures.append(f"the step's loss answers .item() with {loss.item()}, not {float(loss)}")
     expect_error("the step's loss given to backward", RuntimeError, "ran the backward already", loss.backward)
     expect_error("generate", AttributeError, "export the trained model", lambda: model.generate)
+    if loss.detach() != loss or loss.cpu() != loss:
+        failures.append("the step's loss does not answer .detach() and .cpu() as a logging line takes them")
+    # A DDP script's habits: the wrapper stays where the config put it (a move said, not silently ignored), no_sync
+    # says what accumulates, compile is refused, and train_step under autocast(float16) without "fp16" refused.
+    if model.to("cpu") is not model or model.float() is not model:
+        failures.append("model.to('cpu') / .float() on a CPU float32 model did not return it")
+    expect_error("model.half()", ValueError, "mixed precision with \"bf16\" or \"fp16\"", model.half)
+    expect_error("model.to(float64)", ValueError, "stays on the device and dtype", lambda: model.to(torch.float64))
+    expect_error("model.no_sync", AttributeError, "raising \"microbatches\"", lambda: model.no_sync)
+    expect_error("model.compile()", NotImplementedError, "runs each stage's modules as they are", model.compile)
+    with torch.autocast("cpu", dtype=torch.float16):
+        expect_error("train_step under autocast(float16)", smp.ConfigError, "set \"fp16\": true",
+                     lambda: model.train_step(torch.randn(4, 4), torch.randn(4, 2), F.mse_loss))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        compiled = smp.DistributedModel(torch.compile(copy.deepcopy(reference)), torch.zeros(2, 4))
+    names = [name for name, _ in compiled.named_parameters()]
+    if names != [name for name, _ in reference.named_parameters()] or \
+            not any("not compiled" in str(warning.message) for warning in said):
+        failures.append(f"a torch.compile'd module: parameters {names}, said {[str(w.message) for w in said]}")
     # load_state_dict: a full model's state_dict by name; what is missing, unknown or of another shape is refused.
     other = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     result = model.load_state_dict(other.state_dict())

@@ -70,11 +70,11 @@ except (smp.CommError, smp.ModelError) as raised:  # a stage's failure: ModelErr
     error = str(raised)
 waited = time.monotonic() - start
 
-expected = {"evaluate_alone": "it is in its evaluate 1 after step 1, this rank in its train_step 1",
+expected = {"evaluate_alone": "it is in its evaluate 1 after train_step 0, this rank in its train_step 1",
             "own_batch": "rank 1 was given a batch with other values than rank 0, in the same replica (train_step 1)",
             "replica_batch": "rank 1 was given a global batch with other values than rank 0 (train_step 1)",
             "experts_alone": f"expert parallelism: group rank {1 - runtime.rank} is in its "
-                             f"{'train_step 1' if runtime.rank == 0 else 'evaluate 1 after step 1'}"}
+                             f"{'train_step 1' if runtime.rank == 0 else 'evaluate 1 after train_step 0'}"}
 advice = {"replica_batch": "pass each replica's own share with replica_share=True",
           "experts_alone": "every rank must call train_step and evaluate alike"}
 if error is None:

@@ -2,7 +2,7 @@
 both hold replica 0's, as torch DDP's default broadcast_buffers leaves them (they drifted apart before, and so did
 evaluation of the same rows and the checkpoints, which keep replica 0's). Then shares of different sizes
 (replica_share=True) are refused on both: each replica's share counts as the global batch's over replicas. A SyncBatchNorm, which smp does not
-synchronize, is said so. Exits 0 only then."""
+synchronize, is said so. The program's own torch.distributed works beside smp. Exits 0 only then."""
 
 import torch
 import torch.nn.functional as F
@@ -49,4 +49,13 @@ share = torch.randn(8 if runtime.dp_rank == 0 else 4, 4)
 report.expect_error(failures, "replica shares of 8 and 4 samples", smp.CommError,
                     "so shares passed apart must be the same size",
                     lambda: model.train_step(share, torch.randn(share.shape[0], 2), F.mse_loss, replica_share=True))
+# The program's own torch.distributed beside smp: under smprun MASTER_PORT is left to it (smp's store is on
+# SMP_MASTER_PORT), so init_process_group's env:// rendezvous works after smp.init.
+import torch.distributed as dist  # noqa: E402
+dist.init_process_group("gloo")
+everyone = torch.ones(1)
+dist.all_reduce(everyone)
+if everyone.item() != runtime.world_size:
+    failures.append(f"torch.distributed beside smp: all_reduce gave {everyone.item()}")
+dist.destroy_process_group()
 raise SystemExit(report.finish(failures))

@@ -117,6 +117,7 @@ class Reader {
   static std::string shown(const json& value) {
     std::string text = value.dump(-1, ' ', false, json::error_handler_t::replace);
     if (text.size() > 40) text = text.substr(0, 37) + "...";
+    if (value.is_null()) return "null";  // its type's name is its text
     return std::string(value.type_name()) + " " + text;
   }
 
@@ -369,6 +370,7 @@ const std::vector<std::pair<std::string, std::string>>& other_frameworks_names()
       {"checkpoint_every", "checkpoint_interval"}, {"save_total_limit", "checkpoints_kept"},
       {"zero_stage", "shard_optimizer_state"}, {"gradient_checkpointing", "activation_checkpointing"},
       {"recompute_granularity", "activation_checkpointing"}, {"timeout", "comm_timeout_s"},
+      {"amp", "bf16"}, {"mixed_precision", "bf16"}, {"fp16_enabled", "fp16"}, {"bf16_enabled", "bf16"},
   };
   return names;
 }

@@ -9,7 +9,7 @@
 
 #include "smp/comm/laned_communicator.h"
 #include "smp/config.h"
-#include "pipeline/program_call.h"
+#include "core/program_call.h"
 
 namespace smp {
 

@@ -338,7 +338,7 @@ void Runtime::check_job_identity(const std::string& where) {
   const std::string theirs = fetch("job_id");
   if (!mine.empty() && !theirs.empty() && mine != theirs) {
     throw comm::CommError("the rendezvous store at " + where + " belongs to another job (job id " + theirs +
-                          ", this job " + mine + "); pick another MASTER_PORT");
+                          ", this job " + mine + "); pick another port (smprun's --master-port, or MASTER_PORT)");
   }
 }
 

@@ -19,7 +19,7 @@
 #include "smp/comm/tensor_transfer.h"
 #include "smp/errors.h"
 #include "pipeline/activation_checkpoint.h"
-#include "pipeline/program_call.h"
+#include "core/program_call.h"
 #include "pipeline/split_backward.h"
 
 namespace smp {

@@ -18,7 +18,7 @@
 #include "smp/module_modes.h"
 #include "smp/planned_layout.h"
 #include "smp/timeline.h"
-#include "pipeline/program_call.h"
+#include "core/program_call.h"
 #include "training/gradient_sync.h"
 #include "training/loss_scaler.h"
 #include "training/model_random_stream.h"
@@ -487,7 +487,7 @@ StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tenso
   ClosingSums sums(runtime_->topology(), runtime_->rank(), data.stamp.call, std::move(batch),
                    std::move(global_batch));
   try {
-    runtime_->with_peers("evaluate after step " + std::to_string(step_), [&] {
+    runtime_->with_peers(ProgramCall{step_, evaluations_since_step_}.describe(), [&] {
       const ExecutorStats stats = evaluator_->run(stage_callbacks(), data);
       if (stats.has_loss && counts_loss()) sums.add_loss(stats.loss_sum);
       output.sends_posted = stats.sends_posted;
@@ -499,7 +499,7 @@ StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tenso
       sums.check_in_step();
     });
   } catch (const comm::CommError& error) {
-    throw comm::CommError("evaluation after step " + std::to_string(step_) + ", stage-rank " +
+    throw comm::CommError(ProgramCall{step_, evaluations_since_step_}.describe() + ", stage-rank " +
                           std::to_string(runtime_->pp_rank()) + ": " + error.what());
   }
   output.loss = sums.loss() / runtime_->topology().data_parallel_degree();

@@ -23,7 +23,8 @@ struct ProgramCall {
   std::string describe() const {
     if (evaluation == 0) return "train_step " + std::to_string(step);
     if (step == 0) return "evaluate " + std::to_string(evaluation) + " before any train_step";
-    return "evaluate " + std::to_string(evaluation) + " after step " + std::to_string(step);
+    // Numbered as train_step calls are (from 0): the one just completed, not the count of them.
+    return "evaluate " + std::to_string(evaluation) + " after train_step " + std::to_string(step - 1);
   }
 };
 
