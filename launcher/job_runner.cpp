@@ -32,6 +32,8 @@ using Clock = std::chrono::steady_clock;
 // Once every rank has exited, output can only still come from processes they left behind; give those this
 // long to finish writing rather than waiting on them forever.
 constexpr auto kDrainAfterLastExit = std::chrono::seconds(1);
+// A signal repeated within this long of the first is taken as the same one (handle_signals).
+constexpr auto kSameSignalWindow = std::chrono::milliseconds(500);
 // Bounds the reads done at once from a rank that has just exited (a descendant could keep writing).
 constexpr int kMaxReadsWhenDraining = 64;
 constexpr std::size_t kReadChunkBytes = 64 * 1024;
@@ -354,7 +356,12 @@ class Job {
         if (!stopping_) {
           report("received " + describe_signal(signal_number) + "; forwarding it to all ranks");
           received_signal_ = signal_number;
+          received_at_ = Clock::now();
           begin_stop(StopReason::Signal, signal_number);
+        } else if (signal_number == received_signal_ && Clock::now() - received_at_ < kSameSignalWindow) {
+          // The same signal again at once is one Ctrl-C delivered twice (a terminal's to the process group and a
+          // wrapper's such as timeout's, which forwards it to its group too), not a second press.
+          continue;
         } else if (!kill_sent_) {
           kill_remaining("received " + describe_signal(signal_number) + " while stopping");
         }
@@ -492,6 +499,7 @@ class Job {
   Clock::time_point started_at_;
   StopReason stop_reason_ = StopReason::None;
   int received_signal_ = 0;
+  Clock::time_point received_at_;
   bool stopping_ = false;
   bool kill_sent_ = false;
   Clock::time_point grace_deadline_;

@@ -460,11 +460,11 @@ TEST_CASE("a save that pruning would delete at once is refused: a step lower tha
     checkpointer.save(6);
     checkpointer.wait();
   }
-  {  // a fresh run in the same directory, not resumed
+  {  // a fresh run in the same directory, not resumed: refused when the Checkpointer is made, before any training
     auto job = one_process_job(directory, false);
-    smp::Checkpointer checkpointer(*job.model, std::make_unique<RecordedOptimizerState>());
-    CHECK_THROWS_WITH(checkpointer.save(0), Catch::Contains("holds checkpoints up to step 6 of an earlier run") &&
-                                                Catch::Contains("empty checkpoint_dir"));
+    CHECK_THROWS_WITH(smp::Checkpointer(*job.model, std::make_unique<RecordedOptimizerState>()),
+                      Catch::Contains("holds checkpoints up to step 6 of an earlier run") &&
+                          Catch::Contains("\"resume\" is false") && Catch::Contains("empty checkpoint_dir"));
   }
   {  // resumed from them, it goes on
     auto job = one_process_job(directory, true);

@@ -251,8 +251,14 @@ class InputShapes:
             symbol, low, high = allowed
             if size < low or (high is not None and size > high):
                 bound = f"{low} to {high}" if high is not None else f"at least {low}"
-                hint = (f" (an epoch's short last batch: drop it, as DataLoader's drop_last=True does, or give "
-                        f"batches of at least {low} samples a microbatch)" if dim == 0 and size < low else "")
+                hint = ""
+                if dim == 0 and size < low:
+                    hint = (f" (give at least {low} samples a microbatch: fewer \"microbatches\", or a batch's "
+                            "last short one dropped, as DataLoader's drop_last=True does")
+                    if size == 1 and low == 2:
+                        hint += ("; export keeps sizes 0 and 1 apart, so a sample of 2 or more samples captures "
+                                 "microbatches of 2 and more, and one of 1 sample microbatches of 1 alone")
+                    hint += ")"
                 raise ConfigError(f"{what}: input '{name}' gives microbatches of shape {tuple(shape)}; the captured "
                                   f"model takes {bound} in its dimension {dim}{hint}")
 

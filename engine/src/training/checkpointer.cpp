@@ -211,6 +211,20 @@ Checkpointer::Checkpointer(DistributedModel& model, std::unique_ptr<OptimizerChe
   }
   // Rank 0 writes the manifests and prunes: its lock keeps another job out.
   if (model_.runtime().rank() == 0) lock_ = std::make_unique<DirectoryLock>(root);
+  // A run that is not to resume, in a directory of an earlier run's checkpoints, would train until its first save
+  // and be refused there (save): said now, before any training.
+  Runtime& runtime = model_.runtime();
+  if (runtime.config().resume) return;
+  const std::string earlier = runtime.from_rank0("checkpoint/" + std::to_string(runtime.next_exchange()) + "/kept",
+                                                 [&] {
+    const auto highest = highest_saved_step(root);
+    if (!highest) return std::string();
+    return root + " holds checkpoints up to step " + std::to_string(*highest) + " of an earlier run, and this run " +
+           "is not resumed from them (\"resume\" is false): pruning keeps the highest steps, so its checkpoints "
+           "would be deleted as written and a resume would take the earlier run's. Resume from them (\"resume\": "
+           "true, then resume()), or give this run an empty checkpoint_dir";
+  });
+  if (!earlier.empty()) throw CheckpointError(earlier);
 }
 
 bool Checkpointer::enabled() const { return !model_.runtime().config().checkpoint_dir.empty(); }
