@@ -138,7 +138,9 @@ std::string help_text() {
 Starts N local ranks of `program args...` (looked up on PATH) and waits for them.
 
 Each rank gets the caller's environment plus
-  RANK=K*N+i  LOCAL_RANK=i  WORLD_SIZE=M*N  LOCAL_WORLD_SIZE=N  GROUP_RANK=K  MASTER_ADDR  MASTER_PORT
+  RANK=K*N+i  LOCAL_RANK=i  WORLD_SIZE=M*N  LOCAL_WORLD_SIZE=N  GROUP_RANK=K  MASTER_ADDR
+  SMP_MASTER_PORT (smp's rendezvous, --master-port)  MASTER_PORT (another port, for the program's own
+  torch.distributed.init_process_group)
   SMP_JOB_ID (the same for every rank of the job, so that a rank never joins another job's rendezvous)
 (OMP_NUM_THREADS is passed through if set and never invented), its own process group,
 stdin from /dev/null, and its stdout/stderr forwarded line by line to smprun's

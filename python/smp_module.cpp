@@ -152,10 +152,15 @@ class EagerModule : public torch::nn::Module,
     std::vector<bool> training;
     for (const auto& each : modules->cast<py::list>()) training.push_back(each.attr("training").cast<bool>());
     module_->attr("eval")();
+    // Back through train(), as the program's own calls went (a module's override may do more than set its flag:
+    // a LoRA layer's merges and unmerges its adapter): the root's mode, then, in pre-order, each module whose mode
+    // still differs from its own.
     return [modules, training] {
       py::gil_scoped_acquire gil;
       const auto list = modules->cast<py::list>();
-      for (std::size_t i = 0; i < training.size(); ++i) py::setattr(list[i], "training", py::bool_(training[i]));
+      for (std::size_t i = 0; i < training.size(); ++i) {
+        if (i == 0 || list[i].attr("training").cast<bool>() != training[i]) list[i].attr("train")(training[i]);
+      }
     };
   }
 

@@ -72,8 +72,10 @@ LaunchInfo LaunchInfo::from_environment(const std::function<const char*(const ch
   }
   if (info.world_size > 1) {
     const char* addr = lookup("MASTER_ADDR");
-    // smprun's store port; MASTER_PORT is then the program's own torch.distributed's.
-    const char* smp_port = lookup("SMP_MASTER_PORT");
+    // smprun's store port; MASTER_PORT is then the program's own torch.distributed's. Under torchrun its agent's
+    // store on MASTER_PORT is the one (an SMP_MASTER_PORT there is inherited from an outer smprun).
+    const char* agent = lookup("TORCHELASTIC_USE_AGENT_STORE");
+    const char* smp_port = agent ? nullptr : lookup("SMP_MASTER_PORT");
     const char* port = smp_port ? smp_port : lookup("MASTER_PORT");
     const char* port_variable = smp_port ? "SMP_MASTER_PORT" : "MASTER_PORT";
     if (!addr || !*addr) {

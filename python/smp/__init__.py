@@ -57,6 +57,9 @@ def init(config, sections=None):
     if sections is not None:
         parsed.check_sections(list(sections))
     _state.set_runtime(_smp.Runtime.init(parsed))
+    device = torch.device(_state.runtime().device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the rank's GPU is the current one: .cuda() and torch.device("cuda") find it
     take_over_torch_clipping()  # torch.nn.utils.clip_grad_norm_ over a DistributedModel: the whole model's norm
     return _state.runtime()
 

@@ -242,14 +242,16 @@ class DistributedModel(torch.nn.Module):
             raise ConfigError(f"{what}: {where} is on the meta device, which holds no values: a model may be built "
                               "there, its batches must be real tensors")
         batched = _smp.batched_inputs(values, targets, what)
+        microbatches = rt.config.microbatches
+        # Checked before the split, every replica's microbatches on every rank: all refuse a batch alike.
+        replicas = 1 if replica_share else rt.data_parallel_degree
+        if any(b and v.shape[0] >= microbatches * replicas for v, b in zip(values, batched)):
+            self._io.check_microbatch(values, batched, microbatches, what, replicas)
         global_batch = None
         if not replica_share:
             global_batch = (values, targets)
             values = [rt.replica_slice(v) if b else v for v, b in zip(values, batched)]
             targets = rt.replica_slice(targets) if targets is not None and targets.dim() > 0 else targets
-        microbatches = rt.config.microbatches
-        if any(b and v.shape[0] >= microbatches for v, b in zip(values, batched)):
-            self._io.check_microbatch(values, batched, microbatches, what)
         model_outputs = self._io.model_outputs
         # Hugging Face's num_items_in_batch (as its Trainer passes it): the model's loss is then a sum over the items
         # divided by the batch's count, not a mean: the engine adds the microbatches' up instead of weighing them.
@@ -419,9 +421,10 @@ class DistributedModel(torch.nn.Module):
 
     def _apply(self, fn, recurse=True):
         # Module.to, .half, .double, .cuda, .cpu come here: the engine's tensors stay where the config put them.
-        probe = next((p for p in self.parameters()), None)
-        if probe is not None:
-            moved = fn(probe.detach())
+        held = next((p for p in self.parameters()), None)
+        if held is not None:
+            probe = torch.empty(0, dtype=held.dtype, device=held.device)  # where fn would take it, copying nothing
+            moved = fn(probe)
             if moved.dtype != probe.dtype or moved.device != probe.device:
                 raise ValueError(f"a DistributedModel stays on the device and dtype its config gives "
                                  f"({probe.device}, {probe.dtype}; asked {moved.device}, {moved.dtype}): choose the "

@@ -47,7 +47,7 @@ class GraphIO:
                 raise ConfigError(f"{what}: input '{name}' is {_describe(value)}, not a tensor")
         return values
 
-    def check_microbatch(self, engine_inputs, batched, microbatches, what):
+    def check_microbatch(self, engine_inputs, batched, microbatches, what, replicas=1):
         pass  # a GraphModel's modules take any shape they accept
 
     def microbatch_range(self):
@@ -102,20 +102,22 @@ class CapturedIO:
                                   "batch")
         return values
 
-    def check_microbatch(self, engine_inputs, batched, microbatches, what):
+    def check_microbatch(self, engine_inputs, batched, microbatches, what, replicas=1):
         """Each microbatch must have a shape the captured code takes: the sample's in the dimensions the model fixes
         (views, a patch size), any size export allowed in the others (a sequence length, a short last batch). The
-        engine splits as torch.tensor_split does: where the batch does not split evenly, the first microbatches
-        have a sample more, and both sizes are checked."""
-        split = [torch.tensor_split(value, microbatches) if is_batched else None
+        engine splits as torch.tensor_split does, into `replicas` shares (of a global batch) and each into
+        microbatches: where a batch does not split evenly, the first pieces have a sample more, and every size is
+        checked, every replica's on every rank, so that all refuse alike."""
+        split = [[piece for share in torch.tensor_split(value, replicas)
+                  for piece in torch.tensor_split(share, microbatches)] if is_batched else None
                  for value, is_batched in zip(engine_inputs, batched)]
+        pieces = replicas * microbatches
 
         def microbatch(index):
-            return {name: pieces[index] if pieces is not None else value
-                    for name, value, pieces in zip(self.input_names, engine_inputs, split)}
+            return {name: parts[index] if parts is not None else value
+                    for name, value, parts in zip(self.input_names, engine_inputs, split)}
 
-        sizes = [next((len(pieces[index]) for pieces in split if pieces is not None), None)
-                 for index in range(microbatches)]
+        sizes = [next((len(parts[index]) for parts in split if parts is not None), None) for index in range(pieces)]
         for index in sorted({sizes.index(size) for size in sizes}):  # the first microbatch of each size
             inputs = microbatch(index)
             shapes = {name: list(value.shape) for name, value in inputs.items()}
@@ -124,7 +126,7 @@ class CapturedIO:
             self._shapes.check_agreement(shapes, what)
             self._shapes.check_guards(inputs, what)
         if self._shapes.lookups is not None:
-            for index in range(microbatches):
+            for index in range(pieces):
                 self._shapes.lookups.check(self._model, microbatch(index), what)
 
     def microbatch_range(self):

@@ -636,6 +636,19 @@ def main():
                         f"{[module.training for module in regularized.modules()]}")
     model.train()
 
+    class Merging(torch.nn.Linear):  # a LoRA layer's way: eval() merges its adapter, train() unmerges it
+        merged = False
+
+        def train(self, mode=True):
+            self.merged = not mode
+            return super().train(mode)
+
+    merging = torch.nn.Sequential(Merging(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    wrapped = smp.DistributedModel(merging, torch.zeros(2, 3))
+    wrapped.evaluate(inputs, targets, F.mse_loss)
+    if merging[0].merged or not merging[0].training:
+        failures.append("evaluate gave a module its training mode back without its own train(): still merged")
+
     expect_error("extra_state that cannot be saved", TypeError, "a list_iterator has no state_dict()",
                  lambda: smp.Checkpointer(model, smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1)),
                                           extra_state={"loader": iter([])}))

@@ -140,6 +140,39 @@ def lost_save(python, root):
         raise SystemExit(f"a failed save without wait() exited {result.returncode}:\n{result.stderr[-2000:]}")
 
 
+RANK0_FAILS = """
+import os, sys, time, torch, smp
+root = sys.argv[1]
+rt = smp.init({"partitions": 2, "microbatches": 1, "checkpoint_dir": root, "device": "cpu", "comm_timeout_s": 60})
+torch.manual_seed(0)
+model = smp.DistributedModel(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)), torch.zeros(2, 3))
+checkpointer = smp.Checkpointer(model, smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1)))
+if rt.rank == 0:  # rank 0's own file cannot be written: a directory in its place
+    os.makedirs(os.path.join(root, "step-00000000", "partition-0000.pt"))
+rt.all_reduce_sum(torch.zeros(1))
+start = time.monotonic()
+checkpointer.save(0)
+try:
+    checkpointer.wait()
+    print(f"rank {rt.rank}: saved")
+except smp.CheckpointError as error:
+    print(f"rank {rt.rank}: after {time.monotonic() - start:.1f} s: {error}")
+"""
+
+
+def rank0_fails(smprun, python, root):
+    """Rank 0's own file failing ends every rank's save at once, saying so (not after comm_timeout_s, blaming rank 0
+    for silence): each rank's wait() ends when the checkpoint is complete, and rank 0 says how its part ended."""
+    with open(os.path.join(os.path.dirname(root), "rank0_fails.py"), "w") as file:
+        file.write(RANK0_FAILS)
+    result = subprocess.run([smprun, "-n", "2", "--timeout", "100", "--", python, file.name, root],
+                            capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    said = [line for line in result.stdout.splitlines() if "rank 1: after" in line]
+    seconds = float(said[0].split("rank 1: after ")[1].split()[0]) if said else None
+    if not said or "the checkpoint was left incomplete" not in said[0] or seconds > 20:
+        raise SystemExit(f"rank 0's file failing, rank 1's wait():\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+
+
 OPTIONS = """
 import datetime, sys, torch, smp
 root, lr, scheduled = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "scheduled"
@@ -239,6 +272,7 @@ def main():
                 raise SystemExit(f"exported model: {name} differs from 6 steps of plain PyTorch")
         if not sharded and not tensor_parallel:
             lost_save(python, os.path.join(directory, "lost"))
+            rank0_fails(smprun, python, os.path.join(directory, "rank0_fails"))
             options_replaced(python, os.path.join(directory, "options"))
     print("trained 4 steps" + (" in tensor-parallel shards" if tensor_parallel else "") + ", resumed" +
           (" into one replica, then into two shards again" if sharded else "") +

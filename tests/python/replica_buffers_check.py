@@ -10,7 +10,6 @@ import torch.nn.functional as F
 import report
 import smp
 
-# No global_batch_size: it would refuse the uneven shares below on one rank alone, before the step.
 runtime = smp.init({"partitions": 1, "microbatches": 2, "ddp": True, "device": "cpu"})
 torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
@@ -35,6 +34,24 @@ same = torch.randn(4, 4, generator=torch.Generator().manual_seed(3))
 for _ in range(2):
     model.train_step(same, torch.zeros(4, 2), F.mse_loss, replica_share=True)
 optimizer.zero_grad()
+# A batch that splits unevenly over the replicas is checked alike on every rank: 7 samples give replica 1 a
+# microbatch of 1, which a capture on 2 samples does not take, refused on both ranks (replica 0's own microbatches
+# would pass); 9 samples (microbatches of 3, 2 and 2, 2) train.
+class Captured(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+captured = smp.DistributedModel(Captured(), torch.randn(2, 4))
+data = torch.Generator().manual_seed(9)
+report.expect_error(failures, "7 samples over 2 replicas x 2 microbatches", smp.ConfigError, "at least 2",
+                    lambda: captured.train_step(torch.randn(7, 4, generator=data), torch.randn(7, 2), F.mse_loss))
+captured.train_step(torch.randn(9, 4, generator=data), torch.randn(9, 2, generator=data), F.mse_loss)
+
 # SyncBatchNorm is not synchronized over replicas: said on rank 0 when the model is built.
 import warnings  # noqa: E402
 with warnings.catch_warnings(record=True) as said:

@@ -101,9 +101,14 @@ class Checkpointer {
   void write_checkpoint(std::int64_t step, const std::string& directory, const std::string& key,
                         std::optional<c10::impl::GenericDict> contents, std::function<std::string()> optimizer_bytes,
                         std::optional<CheckpointManifest> manifest);
-  // Rank 0: once every file is reported, the manifest (which makes the checkpoint complete), then pruning.
+  // This rank's file, its size and checksum (or why not) reported to rank 0 under the save's `key`.
+  void write_own_file(std::int64_t step, const std::string& directory, const std::string& key,
+                      c10::impl::GenericDict& contents, const std::function<std::string()>& optimizer_bytes);
+  // Rank 0: once every file is reported, the manifest, which makes the checkpoint complete.
   void write_manifest(std::int64_t step, const std::string& directory, const std::string& key,
                       CheckpointManifest& manifest);
+  // The other ranks: until rank 0 says how the save ended (CheckpointError when it failed).
+  void wait_until_complete(std::int64_t step, const std::string& saved_key);
 
   DistributedModel& model_;
   std::unique_ptr<OptimizerCheckpointState> optimizer_state_;

@@ -31,7 +31,7 @@ bool gpus_assigned_per_process(const std::vector<std::string>& visible_devices);
 class Runtime {
  public:
   // Validates the config against the launch (world size, replicas, batch) before any communication, then
-  // rendezvouses on the TCPStore at MASTER_ADDR:MASTER_PORT and creates the world, pipeline and
+  // rendezvouses on the TCPStore at MASTER_ADDR:MASTER_PORT (SMP_MASTER_PORT under smprun) and creates the world, pipeline and
   // data-parallel groups. Throws ConfigError or comm::CommError with a one-line reason.
   static std::shared_ptr<Runtime> init(const Config& config);
   static std::shared_ptr<Runtime> init(const Config& config, const comm::LaunchInfo& launch);
@@ -107,13 +107,17 @@ class Runtime {
   // Small control messages (the partition plan): rank `from` publishes, the others wait up to the timeout.
   void publish(const std::string& key, const std::string& value);
   std::string fetch(const std::string& key);
+  // Whether `key` is published now (no waiting).
+  bool published(const std::string& key);
   // Drops a published key once every reader has it (what a job publishes per step would otherwise pile up).
   void forget(const std::string& key);
   // What `make` returns on rank 0, on every rank (the others wait up to the timeout). When it throws there, the
   // others throw ConfigError naming rank 0's reason, and rank 0 rethrows its own.
   std::string from_rank0(const std::string& key, const std::function<std::string()>& make);
 
-  // This replica's contiguous share of a global batch (dimension 0), or ConfigError if it does not split.
+  // This replica's contiguous share of a global batch (dimension 0), as at::tensor_split gives it (the first
+  // replicas a sample more where it does not split evenly: tell the step, DistributedModel::next_call_takes_share_of);
+  // ConfigError when the batch has fewer samples than replicas x microbatches.
   at::Tensor replica_slice(const at::Tensor& global_batch) const;
 
  private:

@@ -409,6 +409,8 @@ void Runtime::publish(const std::string& key, const std::string& value) {
 
 void Runtime::forget(const std::string& key) { store_->deleteKey("smp/" + key); }
 
+bool Runtime::published(const std::string& key) { return store_->check({"smp/" + key}); }
+
 std::string Runtime::fetch(const std::string& key) {
   try {
     const auto bytes = store_->get("smp/" + key);

@@ -5,11 +5,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <sstream>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -209,22 +211,21 @@ Checkpointer::Checkpointer(DistributedModel& model, std::unique_ptr<OptimizerChe
     throw CheckpointError("checkpoint_dir \"" + root + "\": rank " + std::to_string(model_.runtime().rank()) +
                           " cannot write there (" + comm::brief_message(error) + ")");
   }
-  // Rank 0 writes the manifests and prunes: its lock keeps another job out.
-  if (model_.runtime().rank() == 0) lock_ = std::make_unique<DirectoryLock>(root);
-  // A run that is not to resume, in a directory of an earlier run's checkpoints, would train until its first save
-  // and be refused there (save): said now, before any training.
+  // Rank 0 writes the manifests and prunes: its lock keeps another job out. A run that is not to resume, in a
+  // directory of an earlier run's checkpoints, would train until its first save and be refused there (save): said
+  // now, before any training. Either refusal reaches every rank.
   Runtime& runtime = model_.runtime();
-  if (runtime.config().resume) return;
-  const std::string earlier = runtime.from_rank0("checkpoint/" + std::to_string(runtime.next_exchange()) + "/kept",
+  const std::string refused = runtime.from_rank0("checkpoint/" + std::to_string(runtime.next_exchange()) + "/made",
                                                  [&] {
-    const auto highest = highest_saved_step(root);
+    lock_ = std::make_unique<DirectoryLock>(root);
+    const auto highest = runtime.config().resume ? std::nullopt : highest_saved_step(root);
     if (!highest) return std::string();
     return root + " holds checkpoints up to step " + std::to_string(*highest) + " of an earlier run, and this run " +
-           "is not resumed from them (\"resume\" is false): pruning keeps the highest steps, so its checkpoints "
-           "would be deleted as written and a resume would take the earlier run's. Resume from them (\"resume\": "
-           "true, then resume()), or give this run an empty checkpoint_dir";
+           "is not resumed from them (\"resume\" is false): pruning keeps the highest steps, so its saves up to step " +
+           std::to_string(*highest) + " would be deleted as written, and a resume would take the earlier run's. " +
+           "Resume from them (\"resume\": true, then resume()), or give this run an empty checkpoint_dir";
   });
-  if (!earlier.empty()) throw CheckpointError(earlier);
+  if (!refused.empty()) throw CheckpointError(refused);
 }
 
 bool Checkpointer::enabled() const { return !model_.runtime().config().checkpoint_dir.empty(); }
@@ -387,50 +388,16 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
                                     std::function<std::string()> optimizer_bytes,
                                     std::optional<CheckpointManifest> manifest) {
   Runtime& runtime = model_.runtime();
-  const int expert_shares = runtime.topology().expert_parallel_degree();
-  if (contents) {
-    const std::string file_name = file_name_of(runtime.topology(), runtime.pp_rank(), runtime.dp_rank(), runtime.tp_rank());
-    std::string report;
-    try {
-      contents->insert("optimizer", bytes_tensor(optimizer_bytes()));
-      if (runtime.dp_rank() < expert_shares) {  // a partition file
-        c10::List<at::Tensor> by_replica;
-        for (int replica = 0; replica < runtime.topology().data_parallel_degree(); ++replica) {
-          by_replica.push_back(
-              bytes_tensor(runtime.fetch(random_state_key(key, {runtime.pp_rank(), replica, runtime.tp_rank()}))));
-        }
-        contents->insert("random_states_by_replica", by_replica);
-      }
-      std::filesystem::create_directories(directory);
-      const auto bytes = torch::jit::pickle_save(*contents);
-      write_file_atomically(directory + "/" + file_name, std::string_view(bytes.data(), bytes.size()));
-      report = std::to_string(bytes.size()) + " " + std::to_string(crc32(bytes.data(), bytes.size()));
-    } catch (const std::exception& error) {
-      report = "error " + comm::brief_message(error);
-    }
-    runtime.publish(report_key(key, runtime.pp_rank(), runtime.dp_rank(), runtime.tp_rank()), report);
-    if (report.rfind("error ", 0) == 0) {
-      throw CheckpointError("rank " + std::to_string(runtime.rank()) + " could not save step " + std::to_string(step) +
-                            ": " + report.substr(6));
-    }
-  }
   // Every rank's save ends when the checkpoint is complete (manifest written), so that after wait() any rank finds
-  // it: rank 0 says how its part ended under `saved_key`.
+  // it: rank 0 says how its part ended under `saved_key`, whatever way it ends.
   const std::string saved_key = key + "saved";
   if (!manifest) {
-    std::string said;
-    try {
-      said = runtime.fetch(saved_key);
-    } catch (const comm::CommError& error) {
-      throw CheckpointError("step " + std::to_string(step) + ": rank 0 did not say that the checkpoint was complete (" +
-                            error.what() + ")");
-    }
-    if (said.rfind("error ", 0) == 0) {
-      throw CheckpointError("step " + std::to_string(step) + ": the checkpoint was left incomplete: " + said.substr(6));
-    }
+    if (contents) write_own_file(step, directory, key, *contents, optimizer_bytes);
+    wait_until_complete(step, saved_key);
     return;
   }
   try {
+    if (contents) write_own_file(step, directory, key, *contents, optimizer_bytes);
     write_manifest(step, directory, key, *manifest);
   } catch (const std::exception& error) {
     runtime.publish(saved_key, "error " + comm::brief_message(error));
@@ -442,6 +409,55 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
   if (saved_keys_.size() > 2) {
     runtime.forget(saved_keys_.front());
     saved_keys_.pop_front();
+  }
+  prune_checkpoints(runtime.config().checkpoint_dir, runtime.config().checkpoints_kept);
+  log::info("saved checkpoint " + directory);
+}
+
+void Checkpointer::write_own_file(std::int64_t step, const std::string& directory, const std::string& key,
+                                  c10::impl::GenericDict& contents, const std::function<std::string()>& optimizer_bytes) {
+  Runtime& runtime = model_.runtime();
+  const std::string file_name = file_name_of(runtime.topology(), runtime.pp_rank(), runtime.dp_rank(), runtime.tp_rank());
+  std::string report;
+  try {
+    contents.insert("optimizer", bytes_tensor(optimizer_bytes()));
+    if (runtime.dp_rank() < runtime.topology().expert_parallel_degree()) {  // a partition file
+      c10::List<at::Tensor> by_replica;
+      for (int replica = 0; replica < runtime.topology().data_parallel_degree(); ++replica) {
+        by_replica.push_back(
+            bytes_tensor(runtime.fetch(random_state_key(key, {runtime.pp_rank(), replica, runtime.tp_rank()}))));
+      }
+      contents.insert("random_states_by_replica", by_replica);
+    }
+    std::filesystem::create_directories(directory);
+    const auto bytes = torch::jit::pickle_save(contents);
+    write_file_atomically(directory + "/" + file_name, std::string_view(bytes.data(), bytes.size()));
+    report = std::to_string(bytes.size()) + " " + std::to_string(crc32(bytes.data(), bytes.size()));
+  } catch (const std::exception& error) {
+    report = "error " + comm::brief_message(error);
+  }
+  runtime.publish(report_key(key, runtime.pp_rank(), runtime.dp_rank(), runtime.tp_rank()), report);
+  if (report.rfind("error ", 0) == 0) {
+    throw CheckpointError("rank " + std::to_string(runtime.rank()) + " could not save step " + std::to_string(step) +
+                          ": " + report.substr(6));
+  }
+}
+
+void Checkpointer::wait_until_complete(std::int64_t step, const std::string& saved_key) {
+  // Polled rather than waited for in one fetch: rank 0's part (its own file, every report, the manifest) may outlast
+  // comm_timeout_s on a large model, and a waiting fetch would hold this rank's store client all along (the main
+  // thread's exchanges would stall behind it). Bounded by rank 0's own: its waits for reports by comm_timeout_s, its
+  // writes by the file system; a rank 0 that is gone fails the poll.
+  Runtime& runtime = model_.runtime();
+  try {
+    while (!runtime.published(saved_key)) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  } catch (const std::exception& error) {
+    throw CheckpointError("step " + std::to_string(step) + ": rank 0 did not say that the checkpoint was complete (" +
+                          comm::brief_message(error) + ")");
+  }
+  const std::string said = runtime.fetch(saved_key);
+  if (said.rfind("error ", 0) == 0) {
+    throw CheckpointError("step " + std::to_string(step) + ": the checkpoint was left incomplete: " + said.substr(6));
   }
 }
 
@@ -485,8 +501,6 @@ void Checkpointer::write_manifest(std::int64_t step, const std::string& director
   write_file_atomically(directory + "/manifest.json", manifest.to_json());
   fsync_directory(directory);
   fsync_directory(config.checkpoint_dir);
-  prune_checkpoints(config.checkpoint_dir, config.checkpoints_kept);
-  log::info("saved checkpoint " + directory);
 }
 
 std::int64_t Checkpointer::resume() {

@@ -256,7 +256,7 @@ BatchFingerprint fingerprint(const ModelInputs& inputs, const at::Tensor& target
 class ClosingSums {
   enum Field {
     kNotFinite, kCall, kShapes, kSum, kMagnitude, kSamples,
-    kWholeGiven, kWholeShapes, kWholeSum, kWholeMagnitude,  // the global batch each replica took its share of
+    kWholeGiven, kWholeShapes, kWholeSum, kWholeMagnitude, kWholeSamples,  // the global batch shared out
     kFields
   };
 
@@ -275,6 +275,7 @@ class ClosingSums {
     if (whole_) {
       slot(kWholeGiven, rank) = 1.0;
       slot(kWholeShapes, rank) = static_cast<double>(whole_->shapes);
+      slot(kWholeSamples, rank) = static_cast<double>(whole_->samples);
     }
   }
   void add_loss(double loss) { data()[0] = loss; }
@@ -384,6 +385,20 @@ class ClosingSums {
       if (slot(kWholeGiven, rank) != 0.0) continue;
       throw comm::CommError("rank " + std::to_string(rank) + " passed its replica's share (replica_share=True) and rank " +
                             std::to_string(first) + " the global batch: every rank must pass the same kind");
+    }
+    // Each microbatch was weighed by its share of the global batch: the shares must be that batch's (a C++ program
+    // told of the global batch that then passed it whole to every replica would count it replicas times).
+    double shared = 0.0;
+    for (int rank = 0; rank < world_; ++rank) {
+      const auto at = topology_.coordinates_of(rank);
+      if (at.pp_rank == 0 && at.tp_rank == 0) shared += slot(kSamples, rank);
+    }
+    if (shared != slot(kWholeSamples, first)) {
+      throw comm::CommError("the replicas' shares hold " + std::to_string(static_cast<std::int64_t>(shared)) +
+                            " samples in all, the global batch they were told of " +
+                            std::to_string(static_cast<std::int64_t>(slot(kWholeSamples, first))) +
+                            ": pass each replica its share (Runtime::replica_slice) of the global batch given to "
+                            "next_call_takes_share_of");
     }
     return true;
   }
