@@ -5,7 +5,8 @@
 #   bin/                       smprun, smp_checkpoint, smp_schedule
 # The libraries are static and were compiled against one LibTorch: smpConfig.cmake finds Torch again (the same
 # wheel's, through CMAKE_PREFIX_PATH or the python3 holding it) and the other dependencies the static libraries link.
-# A pip install (scikit-build-core, pyproject.toml) installs the "python" component alone: the package and smprun.
+# A pip install (scikit-build-core, pyproject.toml) installs the "python" component alone: the package and its
+# tools (smprun, smp_checkpoint, smp_schedule, smp_plan).
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 

@@ -21,8 +21,9 @@ from ._state import runtime
 class Checkpointer:
     """Checkpoints as the config's checkpoint_dir / checkpoint_interval say: resume() continues from the newest
     complete one (when the config says "resume": true) and returns the step to start at; save(step) writes in the
-    background; wait() before exiting. Saves the parameters, the optimizer's state_dict, the LR scheduler's when
-    one is given, the RNG state and the fp16 loss scale.
+    background; wait() before exiting (on every rank it returns once the checkpoint is complete). Saves the
+    parameters and the buffers that are state (batch norm's statistics), the optimizer's state_dict, the LR
+    scheduler's when one is given, the random states and the fp16 loss scale.
 
     extra_state: the program's own state to save and resume with them, by name: objects with state_dict() and
     load_state_dict() (a torchdata StatefulDataLoader, a sampler, a metrics tracker) or plain dicts (saved as they

@@ -49,7 +49,8 @@ def _materializer(model, graph, rt, init_fn):
 
 class StepResult:
     """What train_step and evaluate return: .loss (the global batch's mean loss, the same on every rank), .skipped,
-    .seconds, .outputs (keep_outputs: the model's outputs for this replica's share, as the model returns them,
+    .seconds, .gradient_buckets and .buckets_overlapped (the replicas' gradient all-reduce: buckets, and those
+    reduced while the backward ran), .forwards_overlapped (overlap_forward_backward), .outputs (keep_outputs: the model's outputs for this replica's share, as the model returns them,
     on the ranks running the last stage; else None), and .tokens_per_expert: for a captured mixture-of-experts
     model, {router module path: how many tokens it sent to each expert} over this step's microbatches, for the
     routers of this rank's stages and this replica's share of the batch (runtime().all_reduce_sum adds the
@@ -133,6 +134,11 @@ class DistributedModel(torch.nn.Module):
 
     With "expert_parallel_degree" > 1 a captured mixture-of-experts model's experts modules (Hugging Face's experts
     classes) hold this rank's share of their experts, and tokens reach the others' by all-to-all (smp.ep).
+
+    A model built on the meta device (with torch.device("meta"): ...) is captured there and each rank makes real only
+    the modules its stages read, initialized from (config seed, module path) by their reset_parameters(), or by
+    `init_fn(module)` (a Hugging Face model's: init_fn=net._init_weights); load_pretrained(path) then reads this
+    rank's weights.
     """
 
     def __init__(self, model, sample, init_fn=None, tp_plan=None, dynamic_shapes=None):

@@ -96,6 +96,10 @@ class CapturedIO:
                     raise ConfigError(f"{what}: input '{name}' is {_describe(leaf)}; the sample had a tensor there")
                 values.append(leaf)
             elif isinstance(leaf, torch.Tensor) or leaf != sample:
+                if kwargs.get("use_cache") is True:
+                    raise ConfigError(f"{what}: use_cache=True makes the forward return its key/value cache, which "
+                                      "pipeline stages do not pass on: leave use_cache out (smp passes "
+                                      "use_cache=False) or pass use_cache=False")
                 raise ConfigError(f"{what}: {_describe(leaf)} where the sample had {_describe(sample)}, which the "
                                   "capture keeps as it was; pass the sample's value, or give a value that changes "
                                   "from step to step as a tensor (torch.tensor(value)) in the sample and in every "

@@ -343,7 +343,9 @@ class ClosingSums {
       throw comm::CommError("rank " + std::to_string(rank) + " was given a batch with other " +
                             (same_shapes ? "values" : "shapes") + " than rank " + std::to_string(other) +
                             ", in the same replica (" + ProgramCall::from_id(static_cast<std::int64_t>(slot(kCall, rank))).describe() +
-                            "): " + kSameCallsEverywhere);
+                            "): " + kSameCallsEverywhere + "; a sampler per rank (DistributedSampler's defaults) "
+                            "draws for every rank apart: give it the replicas, num_replicas=data_parallel_degree and "
+                            "rank=dp_rank");
     }
     // Shares of one global batch may differ by a sample (one that does not split evenly): each counted by its size.
     if (shares_of_one_global_batch()) return;
