@@ -135,7 +135,13 @@ class Staged final : public Pending {
 };
 
 // Gloo moves host memory only: a tensor elsewhere (a GPU with "backend": "gloo") travels through a CPU copy.
-at::Tensor on_host(const at::Tensor& tensor) { return tensor.is_cpu() ? tensor : tensor.to(c10::kCPU); }
+// What the transfers and Gloo's worker threads hold: a shallow copy of a CPU tensor (the same memory, no autograd,
+// no Python object). A tensor Python made, dropped last on such a thread after the interpreter began to exit (work a
+// failed step left behind), would take the GIL there, and CPython ends a thread that does so by unwinding it through
+// frames that cannot be unwound: std::terminate, the process killed by SIGABRT.
+at::Tensor on_host(const at::Tensor& tensor) {
+  return tensor.is_cpu() ? tensor.variable_data() : tensor.to(c10::kCPU);
+}
 
 class GlooCommunicator final : public Communicator {
  public:
@@ -228,8 +234,9 @@ class GlooCommunicator final : public Communicator {
     if (channels_ && channels_->connected(peer)) {
       const at::Tensor staged = on_host(into);
       auto receive = channels_->irecv(staged, peer, tag, "receiving from rank " + std::to_string(global_rank(peer)));
-      if (staged.is_same(into)) return receive;
-      return std::make_unique<Staged>(std::move(receive), copy_back(into, staged));
+      auto finish = copy_back(into, staged);
+      if (!finish) return receive;
+      return std::make_unique<Staged>(std::move(receive), std::move(finish));
     }
     std::vector<at::Tensor> tensors{on_host(into)};
     return post([&] { return group_->recv(tensors, peer, tag); }, tensors[0],
@@ -377,7 +384,10 @@ class GlooCommunicator final : public Communicator {
   }
 
   static std::function<void()> copy_back(const at::Tensor& target, const at::Tensor& staged) {
-    if (target.is_same(staged)) return {};
+    const bool same_memory = target.is_same(staged) ||
+                             (target.is_cpu() && target.data_ptr() == staged.data_ptr() &&
+                              target.sizes() == staged.sizes() && target.strides() == staged.strides());
+    if (same_memory) return {};
     return [target, staged]() mutable { target.copy_(staged); };
   }
 
