@@ -1147,6 +1147,10 @@ TEST_CASE("launch variables: torchrun's agent store is joined, a world size with
   auto smprun = torchrun;
   smprun["SMP_MASTER_PORT"] = "29611";
   CHECK(from(smprun).master_port == 29611);
+  auto nested = agent;  // torchrun started from an smprun rank: its agent's store, on MASTER_PORT, is the one
+  nested["SMP_MASTER_PORT"] = "29611";
+  CHECK(from(nested).master_port == 29500);
+  CHECK(from(nested).store_hosted_by_launcher);
   CHECK_THROWS_WITH(from({{"WORLD_SIZE", "2"}}),
                     Catch::Contains("WORLD_SIZE=\"2\" is set but RANK is not") && Catch::Contains("neither"));
   CHECK(from({{"WORLD_SIZE", "1"}}).world_size == 1);
