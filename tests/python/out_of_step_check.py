@@ -8,6 +8,8 @@ pair one call's activations with another's, train apart without a word, nor wait
                   under different seeds first, and must start from replica 0's weights (as under torch DDP).
   experts_alone:  two replicas dividing a mixture of experts' experts (expert parallelism), rank 0 evaluating alone:
                   the experts' exchange names the calls (Gloo aborted the process on the rows' sizes).
+  whole_batch:    two replicas told of a global batch (next_call_takes_share_of, as a C++ program may) and then
+                  given all of it each: their shares would count it twice.
   own_config:     rank 1 reads other microbatches: it refuses at smp.init, naming the key (the job then ends).
   own_model:      rank 1's model has one more layer: it refuses at DistributedModel, naming the module.
   replica_model:  rank 1's replica is wider: it refuses at DistributedModel, naming the parameter.
@@ -25,7 +27,7 @@ import report
 import smp
 
 mistake = sys.argv[1]
-replicas = mistake in ("replica_batch", "replica_model", "experts_alone")
+replicas = mistake in ("replica_batch", "replica_model", "experts_alone", "whole_batch")
 keys = {"partitions": 1 if replicas else 2, "ddp": replicas, "microbatches": 2, "global_batch_size": 4, "pipeline": "1f1b",
         "comm_timeout_s": 120, "device": "cpu"}
 if mistake == "experts_alone":
@@ -64,8 +66,12 @@ try:
     if mistake in ("evaluate_alone", "experts_alone") and runtime.rank == 0:
         model.evaluate(inputs, targets, loss)
     own = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
-    model.train_step(own if mistake in ("own_batch", "replica_batch") and runtime.rank == 1 else inputs, targets,
-                     loss)
+    if mistake == "whole_batch":
+        model._model.next_call_takes_share_of([inputs], targets, [True])
+        model._model.train_step([inputs], targets, lambda outputs, target: loss(outputs[0], target), False, [True])
+    else:
+        model.train_step(own if mistake in ("own_batch", "replica_batch") and runtime.rank == 1 else inputs, targets,
+                         loss)
 except (smp.CommError, smp.ModelError) as raised:  # a stage's failure: ModelError naming the stage and its cause
     error = str(raised)
 waited = time.monotonic() - start
@@ -74,8 +80,10 @@ expected = {"evaluate_alone": "it is in its evaluate 1 after train_step 0, this 
             "own_batch": "rank 1 was given a batch with other values than rank 0, in the same replica (train_step 1)",
             "replica_batch": "rank 1 was given a global batch with other values than rank 0 (train_step 1)",
             "experts_alone": f"expert parallelism: group rank {1 - runtime.rank} is in its "
-                             f"{'train_step 1' if runtime.rank == 0 else 'evaluate 1 after train_step 0'}"}
+                             f"{'train_step 1' if runtime.rank == 0 else 'evaluate 1 after train_step 0'}",
+            "whole_batch": "the replicas' shares hold 8 samples in all, the global batch they were told of 4"}
 advice = {"replica_batch": "pass each replica's own share with replica_share=True",
+          "whole_batch": "pass each replica its share (Runtime::replica_slice)",
           "experts_alone": "every rank must call train_step and evaluate alike"}
 if error is None:
     failures.append("no error")
