@@ -567,6 +567,7 @@ PYBIND11_MODULE(_smp, module) {
              for (const auto& [name, buffer] : model.named_buffers()) buffers[py::str(name)] = buffer;
              return buffers;
            })
+      .def("seed_random_stream", &DistributedModel::seed_random_stream, py::arg("seed"))
       .def("load_parameters", &DistributedModel::load_parameters, py::arg("path"),
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("stage", &DistributedModel::stage)

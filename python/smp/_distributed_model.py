@@ -363,6 +363,13 @@ class DistributedModel(torch.nn.Module):
                       f"expert-parallel group; mean over steps 2-5 and this rank's {len(compared)} experts layers)",
                       flush=True)
 
+    def manual_seed(self, seed):
+        """Starts the random numbers the model's modules draw in train_step and evaluate (dropout, stochastic depth)
+        anew from `seed`, as torch.manual_seed does in one process (the engine draws them from a stream of its own,
+        so torch.manual_seed between steps does not reach them). Every rank calls it with the same seed, between
+        steps; each stage and replica then draws its own numbers from it."""
+        self._model.seed_random_stream(int(seed) & 0xFFFFFFFFFFFFFFFF)
+
     def zero_grad(self, set_to_none=True):
         """Clears the gradients of this rank's parameters, as the DistributedOptimizer's zero_grad does."""
         self._model.zero_grad(set_to_none)

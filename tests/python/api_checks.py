@@ -620,6 +620,16 @@ def main():
     trained = [model.train_step(inputs, targets, F.mse_loss).loss for _ in range(2)]
     if abs(trained[0] - expected) < 1e-6 or trained[0] == trained[1]:
         failures.append(f"train_step after evaluate is not in training mode (dropout): losses {trained}")
+    # The model's random stream seeded anew: the same dropout masks again (torch.manual_seed does not reach it).
+    model.manual_seed(7)
+    seeded = model.train_step(inputs, targets, F.mse_loss).loss
+    torch.manual_seed(99)
+    model.manual_seed(7)
+    again = model.train_step(inputs, targets, F.mse_loss).loss
+    model.manual_seed(8)
+    other = model.train_step(inputs, targets, F.mse_loss).loss
+    if seeded != again or seeded == other:
+        failures.append(f"model.manual_seed: losses {seeded}, {again} (the same seed), {other} (another)")
     # Each module gets its own mode back after evaluate, not the model's: a batch norm the program froze stays
     # frozen (its running statistics unchanged by the next step), and a model in eval mode stays so after a call.
     regularized[1].eval()

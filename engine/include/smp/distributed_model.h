@@ -171,6 +171,9 @@ class DistributedModel {
   void resume_at(long long step);
   // The stream the model's modules draw their random numbers from in train_step and evaluate (checkpoints keep it).
   ModelRandomStream& random_stream() { return *random_stream_; }
+  // Starts that stream anew from `seed` (with the model's number in the job, the rank's stage and replica), as
+  // at::manual_seed does for one process: every rank calls it alike, between steps.
+  void seed_random_stream(std::uint64_t seed);
 
   // This rank's parameters, named as in the full model (e.g. "3.weight"); a tied parameter is named after its
   // first node (GraphModel::named_parameters) on every rank that holds it.
@@ -292,6 +295,7 @@ class DistributedModel {
   std::optional<GlobalBatch> global_batch_;  // next_call_takes_share_of's, until that call
   std::unique_ptr<LossScaler> loss_scaler_;  // fp16's dynamic scale (1 without fp16)
   std::unique_ptr<ModelRandomStream> random_stream_;
+  std::uint64_t random_stream_offset_ = 0;  // the model's number in the job, spread: a teacher's stream and a student's differ
 };
 
 }  // namespace smp

@@ -238,12 +238,16 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
   share_first_replica_parameters();
   share_first_replica_buffers();
   // The job's models each their own stream (a teacher's dropout and a student's are not the same draws).
-  random_stream_ = std::make_unique<ModelRandomStream>(
-      runtime_->device(), program_seed + 0x9e3779b97f4a7c15ULL * static_cast<std::uint64_t>(model_number),
-      runtime_->pp_rank(), runtime_->dp_rank());
+  random_stream_offset_ = 0x9e3779b97f4a7c15ULL * static_cast<std::uint64_t>(model_number);
+  seed_random_stream(program_seed);
   executor_ = std::make_unique<PipelineExecutor>(lower_and_validate(std::move(schedule), graph_, config), graph_,
                                                  runtime_->pipeline(), config.checkpointed_stages,
                                                  config.overlap_forward_backward);
+}
+
+void DistributedModel::seed_random_stream(std::uint64_t seed) {
+  random_stream_ = std::make_unique<ModelRandomStream>(runtime_->device(), seed + random_stream_offset_,
+                                                       runtime_->pp_rank(), runtime_->dp_rank());
 }
 
 void DistributedModel::check_same_modules(const std::string& rank0_modules) const {
