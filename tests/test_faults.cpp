@@ -291,7 +291,9 @@ TEST_CASE("corrupt and truncated checkpoints are refused with a clear error", "[
 TEST_CASE("a checkpoint of another model is refused", "[faults][checkpoint]") {
   const auto dir = fresh_directory("other_model");
   const auto config = write_config("other_model", smp_config(2, 1, 2, "interleaved", "cluster", 4, 30, checkpoint_keys(dir, 1)));
-  REQUIRE(run_worker(2, config, "--steps 1").status == 0);
+  const auto first = run_worker(2, config, "--steps 1");
+  INFO(first.output);
+  REQUIRE(first.status == 0);
   const auto resume_config = write_config("other_model_resume", smp_config(2, 1, 2, "interleaved", "cluster", 4, 30,
                                                                            checkpoint_keys(dir, 0) + R"(, "resume": true)"));
   const auto refused = run_worker(2, resume_config, "--model gpt --steps 1");

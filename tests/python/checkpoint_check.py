@@ -142,13 +142,13 @@ def lost_save(python, root):
 
 RANK0_FAILS = """
 import os, sys, time, torch, smp
-root = sys.argv[1]
+root, blocked = sys.argv[1:3]
 rt = smp.init({"partitions": 2, "microbatches": 1, "checkpoint_dir": root, "device": "cpu", "comm_timeout_s": 60})
 torch.manual_seed(0)
 model = smp.DistributedModel(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)), torch.zeros(2, 3))
 checkpointer = smp.Checkpointer(model, smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1)))
-if rt.rank == 0:  # rank 0's own file cannot be written: a directory in its place
-    os.makedirs(os.path.join(root, "step-00000000", "partition-0000.pt"))
+if rt.rank == 0:  # a rank's own file cannot be written: a directory in its place
+    os.makedirs(os.path.join(root, "step-00000000", blocked))
 rt.all_reduce_sum(torch.zeros(1))
 start = time.monotonic()
 checkpointer.save(0)
@@ -161,16 +161,21 @@ except smp.CheckpointError as error:
 
 
 def rank0_fails(smprun, python, root):
-    """Rank 0's own file failing ends every rank's save at once, saying so (not after comm_timeout_s, blaming rank 0
-    for silence): each rank's wait() ends when the checkpoint is complete, and rank 0 says how its part ended."""
+    """A rank's own file failing ends every rank's save at once, saying so (not after comm_timeout_s): each rank's
+    wait() ends when the checkpoint is complete, rank 0 says how its part ended (its own file's failure too, where
+    rank 1 waited comm_timeout_s blaming rank 0's silence), and rank 0 waits for no word from a rank that failed."""
     with open(os.path.join(os.path.dirname(root), "rank0_fails.py"), "w") as file:
         file.write(RANK0_FAILS)
-    result = subprocess.run([smprun, "-n", "2", "--timeout", "100", "--", python, file.name, root],
-                            capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    said = [line for line in result.stdout.splitlines() if "rank 1: after" in line]
-    seconds = float(said[0].split("rank 1: after ")[1].split()[0]) if said else None
-    if not said or "the checkpoint was left incomplete" not in said[0] or seconds > 20:
-        raise SystemExit(f"rank 0's file failing, rank 1's wait():\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+    for blocked, waiter, said in (("partition-0000.pt", 1, "the checkpoint was left incomplete"),
+                                  ("partition-0001.pt", 0, "rank 1 failed to save")):
+        result = subprocess.run([smprun, "-n", "2", "--timeout", "100", "--", python, file.name, f"{root}-{waiter}",
+                                 blocked], capture_output=True, text=True, timeout=120,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+        lines = [line for line in result.stdout.splitlines() if f"rank {waiter}: after" in line]
+        seconds = float(lines[0].split(f"rank {waiter}: after ")[1].split()[0]) if lines else None
+        if not lines or said not in lines[0] or seconds > 20:
+            raise SystemExit(f"{blocked} failing, rank {waiter}'s wait():\n{result.stdout[-2000:]}\n"
+                             f"{result.stderr[-2000:]}")
 
 
 OPTIONS = """

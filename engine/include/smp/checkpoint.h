@@ -109,6 +109,8 @@ class Checkpointer {
                       CheckpointManifest& manifest);
   // The other ranks: until rank 0 says how the save ended (CheckpointError when it failed).
   void wait_until_complete(std::int64_t step, const std::string& saved_key);
+  // Rank 0: until every other rank has read how the save ended.
+  void wait_for_readers(const std::string& saved_key);
 
   DistributedModel& model_;
   std::unique_ptr<OptimizerCheckpointState> optimizer_state_;

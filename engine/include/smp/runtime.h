@@ -109,6 +109,8 @@ class Runtime {
   std::string fetch(const std::string& key);
   // Whether `key` is published now (no waiting).
   bool published(const std::string& key);
+  // Adds `by` to the counter under `key` (0 when new) and returns its value: ranks say they are done, one each.
+  std::int64_t count(const std::string& key, std::int64_t by);
   // Drops a published key once every reader has it (what a job publishes per step would otherwise pile up).
   void forget(const std::string& key);
   // What `make` returns on rank 0, on every rank (the others wait up to the timeout). When it throws there, the

@@ -411,6 +411,8 @@ void Runtime::forget(const std::string& key) { store_->deleteKey("smp/" + key); 
 
 bool Runtime::published(const std::string& key) { return store_->check({"smp/" + key}); }
 
+std::int64_t Runtime::count(const std::string& key, std::int64_t by) { return store_->add("smp/" + key, by); }
+
 std::string Runtime::fetch(const std::string& key) {
   try {
     const auto bytes = store_->get("smp/" + key);

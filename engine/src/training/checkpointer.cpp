@@ -392,7 +392,14 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
   // it: rank 0 says how its part ended under `saved_key`, whatever way it ends.
   const std::string saved_key = key + "saved";
   if (!manifest) {
-    if (contents) write_own_file(step, directory, key, *contents, optimizer_bytes);
+    if (contents) {
+      try {
+        write_own_file(step, directory, key, *contents, optimizer_bytes);
+      } catch (const std::exception&) {
+        runtime.count(saved_key + "/read", 1);  // rank 0 waits for no word from this rank (wait_for_readers)
+        throw;
+      }
+    }
     wait_until_complete(step, saved_key);
     return;
   }
@@ -401,6 +408,7 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
     write_manifest(step, directory, key, *manifest);
   } catch (const std::exception& error) {
     runtime.publish(saved_key, "error " + comm::brief_message(error));
+    wait_for_readers(saved_key);
     throw;
   }
   runtime.publish(saved_key, "ok");
@@ -408,10 +416,24 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
   saved_keys_.push_back(saved_key);
   if (saved_keys_.size() > 2) {
     runtime.forget(saved_keys_.front());
+    runtime.forget(saved_keys_.front() + "/read");
     saved_keys_.pop_front();
   }
   prune_checkpoints(runtime.config().checkpoint_dir, runtime.config().checkpoints_kept);
   log::info("saved checkpoint " + directory);
+  wait_for_readers(saved_key);
+}
+
+void Checkpointer::wait_for_readers(const std::string& saved_key) {
+  // Rank 0 holds the store: a program that ends after wait() must not take it away before the others have read how
+  // the save ended (they poll). Each says it has; not waited for past comm_timeout_s (a rank gone).
+  Runtime& runtime = model_.runtime();
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(static_cast<long long>(runtime.config().comm_timeout_s * 1000.0));
+  while (runtime.count(saved_key + "/read", 0) < runtime.world_size() - 1 &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
 }
 
 void Checkpointer::write_own_file(std::int64_t step, const std::string& directory, const std::string& key,
@@ -456,6 +478,7 @@ void Checkpointer::wait_until_complete(std::int64_t step, const std::string& sav
                           comm::brief_message(error) + ")");
   }
   const std::string said = runtime.fetch(saved_key);
+  runtime.count(saved_key + "/read", 1);
   if (said.rfind("error ", 0) == 0) {
     throw CheckpointError("step " + std::to_string(step) + ": the checkpoint was left incomplete: " + said.substr(6));
   }
