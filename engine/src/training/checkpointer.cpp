@@ -740,8 +740,15 @@ std::optional<FoundCheckpoint> checkpoint_to_resume(Runtime& runtime, const std:
                           "they were (or export the parameters and load them with load_parameters)");
   }
   if (manifest.model_signature != model_signature) {
-    throw CheckpointError(directory + " holds another model (" + manifest.model_signature + "; this model: " +
-                          model_signature + ")" + first_difference(manifest.model_parameters, model_parameters));
+    // Every rank says rank 0's words: only rank 0 holds the model's parameter list that names the first difference.
+    std::string why = directory + " holds another model (" + manifest.model_signature + "; this model: " +
+                      model_signature + ")" + first_difference(manifest.model_parameters, model_parameters);
+    if (runtime.rank() == 0) {
+      runtime.publish(key + "/another_model", why);
+    } else {
+      why = runtime.fetch(key + "/another_model");
+    }
+    throw CheckpointError(why);
   }
   if (module_names != manifest.module_names) {
     std::size_t i = 0;
