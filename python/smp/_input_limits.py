@@ -179,6 +179,11 @@ class InputShapes:
                 low = _finite(bounds.lower) if bounds is not None else None
                 high = _finite(bounds.upper) if bounds is not None else None
                 low = 0 if low is None else low
+                # A least of 2 is export's own assumption that sizes 0 and 1 are not the sample's (it specializes
+                # them), which torch's exported programs do not enforce when run: they take a 1 there, and so does
+                # smp (the short last microbatch of an epoch). A branch of the model's own on a size of 1 was
+                # traced the other way, as torch.export's own programs run it.
+                low = 1 if low == 2 else low
                 sizes.append((symbol, low, high))
             dimensions[node.name] = sizes
         return cls(dimensions, fixed_because, held, guards)
@@ -241,8 +246,7 @@ class InputShapes:
                         why = f"the model could not be captured with changing shapes ({self.fixed_because})"
                     elif allowed == 1:
                         why = ("export keeps a size of 1 constant (it specializes sizes 0 and 1), so a sample with 1 "
-                               "there fixes it: give a sample with at least 2 in that dimension (microbatches of 1 "
-                               "then need a sample of 1)")
+                               "there fixes it: give a sample with at least 2 in that dimension")
                     else:
                         why = "the model's code fixes it (export kept it constant)"
                     raise ConfigError(f"{what}: input '{name}' gives microbatches of shape {tuple(shape)}, but its "
@@ -254,11 +258,7 @@ class InputShapes:
                 hint = ""
                 if dim == 0 and size < low:
                     hint = (f" (give at least {low} samples a microbatch: fewer \"microbatches\", or a batch's "
-                            "last short one dropped, as DataLoader's drop_last=True does")
-                    if size == 1 and low == 2:
-                        hint += ("; export keeps sizes 0 and 1 apart, so a sample of 2 or more samples captures "
-                                 "microbatches of 2 and more, and one of 1 sample microbatches of 1 alone")
-                    hint += ")"
+                            "last short one dropped, as DataLoader's drop_last=True does)")
                 raise ConfigError(f"{what}: input '{name}' gives microbatches of shape {tuple(shape)}; the captured "
                                   f"model takes {bound} in its dimension {dim}{hint}")
 

@@ -331,6 +331,8 @@ def main():
     parser.add_argument("--lengths", help="comma-separated sequence lengths, one step each (language models), in "
                                           "place of --steps steps of the sample's length")
     parser.add_argument("--short-last", type=int, help="the last step's global batch, smaller than the others")
+    parser.add_argument("--eval-samples", type=int, help="the evaluation's batch (default: --short-last's, else the "
+                                                         "global batch)")
     parser.add_argument("--plan", type=int, help="print the fastest layout on this many ranks (smp.plan) and exit")
     args = parser.parse_args()
     config = json.loads(args.smp)
@@ -438,7 +440,7 @@ def train_and_compare(name, args, config, runtime):
 
     # Validation: eval mode (dropout off, batch norm on its running statistics), the outputs kept on the last stage;
     # on the short last batch's size when there is one (an epoch's last validation batch).
-    samples = args.short_last or global_batch
+    samples = args.eval_samples or args.short_last or global_batch
     inputs, targets = batch(name, samples, data)
     evaluation = model.evaluate(inputs, None if own else targets, loss, keep_outputs=True)
     reference.eval()
