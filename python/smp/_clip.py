@@ -1,11 +1,13 @@
 """Gradient clipping by the whole model's norm, over every stage and shard: DistributedOptimizer.clip_grad_norm,
-and torch.nn.utils.clip_grad_norm_ given a DistributedModel's parameters. Each rank holds only its stages'
+torch.nn.utils.clip_grad_norm_ given a DistributedModel's parameters, and get_total_norm given their gradients. Each rank holds only its stages'
 gradients, so torch's own function, as a ported training loop calls it, would clip each stage by its own norm and
 train differently from the single process, without an error; smp takes that call over for its parameters alone
 (the name in torch.nn.utils, and wherever a module imported it from there before smp.init)."""
 
 import functools
+import math
 import sys
+import weakref
 
 import torch
 import torch.nn.utils
@@ -54,17 +56,54 @@ def _clip_grad_norm_(original, parameters, max_norm, norm_type=2.0, error_if_non
     return torch.tensor(clip_model_grad_norm(model, max_norm))
 
 
+# Gradients carry no mark of their model (each backward may make them anew), so get_total_norm finds it here.
+_models = weakref.WeakSet()
+
+
+def clipped_by_whole_norm(model):
+    _models.add(model)
+
+
+def _get_total_norm(original, tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    """torch.nn.utils.get_total_norm (clip_grad_norm_'s first half, which a loop pairs with clip_grads_with_norm_)
+    over a DistributedModel's gradients: the whole model's norm, over every stage and shard."""
+    listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    given = {id(t) for t in listed}
+    model = next((m for m in list(_models)
+                  if any(id(p.grad) in given for p in m.parameters() if p.grad is not None)), None)
+    if model is None:
+        return original(listed, norm_type, error_if_nonfinite, foreach)
+    gradients = {id(p.grad) for p in model.parameters() if p.requires_grad and p.grad is not None}
+    if given != gradients:
+        raise ValueError(f"torch.nn.utils.get_total_norm was given {len(given & gradients)} of the {len(gradients)} "
+                         "gradients this rank holds of an smp.DistributedModel"
+                         f"{' and other tensors' if not given <= gradients else ''}: smp takes the whole model's "
+                         "norm, over every stage; pass every gradient ([p.grad for p in model.parameters() if "
+                         "p.grad is not None])")
+    if float(norm_type) != 2.0:
+        raise ValueError(f"torch.nn.utils.get_total_norm with norm_type {norm_type} over an smp.DistributedModel's "
+                         "gradients: smp takes the 2-norm over every stage")
+    norm = clip_model_grad_norm(model, float("inf"))
+    if error_if_nonfinite and not math.isfinite(norm):
+        raise RuntimeError(f"the total norm of order {float(norm_type)} for gradients from `parameters` is "
+                           "non-finite, so it cannot be clipped (error_if_nonfinite=True)")
+    return torch.tensor(norm)
+
+
 def take_over_torch_clipping():
-    """torch.nn.utils.clip_grad_norm_ (both names it goes by) clips a DistributedModel's parameters by the whole
-    model's norm; any other tensors as before."""
-    for namespace in (torch.nn.utils, torch.nn.utils.clip_grad):
-        original = namespace.clip_grad_norm_
-        if getattr(original, "_smp_original", None) is not None:
-            continue
-        taken_over = functools.wraps(original)(functools.partial(_clip_grad_norm_, original))
-        taken_over._smp_original = original
-        namespace.clip_grad_norm_ = taken_over
-        _rebind_imported(original, taken_over)
+    """torch.nn.utils.clip_grad_norm_ (both names it goes by) and get_total_norm take a DistributedModel's
+    parameters or gradients by the whole model's norm; any other tensors as before."""
+    # clip_grad's own _get_total_norm stays torch's: its clip_grad_norm_ calls it, on tensors that are not smp's.
+    for name, takeover, namespaces in (("clip_grad_norm_", _clip_grad_norm_, (torch.nn.utils, torch.nn.utils.clip_grad)),
+                                       ("get_total_norm", _get_total_norm, (torch.nn.utils,))):
+        for namespace in namespaces:
+            original = getattr(namespace, name)
+            if getattr(original, "_smp_original", None) is not None:
+                continue
+            taken_over = functools.wraps(original)(functools.partial(takeover, original))
+            taken_over._smp_original = original
+            setattr(namespace, name, taken_over)
+            _rebind_imported(original, taken_over)
 
 
 def _rebind_imported(original, taken_over):

@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from . import _materialize, _routing, _smp, tp
+from . import _clip, _materialize, _routing, _smp, tp
 from ._evaluation_path import check_mode
 from ._graph import GraphModel, _is_sequential, _kind, transient_buffers
 from ._model_graph import graph_of, shard_for_tensor_parallelism
@@ -232,6 +232,7 @@ class DistributedModel(torch.nn.Module):
         owner = weakref.ref(self)
         for parameter in self._model.named_parameters().values():
             parameter._smp_model = owner
+        _clip.clipped_by_whole_norm(self)
         if isinstance(model, torch.nn.Module):
             kept = {id(t) for t in self._model.named_parameters().values()}
             _materialize.release_other_stages(model, kept, list(self.stages))
