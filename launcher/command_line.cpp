@@ -144,7 +144,9 @@ Each rank gets the caller's environment plus
   SMP_JOB_ID (the same for every rank of the job, so that a rank never joins another job's rendezvous)
 (OMP_NUM_THREADS is passed through if set and never invented), its own process group,
 stdin from /dev/null, and its stdout/stderr forwarded line by line to smprun's
-stdout/stderr as "[rank i] line". If smprun's stdout or stderr is closed (smprun ... | head),
+stdout/stderr as "[rank i] line"; a Python traceback the same as one another rank printed
+before is shortened to a line naming that rank and the exception's own line. If smprun's
+stdout or stderr is closed (smprun ... | head),
 the ranks' pipes to it are closed too, so they see the closed pipe as they would without smprun.
 
 options:

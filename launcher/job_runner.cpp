@@ -21,6 +21,7 @@
 #include "exit_status.h"
 #include "line_assembler.h"
 #include "rank_setup.h"
+#include "traceback_folder.h"
 
 extern char** environ;
 
@@ -103,6 +104,7 @@ struct OutputStream {
   int read_fd = -1;
   int destination_fd = -1;
   LineAssembler assembler;
+  TracebackFolder::Held traceback;
 };
 
 struct Rank {
@@ -404,10 +406,14 @@ class Job {
     const auto append_line = [&](std::string_view line) {
       lines.append(rank.line_prefix).append(line).push_back('\n');
     };
+    const auto fold_line = [&](std::string_view line) {
+      traceback_folder_.line(stream.traceback, rank.global_index, line, append_line);
+    };
     if (count > 0) {
-      stream.assembler.feed(std::string_view(buffer, static_cast<std::size_t>(count)), append_line);
+      stream.assembler.feed(std::string_view(buffer, static_cast<std::size_t>(count)), fold_line);
     } else {
-      stream.assembler.flush(append_line);
+      stream.assembler.flush(fold_line);
+      traceback_folder_.flush(stream.traceback, append_line);
       close_fd(stream.read_fd);
     }
     // One write per batch of whole lines, so nothing from another rank can land inside a line.
@@ -492,6 +498,7 @@ class Job {
   std::vector<Rank> ranks_;
   std::vector<char*> argv_;
   std::string exec_failure_prefix_;
+  TracebackFolder traceback_folder_;
   int null_input_fd_ = -1;
   int signal_pipe_[2] = {-1, -1};
   std::array<struct sigaction, kManagedSignals.size()> inherited_actions_{};

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -31,6 +32,7 @@
 #include "line_assembler.h"
 #include "rank_setup.h"
 #include "test_paths.h"
+#include "traceback_folder.h"
 
 using namespace smp::launch;
 
@@ -431,6 +433,57 @@ TEST_CASE("LineAssembler emits an overlong line in pieces", "[launcher]") {
   CHECK(lines == std::vector<std::string>{"abcd", "efgh"});
   assembler.feed("\n", collect);
   CHECK(lines == std::vector<std::string>{"abcd", "efgh", "ij"});
+}
+
+TEST_CASE("TracebackFolder prints a traceback once and another rank's copy as a line naming the first", "[launcher]") {
+  TracebackFolder folder;
+  TracebackFolder::Held rank0, rank1, rank2;
+  std::vector<std::string> lines;
+  const auto collect = [&](std::string_view line) { lines.emplace_back(line); };
+  const std::vector<std::string> traceback = {"Traceback (most recent call last):", "  File \"a.py\", line 2, in <module>",
+                                              "    smp.init(config)", "smp.ConfigError: key \"microbatches\": 3"};
+  folder.line(rank1, 1, "before", collect);
+  for (const std::string& line : traceback) folder.line(rank1, 1, line, collect);
+  folder.line(rank1, 1, "after", collect);
+  std::vector<std::string> expected = {"before"};
+  expected.insert(expected.end(), traceback.begin(), traceback.end());
+  expected.push_back("after");
+  CHECK(lines == expected);
+
+  lines.clear();
+  for (const std::string& line : traceback) folder.line(rank0, 0, line, collect);
+  CHECK(lines == std::vector<std::string>{"Traceback (most recent call last): the same as rank 1's above",
+                                          traceback.back()});
+
+  // Another ending is another traceback: whole.
+  lines.clear();
+  for (std::size_t index = 0; index + 1 < traceback.size(); ++index) folder.line(rank2, 2, traceback[index], collect);
+  CHECK(lines.empty());  // held until its last line says how it ends
+  folder.line(rank2, 2, "smp.ConfigError: key \"microbatches\": 5", collect);
+  CHECK(lines.size() == traceback.size());
+
+  // A stream that ends inside a traceback gives what it held as it was.
+  lines.clear();
+  for (std::size_t index = 0; index + 1 < traceback.size(); ++index) folder.line(rank0, 0, traceback[index], collect);
+  folder.flush(rank0, collect);
+  CHECK(lines == std::vector<std::string>(traceback.begin(), traceback.end() - 1));
+}
+
+TEST_CASE("smprun prints a traceback every rank printed once", "[launcher][smprun]") {
+  // Each rank exits once all have printed, so that the first to exit stops no other before it printed.
+  const TempDirectory temp;
+  const SmprunResult result = run_smprun(
+      {"-n", "3", "--", "sh", "-c",
+       "printf 'Traceback (most recent call last):\\n  File \"x.py\", line 1\\nValueError: bad\\n' >&2; touch " +
+           temp.path() + "/$RANK; while [ $(ls " + temp.path() + " | wc -l) -lt 3 ]; do sleep 0.05; done; exit 1"});
+  CHECK(result.exit_code == 1);
+  const std::vector<std::string> lines = split_lines(result.err);
+  CHECK(std::count_if(lines.begin(), lines.end(), [](const std::string& line) {
+          return contains(line, "] Traceback (most recent call last):") && !contains(line, "the same as");
+        }) == 1);
+  CHECK(std::count_if(lines.begin(), lines.end(), [](const std::string& line) {
+          return contains(line, "] ValueError: bad");
+        }) == 3);
 }
 
 TEST_CASE("describe_wait_status reports exit codes and signals", "[launcher]") {
