@@ -489,6 +489,7 @@ PYBIND11_MODULE(_smp, module) {
             return tensor;
           },
           py::arg("tensor"), py::call_guard<py::gil_scoped_release>())
+      .def("_use_replica_statistics", &Runtime::use_replica_statistics, py::call_guard<py::gil_scoped_release>())
       // Rows of `tensor` to the members of the expert-parallel group, for smp.ep's all_to_all (autograd is its).
       .def(
           "_ep_all_to_all",

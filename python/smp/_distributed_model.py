@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from . import _clip, _materialize, _routing, _smp, tp
+from . import _clip, _materialize, _routing, _smp, _sync_batch_norm, tp
 from ._evaluation_path import check_mode
 from ._graph import GraphModel, _is_sequential, _kind, transient_buffers
 from ._model_graph import graph_of, shard_for_tensor_parallelism
@@ -173,6 +173,11 @@ class DistributedModel(torch.nn.Module):
             raise ConfigError(f"\"expert_parallel_degree\" {rt.expert_parallel_degree} divides the experts of a "
                               "captured mixture-of-experts model (a module with a forward of its own, such as a "
                               f"Hugging Face one), not a {_kind(model)}")
+        synchronized = _sync_batch_norm.synchronized_modules(model)
+        if synchronized:  # each microbatch's statistics pooled over the replicas, in the capture too
+            _sync_batch_norm.pool_over_replicas(synchronized, rt.data_parallel_degree)
+            if rt.data_parallel_degree > 1:
+                rt._use_replica_statistics()
         graph, io_ = graph_of(model, sample, rt.config.num_stages(), list(rt.config.partition_overrides),
                               dynamic_shapes)
         self._io = io_
@@ -221,13 +226,6 @@ class DistributedModel(torch.nn.Module):
                   "partition gives every stage parameters when at least as many modules have some as there are "
                   "stages and \"partition_overrides\" allow it; pin a module with parameters to this stage, or use "
                   "fewer \"partitions\"", file=sys.stderr, flush=True)
-        synced = [path for path, module in model.named_modules() if isinstance(module, torch.nn.SyncBatchNorm)] \
-            if isinstance(model, torch.nn.Module) else []
-        if synced and runtime().data_parallel_degree > 1 and runtime().rank == 0:
-            warnings.warn(f"SyncBatchNorm ({', '.join(synced[:3])}{', ...' if len(synced) > 3 else ''}) runs as "
-                          "BatchNorm on each microbatch: smp does not pool batch statistics over replicas (nor "
-                          "microbatches); convert them back with BatchNorm, or use GroupNorm/LayerNorm for statistics "
-                          "that do not depend on the batch", stacklevel=2)
         # How DistributedOptimizer finds the model of the parameters it is given: on the tensors, no registry.
         owner = weakref.ref(self)
         for parameter in self._model.named_parameters().values():

@@ -2,6 +2,7 @@
 step's loss, evaluation and outputs, and every parameter after training (pipeline_worker.py), in jobs of 1 to 4
 processes; the API's errors (api_checks.py); schedules read from files."""
 
+import json
 import os
 import signal
 import subprocess
@@ -110,6 +111,14 @@ def test_replicas_keep_the_first_replicas_buffers(job):
     # where a replica is one rank).
     assert finished.stderr.count("every replica was given the same batch") == 1, finished.output
     assert "step 3: every replica was given the same batch" in finished.stderr, finished.output
+
+
+def test_sync_batch_norm_pools_replicas_statistics(job):
+    """SyncBatchNorm over 2 stages x 2 replicas normalizes each microbatch over both replicas' rows, in training and
+    in its gradient, as one process would the pooled microbatch: losses, parameters, running statistics and
+    evaluation equal (sync_batch_norm_check.py); under ZB-H1 with every stage recomputed too."""
+    assert_passed(job(4, "sync_batch_norm_check.py"))
+    assert_passed(job(4, "sync_batch_norm_check.py", json.dumps({"pipeline": "zb_h1", "activation_checkpointing": True})))
 
 
 def test_torchscript_sequential_equals_pytorch(job):

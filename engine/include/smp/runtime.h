@@ -81,6 +81,9 @@ class Runtime {
   comm::Communicator& expert_parallel() { return *expert_parallel_; }
   comm::Communicator& expert_data_parallel() { return *expert_data_parallel_; }
   int ep_rank() const { return topology_.ep_rank(coordinates_); }
+  // Makes the group that smp::replica_sum pools statistics over (a synchronized batch norm's): this rank's stage's
+  // replicas. Every rank calls it, once a model needs it; later calls do nothing.
+  void use_replica_statistics();
 
   // A group of `members` (global ranks) for tensors on device(): NCCL for a GPU unless "backend" is "gloo".
   // Only the members call it, with the same arguments.
@@ -126,6 +129,8 @@ class Runtime {
   Runtime(const Config& config, const comm::LaunchInfo& launch);
   // The groups of the current topology; `prefix` keeps a later layout's apart from earlier ones in the store.
   void make_layout_groups(const std::string& prefix);
+  // A group whose collectives run inside a stage's compute: two lanes when forwards and backwards overlap.
+  std::shared_ptr<comm::Communicator> in_compute_group(const std::vector<int>& members, const std::string& name);
   // Refuses to go on with a store that another job (another SMP_JOB_ID or TORCHELASTIC_RUN_ID) hosts.
   void check_job_identity(const std::string& where);
   // ConfigError on a rank whose smp keys differ from rank 0's (ranks reading different files or per-rank values):
@@ -145,6 +150,7 @@ class Runtime {
   std::shared_ptr<comm::Communicator> tensor_parallel_;
   std::shared_ptr<comm::Communicator> expert_parallel_;
   std::shared_ptr<comm::Communicator> expert_data_parallel_;
+  std::shared_ptr<comm::Communicator> replica_statistics_;  // made by use_replica_statistics
   std::vector<std::weak_ptr<comm::Communicator>> groups_;  // every group made, for leave_job
   std::optional<std::string> left_job_;
   mutable bool said_batch_differs_ = false;  // replica_slice's note, once

@@ -26,6 +26,7 @@
 #include "smp/comm/laned_communicator.h"
 #include "smp/comm/sockets.h"
 #include "smp/log.h"
+#include "smp/replica_statistics.h"
 #include "smp/tp.h"
 
 namespace smp {
@@ -239,22 +240,36 @@ void Runtime::make_layout_groups(const std::string& prefix) {
   const auto replica_members = topology_.group(Axis::data, coordinates_);
   data_parallel_ = make_group(replica_members, prefix + "data_parallel/" + join(replica_members));
   const auto shard_members = topology_.group(Axis::tensor, coordinates_);
-  // Overlapped forwards and backwards post the collectives inside their compute from two threads: each thread its
-  // own communicator of the group (laned_communicator.h).
-  const auto group_of = [&](const std::vector<int>& members, const std::string& name) {
-    auto group = make_group(members, name + "/" + join(members));
-    if (!config_.overlap_forward_backward || members.size() < 2) return group;
-    return comm::make_laned(std::move(group), make_group(members, name + "/second_lane/" + join(members)));
-  };
-  tensor_parallel_ = group_of(shard_members, prefix + "tensor_parallel");
+  tensor_parallel_ = in_compute_group(shard_members, prefix + "tensor_parallel");
   tp::use_as_process_group(tensor_parallel_);  // what the tensor-parallel operators use by default
-  expert_parallel_ = group_of(topology_.expert_parallel_group(coordinates_), prefix + "expert_parallel");
+  expert_parallel_ = in_compute_group(topology_.expert_parallel_group(coordinates_), prefix + "expert_parallel");
+  replica_statistics_.reset();  // a later layout's replicas are others: made again when asked for
+  use_as_replica_group(nullptr);
   if (topology_.expert_parallel_degree() == 1) {
     expert_data_parallel_ = data_parallel_;
   } else {
     const auto holders = topology_.expert_data_parallel_group(coordinates_);
     expert_data_parallel_ = make_group(holders, prefix + "expert_data_parallel/" + join(holders));
   }
+}
+
+std::shared_ptr<comm::Communicator> Runtime::in_compute_group(const std::vector<int>& members,
+                                                              const std::string& name) {
+  // Overlapped forwards and backwards post the collectives inside their compute from two threads: each thread its
+  // own communicator of the group (laned_communicator.h).
+  auto group = make_group(members, name + "/" + join(members));
+  if (!config_.overlap_forward_backward || members.size() < 2) return group;
+  return comm::make_laned(std::move(group), make_group(members, name + "/second_lane/" + join(members)));
+}
+
+void Runtime::use_replica_statistics() {
+  if (replica_statistics_) return;
+  const auto members = topology_.group(Axis::data, coordinates_);
+  // A group of its own, not data_parallel(): the gradient reducer's all-reduces are posted there as buckets fill,
+  // and a statistic's sum must not wait behind them, nor be posted in another order beside them.
+  const std::string prefix = layout_generation_ > 0 ? "layout" + std::to_string(layout_generation_) + "/" : "";
+  replica_statistics_ = in_compute_group(members, prefix + "replica_statistics");
+  use_as_replica_group(replica_statistics_);
 }
 
 void Runtime::adopt_layout(const Config& chosen) {
