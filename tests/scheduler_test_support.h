@@ -24,6 +24,7 @@ inline void check_csv_round_trip(const Schedule& original, const StageGraph& gra
   CHECK(read.num_stages == original.num_stages);
   CHECK(read.num_microbatches == original.num_microbatches);
   CHECK(read.split_backward == original.split_backward);
+  CHECK(read.forward_only == original.forward_only);
   CHECK(read.stage_to_rank == original.stage_to_rank);
   CHECK(read.ranks == original.ranks);
   REQUIRE_NOTHROW(validate(read, graph));

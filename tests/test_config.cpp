@@ -86,6 +86,12 @@ TEST_CASE("config: schedules, virtual stages, checkpointing, trace", "[config]")
     CHECK_THROWS_WITH(parse(std::string(R"({"pipeline": ")") + v + R"(", "active_microbatches": 2})"),
                       Contains("key \"active_microbatches\": has no effect"));
   }
+  // Breadth-first looped takes any number of stages per rank, as interleaved 1F1B does.
+  CHECK(parse(R"({"partitions": 2, "pipeline": "looped_bfs", "virtual_stages": 3})").schedule_name() == "looped_bfs");
+  CHECK(parse(R"({"partitions": 2, "pipeline": "looped_bfs", "virtual_stages": 3})").num_stages() == 6);
+  CHECK(parse(R"({"pipeline": "looped_bfs"})").virtual_stages == 1);
+  CHECK_THROWS_WITH(parse(R"({"pipeline": "looped_bfs", "virtual_stages": 2, "active_microbatches": 4})"),
+                    Contains("key \"active_microbatches\": has no effect"));
   CHECK_FALSE(parse(R"({"pipeline": "interleaved"})").splits_backward());
   const Config interleaved = parse(R"({"partitions": 2, "virtual_stages": 3, "activation_checkpointing": [0, 5],
       "partition_overrides": {"head": 5}, "trace_dir": "/tmp/t", "trace_step": 4})");
@@ -96,7 +102,7 @@ TEST_CASE("config: schedules, virtual stages, checkpointing, trace", "[config]")
   CHECK(interleaved.trace_step == 4);
   CHECK(parse(R"({"partitions": 3, "activation_checkpointing": true})").checkpointed_stages == std::vector<int>{0, 1, 2});
   CHECK(parse(R"({"activation_checkpointing": false})").checkpointed_stages.empty());
-  CHECK_THROWS_WITH(parse(R"({"pipeline": "simple", "virtual_stages": 2})"), Contains("key \"virtual_stages\": needs \"pipeline\": \"interleaved\""));
+  CHECK_THROWS_WITH(parse(R"({"pipeline": "simple", "virtual_stages": 2})"), Contains("key \"virtual_stages\": needs a \"pipeline\" of several stages per rank (\"interleaved\", \"looped_bfs\", \"zb_v\", \"dualpipe_v\")"));
   CHECK_THROWS_WITH(parse(R"({"partitions": 2, "activation_checkpointing": [2]})"), Contains("stage 2 is not in [0, 1]"));
   CHECK_THROWS_WITH(parse(R"({"activation_checkpointing": "yes"})"), Contains("key \"activation_checkpointing\""));
   // Module names and stage indices in one list: stages recompute whole, modules one by one.

@@ -400,7 +400,8 @@ TEST_CASE("validate rejects malformed lowered schedules", "[validate]") {
 
 TEST_CASE("CSV round trip", "[csv]") {
   const StageGraph graph = StageGraph::chain(3);
-  for (const Schedule& original : {lower_communication(make_1f1b(3, 5, 2), graph), make_gpipe(3, 2)}) {
+  for (const Schedule& original : {lower_communication(make_1f1b(3, 5, 2), graph), make_gpipe(3, 2),
+                                    forward_only(lower_communication(make_1f1b(3, 5, 2), graph))}) {
     check_csv_round_trip(original, graph);
   }
   const Schedule split = split_backward_schedule();

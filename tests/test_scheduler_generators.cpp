@@ -65,13 +65,15 @@ int rank_of_stage(const std::string& name, int stage, int ranks) {
 
 TEST_CASE("schedule_names lists every generator", "[generators][factory]") {
   CHECK(schedule_names() ==
-        std::vector<std::string>{"gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zb_v", "dualpipe_v"});
+        std::vector<std::string>{"gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zb_v",
+                                 "dualpipe_v"});
 }
 
 TEST_CASE("make_schedule builds what the named generator builds", "[generators][factory]") {
   CHECK(make_schedule("gpipe", 3, 5, 1, 0).ranks == make_gpipe(3, 5).ranks);
   CHECK(make_schedule("1f1b", 3, 5, 1, 2).ranks == make_1f1b(3, 5, 2).ranks);
   CHECK(make_schedule("interleaved_1f1b", 3, 5, 2, 0).ranks == make_interleaved_1f1b(3, 5, 2).ranks);
+  CHECK(make_schedule("looped_bfs", 3, 5, 3, 0).ranks == make_looped_bfs(3, 5, 3).ranks);
   CHECK(make_schedule("zb_h1", 3, 5, 1, 0).ranks == make_zero_bubble_h1(3, 5).ranks);
   CHECK(make_schedule("zb_h2", 3, 5, 1, 4).ranks == make_zero_bubble_h2(3, 5, 4).ranks);
   CHECK(make_schedule("zb_v", 3, 5, 2, 0).ranks == make_zero_bubble_v(3, 5).ranks);
@@ -82,7 +84,7 @@ TEST_CASE("make_schedule builds what the named generator builds", "[generators][
 TEST_CASE("make_schedule rejects what it cannot build", "[generators][factory]") {
   REQUIRE_THROWS_WITH(make_schedule("zb_h3", 4, 8, 1, 0),
                       Contains("unknown schedule 'zb_h3'") &&
-                          Contains("gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_h2"));
+                          Contains("gpipe, 1f1b, interleaved_1f1b, looped_bfs, zb_h1, zb_h2"));
   REQUIRE_THROWS_AS(make_schedule("", 4, 8, 1, 0), ScheduleError);
   for (const char* name : {"gpipe", "1f1b", "zb_h1", "zb_h2"}) {
     INFO(name);
@@ -93,6 +95,8 @@ TEST_CASE("make_schedule rejects what it cannot build", "[generators][factory]")
   }
   REQUIRE_THROWS_WITH(make_schedule("gpipe", 4, 8, 1, 2), Contains("gpipe") && Contains("max_active=2"));
   REQUIRE_THROWS_WITH(make_schedule("interleaved_1f1b", 4, 8, 0, 0), Contains("at least 1 virtual stage"));
+  REQUIRE_THROWS_WITH(make_schedule("looped_bfs", 4, 8, 0, 0), Contains("at least 1 virtual stage"));
+  REQUIRE_THROWS_WITH(make_schedule("looped_bfs", 4, 8, 2, 4), Contains("looped_bfs") && Contains("max_active=4"));
   for (const char* name : {"zb_v", "dualpipe_v"}) {
     INFO(name);
     REQUIRE_THROWS_WITH(make_schedule(name, 4, 8, 1, 0), Contains("virtual_stages must be 2, got 1"));
@@ -267,6 +271,28 @@ TEST_CASE("interleaved 1F1B action lists", "[generators]") {
           CHECK(make_interleaved_1f1b(ranks, microbatches, 1, max_active).ranks ==
                 make_1f1b(ranks, microbatches, max_active).ranks);
         }
+  }
+}
+
+TEST_CASE("breadth-first looped action lists", "[generators]") {
+  SECTION("p=2, m=3, v=2: every microbatch through one chunk before the next, backwards chunk by chunk in reverse") {
+    const Schedule schedule = make_looped_bfs(2, 3, 2);
+    CHECK(schedule.name == "looped_bfs");
+    CHECK(schedule.stage_to_rank == std::vector<int>{0, 1, 0, 1});
+    CHECK_FALSE(schedule.split_backward);
+    CHECK(schedule.ranks[0] == std::vector<Action>{F(0, 0), F(0, 1), F(0, 2), F(2, 0), F(2, 1), F(2, 2),
+                                                   B(2, 2), B(2, 1), B(2, 0), B(0, 2), B(0, 1), B(0, 0)});
+    CHECK(schedule.ranks[1] == std::vector<Action>{F(1, 0), F(1, 1), F(1, 2), F(3, 0), F(3, 1), F(3, 2),
+                                                   B(3, 2), B(3, 1), B(3, 0), B(1, 2), B(1, 1), B(1, 0)});
+  }
+  SECTION("one stage per rank is GPipe") {
+    for (int ranks : {1, 2, 4})
+      for (int microbatches : {1, 3, 8}) CHECK(make_looped_bfs(ranks, microbatches, 1).ranks == make_gpipe(ranks, microbatches).ranks);
+  }
+  SECTION("impossible arguments") {
+    REQUIRE_THROWS_WITH(make_looped_bfs(0, 4, 2), Contains("rank"));
+    REQUIRE_THROWS_WITH(make_looped_bfs(4, 0, 2), Contains("microbatch"));
+    REQUIRE_THROWS_WITH(make_looped_bfs(4, 4, 0), Contains("virtual stage"));
   }
 }
 

@@ -302,7 +302,8 @@ TEST_CASE("shared processors: a pipeline's fill and drain run at full speed, its
   // GPipe, 2 ranks, 2 microbatches, F = 1, B = 2, on 1 processor: F0 alone (1), then F1 on rank 0 beside F0 on
   // rank 1 at half speed each (ending at 3), F1 on rank 1 alone (4), B1 on rank 1 alone (6), B1 on rank 0 beside B0
   // on rank 1 (ending at 10), B0 on rank 0 alone (12): 12, the total work. On 1.5 processors, the two shared
-  // stretches run at 0.75: F's at 1 + 4/3, B's at 6 + 8/3, then B0 alone: 10.666...
+  // stretches run at 0.75: the shared F's end at 1 + 4/3, F1 alone at 10/3, B1 alone at 16/3, the shared B's at
+  // 16/3 + 8/3 = 8, then B0 alone: 10.
   const StageGraph graph = StageGraph::chain(2);
   SimulationCosts costs = textbook_costs(2);
   costs.processors = 1.0;
@@ -446,6 +447,29 @@ TEST_CASE("interleaved 1F1B under a cap holds at most max_active pairs", "[simul
       const SimulationResult result = simulate(make_interleaved_1f1b(4, microbatches, 2, max_active),
                                                StageGraph::chain(8), chunked_textbook_costs(4, 2));
       CHECK(*std::max_element(result.peak_in_flight.begin(), result.peak_in_flight.end()) <= max_active);
+    }
+  }
+}
+
+TEST_CASE("breadth-first looped: interleaved 1F1B's bubble at GPipe's memory", "[simulator][looped_bfs]") {
+  for (int p : {2, 4, 8}) {
+    for (int v : {1, 2, 4}) {
+      for (int m : {p, 2 * p, 4 * p}) {
+        INFO("p=" << p << " v=" << v << " m=" << m);
+        const int stages = p * v;
+        const StageGraph graph = StageGraph::chain(stages);
+        // A rank's work is F = 1, B = 2 whatever v is: each of its stages costs 1/v of that.
+        const SimulationCosts costs = SimulationCosts::uniform(stages, StageCosts{1.0 / v, 2.0 / v, 0.5 / v, 0.5 / v});
+        const SimulationResult bfs = simulate(make_looped_bfs(p, m, v), graph, costs);
+        const SimulationResult interleaved = simulate(make_interleaved_1f1b(p, m, v), graph, costs);
+        // Lamy-Poirier's looped schedules: the same (p - 1) / (v m + p - 1) as interleaved 1F1B once m >= p.
+        CHECK_THAT(bfs.bubble_fraction, WithinAbs((p - 1.0) / (v * m + p - 1.0), kTolerance));
+        CHECK_THAT(bfs.makespan, WithinAbs(interleaved.makespan, kTolerance));
+        // ... but every rank holds every (stage, microbatch) before its first backward: m whole microbatches.
+        for (int peak : bfs.peak_in_flight) CHECK(peak == v * m);
+        for (std::size_t rank = 0; rank < bfs.peak_in_flight.size(); ++rank)
+          CHECK(interleaved.peak_in_flight[rank] <= bfs.peak_in_flight[rank]);
+      }
     }
   }
 }

@@ -63,6 +63,7 @@ TEST_CASE("every schedule trains like single-process training", "[training][mult
       {"interleaved 1F1B v=3, m not divisible by p", "mlp", 3, 1, 4, "interleaved", R"(, "virtual_stages": 3)"},
       {"interleaved 1F1B v=2 with replicas and a cap", "mlp", 2, 2, 6, "interleaved", R"(, "virtual_stages": 2, "active_microbatches": 2)"},
       {"1F1B, m < p", "mlp", 4, 1, 2, "interleaved", ""},
+      {"breadth-first looped v=2 with replicas, m not divisible by p", "mlp", 2, 2, 3, "looped_bfs", R"(, "virtual_stages": 2)"},
       {"one stage", "mlp", 1, 2, 4, "simple", ""},
       {"activation checkpointing, 1F1B", "mlp", 3, 1, 6, "interleaved", R"(, "activation_checkpointing": true)"},
       {"activation checkpointing on some stages, ZB-H1", "mlp", 4, 1, 4, "zero_bubble", R"(, "activation_checkpointing": [0, 3])"},

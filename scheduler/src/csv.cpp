@@ -5,7 +5,8 @@
 //   0,SEND_F,0,0,1
 //   ...
 // Rows may come in any rank order; the rows of one rank are its actions in execution order. peer_stage is -1
-// for compute actions. Blank lines are ignored. read_csv checks the format only; run validate() on the result.
+// for compute actions. Blank lines are ignored. An evaluation's forwards alone (forward_only) add forward_only=1 to
+// the metadata. read_csv checks the format only; run validate() on the result.
 
 #include <cctype>
 #include <charconv>
@@ -105,6 +106,12 @@ void read_metadata(LineReader& reader, const std::string& line, Schedule& schedu
   if (static_cast<int>(schedule.stage_to_rank.size()) != schedule.num_stages)
     reader.fail("stage_to_rank lists " + std::to_string(schedule.stage_to_rank.size()) + " ranks for " +
                 std::to_string(schedule.num_stages) + " stages");
+  if (fields.count("forward_only")) {  // written only for an evaluation's schedule: earlier files lack it
+    const std::string forward_only = take("forward_only");
+    if (forward_only != "0" && forward_only != "1")
+      reader.fail("forward_only must be 0 or 1, got '" + forward_only + "'");
+    schedule.forward_only = forward_only == "1";
+  }
   if (!fields.empty()) reader.fail("unknown metadata key '" + fields.begin()->first + "'");
   schedule.ranks.resize(static_cast<std::size_t>(schedule.num_ranks));
 }
@@ -120,6 +127,7 @@ void write_csv(const Schedule& schedule, std::ostream& out) {
       << " split_backward=" << (schedule.split_backward ? 1 : 0) << " stage_to_rank=";
   for (std::size_t stage = 0; stage < schedule.stage_to_rank.size(); ++stage)
     out << (stage == 0 ? "" : ";") << schedule.stage_to_rank[stage];
+  if (schedule.forward_only) out << " forward_only=1";
   out << '\n' << kColumns << '\n';
   for (std::size_t rank = 0; rank < schedule.ranks.size(); ++rank)
     for (const Action& action : schedule.ranks[rank])

@@ -168,48 +168,45 @@ class RankOrder {
   std::vector<std::pair<int, int>> pending_weights_;  // (stage, microbatch) of Is, oldest first
 };
 
-Schedule no_cap(const char* name, int max_active, Schedule (*make)(int, int), int num_ranks, int num_microbatches) {
-  if (max_active != 0)
-    throw ScheduleError(std::string(name) + " has its own bound on what a rank holds, so max_active=" +
-                        std::to_string(max_active) + " cannot apply; use 0");
-  return make(num_ranks, num_microbatches);
-}
-
 const std::vector<ScheduleKind> kKinds = {
-    {"gpipe", "simple", 1, false, false,
-     [](int num_ranks, int num_microbatches, int, int max_active) {
-       if (max_active != 0)
-         throw ScheduleError("gpipe holds every microbatch until the backwards start, so max_active=" +
-                             std::to_string(max_active) + " cannot apply; use 0, or 1f1b to cap activations");
-       return make_gpipe(num_ranks, num_microbatches);
-     }},
-    {"1f1b", "interleaved", 1, false, true,
+    {"gpipe", "simple", 1, false, false, true,
+     [](int num_ranks, int num_microbatches, int, int) { return make_gpipe(num_ranks, num_microbatches); }},
+    {"1f1b", "interleaved", 1, false, true, true,
      [](int num_ranks, int num_microbatches, int, int max_active) {
        return make_1f1b(num_ranks, num_microbatches, max_active);
      }},
-    {"interleaved_1f1b", "interleaved", 0, false, true, make_interleaved_1f1b},
-    {"zb_h1", "zero_bubble", 1, true, true,
+    {"interleaved_1f1b", "interleaved", 0, false, true, true, make_interleaved_1f1b},
+    // Interleaved 1F1B's bubble with GPipe's memory: the planner, which weighs both, would never choose it.
+    {"looped_bfs", "", 0, false, false, false,
+     [](int num_ranks, int num_microbatches, int virtual_stages, int) {
+       return make_looped_bfs(num_ranks, num_microbatches, virtual_stages);
+     }},
+    {"zb_h1", "zero_bubble", 1, true, true, true,
      [](int num_ranks, int num_microbatches, int, int max_active) {
        return make_zero_bubble_h1(num_ranks, num_microbatches, max_active);
      }},
-    {"zb_h2", "zero_bubble_h2", 1, true, true,
+    // More forwards ahead than ZB-H1 for a bubble the planner's V schedules already close.
+    {"zb_h2", "zero_bubble_h2", 1, true, true, false,
      [](int num_ranks, int num_microbatches, int, int max_active) {
        return make_zero_bubble_h2(num_ranks, num_microbatches, max_active);
      }},
-    {"zb_v", "", 2, true, false,
-     [](int num_ranks, int num_microbatches, int, int max_active) {
-       return no_cap("zb_v", max_active, make_zero_bubble_v, num_ranks, num_microbatches);
-     }},
-    {"dualpipe_v", "", 2, true, false,
-     [](int num_ranks, int num_microbatches, int, int max_active) {
-       return no_cap("dualpipe_v", max_active, make_dualpipe_v, num_ranks, num_microbatches);
-     }},
+    {"zb_v", "", 2, true, false, true,
+     [](int num_ranks, int num_microbatches, int, int) { return make_zero_bubble_v(num_ranks, num_microbatches); }},
+    {"dualpipe_v", "", 2, true, false, true,
+     [](int num_ranks, int num_microbatches, int, int) { return make_dualpipe_v(num_ranks, num_microbatches); }},
 };
 
-std::string known_names() {
+template <typename Keep>
+std::string names_where(Keep keep) {
   std::string names;
-  for (const ScheduleKind& kind : kKinds) names += (names.empty() ? "" : ", ") + std::string(kind.name);
+  for (const ScheduleKind& kind : kKinds) {
+    if (keep(kind)) names += (names.empty() ? "" : ", ") + std::string(kind.name);
+  }
   return names;
+}
+
+std::string known_names() {
+  return names_where([](const ScheduleKind&) { return true; });
 }
 
 }  // namespace
@@ -291,6 +288,25 @@ Schedule make_interleaved_1f1b(int num_ranks, int num_microbatches, int virtual_
     actions.erase(std::remove_if(actions.begin(), actions.end(),
                                  [&](const Action& action) { return action.microbatch >= num_microbatches; }),
                   actions.end());
+  }
+  return schedule;
+}
+
+Schedule make_looped_bfs(int num_ranks, int num_microbatches, int virtual_stages) {
+  Schedule schedule = looped_layout("looped_bfs", num_ranks, num_microbatches, virtual_stages);
+  for (int rank = 0; rank < num_ranks; ++rank) {
+    std::vector<Action>& actions = schedule.ranks[rank];
+    // Every wait is for a (chunk, microbatch, rank) that comes earlier in that order (forwards) or later (backwards)
+    // than the waiting action, so no order of ranks can deadlock, whatever num_microbatches is.
+    for (int chunk = 0; chunk < virtual_stages; ++chunk) {
+      const std::vector<Action> forwards = each_microbatch(ActionKind::Forward, chunk * num_ranks + rank, num_microbatches);
+      actions.insert(actions.end(), forwards.begin(), forwards.end());
+    }
+    for (int chunk = virtual_stages - 1; chunk >= 0; --chunk) {
+      const std::vector<Action> backwards =
+          each_microbatch(ActionKind::Backward, chunk * num_ranks + rank, num_microbatches);
+      actions.insert(actions.end(), backwards.rbegin(), backwards.rend());
+    }
   }
   return schedule;
 }
@@ -399,7 +415,14 @@ Schedule make_schedule(const std::string& name, int num_ranks, int num_microbatc
   if (!kind) throw ScheduleError("unknown schedule '" + name + "' (expected one of " + known_names() + ")");
   if (kind->stages_per_rank == 1 && virtual_stages != 1)
     throw ScheduleError(name + " runs one stage per rank, so virtual_stages must be 1, got " +
-                        std::to_string(virtual_stages) + "; interleaved_1f1b runs several");
+                        std::to_string(virtual_stages) + "; " + names_where([](const ScheduleKind& other) {
+                          return other.stages_per_rank == 0;
+                        }) + " run several");
+  if (!kind->takes_cap && max_active != 0)
+    throw ScheduleError(name + " bounds what a rank holds by its own order, so max_active=" +
+                        std::to_string(max_active) + " cannot apply; use 0, or one of " +
+                        names_where([](const ScheduleKind& other) { return other.takes_cap; }) +
+                        " to cap activations");
   if (kind->stages_per_rank == 2 && virtual_stages != 2)
     throw ScheduleError(name + " runs two stages per rank (a V), so virtual_stages must be 2, got " +
                         std::to_string(virtual_stages));

@@ -24,7 +24,7 @@ void print_usage(std::FILE* to) {
                    "       smp_schedule --load FILE.csv\n"
                    "Simulates the schedule (makespan, bubble, peak in-flight activations per rank); --csv writes its "
                    "action list, which --load and the config's \"schedule_file\" read. --virtual-stages: stages per rank, "
-                   "by default 2 for the V schedules and interleaved_1f1b, else 1.\nschedules:");
+                   "by default 2 for the V schedules and those that take any number (interleaved_1f1b, looped_bfs), else 1.\nschedules:");
   for (const auto& kind : schedule_kinds()) {
     std::fprintf(to, " %s", kind.name);
     if (*kind.config_alias) std::fprintf(to, " (config \"%s\")", kind.config_alias);
@@ -112,13 +112,22 @@ int main(int argc, char** argv) {
                 schedule.num_stages, schedule.num_microbatches);
     std::printf("makespan %.6g, bubble fraction %.6f\n", result.makespan, result.bubble_fraction);
     const double p = schedule.num_ranks, m = schedule.num_microbatches, v = per_rank;
-    if (schedule.name == "gpipe" || schedule.name == "1f1b") {
-      std::printf("formula (p-1)/(m+p-1) = %.6f\n", (p - 1) / (m + p - 1));
-    } else if (schedule.name == "interleaved_1f1b") {
+    // The textbook bubble of a looped schedule without split backward: (p-1)/(v*m+p-1), which GPipe and 1F1B meet
+    // (v = 1) and interleaving meets when its microbatches fill whole rounds of p.
+    const auto& kind = find_schedule_kind(schedule.name, per_rank);
+    const bool looped = kind.stages_per_rank != 2 && !kind.split_backward;
+    if (looped && (per_rank == 1 || std::string(kind.name) != "interleaved_1f1b" ||
+                   schedule.num_microbatches % schedule.num_ranks == 0)) {
       std::printf("formula (p-1)/(v*m+p-1) = %.6f\n", (p - 1) / (v * m + p - 1));
     }
-    std::printf("peak in-flight activations per rank:");
+    std::printf("peak in-flight (stage, microbatch) pairs per rank:");
     for (int peak : result.peak_in_flight) std::printf(" %d", peak);
+    if (per_rank > 1) {
+      // With v stages per rank each pair holds a stage's activations, 1/v of the rank's for a microbatch.
+      std::printf(" (in whole microbatches of the rank's activations:");
+      for (int peak : result.peak_in_flight) std::printf(" %.3g", peak / v);
+      std::printf(")");
+    }
     std::printf("\n");
   } catch (const ScheduleError& error) {
     std::fprintf(stderr, "smp_schedule: %s\n", error.what());

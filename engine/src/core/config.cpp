@@ -189,7 +189,13 @@ const std::vector<Key>& key_table() {
          c.virtual_stages = static_cast<int>(r.integer("virtual_stages", 1, 64));
          const auto& chosen = sched::find_schedule_kind(c.pipeline, c.virtual_stages);
          if (chosen.stages_per_rank == 1 && c.virtual_stages > 1) {
-           r.fail("virtual_stages", "needs \"pipeline\": \"interleaved\" (interleaved 1F1B) or a V schedule; \"" +
+           std::string several;
+           for (const auto& kind : sched::schedule_kinds()) {
+             if (kind.stages_per_rank == 1) continue;
+             several += std::string(several.empty() ? "" : ", ") + "\"" +
+                        (*kind.config_alias ? kind.config_alias : kind.name) + "\"";
+           }
+           r.fail("virtual_stages", "needs a \"pipeline\" of several stages per rank (" + several + "); \"" +
                                         c.pipeline + "\" runs one stage per rank");
          }
          if (chosen.stages_per_rank == 2 && c.virtual_stages != 2) {
@@ -201,10 +207,9 @@ const std::vector<Key>& key_table() {
        [](const Reader& r, Config& c) {
          if (c.active_microbatches > 0 && !sched::find_schedule_kind(c.pipeline, c.virtual_stages).takes_cap) {
            r.fail("active_microbatches",
-                  "has no effect with \"pipeline\": \"" + c.pipeline + "\" (" +
-                      (c.pipeline == "simple" || c.pipeline == "gpipe"
-                           ? "GPipe runs every forward first); use \"interleaved\" to cap microbatches in flight"
-                           : "it holds what its own order bounds)"));
+                  "has no effect with \"pipeline\": \"" + c.pipeline +
+                      "\", which bounds what a rank holds by its own order; use \"interleaved\" to cap microbatches "
+                      "in flight");
          }
          if (c.active_microbatches > 0 && c.active_microbatches < c.virtual_stages) {
            r.fail("active_microbatches",

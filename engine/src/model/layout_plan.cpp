@@ -26,9 +26,19 @@ struct ScheduleChoice {
   const char* name;  // a generator's, which the config takes too
   int virtual_stages;
 };
-// One stage per rank, then the V schedules and interleaving at two stages per rank.
-constexpr ScheduleChoice kSchedules[] = {{"gpipe", 1},  {"1f1b", 1},       {"zb_h1", 1},
-                                         {"interleaved_1f1b", 2}, {"zb_v", 2}, {"dualpipe_v", 2}};
+// The registry's planned kinds: those of one stage per rank first, then the V schedules and interleaving at two
+// stages per rank.
+std::vector<ScheduleChoice> planned_schedules() {
+  std::vector<ScheduleChoice> choices;
+  for (const bool one_per_rank : {true, false}) {
+    for (const auto& kind : sched::schedule_kinds()) {
+      if (kind.planned && (kind.stages_per_rank == 1) == one_per_rank) {
+        choices.push_back({kind.name, one_per_rank ? 1 : 2});
+      }
+    }
+  }
+  return choices;
+}
 
 Config config_of(const Layout& layout, const Config& base) {
   Config config = base;
@@ -413,7 +423,7 @@ std::vector<Layout> layouts_of(int partitions, int replicas, int per_replica, in
     if (per_replica / count >= least_microbatch) most_microbatches = count;
   }
   std::vector<Layout> layouts;
-  for (const auto& choice : kSchedules) {
+  for (const auto& choice : planned_schedules()) {
     // One stage runs GPipe's order alone: every schedule is the same there.
     if (partitions == 1 && (choice.virtual_stages > 1 || std::string(choice.name) != "gpipe")) continue;
     if (partitions * choice.virtual_stages > modules) continue;

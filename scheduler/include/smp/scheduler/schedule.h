@@ -84,6 +84,13 @@ Schedule make_1f1b(int num_ranks, int num_microbatches, int max_active = 0);
 // max_active caps the (stage, microbatch) pairs in flight per rank: 0 (Megatron-LM's bound) or at least
 // virtual_stages. virtual_stages = 1 gives make_1f1b's order.
 Schedule make_interleaved_1f1b(int num_ranks, int num_microbatches, int virtual_stages, int max_active = 0);
+// Breadth-first looped ("Breadth-First Pipeline Parallelism", Lamy-Poirier, MLSys 2023; torch.distributed.pipelining's
+// ScheduleLoopedBFS): the looped layout of interleaved 1F1B (rank r owns stages r, r + num_ranks, ...), but each
+// rank runs every microbatch's forward through one of its stages before the next, then the backwards stage by stage
+// in reverse (microbatches in reverse, as GPipe). Holds every (stage, microbatch) until the backwards start, as
+// GPipe does; in exchange a stage's weight gradients are final early (for data-parallel overlap). virtual_stages = 1
+// gives make_gpipe's order.
+Schedule make_looped_bfs(int num_ranks, int num_microbatches, int virtual_stages);
 // ZB-H1 and ZB-H2 from "Zero Bubble Pipeline Parallelism" (Qi et al., ICLR 2024): backward split into I and W
 // (split_backward), W deferred to fill the bubble. ZB-H1 holds at most num_ranks microbatches on any rank, as 1F1B
 // does on rank 0; ZB-H2 runs more forwards ahead and holds up to 2 * num_ranks - 1. max_active caps what a rank
@@ -110,7 +117,8 @@ struct ScheduleKind {
   const char* config_alias;  // SMP's name for it in the config's "pipeline" ("simple", ...), or ""
   int stages_per_rank;       // 1; 0: any number (virtual_stages); 2: a V
   bool split_backward;       // I and W instead of B
-  bool takes_cap;            // max_active (SMP's active_microbatches) applies
+  bool takes_cap;            // max_active (SMP's active_microbatches) applies; make_schedule refuses it otherwise
+  bool planned;              // among the layouts the planner ("auto", smp.plan, smp_plan) weighs
   Schedule (*make)(int num_ranks, int num_microbatches, int virtual_stages, int max_active);
 };
 const std::vector<ScheduleKind>& schedule_kinds();
@@ -123,7 +131,7 @@ const ScheduleKind& find_schedule_kind(const std::string& name, int virtual_stag
 // schedule that takes no cap.
 Schedule make_schedule(const std::string& name, int num_ranks, int num_microbatches, int virtual_stages,
                        int max_active);
-// "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zb_v", "dualpipe_v"
+// "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zb_v", "dualpipe_v"
 std::vector<std::string> schedule_names();
 
 // The forward actions of `schedule` and their transfers, in the same order on every rank, with forward_only set:
