@@ -549,6 +549,7 @@ PYBIND11_MODULE(_smp, module) {
       .def("evaluate", with_python_loss<&DistributedModel::evaluate>, py::arg("inputs"), py::arg("targets"),
            py::arg("loss"), py::arg("keep_outputs") = false, py::arg("batched") = std::vector<bool>{},
            py::arg("reduction") = LossReduction::kMean)
+      .def("count_refused_call", &DistributedModel::count_refused_call, py::arg("train_step"))
       .def(
           "next_call_takes_share_of",
           [](DistributedModel& model, const OptionalTensors& inputs, const std::optional<at::Tensor>& targets,

@@ -236,6 +236,21 @@ class DistributedModel(torch.nn.Module):
             _materialize.release_other_stages(model, kept, list(self.stages))
 
     def _engine_step(self, step, inputs, targets, loss, keep_outputs, replica_share, what):
+        try:
+            prepared = self._prepare_step(inputs, targets, loss, replica_share, what)
+        except Exception:
+            # Refused before any transfer: the call counts here as the engine counts its own refusals, so that a
+            # rank refusing alone (its replica's share) is out of step with its peers, and told, not paired with
+            # their next call.
+            self._model.count_refused_call(what == "train_step")
+            raise
+        values, targets, engine_loss, batched, reduction, model_outputs = prepared
+        result = step(values, targets, engine_loss, keep_outputs, batched, reduction)
+        kept = result.all_outputs
+        return StepResult(result, model_outputs(kept) if kept is not None else None, _routing.take())
+
+    def _prepare_step(self, inputs, targets, loss, replica_share, what):
+        """The engine's inputs for a call, checked: (values, targets, loss, batched, reduction, model_outputs)."""
         rt = runtime()
         if what == "train_step":
             _refuse_unscaled_half(rt, what)
@@ -299,9 +314,7 @@ class DistributedModel(torch.nn.Module):
         _routing.take()  # what profiling or an interrupted step counted
         if global_batch is not None:  # every rank must have been given the same one: the step compares them
             self._model.next_call_takes_share_of(*global_batch, batched)
-        result = step(values, targets, engine_loss, keep_outputs, batched, reduction)
-        kept = result.all_outputs
-        return StepResult(result, model_outputs(kept) if kept is not None else None, _routing.take())
+        return values, targets, engine_loss, batched, reduction, model_outputs
 
     def train_step(self, inputs, targets=None, loss=None, keep_outputs=False, replica_share=False):
         """One step on the global batch (the same inputs on every rank; each replica takes its share): splits it

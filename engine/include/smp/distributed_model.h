@@ -3,6 +3,7 @@
 // of its pipeline stages, and runs training steps across the pipeline and the data-parallel replicas.
 
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <map>
 #include <set>
@@ -169,6 +170,12 @@ class DistributedModel {
   void restore_loss_scale(double scale, long long steps_since_change);
   // The next train_step is step `step` of the job (after a resume), for messages and trace_step.
   void resume_at(long long step);
+  // A train_step (or evaluate) that a rank refused before any transfer (its batch failed a check) still counts as
+  // a call there. Where every rank refuses alike the counts stay alike and the call can be retried; where only some
+  // do (each replica checks its own share), their next call's number differs from the peers' and the transfers
+  // and closing sums fail naming the calls, rather than pair this rank's next batch with the peers' refused one.
+  // Refusals before the engine is reached (Python's checks) call it; the engine's own do so themselves.
+  void count_refused_call(bool train_step);
   // The stream the model's modules draw their random numbers from in train_step and evaluate (checkpoints keep it).
   ModelRandomStream& random_stream() { return *random_stream_; }
   // Starts that stream anew from `seed` (with the model's number in the job, the rank's stage and replica), as
@@ -216,6 +223,22 @@ class DistributedModel {
   Runtime& runtime() { return *runtime_; }
 
  private:
+  // Counts the call as refused (count_refused_call) when it throws before dismiss().
+  class RefusedCallCounts {
+   public:
+    RefusedCallCounts(DistributedModel& model, bool train_step)
+        : model_(&model), train_step_(train_step), exceptions_(std::uncaught_exceptions()) {}
+    ~RefusedCallCounts() {
+      if (model_ && std::uncaught_exceptions() > exceptions_) model_->count_refused_call(train_step_);
+    }
+    void dismiss() { model_ = nullptr; }
+
+   private:
+    DistributedModel* model_;
+    bool train_step_;
+    int exceptions_;
+  };
+
   struct Planned {};  // the builder's form once the runtime has its layout
   DistributedModel(Planned, std::shared_ptr<Runtime> planned, const ModelBuilder& build, const ModelInputs& sample,
                    const MaterializeNodes& materialize);
@@ -278,7 +301,7 @@ class DistributedModel {
   // With replicas and shard_optimizer_state only: the replicas' shares, and under expert parallelism those of the
   // replicas holding the same experts.
   std::vector<std::unique_ptr<OptimizerShards>> shards_;
-  long long step_ = 0;  // steps run so far, for error messages
+  long long step_ = 0;  // train_step calls so far (refused ones too: count_refused_call), for error messages
   long long evaluations_since_step_ = 0;  // with step_, which program call this rank is in (ProgramCall)
   std::string exchange_;  // prefix of this model's store keys
   std::optional<FoundCheckpoint> resumed_from_;

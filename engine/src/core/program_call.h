@@ -31,6 +31,8 @@ struct ProgramCall {
 // What to do about it, said once: the error messages end with it.
 inline const char* const kSameCallsEverywhere =
     "every rank must call train_step and evaluate alike, in the same order, and the ranks of a replica with the same "
-    "batch (did a rank skip or add a call, or draw a batch of its own?)";
+    "batch (did a rank skip or add a call, draw a batch of its own, or refuse a call its peers took? A call refused "
+    "on some ranks alone, such as a replica's own share failing a check, counts there and cannot be skipped: check "
+    "the shares before train_step on every rank, or pass the global batch)";
 
 }  // namespace smp

@@ -397,6 +397,15 @@ void DistributedModel::resume_at(long long step) {
   evaluations_since_step_ = 0;
 }
 
+void DistributedModel::count_refused_call(bool train_step) {
+  if (train_step) {
+    ++step_;
+    evaluations_since_step_ = 0;
+  } else {
+    ++evaluations_since_step_;
+  }
+}
+
 void DistributedModel::load_state(const TensorSource& source) {
   const Topology& topology = runtime_->topology();
   load_rank_state(source, named_parameters_, named_buffers_,

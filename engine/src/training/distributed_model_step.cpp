@@ -478,6 +478,7 @@ StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tenso
   // Taken first: a call that fails before its closing sums must not leave it to the next.
   std::optional<BatchFingerprint> global_batch = take_fingerprint(global_batch_, runtime_->topology());
   runtime_->refuse_after_leaving("evaluate");
+  RefusedCallCounts refused(*this, /*train_step=*/false);
   warn_if_not_resumed();
   MicrobatchData data = microbatch_data("evaluate", inputs, targets, loss, batched, reduction,
                                         samples_of(global_batch));
@@ -495,6 +496,7 @@ StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tenso
   }
   const EvaluationMode evaluation_mode(local_modules);
   StepOutput output;
+  refused.dismiss();  // from here the call is under way: ++ below
   ++evaluations_since_step_;
   BatchFingerprint batch = fingerprint(inputs, targets, batched.empty() ? batched_inputs(inputs, targets) : batched,
                                        batch_values_compared(runtime_->topology()));
@@ -568,6 +570,7 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   auto start = std::chrono::steady_clock::now();
   std::optional<BatchFingerprint> global_batch = take_fingerprint(global_batch_, runtime_->topology());
   runtime_->refuse_after_leaving("train_step");
+  RefusedCallCounts refused(*this, /*train_step=*/true);
   warn_if_not_resumed();
   const Config& config = runtime_->config();
   MicrobatchData data = microbatch_data("train_step", inputs, targets, loss, batched, reduction,
@@ -614,6 +617,7 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   const ModelRandomStream::Entered model_draws(*random_stream_);
   ClosingSums sums(runtime_->topology(), runtime_->rank(), data.stamp.call, std::move(batch),
                    std::move(global_batch));
+  refused.dismiss();  // from here a failure is shared with the peers (with_peers), and a success counts below
   try {
     runtime_->with_peers("step " + std::to_string(step_), [&] {
       gradients_->arm();
