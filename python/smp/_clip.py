@@ -14,6 +14,21 @@ import torch.nn.utils
 
 from ._state import runtime
 
+# Gradients carry no mark of their model (each backward may make them anew), so get_total_norm finds it here.
+_models = weakref.WeakSet()
+
+
+_last_trained = None  # weakref to the model whose train_step ran last on this rank
+
+
+def clipped_by_whole_norm(model):
+    _models.add(model)
+
+
+def trained(model):
+    global _last_trained
+    _last_trained = weakref.ref(model)
+
 
 def clip_model_grad_norm(model, max_norm):
     """Scales `model`'s gradients (a DistributedModel) so that their 2-norm over the whole model is at most max_norm;
@@ -31,9 +46,27 @@ def _model_of(tensors):
     return None
 
 
+def _model_just_trained():
+    """The model an empty list of tensors stands for on this rank (one whose stages here train none of its
+    parameters): the one whose train_step ran last here, as a loop clips right after it; else the only one."""
+    model = _last_trained() if _last_trained is not None else None
+    if model is None:
+        live = list(_models)
+        model = live[0] if len(live) == 1 else None
+    return model
+
+
+def _norm_like(norm, tensors):
+    """The norm as torch gives it: a tensor of the gradients' dtype and device."""
+    first = next((t for t in tensors if t is not None), None)
+    return torch.tensor(norm, dtype=first.dtype, device=first.device) if first is not None else torch.tensor(norm)
+
+
 def _clip_grad_norm_(original, parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
     listed = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    model = _model_of(listed)
+    # An empty list is this rank's share of a model whose trainable parameters all live on other stages (a frozen
+    # backbone: [p for p in model.parameters() if p.requires_grad]): it must join the norm its peers take.
+    model = _model_of(listed) if listed else _model_just_trained()
     if model is None:
         return original(listed, max_norm, norm_type, error_if_nonfinite, foreach)
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
@@ -53,15 +86,7 @@ def _clip_grad_norm_(original, parameters, max_norm, norm_type=2.0, error_if_non
         if not torch.isfinite(torch.tensor(norm)):
             raise RuntimeError(f"the total norm of order {float(norm_type)} for gradients from `parameters` is "
                                "non-finite, so it cannot be clipped (error_if_nonfinite=True)")
-    return torch.tensor(clip_model_grad_norm(model, max_norm))
-
-
-# Gradients carry no mark of their model (each backward may make them anew), so get_total_norm finds it here.
-_models = weakref.WeakSet()
-
-
-def clipped_by_whole_norm(model):
-    _models.add(model)
+    return _norm_like(clip_model_grad_norm(model, max_norm), [p.grad for p in model.parameters()])
 
 
 def _get_total_norm(original, tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
@@ -70,7 +95,8 @@ def _get_total_norm(original, tensors, norm_type=2.0, error_if_nonfinite=False, 
     listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     given = {id(t) for t in listed}
     model = next((m for m in list(_models)
-                  if any(id(p.grad) in given for p in m.parameters() if p.grad is not None)), None)
+                  if any(id(p.grad) in given for p in m.parameters() if p.grad is not None)), None) if listed \
+        else _model_just_trained()  # this rank's gradients of a model trained on other stages alone: none
     if model is None:
         return original(listed, norm_type, error_if_nonfinite, foreach)
     gradients = {id(p.grad) for p in model.parameters() if p.requires_grad and p.grad is not None}
@@ -87,7 +113,7 @@ def _get_total_norm(original, tensors, norm_type=2.0, error_if_nonfinite=False, 
     if error_if_nonfinite and not math.isfinite(norm):
         raise RuntimeError(f"the total norm of order {float(norm_type)} for gradients from `parameters` is "
                            "non-finite, so it cannot be clipped (error_if_nonfinite=True)")
-    return torch.tensor(norm)
+    return _norm_like(norm, listed)
 
 
 def take_over_torch_clipping():

@@ -340,6 +340,7 @@ class DistributedModel(torch.nn.Module):
             check_mode(net, self._evaluation_path(), "train_step")
         result = self._engine_step(self._model.train_step, inputs, targets, loss, keep_outputs, replica_share,
                                    "train_step")
+        _clip.trained(self)
         if self.planned is not None and "measured_step_ms" not in self.planned:
             self._note_planned_step(result)
         return result

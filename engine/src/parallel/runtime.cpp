@@ -485,9 +485,9 @@ at::Tensor Runtime::replica_slice(const at::Tensor& global_batch) const {
   const int replicas = topology_.data_parallel_degree();
   const int64_t size = global_batch.size(0);
   config_.check_batch(static_cast<int>(size), replicas, true);
-  if (config_.global_batch_size > 0 && size != config_.global_batch_size && !said_batch_differs_ && rank() == 0) {
-    // Not refused: an epoch's last batch is often shorter. But the layout was checked, and an "auto" one planned,
-    // for the config's size.
+  if (config_.global_batch_size > 0 && size > config_.global_batch_size && !said_batch_differs_ && rank() == 0) {
+    // Not refused, nor said of a smaller batch (an epoch's last, a validation set's rest). But the layout was
+    // checked, and an "auto" one planned, for the config's size, and more samples hold more memory.
     said_batch_differs_ = true;
     log::warn("a step's batch has " + std::to_string(size) + " samples, the config's global_batch_size " +
               std::to_string(config_.global_batch_size) + " (what the layout was checked and planned for); said once");
