@@ -173,6 +173,10 @@ class DistributedModel(torch.nn.Module):
             raise ConfigError(f"\"expert_parallel_degree\" {rt.expert_parallel_degree} divides the experts of a "
                               "captured mixture-of-experts model (a module with a forward of its own, such as a "
                               f"Hugging Face one), not a {_kind(model)}")
+        if getattr(model, "is_gradient_checkpointing", False) and rt.rank == 0:
+            warnings.warn(f"{type(model).__name__}.gradient_checkpointing_enable() recomputes nothing under smp (the "
+                          "capture runs each layer once): set \"activation_checkpointing\" in the config (true, or "
+                          "the stages or modules to recompute)", stacklevel=2)
         synchronized = _sync_batch_norm.synchronized_modules(model)
         if synchronized:  # each microbatch's statistics pooled over the replicas, in the capture too
             _sync_batch_norm.pool_over_replicas(synchronized, rt.data_parallel_degree)
@@ -235,9 +239,9 @@ class DistributedModel(torch.nn.Module):
             kept = {id(t) for t in self._model.named_parameters().values()}
             _materialize.release_other_stages(model, kept, list(self.stages))
 
-    def _engine_step(self, step, inputs, targets, loss, keep_outputs, replica_share, what):
+    def _engine_step(self, step, inputs, targets, loss, keep_outputs, replica_share, what, loss_reduction="mean"):
         try:
-            prepared = self._prepare_step(inputs, targets, loss, replica_share, what)
+            prepared = self._prepare_step(inputs, targets, loss, replica_share, what, loss_reduction)
         except Exception:
             # Refused before any transfer: the call counts here as the engine counts its own refusals, so that a
             # rank refusing alone (its replica's share) is out of step with its peers, and told, not paired with
@@ -249,9 +253,11 @@ class DistributedModel(torch.nn.Module):
         kept = result.all_outputs
         return StepResult(result, model_outputs(kept) if kept is not None else None, _routing.take())
 
-    def _prepare_step(self, inputs, targets, loss, replica_share, what):
+    def _prepare_step(self, inputs, targets, loss, replica_share, what, loss_reduction):
         """The engine's inputs for a call, checked: (values, targets, loss, batched, reduction, model_outputs)."""
         rt = runtime()
+        if loss_reduction not in ("mean", "sum"):
+            raise ConfigError(f"{what}: loss_reduction must be \"mean\" or \"sum\", got {loss_reduction!r}")
         if what == "train_step":
             _refuse_unscaled_half(rt, what)
         values = self._io.engine_inputs(inputs, what)
@@ -277,7 +283,7 @@ class DistributedModel(torch.nn.Module):
         # divided by the batch's count, not a mean: the engine adds the microbatches' up instead of weighing them.
         counted = loss is None and isinstance(inputs, collections.abc.Mapping) and \
             inputs.get("num_items_in_batch") is not None
-        reduction = _smp.LossReduction.sum if counted else _smp.LossReduction.mean
+        reduction = _smp.LossReduction.sum if counted or loss_reduction == "sum" else _smp.LossReduction.mean
         pieces = microbatches * rt.data_parallel_degree
         if loss is None:
             coefficient = _router_loss_coefficient(self._net)
@@ -316,7 +322,8 @@ class DistributedModel(torch.nn.Module):
             self._model.next_call_takes_share_of(*global_batch, batched)
         return values, targets, engine_loss, batched, reduction, model_outputs
 
-    def train_step(self, inputs, targets=None, loss=None, keep_outputs=False, replica_share=False):
+    def train_step(self, inputs, targets=None, loss=None, keep_outputs=False, replica_share=False,
+                   loss_reduction="mean"):
         """One step on the global batch (the same inputs on every rank; each replica takes its share): splits it
         into microbatches, runs the pipeline schedule, averages gradients over replicas. `inputs` as the sample:
         tensors whose first dimension is the batch's (that of `targets`, or without targets of the first input
@@ -328,7 +335,10 @@ class DistributedModel(torch.nn.Module):
         of it), in order and detached, as the model returns them with each tensor joined over the microbatches
         along its first dimension (0-dim ones give one value per microbatch); None on the other ranks.
         replica_share=True: the inputs and targets are already this replica's share (runtime().dp_rank's part of
-        the global batch, every replica's the same size), so that each replica loads only its own data."""
+        the global batch, every replica's the same size), so that each replica loads only its own data.
+        loss_reduction="sum": `loss` returns its microbatch's part of the global batch's loss (a token sum divided by
+        the global batch's token count, as Hugging Face's num_items_in_batch), and the microbatches' parts are added
+        rather than averaged ("mean", the default, weighs each microbatch's mean by its samples)."""
         net = self._net
         if isinstance(net, torch.nn.Module) and not net.training and not self._said_eval_mode:
             self._said_eval_mode = True
@@ -339,7 +349,7 @@ class DistributedModel(torch.nn.Module):
         if isinstance(net, torch.nn.Module) and not all(module.training for module in net.modules()):
             check_mode(net, self._evaluation_path(), "train_step")
         result = self._engine_step(self._model.train_step, inputs, targets, loss, keep_outputs, replica_share,
-                                   "train_step")
+                                   "train_step", loss_reduction)
         _clip.trained(self)
         if self.planned is not None and "measured_step_ms" not in self.planned:
             self._note_planned_step(result)
@@ -405,14 +415,15 @@ class DistributedModel(torch.nn.Module):
             self._evaluation_checked = True
         return self._evaluation_differs
 
-    def evaluate(self, inputs, targets=None, loss=None, keep_outputs=False, replica_share=False):
+    def evaluate(self, inputs, targets=None, loss=None, keep_outputs=False, replica_share=False,
+                 loss_reduction="mean"):
         """The mean loss over the global batch without gradients (validation), taken like train_step by every rank:
         the schedule's forwards alone, keeping nothing for a backward, with the modules in eval mode (dropout off,
         batch norm on its running statistics) and back in training mode after. Returns .loss and .seconds, and
-        .outputs as train_step does with keep_outputs=True; replica_share as in train_step."""
+        .outputs as train_step does with keep_outputs=True; replica_share and loss_reduction as in train_step."""
         check_mode(self._net, self._evaluation_path(), "evaluate" if loss is not _no_loss else "calling the model")
         return self._engine_step(self._model.evaluate, inputs, targets, loss, keep_outputs, replica_share,
-                                 "evaluate" if loss is not _no_loss else "calling the model")
+                                 "evaluate" if loss is not _no_loss else "calling the model", loss_reduction)
 
     def forward(self, *args, **kwargs):
         """Inference: the model's outputs for this replica's share of `inputs` (given as train_step takes them:
@@ -481,6 +492,11 @@ class DistributedModel(torch.nn.Module):
                              "(smp.export_safetensors) and generate with it in one process",
                  "gradient_checkpointing_enable": "smp recomputes activations by its config: \"activation_"
                                                   "checkpointing\": true (or the stages or modules to recompute)",
+                 "save_pretrained": "this rank holds its stages only: save a checkpoint (smp.Checkpointer) and "
+                                    "write the whole model from it with smp.export_safetensors(checkpoint, "
+                                    "directory), a directory from_pretrained reads",
+                 "push_to_hub": "this rank holds its stages only: write the whole model with "
+                                "smp.export_safetensors from a checkpoint, and push that directory",
                  "no_sync": "train_step accumulates over its microbatches and then averages over the replicas: "
                             "accumulate by raising \"microbatches\" (or call train_step again before "
                             "optimizer.step(), without zero_grad, each averaged apart)",

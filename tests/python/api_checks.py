@@ -335,6 +335,21 @@ def main():
     model.train_step(inputs, targets, F.mse_loss)  # accumulates: twice the same batch, twice the gradient
     if not all(torch.allclose(p.grad, 2 * g, rtol=1e-5, atol=1e-7) for p, g in zip(model.parameters(), gradients_before)):
         failures.append("a second train_step without zero_grad did not add its gradients to the first's")
+    # A loss that is its microbatch's part of the global batch's (a sum over the global count, as with Hugging
+    # Face's num_items_in_batch): loss_reduction="sum" adds the parts, the global batch's mean loss and gradient.
+    model.zero_grad()
+    summed = model.train_step(inputs, targets, lambda output, target: ((output - target) ** 2).sum() / targets.numel(),
+                              loss_reduction="sum")
+    plain = copy.deepcopy(net)
+    for (_, parameter), (_, trained) in zip(plain.named_parameters(), model.named_parameters()):
+        parameter.data.copy_(trained.data)
+    expected = F.mse_loss(plain(inputs), targets)
+    expected.backward()
+    if abs(summed.loss - expected.item()) > 1e-6 or not all(
+            torch.allclose(p.grad, q.grad, atol=1e-7) for p, q in zip(plain.parameters(), model.parameters())):
+        failures.append(f"loss_reduction=\"sum\": loss {summed.loss}, the batch's {expected.item()}, or its gradient")
+    expect_error("another loss_reduction", smp.ConfigError, "loss_reduction must be",
+                 lambda: model.train_step(inputs, targets, F.mse_loss, loss_reduction="none"))
     expect_error("the optimizer of an older API", TypeError, "torch.optim",
                  lambda: smp.DistributedOptimizer(model, "adamw"))
     expect_error("an optimizer over tensors no DistributedModel trains", ValueError, "model.parameters()",
@@ -668,6 +683,7 @@ def main():
 
     fused_runs()
     pytorch_conventions()
+    hugging_face_checkpointing_said()
     items_counted()
     uneven_batches()
     one_tensor_as_two_inputs()
@@ -892,6 +908,18 @@ def items_counted():
                             f"PyTorch's on the whole batch {expected}")
 
 
+def hugging_face_checkpointing_said():
+    """A model whose own gradient checkpointing is on (Hugging Face's gradient_checkpointing_enable, before wrapping)
+    recomputes nothing under smp: said, naming the config key (the partition report showed no recompute, silently)."""
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    net.is_gradient_checkpointing = True
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        smp.DistributedModel(net, torch.zeros(2, 4))
+    if not any("\"activation_checkpointing\"" in str(w.message) for w in said):
+        failures.append(f"gradient checkpointing on before wrapping was not said: {[str(w.message) for w in said]}")
+
+
 def pytorch_conventions():
     """DistributedModel is an nn.Module and DistributedOptimizer a torch.optim.Optimizer, as PyTorch code expects."""
     torch.manual_seed(5)
@@ -915,6 +943,7 @@ def pytorch_conventions():
         failures.append(f"the step's loss answers .item() with {loss.item()}, not {float(loss)}")
     expect_error("the step's loss given to backward", RuntimeError, "ran the backward already", loss.backward)
     expect_error("generate", AttributeError, "export the trained model", lambda: model.generate)
+    expect_error("save_pretrained", AttributeError, "smp.export_safetensors", lambda: model.save_pretrained)
     if loss.detach() != loss or loss.cpu() != loss:
         failures.append("the step's loss does not answer .detach() and .cpu() as a logging line takes them")
     # A DDP script's habits: the wrapper stays where the config put it (a move said, not silently ignored), no_sync

@@ -29,6 +29,7 @@ import argparse
 import copy
 import itertools
 import json
+import os
 import sys
 import warnings
 
@@ -461,6 +462,18 @@ def train_and_compare(name, args, config, runtime):
             failures.append(f"evaluation: kept outputs {tuple(kept.shape)} differ from the model's {tuple(share.shape)}")
     elif evaluation.outputs is None and runtime.config.num_stages() - 1 in model.stages:
         failures.append("evaluation: the last stage's rank kept no outputs")
+
+    if hasattr(net, "save_pretrained") and len(model.stages) < runtime.config.num_stages():
+        # This rank's share of the model: saving it as a whole is refused, naming the export, and writes nothing
+        # (Hugging Face's wrote its config, then failed on the first released tensor).
+        import tempfile
+        with tempfile.TemporaryDirectory() as directory:
+            try:
+                net.save_pretrained(directory)
+                failures.append("save_pretrained of this rank's share was not refused")
+            except smp.ModelError as error:
+                if "smp.export_safetensors" not in str(error) or os.listdir(directory):
+                    failures.append(f"save_pretrained: {error}; wrote {os.listdir(directory)}")
 
     plain = dict(reference.named_parameters())
     experts_shared = runtime.expert_parallel_degree  # the config's, or the planner's for "auto"
