@@ -271,8 +271,10 @@ class DistributedModel(torch.nn.Module):
         microbatches = rt.config.microbatches
         # Checked before the split, every replica's microbatches on every rank: all refuse a batch alike.
         replicas = 1 if replica_share else rt.data_parallel_degree
-        if any(b and v.shape[0] >= microbatches * replicas for v, b in zip(values, batched)):
-            self._io.check_microbatch(values, batched, microbatches, what, replicas)
+        # An evaluation's batch may be short of filling every microbatch (a validation set's rest): fewer, then.
+        short_allowed = what != "train_step"
+        if any(b and v.shape[0] >= (1 if short_allowed else microbatches * replicas) for v, b in zip(values, batched)):
+            self._io.check_microbatch(values, batched, microbatches, what, replicas, short_allowed)
         global_batch = None
         if not replica_share:
             global_batch = (values, targets)

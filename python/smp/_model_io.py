@@ -47,7 +47,7 @@ class GraphIO:
                 raise ConfigError(f"{what}: input '{name}' is {_describe(value)}, not a tensor")
         return values
 
-    def check_microbatch(self, engine_inputs, batched, microbatches, what, replicas=1):
+    def check_microbatch(self, engine_inputs, batched, microbatches, what, replicas=1, short_allowed=False):
         pass  # a GraphModel's modules take any shape they accept
 
     def microbatch_range(self):
@@ -106,16 +106,20 @@ class CapturedIO:
                                   "batch")
         return values
 
-    def check_microbatch(self, engine_inputs, batched, microbatches, what, replicas=1):
+    def check_microbatch(self, engine_inputs, batched, microbatches, what, replicas=1, short_allowed=False):
         """Each microbatch must have a shape the captured code takes: the sample's in the dimensions the model fixes
         (views, a patch size), any size export allowed in the others (a sequence length, a short last batch). The
         engine splits as torch.tensor_split does, into `replicas` shares (of a global batch) and each into
         microbatches: where a batch does not split evenly, the first pieces have a sample more, and every size is
-        checked, every replica's on every rank, so that all refuse alike."""
-        split = [[piece for share in torch.tensor_split(value, replicas)
-                  for piece in torch.tensor_split(share, microbatches)] if is_batched else None
-                 for value, is_batched in zip(engine_inputs, batched)]
-        pieces = replicas * microbatches
+        checked, every replica's on every rank, so that all refuse alike. `short_allowed` (evaluation): a share of
+        fewer samples than microbatches is split into one a sample, an empty share into none, as the engine does."""
+        def pieces_of(value):
+            shares = torch.tensor_split(value, replicas)
+            return [piece for share in shares if len(share)
+                    for piece in torch.tensor_split(share, min(microbatches, len(share)) if short_allowed
+                                                    else microbatches)]
+        split = [pieces_of(value) if is_batched else None for value, is_batched in zip(engine_inputs, batched)]
+        pieces = next((len(parts) for parts in split if parts is not None), 0)
 
         def microbatch(index):
             return {name: parts[index] if parts is not None else value

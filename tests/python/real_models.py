@@ -224,9 +224,38 @@ def function_loss(name):
 def microbatches_of(samples, replicas, microbatches):
     """Per replica, its microbatches' (first row, rows) as the engine splits a global batch of `samples`: into
     replica shares, each into microbatches, as torch.tensor_split does (the first pieces a sample more where the
-    batch does not split evenly)."""
-    return [[(int(rows[0]), len(rows)) for rows in share.tensor_split(microbatches)]
-            for share in torch.arange(samples).tensor_split(replicas)]
+    batch does not split evenly; an evaluation's share of fewer samples than microbatches into one a sample)."""
+    return [[(int(rows[0]), len(rows)) for rows in share.tensor_split(min(microbatches, len(share)))]
+            if len(share) else [] for share in torch.arange(samples).tensor_split(replicas)]
+
+
+def evaluation_failures(model, reference, name, own, loss, samples, data, replicas, microbatches, runtime,
+                        loss_tolerance, replica_batch_norm, rtol):
+    inputs, targets = batch(name, samples, data)
+    evaluation = model.evaluate(inputs, None if own else targets, loss, keep_outputs=True)
+    reference.eval()
+    failures = []
+    with torch.no_grad():
+        outputs, expected = [], 0.0
+        for first, rows in itertools.chain(*microbatches_of(samples, replicas, microbatches)):
+            piece = rows_of(inputs, first, rows)
+            output = reference(**piece) if isinstance(piece, dict) else reference(piece)
+            value = output.loss if own else function_loss(name)(output, targets.narrow(0, first, rows))
+            expected += value.item() * rows / samples
+            outputs.append(output if isinstance(output, torch.Tensor) else output.logits)
+    reference.train()
+    if abs(evaluation.loss - expected) > loss_tolerance * max(1.0, abs(expected)) and not replica_batch_norm:
+        failures.append(f"evaluation of {samples}: loss {evaluation.loss} != {expected}")
+    share = runtime.replica_slice(torch.cat(outputs))
+    if evaluation.outputs is not None and not replica_batch_norm:
+        kept = evaluation.outputs if isinstance(evaluation.outputs, torch.Tensor) else evaluation.outputs.logits
+        kept = kept.cpu()
+        if kept.shape != share.shape or not torch.allclose(kept, share, rtol=max(1e-4, rtol), atol=1e-5 + rtol):
+            failures.append(f"evaluation of {samples}: kept outputs {tuple(kept.shape)} differ from the model's "
+                            f"{tuple(share.shape)}")
+    elif evaluation.outputs is None and runtime.config.num_stages() - 1 in model.stages and len(share):
+        failures.append(f"evaluation of {samples}: the last stage's rank kept no outputs")
+    return failures
 
 
 def rows_of(inputs, first, rows):
@@ -332,8 +361,8 @@ def main():
     parser.add_argument("--lengths", help="comma-separated sequence lengths, one step each (language models), in "
                                           "place of --steps steps of the sample's length")
     parser.add_argument("--short-last", type=int, help="the last step's global batch, smaller than the others")
-    parser.add_argument("--eval-samples", type=int, help="the evaluation's batch (default: --short-last's, else the "
-                                                         "global batch)")
+    parser.add_argument("--eval-samples", help="comma-separated batches to evaluate on (default: --short-last's, "
+                                               "else the global batch)")
     parser.add_argument("--plan", type=int, help="print the fastest layout on this many ranks (smp.plan) and exit")
     args = parser.parse_args()
     config = json.loads(args.smp)
@@ -440,28 +469,14 @@ def train_and_compare(name, args, config, runtime):
             print(f"{name} step {step} loss {result.loss:.6f} plain {expected:.6f}", flush=True)
 
     # Validation: eval mode (dropout off, batch norm on its running statistics), the outputs kept on the last stage;
-    # on the short last batch's size when there is one (an epoch's last validation batch).
-    samples = args.eval_samples or args.short_last or global_batch
-    inputs, targets = batch(name, samples, data)
-    evaluation = model.evaluate(inputs, None if own else targets, loss, keep_outputs=True)
-    reference.eval()
-    with torch.no_grad():
-        outputs, expected = [], 0.0
-        for first, rows in itertools.chain(*microbatches_of(samples, replicas, microbatches)):
-            piece = rows_of(inputs, first, rows)
-            output = reference(**piece) if isinstance(piece, dict) else reference(piece)
-            value = output.loss if own else function_loss(name)(output, targets.narrow(0, first, rows))
-            expected += value.item() * rows / samples
-            outputs.append(output if isinstance(output, torch.Tensor) else output.logits)
-    if abs(evaluation.loss - expected) > loss_tolerance * max(1.0, abs(expected)) and not replica_batch_norm:
-        failures.append(f"evaluation: loss {evaluation.loss} != {expected}")
-    if evaluation.outputs is not None and not replica_batch_norm:
-        kept = evaluation.outputs if isinstance(evaluation.outputs, torch.Tensor) else evaluation.outputs.logits
-        kept, share = kept.cpu(), runtime.replica_slice(torch.cat(outputs))
-        if kept.shape != share.shape or not torch.allclose(kept, share, rtol=max(1e-4, args.rtol), atol=1e-5 + args.rtol):
-            failures.append(f"evaluation: kept outputs {tuple(kept.shape)} differ from the model's {tuple(share.shape)}")
-    elif evaluation.outputs is None and runtime.config.num_stages() - 1 in model.stages:
-        failures.append("evaluation: the last stage's rank kept no outputs")
+    # on the short last batch's size when there is one (an epoch's last validation batch), or on each of
+    # --eval-samples (a batch too short to fill every replica's microbatches evaluates on fewer, and a replica left
+    # no sample evaluates none).
+    sizes = [int(size) for size in args.eval_samples.split(",")] if args.eval_samples else \
+        [args.short_last or global_batch]
+    for samples in sizes:
+        failures += evaluation_failures(model, reference, name, own, loss, samples, data, replicas, microbatches,
+                                        runtime, loss_tolerance, replica_batch_norm, args.rtol)
 
     if hasattr(net, "save_pretrained") and len(model.stages) < runtime.config.num_stages():
         # This rank's share of the model: saving it as a whole is refused, naming the export, and writes nothing

@@ -25,9 +25,10 @@ def test_real_models_4_stages_equal_pytorch(job):
 def test_real_models_2x2_equal_pytorch(job):
     """A loss function on the outputs; batch norm statistics per replica (ResNet); a sequence length per step under
     1F1B; a last step of 11 samples, split unevenly (replicas of 6 and 5, microbatches of 3, 3 and 3, 2), each
-    counted by its size; an evaluation of 5 (microbatches of 2, 1 and 1, 1: the capture, on 2, takes 1)."""
+    counted by its size; evaluations of 5 (microbatches of 2, 1 and 1, 1: the capture, on 2, takes 1), 3 (a replica
+    of 1 sample runs 1 microbatch) and 1 (a replica of none runs none)."""
     assert_passed(job(4, "real_models.py", "--models", "gpt2,bert,resnet,olmoe,qwen3_moe", "--loss", "fn",
-                      "--lengths", "12,24,30", "--short-last", "11", "--eval-samples", "5", "--smp",
+                      "--lengths", "12,24,30", "--short-last", "11", "--eval-samples", "5,3,1", "--smp",
                       smp_keys(partitions=2, microbatches=2, ddp=True, global_batch_size=8)))
 
 

@@ -254,9 +254,15 @@ class DistributedModel {
   // at::tensor_split splits it (the first microbatches a sample more where it does not split evenly), each
   // microbatch's loss weighed as `reduction` says. `global_samples`: the global batch's size where the call was
   // told it (next_call_takes_share_of), else none: the replicas' shares are then taken to be alike (checked after).
+  // `short_allowed` (evaluation): a share of fewer samples than microbatches splits into one per sample, none for
+  // an empty share.
   MicrobatchData microbatch_data(const char* caller, const ModelInputs& inputs, const at::Tensor& targets,
                                  const OutputsLossFunction& loss, const std::vector<bool>& batched,
-                                 LossReduction reduction, std::optional<std::int64_t> global_samples) const;
+                                 LossReduction reduction, std::optional<std::int64_t> global_samples,
+                                 bool short_allowed = false) const;
+  // The forward-only executor for `microbatches` microbatches (the config's: the training schedule's forwards;
+  // fewer, for an evaluation's short last batch: the schedule generated for that many), made at first use.
+  PipelineExecutor& evaluator(int microbatches);
   ModelInputs inputs_by_name(const char* caller, const std::map<std::string, at::Tensor>& inputs) const;
   static OutputsLossFunction of_first_output(const LossFunction& loss);
   void check_single_input(const char* caller, const at::Tensor& inputs, const at::Tensor& targets) const;
@@ -296,7 +302,7 @@ class DistributedModel {
   std::vector<std::pair<std::string, at::Tensor>> named_buffers_;
   std::vector<bool> trainable_at_build_;  // requires_grad of named_parameters_ when the reducer and ties were made
   std::unique_ptr<PipelineExecutor> executor_;
-  std::unique_ptr<PipelineExecutor> evaluator_;  // forward-only, made by the first evaluate()
+  std::map<int, std::unique_ptr<PipelineExecutor>> evaluators_;  // by microbatches (evaluator)
   std::unique_ptr<GradientSync> gradients_;  // averaged, summed, checked, clipped and cleared by it
   // With replicas and shard_optimizer_state only: the replicas' shares, and under expert parallelism those of the
   // replicas holding the same experts.

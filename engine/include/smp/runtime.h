@@ -121,8 +121,9 @@ class Runtime {
   std::string from_rank0(const std::string& key, const std::function<std::string()>& make);
 
   // This replica's contiguous share of a global batch (dimension 0), as at::tensor_split gives it (the first
-  // replicas a sample more where it does not split evenly: tell the step, DistributedModel::next_call_takes_share_of);
-  // ConfigError when the batch has fewer samples than replicas x microbatches.
+  // replicas a sample more where it does not split evenly: tell the step, DistributedModel::next_call_takes_share_of).
+  // A share may be empty (an evaluation's batch shorter than the replicas); train_step refuses a batch that does
+  // not fill every replica's microbatches.
   at::Tensor replica_slice(const at::Tensor& global_batch) const;
 
  private:

@@ -483,8 +483,13 @@ std::string Runtime::from_rank0(const std::string& key, const std::function<std:
 
 at::Tensor Runtime::replica_slice(const at::Tensor& global_batch) const {
   const int replicas = topology_.data_parallel_degree();
-  const int64_t size = global_batch.size(0);
-  config_.check_batch(static_cast<int>(size), replicas, true);
+  const int64_t size = global_batch.dim() > 0 ? global_batch.size(0) : 0;
+  // A training step's batch must fill every replica's microbatches (train_step says so); an evaluation's short
+  // last batch need not, and a replica's share may then be empty.
+  if (size < 1) {
+    throw ConfigError(global_batch.dim() == 0 ? "replica_slice: a global batch without a batch dimension"
+                                              : "replica_slice: a global batch of no samples");
+  }
   if (config_.global_batch_size > 0 && size > config_.global_batch_size && !said_batch_differs_ && rank() == 0) {
     // Not refused, nor said of a smaller batch (an epoch's last, a validation set's rest). But the layout was
     // checked, and an "auto" one planned, for the config's size, and more samples hold more memory.

@@ -397,6 +397,30 @@ void DistributedModel::resume_at(long long step) {
   evaluations_since_step_ = 0;
 }
 
+PipelineExecutor& DistributedModel::evaluator(int microbatches) {
+  auto& made = evaluators_[microbatches];
+  if (made) return *made;
+  const Config& config = runtime_->config();
+  sched::Schedule forward;
+  if (microbatches == config.microbatches) {
+    // The training schedule's forwards in their order: its transfers, channels and tags serve as they are.
+    forward = sched::forward_only(executor_->schedule());
+  } else {
+    if (!config.schedule_file.empty()) {
+      throw ConfigError("evaluate: a replica's share of " + std::to_string(microbatches) + " samples is fewer than " +
+                        "the " + std::to_string(config.microbatches) + " microbatches of \"schedule_file\" " +
+                        config.schedule_file + ", which is for those alone: give each replica that many samples");
+    }
+    Config fewer = config;
+    fewer.microbatches = microbatches;
+    fewer.active_microbatches = 0;
+    forward = sched::forward_only(lower_and_validate(make_schedule(fewer), graph_, fewer));
+  }
+  sched::validate(forward, graph_);
+  made = std::make_unique<PipelineExecutor>(std::move(forward), graph_, runtime_->pipeline());
+  return *made;
+}
+
 void DistributedModel::count_refused_call(bool train_step) {
   if (train_step) {
     ++step_;

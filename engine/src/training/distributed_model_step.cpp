@@ -59,8 +59,9 @@ std::vector<bool> DistributedModel::batched_inputs(const ModelInputs& inputs, co
 MicrobatchData DistributedModel::microbatch_data(const char* caller, const ModelInputs& inputs,
                                                  const at::Tensor& targets, const OutputsLossFunction& loss,
                                                  const std::vector<bool>& given_batched, LossReduction reduction,
-                                                 std::optional<std::int64_t> global_samples) const {
-  const int microbatches = runtime_->config().microbatches;
+                                                 std::optional<std::int64_t> global_samples,
+                                                 bool short_allowed) const {
+  int microbatches = runtime_->config().microbatches;
   const auto& names = model_.input_names();
   if (inputs.size() != names.size()) {
     throw ConfigError(std::string(caller) + ": " + std::to_string(inputs.size()) + " inputs for a model of " +
@@ -86,15 +87,17 @@ MicrobatchData DistributedModel::microbatch_data(const char* caller, const Model
     if (batched[i]) batch = inputs[i].size(0);
   }
   if (targets.defined() && targets.dim() > 0) batch = targets.size(0);
+  const int replicas = runtime_->topology().data_parallel_degree();
+  if (global_samples && !short_allowed) runtime_->config().check_batch(static_cast<int>(*global_samples), replicas, true);
+  if (batch && short_allowed && *batch < microbatches) microbatches = static_cast<int>(*batch);
   if (!batch || *batch < microbatches) {
     throw ConfigError(std::string(caller) + ": the replica's batch of " +
                       (batch ? std::to_string(*batch) : std::string("no")) + " samples does not split into " +
                       std::to_string(microbatches) + " microbatches (each needs a sample at least)");
   }
   MicrobatchData data;
-  const int replicas = runtime_->topology().data_parallel_degree();
   const std::int64_t global = global_samples.value_or(*batch * replicas);
-  data.uneven = *batch % microbatches != 0;
+  data.uneven = microbatches > 0 && *batch % microbatches != 0;
   for (int m = 0; m < microbatches; ++m) {
     const std::int64_t rows = *batch / microbatches + (m < *batch % microbatches ? 1 : 0);
     // The replicas' gradients and losses are averaged: each microbatch counts `replicas` times its share.
@@ -102,6 +105,8 @@ MicrobatchData DistributedModel::microbatch_data(const char* caller, const Model
                                     ? static_cast<double>(replicas)
                                     : static_cast<double>(rows * replicas) / static_cast<double>(global));
   }
+  data.loss = loss;
+  if (microbatches == 0) return data;  // an evaluation's empty share: nothing to run
   const c10::Device device = runtime_->device();
   data.inputs.assign(static_cast<std::size_t>(microbatches), ModelInputs(inputs.size()));
   for (std::size_t i = 0; i < inputs.size(); ++i) {
@@ -119,7 +124,6 @@ MicrobatchData DistributedModel::microbatch_data(const char* caller, const Model
   }
   if (targets.defined()) data.targets = (targets.dim() > 0 ? targets.to(device).tensor_split(microbatches)
                                                            : std::vector<at::Tensor>(microbatches, targets.to(device)));
-  data.loss = loss;
   return data;
 }
 
@@ -481,14 +485,10 @@ StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tenso
   RefusedCallCounts refused(*this, /*train_step=*/false);
   warn_if_not_resumed();
   MicrobatchData data = microbatch_data("evaluate", inputs, targets, loss, batched, reduction,
-                                        samples_of(global_batch));
+                                        samples_of(global_batch), /*short_allowed=*/true);
   data.keep_outputs = keep_outputs;
-  if (!evaluator_) {
-    // The training schedule's forwards in their order: its transfers, channels and tags serve as they are.
-    sched::Schedule forward = sched::forward_only(executor_->schedule());
-    sched::validate(forward, graph_);
-    evaluator_ = std::make_unique<PipelineExecutor>(std::move(forward), graph_, runtime_->pipeline());
-  }
+  const int microbatches = static_cast<int>(data.inputs.size());
+  PipelineExecutor* const forwards = microbatches > 0 ? &evaluator(microbatches) : nullptr;
   at::NoGradGuard no_graphs;
   std::vector<std::shared_ptr<torch::nn::Module>> local_modules;
   for (const auto& [stage, local] : stages_) {
@@ -507,7 +507,8 @@ StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tenso
                    std::move(global_batch));
   try {
     runtime_->with_peers(ProgramCall{step_, evaluations_since_step_}.describe(), [&] {
-      const ExecutorStats stats = evaluator_->run(stage_callbacks(), data);
+      // A replica given no samples (a batch shorter than the replicas) runs nothing; it meets the others in the sums.
+      const ExecutorStats stats = forwards ? forwards->run(stage_callbacks(), data) : ExecutorStats{};
       if (stats.has_loss && counts_loss()) sums.add_loss(stats.loss_sum);
       output.sends_posted = stats.sends_posted;
       output.all_outputs = stats.outputs;
