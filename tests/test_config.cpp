@@ -64,6 +64,13 @@ TEST_CASE("config: device and backend", "[config]") {
   CHECK_THROWS_WITH(parse(R"({"backend": "gloo", "ddp_dist_backend": "gloo"})"), Contains("give only one of them"));
 }
 
+TEST_CASE("config: log_level takes Python's names too", "[config]") {
+  CHECK(parse(R"({"log_level": "warning"})").log_level == "warn");
+  CHECK(parse(R"({"log_level": "critical"})").log_level == "error");
+  CHECK(parse(R"({"log_level": "debug"})").log_level == "debug");
+  CHECK_THROWS_WITH(parse(R"({"log_level": "loud"})"), Contains("log_level"));
+}
+
 TEST_CASE("config: schedules, virtual stages, checkpointing, trace", "[config]") {
   CHECK(parse("{}").schedule_name() == "1f1b");
   CHECK(parse(R"({"pipeline": "dualpipe_v", "overlap_forward_backward": true})").overlap_forward_backward);

@@ -94,7 +94,7 @@ TEST_CASE("a checkpointed module counts no saved activations and its forward twi
   CHECK_THROWS_WITH(smp::plan_stages(modules, config(R"("m0")"), {4, 4}), Catch::Matchers::Contains("memory"));
   CHECK_NOTHROW(smp::plan_stages(modules, config(R"("m0", "m1")"), {4, 4}));
   CHECK_THROWS_WITH(smp::plan_stages(modules, config(R"("m2")"), {4, 4}),
-                    Catch::Matchers::Contains("no module \"m2\" in the model (its modules: m0, m1)"));
+                    Catch::Matchers::Contains("no module \"m2\" in the model") && Catch::Matchers::Contains("(its modules: m0, m1)"));
 
   // Seven equal modules on 2 stages, time alone: without checkpointing 3 + 4 and 4 + 3 tie; the modules that run
   // their forward again make their side the smaller one.

@@ -154,7 +154,7 @@ TEST_CASE("impossible partitions are refused naming the modules", "[training][mu
                                                                  R"(, "partition_overrides": {"nope": 1})"));
   result = run_worker(2, unknown, "--model residual --steps 1");
   CHECK(result.status != 0);
-  CHECK_THAT(result.output, Contains("no module \"nope\" in the model (its modules: in, a, b, c, join, d, out)"));
+  CHECK_THAT(result.output, Contains("no module \"nope\" in the model") && Contains("(its modules: in, a, b, c, join, d, out)"));
 
   const auto no_experts = write_config("no_experts", smp_config(1, 2, 2, "interleaved", "cluster", 4, 30,
                                                                 R"(, "expert_parallel_degree": 2)"));

@@ -341,7 +341,10 @@ const std::vector<Key>& key_table() {
       {"comm_timeout_s", [](const Reader& r, Config& c) { c.comm_timeout_s = r.real("comm_timeout_s", 0.1, 7 * 24 * 3600.0); }},
       {"log_level",
        [](const Reader& r, Config& c) {
-         c.log_level = r.choice("log_level", {"trace", "debug", "info", "warn", "error", "off"});
+         // Python's logging says "warning" (and "critical") where spdlog says "warn"; both are taken.
+         c.log_level = r.choice("log_level", {"trace", "debug", "info", "warn", "warning", "error", "critical", "off"});
+         if (c.log_level == "warning") c.log_level = "warn";
+         if (c.log_level == "critical") c.log_level = "error";
        }},
   };
   return table;

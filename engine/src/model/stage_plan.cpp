@@ -168,10 +168,16 @@ std::vector<bool> checkpointed_modules(const std::vector<std::string>& module_na
       if (cut_from(name, wanted)) selected[i] = found = true;
     }
     if (!found) {
+      constexpr std::size_t kNamed = 40;  // a large model's hundreds would bury the message
       std::string names;
-      for (const auto& name : module_names) names += (names.empty() ? "" : ", ") + name;
+      for (std::size_t i = 0; i < module_names.size() && i < kNamed; ++i) {
+        names += (names.empty() ? "" : ", ") + module_names[i];
+      }
+      if (module_names.size() > kNamed) names += ", ... (" + std::to_string(module_names.size() - kNamed) + " more)";
       throw ConfigError(config.source + ": key \"activation_checkpointing\": no module \"" + wanted +
-                        "\" in the model (its modules: " + names + ")");
+                        "\" in the model: a name is a module's path, or a path its modules extend (\"layers.1\" "
+                        "takes \"layers.1.attn\" and the rest of layer 1), not a class name or a pattern (its "
+                        "modules: " + names + ")");
     }
   }
   return selected;

@@ -150,6 +150,13 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
     }
   }
   auto schedule = make_schedule(config);
+  {
+    // On every rank before rank 0 profiles: a name the model lacks is refused alike everywhere, not by rank 0 alone
+    // while the others wait for its plan.
+    std::vector<std::string> names;
+    for (const auto& node : model_.nodes()) names.push_back(node.name);
+    checkpointed_modules(names, config);
+  }
   model_.set_build_seed(static_cast<std::uint64_t>(config.seed));
   const auto model_number = runtime_->next_exchange();
   exchange_ = "model" + std::to_string(model_number) + "/";
