@@ -173,7 +173,11 @@ class DistributedModel(torch.nn.Module):
             raise ConfigError(f"\"expert_parallel_degree\" {rt.expert_parallel_degree} divides the experts of a "
                               "captured mixture-of-experts model (a module with a forward of its own, such as a "
                               f"Hugging Face one), not a {_kind(model)}")
-        if getattr(model, "is_gradient_checkpointing", False) and rt.rank == 0:
+        # transformers 5 names it is_activation_checkpointing (the older name warns that it is deprecated).
+        checkpointing = getattr(model, "is_activation_checkpointing", None)
+        if checkpointing is None:
+            checkpointing = getattr(model, "is_gradient_checkpointing", False)
+        if checkpointing is True and rt.rank == 0:
             warnings.warn(f"{type(model).__name__}.gradient_checkpointing_enable() recomputes nothing under smp (the "
                           "capture runs each layer once): set \"activation_checkpointing\" in the config (true, or "
                           "the stages or modules to recompute)", stacklevel=2)

@@ -176,15 +176,17 @@ def release_other_stages(model, kept, stages):
                              "Face directory) or smp.export_checkpoint with smp.load_full_model")
 
         model.register_forward_pre_hook(refuse)
-        if callable(getattr(model, "save_pretrained", None)):
-            # Hugging Face's would write a config, then fail on the first meta tensor, leaving a directory that
-            # looks like a saved model to a later from_pretrained.
-            def save_pretrained(*args, **kwargs):
-                raise ModelError(f"{name}.save_pretrained: this rank holds its stage(s) {stages} only (the other "
-                                 "stages' tensors were released to the meta device): save a checkpoint "
-                                 "(smp.Checkpointer) and write the whole model from it with "
-                                 "smp.export_safetensors(checkpoint, directory), a directory from_pretrained reads")
-            model.save_pretrained = save_pretrained
         _released.add(model)
+    if callable(getattr(model, "save_pretrained", None)) and any(p.is_meta for p in model.parameters()):
+        # Hugging Face's would write a config, then fail on the first meta tensor (released here, or never made
+        # real on this rank: a model built on the meta device), leaving a directory that looks like a saved model.
+        name = type(model).__name__
+
+        def save_pretrained(*args, **kwargs):
+            raise ModelError(f"{name}.save_pretrained: this rank holds its stage(s) {stages} only (the other "
+                             "stages' tensors are on the meta device here): save a checkpoint (smp.Checkpointer) "
+                             "and write the whole model from it with smp.export_safetensors(checkpoint, directory), "
+                             "a directory from_pretrained reads")
+        model.save_pretrained = save_pretrained
     release_freed_memory()
     return len(released)

@@ -232,9 +232,18 @@ def microbatches_of(samples, replicas, microbatches):
 def evaluation_failures(model, reference, name, own, loss, samples, data, replicas, microbatches, runtime,
                         loss_tolerance, replica_batch_norm, rtol):
     inputs, targets = batch(name, samples, data)
+    failures = []
+    if runtime.expert_parallel_degree > 1 and samples < replicas * microbatches:
+        # Every replica of an expert-parallel group exchanges tokens in each microbatch: refused alike on every rank.
+        try:
+            model.evaluate(inputs, None if own else targets, loss)
+            failures.append(f"evaluation of {samples} under expert parallelism was not refused")
+        except smp.ConfigError as error:
+            if "expert parallelism's exchanges need every replica" not in str(error):
+                failures.append(f"evaluation of {samples}: {error}")
+        return failures
     evaluation = model.evaluate(inputs, None if own else targets, loss, keep_outputs=True)
     reference.eval()
-    failures = []
     with torch.no_grad():
         outputs, expected = [], 0.0
         for first, rows in itertools.chain(*microbatches_of(samples, replicas, microbatches)):

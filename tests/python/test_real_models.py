@@ -108,5 +108,5 @@ def test_too_long_for_the_model_is_refused_before_any_communication(job):
     result = job(2, "real_models.py", "--models", "bert", "--lengths", "16,48", "--smp",
                  smp_keys(partitions=2, microbatches=2, global_batch_size=4))
     assert result.returncode != 0, result.output
-    refusal = "input 'input_ids' gives microbatches of shape (2, 48); the captured model takes 2 to 40"
+    refusal = "input 'input_ids' gives microbatches of shape (2, 48); the captured model takes 1 to 40"
     assert result.stderr.count(refusal) == 2 and "CommError" not in result.stderr, result.output

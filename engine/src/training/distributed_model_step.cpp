@@ -88,7 +88,10 @@ MicrobatchData DistributedModel::microbatch_data(const char* caller, const Model
   }
   if (targets.defined() && targets.dim() > 0) batch = targets.size(0);
   const int replicas = runtime_->topology().data_parallel_degree();
-  if (global_samples && !short_allowed) runtime_->config().check_batch(static_cast<int>(*global_samples), replicas, true);
+  // Said of the global batch where it is known (told of it, or one replica's batch is all of it).
+  if (!short_allowed && (global_samples || (batch && replicas == 1))) {
+    runtime_->config().check_batch(static_cast<int>(global_samples.value_or(*batch)), replicas, true);
+  }
   if (batch && short_allowed && *batch < microbatches) microbatches = static_cast<int>(*batch);
   if (!batch || *batch < microbatches) {
     throw ConfigError(std::string(caller) + ": the replica's batch of " +
@@ -488,6 +491,18 @@ StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tenso
                                         samples_of(global_batch), /*short_allowed=*/true);
   data.keep_outputs = keep_outputs;
   const int microbatches = static_cast<int>(data.inputs.size());
+  const Topology& topology = runtime_->topology();
+  const int filled = topology.data_parallel_degree() * runtime_->config().microbatches;
+  // Decided on the global batch where the call was told of it, so that every replica decides alike.
+  const bool short_batch = global_batch ? global_batch->samples < filled
+                                        : microbatches < runtime_->config().microbatches;
+  if (short_batch && topology.expert_parallel_degree() > 1) {
+    // The replicas of an expert-parallel group exchange tokens in every microbatch: each must run them all.
+    throw ConfigError("evaluate: a batch of fewer than " + std::to_string(filled) + " samples (replicas x " +
+                      "microbatches) leaves a replica fewer microbatches, and expert parallelism's exchanges need "
+                      "every replica of a group in each: give at least " + std::to_string(filled) +
+                      " samples (pad the last batch, its padding's labels -100)");
+  }
   PipelineExecutor* const forwards = microbatches > 0 ? &evaluator(microbatches) : nullptr;
   at::NoGradGuard no_graphs;
   std::vector<std::shared_ptr<torch::nn::Module>> local_modules;
