@@ -428,7 +428,7 @@ PYBIND11_MODULE(_smp, module) {
       .def_property_readonly("ep_rank", &Runtime::ep_rank)
       .def_property_readonly("device", [](const Runtime& runtime) { return runtime.device().str(); })
       .def_property_readonly("config", &Runtime::config, py::return_value_policy::reference_internal)
-      .def("replica_slice", &Runtime::replica_slice, py::arg("global_batch"))
+      .def("replica_slice", &Runtime::replica_slice, py::arg("global_batch"), py::arg("fill_microbatches") = true)
       .def("_refuse_after_leaving", &Runtime::refuse_after_leaving, py::arg("caller"))
       .def(
           "_with_peers",

@@ -18,16 +18,8 @@ from ._state import runtime
 _models = weakref.WeakSet()
 
 
-_last_trained = None  # weakref to the model whose train_step ran last on this rank
-
-
 def clipped_by_whole_norm(model):
     _models.add(model)
-
-
-def trained(model):
-    global _last_trained
-    _last_trained = weakref.ref(model)
 
 
 def clip_model_grad_norm(model, max_norm):
@@ -46,14 +38,16 @@ def _model_of(tensors):
     return None
 
 
-def _model_just_trained():
-    """The model an empty list of tensors stands for on this rank (one whose stages here train none of its
-    parameters): the one whose train_step ran last here, as a loop clips right after it; else the only one."""
-    model = _last_trained() if _last_trained is not None else None
-    if model is None:
-        live = list(_models)
-        model = live[0] if len(live) == 1 else None
-    return model
+def _only_model(caller):
+    """The model an empty list of tensors stands for on this rank (one whose stages here train none of a model's
+    parameters): the one live DistributedModel; with several, which one's norm the peers take cannot be known."""
+    live = list(_models)
+    if len(live) > 1:
+        raise ValueError(f"torch.nn.utils.{caller} was given no tensors while {len(live)} smp.DistributedModels live: "
+                         "on a rank whose stages train none of a model's parameters it must still join that model's "
+                         "norm, and which model is meant cannot be known; pass model.parameters() (the frozen ones "
+                         "have no gradient and are left alone), or call optimizer.clip_grad_norm")
+    return live[0] if live else None
 
 
 def _norm_like(norm, tensors):
@@ -66,7 +60,7 @@ def _clip_grad_norm_(original, parameters, max_norm, norm_type=2.0, error_if_non
     listed = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     # An empty list is this rank's share of a model whose trainable parameters all live on other stages (a frozen
     # backbone: [p for p in model.parameters() if p.requires_grad]): it must join the norm its peers take.
-    model = _model_of(listed) if listed else _model_just_trained()
+    model = _model_of(listed) if listed else _only_model("clip_grad_norm_")
     if model is None:
         return original(listed, max_norm, norm_type, error_if_nonfinite, foreach)
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
@@ -96,7 +90,7 @@ def _get_total_norm(original, tensors, norm_type=2.0, error_if_nonfinite=False, 
     given = {id(t) for t in listed}
     model = next((m for m in list(_models)
                   if any(id(p.grad) in given for p in m.parameters() if p.grad is not None)), None) if listed \
-        else _model_just_trained()  # this rank's gradients of a model trained on other stages alone: none
+        else _only_model("get_total_norm")  # this rank's gradients of a model trained on other stages alone: none
     if model is None:
         return original(listed, norm_type, error_if_nonfinite, foreach)
     gradients = {id(p.grad) for p in model.parameters() if p.requires_grad and p.grad is not None}

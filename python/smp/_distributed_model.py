@@ -282,8 +282,9 @@ class DistributedModel(torch.nn.Module):
         global_batch = None
         if not replica_share:
             global_batch = (values, targets)
-            values = [rt.replica_slice(v) if b else v for v, b in zip(values, batched)]
-            targets = rt.replica_slice(targets) if targets is not None and targets.dim() > 0 else targets
+            filled = not short_allowed  # an evaluation's short batch leaves some microbatches, or shares, empty
+            values = [rt.replica_slice(v, filled) if b else v for v, b in zip(values, batched)]
+            targets = rt.replica_slice(targets, filled) if targets is not None and targets.dim() > 0 else targets
         model_outputs = self._io.model_outputs
         # Hugging Face's num_items_in_batch (as its Trainer passes it): the model's loss is then a sum over the items
         # divided by the batch's count, not a mean: the engine adds the microbatches' up instead of weighing them.
@@ -356,7 +357,6 @@ class DistributedModel(torch.nn.Module):
             check_mode(net, self._evaluation_path(), "train_step")
         result = self._engine_step(self._model.train_step, inputs, targets, loss, keep_outputs, replica_share,
                                    "train_step", loss_reduction)
-        _clip.trained(self)
         if self.planned is not None and "measured_step_ms" not in self.planned:
             self._note_planned_step(result)
         return result

@@ -111,16 +111,17 @@ def _(x, weight, bias, running_mean, running_var, training, momentum, eps):
     channels = x.shape[1]
     statistic = x.new_empty((channels,), dtype=torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype)
     running = (running_mean.new_empty((channels,)), running_var.new_empty((channels,))) if running_mean is not None \
-        else (x.new_empty((0,)), x.new_empty((0,)))
+        else (statistic.new_empty((0,)), statistic.new_empty((0,)))
     return torch.empty_like(x), *running, statistic, statistic.clone()
 
 
 def _keep_for_backward(ctx, inputs, output):
-    x, weight, _, _, _, training, _, eps = inputs
+    x, weight, _, running_mean, _, training, _, eps = inputs
     _, new_mean, new_variance, mean, variance = output
     ctx.mark_non_differentiable(new_mean, new_variance, mean, variance)  # statistics, written into buffers as such
     ctx.save_for_backward(x, weight, mean, variance)
-    ctx.training, ctx.eps = training, eps
+    # Batch statistics (whose gradient reaches every row) in training, and in eval mode where none are kept.
+    ctx.training, ctx.batch_statistics, ctx.eps = training, training or running_mean is None, eps
 
 
 def _gradients(ctx, gradient, *_):
@@ -134,10 +135,12 @@ def _gradients(ctx, gradient, *_):
     inverse = torch.rsqrt(variance + ctx.eps)
     normalized = (x - mean.view(shape)) * inverse.view(shape)
     scaled = gradient * weight.view(shape) if weight is not None else gradient
-    if ctx.training:
+    if ctx.batch_statistics:
         channels = x.shape[1]
-        sums = torch.ops.smp.replica_sum(torch.cat([scaled.sum(reduced), (scaled * normalized).sum(reduced),
-                                                    x.new_full((1,), x.numel() // channels)]))
+        sums = torch.cat([scaled.sum(reduced), (scaled * normalized).sum(reduced),
+                          x.new_full((1,), x.numel() // channels)])
+        if ctx.training:  # pooled as the statistics were
+            sums = torch.ops.smp.replica_sum(sums)
         count = sums[2 * channels:]
         mean_scaled, mean_scaled_normalized = sums[:channels] / count, sums[channels:2 * channels] / count
         x_gradient = (scaled - mean_scaled.view(shape) - normalized * mean_scaled_normalized.view(shape)) * \

@@ -419,7 +419,7 @@ Schedule make_schedule(const std::string& name, int num_ranks, int num_microbatc
                           return other.stages_per_rank == 0;
                         }) + " run several");
   if (!kind->takes_cap && max_active != 0)
-    throw ScheduleError(name + " bounds what a rank holds by its own order, so max_active=" +
+    throw ScheduleError(name + " takes no cap on what a rank holds (its own order decides it), so max_active=" +
                         std::to_string(max_active) + " cannot apply; use 0, or one of " +
                         names_where([](const ScheduleKind& other) { return other.takes_cap; }) +
                         " to cap activations");

@@ -114,10 +114,13 @@ int main(int argc, char** argv) {
     const double p = schedule.num_ranks, m = schedule.num_microbatches, v = per_rank;
     // The textbook bubble of a looped schedule without split backward: (p-1)/(v*m+p-1), which GPipe and 1F1B meet
     // (v = 1) and interleaving meets when its microbatches fill whole rounds of p.
-    const auto& kind = find_schedule_kind(schedule.name, per_rank);
-    const bool looped = kind.stages_per_rank != 2 && !kind.split_backward;
-    if (looped && (per_rank == 1 || std::string(kind.name) != "interleaved_1f1b" ||
-                   schedule.num_microbatches % schedule.num_ranks == 0)) {
+    // A loaded file's schedule may be of no kind the registry knows (a hand-written one): no formula then.
+    const ScheduleKind* kind = nullptr;
+    for (const auto& known : schedule_kinds()) {
+      if (schedule.name == known.name) kind = &known;
+    }
+    const bool looped = kind && kind->stages_per_rank != 2 && !kind->split_backward;
+    if (looped && (per_rank == 1 || schedule.num_microbatches % schedule.num_ranks == 0)) {
       std::printf("formula (p-1)/(v*m+p-1) = %.6f\n", (p - 1) / (v * m + p - 1));
     }
     std::printf("peak in-flight (stage, microbatch) pairs per rank:");

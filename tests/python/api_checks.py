@@ -853,6 +853,23 @@ def uneven_batches():
         failures.append(f"evaluating 7 samples in 2 microbatches: loss {evaluation.loss}, kept outputs "
                         f"{None if evaluation.outputs is None else tuple(evaluation.outputs.shape)}")
 
+    # A captured batch norm in training given a microbatch of 1 sample: refused, as PyTorch refuses it (the capture,
+    # on 2 samples, would have taken its statistics over one value a channel, a NaN variance); in evaluation, on its
+    # running statistics, it runs.
+    class Normed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+
+        def forward(self, x):
+            return self.body(x)
+
+    normed = smp.DistributedModel(Normed(), torch.zeros(2, 3))
+    expect_error("a 1-sample microbatch through batch norm in training", smp.ConfigError, "more than 1 value per channel",
+                 lambda: normed.train_step(torch.randn(3, 3), torch.randn(3, 2), F.mse_loss))
+    if not torch.isfinite(torch.tensor(normed.evaluate(torch.randn(3, 3), torch.randn(3, 2), F.mse_loss).loss)):
+        failures.append("evaluating 3 samples (microbatches of 2 and 1) through batch norm gave no finite loss")
+
 
 def items_counted():
     """num_items_in_batch: train_step's loss is the whole batch's sum over its count (the engine's mean over

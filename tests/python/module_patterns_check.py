@@ -141,6 +141,52 @@ def check(label, build):
             failures.append(f"{label}: {name} is {tensor.flatten()[:3].tolist()}, PyTorch {whole[name].flatten()[:3].tolist()}")
 
 
+def check_frozen_stage_clipping():
+    """A backbone frozen before wrapping, clipped as a fine-tuning loop does, by its trainable parameters: on the
+    stage that holds none the list is empty, and that rank must still join the norm (it fell back to torch's own
+    function and its peer waited for it until the timeout); get_total_norm's gradients alike. Run first: the empty
+    list stands for the one model alive (with several, which is meant cannot be known, and it is refused)."""
+    torch.manual_seed(4)
+    net = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(4)])
+    for layer in list(net)[:3]:  # whatever the cut, stage 0's layers are all frozen
+        layer.requires_grad_(False)
+    net[0].weight.data.mul_(5)
+    reference = copy.deepcopy(net)
+    inputs, targets = torch.randn(4, WIDTH), torch.randn(4, WIDTH)
+    model = smp.DistributedModel(net, inputs[:2])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    empty = torch.tensor([float(not trainable)])
+    runtime.all_reduce_sum(empty)
+    if empty.item() != 1:
+        failures.append(f"a frozen stage: {empty.item():.0f} ranks clip an empty list, not 1: the case is not tried")
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(trainable, lr=0.1)) if trainable else None
+    plain = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1)
+    for step in range(2):
+        model.train_step(inputs, targets, F.mse_loss)
+        if step == 0:
+            norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 0.05)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+            torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.requires_grad], 0.05, norm)
+        if optimizer:
+            optimizer.step()
+            optimizer.zero_grad()
+        else:
+            model.zero_grad()
+        expected = sum(F.mse_loss(reference(i), t) for i, t in zip(inputs.chunk(2), targets.chunk(2))) / 2
+        expected.backward()
+        plain_norm = torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.requires_grad], 0.05)
+        plain.step()
+        plain.zero_grad()
+        if abs(norm.item() - plain_norm.item()) > 1e-5 * plain_norm.item():
+            failures.append(f"a frozen stage, step {step}: norm {norm.item()} here, PyTorch {plain_norm.item()}")
+    whole = dict(reference.named_parameters())
+    for name, tensor in model.named_parameters():
+        if not torch.allclose(tensor, whole[name], atol=1e-6):
+            failures.append(f"a frozen stage: {name} differs from PyTorch's")
+
+
+check_frozen_stage_clipping()
 check("a Sequential calling one module twice", reused_sequential)
 check("a buffer written twice in place", lambda: Chain(Running()))
 check("a call counter in a module cut into its children", lambda: Chain(Counted()))
@@ -285,48 +331,6 @@ class OwnParameters(torch.nn.Module):
         return x
 
 
-def check_frozen_stage_clipping():
-    """A backbone frozen before wrapping, clipped as a fine-tuning loop does, by its trainable parameters: on the
-    stage that holds none the list is empty, and that rank must still join the norm (it fell back to torch's own
-    function and its peer waited for it until the timeout); get_total_norm's gradients alike. The models above are
-    alive still: an empty list stands for the model whose train_step ran last."""
-    torch.manual_seed(4)
-    net = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(4)])
-    for layer in list(net)[:2]:
-        layer.requires_grad_(False)
-    net[0].weight.data.mul_(5)
-    reference = copy.deepcopy(net)
-    inputs, targets = torch.randn(4, WIDTH), torch.randn(4, WIDTH)
-    model = smp.DistributedModel(net, inputs[:2])
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = smp.DistributedOptimizer(torch.optim.SGD(trainable, lr=0.1)) if trainable else None
-    plain = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1)
-    for step in range(2):
-        model.train_step(inputs, targets, F.mse_loss)
-        if step == 0:
-            norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 0.05)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-            torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.requires_grad], 0.05, norm)
-        if optimizer:
-            optimizer.step()
-            optimizer.zero_grad()
-        else:
-            model.zero_grad()
-        expected = sum(F.mse_loss(reference(i), t) for i, t in zip(inputs.chunk(2), targets.chunk(2))) / 2
-        expected.backward()
-        plain_norm = torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.requires_grad], 0.05)
-        plain.step()
-        plain.zero_grad()
-        if abs(norm.item() - plain_norm.item()) > 1e-5 * plain_norm.item():
-            failures.append(f"a frozen stage, step {step}: norm {norm.item()} here, PyTorch {plain_norm.item()}")
-    whole = dict(reference.named_parameters())
-    for name, tensor in model.named_parameters():
-        if not torch.allclose(tensor, whole[name], atol=1e-6):
-            failures.append(f"a frozen stage: {name} differs from PyTorch's")
-
-
-check_frozen_stage_clipping()
 report.expect_error(failures, "a model whose layers are its own parameters", smp.ModelError,
                     "OwnParameters was captured as 1 module(s)",
                     lambda: smp.DistributedModel(OwnParameters(), torch.randn(2, WIDTH)))

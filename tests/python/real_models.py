@@ -255,7 +255,7 @@ def evaluation_failures(model, reference, name, own, loss, samples, data, replic
     reference.train()
     if abs(evaluation.loss - expected) > loss_tolerance * max(1.0, abs(expected)) and not replica_batch_norm:
         failures.append(f"evaluation of {samples}: loss {evaluation.loss} != {expected}")
-    share = runtime.replica_slice(torch.cat(outputs))
+    share = runtime.replica_slice(torch.cat(outputs), fill_microbatches=False)
     if evaluation.outputs is not None and not replica_batch_norm:
         kept = evaluation.outputs if isinstance(evaluation.outputs, torch.Tensor) else evaluation.outputs.logits
         kept = kept.cpu()

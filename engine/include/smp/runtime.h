@@ -122,9 +122,10 @@ class Runtime {
 
   // This replica's contiguous share of a global batch (dimension 0), as at::tensor_split gives it (the first
   // replicas a sample more where it does not split evenly: tell the step, DistributedModel::next_call_takes_share_of).
-  // A share may be empty (an evaluation's batch shorter than the replicas); train_step refuses a batch that does
-  // not fill every replica's microbatches.
-  at::Tensor replica_slice(const at::Tensor& global_batch) const;
+  // ConfigError, on every rank alike, when the batch does not fill every replica's microbatches; with
+  // fill_microbatches false (an evaluation's short last batch, which evaluate takes) any batch of a sample or more,
+  // a replica's share then possibly empty.
+  at::Tensor replica_slice(const at::Tensor& global_batch, bool fill_microbatches = true) const;
 
  private:
   Runtime(const Config& config, const comm::LaunchInfo& launch);

@@ -208,7 +208,7 @@ const std::vector<Key>& key_table() {
          if (c.active_microbatches > 0 && !sched::find_schedule_kind(c.pipeline, c.virtual_stages).takes_cap) {
            r.fail("active_microbatches",
                   "has no effect with \"pipeline\": \"" + c.pipeline +
-                      "\", which bounds what a rank holds by its own order; use \"interleaved\" to cap microbatches "
+                      "\", whose own order decides what a rank holds (it takes no cap); use \"interleaved\" to cap microbatches "
                       "in flight");
          }
          if (c.active_microbatches > 0 && c.active_microbatches < c.virtual_stages) {

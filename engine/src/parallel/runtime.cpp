@@ -481,12 +481,12 @@ std::string Runtime::from_rank0(const std::string& key, const std::function<std:
   return message.substr(newline + 1);
 }
 
-at::Tensor Runtime::replica_slice(const at::Tensor& global_batch) const {
+at::Tensor Runtime::replica_slice(const at::Tensor& global_batch, bool fill_microbatches) const {
   const int replicas = topology_.data_parallel_degree();
   const int64_t size = global_batch.dim() > 0 ? global_batch.size(0) : 0;
-  // A training step's batch must fill every replica's microbatches (train_step says so); an evaluation's short
-  // last batch need not, and a replica's share may then be empty.
-  if (size < 1) {
+  if (fill_microbatches) {
+    config_.check_batch(static_cast<int>(size), replicas, true);
+  } else if (size < 1) {
     throw ConfigError(global_batch.dim() == 0 ? "replica_slice: a global batch without a batch dimension"
                                               : "replica_slice: a global batch of no samples");
   }

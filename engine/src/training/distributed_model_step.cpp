@@ -147,7 +147,8 @@ ModelInputs DistributedModel::inputs_by_name(const char* caller, const std::map<
 
 void DistributedModel::check_single_input(const char* caller, const at::Tensor& inputs, const at::Tensor& targets) const {
   // One input and its targets: both are the batch, sample for sample.
-  const int microbatches = runtime_->config().microbatches;
+  // Evaluation takes a share too short for every microbatch (microbatch_data splits it into fewer).
+  const int microbatches = std::string(caller) == "evaluate" ? 0 : runtime_->config().microbatches;
   auto check = [&](const at::Tensor& tensor, const char* what) {
     if (!tensor.defined() || tensor.dim() == 0 || tensor.size(0) < microbatches) {
       throw ConfigError(std::string(caller) + ": the replica's " + what + " batch of " +
@@ -464,18 +465,26 @@ void DistributedModel::next_call_takes_share_of(const ModelInputs& inputs, const
 
 StepOutput DistributedModel::evaluate(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss,
                                      bool keep_outputs) {
+  RefusedCallCounts refused(*this, /*train_step=*/false);
   check_single_input("evaluate", inputs, targets);
+  refused.dismiss();  // the call below counts itself
   return evaluate(ModelInputs{inputs}, targets, of_first_output(loss), keep_outputs);
 }
 
 StepOutput DistributedModel::evaluate(const std::map<std::string, at::Tensor>& inputs, const at::Tensor& targets,
                                      const OutputsLossFunction& loss, bool keep_outputs) {
-  return evaluate(inputs_by_name("evaluate", inputs), targets, loss, keep_outputs);
+  RefusedCallCounts refused(*this, /*train_step=*/false);
+  ModelInputs ordered = inputs_by_name("evaluate", inputs);
+  refused.dismiss();  // the call below counts itself
+  return evaluate(ordered, targets, loss, keep_outputs);
 }
 
 StepOutput DistributedModel::train_step(const std::map<std::string, at::Tensor>& inputs, const at::Tensor& targets,
                                        const OutputsLossFunction& loss, bool keep_outputs) {
-  return train_step(inputs_by_name("train_step", inputs), targets, loss, keep_outputs);
+  RefusedCallCounts refused(*this, /*train_step=*/true);
+  ModelInputs ordered = inputs_by_name("train_step", inputs);
+  refused.dismiss();  // the call below counts itself
+  return train_step(ordered, targets, loss, keep_outputs);
 }
 
 StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tensor& targets,
@@ -503,7 +512,12 @@ StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tenso
                       "every replica of a group in each: give at least " + std::to_string(filled) +
                       " samples (pad the last batch, its padding's labels -100)");
   }
-  PipelineExecutor* const forwards = microbatches > 0 ? &evaluator(microbatches) : nullptr;
+  if (short_batch && !runtime_->config().schedule_file.empty()) {
+    throw ConfigError("evaluate: a batch of fewer than " + std::to_string(filled) + " samples (replicas x "
+                      "microbatches) leaves a replica fewer microbatches than \"schedule_file\" " +
+                      runtime_->config().schedule_file + " is for: give at least " + std::to_string(filled) +
+                      " samples");
+  }
   at::NoGradGuard no_graphs;
   std::vector<std::shared_ptr<torch::nn::Module>> local_modules;
   for (const auto& [stage, local] : stages_) {
@@ -523,7 +537,9 @@ StepOutput DistributedModel::evaluate(const ModelInputs& inputs, const at::Tenso
   try {
     runtime_->with_peers(ProgramCall{step_, evaluations_since_step_}.describe(), [&] {
       // A replica given no samples (a batch shorter than the replicas) runs nothing; it meets the others in the sums.
-      const ExecutorStats stats = forwards ? forwards->run(stage_callbacks(), data) : ExecutorStats{};
+      // Made here: a first evaluator connects its channels, which is communication with the peers.
+      const ExecutorStats stats =
+          microbatches > 0 ? evaluator(microbatches).run(stage_callbacks(), data) : ExecutorStats{};
       if (stats.has_loss && counts_loss()) sums.add_loss(stats.loss_sum);
       output.sends_posted = stats.sends_posted;
       output.all_outputs = stats.outputs;
@@ -576,7 +592,9 @@ class EarlierGradients {
 
 StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss,
                                        bool keep_outputs) {
+  RefusedCallCounts refused(*this, /*train_step=*/true);
   check_single_input("train_step", inputs, targets);
+  refused.dismiss();  // the call below counts itself
   return train_step(ModelInputs{inputs}, targets, of_first_output(loss), keep_outputs);
 }
 
