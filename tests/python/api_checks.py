@@ -683,6 +683,7 @@ def main():
 
     fused_runs()
     pytorch_conventions()
+    sync_batch_norm_math()
     hugging_face_checkpointing_said()
     items_counted()
     uneven_batches()
@@ -935,6 +936,29 @@ def hugging_face_checkpointing_said():
         smp.DistributedModel(net, torch.zeros(2, 4))
     if not any("\"activation_checkpointing\"" in str(w.message) for w in said):
         failures.append(f"gradient checkpointing on before wrapping was not said: {[str(w.message) for w in said]}")
+
+
+def sync_batch_norm_math():
+    """smp's SyncBatchNorm operation (smp._sync_batch_norm) in one process, where pooling over replicas sums one
+    replica's: nn.BatchNorm2d's outputs, gradients and running statistics in float64, in training and eval mode, with
+    and without running statistics (eval mode without them dropped the batch statistics' terms of the gradient)."""
+    from smp import _sync_batch_norm
+    for training, tracked in ((True, True), (True, False), (False, True), (False, False)):
+        torch.manual_seed(9)
+        plain = torch.nn.BatchNorm2d(3, momentum=0.3, track_running_stats=tracked).double().train(training)
+        synced = torch.nn.SyncBatchNorm(3, momentum=0.3, track_running_stats=tracked).double().train(training)
+        synced.load_state_dict(plain.state_dict())
+        synced.forward = _sync_batch_norm._pooled_forward(synced, 2)  # the replicas' path
+        x = torch.randn(4, 3, 5, 5, dtype=torch.float64)
+        x_plain, x_synced = x.clone().requires_grad_(), x.clone().requires_grad_()
+        upstream = torch.randn_like(x)
+        (plain(x_plain) * upstream).sum().backward()
+        (synced(x_synced) * upstream).sum().backward()
+        pairs = [(x_plain.grad, x_synced.grad), (plain.weight.grad, synced.weight.grad),
+                 (plain.bias.grad, synced.bias.grad)] + list(zip(plain.buffers(), synced.buffers()))
+        if not all(torch.allclose(a.double(), b.double(), atol=1e-12) for a, b in pairs):
+            failures.append(f"SyncBatchNorm's operation (training {training}, running statistics {tracked}) "
+                            "differs from nn.BatchNorm2d's")
 
 
 def pytorch_conventions():
