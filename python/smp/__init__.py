@@ -30,7 +30,7 @@ from . import _materialize, _smp, _state, ep, tp  # noqa: F401 - smp.ep and smp.
 from ._checkpoints import Checkpointer, export_checkpoint, export_safetensors, latest_checkpoint, load_full_model
 from ._clip import take_over_torch_clipping
 from ._distributed_model import DistributedModel, StepResult  # noqa: F401 - what train_step returns
-from ._distributed_optimizer import DistributedOptimizer
+from ._distributed_optimizer import DistributedOptimizer, refuse_grad_scaler
 from ._graph import GraphModel
 from ._planning import Plan, plan
 from ._smp import CheckpointError, CommError, ConfigError, ModelError, NonFiniteError
@@ -61,6 +61,7 @@ def init(config, sections=None):
     if device.type == "cuda":
         torch.cuda.set_device(device)  # the rank's GPU is the current one: .cuda() and torch.device("cuda") find it
     take_over_torch_clipping()  # torch.nn.utils.clip_grad_norm_ over a DistributedModel: the whole model's norm
+    refuse_grad_scaler()  # a GradScaler over a DistributedOptimizer says what smp does instead
     return _state.runtime()
 
 

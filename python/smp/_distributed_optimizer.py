@@ -2,6 +2,7 @@
 under sharded optimizer state."""
 
 import collections
+import functools
 import io
 import warnings
 
@@ -250,3 +251,24 @@ def _options(group, scheduled):
     if scheduled:
         return {"initial_lr": group["initial_lr"]} if "initial_lr" in group else {}
     return {key: value for key, value in group.items() if key not in ("params", "param_names")}
+
+
+def refuse_grad_scaler():
+    """torch.amp.GradScaler's step and unscale_ over a DistributedOptimizer (a DDP loop's habit) say what smp does
+    instead: its assertion that scale() was never called named the wrong cause."""
+    for name in ("step", "unscale_"):
+        original = getattr(torch.amp.GradScaler, name)
+        if getattr(original, "_smp_original", None) is not None:
+            continue
+
+        @functools.wraps(original)
+        def refusing(self, optimizer, *args, _original=original, _name=name, **kwargs):
+            if isinstance(optimizer, DistributedOptimizer) and self.is_enabled():
+                raise RuntimeError(f"GradScaler.{_name} over an smp.DistributedOptimizer: train_step runs the "
+                                   "backward, so the scaler never scaled a loss. With \"fp16\": true smp scales the "
+                                   "loss and unscales the gradients itself, and drops a step whose gradients "
+                                   "overflowed (optimizer.step() then does nothing); \"bf16\" needs no scaling. "
+                                   "Call optimizer.step() without a GradScaler")
+            return _original(self, optimizer, *args, **kwargs)
+        refusing._smp_original = original
+        setattr(torch.amp.GradScaler, name, refusing)

@@ -995,6 +995,9 @@ def pytorch_conventions():
     expect_error("model.to(float64)", ValueError, "stays on the device and dtype", lambda: model.to(torch.float64))
     expect_error("model.no_sync", AttributeError, "raising \"microbatches\"", lambda: model.no_sync)
     expect_error("model.compile()", NotImplementedError, "runs each stage's modules as they are", model.compile)
+    scaler = torch.amp.GradScaler("cpu")
+    expect_error("GradScaler.step over a DistributedOptimizer", RuntimeError, "\"fp16\": true smp scales the loss",
+                 lambda: scaler.step(smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))))
     with torch.autocast("cpu", dtype=torch.float16):
         expect_error("train_step under autocast(float16)", smp.ConfigError, "set \"fp16\": true",
                      lambda: model.train_step(torch.randn(4, 4), torch.randn(4, 2), F.mse_loss))
