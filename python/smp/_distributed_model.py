@@ -244,14 +244,30 @@ class DistributedModel(torch.nn.Module):
             _materialize.release_other_stages(model, kept, list(self.stages))
 
     def _engine_step(self, step, inputs, targets, loss, keep_outputs, replica_share, what, loss_reduction="mean"):
+        refusal = None
         try:
             prepared = self._prepare_step(inputs, targets, loss, replica_share, what, loss_reduction)
-        except Exception:
+        except Exception as error:  # noqa: BLE001 - raised below, after the replicas' verdict
+            refusal = error
+        rt = runtime()
+        if replica_share and rt.data_parallel_degree > 1:
+            # Each replica checked its own share: every rank learns which refused, so that all refuse the call alike
+            # and a loop that skips a bad batch skips it everywhere (one small all-reduce a call).
+            verdict = torch.zeros(rt.world_size)
+            verdict[rt.rank] = float(refusal is not None)
+            rt.all_reduce_sum(verdict)
+            refused = [rank for rank in range(rt.world_size) if verdict[rank] > 0]
+            if refused and refusal is None:
+                refusal = ConfigError(f"{what}: rank{'s' if len(refused) > 1 else ''} "
+                                      f"{', '.join(map(str, refused))} refused {'their' if len(refused) > 1 else 'its'} "
+                                      "replica's share (replica_share=True; its error says why), so every rank "
+                                      "refuses this call: skip the batch on every rank, or fix it")
+        if refusal is not None:
             # Refused before any transfer: the call counts here as the engine counts its own refusals, so that a
-            # rank refusing alone (its replica's share) is out of step with its peers, and told, not paired with
-            # their next call.
+            # rank refusing alone (a C++ program's own share) is out of step with its peers, and told, not paired
+            # with their next call.
             self._model.count_refused_call(what == "train_step")
-            raise
+            raise refusal
         values, targets, engine_loss, batched, reduction, model_outputs = prepared
         result = step(values, targets, engine_loss, keep_outputs, batched, reduction)
         kept = result.all_outputs
@@ -273,6 +289,14 @@ class DistributedModel(torch.nn.Module):
                               "there, its batches must be real tensors")
         batched = _smp.batched_inputs(values, targets, what)
         microbatches = rt.config.microbatches
+        # The engine's refusals of a short share, made here where the replicas vote on them (_engine_step).
+        if replica_share and (what == "train_step" or rt.expert_parallel_degree > 1):
+            rows = next((v.shape[0] for v, b in zip(values, batched) if b), None)
+            if rows is not None and rows < microbatches:
+                raise ConfigError(f"{what}: the replica's batch of {rows} samples does not split into {microbatches} "
+                                  "microbatches (each needs a sample at least" +
+                                  (", and expert parallelism's exchanges need every replica in each)"
+                                   if what != "train_step" else ")"))
         # Checked before the split, every replica's microbatches on every rank: all refuse a batch alike.
         replicas = 1 if replica_share else rt.data_parallel_degree
         # An evaluation's batch may be short of filling every microbatch (a validation set's rest): fewer, then.

@@ -10,10 +10,12 @@ pair one call's activations with another's, train apart without a word, nor wait
                   the experts' exchange names the calls (Gloo aborted the process on the rows' sizes).
   whole_batch:    two replicas told of a global batch (next_call_takes_share_of, as a C++ program may) and then
                   given all of it each: their shares would count it twice.
-  replica_refused, replica_refused_here: two replicas loading their own shares (replica_share=True), rank 1's
-                  share refused by the engine (1 sample for 2 microbatches) or before it (on the meta device), which
-                  rank 1 skips to its next share while rank 0 trains on: that call counts on rank 1, so the next
-                  pairs no shares of different calls (it did, silently).
+  replica_refused: two replicas passing the engine their own shares (as a C++ program does), rank 1's refused (1
+                  sample for 2 microbatches), which rank 1 skips to its next share while rank 0 trains on: that call
+                  counts on rank 1, so the next pairs no shares of different calls (it did, silently).
+  replica_skipped: the same from Python (replica_share=True), rank 1's share on the meta device: every rank learns
+                  of the refusal at that call and refuses it too, so the loop skips the batch on every rank and
+                  trains on (exits 0 only then).
   own_config:     rank 1 reads other microbatches: it refuses at smp.init, naming the key (the job then ends).
   own_model:      rank 1's model has one more layer: it refuses at DistributedModel, naming the module.
   replica_model:  rank 1's replica is wider: it refuses at DistributedModel, naming the parameter.
@@ -32,7 +34,7 @@ import smp
 
 mistake = sys.argv[1]
 replicas = mistake in ("replica_batch", "replica_model", "experts_alone", "whole_batch", "replica_refused",
-                       "replica_refused_here")
+                       "replica_skipped")
 keys = {"partitions": 1 if replicas else 2, "ddp": replicas, "microbatches": 2, "global_batch_size": 4, "pipeline": "1f1b",
         "comm_timeout_s": 120, "device": "cpu"}
 if mistake == "experts_alone":
@@ -71,15 +73,27 @@ try:
     if mistake in ("evaluate_alone", "experts_alone") and runtime.rank == 0:
         model.evaluate(inputs, targets, loss)
     own = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
-    if mistake in ("replica_refused", "replica_refused_here"):
+    engine_loss = lambda outputs, target: loss(outputs[0], target)  # noqa: E731 - the engine's form
+    if mistake == "replica_refused":
         if runtime.rank == 1:
-            bad = torch.randn(1, 16) if mistake == "replica_refused" else torch.randn(2, 16, device="meta")
             try:
-                model.train_step(bad, targets[:bad.shape[0]], loss, replica_share=True)
+                model._model.train_step([torch.randn(1, 16)], targets[:1], engine_loss, False, [True])
                 failures.append("rank 1's share was not refused")
             except smp.ConfigError:
                 pass  # skipped, as a loop catching a bad batch would
-        model.train_step(inputs[:2], targets[:2], loss, replica_share=True)
+        model._model.train_step([inputs[:2]], targets[:2], engine_loss, False, [True])
+    elif mistake == "replica_skipped":
+        bad = torch.randn(2, 16, device="meta") if runtime.rank == 1 else inputs[2:]
+        try:
+            model.train_step(bad, targets[:2], loss, replica_share=True)
+            failures.append("the share rank 1 refused was trained on")
+        except smp.ConfigError as refused:
+            said = "meta device" if runtime.rank == 1 else "rank 1 refused its replica's share"
+            if said not in str(refused):
+                failures.append(f"the refusal does not say {said!r}: {refused}")
+        share = slice(2 * runtime.dp_rank, 2 * runtime.dp_rank + 2)
+        model.train_step(inputs[share], targets[share], loss, replica_share=True)  # the next batch, on every rank
+        raise SystemExit(report.finish(failures))
     elif mistake == "whole_batch":
         model._model.next_call_takes_share_of([inputs], targets, [True])
         model._model.train_step([inputs], targets, lambda outputs, target: loss(outputs[0], target), False, [True])
@@ -96,12 +110,11 @@ expected = {"evaluate_alone": "it is in its evaluate 1 after train_step 0, this 
             "experts_alone": f"expert parallelism: group rank {1 - runtime.rank} is in its "
                              f"{'train_step 1' if runtime.rank == 0 else 'evaluate 1 after train_step 0'}",
             "whole_batch": "the replicas' shares hold 8 samples in all, the global batch they were told of 4",
-            "replica_refused": "the ranks are in different calls (rank 0 in train_step 1; rank 1 in train_step 2)",
-            "replica_refused_here": "the ranks are in different calls (rank 0 in train_step 1; rank 1 in train_step 2)"}
+            "replica_refused": "the ranks are in different calls (rank 0 in train_step 1; rank 1 in train_step 2)"}
 advice = {"replica_batch": "pass each replica's own share with replica_share=True",
           "whole_batch": "pass each replica its share (Runtime::replica_slice)",
           "experts_alone": "every rank must call train_step and evaluate alike",
-          "replica_refused": "refuse a call its peers took", "replica_refused_here": "refuse a call its peers took"}
+          "replica_refused": "refuse a call its peers took"}
 if error is None:
     failures.append("no error")
 elif expected[mistake] not in error or advice.get(mistake, "the ranks of a replica with the same batch") not in error:
