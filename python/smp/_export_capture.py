@@ -218,6 +218,7 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
     shapes = InputShapes.of(exported, [node for node in user_inputs if node in input_names], fixed_because,
                             held_by_input, shape_guards(getattr(exported, "_guards_code", None), model, args, kwargs,
                                                         leaf_inputs, leaves))
+    shapes.one_value_norms = _one_value_norms(graph)
     for node in list(graph.nodes):
         if _is_op(node) and node.target in _ASSERTS and not node.users:
             graph.erase_node(node)
@@ -337,6 +338,32 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
                    [None if isinstance(leaf, fx.Node) else leaf for leaf in output_leaves])
     shapes.lookups = TableLookups.of(graph, dynamic, attributes, input_names, order)
     return engine, leaf_inputs, output_spec, shapes
+
+
+_BATCH_NORMS = tuple(op for op in (getattr(torch.ops.aten, name, None) for name in
+                                    ("batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+                                     "_native_batch_norm_legit_functional", "_batch_norm_with_update",
+                                     "_batch_norm_with_update_functional", "cudnn_batch_norm"))
+                     if op is not None)
+
+
+def _one_value_norms(graph):
+    """Paths of the batch norms whose input holds one value a channel per sample (a (N, C) input, 1 x 1 maps): a
+    microbatch of 1 sample would give them statistics over one value, which PyTorch refuses ("more than 1 value per
+    channel") and export's least size of 2, not enforced, no longer keeps away."""
+    paths = []
+    for node in graph.nodes:
+        if not _is_op(node) or getattr(node.target, "overloadpacket", node.target) not in _BATCH_NORMS:
+            continue
+        sketch = sketch_of(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
+        if sketch is None:
+            continue
+        per_sample = 1
+        for size in sketch.shape[2:]:
+            per_sample = per_sample * size if isinstance(size, int) else 2  # a size that changes: more than 1
+        if per_sample == 1 and _owner_path(node) not in paths:
+            paths.append(_owner_path(node))
+    return paths
 
 
 def _distinct_inputs(args, kwargs):

@@ -126,14 +126,14 @@ class CapturedIO:
                     for name, value, parts in zip(self.input_names, engine_inputs, split)}
 
         sizes = [next((len(parts[index]) for parts in split if parts is not None), None) for index in range(pieces)]
-        normed = self._batch_norms_in_training()
-        if what == "train_step" and 1 in sizes and normed:
+        normed = self._one_value_norms(batch_statistics_now=True, training=what == "train_step")
+        if 1 in sizes and normed:
             # Export's least of 2, which smp does not enforce, was also what kept one sample from batch norm's own
             # check: the captured code would take its statistics over one value a channel (a NaN variance).
-            raise ConfigError(f"{what}: a microbatch of 1 sample through batch norm in training ('{normed[0]}'), "
-                              "whose statistics over one sample PyTorch refuses (\"more than 1 value per channel\"); "
-                              "give at least 2 samples a microbatch: fewer \"microbatches\", or drop the last short "
-                              "batch (DataLoader's drop_last=True)")
+            raise ConfigError(f"{what}: a microbatch of 1 sample through batch norm on batch statistics "
+                              f"('{normed[0]}', one value a channel per sample), which PyTorch refuses (\"more than 1 "
+                              "value per channel\"); give at least 2 samples a microbatch: fewer \"microbatches\", or "
+                              "drop the last short batch (DataLoader's drop_last=True)")
         for index in sorted({sizes.index(size) for size in sizes}):  # the first microbatch of each size
             inputs = microbatch(index)
             shapes = {name: list(value.shape) for name, value in inputs.items()}
@@ -147,21 +147,27 @@ class CapturedIO:
 
     def microbatch_range(self):
         """(least, most) samples a microbatch may have, as the capture allows the batched inputs' first dimension
-        (most 0: unbounded) and batch norm in training (2 at least); the planner leaves out layouts beyond them.
+        (most 0: unbounded) and batch norms of one value a channel per sample (2 at least); the planner leaves out
+        layouts beyond them.
         Batched: the sample's inputs whose first dimension is its largest (a position table of one row is not)."""
         sample = {name: leaf for leaf, name in zip(self._sample_leaves, self._leaf_inputs)
                   if name is not None and isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
         rows = max((tensor.shape[0] for tensor in sample.values()), default=0)
         least, most = self._shapes.first_dimension_range([name for name, tensor in sample.items()
                                                           if tensor.shape[0] == rows])
-        return (max(least, 2) if self._batch_norms_in_training() else least), most
+        return (max(least, 2) if self._one_value_norms(batch_statistics_now=False) else least), most
 
-    def _batch_norms_in_training(self):
-        """Paths of the model's batch norms that take batch statistics in training."""
-        if not isinstance(self._model, torch.nn.Module):
-            return []
-        return [path for path, module in self._model.named_modules()
-                if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training]
+    def _one_value_norms(self, batch_statistics_now, training=True):
+        """Paths of the captured batch norms with one value a channel per sample (a (N, C) input, 1 x 1 maps), which
+        a microbatch of 1 sample leaves with statistics over one value: those taking batch statistics in this call (a
+        train_step's in training mode, or any call's keeping no running ones), or every one (the planner's, whatever
+        mode the model is in later)."""
+        paths = getattr(self._shapes, "one_value_norms", ())
+        if not batch_statistics_now or not isinstance(self._model, torch.nn.Module):
+            return list(paths)
+        modules = dict(self._model.named_modules())
+        return [path for path in paths if path in modules and
+                ((training and modules[path].training) or not getattr(modules[path], "track_running_stats", True))]
 
     def model_outputs(self, outputs):
         tensors = iter(outputs)

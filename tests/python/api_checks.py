@@ -868,6 +868,26 @@ def uneven_batches():
     normed = smp.DistributedModel(Normed(), torch.zeros(2, 3))
     expect_error("a 1-sample microbatch through batch norm in training", smp.ConfigError, "more than 1 value per channel",
                  lambda: normed.train_step(torch.randn(3, 3), torch.randn(3, 2), F.mse_loss))
+
+    # Over images one sample holds many values a channel: PyTorch takes a microbatch of 1, and so does smp.
+    class Convolved(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.BatchNorm2d(4),
+                                            torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 2))
+
+        def forward(self, x):
+            return self.body(x)
+
+    torch.manual_seed(10)
+    convolved = Convolved()
+    plain = copy.deepcopy(convolved)
+    images, wanted = torch.randn(3, 2, 6, 6), torch.randn(3, 2)
+    loss = smp.DistributedModel(convolved, torch.zeros(2, 2, 6, 6)).train_step(images, wanted, F.mse_loss).loss
+    expected = sum(F.mse_loss(plain(x), y).item() * len(x) / 3 for x, y in zip(images.tensor_split(2),
+                                                                                wanted.tensor_split(2)))
+    if abs(loss - expected) > 1e-5:
+        failures.append(f"a 1-sample microbatch through BatchNorm2d: loss {loss}, PyTorch's {expected}")
     if not torch.isfinite(torch.tensor(normed.evaluate(torch.randn(3, 3), torch.randn(3, 2), F.mse_loss).loss)):
         failures.append("evaluating 3 samples (microbatches of 2 and 1) through batch norm gave no finite loss")
 

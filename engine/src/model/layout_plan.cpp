@@ -186,7 +186,8 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
                           (per_microbatch < profile.least_microbatch
                                ? "at least " + std::to_string(profile.least_microbatch)
                                : "at most " + std::to_string(profile.most_microbatch)) +
-                          " (the sample's capture)";
+                          " (as captured: the sizes its code allows, and batch norm's more than one value a "
+                          "channel)";
     return;
   }
   StagePlan plan;

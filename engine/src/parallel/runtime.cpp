@@ -485,7 +485,13 @@ at::Tensor Runtime::replica_slice(const at::Tensor& global_batch, bool fill_micr
   const int replicas = topology_.data_parallel_degree();
   const int64_t size = global_batch.dim() > 0 ? global_batch.size(0) : 0;
   if (fill_microbatches) {
-    config_.check_batch(static_cast<int>(size), replicas, true);
+    try {
+      config_.check_batch(static_cast<int>(size), replicas, true);
+    } catch (const ConfigError& error) {
+      throw ConfigError(std::string("replica_slice: ") + error.what() +
+                        " (an evaluation's short batch, which evaluate takes: replica_slice(batch, "
+                        "fill_microbatches=false))");
+    }
   } else if (size < 1) {
     throw ConfigError(global_batch.dim() == 0 ? "replica_slice: a global batch without a batch dimension"
                                               : "replica_slice: a global batch of no samples");
