@@ -40,8 +40,9 @@ def _model_of(tensors):
 
 def _only_model(caller):
     """The model an empty list of tensors stands for on this rank (one whose stages here train none of a model's
-    parameters): the one live DistributedModel; with several, which one's norm the peers take cannot be known."""
-    live = list(_models)
+    parameters): the one live DistributedModel with a rank that trains none (known on every rank alike; an empty
+    list is none of any other's); with several, which one's norm the peers take cannot be known."""
+    live = [model for model in _models if getattr(model, "_some_rank_trains_none", True)]
     if len(live) > 1:
         raise ValueError(f"torch.nn.utils.{caller} was given no tensors while {len(live)} smp.DistributedModels live: "
                          "on a rank whose stages train none of a model's parameters it must still join that model's "
