@@ -151,11 +151,30 @@ def _follows_mode(node):
     return schema is not None and any(argument.name in _TRAINING_ARGUMENTS for argument in schema.arguments)
 
 
-def mode_owners(graph, model):
+def _with_subgraphs(graph, resolve):
+    """The graph's nodes and those of the subgraphs its higher-order operations run (a no-grad region, autocast),
+    found by `resolve(get_attr target)`."""
+    for node in graph.nodes:
+        yield node
+        subgraph = resolve(node.target) if node.op == "get_attr" else None
+        if isinstance(subgraph, fx.GraphModule):
+            yield from _with_subgraphs(subgraph.graph, lambda target, held=subgraph: _attribute_or_none(held, target))
+
+
+def _attribute_or_none(module, path):
+    try:
+        return _attribute(module, path)
+    except AttributeError:
+        return None
+
+
+def mode_owners(graph, model, resolve=lambda target: None):
     """[(path, module)]: the modules of `model` whose training flag the graph's operations follow, as each of
-    PyTorch's modules follows its own (a batch norm frozen with .eval() inside a model in training)."""
+    PyTorch's modules follows its own (a batch norm frozen with .eval() inside a model in training), those inside a
+    no-grad region or another higher-order operation's subgraph (found by `resolve`) included: a teacher frozen with
+    .eval() and called under torch.no_grad() ran its dropout in training mode."""
     owners = []
-    for path in sorted({_owner_path(node) for node in graph.nodes if _follows_mode(node)}):
+    for path in sorted({_owner_path(node) for node in _with_subgraphs(graph, resolve) if _follows_mode(node)}):
         try:
             module = _attribute(model, path) if path else model
         except AttributeError:
@@ -201,7 +220,8 @@ class CapturedNode(torch.nn.Module):
     def take_evaluation_tags(self, tags, model):
         """What evaluation leaves out, found after the node was made (smp._evaluation_path): its code made anew."""
         if _take_evaluation_tags(self._graph, tags):
-            object.__setattr__(self, "_owners", mode_owners(self._graph, model))
+            object.__setattr__(self, "_owners", mode_owners(self._graph, model,
+                                                            lambda target: _attribute_or_none(self, target)))
             self._variants.clear()
             object.__setattr__(self, "_stand_ins", None)
 

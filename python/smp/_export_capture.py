@@ -316,7 +316,7 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
     _hold_unread(model, made, node_name, first_path, divided)
     for value, node_graph, node_attributes, source_names in made:
         module = CapturedNode(node_graph, node_attributes, node_name[value], captured_device, source_names,
-                              mode_owners(node_graph, model))
+                              mode_owners(node_graph, model, node_attributes.get))
         engine._add_call(node_name[value], module, module, source_names, names_from_root=True,
                          profile_key=module.profile_key())
         engine._captured[node_name[value]] = module

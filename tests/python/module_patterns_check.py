@@ -8,6 +8,7 @@ on the same microbatches (every step's loss, then every parameter and buffer thi
   - a batch norm called on two stages is refused (each stage would update a copy of its statistics);
   - a model whose layers are its own parameters (a ParameterList) is refused in its terms, not the partition's;
   - a frozen first stage clipped by the trainable parameters (an empty list there) joins the norm (it hung);
+  - a frozen teacher in eval mode called under torch.no_grad() keeps its dropout off in train_step (it ran it);
 and in evaluation, against the PyTorch model in eval mode:
   - stochastic depth (torchvision's, p 0.5) returns its input (it dropped rows in evaluate too);
   - the wrapped model keeps only this rank's tensors, and calling it says why (it ran half trained);
@@ -186,7 +187,43 @@ def check_frozen_stage_clipping():
             failures.append(f"a frozen stage: {name} differs from PyTorch's")
 
 
+def check_frozen_teacher_under_no_grad():
+    """A frozen teacher in eval mode, called under torch.no_grad() inside the trained model's forward (distillation):
+    its dropout stays off in train_step, as its own flag says (export puts the no-grad region in a subgraph, whose
+    operations were not seen following their module's flag: the teacher ran its dropout in training mode)."""
+    class Distilled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.teacher = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Dropout(0.5),
+                                               torch.nn.Linear(WIDTH, WIDTH))
+            self.student = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh(),
+                                               torch.nn.Linear(WIDTH, WIDTH))
+
+        def forward(self, x):
+            with torch.no_grad():
+                taught = self.teacher(x)
+            return self.student(x) - taught
+
+    torch.manual_seed(6)
+    net = Distilled()
+    net.teacher.requires_grad_(False)
+    reference = copy.deepcopy(net)
+    inputs, targets = torch.randn(4, WIDTH), torch.randn(4, WIDTH)
+    model = smp.DistributedModel(net, inputs[:2])
+    model.train()
+    net.teacher.eval()
+    reference.train()
+    reference.teacher.eval()
+    for step in range(2):
+        loss = model.train_step(inputs, targets, F.mse_loss).loss
+        model.zero_grad()
+        expected = sum(F.mse_loss(reference(i), t).item() for i, t in zip(inputs.chunk(2), targets.chunk(2))) / 2
+        if abs(loss - expected) > 1e-6:
+            failures.append(f"a frozen teacher under no_grad, step {step}: loss {loss}, PyTorch {expected}")
+
+
 check_frozen_stage_clipping()
+check_frozen_teacher_under_no_grad()
 check("a Sequential calling one module twice", reused_sequential)
 check("a buffer written twice in place", lambda: Chain(Running()))
 check("a call counter in a module cut into its children", lambda: Chain(Counted()))
