@@ -44,10 +44,13 @@ def _only_model(caller):
     list is none of any other's); with several, which one's norm the peers take cannot be known."""
     live = [model for model in _models if getattr(model, "_some_rank_trains_none", True)]
     if len(live) > 1:
-        raise ValueError(f"torch.nn.utils.{caller} was given no tensors while {len(live)} smp.DistributedModels live: "
-                         "on a rank whose stages train none of a model's parameters it must still join that model's "
-                         "norm, and which model is meant cannot be known; pass model.parameters() (the frozen ones "
-                         "have no gradient and are left alone), or call optimizer.clip_grad_norm")
+        given = "model.parameters() to clip_grad_norm_ (the frozen ones have no gradient and are left alone)" \
+            if caller == "clip_grad_norm_" else \
+            "clip with optimizer.clip_grad_norm(max_norm), which returns the whole model's norm, or with " \
+            "clip_grad_norm_(model.parameters(), max_norm)"
+        raise ValueError(f"torch.nn.utils.{caller} was given no tensors while {len(live)} smp.DistributedModels with a "
+                         "rank that trains none of their parameters live: on such a rank it must still join its "
+                         f"model's norm, and which model is meant cannot be known; pass {given}")
     return live[0] if live else None
 
 

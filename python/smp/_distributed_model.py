@@ -240,10 +240,12 @@ class DistributedModel(torch.nn.Module):
             parameter._smp_model = owner
         # Whether some rank trains none of its parameters (a frozen backbone's stage): there an empty list given to
         # torch's clipping is this model's share, which joins the whole norm (_clip); elsewhere it is none of it.
-        trains_none = torch.tensor([float(not any(p.requires_grad for p in self._model.named_parameters().values()))])
+        trains_some = any(p.requires_grad for p in self._model.named_parameters().values())
+        ranks = torch.tensor([float(not trains_some), float(trains_some)])  # ranks training none, and some
         if rt.world_size > 1:
-            rt.all_reduce_sum(trains_none)
-        self._some_rank_trains_none = bool(trains_none.item() > 0)
+            rt.all_reduce_sum(ranks)
+        # A model no rank trains (a frozen teacher) has no norm to join.
+        self._some_rank_trains_none = bool(ranks[0].item() > 0 and ranks[1].item() > 0)
         _clip.clipped_by_whole_norm(self)
         if isinstance(model, torch.nn.Module):
             kept = {id(t) for t in self._model.named_parameters().values()}

@@ -155,6 +155,9 @@ def check_frozen_stage_clipping():
     reference = copy.deepcopy(net)
     inputs, targets = torch.randn(4, WIDTH), torch.randn(4, WIDTH)
     model = smp.DistributedModel(net, inputs[:2])
+    # A frozen teacher alive beside it (distillation): no rank trains it, so the empty list is still the student's.
+    teacher = smp.DistributedModel(torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH).requires_grad_(False)
+                                                         for _ in range(2)]), inputs[:2])
     trainable = [p for p in model.parameters() if p.requires_grad]
     empty = torch.tensor([float(not trainable)])
     runtime.all_reduce_sum(empty)
@@ -185,6 +188,7 @@ def check_frozen_stage_clipping():
     for name, tensor in model.named_parameters():
         if not torch.allclose(tensor, whole[name], atol=1e-6):
             failures.append(f"a frozen stage: {name} differs from PyTorch's")
+    del teacher
 
 
 def check_frozen_teacher_under_no_grad():
