@@ -21,8 +21,12 @@
 #include <torch/optim/sgd.h>
 #include <torch/serialize/input-archive.h>
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <csignal>
 
 #include <filesystem>
 #include <fstream>
@@ -419,10 +423,34 @@ TEST_CASE("one job at a time saves into a checkpoint_dir", "[checkpoint]") {
   {
     smp::Checkpointer first(*job.model, std::make_unique<RecordedOptimizerState>());
     CHECK_THROWS_WITH(smp::Checkpointer(*job.model, std::make_unique<RecordedOptimizerState>()),
-                      Catch::Contains("checkpoint_dir \"" + directory + "\" is in use by another job (pid " +
-                                      std::to_string(::getpid())));
+                      Catch::Contains("checkpoint_dir \"" + directory + "\" is held by another Checkpointer of this "
+                                      "job (this process, pid " + std::to_string(::getpid())));
   }
   CHECK_NOTHROW(smp::Checkpointer(*job.model, std::make_unique<RecordedOptimizerState>()));  // let go with the first
+  {
+    // Another process holding it: another job.
+    int ready[2];
+    REQUIRE(::pipe(ready) == 0);
+    const pid_t holder = ::fork();
+    if (holder == 0) {  // as another job's rank 0 holds it: the lock, and who holds it
+      const int fd = ::open((directory + "/.smp-lock").c_str(), O_RDWR | O_CREAT, 0644);
+      if (fd < 0 || ::flock(fd, LOCK_EX) != 0 || ::ftruncate(fd, 0) != 0) ::_exit(1);
+      const std::string who = "pid " + std::to_string(::getpid()) + " on elsewhere";
+      [[maybe_unused]] const auto wrote = ::pwrite(fd, who.data(), who.size(), 0);
+      [[maybe_unused]] const auto told = ::write(ready[1], "x", 1);
+      ::pause();  // until killed
+      ::_exit(0);
+    }
+    char told = 0;
+    REQUIRE(::read(ready[0], &told, 1) == 1);
+    CHECK_THROWS_WITH(smp::Checkpointer(*job.model, std::make_unique<RecordedOptimizerState>()),
+                      Catch::Contains("checkpoint_dir \"" + directory + "\" is in use by another job (pid " +
+                                      std::to_string(holder)));
+    ::kill(holder, SIGKILL);
+    ::waitpid(holder, nullptr, 0);
+    ::close(ready[0]);
+    ::close(ready[1]);
+  }
   CHECK(std::system(("rm -rf " + directory).c_str()) == 0);
 }
 
