@@ -126,8 +126,8 @@ class CapturedIO:
                     for name, value, parts in zip(self.input_names, engine_inputs, split)}
 
         sizes = [next((len(parts[index]) for parts in split if parts is not None), None) for index in range(pieces)]
-        normed = self._one_value_norms(batch_statistics_now=True, training=what == "train_step")
-        if 1 in sizes and normed:
+        normed = self._one_value_norms(batch_statistics_now=True, training=what == "train_step") if 1 in sizes else []
+        if normed:
             # Export's least of 2, which smp does not enforce, was also what kept one sample from batch norm's own
             # check: the captured code would take its statistics over one value a channel (a NaN variance).
             raise ConfigError(f"{what}: a microbatch of 1 sample through batch norm on batch statistics "
@@ -163,7 +163,7 @@ class CapturedIO:
         train_step's in training mode, or any call's keeping no running ones), or every one (the planner's, whatever
         mode the model is in later)."""
         paths = getattr(self._shapes, "one_value_norms", ())
-        if not batch_statistics_now or not isinstance(self._model, torch.nn.Module):
+        if not paths or not batch_statistics_now or not isinstance(self._model, torch.nn.Module):
             return list(paths)
         modules = dict(self._model.named_modules())
         return [path for path in paths if path in modules and
