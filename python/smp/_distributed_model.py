@@ -530,9 +530,7 @@ class DistributedModel(torch.nn.Module):
                              "(smp.export_safetensors) and generate with it in one process",
                  "gradient_checkpointing_enable": "smp recomputes activations by its config: \"activation_"
                                                   "checkpointing\": true (or the stages or modules to recompute)",
-                 "save_pretrained": "this rank holds its stages only: save a checkpoint (smp.Checkpointer) and "
-                                    "write the whole model from it with smp.export_safetensors(checkpoint, "
-                                    "directory), a directory from_pretrained reads",
+                 "save_pretrained": f"this rank holds its stages only: {_materialize.SAVE_WHOLE_MODEL}",
                  "push_to_hub": "this rank holds its stages only: write the whole model with "
                                 "smp.export_safetensors from a checkpoint, and push that directory",
                  "no_sync": "train_step accumulates over its microbatches and then averages over the replicas: "

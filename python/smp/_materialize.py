@@ -141,6 +141,11 @@ def released_model_runs():
         _released_may_run = before
 
 
+# What saving the whole model takes, where a rank holds its stages only.
+SAVE_WHOLE_MODEL = ("save a checkpoint (smp.Checkpointer) and write the whole model from it with "
+                    "smp.export_safetensors(checkpoint, directory), a directory from_pretrained reads")
+
+
 def release_other_stages(model, kept, stages):
     """The inverse, once a model is cut: `model`'s parameters that this rank does not train (`kept`: the ids of those
     it does) become meta tensors, so that the model the user still holds cannot be saved or run as if trained (its
@@ -184,9 +189,7 @@ def release_other_stages(model, kept, stages):
 
         def save_pretrained(*args, **kwargs):
             raise ModelError(f"{name}.save_pretrained: this rank holds its stage(s) {stages} only (the other "
-                             "stages' tensors are on the meta device here): save a checkpoint (smp.Checkpointer) "
-                             "and write the whole model from it with smp.export_safetensors(checkpoint, directory), "
-                             "a directory from_pretrained reads")
+                             f"stages' tensors are on the meta device here): {SAVE_WHOLE_MODEL}")
         model.save_pretrained = save_pretrained
     release_freed_memory()
     return len(released)
