@@ -119,6 +119,11 @@ struct Rank {
   bool output_open() const { return streams[0].read_fd >= 0 || streams[1].read_fd >= 0; }
 };
 
+// Collects a rank's lines, prefixed, into one batch to write.
+auto appender(const Rank& rank, std::string& lines) {
+  return [&rank, &lines](std::string_view line) { lines.append(rank.line_prefix).append(line).push_back('\n'); };
+}
+
 enum class StopReason { None, RankFailed, LaunchFailed, Timeout, Signal };
 enum class ReadResult { Data, Empty, Closed };
 
@@ -153,6 +158,7 @@ class Job {
     started_at_ = Clock::now();
     start_ranks();
     supervise();
+    release_held_output();
     if (stop_reason_ != StopReason::None) report_final_statuses();
     return exit_code();
   }
@@ -403,22 +409,39 @@ class Job {
     if (count < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return ReadResult::Empty;
 
     std::string lines;
-    const auto append_line = [&](std::string_view line) {
-      lines.append(rank.line_prefix).append(line).push_back('\n');
-    };
-    const auto fold_line = [&](std::string_view line) {
-      traceback_folder_.line(stream.traceback, rank.global_index, line, append_line);
-    };
     if (count > 0) {
-      stream.assembler.feed(std::string_view(buffer, static_cast<std::size_t>(count)), fold_line);
+      stream.assembler.feed(std::string_view(buffer, static_cast<std::size_t>(count)), [&](std::string_view line) {
+        traceback_folder_.line(stream.traceback, rank.global_index, line, appender(rank, lines));
+      });
     } else {
-      stream.assembler.flush(fold_line);
-      traceback_folder_.flush(stream.traceback, append_line);
-      close_fd(stream.read_fd);
+      end_stream(rank, stream, lines);
     }
     // One write per batch of whole lines, so nothing from another rank can land inside a line.
     if (!write_all(stream.destination_fd, lines)) close_streams_to(stream.destination_fd);
     return count > 0 && stream.read_fd >= 0 ? ReadResult::Data : ReadResult::Closed;
+  }
+
+  // What the stream still holds (a line without its end, a traceback waiting for its exception line) goes out as
+  // it stands: it is often what says why the rank failed.
+  void end_stream(const Rank& rank, OutputStream& stream, std::string& lines) {
+    stream.assembler.flush([&](std::string_view line) {
+      traceback_folder_.line(stream.traceback, rank.global_index, line, appender(rank, lines));
+    });
+    traceback_folder_.flush(stream.traceback, appender(rank, lines));
+    close_fd(stream.read_fd);
+  }
+
+  // Supervision can end with a stream still open: a process the rank left behind holds its pipe past the drain
+  // deadline.
+  void release_held_output() {
+    for (Rank& rank : ranks_) {
+      for (OutputStream& stream : rank.streams) {
+        if (stream.read_fd < 0) continue;
+        std::string lines;
+        end_stream(rank, stream, lines);
+        write_all(stream.destination_fd, lines);
+      }
+    }
   }
 
   // smprun's stdout or stderr is gone (`smprun ... | head`): closing the ranks' pipes to it lets them meet

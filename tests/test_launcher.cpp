@@ -486,6 +486,18 @@ TEST_CASE("smprun prints a traceback every rank printed once", "[launcher][smpru
         }) == 3);
 }
 
+TEST_CASE("smprun prints what a rank held back when a process it left behind keeps its pipe open", "[launcher][smprun]") {
+  // The drain deadline ends supervision with the pipes still open: the traceback waiting for its exception line
+  // and the line without its end are what the rank said last.
+  const SmprunResult result = run_smprun(
+      {"-n", "1", "--", "sh", "-c",
+       "printf 'Traceback (most recent call last):\\n  File \"x.py\", line 1\\n' >&2; printf 'last words'; "
+       "sleep 4 & exit 0"});
+  CHECK(result.exit_code == 0);
+  CHECK(contains(result.err, "[rank 0] Traceback (most recent call last):\n[rank 0]   File \"x.py\", line 1\n"));
+  CHECK(contains(result.out, "[rank 0] last words\n"));
+}
+
 TEST_CASE("describe_wait_status reports exit codes and signals", "[launcher]") {
   const int exited_3 = wait_status_of_child([] { ::_exit(3); });
   CHECK(describe_wait_status(exited_3) == "exited with status 3");
