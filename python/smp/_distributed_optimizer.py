@@ -255,20 +255,34 @@ def _options(group, scheduled):
 
 def refuse_grad_scaler():
     """torch.amp.GradScaler's step and unscale_ over a DistributedOptimizer (a DDP loop's habit) say what smp does
-    instead: its assertion that scale() was never called named the wrong cause."""
+    instead: its assertion that scale() was never called named the wrong cause. Subclasses that override them
+    (FSDP's ShardedGradScaler overrides unscale_), now or imported later, are refused alike."""
+    scalers = [torch.amp.GradScaler]
+    while scalers:
+        scaler = scalers.pop()
+        _refuse_over_distributed_optimizer(scaler)
+        scalers.extend(scaler.__subclasses__())
+    if "__init_subclass__" not in torch.amp.GradScaler.__dict__:
+        def refusing_in_subclasses(cls, **kwargs):
+            super(torch.amp.GradScaler, cls).__init_subclass__(**kwargs)
+            _refuse_over_distributed_optimizer(cls)
+        torch.amp.GradScaler.__init_subclass__ = classmethod(refusing_in_subclasses)
+
+
+def _refuse_over_distributed_optimizer(scaler):
     for name in ("step", "unscale_"):
-        original = getattr(torch.amp.GradScaler, name)
-        if getattr(original, "_smp_original", None) is not None:
+        original = scaler.__dict__.get(name)
+        if original is None or getattr(original, "_smp_original", None) is not None:
             continue
 
         @functools.wraps(original)
         def refusing(self, optimizer, *args, _original=original, _name=name, **kwargs):
             if isinstance(optimizer, DistributedOptimizer) and self.is_enabled():
-                raise RuntimeError(f"GradScaler.{_name} over an smp.DistributedOptimizer: train_step runs the "
-                                   "backward, so the scaler never scaled a loss. With \"fp16\": true smp scales the "
-                                   "loss and unscales the gradients itself, and drops a step whose gradients "
+                raise RuntimeError(f"{type(self).__name__}.{_name} over an smp.DistributedOptimizer: train_step runs "
+                                   "the backward, so the scaler never scaled a loss. With \"fp16\": true smp scales "
+                                   "the loss and unscales the gradients itself, and drops a step whose gradients "
                                    "overflowed (optimizer.step() then does nothing); \"bf16\" needs no scaling. "
                                    "Call optimizer.step() without a GradScaler")
             return _original(self, optimizer, *args, **kwargs)
         refusing._smp_original = original
-        setattr(torch.amp.GradScaler, name, refusing)
+        setattr(scaler, name, refusing)

@@ -1018,6 +1018,10 @@ def pytorch_conventions():
     scaler = torch.amp.GradScaler("cpu")
     expect_error("GradScaler.step over a DistributedOptimizer", RuntimeError, "\"fp16\": true smp scales the loss",
                  lambda: scaler.step(smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))))
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # overrides unscale_
+    expect_error("ShardedGradScaler.unscale_ over a DistributedOptimizer", RuntimeError, "ShardedGradScaler.unscale_",
+                 lambda: ShardedGradScaler("cpu").unscale_(
+                     smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))))
     with torch.autocast("cpu", dtype=torch.float16):
         expect_error("train_step under autocast(float16)", smp.ConfigError, "set \"fp16\": true",
                      lambda: model.train_step(torch.randn(4, 4), torch.randn(4, 2), F.mse_loss))
