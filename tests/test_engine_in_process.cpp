@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <c10/core/CPUAllocator.h>
+#include <torch/cuda.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/dropout.h>
@@ -504,6 +505,16 @@ TEST_CASE("a save that pruning would delete at once is refused: a step lower tha
   }
   // Not std::filesystem::remove_all: libtorch.so's copy of it crashes in programs linked with LibTorch.
   CHECK(std::system(("rm -rf " + directory).c_str()) == 0);
+}
+
+TEST_CASE("backend nccl where device auto takes the CPU is refused, not taken as Gloo", "[runtime]") {
+  if (torch::cuda::device_count() > 0) return;  // "auto" takes the GPU there
+  for (const char* key : {"backend", "ddp_dist_backend"}) {
+    const auto config = smp::Config::from_json_text(std::string(R"({")") + key + R"(": "nccl"})", "test config");
+    CHECK_THROWS_WITH(smp::Runtime::init(config, smp::comm::LaunchInfo{}),
+                      Catch::Contains("test config: \"nccl\" (key \"backend\" or \"ddp_dist_backend\") moves GPU "
+                                      "tensors only, and \"device\": \"auto\" chose the CPU on rank 0"));
+  }
 }
 
 TEST_CASE("inputs and targets of other batch sizes are said so before whether the targets split", "[graph]") {

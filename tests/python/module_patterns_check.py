@@ -354,8 +354,17 @@ def check_quick_mode_answers():
 
 check_quick_mode_answers()
 
-# A tensor under two names (the module called twice) loads by either, as PyTorch's load_state_dict does.
+# A tensor under two names (the module called twice) loads by either, as PyTorch's load_state_dict does. Built under
+# a seed per rank: the copies of the tie on the two stages start as the first holder's (they differed, silently).
+torch.manual_seed(10 + runtime.rank)
 tied = smp.DistributedModel(reused_sequential(), torch.randn(2, WIDTH))
+held = [tensor.detach().double().sum() for name, tensor in tied.named_parameters() if name in ("0.weight", "2.weight")]
+copy = held[0] if held else torch.tensor(0.0, dtype=torch.float64)
+copies = torch.stack([torch.tensor(float(len(held[:1])), dtype=torch.float64), copy, copy * copy])
+runtime.all_reduce_sum(copies)  # holders, the sum of their sums, of their squares: equal copies when sum^2 = 2 squares
+if copies[0] != 2 or abs(copies[1] ** 2 - 2 * copies[2]) > 1e-9 * max(1.0, float(copies[2])):
+    failures.append(f"a tied weight built under a seed per rank: its copies on the two stages differ "
+                    f"(holders, sum, squares: {copies.tolist()})")
 tied.load_state_dict({"2.weight": torch.zeros(WIDTH, WIDTH)}, strict=False)
 if any(name == "0.weight" and tensor.abs().sum() != 0 for name, tensor in tied.named_parameters()):
     failures.append("load_state_dict by a tied tensor's second name left it as it was")

@@ -72,9 +72,11 @@ struct Config {
   bool auto_partition = true;
   int default_partition = 0;     // stage for every module when auto_partition is false
   std::map<std::string, int> partition_overrides;  // module path -> stage, honoured in both modes
-  std::string optimize = "speed";  // "speed" or "memory"
+  // "speed" or "memory". SMP's default is "memory"; smp's is "speed": a pipeline's step is its slowest stage's, and
+  // memory_limit_mb (or "auto") keeps a cut within memory where it must.
+  std::string optimize = "speed";
   // Weight of memory balancing against compute balancing in the partition objective (0: compute only,
-  // 1: memory only); SMP's default is 0.2 with optimize "speed" and 0.8 with "memory".
+  // 1: memory only); as SMP's, 0.2 with optimize "speed" and 0.8 with "memory".
   double memory_weight = 0.2;
   double memory_limit_mb = 0;        // per rank, for the partition search (parameters, gradients, Adam state)
   double link_bandwidth_gbps = 10;   // GB/s between stages, to weigh what a cut sends against compute

@@ -674,7 +674,7 @@ std::string Config::describe() const {
        << (overlap_forward_backward ? " overlap_forward_backward" : "") << " virtual_stages=" << virtual_stages
        << " ddp=" << (ddp ? "true" : "false") << (shard_optimizer_state ? " shard_optimizer_state=true" : "")
        << " placement=" << placement_strategy << " active_microbatches=" << active_microbatches
-       << " auto_partition=" << (auto_partition ? "true" : "false") << " seed=" << seed << " device=" << device
+       << " auto_partition=" << (auto_partition ? "true" : "false") << " memory_weight=" << memory_weight << " seed=" << seed << " device=" << device
        << " backend=" << backend;
   if (global_batch_size > 0) text << " global_batch_size=" << global_batch_size;
   if (!checkpointed_stages.empty()) {

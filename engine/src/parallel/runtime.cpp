@@ -211,6 +211,15 @@ Runtime::Runtime(const Config& given, const comm::LaunchInfo& launch)
                         " (hosts with different GPU counts?); set \"device\" and \"backend\" explicitly");
     }
   }
+  if (config_.backend == "nccl" && !device_.is_cuda()) {
+    // "device": "cpu" with "nccl" is refused with the config; "auto" found no GPU per process, and an explicit
+    // "nccl" taken as Gloo would be a silent change of what was asked.
+    throw ConfigError(config_.source + ": \"nccl\" (key \"backend\" or \"ddp_dist_backend\") moves GPU tensors "
+                      "only, and \"device\": \"auto\" chose the CPU on rank " + std::to_string(launch_.rank) +
+                      " (it sees " + std::to_string(torch::cuda::device_count()) + " CUDA device(s) for its host's " +
+                      std::to_string(launch_.local_world_size) + " processes): use \"gloo\" or \"auto\", or "
+                      "run where each process has a GPU");
+  }
   // Through the device-generic interface: this file builds against a CPU-only LibTorch too.
   if (device_.is_cuda()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(device_);
   // Gloo listens where the peers can reach this host: loopback for one-host jobs, else the address that routes

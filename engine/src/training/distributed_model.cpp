@@ -244,6 +244,7 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
   // under another seed per rank would otherwise train apart, each replica averaging gradients of other weights.
   share_first_replica_parameters();
   share_first_replica_buffers();
+  gradients_->share_tied_copies();
   // The job's models each their own stream (a teacher's dropout and a student's are not the same draws).
   random_stream_offset_ = 0x9e3779b97f4a7c15ULL * static_cast<std::uint64_t>(model_number);
   seed_random_stream(program_seed);

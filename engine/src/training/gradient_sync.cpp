@@ -145,6 +145,11 @@ void GradientSync::sum_sequence_parallel() {
   }
 }
 
+void GradientSync::share_tied_copies() {
+  at::NoGradGuard no_grad;
+  for (auto& tied : tied_) tied.holders->broadcast(tied.parameter.detach(), 0);
+}
+
 void GradientSync::sum_tied() {
   for (auto& tied : tied_) {
     // The copies' gradients and, last, how many holders had one: none leaves .grad undefined (the optimizer then

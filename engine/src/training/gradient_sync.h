@@ -45,6 +45,10 @@ class GradientSync {
   GradientSync(const GradientSync&) = delete;
   GradientSync& operator=(const GradientSync&) = delete;
 
+  // Tied copies start equal: every holder takes the first holder's values. A program seeding each rank apart would
+  // otherwise train a tie whose copies differed from the start, silently (their gradients are summed, not their
+  // values).
+  void share_tied_copies();
   // Before the step's backward passes.
   void arm();
   // After them: the replicas' means, then the tied and the sequence-parallel sums. Returns the buckets the replicas
