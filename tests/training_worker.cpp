@@ -278,7 +278,18 @@ int run(int argc, char** argv) {
   smp::DistributedOptimizer optimizer(distributed, make_optimizer(options, distributed.parameters()));
   smp::Checkpointer checkpointer(distributed, optimizer);
   const int first_step = options.skip_resume ? 0 : static_cast<int>(checkpointer.resume());
-
+  if (first_step > 0) {
+    // Every rank's program generator continues alike, a replica the saving job did not have included (it kept a
+    // fresh state, and a program drawing its global batch from it failed the step).
+    const at::Tensor state = at::detail::getDefaultCPUGenerator().get_state();
+    const at::Tensor first_rank_state = state.clone();
+    runtime->world().broadcast(first_rank_state, 0);
+    if (!at::equal(state, first_rank_state)) {
+      std::fprintf(stderr, "rank %d: the program's random generator differs from rank 0's after the resume\n",
+                   runtime->rank());
+      return 1;
+    }
+  }
   at::manual_seed(config.seed);
   auto reference = make_model(options);
   reference.materialize(static_cast<std::uint64_t>(config.seed));  // nodes built on demand, with the job's weights
@@ -299,6 +310,7 @@ int run(int argc, char** argv) {
   at::Tensor reference_output;  // of the last reference step's whole batch (not under --accumulate)
   auto reference_step = [&](int step) {
     current_step = step;
+    at::rand({1});  // the program's own draw each step (a shuffle, an augmentation), which a resume continues
     auto [inputs, targets] = global_batch(options, batch, step, config.seed);
     if (step == options.nan_step) inputs = not_finite(inputs, options.accumulate);
     inputs = inputs.to(device);
@@ -418,6 +430,7 @@ int run(int argc, char** argv) {
     if (runtime->rank() == options.kill_rank && step == options.kill_step) raise(SIGKILL);
     if (options.step_sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(options.step_sleep_ms));
     if (runtime->rank() == options.stop_rank && step == options.stop_step) raise(SIGSTOP);
+    at::rand({1});  // the program's own draw each step (a shuffle, an augmentation), which a resume continues
     auto [inputs, targets] = global_batch(options, batch, step, config.seed);
     if (step == options.nan_step) inputs = not_finite(inputs, options.accumulate);
     optimizer.zero_grad();

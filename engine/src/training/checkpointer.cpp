@@ -168,7 +168,8 @@ std::string random_state_bytes(const c10::Device& device, const ModelRandomStrea
   return std::string(bytes.data(), bytes.size());
 }
 
-void restore_random_state(const at::Tensor& bytes, const c10::Device& device, ModelRandomStream& model_stream) {
+// `model_stream` null: the program's generators alone.
+void restore_random_state(const at::Tensor& bytes, const c10::Device& device, ModelRandomStream* model_stream) {
   const char* data = static_cast<const char*>(bytes.data_ptr());
   const c10::IValue saved = torch::jit::pickle_load(std::vector<char>(data, data + bytes.numel()));
   c10::List<at::Tensor> program;
@@ -179,7 +180,7 @@ void restore_random_state(const at::Tensor& bytes, const c10::Device& device, Mo
     program = states.at("program");
     const auto model = states.at("model");
     // A CPU job's checkpoint resumed on a GPU: the model's stream keeps its seeding, as the GPU's generator does.
-    model_stream.take_states(std::vector<at::Tensor>(model.begin(), model.end()));
+    if (model_stream) model_stream->take_states(std::vector<at::Tensor>(model.begin(), model.end()));
   }
   at::Generator generator = at::detail::getDefaultCPUGenerator();  // a handle on the default one
   generator.set_state(program.get(0));
@@ -613,10 +614,17 @@ std::int64_t Checkpointer::resume() {
     if (contents.contains("random_states_by_replica")) {
       const auto by_replica = contents.at("random_states_by_replica").toTensorList();
       if (runtime.dp_rank() < static_cast<int>(by_replica.size())) {
-        restore_random_state(by_replica.get(runtime.dp_rank()), runtime.device(), model_.random_stream());
-      } else if (runtime.pp_rank() == 0 && runtime.tp_rank() == 0) {
-        log::info(directory + " holds the random state of " + std::to_string(by_replica.size()) +
-                  " replicas: replica " + std::to_string(runtime.dp_rank()) + " keeps its own");
+        restore_random_state(by_replica.get(runtime.dp_rank()), runtime.device(), &model_.random_stream());
+      } else {
+        // A replica the saving job did not have: the program's generators continue the first replica's, as every
+        // replica draws alike for a global batch (a fresh state would draw other batches, and fail the step); the
+        // model's stream (dropout) keeps its own seeding, per replica.
+        restore_random_state(by_replica.get(0), runtime.device(), nullptr);
+        if (runtime.pp_rank() == 0 && runtime.tp_rank() == 0) {
+          log::info(directory + " holds the random state of " + std::to_string(by_replica.size()) +
+                    " replicas: replica " + std::to_string(runtime.dp_rank()) + " continues the first replica's "
+                    "program generators, and draws its dropout from its own stream");
+        }
       }
     } else {  // written before each replica's state was kept: the first replica's
       auto generator = at::detail::getDefaultCPUGenerator();
