@@ -6,6 +6,7 @@ import collections.abc
 import copy
 import io
 import os
+import random
 import sys
 import warnings
 import weakref
@@ -48,6 +49,7 @@ class Checkpointer:
                      "parameter_names": [[name_of[id(p)] for p in group["params"]] for group in inner.param_groups]}
             if lr_scheduler is not None:
                 state["lr_scheduler"] = lr_scheduler.state_dict()
+            state["program_random"] = _program_random_state()
             if extra_state:
                 state["extra_state"] = {name: _state_of(held) for name, held in extra_state.items()}
                 if not extra_checked:
@@ -69,6 +71,7 @@ class Checkpointer:
                         raise CheckpointError("the checkpoint was saved without an LR scheduler, but one was given")
                     lr_scheduler.load_state_dict(state["lr_scheduler"])
                 _restore_extra_state(extra_state, state.get("extra_state", {}))
+                _restore_program_random_state(state.get("program_random", {}))
 
             optimizer._load_shares(first_share, shares_to_read, read, on_first=scheduler_state,
                                    scheduled=lr_scheduler is not None)
@@ -144,6 +147,31 @@ def _restore_extra_state(extra_state, saved):
     said += [f"the checkpoint's '{name}' was not given, and is left unread" for name in saved if name not in extra_state]
     if said and runtime().rank == 0:
         warnings.warn(f"resume: extra_state: {'; '.join(said)}", stacklevel=5)
+
+
+def _program_random_state():
+    """Python's and NumPy's global generators (torch's are the engine's), in what torch.load(weights_only=True) reads
+    back: a program shuffling with random.shuffle or cropping with np.random continues its sequence on resume, as
+    Accelerate's checkpoints do. NumPy only when the program imported it."""
+    version, internal, gauss = random.getstate()
+    state = {"python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss": gauss}}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        kind, key, position, has_gauss, cached_gaussian = numpy.random.get_state(legacy=True)
+        state["numpy"] = {"kind": kind, "key": torch.from_numpy(key.astype("int64")), "position": int(position),
+                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+    return state
+
+
+def _restore_program_random_state(saved):
+    if "python" in saved:
+        python = saved["python"]
+        random.setstate((python["version"], tuple(python["internal"].tolist()), python["gauss"]))
+    numpy = sys.modules.get("numpy")
+    if "numpy" in saved and numpy is not None:
+        kept = saved["numpy"]
+        numpy.random.set_state((kept["kind"], kept["key"].numpy().astype("uint32"), kept["position"],
+                                kept["has_gauss"], kept["cached_gaussian"]))
 
 
 def _wait_at_exit(checkpointer):

@@ -2,7 +2,7 @@
 checkpoints after each; a second job resumes from the newest checkpoint (optimizer and scheduler state) and trains 2
 more, its optimizer built over the parameters in reverse order. Both runs' final parameters must equal 6 (or 4) steps
 of plain PyTorch training on the same batches, so the learning rate must continue where it was, and each Adam moment
-with its own parameter. Launches both jobs itself. With --sharded, the first job has two replicas
+with its own parameter; Python's and NumPy's generators continue too. Launches both jobs itself. With --sharded, the first job has two replicas
 that shard the optimizer state ("shard_optimizer_state"), each drawing random numbers of its own, which a resume
 continues replica by replica; the second, one replica, trains one step from it (reading both
 shares), and a third, sharded over two replicas again, resumes from that one's unsharded checkpoint: each time every
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 WORKER = """
-import json, sys, torch, torch.nn.functional as F, smp
+import json, random, sys, numpy, torch, torch.nn.functional as F, smp
 config, steps, out = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 torch.set_num_threads(1)
 runtime = smp.init(config)
@@ -53,6 +53,8 @@ loader, progress = Batches(), {"samples": 0}
 checkpointer = smp.Checkpointer(model, optimizer, lr_scheduler=scheduler,
                                 extra_state={"loader": loader, "progress": progress})
 torch.manual_seed(100 + runtime.dp_rank)  # each replica's own augmentation stream, as the README advises
+random.seed(7)  # a shuffle's and a crop's generators, Python's and NumPy's, which a resume continues
+numpy.random.seed(7)
 first = checkpointer.resume()
 if loader.next != first or progress != {"samples": 8 * first}:
     raise SystemExit(f"rank {runtime.rank}: resumed at {first} with the loader at {loader.next}, {progress}")
@@ -64,6 +66,7 @@ for step in range(first, steps):
     data = torch.Generator().manual_seed(step)
     inputs, targets = torch.randn(8, 6, generator=data), torch.randn(8, 3, generator=data)
     torch.rand(3)  # the augmentation's draws
+    random.random(), numpy.random.rand()
     optimizer.zero_grad()
     model.train_step(inputs, targets, F.mse_loss)
     optimizer.step()
@@ -72,7 +75,8 @@ for step in range(first, steps):
     if checkpointer.due(step):
         checkpointer.save(step)
 checkpointer.wait()
-print(f"rank {runtime.rank}: draws next {torch.rand(1).item():.8f}", flush=True)
+print(f"rank {runtime.rank}: draws next {random.random():.8f} {numpy.random.rand():.8f} {torch.rand(1).item():.8f}",
+      flush=True)
 # Each tensor with where it sits in the whole: (dim, blocks, tp rank, degree) for a shard.
 torch.save({name: (tensor.detach().clone(), getattr(tensor, "_smp_shard", None) and
                    (*tensor._smp_shard, runtime.tp_rank, runtime.tensor_parallel_degree))

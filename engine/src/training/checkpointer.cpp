@@ -168,6 +168,27 @@ std::string random_state_bytes(const c10::Device& device, const ModelRandomStrea
   return std::string(bytes.data(), bytes.size());
 }
 
+c10::List<at::Tensor> program_random_state(const at::Tensor& bytes) {
+  const char* data = static_cast<const char*>(bytes.data_ptr());
+  const c10::IValue saved = torch::jit::pickle_load(std::vector<char>(data, data + bytes.numel()));
+  if (saved.isTensorList()) return saved.toTensorList();
+  return c10::impl::toTypedDict<std::string, c10::List<at::Tensor>>(saved.toGenericDict()).at("program");
+}
+
+// Whether the saving job's replicas drew their program's numbers alike (a global batch drawn on every rank), rather
+// than each its own (augmentation seeded per replica, with replica_share).
+bool replicas_drew_alike(const c10::List<at::Tensor>& by_replica) {
+  const auto first = program_random_state(by_replica.get(0));
+  for (std::size_t replica = 1; replica < by_replica.size(); ++replica) {
+    const auto other = program_random_state(by_replica.get(replica));
+    if (other.size() != first.size()) return false;
+    for (std::size_t i = 0; i < first.size(); ++i) {
+      if (!at::equal(other.get(i), first.get(i))) return false;
+    }
+  }
+  return true;
+}
+
 // `model_stream` null: the program's generators alone.
 void restore_random_state(const at::Tensor& bytes, const c10::Device& device, ModelRandomStream* model_stream) {
   const char* data = static_cast<const char*>(bytes.data_ptr());
@@ -616,14 +637,18 @@ std::int64_t Checkpointer::resume() {
       if (runtime.dp_rank() < static_cast<int>(by_replica.size())) {
         restore_random_state(by_replica.get(runtime.dp_rank()), runtime.device(), &model_.random_stream());
       } else {
-        // A replica the saving job did not have: the program's generators continue the first replica's, as every
-        // replica draws alike for a global batch (a fresh state would draw other batches, and fail the step); the
-        // model's stream (dropout) keeps its own seeding, per replica.
-        restore_random_state(by_replica.get(0), runtime.device(), nullptr);
+        // A replica the saving job did not have. Where its replicas drew alike (every rank draws the global batch),
+        // the program's generators continue theirs: a fresh state would draw another batch, and fail the step.
+        // Where each drew its own (augmentation seeded per replica), this one keeps the seeding the program gave it.
+        // The model's stream (dropout) keeps its own seeding, per replica, either way.
+        const bool alike = replicas_drew_alike(by_replica);
+        if (alike) restore_random_state(by_replica.get(0), runtime.device(), nullptr);
         if (runtime.pp_rank() == 0 && runtime.tp_rank() == 0) {
           log::info(directory + " holds the random state of " + std::to_string(by_replica.size()) +
-                    " replicas: replica " + std::to_string(runtime.dp_rank()) + " continues the first replica's "
-                    "program generators, and draws its dropout from its own stream");
+                    " replicas: replica " + std::to_string(runtime.dp_rank()) +
+                    (alike ? " continues their program generators (they drew alike)"
+                           : " keeps the program generators' seeding (theirs differ, each replica's own)") +
+                    ", and draws its dropout from a stream of its own");
         }
       }
     } else {  // written before each replica's state was kept: the first replica's
