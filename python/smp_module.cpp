@@ -801,6 +801,11 @@ PYBIND11_MODULE(_smp, module) {
       },
       py::arg("root"));
 
+  module.def(
+      "resumed_layout",
+      [](const Config& given, int world_size) { return resumed_layout(given, world_size).value_or(""); },
+      py::arg("given"), py::arg("world_size"));
+
   py::class_<Checkpointer>(module, "Checkpointer")
       .def(py::init([](DistributedModel& model, py::function snapshot, py::function load) {
              return std::make_unique<Checkpointer>(

@@ -393,8 +393,14 @@ def adopt_planned_layout(model, sample, dynamic_shapes=None, tp_plan=None):
     (with experts divided, {experts module path: the busiest rank's share of a step's rows planned, times its even
     share}), "links"
     (what the ranks measured: latency_s, bytes_per_s, shared_processors, synchronization_s,
-    synchronized_bytes_per_s), "report" (rank 0's table, on every rank)}; the model adds "measured_step_ms" after its fifth train_step."""
+    synchronized_bytes_per_s), "report" (rank 0's table, on every rank)}; the model adds "measured_step_ms" after its fifth train_step.
+    None when the job resumes a checkpoint, whose layout it keeps (smp._smp.resumed_layout)."""
     rt = runtime()
+    # A resume keeps the layout its checkpoint was saved with: nothing to plan (None).
+    resumed = rt._from_rank0("resumed_layout", lambda: _smp.resumed_layout(rt.config, rt.world_size))
+    if resumed:
+        rt._adopt_layout(_smp.Config.from_json_text(resumed, rt.config.source))
+        return None
     links = rt._measured_planning_costs()  # every rank at once
     speeds = rt._device_speeds()  # measured here for "measure", and kept for the partition after
 

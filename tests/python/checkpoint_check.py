@@ -280,12 +280,20 @@ def main():
             if not torch.allclose(tensor, expected[name].detach(), rtol=1e-3, atol=1e-5):
                 raise SystemExit(f"exported model: {name} differs from 6 steps of plain PyTorch")
         if not sharded and not tensor_parallel:
+            # "auto" layout keys resume in the layout the checkpoint was saved with (they planned one it refused),
+            # here on 4 ranks: two replicas of its two stages.
+            planned = dict(config, resume=True, partitions="auto", microbatches="auto", ddp="auto", pipeline="auto")
+            resumed = run(smprun, python, worker, planned, 7, out, 4)
+            if "resumed at 6" not in resumed:
+                raise SystemExit(f"the \"auto\" job did not resume at step 6:\n{resumed}")
+            check(out, 7, 4)
             lost_save(python, os.path.join(directory, "lost"))
             rank0_fails(smprun, python, os.path.join(directory, "rank0_fails"))
             options_replaced(python, os.path.join(directory, "options"))
     print("trained 4 steps" + (" in tensor-parallel shards" if tensor_parallel else "") + ", resumed" +
           (" into one replica, then into two shards again" if sharded else "") +
-          ", trained to 6, exported: parameters equal plain PyTorch's")
+          ", trained to 6, exported" + ("" if sharded or tensor_parallel else ", resumed by an \"auto\" job on 4 ranks") +
+          ": parameters equal plain PyTorch's")
     return 0
 
 

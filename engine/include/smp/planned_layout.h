@@ -3,6 +3,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 
 #include "smp/executor.h"
 #include "smp/graph_model.h"
@@ -31,6 +32,14 @@ ModelProfile profile_for_planning(const GraphModel& model, const ModelInputs& sa
 // On the rank that planned: train_step `step` (counted from 0) took `seconds`; after steps 2 to 5 (the first warms up), logs their
 // median beside the plan's prediction. Nothing where no layout was planned.
 void log_step_against_plan(Runtime& runtime, long long step, double seconds);
+
+// A job with "auto" layout keys that resumes ("resume": true, a complete checkpoint in checkpoint_dir): the config it
+// trains under keeps the layout the checkpoint was saved with, which a resume needs (its stages, schedule,
+// microbatches, tensor- and expert-parallel degrees, and an "auto" job's planned cut, which also decides how finely a
+// captured model is cut), with as many replicas as the world holds; the microbatches fewer where the global batch no
+// longer splits into them. Planning would choose among layouts the checkpoint refuses. nullopt: nothing to resume.
+// ConfigError when this world cannot hold the checkpoint's layout.
+std::optional<std::string> resumed_layout(const Config& given, int world_size);
 
 // When the runtime's config has "auto" layout keys: rank 0 profiles `model` on `sample`, one microbatch
 // (profile_for_planning, on the job's device), plans (plan_layouts, keep_what_the_config_fixes) and chooses

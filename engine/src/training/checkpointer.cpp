@@ -789,9 +789,26 @@ std::optional<FoundCheckpoint> checkpoint_to_resume(Runtime& runtime, const std:
     const auto named = [&](const std::vector<std::string>& names) {
       return i < names.size() ? "\"" + names[i] + "\"" : std::string("none");
     };
-    throw CheckpointError(directory + ": the model's modules differ from the checkpoint's: module " +
-                          std::to_string(i) + " is " + named(manifest.module_names) + " there, " +
-                          named(module_names) + " here");
+    // The parameters are the same (the signature above): only how finely the model was cut differs.
+    std::string why = directory + ": the same model, cut into other modules (" +
+                      std::to_string(manifest.module_names.size()) + " there, " + std::to_string(module_names.size()) +
+                      " here: module " + std::to_string(i) + " is " + named(manifest.module_names) + " there, " +
+                      named(module_names) + " here)";
+    bool planned_cut = false;
+    try {
+      planned_cut = !Config::from_json_text(manifest.config_json, directory).partition_overrides.empty();
+    } catch (const ConfigError&) {  // a config this version no longer reads says nothing of the cut
+    }
+    if (planned_cut && config.partition_overrides.empty()) {
+      why += ": its job cut the model at the modules its \"partition_overrides\" name (a planned layout's, under "
+             "\"auto\" keys), which a captured model is cut at; resume with the \"auto\" keys it was saved with (a "
+             "resuming \"auto\" job keeps the checkpoint's layout), or with its partition_overrides (in its "
+             "manifest.json's config_json)";
+    } else {
+      why += ": a captured model is cut as finely as its stages and pinned modules ask; resume with the layout keys "
+             "it was saved with";
+    }
+    throw CheckpointError(why);
   }
   return FoundCheckpoint{directory, std::move(manifest)};
 }

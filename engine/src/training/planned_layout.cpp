@@ -13,6 +13,8 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <nlohmann/json.hpp>
+
 #include <ATen/ATen.h>
 #include <ATen/DeviceAccelerator.h>
 #include <torch/optim/adamw.h>
@@ -21,6 +23,7 @@
 #include "training/timed_work.h"
 #include "smp/device_speeds.h"
 
+#include "smp/checkpoint_manifest.h"
 #include "smp/collectives.h"
 #include "smp/distributed_model.h"
 #include "smp/layout_plan.h"
@@ -417,6 +420,13 @@ namespace {
 // Every rank at once: the links measured, rank 0 plans (`plan`: the chosen config's document), every rank adopts.
 using PlanOnRank0 = std::function<std::string(Runtime&, const PlanningCosts&, const std::vector<double>&)>;
 std::shared_ptr<Runtime> adopt_plan(std::shared_ptr<Runtime> runtime, const PlanOnRank0& plan) {
+  const std::string resumed = runtime->from_rank0("resumed_layout", [&] {
+    return resumed_layout(runtime->config(), runtime->world_size()).value_or("");
+  });
+  if (!resumed.empty()) {
+    runtime->adopt_layout(Config::from_json_text(resumed, runtime->config().source));
+    return runtime;
+  }
   const PlanningCosts costs = measured_planning_costs(*runtime);
   const std::vector<double> speeds = device_speeds(*runtime, "planned_layout/");
   const std::string text = runtime->from_rank0("planned_layout", [&] { return plan(*runtime, costs, speeds); });
@@ -425,6 +435,68 @@ std::shared_ptr<Runtime> adopt_plan(std::shared_ptr<Runtime> runtime, const Plan
 }
 
 }  // namespace
+
+std::optional<std::string> resumed_layout(const Config& given, int world_size) {
+  if (given.auto_keys.empty() || !given.resume || given.checkpoint_dir.empty()) return std::nullopt;
+  const auto found = find_latest_checkpoint(given.checkpoint_dir);
+  if (!found) return std::nullopt;
+  const CheckpointManifest manifest = read_manifest(found->directory);
+  const std::string where = "resuming " + found->directory;
+  const Config saved = Config::from_json_text(manifest.config_json, found->directory + "/manifest.json");
+  const int groups = manifest.partitions * manifest.tensor_parallel_degree;
+  if (groups < 1 || world_size % groups != 0) {
+    throw ConfigError(given.source + ": " + where + ", saved with " + std::to_string(manifest.partitions) +
+                      " partitions x tensor_parallel_degree " + std::to_string(manifest.tensor_parallel_degree) +
+                      ", which a resume keeps and " + std::to_string(world_size) + " ranks do not hold; launch a " +
+                      "multiple of " + std::to_string(groups) + " ranks, or export the checkpoint and load it " +
+                      "(smp.export_safetensors, load_parameters) into a job planned anew");
+  }
+  const int replicas = world_size / groups;
+  int microbatches = std::max(1, saved.microbatches);
+  while (microbatches > 1 && given.global_batch_size % (static_cast<long long>(replicas) * microbatches) != 0) {
+    --microbatches;
+  }
+  nlohmann::json recomputed = false;
+  if (!saved.checkpointed_modules.empty()) {
+    recomputed = saved.checkpointed_modules;
+  } else if (!saved.checkpointed_stages.empty()) {
+    recomputed = saved.checkpointed_stages;
+  }
+  const std::map<std::string, nlohmann::json> layout = {
+      {"partitions", manifest.partitions},
+      {"virtual_stages", manifest.virtual_stages},
+      {"pipeline", saved.pipeline},
+      {"microbatches", microbatches},
+      {"ddp", replicas > 1},
+      {"activation_checkpointing", recomputed},
+      {"shard_optimizer_state", saved.shard_optimizer_state},
+      {"tensor_parallel_degree", manifest.tensor_parallel_degree},
+      {"expert_parallel_degree", manifest.expert_parallel_degree}};
+  nlohmann::json document = nlohmann::json::parse(given.text);
+  nlohmann::json& section = document.contains("smp") ? document["smp"] : document;
+  for (const auto& key : given.auto_keys) {
+    if (key == "partitions") section.erase("pipeline_parallel_degree");  // the alias its "auto" was given by
+    section[key] = layout.at(key);
+  }
+  const nlohmann::json saved_document = nlohmann::json::parse(manifest.config_json);
+  const nlohmann::json& saved_section = saved_document.contains("smp") ? saved_document["smp"] : saved_document;
+  for (const char* pins : {"partition_overrides", "auto_partition", "default_partition"}) {
+    if (saved_section.contains(pins) && !section.contains(pins)) section[pins] = saved_section[pins];
+  }
+  std::string text = document.dump();
+  try {
+    Config::from_json_text(text, given.source);
+  } catch (const ConfigError& error) {
+    throw ConfigError(given.source + ": " + where + " keeps the layout it was saved with, which this job's other " +
+                      "keys refuse: " + error.what());
+  }
+  log::info(where + ": the \"auto\" keys take the layout it was saved with (a resume keeps its cut), " +
+            std::to_string(replicas) + " replica(s) of it here, " + std::to_string(microbatches) + " microbatches" +
+            (microbatches != saved.microbatches ? " (" + std::to_string(saved.microbatches) + " there: the global " +
+                                                      "batch does not split into them over these replicas)"
+                                                : std::string()));
+  return text;
+}
 
 std::shared_ptr<Runtime> with_planned_layout(std::shared_ptr<Runtime> runtime, const GraphModel& model,
                                              const ModelInputs& sample) {
