@@ -455,6 +455,23 @@ TEST_CASE("one job at a time saves into a checkpoint_dir", "[checkpoint]") {
   CHECK(std::system(("rm -rf " + directory).c_str()) == 0);
 }
 
+TEST_CASE("a step saved again over a save that was killed while writing keeps none of its temporary files",
+          "[checkpoint]") {
+  const std::string directory = fresh_temporary_directory("leftover");
+  std::filesystem::create_directories(directory + "/step-00000000");
+  const std::string leftover = directory + "/step-00000000/partition-0000.pt.tmp.99999";
+  std::ofstream(leftover) << "half of a partition";
+  {
+    auto job = one_process_job(directory, false);
+    smp::Checkpointer checkpointer(*job.model, std::make_unique<RecordedOptimizerState>());
+    checkpointer.save(0);
+    checkpointer.wait();
+  }
+  CHECK(std::filesystem::exists(directory + "/step-00000000/manifest.json"));
+  CHECK_FALSE(std::filesystem::exists(leftover));
+  CHECK(std::system(("rm -rf " + directory).c_str()) == 0);
+}
+
 TEST_CASE("a program that ends without wait() after a failed save exits with status 1", "[checkpoint]") {
   const std::string directory = fresh_temporary_directory("failed_save");
   std::fflush(nullptr);

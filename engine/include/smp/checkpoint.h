@@ -110,6 +110,7 @@ class Checkpointer {
   // The other ranks: until rank 0 says how the save ended (CheckpointError when it failed).
   void wait_until_complete(std::int64_t step, const std::string& saved_key);
   // Rank 0: until every other rank has read how the save ended.
+  void remove_leftover_temporaries(const std::string& directory);
   void wait_for_readers(const std::string& saved_key);
 
   DistributedModel& model_;

@@ -428,6 +428,7 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
   try {
     if (contents) write_own_file(step, directory, key, *contents, optimizer_bytes);
     write_manifest(step, directory, key, *manifest);
+    remove_leftover_temporaries(directory);
   } catch (const std::exception& error) {
     runtime.publish(saved_key, "error " + comm::brief_message(error));
     wait_for_readers(saved_key);
@@ -444,6 +445,18 @@ void Checkpointer::write_checkpoint(std::int64_t step, const std::string& direct
   prune_checkpoints(runtime.config().checkpoint_dir, runtime.config().checkpoints_kept);
   log::info("saved checkpoint " + directory);
   wait_for_readers(saved_key);
+}
+
+// A save killed while it wrote left its temporary file (a partition's "<file>.tmp.<pid>", as large as the partition)
+// in the step's directory; saved again and complete, every rank's file is in place, so what is left is dead.
+void Checkpointer::remove_leftover_temporaries(const std::string& directory) {
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(directory, error)) {
+    if (entry.path().filename().string().find(".tmp.") == std::string::npos) continue;
+    std::error_code ignored;
+    std::filesystem::remove(entry.path(), ignored);
+    if (!ignored) log::info("removed " + entry.path().string() + ", left by a save that did not finish");
+  }
 }
 
 void Checkpointer::wait_for_readers(const std::string& saved_key) {
@@ -726,7 +739,14 @@ std::optional<FoundCheckpoint> checkpoint_to_resume(Runtime& runtime, const std:
                                " can be resumed: " + damaged + ". Repair or remove them, or give the job another "
                                "checkpoint_dir to start from step 0");
     } else {
-      if (!found) log::info("no complete checkpoint in " + config.checkpoint_dir + "; starting from step 0");
+      if (!found && !std::filesystem::exists(config.checkpoint_dir)) {
+        // A first run of a job that always says "resume" is fine; a mistyped path or a volume that did not mount
+        // would start a long run over, and says so louder.
+        log::warn("\"resume\": checkpoint_dir " + config.checkpoint_dir + " does not exist; starting from step 0 "
+                  "(a first run; otherwise check the path)");
+      } else if (!found) {
+        log::info("no complete checkpoint in " + config.checkpoint_dir + "; starting from step 0");
+      }
       runtime.publish(key, found ? found->directory : "");
     }
   }
@@ -735,6 +755,21 @@ std::optional<FoundCheckpoint> checkpoint_to_resume(Runtime& runtime, const std:
   if (directory.rfind(kNoUsableCheckpoint, 0) == 0) throw CheckpointError(directory.substr(kNoUsableCheckpoint.size()));
   // Rank 0 verified every file; each rank checks its own again as Checkpointer::resume loads it.
   auto manifest = read_manifest(directory);
+  if (runtime.rank() == 0) {
+    // Legitimate at times (a batch grown mid-run), a mistake at others: the samples seen and a schedule by step are
+    // the program's to adjust, so it is said.
+    try {
+      const Config saved = Config::from_json_text(manifest.config_json, directory);
+      if (saved.global_batch_size > 0 && config.global_batch_size > 0 &&
+          saved.global_batch_size != config.global_batch_size) {
+        log::warn("resuming " + directory + ", saved with \"global_batch_size\" " +
+                  std::to_string(saved.global_batch_size) + ", under " + std::to_string(config.global_batch_size) +
+                  ": each step now trains on that many samples (samples seen, and an LR schedule by step, are the "
+                  "program's to adjust)");
+      }
+    } catch (const ConfigError&) {  // a config this version no longer reads: nothing to compare
+    }
+  }
   if (manifest.partitions != config.partitions || manifest.virtual_stages != config.virtual_stages) {
     throw CheckpointError(directory + " was saved with " + std::to_string(manifest.partitions) + " partitions x " +
                           std::to_string(manifest.virtual_stages) + " virtual stages, this job has " +
