@@ -241,7 +241,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if changed and runtime().rank == 0:
             warnings.warn(f"resume: the checkpoint's optimizer options replaced this optimizer's ({'; '.join(changed)}), "
                           "as torch.optim's load_state_dict does: to train on with others, set them in "
-                          "optimizer.param_groups after resume()", stacklevel=3)
+                          "optimizer.param_groups after resume()" +
+                          ("; under the LR scheduler, whose next step sets lr from its own base, its base_lrs too "
+                           "(scheduler.base_lrs = [...])" if scheduled else ""), stacklevel=3)
 
 
 def _options(group, scheduled):
