@@ -99,6 +99,12 @@ class GlooPending final : public Pending {
       if (lower.find("timed out") != std::string::npos) {
         reason += " (after " + std::to_string(timeout_.count() / 1000) + " s, comm_timeout_s: " + absent_ +
                   " never joined; do all ranks run the same steps, in the same order?)";
+      } else if (lower.find("connection reset") != std::string::npos ||
+                 lower.find("connection closed") != std::string::npos ||
+                 lower.find("broken pipe") != std::string::npos || lower.find("end of file") != std::string::npos) {
+        // Gloo names the peer's socket address, not its rank.
+        reason += " (" + absent_ + " closed its connection: it exited or failed, and its own error, or the " +
+                  "launcher's, says why)";
       }
       throw CommError(what_ + " failed: " + reason);
     }

@@ -345,7 +345,8 @@ void Runtime::refuse_after_leaving(const std::string& caller) const {
 void Runtime::leave_job(const std::string& reason) {
   if (left_job_ || launch_.world_size == 1) return;
   left_job_ = reason;
-  log::error("rank " + std::to_string(launch_.rank) + " leaves the job, out of step with its peers: " + reason);
+  // Not "out of step": a peer that died is the common cause, and the reason says which it was.
+  log::error("rank " + std::to_string(launch_.rank) + " leaves the job (no step can run in it again): " + reason);
   for (const auto& made : groups_) {
     if (const auto group = made.lock()) group->leave(reason);
   }
