@@ -146,6 +146,15 @@ TEST_CASE("config: a key beside the smp section is an smp key misplaced or a sec
 TEST_CASE("config: every bad value is a one-line error naming the key", "[config]") {
   CHECK_THROWS_WITH(parse(R"({"microbatchs": 4})"), Contains("unknown key \"microbatchs\"") && Contains("did you mean \"microbatches\""));
   CHECK_THROWS_WITH(parse(R"({"zzzzzzzzzz": 4})"), Contains("unknown key \"zzzzzzzzzz\"") && Contains("see README"));
+  // SageMaker SMP's keys without a counterpart say so and what to do, not "unknown" or a key merely like them.
+  CHECK_THROWS_WITH(parse(R"({"fp16_params": true})"),
+                    Contains("key \"fp16_params\" is SageMaker SMP's, which smp does not take: parameters stay float32"));
+  CHECK_THROWS_WITH(parse(R"({"sdp_max_live_parameters": 1})"), Contains("\"shard_optimizer_state\" shards the optimizer"));
+  CHECK_THROWS_WITH(parse(R"({"enabled": true, "parameters": {"partitions": 2}})"),
+                    Contains("SageMaker's modelparallel options: give their \"parameters\" object as smp's config"));
+  CHECK_THROWS_WITH(parse(R"({"smdistributed": {"modelparallel": {}}})"),
+                    Contains("give distribution[\"smdistributed\"][\"modelparallel\"][\"parameters\"]") &&
+                        Contains("or, an application's own section"));
   CHECK_THROWS_WITH(parse(R"({"partitions": 2, "training": {"steps": 5}})"),
                     Contains("unknown key \"training\" (an application's own section? then put smp's keys under an "
                              "\"smp\" section beside it)"));

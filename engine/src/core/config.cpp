@@ -7,6 +7,7 @@
 #include <cmath>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <set>
 #include <sstream>
 #include <vector>
@@ -383,6 +384,49 @@ const std::vector<std::pair<std::string, std::string>>& other_frameworks_names()
   return names;
 }
 
+// SageMaker SMP's keys that smp has no counterpart of, and what to do instead: an SMP config ported as it is meets
+// these, and "unknown key" (or a guess at a key like it) would not say that the key is SMP's and left out on purpose.
+std::string smp_key_not_supported(const std::string& key) {
+  static const std::map<std::string, std::string> reasons = {
+      {"fp16_params", "parameters stay float32 under \"fp16\" (autocast with loss scaling); remove it"},
+      {"prescaled_batch", "the tensor-parallel ranks of a replica always take the same batch here (as SMP's "
+                          "prescaled_batch true); remove it"},
+      {"skip_tracing", "smp profiles each module on the sample to partition by cost; a model too large to build "
+                       "whole is built on the meta device (smp.materialize, load_pretrained); remove it"},
+      {"delayed_parameter_initialization", "build the model on the meta device: DistributedModel materializes "
+                                           "only each rank's stages; remove it"},
+      {"offload_activations", "activation offloading is not built; \"activation_checkpointing\" recomputes "
+                              "instead"},
+      {"activation_loading_horizon", "activation offloading is not built; \"activation_checkpointing\" recomputes "
+                                     "instead"},
+      {"sharded_data_parallel_degree", "sharded data parallelism (ZeRO-3) is not built; \"shard_optimizer_state\" "
+                                       "shards the optimizer state over the replicas (ZeRO-1)"},
+      {"hybrid_shard_degree", "sharded data parallelism is not built; \"shard_optimizer_state\" shards the "
+                              "optimizer state over the replicas (ZeRO-1)"},
+      {"ddp_port", "the launcher gives the port (smprun --master-port, or MASTER_PORT); remove it"},
+      {"horovod", "a TensorFlow key: smp's replicas reduce gradients themselves (\"ddp\"); remove it"},
+      {"contiguous", "a TensorFlow key: smp's stages are contiguous; remove it"},
+      {"deterministic_server", "each rank runs its actions in the schedule's order always; remove it"},
+      {"fast_mode", "smp sends each stage's outputs to the stage that reads them; remove it"},
+      {"predefined_hooks", "a captured Hugging Face model needs no hooks; remove it"},
+      {"mpi", "SageMaker's MPI launch options: launch the processes with smprun -n N (or torchrun)"},
+      {"processes_per_host", "SageMaker's MPI option: smprun -n N starts N processes"},
+      {"custom_mpi_options", "SageMaker's MPI option: smprun needs none"},
+      {"enabled", "SageMaker's modelparallel options: give their \"parameters\" object as smp's config"},
+      {"parameters", "SageMaker's modelparallel options: give their \"parameters\" object as smp's config"},
+      {"smdistributed", "SageMaker's distribution options: give distribution[\"smdistributed\"][\"modelparallel\"]"
+                        "[\"parameters\"] as smp's config"},
+      {"modelparallel", "SageMaker's distribution options: give their [\"parameters\"] object as smp's config"},
+  };
+  const auto found = reasons.find(key);
+  if (found != reasons.end()) return found->second;
+  if (key.rfind("sdp_", 0) == 0) {
+    return "sharded data parallelism (ZeRO-3) is not built; \"shard_optimizer_state\" shards the optimizer state "
+           "over the replicas (ZeRO-1)";
+  }
+  return {};
+}
+
 std::string other_frameworks_name(const std::string& key) {
   for (const auto& [theirs, ours] : other_frameworks_names()) {
     if (theirs == key) return ours;
@@ -501,12 +545,18 @@ Config Config::from_json_text(const std::string& text, const std::string& source
       const std::size_t distance = edit_distance(it.key(), key.name);
       if (distance < nearest_distance) nearest_distance = distance, nearest = key.name;
     }
+    // A section of the application's own (an object) in a file without an "smp" section.
+    const bool section = it.value().is_object() && !document.contains("smp");
+    if (const std::string instead = smp_key_not_supported(it.key()); !instead.empty()) {
+      throw ConfigError(source + ": key \"" + it.key() + "\" is SageMaker SMP's, which smp does not take: " + instead +
+                        (section ? " (or, an application's own section: put smp's keys under an \"smp\" section "
+                                   "beside it)"
+                                 : ""));
+    }
     const std::string ours = other_frameworks_name(it.key());
     if (!ours.empty()) throw ConfigError(source + ": unknown key \"" + it.key() + "\" (smp's is \"" + ours + "\")");
     if (!nearest.empty()) throw ConfigError(source + ": unknown key \"" + it.key() + "\" (did you mean \"" + nearest + "\"?)");
     const std::string related = keys_sharing_a_word(it.key());
-    // A section of the application's own (an object) in a file without an "smp" section.
-    const bool section = it.value().is_object() && !document.contains("smp");
     throw ConfigError(source + ": unknown key \"" + it.key() + "\"" +
                       (section ? std::string(" (an application's own section? then put smp's keys under an \"smp\" "
                                              "section beside it)")
