@@ -42,15 +42,23 @@ __all__ = ["init", "runtime", "GraphModel", "DistributedModel", "DistributedOpti
            "ConfigError", "ModelError", "NonFiniteError", "CheckpointError", "CommError"]
 
 
-def init(config, sections=None):
+def init(config=None, sections=None):
     """Joins the job: reads the config (a JSON file path, or a dict holding what the file would), checks it against
     the launch (smprun's environment), and connects to the other processes. Returns the runtime (rank, pp_rank,
-    dp_rank, ...). Raises ConfigError for a bad config and CommError when peers do not show up in time.
+    dp_rank, ...). Raises ConfigError for a bad config and CommError when peers do not show up in time. Without a
+    config, SageMaker's SM_HP_MP_PARAMETERS (the modelparallel "parameters" it passes a training job) is read, as SMP's
+    smp.init() reads it.
 
     A config with an "smp" section may hold the application's own sections beside it; `sections` names those the
     application reads (e.g. ("model", "training")), and any other top-level key is then a ConfigError naming it
     (an smp key put beside the section always is)."""
-    if isinstance(config, dict):
+    if config is None:
+        given = os.environ.get("SM_HP_MP_PARAMETERS")
+        if given is None:
+            raise ConfigError("smp.init: no config: pass a JSON file's path or a dict of smp's keys (SageMaker's "
+                              "SM_HP_MP_PARAMETERS, which SMP's smp.init() reads, is not set)")
+        parsed = _smp.Config.from_json_text(given, "SM_HP_MP_PARAMETERS")
+    elif isinstance(config, dict):
         parsed = _smp.Config.from_json_text(json.dumps(config), "smp.init's config")
     else:
         parsed = _smp.Config.from_file(os.fspath(config))
@@ -72,3 +80,44 @@ def materialize(model, device="cpu", seed=0, init_fn=None):
     reset_parameters(), or init_fn(module) (a Hugging Face model's: init_fn=model._init_weights). Returns the
     model."""
     return _materialize.materialize(model, device, seed, init_fn)
+
+
+# SageMaker SMP's module-level API, which smp does not have, and what takes its place: a ported script's first call
+# of one says so rather than "module 'smp' has no attribute".
+_SMP_NAMES = {
+    "step": "smp has no step decorator: model.train_step(inputs, targets, loss_fn) runs the forward and backward of "
+            "every microbatch (its .loss is their mean over the replicas; keep_outputs=True keeps .outputs), "
+            "model.evaluate(...) the forwards",
+    "rank": "smp.runtime().rank", "size": "smp.runtime().world_size",
+    "local_rank": "the launcher's LOCAL_RANK (smp.runtime().device is the rank's device)",
+    "dp_rank": "smp.runtime().dp_rank (the replica: SMP's rdp_rank)",
+    "dp_size": "smp.runtime().data_parallel_degree (the replicas: SMP's rdp_size)",
+    "rdp_rank": "smp.runtime().dp_rank", "rdp_size": "smp.runtime().data_parallel_degree",
+    "pp_rank": "smp.runtime().pp_rank", "pp_size": "smp.runtime().config.partitions",
+    "mp_rank": "smp.runtime().pp_rank (and .tp_rank)",
+    "mp_size": "smp.runtime().config.partitions times smp.runtime().tensor_parallel_degree",
+    "tp_rank": "smp.runtime().tp_rank", "tp_size": "smp.runtime().tensor_parallel_degree",
+    "barrier": "smp.runtime().all_reduce_sum(torch.zeros(1)), which every rank joins",
+    "broadcast": "every rank computes the same value (the global batch, seeded alike), or smp.runtime()."
+                 "all_reduce_sum of a tensor that is zero but on one rank",
+    "save": "torch.save on the ranks you choose; the model's state: smp.Checkpointer, smp.export_safetensors",
+    "load": "torch.load; a whole model: smp.load_full_model, DistributedModel.load_parameters",
+    "save_checkpoint": "smp.Checkpointer(model, optimizer) with \"checkpoint_dir\" in the config: .save(step)",
+    "resume_from_checkpoint": "smp.Checkpointer(model, optimizer) with \"resume\": true: .resume() returns the step",
+    "partition": "\"partition_overrides\" in the config ({module path: stage}) pins modules to stages",
+    "set_partition": "\"partition_overrides\" in the config ({module path: stage}) pins modules to stages",
+    "tensor_parallelism": "\"tensor_parallel_degree\" in the config, with the model's built-in plan or "
+                          "DistributedModel(..., tp_plan=...) (smp.tp)",
+    "set_tensor_parallelism": "DistributedModel(..., tp_plan={module path: smp.tp.Colwise() ...})",
+    "delay_param_initialization": "build the model under torch.device(\"meta\"): each rank materializes its "
+                                  "stages (smp.materialize, load_pretrained)",
+    "nn": "smp.tp's layers (ColumnParallelLinear, RowParallelLinear, ...) and torch.nn.SyncBatchNorm",
+    "amp": "\"fp16\": true or \"bf16\": true in the config",
+}
+
+
+def __getattr__(name):
+    if name in _SMP_NAMES:
+        raise AttributeError(f"module 'smp' has no attribute '{name}' (SageMaker SMP's); here: {_SMP_NAMES[name]}. "
+                             "README: Coming from SageMaker SMP")
+    raise AttributeError(f"module 'smp' has no attribute '{name}'")

@@ -141,8 +141,12 @@ class DistributedModel(torch.nn.Module):
     rank's weights.
     """
 
-    def __init__(self, model, sample, init_fn=None, tp_plan=None, dynamic_shapes=None):
+    def __init__(self, model, sample=None, init_fn=None, tp_plan=None, dynamic_shapes=None):
         super().__init__()
+        if sample is None:
+            raise TypeError("DistributedModel(model, sample): give a sample, one microbatch of inputs as train_step "
+                            "takes them: smp profiles and partitions the model on it before training (SMP traced "
+                            "the first step instead)")
         if type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None),
                                                                     torch.nn.Module):
             warnings.warn("smp runs each stage's modules as they are, not compiled: training the module "
@@ -536,7 +540,11 @@ class DistributedModel(torch.nn.Module):
                  "no_sync": "train_step accumulates over its microbatches and then averages over the replicas: "
                             "accumulate by raising \"microbatches\" (or call train_step again before "
                             "optimizer.step(), without zero_grad, each averaged apart)",
-                 "require_backward_grad_sync": "train_step averages the gradients over the replicas in each step"}
+                 "require_backward_grad_sync": "train_step averages the gradients over the replicas in each step",
+                 "backward": "train_step runs the backward itself (SMP's model.backward inside an smp.step "
+                             "function): call model.train_step(inputs, targets, loss_fn)",
+                 "local_state_dict": "state_dict() holds this rank's share already (SMP's local_state_dict); the "
+                                     "whole model: smp.export_safetensors of a checkpoint"}
         raise AttributeError(f"'DistributedModel' object has no attribute '{name}'" +
                              (f": {hints[name]}" if name in hints else ""))
 

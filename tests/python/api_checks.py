@@ -2,6 +2,7 @@
 parameters it returns are the engine's own tensors. Exits 0 when every check holds; prints each failure."""
 
 import copy
+import os
 import sys
 import tempfile
 import types
@@ -1018,6 +1019,18 @@ def pytorch_conventions():
     scaler = torch.amp.GradScaler("cpu")
     expect_error("GradScaler.step over a DistributedOptimizer", RuntimeError, "\"fp16\": true smp scales the loss",
                  lambda: scaler.step(smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))))
+    # A SageMaker SMP script's names: each says what takes its place here.
+    expect_error("smp.step", AttributeError, "(SageMaker SMP's); here: smp has no step decorator", lambda: smp.step)
+    expect_error("smp.dp_rank", AttributeError, "smp.runtime().dp_rank (the replica: SMP's rdp_rank)",
+                 lambda: smp.dp_rank)
+    expect_error("smp.no_such_name", AttributeError, "module 'smp' has no attribute 'no_such_name'",
+                 lambda: smp.no_such_name)
+    expect_error("model.backward", AttributeError, "train_step runs the backward itself", lambda: model.backward)
+    expect_error("DistributedModel without a sample", TypeError, "give a sample, one microbatch",
+                 lambda: smp.DistributedModel(torch.nn.Linear(4, 2)))
+    if "SM_HP_MP_PARAMETERS" not in os.environ:
+        expect_error("smp.init() outside SageMaker", smp.ConfigError, "SM_HP_MP_PARAMETERS, which SMP's smp.init() "
+                     "reads, is not set", smp.init)
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # overrides unscale_
     expect_error("ShardedGradScaler.unscale_ over a DistributedOptimizer", RuntimeError, "ShardedGradScaler.unscale_",
                  lambda: ShardedGradScaler("cpu").unscale_(
