@@ -542,9 +542,7 @@ class DistributedModel(torch.nn.Module):
                             "optimizer.step(), without zero_grad, each averaged apart)",
                  "require_backward_grad_sync": "train_step averages the gradients over the replicas in each step",
                  "backward": "train_step runs the backward itself (SMP's model.backward inside an smp.step "
-                             "function): call model.train_step(inputs, targets, loss_fn)",
-                 "local_state_dict": "state_dict() holds this rank's share already (SMP's local_state_dict); the "
-                                     "whole model: smp.export_safetensors of a checkpoint"}
+                             "function): call model.train_step(inputs, targets, loss_fn)"}
         raise AttributeError(f"'DistributedModel' object has no attribute '{name}'" +
                              (f": {hints[name]}" if name in hints else ""))
 
@@ -585,12 +583,19 @@ class DistributedModel(torch.nn.Module):
         if args:
             raise TypeError("state_dict takes keyword arguments only (destination, prefix, keep_vars)")
         rt = runtime()
-        if rt.rank == 0 and not self._said_share and rt.world_size > rt.data_parallel_degree:
-            # A DDP habit, torch.save(model.state_dict()) on rank 0, would keep part of the model without a word.
+        if not self._said_share and rt.world_size > rt.data_parallel_degree:
+            # Habits that would keep part of the model without a word: DDP's torch.save(model.state_dict()) on rank
+            # 0, SMP's (whose state_dict() gathered the whole model) on the last stage's rank. Said on each rank
+            # that calls it, once.
             object.__setattr__(self, "_said_share", True)
-            warnings.warn(f"model.state_dict() holds this rank's share of the model (stages {list(self.stages)}); "
-                          "for the whole model save with smp.Checkpointer and export with smp.export_safetensors or "
-                          "smp.export_checkpoint (said once)", stacklevel=2)
+            warnings.warn(f"rank {rt.rank}: model.state_dict() holds this rank's share of the model (stages "
+                          f"{list(self.stages)}); for the whole model save with smp.Checkpointer and export with "
+                          "smp.export_safetensors or smp.export_checkpoint (local_state_dict() says the same "
+                          "without this warning; said once)", stacklevel=2)
+        return self.local_state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def local_state_dict(self, destination=None, prefix="", keep_vars=False):
+        """This rank's share of the model's state_dict, as state_dict() gives it (SMP's name for it)."""
         state = collections.OrderedDict() if destination is None else destination
         for name, tensor in self._own_state():
             for key in (name, *self._aliases.get(name, ())):

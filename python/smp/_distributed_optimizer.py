@@ -62,6 +62,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                             f"{type(optimizer).__name__}")
         # torch.optim.Optimizer.__init__ is not called: the wrapped optimizer holds the groups, state and hooks.
         self.optimizer = optimizer
+        self._said_share = False
         self._model = model if model is not None else _owner_of(optimizer)
         named = self._model._model.named_parameters()
         ours = {id(p) for p in named.values()}
@@ -165,8 +166,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return clip_model_grad_norm(self._model, max_norm)
 
     def state_dict(self):
-        """The optimizer's state_dict; with sharded state, this replica's share, marked with the replica it
-        belongs to."""
+        """The optimizer's state_dict: of this rank's parameters (its stages'); with sharded state, this replica's
+        share of those, marked with the replica it belongs to."""
+        rt = runtime()
+        if not self._said_share and rt.world_size > rt.data_parallel_degree:
+            self._said_share = True  # said once, on each rank that calls it, as model.state_dict()'s share is
+            warnings.warn(f"rank {rt.rank}: optimizer.state_dict() holds the state of this rank's parameters only; "
+                          "smp.Checkpointer saves every rank's (local_state_dict() says the same without this "
+                          "warning; said once)", stacklevel=2)
+        return self.local_state_dict()
+
+    def local_state_dict(self):
+        """This rank's optimizer state, as state_dict() gives it (SMP's name for it)."""
         state = self.optimizer.state_dict()
         if self._shard is not None:
             state["smp_optimizer_shard"] = dict(self._shard)

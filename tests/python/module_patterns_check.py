@@ -24,6 +24,7 @@ Exits 0 only when all agree."""
 
 import copy
 import random
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -365,6 +366,20 @@ runtime.all_reduce_sum(copies)  # holders, the sum of their sums, of their squar
 if copies[0] != 2 or abs(copies[1] ** 2 - 2 * copies[2]) > 1e-9 * max(1.0, float(copies[2])):
     failures.append(f"a tied weight built under a seed per rank: its copies on the two stages differ "
                     f"(holders, sum, squares: {copies.tolist()})")
+# model.state_dict() and optimizer.state_dict() hold this rank's share: said once on every rank (rank 0's alone
+# before, the optimizer's never), and not by local_state_dict(), SMP's name for the share.
+with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")
+    tied.state_dict()
+    tied.state_dict()
+    tied_optimizer = smp.DistributedOptimizer(torch.optim.SGD(tied.parameters(), lr=0.1))
+    tied_optimizer.state_dict()
+    if set(tied.local_state_dict()) != set(tied.state_dict()) or tied_optimizer.local_state_dict() is None:
+        failures.append("local_state_dict() is not state_dict()'s share")
+shares = [str(warning.message) for warning in said if "state_dict() holds" in str(warning.message)]
+if len(shares) != 2 or not shares[0].startswith(f"rank {runtime.rank}: model.state_dict() holds this rank's share") \
+        or not shares[1].startswith(f"rank {runtime.rank}: optimizer.state_dict() holds"):
+    failures.append(f"rank {runtime.rank}: the state_dict() share warnings: {shares}")
 tied.load_state_dict({"2.weight": torch.zeros(WIDTH, WIDTH)}, strict=False)
 if any(name == "0.weight" and tensor.abs().sum() != 0 for name, tensor in tied.named_parameters()):
     failures.append("load_state_dict by a tied tensor's second name left it as it was")
