@@ -418,9 +418,11 @@ def adopt_planned_layout(model, sample, dynamic_shapes=None, tp_plan=None):
     rt._adopt_layout(_smp.Config.from_json_text(message.pop("text"), rt.config.source))
     if rt.rank == 0:
         measured = message["links"]
-        shared = (f"; the ranks computing at once had {measured['shared_processors']:.2f} processors, a collective "
-                  f"after computing {measured['synchronization_s'] * 1e6:.0f} us + "
-                  f"{measured['synchronized_bytes_per_s'] / 1e9:.2f} GB/s"
+        # 0 is "not measured" (the links above stand in): printed as such, not as a link of no bandwidth.
+        synchronized = (f", a collective after computing {measured['synchronization_s'] * 1e6:.0f} us + "
+                        f"{measured['synchronized_bytes_per_s'] / 1e9:.2f} GB/s"
+                        if measured["synchronization_s"] > 0 and measured["synchronized_bytes_per_s"] > 0 else "")
+        shared = (f"; the ranks computing at once had {measured['shared_processors']:.2f} processors{synchronized}"
                   if measured["shared_processors"] else "")
         print(f"smp: planned layout {message['layout']}, predicted step {message['predicted_step_ms']:.1f} ms, "
               f"peak {max(message['memory_mib']):.3f} MiB per rank\n"
