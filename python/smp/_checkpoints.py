@@ -10,6 +10,7 @@ import random
 import sys
 import warnings
 import weakref
+import zlib
 
 import torch
 
@@ -71,11 +72,15 @@ class Checkpointer:
                         raise CheckpointError("the checkpoint was saved without an LR scheduler, but one was given")
                     lr_scheduler.load_state_dict(state["lr_scheduler"])
                 _restore_extra_state(extra_state, state.get("extra_state", {}))
-                _restore_program_random_state(state.get("program_random", {}))
+                if restore_program_random and restore_program_random[0]:
+                    _restore_program_random_state(state.get("program_random", {}))
 
             optimizer._load_shares(first_share, shares_to_read, read, on_first=scheduler_state,
                                    scheduled=lr_scheduler is not None)
 
+        restore_program_random = []  # set by resume(): whether every rank's generators were seeded alike
+
+        self._restore_program_random = restore_program_random
         self._checkpointer = _smp.Checkpointer(model._model, snapshot, load)
         # A program that ends without wait() must not end as if its last checkpoint were saved: the engine's
         # Checkpointer then exits with status 1, and Python may never collect this one, so exit waits for it.
@@ -83,7 +88,9 @@ class Checkpointer:
 
     def resume(self):
         """Loads the newest complete checkpoint when the config says "resume": true and returns the step to start
-        at (the one after the saved step), else 0."""
+        at (the one after the saved step), else 0. Python's and NumPy's generators continue where the program
+        seeded them alike on every rank (the checkpoint holds one rank's); seeded per rank, each keeps its seeding."""
+        self._restore_program_random[:] = [_program_random_alike()]
         return self._checkpointer.resume()
 
     def due(self, step):
@@ -161,6 +168,22 @@ def _program_random_state():
         state["numpy"] = {"kind": kind, "key": torch.from_numpy(key.astype("int64")), "position": int(position),
                           "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
     return state
+
+
+def _program_random_alike():
+    """Whether every rank's Python and NumPy generators are in the same state now (every rank calls it): digests of
+    20 bits, equal everywhere when the square of their sum is the ranks times the sum of their squares (exact in a
+    double)."""
+    state = _program_random_state()
+    python = state["python"]
+    parts = (python["version"], tuple(python["internal"].tolist()), python["gauss"])
+    if "numpy" in state:
+        numpy = state["numpy"]
+        parts += (tuple(numpy["key"].tolist()), numpy["position"], numpy["has_gauss"], numpy["cached_gaussian"])
+    digest = float(zlib.crc32(repr(parts).encode()) >> 12)
+    sums = torch.tensor([digest, digest * digest], dtype=torch.float64)
+    runtime().all_reduce_sum(sums)
+    return float(sums[0]) ** 2 == runtime().world_size * float(sums[1])
 
 
 def _restore_program_random_state(saved):

@@ -257,6 +257,11 @@ def main():
             resumed = run(smprun, python, worker, dict(config, resume=True), 6, out, processes)
             if "resumed at 5" not in resumed:
                 raise SystemExit(f"the sharded job did not resume at step 5:\n{resumed}")
+            # Replica 1, which the one-replica job did not have, keeps the seeding the program gave it per replica
+            # (it took the first replica's before: both drew alike).
+            draws = {line.split()[-1] for line in resumed.splitlines() if "draws next" in line}
+            if len(draws) < 2:
+                raise SystemExit(f"the replicas seeded apart draw alike after resuming into two: {draws}")
         else:
             resumed = run(smprun, python, worker, dict(config, resume=True), 6, out, processes, "reversed")
             if "resumed at 4" not in resumed:

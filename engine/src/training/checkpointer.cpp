@@ -168,25 +168,26 @@ std::string random_state_bytes(const c10::Device& device, const ModelRandomStrea
   return std::string(bytes.data(), bytes.size());
 }
 
-c10::List<at::Tensor> program_random_state(const at::Tensor& bytes) {
-  const char* data = static_cast<const char*>(bytes.data_ptr());
-  const c10::IValue saved = torch::jit::pickle_load(std::vector<char>(data, data + bytes.numel()));
-  if (saved.isTensorList()) return saved.toTensorList();
-  return c10::impl::toTypedDict<std::string, c10::List<at::Tensor>>(saved.toGenericDict()).at("program");
-}
-
-// Whether the saving job's replicas drew their program's numbers alike (a global batch drawn on every rank), rather
-// than each its own (augmentation seeded per replica, with replica_share).
-bool replicas_drew_alike(const c10::List<at::Tensor>& by_replica) {
-  const auto first = program_random_state(by_replica.get(0));
-  for (std::size_t replica = 1; replica < by_replica.size(); ++replica) {
-    const auto other = program_random_state(by_replica.get(replica));
-    if (other.size() != first.size()) return false;
-    for (std::size_t i = 0; i < first.size(); ++i) {
-      if (!at::equal(other.get(i), first.get(i))) return false;
-    }
-  }
-  return true;
+// Whether the ranks of `replicas` (one per replica, the same stage) hold the same program generators now, before a
+// resume restores them: a program that seeded them alike (every rank draws the global batch) rather than each
+// replica its own (augmentation seeded by dp_rank). Every member calls it.
+bool program_generators_alike(comm::Communicator& replicas, const c10::Device& device) {
+  std::uint64_t digest = 1469598103934665603ULL;  // FNV-1a over the generators' states
+  const auto mix = [&](const at::Tensor& state) {
+    const at::Tensor bytes = state.contiguous();
+    const auto* data = static_cast<const unsigned char*>(bytes.data_ptr());
+    for (std::int64_t i = 0; i < bytes.numel(); ++i) digest = (digest ^ data[i]) * 1099511628211ULL;
+  };
+  mix(at::detail::getDefaultCPUGenerator().get_state());
+  if (device.is_cuda()) mix(at::globalContext().defaultGenerator(device).get_state());
+  // The first replica's digest (52 bits: exact in a double) against each member's, and the count that differ, so
+  // that every member decides alike.
+  const double mine = static_cast<double>(digest >> 12);
+  at::Tensor first = at::tensor({mine}, at::kDouble);
+  replicas.broadcast(first, 0);
+  at::Tensor differing = at::tensor({first.item<double>() == mine ? 0.0 : 1.0}, at::kDouble);
+  replicas.all_reduce_sum(differing);
+  return differing.item<double>() == 0.0;
 }
 
 // `model_stream` null: the program's generators alone.
@@ -647,20 +648,22 @@ std::int64_t Checkpointer::resume() {
   try {
     if (contents.contains("random_states_by_replica")) {
       const auto by_replica = contents.at("random_states_by_replica").toTensorList();
+      // Asked of every replica (a collective) before any restores, where some replica is new to the checkpoint.
+      const bool new_replicas = static_cast<int>(by_replica.size()) < runtime.topology().data_parallel_degree();
+      const bool alike = new_replicas && program_generators_alike(runtime.data_parallel(), runtime.device());
       if (runtime.dp_rank() < static_cast<int>(by_replica.size())) {
         restore_random_state(by_replica.get(runtime.dp_rank()), runtime.device(), &model_.random_stream());
       } else {
-        // A replica the saving job did not have. Where its replicas drew alike (every rank draws the global batch),
-        // the program's generators continue theirs: a fresh state would draw another batch, and fail the step.
-        // Where each drew its own (augmentation seeded per replica), this one keeps the seeding the program gave it.
-        // The model's stream (dropout) keeps its own seeding, per replica, either way.
-        const bool alike = replicas_drew_alike(by_replica);
+        // A replica the saving job did not have. Where the program seeded its generators alike on every replica
+        // (every rank draws the global batch), they continue the first replica's: a fresh state would draw another
+        // batch, and fail the step. Where each replica seeded its own (augmentation seeded per replica), this one
+        // keeps that seeding. The model's stream (dropout) keeps its own seeding, per replica, either way.
         if (alike) restore_random_state(by_replica.get(0), runtime.device(), nullptr);
         if (runtime.pp_rank() == 0 && runtime.tp_rank() == 0) {
           log::info(directory + " holds the random state of " + std::to_string(by_replica.size()) +
                     " replicas: replica " + std::to_string(runtime.dp_rank()) +
-                    (alike ? " continues their program generators (they drew alike)"
-                           : " keeps the program generators' seeding (theirs differ, each replica's own)") +
+                    (alike ? " continues the first replica's program generators (the replicas' were seeded alike)"
+                           : " keeps the program generators' seeding (each replica seeded its own)") +
                     ", and draws its dropout from a stream of its own");
         }
       }
