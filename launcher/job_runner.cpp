@@ -435,6 +435,7 @@ class Job {
   // deadline.
   void release_held_output() {
     for (Rank& rank : ranks_) {
+      drain_output(rank);  // what reached the pipe by the deadline
       for (OutputStream& stream : rank.streams) {
         if (stream.read_fd < 0) continue;
         std::string lines;

@@ -151,10 +151,11 @@ TEST_CASE("config: every bad value is a one-line error naming the key", "[config
                     Contains("key \"fp16_params\" is SageMaker SMP's, which smp does not take: parameters stay float32"));
   CHECK_THROWS_WITH(parse(R"({"sdp_max_live_parameters": 1})"), Contains("\"shard_optimizer_state\" shards the optimizer"));
   CHECK_THROWS_WITH(parse(R"({"enabled": true, "parameters": {"partitions": 2}})"),
-                    Contains("SageMaker's modelparallel options: give their \"parameters\" object as smp's config"));
+                    Contains("key \"enabled\" is SageMaker SMP's, which smp does not take: SageMaker's modelparallel "
+                             "options: give their \"parameters\" object as smp's config"));
   CHECK_THROWS_WITH(parse(R"({"smdistributed": {"modelparallel": {}}})"),
-                    Contains("give distribution[\"smdistributed\"][\"modelparallel\"][\"parameters\"]") &&
-                        Contains("or, an application's own section"));
+                    Contains("an application's own section? then put smp's keys under an \"smp\" section") &&
+                        Contains("give distribution[\"smdistributed\"][\"modelparallel\"][\"parameters\"]"));
   CHECK_THROWS_WITH(parse(R"({"partitions": 2, "training": {"steps": 5}})"),
                     Contains("unknown key \"training\" (an application's own section? then put smp's keys under an "
                              "\"smp\" section beside it)"));

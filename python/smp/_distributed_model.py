@@ -583,7 +583,7 @@ class DistributedModel(torch.nn.Module):
         if args:
             raise TypeError("state_dict takes keyword arguments only (destination, prefix, keep_vars)")
         rt = runtime()
-        if not self._said_share and rt.world_size > rt.data_parallel_degree:
+        if not self._said_share and (rt.world_size > rt.data_parallel_degree or rt.expert_parallel_degree > 1):
             # Habits that would keep part of the model without a word: DDP's torch.save(model.state_dict()) on rank
             # 0, SMP's (whose state_dict() gathered the whole model) on the last stage's rank. Said on each rank
             # that calls it, once.

@@ -169,9 +169,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The optimizer's state_dict: of this rank's parameters (its stages'); with sharded state, this replica's
         share of those, marked with the replica it belongs to."""
         rt = runtime()
-        if not self._said_share and rt.world_size > rt.data_parallel_degree:
+        partial = rt.world_size > rt.data_parallel_degree or rt.expert_parallel_degree > 1
+        if not self._said_share and (partial or self._shard is not None):
             self._said_share = True  # said once, on each rank that calls it, as model.state_dict()'s share is
-            warnings.warn(f"rank {rt.rank}: optimizer.state_dict() holds the state of this rank's parameters only; "
+            held = "this rank's parameters" if partial else "this replica's share of the parameters"
+            if partial and self._shard is not None:
+                held += " (this replica's share of them)"
+            warnings.warn(f"rank {rt.rank}: optimizer.state_dict() holds the state of {held} only; "
                           "smp.Checkpointer saves every rank's (local_state_dict() says the same without this "
                           "warning; said once)", stacklevel=2)
         return self.local_state_dict()

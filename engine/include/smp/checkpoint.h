@@ -109,8 +109,9 @@ class Checkpointer {
                       CheckpointManifest& manifest);
   // The other ranks: until rank 0 says how the save ended (CheckpointError when it failed).
   void wait_until_complete(std::int64_t step, const std::string& saved_key);
-  // Rank 0: until every other rank has read how the save ended.
+  // Rank 0, once a save is complete: temporary files a killed save of the same step left.
   void remove_leftover_temporaries(const std::string& directory);
+  // Rank 0: until every other rank has read how the save ended.
   void wait_for_readers(const std::string& saved_key);
 
   DistributedModel& model_;

@@ -387,6 +387,12 @@ const std::vector<std::pair<std::string, std::string>>& other_frameworks_names()
 // SageMaker SMP's keys that smp has no counterpart of, and what to do instead: an SMP config ported as it is meets
 // these, and "unknown key" (or a guess at a key like it) would not say that the key is SMP's and left out on purpose.
 std::string smp_key_not_supported(const std::string& key) {
+  static const std::string kZero1 = "sharded data parallelism (ZeRO-3) is not built; \"shard_optimizer_state\" "
+                                    "shards the optimizer state over the replicas (ZeRO-1)";
+  static const std::string kOffload = "activation offloading is not built; \"activation_checkpointing\" recomputes "
+                                      "instead";
+  static const std::string kSageMakerOptions = "SageMaker's modelparallel options: give their \"parameters\" "
+                                               "object as smp's config";
   static const std::map<std::string, std::string> reasons = {
       {"fp16_params", "parameters stay float32 under \"fp16\" (autocast with loss scaling); remove it"},
       {"prescaled_batch", "the tensor-parallel ranks of a replica always take the same batch here (as SMP's "
@@ -395,14 +401,10 @@ std::string smp_key_not_supported(const std::string& key) {
                        "whole is built on the meta device (smp.materialize, load_pretrained); remove it"},
       {"delayed_parameter_initialization", "build the model on the meta device: DistributedModel materializes "
                                            "only each rank's stages; remove it"},
-      {"offload_activations", "activation offloading is not built; \"activation_checkpointing\" recomputes "
-                              "instead"},
-      {"activation_loading_horizon", "activation offloading is not built; \"activation_checkpointing\" recomputes "
-                                     "instead"},
-      {"sharded_data_parallel_degree", "sharded data parallelism (ZeRO-3) is not built; \"shard_optimizer_state\" "
-                                       "shards the optimizer state over the replicas (ZeRO-1)"},
-      {"hybrid_shard_degree", "sharded data parallelism is not built; \"shard_optimizer_state\" shards the "
-                              "optimizer state over the replicas (ZeRO-1)"},
+      {"offload_activations", kOffload},
+      {"activation_loading_horizon", kOffload},
+      {"sharded_data_parallel_degree", kZero1},
+      {"hybrid_shard_degree", kZero1},
       {"ddp_port", "the launcher gives the port (smprun --master-port, or MASTER_PORT); remove it"},
       {"horovod", "a TensorFlow key: smp's replicas reduce gradients themselves (\"ddp\"); remove it"},
       {"contiguous", "a TensorFlow key: smp's stages are contiguous; remove it"},
@@ -412,19 +414,15 @@ std::string smp_key_not_supported(const std::string& key) {
       {"mpi", "SageMaker's MPI launch options: launch the processes with smprun -n N (or torchrun)"},
       {"processes_per_host", "SageMaker's MPI option: smprun -n N starts N processes"},
       {"custom_mpi_options", "SageMaker's MPI option: smprun needs none"},
-      {"enabled", "SageMaker's modelparallel options: give their \"parameters\" object as smp's config"},
-      {"parameters", "SageMaker's modelparallel options: give their \"parameters\" object as smp's config"},
+      {"enabled", kSageMakerOptions},
+      {"parameters", kSageMakerOptions},
+      {"modelparallel", kSageMakerOptions},
       {"smdistributed", "SageMaker's distribution options: give distribution[\"smdistributed\"][\"modelparallel\"]"
                         "[\"parameters\"] as smp's config"},
-      {"modelparallel", "SageMaker's distribution options: give their [\"parameters\"] object as smp's config"},
   };
   const auto found = reasons.find(key);
   if (found != reasons.end()) return found->second;
-  if (key.rfind("sdp_", 0) == 0) {
-    return "sharded data parallelism (ZeRO-3) is not built; \"shard_optimizer_state\" shards the optimizer state "
-           "over the replicas (ZeRO-1)";
-  }
-  return {};
+  return key.rfind("sdp_", 0) == 0 ? kZero1 : std::string();
 }
 
 std::string other_frameworks_name(const std::string& key) {
@@ -548,10 +546,10 @@ Config Config::from_json_text(const std::string& text, const std::string& source
     // A section of the application's own (an object) in a file without an "smp" section.
     const bool section = it.value().is_object() && !document.contains("smp");
     if (const std::string instead = smp_key_not_supported(it.key()); !instead.empty()) {
-      throw ConfigError(source + ": key \"" + it.key() + "\" is SageMaker SMP's, which smp does not take: " + instead +
-                        (section ? " (or, an application's own section: put smp's keys under an \"smp\" section "
-                                   "beside it)"
-                                 : ""));
+      throw ConfigError(source + ": key \"" + it.key() + "\"" +
+                        (section ? " (an application's own section? then put smp's keys under an \"smp\" section "
+                                   "beside it; or SageMaker SMP's, which smp does not take: " + instead + ")"
+                                 : " is SageMaker SMP's, which smp does not take: " + instead));
     }
     const std::string ours = other_frameworks_name(it.key());
     if (!ours.empty()) throw ConfigError(source + ": unknown key \"" + it.key() + "\" (smp's is \"" + ours + "\")");

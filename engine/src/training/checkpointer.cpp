@@ -838,10 +838,10 @@ std::optional<FoundCheckpoint> checkpoint_to_resume(Runtime& runtime, const std:
     } catch (const ConfigError&) {  // a config this version no longer reads says nothing of the cut
     }
     if (planned_cut && config.partition_overrides.empty()) {
-      why += ": its job cut the model at the modules its \"partition_overrides\" name (a planned layout's, under "
-             "\"auto\" keys), which a captured model is cut at; resume with the \"auto\" keys it was saved with (a "
-             "resuming \"auto\" job keeps the checkpoint's layout), or with its partition_overrides (in its "
-             "manifest.json's config_json)";
+      why += ": its job cut the model at the modules its \"partition_overrides\" name (given, or planned for "
+             "\"auto\" keys), which a captured model is cut at; resume with those partition_overrides (in its "
+             "manifest.json's config_json), or with \"auto\" layout keys (a resuming \"auto\" job keeps the "
+             "checkpoint's layout)";
     } else {
       why += ": a captured model is cut as finely as its stages and pinned modules ask; resume with the layout keys "
              "it was saved with";

@@ -70,8 +70,7 @@ GradientSync::GradientSync(Runtime& runtime, const GraphModel& model, const std:
     const int first_holder = stage_rank[stage_of_node[tie.nodes.front()]];
     const at::Tensor& parameter = tie.tensor;
     if (first_holder != runtime_.pp_rank()) counted_elsewhere.insert(parameter.unsafeGetTensorImpl());
-    // Frozen copies need no sum (every rank sees the same requires_grad, so all skip the group alike).
-    if (holder_ranks.size() < 2 || !holder_ranks.count(runtime_.pp_rank()) || !parameter.requires_grad()) continue;
+    if (holder_ranks.size() < 2 || !holder_ranks.count(runtime_.pp_rank())) continue;
     std::vector<int> members;
     // Under this model's prefix: a second model of the same job must not meet this group's rendezvous keys.
     std::string name = group_prefix + "tied/" + tie.parameter + "/";
@@ -79,7 +78,9 @@ GradientSync::GradientSync(Runtime& runtime, const GraphModel& model, const std:
       members.push_back(runtime_.topology().rank_of({pp, runtime_.dp_rank(), runtime_.tp_rank()}));
       name += std::to_string(members.back()) + ",";
     }
-    tied_.push_back({parameter, runtime_.make_group(members, name)});
+    // Frozen copies need no sum (every rank sees the same requires_grad, so all skip it alike), but a group still:
+    // their copies start equal as trained ones do.
+    tied_.push_back({parameter, runtime_.make_group(members, name), parameter.requires_grad()});
   }
   // A parameter every tensor-parallel rank holds whole is counted by tp rank 0; shards by each.
   std::map<const void*, std::pair<int64_t, int64_t>> shards;
@@ -152,6 +153,7 @@ void GradientSync::share_tied_copies() {
 
 void GradientSync::sum_tied() {
   for (auto& tied : tied_) {
+    if (!tied.trained) continue;
     // The copies' gradients and, last, how many holders had one: none leaves .grad undefined (the optimizer then
     // skips the parameter, as in plain training).
     const at::Tensor& parameter = tied.parameter;

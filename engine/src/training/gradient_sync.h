@@ -45,7 +45,7 @@ class GradientSync {
   GradientSync(const GradientSync&) = delete;
   GradientSync& operator=(const GradientSync&) = delete;
 
-  // Tied copies start equal: every holder takes the first holder's values. A program seeding each rank apart would
+  // Tied copies start equal: every holder takes the lowest pipeline rank's values. A program seeding each rank apart would
   // otherwise train a tie whose copies differed from the start, silently (their gradients are summed, not their
   // values).
   void share_tied_copies();
@@ -71,7 +71,8 @@ class GradientSync {
  private:
   struct TiedParameter {
     at::Tensor parameter;
-    std::shared_ptr<comm::Communicator> holders;  // this replica's ranks that hold a copy
+    std::shared_ptr<comm::Communicator> holders;  // this replica's ranks that hold a copy, the lowest first
+    bool trained = true;                          // frozen copies need no sum, but start equal too
   };
   void sum_tied();
   void sum_sequence_parallel();

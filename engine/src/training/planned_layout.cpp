@@ -441,58 +441,80 @@ std::optional<std::string> resumed_layout(const Config& given, int world_size) {
   const auto found = find_latest_checkpoint(given.checkpoint_dir);
   if (!found) return std::nullopt;
   const CheckpointManifest manifest = read_manifest(found->directory);
-  const std::string where = "resuming " + found->directory;
-  const Config saved = Config::from_json_text(manifest.config_json, found->directory + "/manifest.json");
-  const int groups = manifest.partitions * manifest.tensor_parallel_degree;
+  const std::string where = given.source + ": resuming " + found->directory;
+  // The saved job's keys as written (a config this version no longer reads still gives its layout keys), the
+  // manifest's where it records them.
+  const nlohmann::json saved_document = nlohmann::json::parse(manifest.config_json);
+  const nlohmann::json& saved = saved_document.contains("smp") ? saved_document["smp"] : saved_document;
+  const int tp = manifest.tensor_parallel_degree;
+  const int groups = manifest.partitions * tp;
   if (groups < 1 || world_size % groups != 0) {
-    throw ConfigError(given.source + ": " + where + ", saved with " + std::to_string(manifest.partitions) +
-                      " partitions x tensor_parallel_degree " + std::to_string(manifest.tensor_parallel_degree) +
-                      ", which a resume keeps and " + std::to_string(world_size) + " ranks do not hold; launch a " +
-                      "multiple of " + std::to_string(groups) + " ranks, or export the checkpoint and load it " +
-                      "(smp.export_safetensors, load_parameters) into a job planned anew");
+    throw ConfigError(where + ", saved with " + std::to_string(manifest.partitions) + " partitions x " +
+                      "tensor_parallel_degree " + std::to_string(tp) + ", which a resume keeps and " +
+                      std::to_string(world_size) + " ranks do not hold; launch a multiple of " + std::to_string(groups) +
+                      " ranks, or export the checkpoint and load it (smp.export_safetensors, load_parameters) into a "
+                      "job planned anew");
   }
   const int replicas = world_size / groups;
-  int microbatches = std::max(1, saved.microbatches);
+  const int saved_microbatches = saved.contains("microbatches") && saved["microbatches"].is_number_integer()
+                                     ? saved["microbatches"].get<int>()
+                                     : Config{}.microbatches;
+  int microbatches = std::max(1, saved_microbatches);
   while (microbatches > 1 && given.global_batch_size % (static_cast<long long>(replicas) * microbatches) != 0) {
     --microbatches;
   }
-  nlohmann::json recomputed = false;
-  if (!saved.checkpointed_modules.empty()) {
-    recomputed = saved.checkpointed_modules;
-  } else if (!saved.checkpointed_stages.empty()) {
-    recomputed = saved.checkpointed_stages;
-  }
+  const auto saved_or = [&](const char* key, nlohmann::json otherwise) {
+    return saved.contains(key) ? saved[key] : otherwise;
+  };
   const std::map<std::string, nlohmann::json> layout = {
       {"partitions", manifest.partitions},
       {"virtual_stages", manifest.virtual_stages},
-      {"pipeline", saved.pipeline},
+      {"pipeline", saved_or("pipeline", Config{}.pipeline)},
       {"microbatches", microbatches},
       {"ddp", replicas > 1},
-      {"activation_checkpointing", recomputed},
-      {"shard_optimizer_state", saved.shard_optimizer_state},
-      {"tensor_parallel_degree", manifest.tensor_parallel_degree},
+      {"activation_checkpointing", saved_or("activation_checkpointing", false)},
+      {"shard_optimizer_state", saved_or("shard_optimizer_state", false)},
+      {"tensor_parallel_degree", tp},
       {"expert_parallel_degree", manifest.expert_parallel_degree}};
+  // A key this job fixes must agree with what the resume keeps.
+  const Config fixed = given.provisional_layout(world_size);
+  const auto differs = [&](const std::string& key, const std::string& theirs, const std::string& ours) {
+    throw ConfigError(where + ", whose layout a resume keeps: it needs \"" + key + "\" " + theirs + ", and this job's " +
+                      "config fixes " + ours + "; give that key \"auto\" or the checkpoint's value");
+  };
+  if (!given.plans("tensor_parallel_degree") && given.tensor_parallel_degree != tp) {
+    differs("tensor_parallel_degree", std::to_string(tp), std::to_string(given.tensor_parallel_degree));
+  }
+  if (!given.plans("expert_parallel_degree") && given.expert_parallel_degree != manifest.expert_parallel_degree) {
+    differs("expert_parallel_degree", std::to_string(manifest.expert_parallel_degree),
+            std::to_string(given.expert_parallel_degree));
+  }
+  if (!given.plans("partitions") && fixed.partitions != manifest.partitions) {
+    differs("partitions", std::to_string(manifest.partitions), std::to_string(fixed.partitions));
+  }
+  if (!given.plans("ddp") && !given.ddp && replicas > 1) {
+    differs("ddp", "true (" + std::to_string(replicas) + " replicas on " + std::to_string(world_size) + " ranks)",
+            "false");
+  }
   nlohmann::json document = nlohmann::json::parse(given.text);
   nlohmann::json& section = document.contains("smp") ? document["smp"] : document;
   for (const auto& key : given.auto_keys) {
     if (key == "partitions") section.erase("pipeline_parallel_degree");  // the alias its "auto" was given by
     section[key] = layout.at(key);
   }
-  const nlohmann::json saved_document = nlohmann::json::parse(manifest.config_json);
-  const nlohmann::json& saved_section = saved_document.contains("smp") ? saved_document["smp"] : saved_document;
   for (const char* pins : {"partition_overrides", "auto_partition", "default_partition"}) {
-    if (saved_section.contains(pins) && !section.contains(pins)) section[pins] = saved_section[pins];
+    if (saved.contains(pins) && !section.contains(pins)) section[pins] = saved[pins];
   }
   std::string text = document.dump();
   try {
     Config::from_json_text(text, given.source);
   } catch (const ConfigError& error) {
-    throw ConfigError(given.source + ": " + where + " keeps the layout it was saved with, which this job's other " +
-                      "keys refuse: " + error.what());
+    throw ConfigError(where + " keeps the layout it was saved with, which this job's other keys refuse: " +
+                      error.what());
   }
   log::info(where + ": the \"auto\" keys take the layout it was saved with (a resume keeps its cut), " +
             std::to_string(replicas) + " replica(s) of it here, " + std::to_string(microbatches) + " microbatches" +
-            (microbatches != saved.microbatches ? " (" + std::to_string(saved.microbatches) + " there: the global " +
+            (microbatches != saved_microbatches ? " (" + std::to_string(saved_microbatches) + " there: the global " +
                                                       "batch does not split into them over these replicas)"
                                                 : std::string()));
   return text;
