@@ -516,7 +516,7 @@ PYBIND11_MODULE(_smp, module) {
       .value("sum", LossReduction::kSum);
   py::class_<DistributedModel>(module, "DistributedModel")
       .def(py::init([](std::shared_ptr<Runtime> runtime, GraphModel model, const OptionalTensors& sample,
-                       const py::object& materialize) {
+                       const py::object& materialize, bool resume) {
              DistributedModel::MaterializeNodes hook;
              if (!materialize.is_none()) {
                auto callable = held_under_gil(materialize);
@@ -540,9 +540,10 @@ PYBIND11_MODULE(_smp, module) {
              }
              py::gil_scoped_release released;
              return std::make_unique<DistributedModel>(std::move(runtime), std::move(model), defined_or_not(sample),
-                                                       hook);
+                                                       hook, resume ? Resume::kAsConfigured : Resume::kNever);
            }),
-           py::arg("runtime"), py::arg("model"), py::arg("sample"), py::arg("materialize") = py::none())
+           py::arg("runtime"), py::arg("model"), py::arg("sample"), py::arg("materialize") = py::none(),
+           py::arg("resume") = true)
       .def("train_step", with_python_loss<&DistributedModel::train_step>, py::arg("inputs"), py::arg("targets"),
            py::arg("loss"), py::arg("keep_outputs") = false, py::arg("batched") = std::vector<bool>{},
            py::arg("reduction") = LossReduction::kMean)
@@ -625,6 +626,7 @@ PYBIND11_MODULE(_smp, module) {
           row["parameter_bytes"] = node.parameter_bytes;
           row["activation_bytes"] = node.activation_bytes;
           row["largest_parameter_bytes"] = node.largest_parameter_bytes;
+          row["frozen_parameter_bytes"] = node.frozen_parameter_bytes;
           row["expert_parameter_bytes"] = node.expert_parameter_bytes;
           row["expert_token_bytes"] = node.expert_token_bytes;
           row["expert_compute_share"] = node.expert_compute_share;

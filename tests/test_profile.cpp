@@ -340,6 +340,71 @@ TEST_CASE("layouts are planned by simulation, ranked by predicted step, and reje
   }
 }
 
+TEST_CASE("frozen parameters are held without gradients, optimizer state or reductions", "[profile][plan]") {
+  // Profiled: a module built frozen (a LoRA base, a frozen backbone) counts its bytes as frozen.
+  smp::GraphModel model("x");
+  torch::nn::Linear frozen(16, 32), trained(32, 8);
+  for (auto& parameter : frozen->parameters()) parameter.requires_grad_(false);
+  model.add("frozen", frozen, {"x"});
+  model.add("trained", trained, {"frozen"});
+  const auto profiles = smp::profile_graph(model, at::randn({4, 16}), 1);
+  REQUIRE(profiles.size() == 2);
+  CHECK(profiles[0].frozen_parameter_bytes == profiles[0].parameter_bytes);
+  CHECK(profiles[0].parameter_bytes == (16 * 32 + 32) * 4);
+  CHECK(profiles[1].frozen_parameter_bytes == 0);
+  smp::StagePlan plan;
+  plan.modules = profiles;
+  plan.stage_of_module = {0, 0};
+  plan.num_stages = 1;
+  CHECK(smp::StagePlan::from_json(plan.to_json()).modules[0].frozen_parameter_bytes == profiles[0].parameter_bytes);
+
+  // The partition search's memory: 4 MiB of parameters a module, trained 16 MiB (gradients, two moments), frozen 4.
+  auto modules = equal_chain(2, 4 << 20, 0);
+  const smp::Config limited = smp::Config::from_json_text(R"({"partitions": 2, "memory_limit_mb": 8})", "test");
+  CHECK_THROWS_WITH(smp::plan_stages(modules, limited, {1, 1}), Catch::Matchers::Contains("memory"));
+  for (auto& module : modules) module.frozen_parameter_bytes = module.parameter_bytes;
+  CHECK_NOTHROW(smp::plan_stages(modules, limited, {1, 1}));
+
+  // The planner: 8 modules of 1 MiB, the first 6 frozen. One process holds 8 MiB of parameters, gradients and two
+  // moments of the 2 MiB trained, and Adam's temporaries (two of the largest trained parameter): 8 + 3 x 2 + 2.
+  auto backbone = equal_chain(8, 1 << 20, 1 << 10);
+  for (int i = 0; i < 8; ++i) {
+    backbone[i].largest_parameter_bytes = 1 << 20;
+    if (i < 6) backbone[i].frozen_parameter_bytes = 1 << 20;
+  }
+  const smp::Config config = smp::Config::from_json_text(R"({"global_batch_size": 16})", "test");
+  smp::PlanningCosts costs{1e-4, 1e9, 1e9, 1.0, 1e-9};
+  for (const auto& prediction : smp::plan_layouts({backbone, 2}, config, 1, costs)) {
+    if (prediction.layout.recompute) continue;
+    CHECK(prediction.peak_memory_mib() == Approx(8.0 + 3.0 * 2 + 2.0));
+    CHECK(prediction.optimizer_s == Approx(1e-9 * (2 << 20)));  // the trained bytes alone step
+  }
+  // Replicas reduce the trained gradients alone; a pipeline rank holding only frozen stages reduces nothing.
+  const auto all_trained = equal_chain(8, 1 << 20, 1 << 10);
+  const auto sync_of = [&](const std::vector<smp::ModuleProfile>& profile, int pp) {
+    for (const auto& prediction : smp::plan_layouts({profile, 2}, config, 4, costs)) {
+      const auto& layout = prediction.layout;
+      if (layout.partitions == pp && !layout.shard_optimizer_state && layout.virtual_stages == 1) {
+        return prediction.gradient_sync_s;
+      }
+    }
+    FAIL("no layout of " << pp << " stages");
+    return 0.0;
+  };
+  CHECK(sync_of(backbone, 1) < sync_of(all_trained, 1));
+  CHECK(sync_of(backbone, 1) > 0.0);
+  auto frozen_front = all_trained;
+  for (int i = 0; i < 4; ++i) frozen_front[i].frozen_parameter_bytes = 1 << 20;
+  auto frozen_back = all_trained;
+  for (int i = 4; i < 8; ++i) frozen_back[i].frozen_parameter_bytes = 1 << 20;
+  // Two stages of four modules over two replicas: the stage that trains reduces, the slowest rank sets the time.
+  CHECK(sync_of(frozen_front, 2) == Approx(sync_of(frozen_back, 2)));
+  CHECK(sync_of(frozen_front, 2) == Approx(sync_of(all_trained, 2)));
+  auto all_frozen = all_trained;
+  for (auto& module : all_frozen) module.frozen_parameter_bytes = 1 << 20;
+  CHECK(sync_of(all_frozen, 2) == 0.0);
+}
+
 TEST_CASE("a planned layout carries its cut, and a job adopting it partitions as planned", "[profile][plan]") {
   // Unequal modules, so that a cut of the job's own could fall elsewhere than the plan's.
   auto modules = equal_chain(8, 1 << 20, 1 << 20);

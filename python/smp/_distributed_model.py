@@ -139,9 +139,12 @@ class DistributedModel(torch.nn.Module):
     the modules its stages read, initialized from (config seed, module path) by their reset_parameters(), or by
     `init_fn(module)` (a Hugging Face model's: init_fn=net._init_weights); load_pretrained(path) then reads this
     rank's weights.
+
+    resume=False: the model does not take the checkpoint the config's "resume" finds: a job's other model, which its
+    Checkpointer does not save (a frozen teacher, a DPO reference loaded from pretrained weights).
     """
 
-    def __init__(self, model, sample=None, init_fn=None, tp_plan=None, dynamic_shapes=None):
+    def __init__(self, model, sample=None, init_fn=None, tp_plan=None, dynamic_shapes=None, resume=True):
         super().__init__()
         if sample is None:
             raise TypeError("DistributedModel(model, sample): give a sample, one microbatch of inputs as train_step "
@@ -212,7 +215,8 @@ class DistributedModel(torch.nn.Module):
             materialize_local = _materializer(model, graph, rt, init_fn)
             for node in graph._captured.values():
                 object.__setattr__(node, "_job_device", torch.device(rt.device))
-        self._model = _smp.DistributedModel(rt, graph._graph, io_.engine_inputs(sample, "sample"), materialize_local)
+        self._model = _smp.DistributedModel(rt, graph._graph, io_.engine_inputs(sample, "sample"), materialize_local,
+                                            resume)
         check_updated_buffers_on_one_stage(model, graph, self._model.stage_of_module)
         # Where construction time went (capture; profiling, partitioning and building the stages), for benchmarks.
         self._seconds = {"capture": captured - started, "engine": time.perf_counter() - captured}

@@ -339,8 +339,10 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     if shared_cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         shared_cores = cores if rt.device == "cpu" and world > cores else 0
+    # Timed on what it steps: a frozen backbone's small trained adapters cost more per byte than its large weights.
+    trained = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     optimizer_s_per_byte, moments_kept = _optimizer_seconds_per_byte(
-        torch.device(rt.device), [tuple(p.shape) for p in model.parameters()], optimizer)
+        torch.device(rt.device), trained or [tuple(p.shape) for p in model.parameters()], optimizer)
     optimizer_s_per_byte *= compute_scale
     optimizer_moments = moments_kept if optimizer_moments is None else optimizer_moments
 

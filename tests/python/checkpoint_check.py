@@ -224,6 +224,40 @@ def options_replaced(python, root):
                          f"{resumed.stdout[-500:]}\n{said[-2000:]}")
 
 
+OTHER_MODEL = """
+import sys, torch, smp
+root, opted_out = sys.argv[1], sys.argv[2] == "opted-out"
+smp.init({"partitions": 1, "microbatches": 1, "checkpoint_dir": root, "resume": True, "device": "cpu"})
+model = smp.DistributedModel(torch.nn.Linear(3, 2), torch.zeros(2, 3))
+teacher_net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+try:
+    teacher = smp.DistributedModel(teacher_net, torch.zeros(2, 3), resume=not opted_out)
+except smp.CheckpointError as error:
+    print("teacher refused:", error)
+    raise SystemExit(0)
+checkpointer = smp.Checkpointer(model, smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1)))
+print("resumed at", checkpointer.resume())
+try:
+    smp.Checkpointer(teacher, smp.DistributedOptimizer(torch.optim.SGD(teacher.parameters(), lr=0.1)))
+except smp.CheckpointError as error:
+    print("teacher's checkpointer refused:", error)
+"""
+
+
+def other_model(python, root):
+    """A job's second model of another architecture (a teacher) built with resume=False while the job resumes: it does
+    not take the checkpoint (built without it, it is refused as another model), and no Checkpointer saves it."""
+    def run(mode):
+        return subprocess.run([python, "-c", OTHER_MODEL, root, mode], capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+    refused, opted_out = run("resumes"), run("opted-out")
+    if refused.returncode or "teacher refused:" not in refused.stdout or opted_out.returncode or \
+            "resumed at 1" not in opted_out.stdout or "teacher's checkpointer refused:" not in opted_out.stdout or \
+            "built not to resume" not in opted_out.stdout:
+        raise SystemExit(f"a second model while resuming:\n{refused.stdout[-1500:]}\n{refused.stderr[-1500:]}\n"
+                         f"{opted_out.stdout[-1500:]}\n{opted_out.stderr[-1500:]}")
+
+
 def main():
     smprun, python = sys.argv[1:3]
     sharded = "--sharded" in sys.argv[3:]
@@ -295,6 +329,7 @@ def main():
             lost_save(python, os.path.join(directory, "lost"))
             rank0_fails(smprun, python, os.path.join(directory, "rank0_fails"))
             options_replaced(python, os.path.join(directory, "options"))
+            other_model(python, os.path.join(directory, "options"))
     print("trained 4 steps" + (" in tensor-parallel shards" if tensor_parallel else "") + ", resumed" +
           (" into one replica, then into two shards again" if sharded else "") +
           ", trained to 6, exported" + ("" if sharded or tensor_parallel else ", resumed by an \"auto\" job on 4 ranks") +

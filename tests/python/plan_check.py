@@ -81,6 +81,21 @@ def main():
     if not compared:
         failures.append(f"no one-stage layout among {[layout['layout'] for layout in adamw.layouts]}")
 
+    # A frozen backbone (all but the head, as LoRA's base weights): its parameters are held without gradients or
+    # Adam's moments, so the one-stage layout's rank needs at least the two moments' worth less.
+    for parameter in net.model.parameters():
+        parameter.requires_grad_(False)
+    frozen = smp.plan(net, sample, world_size=4, tensor_parallel_degrees=[1])
+    for parameter in net.model.parameters():
+        parameter.requires_grad_(True)
+    frozen_mib = sum(p.numel() * 4 for p in net.model.parameters()) / 2**20
+    with_frozen = {layout["layout"]: layout for layout in frozen.layouts}
+    for first in compared:
+        saved = sum(first["memory_mib"]) - sum(with_frozen[first["layout"]]["memory_mib"])
+        if saved < 2 * frozen_mib:
+            failures.append(f"{first['layout']}: a frozen backbone of {frozen_mib:.3f} MiB needs {saved:.3f} MiB "
+                            f"less than the model trained whole, under its optimizer state's {2 * frozen_mib:.3f}")
+
     limit = max(found.best["memory_mib"]) - 0.01
     limited = smp.plan(net, sample, world_size=4, memory_limit_mb=limit)
     if limited.best is None or max(limited.best["memory_mib"]) > limit:

@@ -77,6 +77,11 @@ class GradientSync;
 class LossScaler;
 class ModelRandomStream;
 
+// Whether a model takes the checkpoint that the config's "resume" finds. kNever: a job's other model, which its
+// Checkpointer does not save (a frozen teacher, a DPO reference built from pretrained weights), and which would
+// otherwise be refused as another model than the checkpoint's.
+enum class Resume { kAsConfigured, kNever };
+
 class DistributedModel {
  public:
   // Every rank must build `model` the same way (same seed) so that each stage starts from the weights
@@ -89,13 +94,13 @@ class DistributedModel {
   // real there (and may rebuild any node's module: GraphModel::replace_module).
   using MaterializeNodes = std::function<void(GraphModel& model, const std::vector<int>& local_nodes)>;
   DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const ModelInputs& sample,
-                   const MaterializeNodes& materialize = {});
+                   const MaterializeNodes& materialize = {}, Resume resume = Resume::kAsConfigured);
   DistributedModel(std::shared_ptr<Runtime> runtime, const torch::nn::Sequential& model, const at::Tensor& sample_input);
   // A model whose smp::tp layers are built over a group, given as its builder: with "tensor_parallel_degree": "auto"
   // (with_planned_layout) the planner builds it for each degree and the chosen layout's, once adopted, is built
   // over Runtime::tensor_parallel_group(); otherwise the same as building it over that group and passing it.
   DistributedModel(std::shared_ptr<Runtime> runtime, const ModelBuilder& build, const ModelInputs& sample,
-                   const MaterializeNodes& materialize = {});
+                   const MaterializeNodes& materialize = {}, Resume resume = Resume::kAsConfigured);
   ~DistributedModel();
 
   // One step on this replica's share of the global batch (Runtime::replica_slice): split into microbatches,
@@ -145,6 +150,8 @@ class DistributedModel {
   void load_state(const TensorSource& source);
   // The checkpoint this model took its partition from (config "resume"), for Checkpointer::resume.
   const std::optional<FoundCheckpoint>& resumed_from() const { return resumed_from_; }
+  // Built with Resume::kNever: no Checkpointer saves it.
+  bool never_resumes() const { return never_resumes_; }
   // Checkpointer::resume loaded it: a train_step or evaluate of a resumed model before that says so once.
   void mark_state_resumed() { state_resumed_ = true; }
   // Parameter names and shapes of the whole model, so a checkpoint of another model is refused.
@@ -241,7 +248,7 @@ class DistributedModel {
 
   struct Planned {};  // the builder's form once the runtime has its layout
   DistributedModel(Planned, std::shared_ptr<Runtime> planned, const ModelBuilder& build, const ModelInputs& sample,
-                   const MaterializeNodes& materialize);
+                   const MaterializeNodes& materialize, Resume resume);
   struct LocalStage {
     std::vector<int> nodes;  // in the model's (topological) order
     std::vector<NodeRun> runs;  // the nodes as the forward calls them
@@ -311,6 +318,7 @@ class DistributedModel {
   long long evaluations_since_step_ = 0;  // with step_, which program call this rank is in (ProgramCall)
   std::string exchange_;  // prefix of this model's store keys
   std::optional<FoundCheckpoint> resumed_from_;
+  bool never_resumes_ = false;
   bool state_resumed_ = false;
   bool said_not_resumed_ = false;
   std::string model_signature_;

@@ -1,6 +1,7 @@
 #pragma once
 // Which modules of a chain model run on which pipeline stage, and why: the profile behind the choice.
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <utility>
@@ -68,6 +69,21 @@ struct ModuleProfile {
   // It holds parameters, its own or tied ones that parameter_bytes counts elsewhere: a rank whose stages hold none
   // cannot build its optimizer (the planner rejects such a layout).
   bool holds_parameters = false;
+  // Of parameter_bytes, those frozen when profiled (requires_grad false: LoRA's base weights, a frozen backbone or
+  // teacher): held, but without a gradient, optimizer state, or a reduction over replicas.
+  std::int64_t frozen_parameter_bytes = 0;
+
+  // What trains (gradients, optimizer state, reductions), apart from the experts' (divided by expert parallelism,
+  // their state over fewer replicas). Frozen bytes are taken from the dense parameters first: a frozen backbone
+  // with trained experts is rarer than the reverse.
+  std::int64_t trained_dense_bytes() const {
+    const std::int64_t dense = parameter_bytes - expert_parameter_bytes;
+    return dense - std::min(dense, frozen_parameter_bytes);
+  }
+  std::int64_t trained_expert_bytes() const {
+    const std::int64_t dense = parameter_bytes - expert_parameter_bytes;
+    return expert_parameter_bytes - std::min(expert_parameter_bytes, frozen_parameter_bytes - std::min(dense, frozen_parameter_bytes));
+  }
 };
 
 struct StagePlan {

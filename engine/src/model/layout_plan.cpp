@@ -158,7 +158,7 @@ void divide_experts(std::vector<ModuleProfile>& modules, int ep, int split, int 
 
 // A ring all-reduce of `bytes` over `replicas` (and ZeRO-1's broadcast after the step: one more (n - 1) / n).
 double all_reduce_s(double bytes, int replicas, bool sharded, double latency_s, double bytes_per_s) {
-  if (replicas <= 1) return 0.0;
+  if (replicas <= 1 || bytes <= 0.0) return 0.0;  // nothing trained here: the reducer has no bucket to reduce
   const double share = static_cast<double>(replicas - 1) / replicas;
   return latency_s * 2 * (replicas - 1) + (2.0 * share + (sharded ? share : 0.0)) * bytes / bytes_per_s;
 }
@@ -222,7 +222,9 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   sched::SimulationCosts simulated;
   simulated.stages.resize(static_cast<std::size_t>(stages));
   std::vector<double> parameter_bytes(static_cast<std::size_t>(stages), 0.0);
-  std::vector<double> expert_bytes(static_cast<std::size_t>(stages), 0.0);  // of parameter_bytes
+  // Of parameter_bytes, what trains: the dense parameters' and the experts' (gradients, optimizer state, reductions).
+  std::vector<double> trained_dense(static_cast<std::size_t>(stages), 0.0);
+  std::vector<double> trained_experts(static_cast<std::size_t>(stages), 0.0);
   std::vector<double> activation_bytes(static_cast<std::size_t>(stages), 0.0);
   double largest_transfer = 0.0;
   for (int stage = 0; stage < stages; ++stage) {
@@ -238,7 +240,8 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
       input_pass += profile.backward_input_s;
       weight_pass += profile.backward_weight_s;
       parameter_bytes[stage] += static_cast<double>(profile.parameter_bytes);
-      expert_bytes[stage] += static_cast<double>(profile.expert_parameter_bytes);
+      trained_dense[stage] += static_cast<double>(profile.trained_dense_bytes());
+      trained_experts[stage] += static_cast<double>(profile.trained_expert_bytes());
       activation_bytes[stage] += static_cast<double>(profile.activation_bytes + profile.output_bytes);
     }
     // On a slower device, everything it computes takes longer.
@@ -275,7 +278,9 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
     // the split, what W reads from I to W; the first stage's input takes no gradient, so its W is its backward),
     // each stage's gradients from its first backward on.
     simulated.activation_bytes = activation_bytes;
-    simulated.gradient_bytes = parameter_bytes;
+    for (int stage = 0; stage < stages; ++stage) {
+      simulated.gradient_bytes.push_back(trained_dense[stage] + trained_experts[stage]);
+    }
     if (schedule.split_backward) {
       for (int stage = 0; stage < stages; ++stage) {
         simulated.weight_pass_share.push_back(stage == 0 ? 1.0
@@ -304,18 +309,17 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   // Per pipeline rank: what its stages hold (as the partition search's memory model counts it), and the bytes
   // its replicas reduce after the step.
   const auto ranks = static_cast<std::size_t>(layout.partitions);
-  std::vector<double> rank_parameter_bytes(ranks, 0.0), rank_expert_bytes(ranks, 0.0), held_bytes(ranks, 0.0),
-      activations_held(ranks, 0.0), largest_parameter(ranks, 0.0);
+  std::vector<double> rank_dense_bytes(ranks, 0.0), rank_expert_bytes(ranks, 0.0), held_bytes(ranks, 0.0),
+      activations_held(ranks, 0.0), largest_parameter(ranks, 0.0);  // the first two: what trains
   for (int stage = 0; stage < stages; ++stage) {
     const int rank = schedule.stage_to_rank.at(stage);
     const double copies = layout.recompute ? 1.0 : plan.activation_copies.at(stage);
-    const double dense = parameter_bytes[stage] - expert_bytes[stage];
     // Parameters and optimizer state: the gradients come and go with the step (below).
-    held_bytes[rank] += (1.0 + optimizer_moments / shards) * dense +
-                        (1.0 + optimizer_moments / expert_shards) * expert_bytes[stage];
+    held_bytes[rank] += parameter_bytes[stage] + optimizer_moments / shards * trained_dense[stage] +
+                        optimizer_moments / expert_shards * trained_experts[stage];
     activations_held[rank] += copies * activation_bytes[stage];
-    rank_parameter_bytes[rank] += parameter_bytes[stage];
-    rank_expert_bytes[rank] += expert_bytes[stage];
+    rank_dense_bytes[rank] += trained_dense[stage];
+    rank_expert_bytes[rank] += trained_experts[stage];
     for (int module : plan.modules_of_stage(stage)) {
       largest_parameter[rank] = std::max(
           largest_parameter[rank], static_cast<double>(plan.modules[static_cast<std::size_t>(module)].largest_parameter_bytes));
@@ -325,17 +329,16 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   for (std::size_t rank = 0; rank < ranks; ++rank) {
     // Adam's step (two moments) holds temporaries once the step's activations are gone: a ResNet stage of two
     // 9 MiB convolutions held 19 MiB more than its parameters, gradients, moments and activations.
-    const double stepped = (rank_parameter_bytes[rank] - rank_expert_bytes[rank]) / shards +
-                           rank_expert_bytes[rank] / expert_shards;
+    const double stepped = rank_dense_bytes[rank] / shards + rank_expert_bytes[rank] / expert_shards;
     const double scratch = optimizer_moments < 2.0          ? 0.0
                            : costs.optimizer_foreach ? stepped
-                                                     : 2.0 * largest_parameter[rank];
+                                                     : std::min(2.0 * largest_parameter[rank], 2.0 * stepped);
     // A step starts without gradients (zero_grad frees them by default): until a rank's first backward its
     // activations are all it holds beside its parameters and optimizer state; from then on its gradients too, with
     // what it still holds or forwards then (GPipe's peak of activations never meets the gradients; a steady 1F1B's
     // does). Replicas' buckets copy the gradients to reduce them at the end of the backward (a second copy, for a
     // moment); the optimizer's temporaries come after the activations are gone.
-    const double gradients = rank_parameter_bytes[rank];
+    const double gradients = rank_dense_bytes[rank] + rank_expert_bytes[rank];
     const double buckets = layout.replicas > 1 ? gradients : 0.0;
     // A recomputing stage rebuilds a microbatch's activations inside its backward, beside the gradients.
     const double during_step =
@@ -349,10 +352,10 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   const double bytes_per_s = replicas_across ? costs.inter_node_bytes_per_s : costs.all_reduce_bytes_per_s;
   double stepped_most = 0.0;
   for (std::size_t rank = 0; rank < ranks; ++rank) {
-    const double dense = rank_parameter_bytes[rank] - rank_expert_bytes[rank];
+    const double dense = rank_dense_bytes[rank];
     const bool apart = ep > 1 && rank_expert_bytes[rank] > 0;  // else one reduction takes both
     const double sync =
-        all_reduce_s(apart ? dense : rank_parameter_bytes[rank], layout.replicas, layout.shard_optimizer_state, latency,
+        all_reduce_s(apart ? dense : dense + rank_expert_bytes[rank], layout.replicas, layout.shard_optimizer_state, latency,
                      bytes_per_s) +
         (apart ? all_reduce_s(rank_expert_bytes[rank], layout.replicas / ep, layout.shard_optimizer_state, latency,
                               bytes_per_s)

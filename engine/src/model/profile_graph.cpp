@@ -308,6 +308,7 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
         const std::int64_t bytes = parameter.numel() * static_cast<std::int64_t>(parameter.element_size());
         counted_bytes[name] = bytes;
         profile.parameter_bytes += bytes;
+        if (!parameter.requires_grad()) profile.frozen_parameter_bytes += bytes;
         profile.largest_parameter_bytes = std::max(profile.largest_parameter_bytes, bytes);
         profile.parameter_shapes += name + ":";
         for (auto size : parameter.sizes()) profile.parameter_shapes += std::to_string(size) + ",";
@@ -445,6 +446,7 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
                                             : counted_bytes[tie.parameter];
     ModuleProfile& last = profiles.at(static_cast<std::size_t>(tie.nodes.back()));
     last.parameter_bytes += bytes;
+    if (tie.tensor.defined() && !tie.tensor.requires_grad()) last.frozen_parameter_bytes += bytes;
     last.largest_parameter_bytes = std::max(last.largest_parameter_bytes, bytes);
   }
   // The cached blocks go back to the device: processes sharing a GPU (over Gloo) need them more than rank 0 does.

@@ -134,7 +134,8 @@ std::string StagePlan::to_json() const {
                                    {"activation_bytes", module.activation_bytes},
                                    {"producers", module.producers},
                                    {"assumed_loss_s", module.assumed_loss_s},
-                                   {"holds_parameters", module.holds_parameters}});
+                                   {"holds_parameters", module.holds_parameters},
+                                   {"frozen_parameter_bytes", module.frozen_parameter_bytes}});
   }
   return document.dump();
 }
@@ -155,6 +156,7 @@ StagePlan StagePlan::from_json(const std::string& text) {
                             module.value("assumed_loss_s", 0.0)});
     plan.modules.back().holds_parameters =
         module.value("holds_parameters", plan.modules.back().parameter_bytes > 0);
+    plan.modules.back().frozen_parameter_bytes = module.value("frozen_parameter_bytes", std::int64_t{0});
   }
   return plan;
 }
@@ -324,7 +326,7 @@ StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
     }
   }
   // The partition search sees the profile as a DAG: compute time, memory per node, and the bytes of every tensor
-  // between nodes. Memory: parameters, gradients and two optimizer moments (4x the parameter bytes; the moments
+  // between nodes. Memory: parameters, and for those trained gradients and two optimizer moments (4x; the moments
   // divided among the replicas when they shard the optimizer state, assuming an even split, though replicas own
   // whole parameters), and what the
   // forward keeps for backward (its saved tensors and its output, which the next module saves) times the
@@ -346,9 +348,9 @@ StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
     node.name = module.name;
     node.compute_s =
         module.forward_s + module.backward_s + (recomputed_modules[i] ? module_recomputes * module.forward_s : 0.0);
-    const auto experts = static_cast<double>(module.expert_parameter_bytes);
-    node.memory_bytes = (2.0 + 2.0 / optimizer_state_shards) * (static_cast<double>(module.parameter_bytes) - experts) +
-                        (2.0 + 2.0 / expert_state_shards) * experts +
+    node.memory_bytes = static_cast<double>(module.parameter_bytes) +
+                        (1.0 + 2.0 / optimizer_state_shards) * static_cast<double>(module.trained_dense_bytes()) +
+                        (1.0 + 2.0 / expert_state_shards) * static_cast<double>(module.trained_expert_bytes()) +
                         (recomputed_modules[i] ? static_cast<double>(module.activation_bytes) : 0.0);
     node.parameter_bytes = static_cast<double>(module.parameter_bytes);
     node.activation_bytes =

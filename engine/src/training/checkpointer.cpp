@@ -220,6 +220,12 @@ Checkpointer::Checkpointer(DistributedModel& model, DistributedOptimizer& optimi
 Checkpointer::Checkpointer(DistributedModel& model, std::unique_ptr<OptimizerCheckpointState> optimizer_state)
     : model_(model), optimizer_state_(std::move(optimizer_state)) {
   if (!enabled()) return;
+  if (model_.never_resumes() && model_.runtime().config().resume) {
+    // Its saves would be resumed into the job's other model, the one that takes the checkpoint.
+    throw CheckpointError("this model was built not to resume (resume=False, Resume::kNever), but the config says "
+                          "\"resume\": true: a Checkpointer saves the model that resumes from checkpoint_dir; make it "
+                          "for that one");
+  }
   // Found now, not at the first save, which may come thousands of steps into training.
   const std::string& root = model_.runtime().config().checkpoint_dir;
   const std::string probe = root + "/.smp-write-probe-" + std::to_string(model_.runtime().rank()) + "-" +
@@ -813,7 +819,9 @@ std::optional<FoundCheckpoint> checkpoint_to_resume(Runtime& runtime, const std:
   if (manifest.model_signature != model_signature) {
     // Every rank says rank 0's words: only rank 0 holds the model's parameter list that names the first difference.
     std::string why = directory + " holds another model (" + manifest.model_signature + "; this model: " +
-                      model_signature + ")" + first_difference(manifest.model_parameters, model_parameters);
+                      model_signature + ")" + first_difference(manifest.model_parameters, model_parameters) +
+                      "; a job's other model (a teacher, a reference), which its Checkpointer does not save, is built "
+                      "not to resume: resume=False (C++: smp::Resume::kNever)";
     if (runtime.rank() == 0) {
       runtime.publish(key + "/another_model", why);
     } else {

@@ -118,18 +118,19 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, const torch
     : DistributedModel(std::move(runtime), GraphModel::from_sequential(model), sample_input) {}
 
 DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, const ModelBuilder& build, const ModelInputs& sample,
-                                   const MaterializeNodes& materialize)
-    : DistributedModel(Planned{}, with_planned_layout(std::move(runtime), build, sample), build, sample, materialize) {}
+                                   const MaterializeNodes& materialize, Resume resume)
+    : DistributedModel(Planned{}, with_planned_layout(std::move(runtime), build, sample), build, sample, materialize,
+                       resume) {}
 
 DistributedModel::DistributedModel(Planned, std::shared_ptr<Runtime> planned, const ModelBuilder& build,
-                                   const ModelInputs& sample, const MaterializeNodes& materialize)
-    : DistributedModel(planned, build(planned->tensor_parallel_group()), sample, materialize) {}
+                                   const ModelInputs& sample, const MaterializeNodes& materialize, Resume resume)
+    : DistributedModel(planned, build(planned->tensor_parallel_group()), sample, materialize, resume) {}
 
 DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const at::Tensor& sample_input)
     : DistributedModel(std::move(runtime), std::move(model), ModelInputs{sample_input}) {}
 
 DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const ModelInputs& sample,
-                                   const MaterializeNodes& materialize)
+                                   const MaterializeNodes& materialize, Resume resume)
     : runtime_(with_planned_layout(std::move(runtime), model, sample)),
       // More stages than nodes: cut finer along the module tree first, and as deep as partition_overrides name.
       model_(model.expanded_to(static_cast<std::size_t>(runtime_->config().num_stages()))
@@ -203,7 +204,8 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
     check_same_modules(runtime_->fetch(exchange_ + "modules"));
     plan_ = StagePlan::from_json(runtime_->fetch(exchange_ + "stage_plan"));
   }
-  if (config.resume) {
+  never_resumes_ = resume == Resume::kNever;
+  if (config.resume && !never_resumes_) {
     std::vector<std::string> names;
     for (const auto& node : model_.nodes()) names.push_back(node.name);
     resumed_from_ = checkpoint_to_resume(*runtime_, exchange_ + "resume_from", names, model_signature_,
