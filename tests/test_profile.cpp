@@ -4,8 +4,12 @@
 
 #include "catch_torch.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
+#include <filesystem>
 #include <map>
 #include <thread>
 
@@ -18,6 +22,7 @@
 #include <torch/nn/modules/linear.h>
 
 #include "profiled_model.h"
+#include "smp/checkpoint_manifest.h"
 #include "smp/cluster_plan.h"
 #include "smp/config.h"
 #include "smp/graph_model.h"
@@ -25,6 +30,7 @@
 #include "smp/planned_layout.h"
 #include "smp/stage_plan.h"
 #include "smp/collectives.h"
+#include "smp/timeline.h"
 #include "smp/tp.h"
 
 TEST_CASE("profiling counts what a module's forward keeps for backward", "[profile]") {
@@ -1108,4 +1114,65 @@ TEST_CASE("auto_partition false that leaves a stage without a module says so in 
   auto overridden = smp::Config::from_json_text(R"({"partitions": 2, "auto_partition": false,
       "partition_overrides": {")" + modules[2].name + R"(": 1}})", "test");
   CHECK_NOTHROW(smp::plan_stages(modules, overridden, {1, 1}));
+}
+
+TEST_CASE("an \"auto\" job that resumes takes the checkpoint's layout, replicas from its world", "[plan][checkpoint]") {
+  const std::string root = "/tmp/smp_resumed_layout_" + std::to_string(getpid());
+  const auto remove_root = [&] {  // not std::filesystem::remove_all: libtorch.so's copy of it crashes
+    REQUIRE(std::system(("rm -rf " + root).c_str()) == 0);
+  };
+  remove_root();
+  const std::string directory = root + "/" + smp::checkpoint_directory_name(3);
+  std::filesystem::create_directories(directory);
+  smp::CheckpointManifest manifest;
+  manifest.step = 3;
+  manifest.partitions = 2;
+  manifest.replicas = 1;
+  manifest.schedule = "interleaved";
+  manifest.module_names = {"a", "b"};
+  manifest.stage_of_module = {0, 1};
+  manifest.model_signature = "2 parameters";
+  manifest.config_json = R"({"partitions": 2, "microbatches": 4, "pipeline": "interleaved",
+                             "activation_checkpointing": ["b"], "partition_overrides": {"b": 1}})";
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::string contents = "partition " + std::to_string(rank);
+    smp::write_file_atomically(directory + "/" + smp::partition_file_name(rank), contents);
+    manifest.files.push_back({smp::partition_file_name(rank), rank, contents.size(),
+                              smp::crc32(contents.data(), contents.size())});
+  }
+  smp::write_file_atomically(directory + "/manifest.json", manifest.to_json());
+  const auto config = [&](const std::string& keys) {
+    return smp::Config::from_json_text(R"({"checkpoint_dir": ")" + root + R"(", "resume": true, "global_batch_size": 12, )" +
+                                           keys + "}",
+                                       "job.json");
+  };
+  const std::string planned = R"("partitions": "auto", "microbatches": "auto", "ddp": "auto", "pipeline": "auto",
+                                 "activation_checkpointing": "auto")";
+
+  // 4 ranks: 2 replicas of the saved 2 stages; 12 samples over 2 replicas split into 3 microbatches, not 4.
+  const auto resumed = smp::resumed_layout(config(planned), 4);
+  REQUIRE(resumed);
+  const smp::Config adopted = smp::Config::from_json_text(*resumed, "job.json");
+  CHECK(adopted.auto_keys.empty());
+  CHECK(adopted.partitions == 2);
+  CHECK(adopted.microbatches == 3);
+  CHECK(adopted.ddp);
+  CHECK(adopted.pipeline == "interleaved");
+  CHECK(adopted.checkpointed_modules == std::vector<std::string>{"b"});
+  CHECK_THAT(*resumed, Catch::Matchers::Contains("partition_overrides"));
+
+  // Nothing to take: no "auto" key, no "resume", no checkpoint yet.
+  CHECK_FALSE(smp::resumed_layout(config(R"("partitions": 2)"), 4));
+  CHECK_FALSE(smp::resumed_layout(smp::Config::from_json_text(R"({"partitions": "auto", "global_batch_size": 12,
+      "checkpoint_dir": ")" + root + R"("})", "job.json"), 4));
+  CHECK_FALSE(smp::resumed_layout(smp::Config::from_json_text(R"({"partitions": "auto", "global_batch_size": 12,
+      "resume": true, "checkpoint_dir": ")" + root + R"(/none"})", "job.json"), 4));
+
+  // A world the saved stages do not divide, and fixed keys the layout contradicts: named.
+  CHECK_THROWS_WITH(smp::resumed_layout(config(planned), 3), Catch::Matchers::Contains("launch a multiple of 2"));
+  CHECK_THROWS_WITH(smp::resumed_layout(config(R"("partitions": 4, "microbatches": "auto")"), 4),
+                    Catch::Matchers::Contains("\"partitions\" 2") && Catch::Matchers::Contains("fixes 4"));
+  CHECK_THROWS_WITH(smp::resumed_layout(config(R"("partitions": 2, "ddp": false, "microbatches": "auto")"), 4),
+                    Catch::Matchers::Contains("\"ddp\" true (2 replicas on 4 ranks)"));
+  remove_root();
 }

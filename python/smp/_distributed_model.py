@@ -142,9 +142,14 @@ class DistributedModel(torch.nn.Module):
 
     resume=False: the model does not take the checkpoint the config's "resume" finds: a job's other model, which its
     Checkpointer does not save (a frozen teacher, a DPO reference loaded from pretrained weights).
+
+    plan_optimizer: with "auto" layout keys, the optimizer the job will build, as smp.plan's `optimizer` (a
+    torch.optim class or a callable making one of a list of parameters: functools.partial(torch.optim.SGD, lr=0.1,
+    momentum=0.9)); its state and step are priced as it keeps and times them. Default AdamW.
     """
 
-    def __init__(self, model, sample=None, init_fn=None, tp_plan=None, dynamic_shapes=None, resume=True):
+    def __init__(self, model, sample=None, init_fn=None, tp_plan=None, dynamic_shapes=None, resume=True,
+                 plan_optimizer=None):
         super().__init__()
         if sample is None:
             raise TypeError("DistributedModel(model, sample): give a sample, one microbatch of inputs as train_step "
@@ -169,8 +174,13 @@ class DistributedModel(torch.nn.Module):
         meta = isinstance(model, torch.nn.Module) and _materialize.is_meta(model)
         if meta and (_is_sequential(model) or isinstance(model, (GraphModel, torch.jit.ScriptModule))):
             raise ModelError(_META_NEEDS_CAPTURE)  # before planning, which would run its modules
+        if plan_optimizer is not None and not callable(plan_optimizer):  # on every rank, before rank 0 plans
+            raise ConfigError(f"plan_optimizer {plan_optimizer!r}: expected a torch.optim class or a callable making "
+                              "an optimizer of a list of parameters")
         if rt.config.auto_keys:
-            self.planned = adopt_planned_layout(model, sample, dynamic_shapes, tp_plan)
+            self.planned = adopt_planned_layout(model, sample, dynamic_shapes, tp_plan, plan_optimizer)
+        elif plan_optimizer is not None and rt.rank == 0:
+            print("smp: plan_optimizer ignored: the config has no \"auto\" layout key to plan", flush=True)
         if rt.tensor_parallel_degree > 1:
             shard_for_tensor_parallelism(model, tp_plan)
         elif tp_plan is not None and rt.rank == 0:

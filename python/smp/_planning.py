@@ -373,13 +373,13 @@ def plan(model, sample, world_size=None, global_batch_size=None, memory_limit_mb
     return predict(tokens_per_expert)
 
 
-def _choose(model, sample, rt, links, speeds, dynamic_shapes, tp_plan):
+def _choose(model, sample, rt, links, speeds, dynamic_shapes, tp_plan, optimizer):
     """Rank 0's choice: (the chosen config's text, the chosen layout's row, the report, its routing as planned:
     Plan.routing_imbalance)."""
     found = plan(model, sample, link_gbps=links["bytes_per_s"] / 1e9, latency_us=links["latency_s"] * 1e6,
                  device_speeds=speeds, shared_cores=links["shared_processors"] or None, dynamic_shapes=dynamic_shapes,
                  tp_plan=tp_plan, synchronization_us=links["synchronization_s"] * 1e6,
-                 synchronized_gbps=links["synchronized_bytes_per_s"] / 1e9, _for_this_job=True)
+                 synchronized_gbps=links["synchronized_bytes_per_s"] / 1e9, optimizer=optimizer, _for_this_job=True)
     if "error" in found._choice:
         unplanned = "".join(f"\ntp {degree}: not planned: {why}" for degree, why in found.unplanned_degrees.items())
         raise ConfigError(found._choice["error"] + unplanned)
@@ -388,7 +388,7 @@ def _choose(model, sample, rt, links, speeds, dynamic_shapes, tp_plan):
     return found._choice["config"], row, found.report, found.routing_imbalance(row, whole_step=True)
 
 
-def adopt_planned_layout(model, sample, dynamic_shapes=None, tp_plan=None):
+def adopt_planned_layout(model, sample, dynamic_shapes=None, tp_plan=None, optimizer=None):
     """For a config with "auto" layout keys: rank 0 plans (smp.plan) among the layouts that keep what the config
     fixes, and every rank adopts its choice before the model is partitioned. Returns what was chosen: {"config": the
     layout's keys, "layout", "predicted_step_ms" (of which "optimizer_ms"), "memory_mib" per pipeline rank, "routing"
@@ -407,7 +407,8 @@ def adopt_planned_layout(model, sample, dynamic_shapes=None, tp_plan=None):
     speeds = rt._device_speeds()  # measured here for "measure", and kept for the partition after
 
     def choose():
-        text, row, report, routing = _choose(model, sample, rt, links, speeds, dynamic_shapes, tp_plan)
+        text, row, report, routing = _choose(model, sample, rt, links, speeds, dynamic_shapes, tp_plan,
+                                             optimizer or torch.optim.AdamW)
         # Drawn for the fastest layout the job can adopt: its choice.
         if row.get("timeline_svg") and rt.config.trace_dir:
             os.makedirs(rt.config.trace_dir, exist_ok=True)

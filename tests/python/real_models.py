@@ -28,6 +28,7 @@ too); without a GPU the job exits 77 (skipped).
 import argparse
 import copy
 import itertools
+import functools
 import json
 import os
 import sys
@@ -328,6 +329,10 @@ def routing_failures_of_plan(net, found):
     assert all(steps["crowded"][layout] == steps["even"][layout] for layout in undivided), steps
 
 
+# The job's optimizer, which "auto" layouts and --plan price (one moment a parameter, SGD's step).
+OPTIMIZER = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
+
+
 def print_fastest_layout(name, ranks, config):
     """--plan RANKS: the fastest layout smp.plan predicts for the model on RANKS ranks, and its peak memory; and the
     least peak memory among the fitting layouts of each expert-parallel degree planned that keep the layout keys the
@@ -337,7 +342,7 @@ def print_fastest_layout(name, ranks, config):
     sample, _ = batch(name, 2, torch.Generator().manual_seed(5))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        found = smp.plan(net, sample, world_size=ranks)
+        found = smp.plan(net, sample, world_size=ranks, optimizer=OPTIMIZER)
         if config.get("expert_parallel_degree") == "auto":
             # Without token ids the rows exchanged are unknown: planned, but said.
             from smp import _planning
@@ -425,14 +430,14 @@ def train_and_compare(name, args, config, runtime):
                                               for m in net.modules())
     # The GPU's float32 kernels round otherwise than the CPU's the plain model runs on.
     loss_tolerance = args.rtol if config.get("bf16") or config.get("fp16") or config.get("device") == "cuda" else 1e-5
-    model = smp.DistributedModel(net, sample_inputs, init_fn=net_init,
+    model = smp.DistributedModel(net, sample_inputs, init_fn=net_init, plan_optimizer=OPTIMIZER,
                                  dynamic_shapes="batch" if name in BATCH_ALONE_FREE else None)
     failures = []
     if planned:
         microbatches, replicas = runtime.config.microbatches, runtime.data_parallel_degree
         failures += planned_layout_failures(model, runtime, config)
-    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
-    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.01, momentum=0.9)
+    optimizer = smp.DistributedOptimizer(OPTIMIZER(model.parameters()))
+    reference_optimizer = OPTIMIZER(reference.parameters())
     loss = None if own else function_loss(name)
     if runtime.rank == 0:
         print(f"{name}:\n{model.partition_report()}")
