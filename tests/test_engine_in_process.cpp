@@ -19,6 +19,7 @@
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/rmsprop.h>
+#include <torch/optim/schedulers/step_lr.h>
 #include <torch/optim/sgd.h>
 #include <torch/serialize/input-archive.h>
 
@@ -585,6 +586,57 @@ TEST_CASE("a checkpoint keeps optimizer state of any serialization, and refuses 
                                                  Catch::Contains("partition-0000.pt"));
   }
   // Not std::filesystem::remove_all: libtorch.so's copy of it crashes in programs linked with LibTorch.
+  CHECK(std::system(("rm -rf " + directory).c_str()) == 0);
+}
+
+TEST_CASE("a checkpoint keeps the program's state beside the optimizer's, and a resume without it is refused",
+          "[checkpoint]") {
+  const std::string directory = fresh_temporary_directory("program_state");
+  const std::string loader_bytes("position \0\xff 42", 14);  // not text
+  {
+    auto job = one_process_job(directory, false);
+    smp::DistributedOptimizer optimizer(*job.model, std::make_unique<torch::optim::SGD>(
+                                                        job.model->parameters(), torch::optim::SGDOptions(0.8)));
+    torch::optim::StepLR scheduler(optimizer.local(), 2, 0.5);
+    for (int step = 0; step < 3; ++step) {
+      optimizer.step();
+      scheduler.step();  // LibTorch's StepLR decays at its calls 3, 5, ...: 0.4 now
+    }
+    smp::Checkpointer checkpointer(*job.model, optimizer,
+                                   {{"lr_scheduler", smp::lr_scheduler_state(scheduler)},
+                                    {"loader", {[&] { return loader_bytes; }, [](const std::string&) {}}}});
+    checkpointer.save(2);
+    checkpointer.wait();
+  }
+  const auto resumed_job = [&](smp::ProgramStates states, std::string* loaded) {
+    auto job = one_process_job(directory, true);
+    auto optimizer = std::make_unique<smp::DistributedOptimizer>(
+        *job.model, std::make_unique<torch::optim::SGD>(job.model->parameters(), torch::optim::SGDOptions(0.8)));
+    auto scheduler = std::make_unique<torch::optim::StepLR>(optimizer->local(), 2, 0.5);
+    if (states.count("lr_scheduler")) states["lr_scheduler"] = smp::lr_scheduler_state(*scheduler);
+    if (loaded) states["loader"] = {[] { return std::string(); }, [loaded](const std::string& bytes) { *loaded = bytes; }};
+    smp::Checkpointer checkpointer(*job.model, *optimizer, std::move(states));
+    const std::int64_t first = checkpointer.resume();
+    return std::tuple{first, std::move(job), std::move(optimizer), std::move(scheduler)};
+  };
+  SECTION("the bytes come back, and the scheduler decays at the steps it would have") {
+    std::string loaded;
+    auto [first, job, optimizer, scheduler] = resumed_job({{"lr_scheduler", {}}}, &loaded);
+    CHECK(first == 3);
+    CHECK(loaded == loader_bytes);
+    const auto lr = [&] { return optimizer->local().param_groups()[0].options().get_lr(); };
+    CHECK(lr() == Approx(0.4));
+    scheduler->step();
+    CHECK(lr() == Approx(0.4));
+    scheduler->step();  // its 5th call: 0.2 (a fresh scheduler's 2nd would leave 0.4)
+    CHECK(lr() == Approx(0.2));
+  }
+  SECTION("state the checkpoint lacks is refused, naming it") {
+    CHECK_THROWS_WITH(resumed_job({{"lr_scheduler", {}}, {"sampler", {[] { return std::string(); },
+                                                                      [](const std::string&) {}}}},
+                                  nullptr),
+                      Catch::Contains("holds no program state \"sampler\""));
+  }
   CHECK(std::system(("rm -rf " + directory).c_str()) == 0);
 }
 

@@ -69,7 +69,8 @@ TEST_CASE("the fp16 loss scale survives a checkpoint", "[faults][checkpoint][pre
 
 TEST_CASE("a killed rank stops the job, and resuming gives the uninterrupted losses bit for bit", "[faults][checkpoint]") {
   const auto uninterrupted_config = write_config("uninterrupted", smp_config(2, 2, 2, "interleaved", "cluster", 8, 20));
-  const auto uninterrupted = run_command(worker(uninterrupted_config, "--steps 6"), 120);
+  // The learning rate halves every 2 steps (a StepLR whose step count the checkpoint keeps as program state).
+  const auto uninterrupted = run_command(worker(uninterrupted_config, "--steps 6 --lr-step 2"), 120);
   INFO(uninterrupted.output);
   REQUIRE(uninterrupted.status == 0);
   const auto expected = step_losses(uninterrupted.output);
@@ -79,7 +80,7 @@ TEST_CASE("a killed rank stops the job, and resuming gives the uninterrupted los
   const auto config = write_config("kill", smp_config(2, 2, 2, "interleaved", "cluster", 8, 20, checkpoint_keys(dir, 2)));
   // Killed at step 4's start: step 1's checkpoint is complete (each rank's save of step 3 waited for its save of
   // step 1), step 3's may or may not be.
-  const auto killed = run_command(worker(config, "--steps 6 --kill-rank 1 --kill-step 4"), 120);
+  const auto killed = run_command(worker(config, "--steps 6 --kill-rank 1 --kill-step 4 --lr-step 2"), 120);
   INFO(killed.output);
   CHECK(killed.status != 0);
   CHECK(killed.status != 124);
@@ -90,7 +91,7 @@ TEST_CASE("a killed rank stops the job, and resuming gives the uninterrupted los
 
   const auto resume_config = write_config("kill_resume", smp_config(2, 2, 2, "interleaved", "cluster", 8, 20,
                                                                     checkpoint_keys(dir, 2) + R"(, "resume": true)"));
-  const auto continued = run_command(worker(resume_config, "--steps 6"), 120);
+  const auto continued = run_command(worker(resume_config, "--steps 6 --lr-step 2"), 120);
   INFO(continued.output);
   REQUIRE(continued.status == 0);
   CHECK_THAT(continued.output, Contains("resumed from " + dir + "/step-0000000" + std::to_string(saved_step)));

@@ -11,12 +11,14 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
+#include <torch/optim/schedulers/step_lr.h>
 #include <torch/optim/sgd.h>
 
 #include <chrono>
 #include <csignal>
 #include <thread>
 #include <map>
+#include <optional>
 #include <algorithm>
 #include <set>
 #include <tuple>
@@ -51,6 +53,7 @@ struct Options {
   bool vary_length = false;  // gpt: the sequence length changes from step to step
   bool accumulate = false;   // each step is two train_steps on the batch's halves, gradients accumulated between
   bool skip_resume = false;  // never calls Checkpointer::resume (a program that forgot it)
+  int lr_step = 0;  // > 0: a StepLR halves the learning rate every this many steps, kept in checkpoints
   std::string load_full;  // a full-model file (smp_checkpoint export) to load instead of training
   int expect_step = -1;   // with load_full: the file holds the state after this step
   double rtol = 1e-4;
@@ -242,6 +245,7 @@ Options parse(int argc, char** argv) {
     else if (flag == "--vary-length") options.vary_length = value == "1";
     else if (flag == "--accumulate") options.accumulate = value == "1";
     else if (flag == "--skip-resume") options.skip_resume = value == "1";
+    else if (flag == "--lr-step") options.lr_step = std::stoi(value);
     else if (flag == "--load-full") options.load_full = value;
     else if (flag == "--expect-step") options.expect_step = std::stoi(value);
     else throw std::runtime_error("training_worker: unknown flag " + flag);
@@ -276,7 +280,13 @@ int run(int argc, char** argv) {
     }
   }
   smp::DistributedOptimizer optimizer(distributed, make_optimizer(options, distributed.parameters()));
-  smp::Checkpointer checkpointer(distributed, optimizer);
+  std::optional<torch::optim::StepLR> scheduler;
+  smp::ProgramStates program_state;
+  if (options.lr_step > 0) {
+    scheduler.emplace(optimizer.local(), options.lr_step, 0.5);
+    program_state["lr_scheduler"] = smp::lr_scheduler_state(*scheduler);
+  }
+  smp::Checkpointer checkpointer(distributed, optimizer, std::move(program_state));
   const int first_step = options.skip_resume ? 0 : static_cast<int>(checkpointer.resume());
   if (first_step > 0) {
     // Every rank's program generator continues alike, a replica the saving job did not have included (it kept a
@@ -297,6 +307,8 @@ int run(int argc, char** argv) {
   const c10::Device device = runtime->device();
   for (const auto& node : reference.nodes()) node.module->to(device);
   auto reference_optimizer = make_optimizer(options, parameters_of(reference));
+  std::optional<torch::optim::StepLR> reference_scheduler;
+  if (options.lr_step > 0) reference_scheduler.emplace(*reference_optimizer, options.lr_step, 0.5);
   int current_step = 0;
   const auto with_spikes = [&](smp::LossFunction base) -> smp::LossFunction {
     return [&, base](const at::Tensor& output, const at::Tensor& target) {
@@ -334,6 +346,7 @@ int run(int argc, char** argv) {
     if (options.clip > 0) reference_norm = torch::nn::utils::clip_grad_norm_(parameters_of(reference), options.clip);
     // smp drops these steps ("nonfinite": "skip", or an fp16 overflow); so does the reference.
     if (step != options.nan_step && !options.spike_steps.count(step)) reference_optimizer->step();
+    if (reference_scheduler) reference_scheduler->step();
     return std::make_pair(reference_loss.item<double>(), reference_norm);
   };
   if (!options.load_full.empty()) {
@@ -452,6 +465,7 @@ int run(int argc, char** argv) {
     double norm = 0.0;
     if (options.clip > 0) norm = optimizer.clip_grad_norm(options.clip);
     optimizer.step();
+    if (scheduler) scheduler->step();
     if (checkpointer.due(step)) checkpointer.save(step);
 
     const auto [expected, reference_norm] = reference_step(step);

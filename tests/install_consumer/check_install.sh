@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Installs smp from BUILD into a fresh prefix (cmake --install), builds the consumer program outside the tree against
 # it with find_package(smp), and runs it on 2 pipeline stages and in one process with the installed smprun: the
-# losses must agree.   check_install.sh BUILD TORCH_PREFIX_PATH
+# losses must agree.   check_install.sh BUILD
 set -euo pipefail
-build=$1 torch_prefix=$2
+build=$1
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -14,8 +14,10 @@ generator=(); command -v ninja > /dev/null && generator=(-G Ninja)
 # LibTorch's headers, 20 s to compile on 2 cores, and compiles alike in every run.
 launcher=()
 command -v ccache > /dev/null && launcher=("-DCMAKE_CXX_COMPILER_LAUNCHER=cmake;-E;env;CCACHE_BASEDIR=$work;ccache")
-cmake -S "$here" -B "$work/consumer" "${generator[@]}" "${launcher[@]}" -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_PREFIX_PATH="$work/prefix;$torch_prefix" > "$work/configure.log" || { cat "$work/configure.log"; exit 1; }
+# LibTorch is not named: smpConfig finds it through the python smp was built with, as for a user without an active
+# virtual environment whose PATH's python3 lacks torch (the first found was taken, and failed).
+env -u VIRTUAL_ENV cmake -S "$here" -B "$work/consumer" "${generator[@]}" "${launcher[@]}" -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$work/prefix" > "$work/configure.log" || { cat "$work/configure.log"; exit 1; }
 cmake --build "$work/consumer" > "$work/build.log" || { cat "$work/build.log"; exit 1; }
 cat > "$work/two.json" <<'JSON'
 {"partitions": 2, "microbatches": 4, "pipeline": "interleaved", "seed": 3, "device": "cpu"}

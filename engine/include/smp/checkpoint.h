@@ -9,6 +9,7 @@
 #include <deque>
 #include <functional>
 #include <future>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -22,6 +23,10 @@
 
 #include "smp/distributed_model.h"
 #include "smp/distributed_optimizer.h"
+
+namespace torch::optim {
+class LRScheduler;
+}
 
 namespace smp {
 
@@ -70,10 +75,26 @@ std::optional<FoundCheckpoint> checkpoint_to_resume(Runtime& runtime, const std:
 
 class DirectoryLock;
 
+// What a program keeps beside the model and its optimizer for a resume to continue exactly: an LR scheduler's step
+// count (lr_scheduler_state), a data loader's position. `save` runs on every rank in the save's pause; resume()
+// gives `load` the bytes one rank saved (its pipeline stage's writer): keep what is alike on every rank.
+struct ProgramState {
+  std::function<std::string()> save;
+  std::function<void(const std::string& bytes)> load;
+};
+using ProgramStates = std::map<std::string, ProgramState>;
+
+// A LibTorch LR scheduler's step count, which it keeps to itself: resumed, it goes on decaying at the steps the
+// uninterrupted run would (the learning rate itself is the optimizer's, which the checkpoint restores). Stepping
+// a fresh scheduler `first step` times instead decays the restored rate again.
+ProgramState lr_scheduler_state(torch::optim::LRScheduler& scheduler);
+
 class Checkpointer {
  public:
   // Uses the config's checkpoint_dir, checkpoint_interval, checkpoints_kept and resume.
   Checkpointer(DistributedModel& model, DistributedOptimizer& optimizer);
+  // With the program's own state, by name (a resume of a checkpoint saved without one of them is refused).
+  Checkpointer(DistributedModel& model, DistributedOptimizer& optimizer, ProgramStates program_state);
   Checkpointer(DistributedModel& model, std::unique_ptr<OptimizerCheckpointState> optimizer_state);
 
   bool enabled() const;

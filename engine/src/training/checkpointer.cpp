@@ -19,6 +19,7 @@
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/optim/schedulers/lr_scheduler.h>
 #include <torch/serialize/input-archive.h>
 
 #include "checkpoint/directory_lock.h"
@@ -44,10 +45,16 @@ std::vector<std::string> optimizer_parameter_names(const DistributedModel& model
 }
 
 // A LibTorch optimizer's state in LibTorch's archive format (Optimizer::save / load).
+// With the program's state (ProgramState), which every share holds and the first one read restores.
 class LibTorchOptimizerState final : public OptimizerCheckpointState {
  public:
-  explicit LibTorchOptimizerState(DistributedOptimizer& optimizer) : optimizer_(optimizer) {}
-  std::function<std::string()> snapshot() override { return snapshot_optimizer(optimizer_.local()); }
+  LibTorchOptimizerState(DistributedOptimizer& optimizer, ProgramStates program_state)
+      : optimizer_(optimizer), program_state_(std::move(program_state)) {}
+  std::function<std::string()> snapshot() override {
+    std::map<std::string, std::string> program_bytes;
+    for (const auto& [name, state] : program_state_) program_bytes[name] = state.save();
+    return snapshot_optimizer(optimizer_.local(), std::move(program_bytes));
+  }
 
   // Optimizer::load matches saved state to the groups' parameters by position, and adds to the state it has. So
   // each share loads while the groups hold exactly the parameters its replica's optimizer held; then the groups
@@ -76,6 +83,7 @@ class LibTorchOptimizerState final : public OptimizerCheckpointState {
     };
     std::vector<double> rates_built;
     for (const auto& group : groups) rates_built.push_back(group.options().get_lr());
+    std::optional<std::map<std::string, std::string>> program_bytes;
     for (int share = saved.first_share; share < saved.first_share + saved.shares_to_read; ++share) {
       SavedOptimizerShare current = saved.read(share);
       try {
@@ -96,6 +104,7 @@ class LibTorchOptimizerState final : public OptimizerCheckpointState {
         torch::serialize::InputArchive archive;
         archive.load_from(stream, device);  // saved from CPU copies (optimizer_snapshot.h)
         check_saved_optimizer_class(archive, optimizer);
+        if (share == saved.first_share) program_bytes = saved_program_state(archive);
         optimizer.load(archive);
       } catch (const std::exception& error) {
         restore_groups();
@@ -125,11 +134,49 @@ class LibTorchOptimizerState final : public OptimizerCheckpointState {
       log::info("resume: the optimizer's learning rate is the checkpoint's (" + replaced + "), as Optimizer::load "
                 "restores it; to train on with another, set it in param_groups() after resume()");
     }
+    restore_program_state(program_bytes.value_or(std::map<std::string, std::string>{}));
   }
   std::string format() const override { return "libtorch"; }
 
  private:
+  void restore_program_state(const std::map<std::string, std::string>& saved) {
+    std::string missing, unused;
+    for (const auto& [name, state] : program_state_) {
+      if (!saved.count(name)) missing += (missing.empty() ? "\"" : ", \"") + name + "\"";
+    }
+    if (!missing.empty()) {
+      // Checked before any is loaded: a program half restored would continue neither run.
+      throw CheckpointError("the checkpoint holds no program state " + missing + " (saved by a Checkpointer given " +
+                            (saved.empty() ? std::string("none") : "other names") +
+                            "): a resume would train on from its start; give the Checkpointer the state the saving run "
+                            "gave it");
+    }
+    for (const auto& [name, bytes] : saved) {
+      const auto given = program_state_.find(name);
+      if (given == program_state_.end()) {
+        unused += (unused.empty() ? "\"" : ", \"") + name + "\"";
+        continue;
+      }
+      try {
+        given->second.load(bytes);
+      } catch (const std::exception& error) {
+        throw CheckpointError("program state \"" + name + "\" did not load: " + comm::brief_message(error));
+      }
+    }
+    if (!unused.empty() && optimizer_.model().runtime().rank() == 0) {
+      log::warn("resume: the checkpoint holds program state " + unused + ", which this Checkpointer was not given: "
+                "not restored");
+    }
+  }
+
   DistributedOptimizer& optimizer_;
+  ProgramStates program_state_;
+};
+
+// Reaches LRScheduler's step count, which it keeps protected, through a pointer to the member taken in a class
+// derived from it (the access a derived class is granted), without subclassing the user's scheduler.
+struct SchedulerSteps : torch::optim::LRScheduler {
+  static unsigned& of(torch::optim::LRScheduler& scheduler) { return scheduler.*(&SchedulerSteps::step_count_); }
 };
 
 // Where a rank of replica `dp_rank` publishes its random state for the save under `key`: beside the other replicas
@@ -214,8 +261,21 @@ void restore_random_state(const at::Tensor& bytes, const c10::Device& device, Mo
 
 }  // namespace
 
+ProgramState lr_scheduler_state(torch::optim::LRScheduler& scheduler) {
+  return {[&scheduler] { return std::to_string(SchedulerSteps::of(scheduler)); },
+          [&scheduler](const std::string& bytes) {
+            std::size_t used = 0;
+            const unsigned long steps = std::stoul(bytes, &used);
+            if (used != bytes.size()) throw std::invalid_argument("not a step count: " + bytes);
+            SchedulerSteps::of(scheduler) = static_cast<unsigned>(steps);
+          }};
+}
+
 Checkpointer::Checkpointer(DistributedModel& model, DistributedOptimizer& optimizer)
-    : Checkpointer(model, std::make_unique<LibTorchOptimizerState>(optimizer)) {}
+    : Checkpointer(model, optimizer, ProgramStates{}) {}
+
+Checkpointer::Checkpointer(DistributedModel& model, DistributedOptimizer& optimizer, ProgramStates program_state)
+    : Checkpointer(model, std::make_unique<LibTorchOptimizerState>(optimizer, std::move(program_state))) {}
 
 Checkpointer::Checkpointer(DistributedModel& model, std::unique_ptr<OptimizerCheckpointState> optimizer_state)
     : model_(model), optimizer_state_(std::move(optimizer_state)) {
