@@ -264,6 +264,12 @@ class DistributedModel(torch.nn.Module):
             rt.all_reduce_sum(ranks)
         # A model no rank trains (a frozen teacher) has no norm to join.
         self._some_rank_trains_none = bool(ranks[0].item() > 0 and ranks[1].item() > 0)
+        if self._some_rank_trains_none and not trains_some and self._parameter_names:
+            # The usual optimizer of a partly frozen model (LoRA on some layers) fails here alone, and the other
+            # ranks then only see this one leave.
+            print(f"smp: rank {rt.rank} trains none of its parameters (its stages {list(self.stages)} are frozen): "
+                  "an optimizer over the trainable parameters alone is an empty list here, which torch.optim "
+                  "refuses; give it model.parameters() (frozen ones take no step)", file=sys.stderr, flush=True)
         _clip.clipped_by_whole_norm(self)
         if isinstance(model, torch.nn.Module):
             kept = {id(t) for t in self._model.named_parameters().values()}

@@ -90,16 +90,22 @@ std::string StagePlan::report() const {
   text << imbalance << "):";
   for (int stage = 0; stage < num_stages; ++stage) {
     const auto members = modules_of_stage(stage);
-    std::int64_t parameter_bytes = 0, kept_bytes = 0;
+    std::int64_t parameter_bytes = 0, frozen_bytes = 0, kept_bytes = 0;
     for (int i : members) {
       parameter_bytes += modules[i].parameter_bytes;
+      frozen_bytes += modules[i].frozen_parameter_bytes;
       kept_bytes += modules[i].activation_bytes + modules[i].output_bytes;
     }
+    // A stage that trains nothing has no parameters for an optimizer built over the trainable ones alone.
+    const std::string frozen = frozen_bytes == 0 ? ""
+                               : frozen_bytes == parameter_bytes
+                                   ? " all frozen"
+                                   : " (" + format_bytes(static_cast<double>(frozen_bytes)) + " frozen)";
     const double copies = static_cast<int>(activation_copies.size()) == num_stages ? activation_copies[stage] : 1.0;
-    char numbers[200];
+    char numbers[256];
     std::snprintf(numbers, sizeof numbers,
-                  "), params %s, activations %s per microbatch x %g held, est. fwd+bwd %.3f ms, sends %s",
-                  format_bytes(static_cast<double>(parameter_bytes)).c_str(),
+                  "), params %s%s, activations %s per microbatch x %g held, est. fwd+bwd %.3f ms, sends %s",
+                  format_bytes(static_cast<double>(parameter_bytes)).c_str(), frozen.c_str(),
                   format_bytes(static_cast<double>(kept_bytes)).c_str(), copies, stage_time(stage) * 1e3,
                   stage + 1 < num_stages ? format_bytes(static_cast<double>(stage_sent_bytes(stage))).c_str() : "-");
     if (static_cast<int>(stage_speeds.size()) == num_stages) {
