@@ -661,12 +661,16 @@ class DistributedModel(torch.nn.Module):
         rank's tensors are read). Every name and shape is checked before anything is copied."""
         self._model.load_parameters(os.fspath(path))
 
-    def load_pretrained(self, path):
+    def load_pretrained(self, path, key_map=None, strict=True):
         """Reads this rank's parameters (and the persistent buffers of its stages) from pretrained weights: a Hugging
         Face directory (model.safetensors, or shards with model.safetensors.index.json; read lazily, tensor by
         tensor) or a torch.save state dict file (memory-mapped), by the names of the model's state_dict. Every name
         and shape is checked before anything is copied (CheckpointError naming the tensor and the file). With a model
-        built on the meta device no process ever holds more than its own stages. Returns how many tensors it read."""
+        built on the meta device no process ever holds more than its own stages. Returns how many tensors it read.
+
+        A model whose names differ from the file's (a base wrapped with adapters: q_proj.base.weight for the file's
+        q_proj.weight) gives key_map(name) -> the file's name, or None for a tensor the file does not hold;
+        strict=False leaves the tensors the file lacks as initialized (LoRA's adapters)."""
         from ._pretrained import load_pretrained
         tensors = dict(self._model.named_parameters())
         names, stages = self._graph.node_names(), set(self.stages)
@@ -677,7 +681,7 @@ class DistributedModel(torch.nn.Module):
             for buffer_name, buffer in node.named_buffers():
                 if not buffer.is_meta and buffer_name in self._persistent_buffers:
                     tensors.setdefault(buffer_name, buffer)
-        return load_pretrained(tensors, path)
+        return load_pretrained(tensors, path, key_map, strict)
 
     @property
     def stages(self):

@@ -63,20 +63,35 @@ class _Source:
         return self._open(self._files[name]).get_tensor(name)
 
 
-def load_pretrained(tensors, path):
-    """Copies into `tensors` ({name: this rank's parameter or buffer}) the tensors of the same names at `path`.
-    Every name and shape is checked before anything is copied: a missing tensor or a wrong shape is a
-    CheckpointError naming the tensor and the file. A tensor-parallel shard takes its part of the whole. Returns how many tensors were read."""
+def load_pretrained(tensors, path, key_map=None, strict=True):
+    """Copies into `tensors` ({name: this rank's parameter or buffer}) the tensors of the same names at `path`, or
+    of the names `key_map(name)` gives (None: not in the file). Every name and shape is checked before anything is
+    copied: a missing tensor (unless strict is False, which leaves it as initialized) or a wrong shape is a
+    CheckpointError naming the tensor and the file. A tensor-parallel shard takes its part of the whole. Returns how
+    many tensors were read."""
     source = _Source(path)
+    stored_as = {}
     for name, tensor in tensors.items():
-        file = source.file_of(name)
+        stored = key_map(name) if key_map is not None else name
+        file = source.file_of(stored) if stored is not None else None
         if file is None:
-            raise CheckpointError(f"{source.description}: no tensor '{name}' (this rank's stages need it)")
-        shape = source.shape_of(name)
+            if strict:
+                mapped = f" (key_map's name for '{name}')" if stored != name and stored is not None else ""
+                raise CheckpointError(f"{source.description}: no tensor '{stored if stored is not None else name}'"
+                                      f"{mapped} (this rank's stages need it; strict=False leaves the tensors the "
+                                      "file lacks as initialized)")
+            continue
+        shape = source.shape_of(stored)
         if shape != tuple(tensor.shape) and shape != whole_shape(tensor):
-            raise CheckpointError(f"{file}: tensor '{name}' has shape {list(shape)}, the model's has "
-                                  f"{list(whole_shape(tensor))}")
+            raise CheckpointError(f"{file}: tensor '{stored}' has shape {list(shape)}, the model's "
+                                  f"{'' if stored == name else repr(name) + ' '}has {list(whole_shape(tensor))}")
+        stored_as[name] = stored
+    if tensors and not stored_as:
+        # strict=False reading nothing is a key_map that matches no name, not a model that needs none.
+        first = next(iter(tensors))
+        raise CheckpointError(f"{source.description}: none of this rank's {len(tensors)} tensors is there ('{first}' "
+                              f"looked up as {key_map(first) if key_map is not None else first!r})")
     with torch.no_grad():
-        for name, tensor in tensors.items():
-            tensor.copy_(local_part(tensor, source.read(name)))
-    return len(tensors)
+        for name, stored in stored_as.items():
+            tensors[name].copy_(local_part(tensors[name], source.read(stored)))
+    return len(stored_as)

@@ -16,6 +16,20 @@ import smp
 import report
 
 
+class Adapted(torch.nn.Module):
+    """A frozen Conv1D with a trained low-rank update beside it, as LoRA wraps a projection."""
+
+    def __init__(self, base, rank=2):
+        super().__init__()
+        inputs, outputs = base.weight.shape
+        self.base = base.requires_grad_(False)
+        self.adapter_down = torch.nn.Linear(inputs, rank, bias=False)
+        self.adapter_up = torch.nn.Linear(rank, outputs, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.adapter_up(self.adapter_down(x))
+
+
 def main():
     import torchvision
     import transformers as hf
@@ -58,6 +72,34 @@ def main():
                 reference_optimizer.step()
                 if abs(loss - expected) > 1e-5 * max(1.0, abs(expected)):
                     failures.append(f"{source}: step {step} loss {loss} != {expected}")
+
+        # A base wrapped with adapters (LoRA's shape: each MLP's c_proj under .base, beside two trained matrices the
+        # file does not hold): key_map names the file's tensors, strict=False leaves the adapters as initialized.
+        with torch.device("meta"):
+            net = hf.GPT2LMHeadModel(config)
+            for block in net.transformer.h:
+                block.mlp.c_proj = Adapted(block.mlp.c_proj)
+        adapted = smp.DistributedModel(net, {"input_ids": ids[:2], "labels": ids[:2]}, init_fn=net._init_weights)
+        initialized = {n: p.detach().clone() for n, p in adapted.named_parameters() if ".adapter_" in n}
+        for strict, key_map, expected_text in ((True, None, "no tensor 'transformer.h."),
+                                               (False, lambda name: "x." + name, "none of this rank's")):
+            try:
+                adapted.load_pretrained(whole, key_map=key_map, strict=strict)
+                failures.append(f"adapters, strict={strict}: a model the file does not name was loaded")
+            except smp.CheckpointError as error:
+                if expected_text not in str(error) or (strict and "strict=False" not in str(error)):
+                    failures.append(f"adapters, strict={strict}: unexpected message {error}")
+        read = adapted.load_pretrained(whole, key_map=lambda name: None if ".adapter_" in name else
+                                       name.replace(".c_proj.base.", ".c_proj."), strict=False)
+        plain = dict(hf.GPT2LMHeadModel.from_pretrained(whole).named_parameters())
+        for name, parameter in adapted.named_parameters():
+            if ".adapter_" in name:
+                if not torch.equal(parameter, initialized[name]):
+                    failures.append(f"adapters: {name} was overwritten")
+            elif not torch.equal(parameter, plain[name.replace(".c_proj.base.", ".c_proj.")]):
+                failures.append(f"adapters: {name} differs from the pretrained tensor")
+        if read != len(list(adapted.named_parameters())) - len(initialized) or not initialized:
+            failures.append(f"adapters: {read} tensors read, of {len(list(adapted.named_parameters()))}")
 
         # Broken weights: a tensor missing, a tensor of another shape.
         tensors = load_file(f"{whole}/model.safetensors")
