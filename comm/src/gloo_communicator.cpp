@@ -192,7 +192,16 @@ class GlooCommunicator final : public Communicator {
       group_ = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>(name_, store),
                                                            rank_, static_cast<int>(members_.size()), options);
     } catch (const std::exception& error) {
-      throw CommError("creating communication group " + name_ + " failed: " + brief_message(error));
+      const std::string why = brief_message(error);
+      // Every group is made at start, the size-1 ones of unused axes too, through rank 0's store: when a rank fails
+      // there first, the others fail in whichever group they were making, named after a feature the job may not use.
+      const bool peer_gone = why.find("reset by peer") != std::string::npos ||
+                             why.find("Failed to recv") != std::string::npos ||
+                             why.find("Connection closed") != std::string::npos;
+      throw CommError("creating communication group " + name_ + " failed: " + why +
+                      (peer_gone ? " (the store or a member went away: most often another rank failed first, and "
+                                   "its own error says why)"
+                                 : ""));
     }
     if (channels_ && size() > 1) {
       std::vector<int> tree;

@@ -32,8 +32,11 @@ def _in_saved_order(params, saved_names, by_name, index):
     found by name; the same set, else ValueError naming what moved (the caller's CheckpointError names the file)."""
     names = {id(tensor): name for name, tensor in by_name.items()}
     held = {names.get(id(p)) for p in params}
-    if held != set(saved_names):
-        moved = sorted(set(saved_names) ^ held)
+    moved = sorted(set(saved_names) ^ held, key=str)
+    # Frozen parameters hold no state: an optimizer over model.parameters() resumes one over the trainable ones
+    # alone (a LoRA job's), and the other way round; the saved order goes by name, the state with it.
+    frozen = all(name in by_name and not by_name[name].requires_grad for name in moved)
+    if moved and not (frozen and all(name in by_name for name in saved_names)):
         raise ValueError(f"parameter group {index} held other parameters when the checkpoint was saved (differing: "
                          f"{', '.join(map(str, moved[:4]))}{', ...' if len(moved) > 4 else ''})")
     return [by_name[name] for name in saved_names]

@@ -224,6 +224,43 @@ def options_replaced(python, root):
                          f"{resumed.stdout[-500:]}\n{said[-2000:]}")
 
 
+FROZEN = """
+import sys, torch, smp
+root, held = sys.argv[1], sys.argv[2]
+smp.init({"partitions": 1, "microbatches": 1, "checkpoint_dir": root, "resume": True, "device": "cpu"})
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+net[0].requires_grad_(False)
+model = smp.DistributedModel(net, torch.zeros(2, 3))
+params = [p for p in model.parameters() if p.requires_grad] if held == "trainable" else list(model.parameters())
+optimizer = smp.DistributedOptimizer(torch.optim.AdamW(params, lr=0.1))
+checkpointer = smp.Checkpointer(model, optimizer)
+first = checkpointer.resume()
+print(f"resumed at {first} with {len(optimizer.optimizer.state)} states")
+for step in range(first, first + 2):
+    optimizer.zero_grad()
+    model.train_step(torch.ones(2, 3) * step, torch.ones(2, 2), torch.nn.functional.mse_loss)
+    optimizer.step()
+checkpointer.save(first + 1)
+checkpointer.wait()
+"""
+
+
+def frozen_optimizer_lists(python, root):
+    """A partly frozen model's optimizer over its trainable parameters alone resumes one over model.parameters(), and
+    back (frozen parameters hold no state; it was refused as a group that held other parameters)."""
+    said = []
+    for held in ("trainable", "all", "trainable"):
+        result = subprocess.run([python, "-c", FROZEN, root, held], capture_output=True, text=True, timeout=120,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+        if result.returncode:
+            raise SystemExit(f"a frozen layer's optimizer over {held} parameters:\n{result.stdout[-1000:]}\n"
+                             f"{result.stderr[-2000:]}")
+        said += [line for line in result.stdout.splitlines() if line.startswith("resumed at")]
+    if said != ["resumed at 0 with 0 states", "resumed at 2 with 2 states", "resumed at 4 with 2 states"]:
+        raise SystemExit(f"a frozen layer's optimizer state across lists: {said}")
+
+
 OTHER_MODEL = """
 import sys, torch, smp
 root, opted_out = sys.argv[1], sys.argv[2] == "opted-out"
@@ -330,6 +367,7 @@ def main():
             rank0_fails(smprun, python, os.path.join(directory, "rank0_fails"))
             options_replaced(python, os.path.join(directory, "options"))
             other_model(python, os.path.join(directory, "options"))
+            frozen_optimizer_lists(python, os.path.join(directory, "frozen"))
     print("trained 4 steps" + (" in tensor-parallel shards" if tensor_parallel else "") + ", resumed" +
           (" into one replica, then into two shards again" if sharded else "") +
           ", trained to 6, exported" + ("" if sharded or tensor_parallel else ", resumed by an \"auto\" job on 4 ranks") +
