@@ -246,6 +246,53 @@ checkpointer.wait()
 """
 
 
+LEAN = """
+import os, sys, torch, smp
+root, seed = sys.argv[1], int(sys.argv[2])
+smp.init({"partitions": 1, "microbatches": 1, "checkpoint_dir": root, "resume": True, "device": "cpu",
+          "checkpoint_frozen_parameters": False})
+torch.manual_seed(seed)  # the frozen layer's values: the base a LoRA job loads
+base = torch.nn.Linear(256, 256)  # 256 KiB, which the files leave out
+torch.manual_seed(0)
+net = torch.nn.Sequential(base.requires_grad_(False), torch.nn.Linear(256, 2))
+model = smp.DistributedModel(net, torch.zeros(2, 256))
+optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+checkpointer = smp.Checkpointer(model, optimizer)
+try:
+    first = checkpointer.resume()
+except smp.CheckpointError as error:
+    print("refused:", error)
+    raise SystemExit(0)
+optimizer.zero_grad()
+model.train_step(torch.ones(2, 256), torch.ones(2, 2), torch.nn.functional.mse_loss)
+optimizer.step()
+checkpointer.save(first)
+checkpointer.wait()
+newest = smp.latest_checkpoint(root)
+smp.export_checkpoint(newest, newest + ".pt")
+print(f"resumed at {first}, saved {sorted(smp.load_full_model(newest + '.pt'))},",
+      os.path.getsize(newest + "/partition-0000.pt") < 256 * 256 * 4, flush=True)
+"""
+
+
+def frozen_left_out(python, root):
+    """"checkpoint_frozen_parameters": false: partition files and exports leave out the frozen parameters (a LoRA
+    job's base), a resume finds them in place, and one whose frozen values differ from those saved beside is
+    refused, saying to load them first."""
+    def run(seed):
+        result = subprocess.run([python, "-c", LEAN, root, str(seed)], capture_output=True, text=True, timeout=120,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+        if result.returncode:
+            raise SystemExit(f"checkpoints without the frozen parameters:\n{result.stdout[-1000:]}\n"
+                             f"{result.stderr[-2000:]}")
+        return result.stdout
+    saved, resumed, other_base = run(5), run(5), run(6)
+    if "resumed at 0, saved ['1.bias', '1.weight'], True" not in saved or \
+            "resumed at 1, saved ['1.bias', '1.weight'], True" not in resumed or \
+            "refused:" not in other_base or "load them (load_pretrained, load_parameters) before resume()" not in other_base:
+        raise SystemExit(f"checkpoints without the frozen parameters: {saved}\n{resumed}\n{other_base}")
+
+
 def frozen_optimizer_lists(python, root):
     """A partly frozen model's optimizer over its trainable parameters alone resumes one over model.parameters(), and
     back (frozen parameters hold no state; it was refused as a group that held other parameters)."""
@@ -368,6 +415,7 @@ def main():
             options_replaced(python, os.path.join(directory, "options"))
             other_model(python, os.path.join(directory, "options"))
             frozen_optimizer_lists(python, os.path.join(directory, "frozen"))
+            frozen_left_out(python, os.path.join(directory, "lean"))
     print("trained 4 steps" + (" in tensor-parallel shards" if tensor_parallel else "") + ", resumed" +
           (" into one replica, then into two shards again" if sharded else "") +
           ", trained to 6, exported" + ("" if sharded or tensor_parallel else ", resumed by an \"auto\" job on 4 ranks") +

@@ -57,6 +57,9 @@ struct Config {
   std::string checkpoint_dir;    // empty: no checkpoints
   int checkpoint_interval = 0;   // save after every K-th step; 0: only when the program asks (e.g. at the end)
   int checkpoints_kept = 3;
+  // false: partition files leave out the parameters frozen when the model was built (a LoRA job's base), which a
+  // resume then finds in place (loaded from pretrained weights before resume(), checked by checksum).
+  bool checkpoint_frozen_parameters = true;
   bool resume = false;           // continue from the newest complete checkpoint in checkpoint_dir, if any
   bool skip_nonfinite_steps = false;
   // Mixed precision (SMP's keys): stages run under autocast in bfloat16 or float16; parameters, gradients and

@@ -147,7 +147,10 @@ class DistributedModel {
   // pretrained weights, or for inference. Every name and shape is checked before anything is copied:
   // CheckpointError names a missing or mis-shaped tensor and its file.
   void load_parameters(const std::string& path);
-  void load_state(const TensorSource& source);
+  // `left_in_place`: parameters the source does not hold, kept as they are (a checkpoint without the frozen ones).
+  void load_state(const TensorSource& source, const std::set<std::string>& left_in_place = {});
+  // Of named_parameters(), those frozen (requires_grad false) when the model was built, which they stay.
+  std::vector<std::string> frozen_parameter_names() const;
   // The checkpoint this model took its partition from (config "resume"), for Checkpointer::resume.
   const std::optional<FoundCheckpoint>& resumed_from() const { return resumed_from_; }
   // Built with Resume::kNever: no Checkpointer saves it.

@@ -260,6 +260,8 @@ const std::vector<Key>& key_table() {
        [](const Reader& r, Config& c) { c.checkpoint_interval = static_cast<int>(r.integer("checkpoint_interval", 0, 1 << 30)); }},
       {"checkpoints_kept",
        [](const Reader& r, Config& c) { c.checkpoints_kept = static_cast<int>(r.integer("checkpoints_kept", 1, 1000)); }},
+      {"checkpoint_frozen_parameters",
+       [](const Reader& r, Config& c) { c.checkpoint_frozen_parameters = r.boolean("checkpoint_frozen_parameters"); }},
       {"resume", [](const Reader& r, Config& c) { c.resume = r.boolean("resume"); },
        [](const Reader& r, Config& c) {
          if ((c.checkpoint_interval > 0 || c.resume) && c.checkpoint_dir.empty()) {

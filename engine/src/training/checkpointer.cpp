@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
+#include <map>
+#include <set>
 #include <sstream>
 #include <thread>
 #include <unordered_map>
@@ -178,6 +180,18 @@ class LibTorchOptimizerState final : public OptimizerCheckpointState {
 struct SchedulerSteps : torch::optim::LRScheduler {
   static unsigned& of(torch::optim::LRScheduler& scheduler) { return scheduler.*(&SchedulerSteps::step_count_); }
 };
+
+// CRC-32 of the named parameters' bytes, in that order, on the CPU: whether frozen parameters a checkpoint left out
+// are the ones it was saved beside.
+std::uint32_t checksum_of(const DistributedModel& model, const std::vector<std::string>& names) {
+  std::map<std::string, at::Tensor> by_name(model.named_parameters().begin(), model.named_parameters().end());
+  std::uint32_t crc = 0;
+  for (const auto& name : names) {
+    const at::Tensor bytes = by_name.at(name).detach().to(at::kCPU).contiguous();
+    crc = crc32(bytes.data_ptr(), static_cast<std::size_t>(bytes.nbytes()), crc);
+  }
+  return crc;
+}
 
 // Where a rank of replica `dp_rank` publishes its random state for the save under `key`: beside the other replicas
 // of its pipeline and tensor-parallel rank, whose partition files gather them.
@@ -414,8 +428,21 @@ void Checkpointer::save(std::int64_t step) {
   if (!writes_partition && shards > 1) {
     contents->insert("dp_rank", static_cast<std::int64_t>(runtime.dp_rank()));
   } else if (writes_partition) {
+    std::set<std::string> left_out;
+    if (!config.checkpoint_frozen_parameters) {
+      // The frozen ones (a LoRA job's base) stay as the program loaded them: the file names them, with a checksum a
+      // resume checks them against.
+      const std::vector<std::string> frozen = model_.frozen_parameter_names();
+      left_out.insert(frozen.begin(), frozen.end());
+      if (!frozen_checksum_) frozen_checksum_ = checksum_of(model_, frozen);  // they do not change
+      c10::List<std::string> names;
+      for (const auto& name : frozen) names.push_back(name);
+      contents->insert("frozen_parameters", names);
+      contents->insert("frozen_crc32", static_cast<std::int64_t>(*frozen_checksum_));
+    }
     c10::Dict<std::string, at::Tensor> parameters;
     for (const auto& [name, parameter] : model_.named_parameters()) {
+      if (left_out.count(name)) continue;
       parameters.insert(name, parameter.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
     }
     contents->insert("parameters", parameters);
@@ -702,8 +729,25 @@ std::int64_t Checkpointer::resume() {
     read.bytes.assign(static_cast<const char*>(bytes.data_ptr()), static_cast<std::size_t>(bytes.numel()));
     return read;
   };
+  std::set<std::string> left_in_place;
+  if (contents.contains("frozen_parameters")) {
+    std::vector<std::string> frozen;
+    for (const auto& name : contents.at("frozen_parameters").toListRef()) frozen.push_back(name.toStringRef());
+    left_in_place.insert(frozen.begin(), frozen.end());
+    const std::vector<std::string> here = model_.frozen_parameter_names();
+    if (frozen != here) {
+      throw CheckpointError(path + " was saved without its " + std::to_string(frozen.size()) + " frozen parameters "
+                            "(\"checkpoint_frozen_parameters\": false), and this model has " +
+                            std::to_string(here.size()) + " others frozen: freeze the same ones before building it");
+    }
+    if (checksum_of(model_, frozen) != static_cast<std::uint32_t>(contents.at("frozen_crc32").toInt())) {
+      throw CheckpointError(path + " was saved without its frozen parameters (\"checkpoint_frozen_parameters\": "
+                            "false" + (frozen.empty() ? std::string() : ", e.g. " + frozen.front()) + "), and this model's differ from those it was "
+                            "saved beside: load them (load_pretrained, load_parameters) before resume()");
+    }
+  }
   try {
-    model_.load_state(state_in(contents, path));
+    model_.load_state(state_in(contents, path), left_in_place);
   } catch (const CheckpointError& error) {
     if (manifest.schedule.empty() || manifest.schedule == model_.schedule().name) throw;
     throw CheckpointError(std::string(error.what()) + " (it was saved under the \"" + manifest.schedule +

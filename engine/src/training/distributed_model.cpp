@@ -440,9 +440,21 @@ void DistributedModel::count_refused_call(bool train_step) {
   }
 }
 
-void DistributedModel::load_state(const TensorSource& source) {
+std::vector<std::string> DistributedModel::frozen_parameter_names() const {
+  std::vector<std::string> names;
+  for (std::size_t i = 0; i < named_parameters_.size(); ++i) {
+    if (!trainable_at_build_[i]) names.push_back(named_parameters_[i].first);
+  }
+  return names;
+}
+
+void DistributedModel::load_state(const TensorSource& source, const std::set<std::string>& left_in_place) {
   const Topology& topology = runtime_->topology();
-  load_rank_state(source, named_parameters_, named_buffers_,
+  NamedTensors loaded;
+  for (const auto& entry : named_parameters_) {
+    if (!left_in_place.count(entry.first)) loaded.push_back(entry);
+  }
+  load_rank_state(source, loaded, named_buffers_,
                   {shard_dims(), runtime_->tp_rank(), topology.tensor_parallel_degree(), expert_shard_names(),
                    runtime_->ep_rank(), topology.expert_parallel_degree()});
 }
