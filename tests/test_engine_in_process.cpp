@@ -589,7 +589,8 @@ TEST_CASE("a checkpoint keeps optimizer state of any serialization, and refuses 
   CHECK(std::system(("rm -rf " + directory).c_str()) == 0);
 }
 
-TEST_CASE("a checkpoint keeps the program's state beside the optimizer's, and a resume without it is refused",
+TEST_CASE("a checkpoint keeps the program's state beside the optimizer's (a resume without it refused), for the model "
+          "built to resume",
           "[checkpoint]") {
   const std::string directory = fresh_temporary_directory("program_state");
   const std::string loader_bytes("position \0\xff 42", 14);  // not text
@@ -630,6 +631,17 @@ TEST_CASE("a checkpoint keeps the program's state beside the optimizer's, and a 
     CHECK(lr() == Approx(0.4));
     scheduler->step();  // its 5th call: 0.2 (a fresh scheduler's 2nd would leave 0.4)
     CHECK(lr() == Approx(0.2));
+  }
+  SECTION("a job's other model, built not to resume, takes no checkpoint") {
+    auto job = one_process_job(directory, true);
+    torch::nn::Sequential teacher_net(torch::nn::Linear(3, 5), torch::nn::Linear(5, 2));
+    CHECK_THROWS_WITH(smp::DistributedModel(job.runtime, teacher_net, at::zeros({2, 3})),
+                      Catch::Contains("holds another model") && Catch::Contains("smp::Resume::kNever"));
+    smp::DistributedModel teacher(job.runtime, teacher_net, at::zeros({2, 3}), smp::Resume::kNever);
+    CHECK_FALSE(teacher.resumed_from());
+    smp::DistributedOptimizer optimizer(teacher, std::make_unique<torch::optim::SGD>(teacher.parameters(),
+                                                                                      torch::optim::SGDOptions(0.1)));
+    CHECK_THROWS_WITH(smp::Checkpointer(teacher, optimizer), Catch::Contains("built not to resume"));
   }
   SECTION("state the checkpoint lacks is refused, naming it") {
     CHECK_THROWS_WITH(resumed_job({{"lr_scheduler", {}}, {"sampler", {[] { return std::string(); },

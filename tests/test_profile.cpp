@@ -409,6 +409,20 @@ TEST_CASE("frozen parameters are held without gradients, optimizer state or redu
   auto all_frozen = all_trained;
   for (auto& module : all_frozen) module.frozen_parameter_bytes = 1 << 20;
   CHECK(sync_of(all_frozen, 2) == 0.0);
+
+  // ZeRO-1 gives each parameter to one replica whole: the one owning the largest steps two of it, whatever its
+  // share of the rank's bytes. One module of 8 MiB on 4 replicas: 8 of parameters, 2 of moments, then 8 of
+  // gradients with 16 of temporaries.
+  auto one_large = equal_chain(1, 8 << 20, 1 << 10);
+  one_large[0].largest_parameter_bytes = 8 << 20;
+  int sharded_layouts = 0;
+  for (const auto& prediction : smp::plan_layouts({one_large, 2}, config, 4, smp::PlanningCosts{0.0, 1e9, 1e9})) {
+    const auto& layout = prediction.layout;
+    if (!layout.shard_optimizer_state || layout.recompute) continue;
+    ++sharded_layouts;
+    CHECK(prediction.peak_memory_mib() == Approx(8.0 + 2.0 * 8 / 4 + 8 + 16));
+  }
+  CHECK(sharded_layouts > 0);
 }
 
 TEST_CASE("a planned layout carries its cut, and a job adopting it partitions as planned", "[profile][plan]") {
@@ -1036,6 +1050,26 @@ TEST_CASE("expert-parallel layouts: each rank holds its share of the experts and
   CHECK(whole.gradient_sync_s == Approx(6 * 10e-6 + 1.5 * 2 * mib / 1e9));
   CHECK(halves.gradient_sync_s == Approx((6 * 10e-6 + 1.5 * mib / 1e9) + (2 * 10e-6 + 0.5 * mib / 1e9)));
   CHECK_THAT(halves.config_json(), Catch::Matchers::Contains("\"expert_parallel_degree\":2"));
+
+  // Frozen experts beside a trained router of 1 MiB in the same node (LoRA elsewhere): divided, each rank holds half
+  // of them and nothing of their state; the router and the dense module train and reduce over the 4 replicas.
+  auto routed = equal_chain(2, 1 << 20, 1 << 20);
+  routed[0].parameter_shapes = "dense.weight:512,512,;";
+  routed[1].parameter_bytes = 2 << 20;
+  routed[1].parameter_shapes =
+      "layer.router.weight:512,512,;layer.experts.gate_up_proj:4,256,128,;layer.experts.down_proj:4,128,256,;";
+  routed[1].frozen_parameters = {"layer.experts.gate_up_proj", "layer.experts.down_proj"};
+  routed[1].frozen_parameter_bytes = 1 << 20;
+  smp::ModelProfile frozen_experts{routed, 2};
+  frozen_experts.mark_experts({{"layer.experts", 1000000}}, 4);
+  CHECK(frozen_experts.modules[1].frozen_expert_parameter_bytes == 1 << 20);
+  CHECK(frozen_experts.modules[1].trained_dense_bytes() == 1 << 20);
+  CHECK(frozen_experts.modules[1].trained_expert_bytes() == 0);
+  const auto frozen_predictions = smp::plan_layouts(frozen_experts, planned, 4, links);
+  const auto frozen_whole = find(frozen_predictions, "pp 1 x dp 4, gpipe, m 1");
+  const auto frozen_halves = find(frozen_predictions, "pp 1 x dp 4, ep 2, gpipe, m 1");
+  CHECK(frozen_whole.peak_memory_mib() - frozen_halves.peak_memory_mib() == Approx(0.5));
+  CHECK(frozen_halves.gradient_sync_s == Approx(6 * 10e-6 + 1.5 * 2 * mib / 1e9));
 
   // A degree must divide the experts: with 2 of them, no ep 4.
   smp::ModelProfile two_experts = profile;

@@ -4,6 +4,7 @@ mapped), so that no process ever holds the whole model."""
 
 import json
 import os
+import warnings
 
 import torch
 
@@ -87,10 +88,12 @@ def load_pretrained(tensors, path, key_map=None, strict=True):
                                   f"{'' if stored == name else repr(name) + ' '}has {list(whole_shape(tensor))}")
         stored_as[name] = stored
     if tensors and not stored_as:
-        # strict=False reading nothing is a key_map that matches no name, not a model that needs none.
+        # Most often a key_map that matches no name; but a stage may hold only new tensors (a fresh head), and a
+        # refusal on this rank alone would leave the others waiting in their first step: said, not refused.
         first = next(iter(tensors))
-        raise CheckpointError(f"{source.description}: none of this rank's {len(tensors)} tensors is there ('{first}' "
-                              f"looked up as {key_map(first) if key_map is not None else first!r})")
+        looked_up = key_map(first) if key_map is not None else first
+        warnings.warn(f"{source.description}: none of this rank's {len(tensors)} tensors is there ('{first}' looked "
+                      f"up as {looked_up!r}): they stay as initialized", stacklevel=3)
     with torch.no_grad():
         for name, stored in stored_as.items():
             tensors[name].copy_(local_part(tensors[name], source.read(stored)))

@@ -76,8 +76,9 @@ std::optional<FoundCheckpoint> checkpoint_to_resume(Runtime& runtime, const std:
 class DirectoryLock;
 
 // What a program keeps beside the model and its optimizer for a resume to continue exactly: an LR scheduler's step
-// count (lr_scheduler_state), a data loader's position. `save` runs on every rank in the save's pause; resume()
-// gives `load` the bytes one rank saved (its pipeline stage's writer): keep what is alike on every rank.
+// count (lr_scheduler_state), a data loader's position. `save` runs in the save's pause on the ranks that write a
+// file (each stage's first replica; with sharded optimizer state every replica), so it must not communicate;
+// resume() gives every rank's `load` the bytes its stage's writer saved: keep what is alike on every rank.
 struct ProgramState {
   std::function<std::string()> save;
   std::function<void(const std::string& bytes)> load;

@@ -87,7 +87,8 @@ class DistributedModel {
   // Every rank must build `model` the same way (same seed) so that each stage starts from the weights
   // single-process training would have. `sample_input` is one microbatch of model input: rank 0 profiles the
   // modules on it and publishes the partition, so that all ranks agree.
-  DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const at::Tensor& sample_input);
+  DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const at::Tensor& sample_input,
+                   Resume resume = Resume::kAsConfigured);
   // A model of several inputs: `sample` holds one microbatch of each, in GraphModel::input_names() order.
   // `materialize`, when given, is called once the partition is known, before this rank's parameters are collected
   // and moved to its device, with the nodes this rank runs: a model built on the meta device makes their tensors
@@ -95,7 +96,8 @@ class DistributedModel {
   using MaterializeNodes = std::function<void(GraphModel& model, const std::vector<int>& local_nodes)>;
   DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const ModelInputs& sample,
                    const MaterializeNodes& materialize = {}, Resume resume = Resume::kAsConfigured);
-  DistributedModel(std::shared_ptr<Runtime> runtime, const torch::nn::Sequential& model, const at::Tensor& sample_input);
+  DistributedModel(std::shared_ptr<Runtime> runtime, const torch::nn::Sequential& model, const at::Tensor& sample_input,
+                   Resume resume = Resume::kAsConfigured);
   // A model whose smp::tp layers are built over a group, given as its builder: with "tensor_parallel_degree": "auto"
   // (with_planned_layout) the planner builds it for each degree and the chosen layout's, once adopted, is built
   // over Runtime::tensor_parallel_group(); otherwise the same as building it over that group and passing it.

@@ -72,17 +72,17 @@ struct ModuleProfile {
   // Of parameter_bytes, those frozen when profiled (requires_grad false: LoRA's base weights, a frozen backbone or
   // teacher): held, but without a gradient, optimizer state, or a reduction over replicas.
   std::int64_t frozen_parameter_bytes = 0;
+  std::vector<std::string> frozen_parameters{};  // their paths, for mark_experts
+  std::int64_t frozen_expert_parameter_bytes = 0;  // of frozen_parameter_bytes, the experts' (mark_experts)
 
   // What trains (gradients, optimizer state, reductions), apart from the experts' (divided by expert parallelism,
-  // their state over fewer replicas). Frozen bytes are taken from the dense parameters first: a frozen backbone
-  // with trained experts is rarer than the reverse.
+  // their state over fewer replicas).
   std::int64_t trained_dense_bytes() const {
-    const std::int64_t dense = parameter_bytes - expert_parameter_bytes;
-    return dense - std::min(dense, frozen_parameter_bytes);
+    return std::max<std::int64_t>(0, parameter_bytes - expert_parameter_bytes -
+                                         (frozen_parameter_bytes - frozen_expert_parameter_bytes));
   }
   std::int64_t trained_expert_bytes() const {
-    const std::int64_t dense = parameter_bytes - expert_parameter_bytes;
-    return expert_parameter_bytes - std::min(expert_parameter_bytes, frozen_parameter_bytes - std::min(dense, frozen_parameter_bytes));
+    return std::max<std::int64_t>(0, expert_parameter_bytes - frozen_expert_parameter_bytes);
   }
 };
 

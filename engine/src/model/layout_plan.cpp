@@ -111,7 +111,9 @@ void divide_experts(std::vector<ModuleProfile>& modules, int ep, int split, int 
   if (ep <= 1) return;
   for (auto& module : modules) {
     if (module.expert_parameter_bytes == 0 && module.expert_token_bytes == 0) continue;
+    const std::int64_t frozen_dense = module.frozen_parameter_bytes - module.frozen_expert_parameter_bytes;
     if (split > 1 && module.expert_parameter_bytes > 0) {
+      module.frozen_expert_parameter_bytes *= split;
       module.parameter_bytes += (split - 1) * module.expert_parameter_bytes;
       module.expert_parameter_bytes *= split;
       module.activation_bytes *= split;
@@ -126,6 +128,8 @@ void divide_experts(std::vector<ModuleProfile>& modules, int ep, int split, int 
     const std::int64_t kept = module.expert_parameter_bytes / ep;
     module.parameter_bytes -= module.expert_parameter_bytes - kept;
     module.expert_parameter_bytes = kept;
+    module.frozen_expert_parameter_bytes /= ep;  // frozen experts are divided with the others
+    module.frozen_parameter_bytes = frozen_dense + module.frozen_expert_parameter_bytes;
     if (module.largest_expert_parameter_bytes > 0) {
       module.largest_expert_parameter_bytes = module.largest_expert_parameter_bytes * split / ep;
       module.largest_parameter_bytes =
@@ -328,11 +332,14 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
   prediction.memory_mib.assign(ranks, 0.0);
   for (std::size_t rank = 0; rank < ranks; ++rank) {
     // Adam's step (two moments) holds temporaries once the step's activations are gone: a ResNet stage of two
-    // 9 MiB convolutions held 19 MiB more than its parameters, gradients, moments and activations.
+    // 9 MiB convolutions held 19 MiB more than its parameters, gradients, moments and activations. One parameter
+    // at a time, two of the largest, at most twice what the rank trains (a frozen backbone's large weights take no
+    // step); under ZeRO-1 the replica owning the largest steps it whole.
     const double stepped = rank_dense_bytes[rank] / shards + rank_expert_bytes[rank] / expert_shards;
     const double scratch = optimizer_moments < 2.0          ? 0.0
                            : costs.optimizer_foreach ? stepped
-                                                     : std::min(2.0 * largest_parameter[rank], 2.0 * stepped);
+                                                     : std::min(2.0 * largest_parameter[rank],
+                                                                2.0 * (rank_dense_bytes[rank] + rank_expert_bytes[rank]));
     // A step starts without gradients (zero_grad frees them by default): until a rank's first backward its
     // activations are all it holds beside its parameters and optimizer state; from then on its gradients too, with
     // what it still holds or forwards then (GPipe's peak of activations never meets the gradients; a steady 1F1B's

@@ -78,7 +78,7 @@ void ModelProfile::mark_experts(const std::map<std::string, std::int64_t>& token
     const auto bytes_of = [&](std::int64_t count) {
       return static_cast<std::int64_t>(static_cast<double>(count) * element_bytes);
     };
-    std::int64_t expert_elements = 0;
+    std::int64_t expert_elements = 0, frozen_expert_elements = 0;
     double expert_work = 0.0;  // per token: top-k of each layer's experts
     std::set<std::string> layers_held;
     for (const auto& parameter : parameters) {
@@ -91,6 +91,10 @@ void ModelProfile::mark_experts(const std::map<std::string, std::int64_t>& token
       }
       node.largest_expert_parameter_bytes = std::max(node.largest_expert_parameter_bytes, bytes_of(parameter.elements));
       expert_elements += parameter.elements;
+      if (std::find(node.frozen_parameters.begin(), node.frozen_parameters.end(), parameter.name) !=
+          node.frozen_parameters.end()) {
+        frozen_expert_elements += parameter.elements;
+      }
       expert_work += static_cast<double>(experts_per_token) * static_cast<double>(parameter.elements) /
                      static_cast<double>(std::max<std::int64_t>(1, parameter.first_dimension));
       if (!layers_held.insert(layer->first).second) continue;  // the layer's rows and routing once per node
@@ -101,6 +105,7 @@ void ModelProfile::mark_experts(const std::map<std::string, std::int64_t>& token
     }
     if (expert_elements == 0) continue;
     node.expert_parameter_bytes += bytes_of(expert_elements);
+    node.frozen_expert_parameter_bytes += bytes_of(frozen_expert_elements);
     const double dense_work = static_cast<double>(elements - expert_elements);
     node.expert_compute_share = experts_per_token > 0 ? expert_work / (expert_work + dense_work) : 1.0;
   }

@@ -308,7 +308,10 @@ std::vector<ModuleProfile> profile_graph(const GraphModel& model, const std::vec
         const std::int64_t bytes = parameter.numel() * static_cast<std::int64_t>(parameter.element_size());
         counted_bytes[name] = bytes;
         profile.parameter_bytes += bytes;
-        if (!parameter.requires_grad()) profile.frozen_parameter_bytes += bytes;
+        if (!parameter.requires_grad()) {
+          profile.frozen_parameter_bytes += bytes;
+          profile.frozen_parameters.push_back(name);
+        }
         profile.largest_parameter_bytes = std::max(profile.largest_parameter_bytes, bytes);
         profile.parameter_shapes += name + ":";
         for (auto size : parameter.sizes()) profile.parameter_shapes += std::to_string(size) + ",";

@@ -106,7 +106,10 @@ class LibTorchOptimizerState final : public OptimizerCheckpointState {
         torch::serialize::InputArchive archive;
         archive.load_from(stream, device);  // saved from CPU copies (optimizer_snapshot.h)
         check_saved_optimizer_class(archive, optimizer);
-        if (share == saved.first_share) program_bytes = saved_program_state(archive);
+        if (share == saved.first_share) {
+          program_bytes = saved_program_state(archive);
+          check_program_state(program_bytes.value_or(std::map<std::string, std::string>{}));
+        }
         optimizer.load(archive);
       } catch (const std::exception& error) {
         restore_groups();
@@ -141,18 +144,22 @@ class LibTorchOptimizerState final : public OptimizerCheckpointState {
   std::string format() const override { return "libtorch"; }
 
  private:
-  void restore_program_state(const std::map<std::string, std::string>& saved) {
-    std::string missing, unused;
+  // Before the optimizer's state is loaded: a program half restored would continue neither run.
+  void check_program_state(const std::map<std::string, std::string>& saved) const {
+    std::string missing;
     for (const auto& [name, state] : program_state_) {
       if (!saved.count(name)) missing += (missing.empty() ? "\"" : ", \"") + name + "\"";
     }
     if (!missing.empty()) {
-      // Checked before any is loaded: a program half restored would continue neither run.
       throw CheckpointError("the checkpoint holds no program state " + missing + " (saved by a Checkpointer given " +
                             (saved.empty() ? std::string("none") : "other names") +
-                            "): a resume would train on from its start; give the Checkpointer the state the saving run "
-                            "gave it");
+                            "): that state would start over while the rest resumed; give the Checkpointer the state "
+                            "the saving run gave it");
     }
+  }
+
+  void restore_program_state(const std::map<std::string, std::string>& saved) {
+    std::string unused;
     for (const auto& [name, bytes] : saved) {
       const auto given = program_state_.find(name);
       if (given == program_state_.end()) {

@@ -114,8 +114,8 @@ std::string first_difference(const std::string& mine, const std::string& theirs,
 }  // namespace
 
 DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, const torch::nn::Sequential& model,
-                                   const at::Tensor& sample_input)
-    : DistributedModel(std::move(runtime), GraphModel::from_sequential(model), sample_input) {}
+                                   const at::Tensor& sample_input, Resume resume)
+    : DistributedModel(std::move(runtime), GraphModel::from_sequential(model), sample_input, resume) {}
 
 DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, const ModelBuilder& build, const ModelInputs& sample,
                                    const MaterializeNodes& materialize, Resume resume)
@@ -126,8 +126,9 @@ DistributedModel::DistributedModel(Planned, std::shared_ptr<Runtime> planned, co
                                    const ModelInputs& sample, const MaterializeNodes& materialize, Resume resume)
     : DistributedModel(planned, build(planned->tensor_parallel_group()), sample, materialize, resume) {}
 
-DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const at::Tensor& sample_input)
-    : DistributedModel(std::move(runtime), std::move(model), ModelInputs{sample_input}) {}
+DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const at::Tensor& sample_input,
+                                   Resume resume)
+    : DistributedModel(std::move(runtime), std::move(model), ModelInputs{sample_input}, {}, resume) {}
 
 DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel model, const ModelInputs& sample,
                                    const MaterializeNodes& materialize, Resume resume)
