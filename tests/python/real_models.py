@@ -521,7 +521,7 @@ def train_and_compare(name, args, config, runtime):
         for path in divided:
             if held[path].shape[0] * experts_shared != plain[path].shape[0]:
                 failures.append(f"{path} holds {held[path].shape[0]} experts")
-    if config.get("shard_optimizer_state") and replicas > 1:
+    if runtime.config.shard_optimizer_state and replicas > 1:  # the adopted layout's, "auto" decided
         # ZeRO-1: of the replicas holding a parameter (the same tensor-parallel shard, the same share of the
         # experts, the same pipeline rank's copy of a tied one), exactly one replica's optimizer keeps its state.
         local = dict(model.named_parameters())
