@@ -33,8 +33,14 @@ net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Line
 plan = {"0": "colwise", "2": "rowwise"} if runtime.tensor_parallel_degree > 1 else None
 model = smp.DistributedModel(net, torch.zeros(2, 6), tp_plan=plan)
 # A resumed job may list the parameters in another order: the saved state follows them by name.
-order = -1 if sys.argv[4:] == ["reversed"] else 1
+order = -1 if "reversed" in sys.argv[4:] else 1
 optimizer = smp.DistributedOptimizer(torch.optim.AdamW(list(model.parameters())[::order], lr=1e-2))
+if "teacher" in sys.argv[4:]:
+    # A frozen teacher of another architecture beside it: it takes no checkpoint, and is cut freely where the
+    # layout's pins (planned, or the checkpoint's) name the student's modules.
+    teacher = smp.DistributedModel(torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3),
+                                                       torch.nn.Tanh()).requires_grad_(False),
+                                   torch.zeros(2, 6), resume=False)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda step: 1.0 / (step + 1))
 
 
@@ -404,9 +410,9 @@ def main():
                 raise SystemExit(f"exported model: {name} differs from 6 steps of plain PyTorch")
         if not sharded and not tensor_parallel:
             # "auto" layout keys resume in the layout the checkpoint was saved with (they planned one it refused),
-            # here on 4 ranks: two replicas of its two stages.
+            # here on 4 ranks: two replicas of its two stages; a teacher beside the model is built under its pins.
             planned = dict(config, resume=True, partitions="auto", microbatches="auto", ddp="auto", pipeline="auto")
-            resumed = run(smprun, python, worker, planned, 7, out, 4)
+            resumed = run(smprun, python, worker, planned, 7, out, 4, "teacher")
             if "resumed at 6" not in resumed:
                 raise SystemExit(f"the \"auto\" job did not resume at step 6:\n{resumed}")
             check(out, 7, 4)

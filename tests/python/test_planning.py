@@ -13,6 +13,12 @@ def test_plan_ranks_layouts_and_rejects_by_memory(job):
     assert_passed(job(1, "plan_check.py"))
 
 
+def test_a_teacher_beside_a_planned_model_is_cut_freely(job):
+    """The planned cut pins the student's modules; a teacher of another architecture built after it trains beside it
+    (it was refused: the pins named modules it lacks)."""
+    assert_passed(job(2, "two_models_auto_check.py"))
+
+
 def rank0_lines(output, prefix):
     return [line.split("] ", 1)[1] for line in output.splitlines()
             if line.startswith("[rank 0] ") and line.split("] ", 1)[1].startswith(prefix)]

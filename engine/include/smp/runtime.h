@@ -42,6 +42,9 @@ class Runtime {
   // the topology and the pipeline, replica, tensor- and expert-parallel groups are made anew for it. ConfigError
   // when nothing was left to choose or the choice does not fit the world.
   void adopt_layout(const Config& chosen);
+  // The layout was adopted (planned, or a resume's): its partition_overrides pin the modules of the model it was
+  // made for, a config with "auto" keys giving none of its own.
+  bool layout_adopted() const { return layout_generation_ > 0; }
   // On rank 0 of a C++ job whose layout was planned (with_planned_layout): the layout and its predicted train_step
   // (the optimizer's step apart), which DistributedModel logs beside the measured one after five steps.
   struct PlannedStep {

@@ -70,6 +70,20 @@ sched::Schedule lower_and_validate(sched::Schedule schedule, const sched::StageG
   return schedule;
 }
 
+// An adopted layout's pins name the modules of the model it was planned (or saved) for; another model of the job (a
+// teacher of another architecture) keeps those it has, and is cut freely elsewhere, where the pins would name
+// modules it lacks.
+Config with_own_pins(const Config& config, const GraphModel& model, bool adopted) {
+  if (!adopted) return config;
+  Config own = config;
+  for (auto pin = own.partition_overrides.begin(); pin != own.partition_overrides.end();) {
+    const bool held = std::any_of(model.nodes().begin(), model.nodes().end(),
+                                  [&](const GraphModel::Node& node) { return cut_from(node.name, pin->first); });
+    pin = held ? std::next(pin) : own.partition_overrides.erase(pin);
+  }
+  return own;
+}
+
 std::vector<std::string> pinned_paths(const Config& config) {
   std::vector<std::string> paths;
   for (const auto& [path, stage] : config.partition_overrides) paths.push_back(path);
@@ -193,7 +207,8 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
       for (double speed : speeds) measured += (measured.empty() ? "" : ", ") + std::to_string(speed).substr(0, 5);
       log::info("device speeds measured, by rank: " + measured);
     }
-    plan_ = plan_stages(std::move(profiles), config, copies, optimizer_state_shards(), &devices);
+    plan_ = plan_stages(std::move(profiles), with_own_pins(config, model_, runtime_->layout_adopted()), copies,
+                        optimizer_state_shards(), &devices);
     runtime_->publish(exchange_ + "program_seed", std::to_string(at::detail::getDefaultCPUGenerator().current_seed()));
     runtime_->publish(exchange_ + "model_signature", model_signature_);
     runtime_->publish(exchange_ + "modules", modules_listed(model_));
