@@ -87,6 +87,16 @@ def load_pretrained(tensors, path, key_map=None, strict=True):
             raise CheckpointError(f"{file}: tensor '{stored}' has shape {list(shape)}, the model's "
                                   f"{'' if stored == name else repr(name) + ' '}has {list(whole_shape(tensor))}")
         stored_as[name] = stored
+    unread_frozen = [name for name, tensor in tensors.items()
+                     if name not in stored_as and isinstance(tensor, torch.nn.Parameter) and not tensor.requires_grad]
+    if stored_as and unread_frozen:
+        # Adapters are expected to be missing; a frozen base weight left at its initialization trains nothing and
+        # is most often a key_map that misses a wrapper's name.
+        example = unread_frozen[0]
+        looked_up = key_map(example) if key_map is not None else example
+        warnings.warn(f"{source.description}: {len(unread_frozen)} frozen parameter(s) of this rank are not there and "
+                      f"stay as initialized ('{example}' looked up as {looked_up!r}): a key_map that misses them?",
+                      stacklevel=3)
     if tensors and not stored_as:
         # Most often a key_map that matches no name; but a stage may hold only new tensors (a fresh head), and a
         # refusal on this rank alone would leave the others waiting in their first step: said, not refused.

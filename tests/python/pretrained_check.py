@@ -94,8 +94,19 @@ def main():
             if adapted.load_pretrained(whole, key_map=lambda name: "x." + name, strict=False) != 0 or \
                     not any("none of this rank's" in str(warning.message) for warning in caught):
                 failures.append(f"adapters: a key_map matching nothing: {[str(w.message) for w in caught]}")
-        read = adapted.load_pretrained(whole, key_map=lambda name: None if ".adapter_" in name else
-                                       name.replace(".c_proj.base.", ".c_proj."), strict=False)
+        # A key_map that misses the wrapper's name leaves the frozen bases as initialized: said.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            adapted.load_pretrained(whole, key_map=lambda name: None if ".adapter_" in name else name, strict=False)
+        if not any("frozen parameter(s) of this rank are not there" in str(warning.message) and ".c_proj.base." in
+                   str(warning.message) for warning in caught):
+            failures.append(f"adapters: frozen bases left unread were not said: {[str(w.message) for w in caught]}")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            read = adapted.load_pretrained(whole, key_map=lambda name: None if ".adapter_" in name else
+                                           name.replace(".c_proj.base.", ".c_proj."), strict=False)
+        if caught:
+            failures.append(f"adapters: a complete base load warned: {[str(w.message) for w in caught]}")
         plain = dict(hf.GPT2LMHeadModel.from_pretrained(whole).named_parameters())
         for name, parameter in adapted.named_parameters():
             if ".adapter_" in name:

@@ -139,7 +139,8 @@ class Checkpointer {
   DistributedModel& model_;
   std::unique_ptr<OptimizerCheckpointState> optimizer_state_;
   std::int64_t last_saved_ = -1;
-  std::optional<std::uint32_t> frozen_checksum_;  // with "checkpoint_frozen_parameters" false, at the first save
+  // With "checkpoint_frozen_parameters" false: each frozen parameter's CRC-32, taken at the first save.
+  std::optional<std::vector<std::int64_t>> frozen_checksums_;
   bool said_disabled_ = false;
   bool resume_called_ = false;  // a save without it, where the config asked to resume, says so once
   std::future<void> pending_;  // the save being written

@@ -188,16 +188,16 @@ struct SchedulerSteps : torch::optim::LRScheduler {
   static unsigned& of(torch::optim::LRScheduler& scheduler) { return scheduler.*(&SchedulerSteps::step_count_); }
 };
 
-// CRC-32 of the named parameters' bytes, in that order, on the CPU: whether frozen parameters a checkpoint left out
-// are the ones it was saved beside.
-std::uint32_t checksum_of(const DistributedModel& model, const std::vector<std::string>& names) {
+// CRC-32 of each named parameter's bytes, on the CPU: whether the frozen parameters a checkpoint left out are the
+// ones it was saved beside, and which differs.
+std::vector<std::int64_t> checksums_of(const DistributedModel& model, const std::vector<std::string>& names) {
   std::map<std::string, at::Tensor> by_name(model.named_parameters().begin(), model.named_parameters().end());
-  std::uint32_t crc = 0;
+  std::vector<std::int64_t> checksums;
   for (const auto& name : names) {
     const at::Tensor bytes = by_name.at(name).detach().to(at::kCPU).contiguous();
-    crc = crc32(bytes.data_ptr(), static_cast<std::size_t>(bytes.nbytes()), crc);
+    checksums.push_back(crc32(bytes.data_ptr(), static_cast<std::size_t>(bytes.nbytes())));
   }
-  return crc;
+  return checksums;
 }
 
 // Where a rank of replica `dp_rank` publishes its random state for the save under `key`: beside the other replicas
@@ -441,11 +441,11 @@ void Checkpointer::save(std::int64_t step) {
       // resume checks them against.
       const std::vector<std::string> frozen = model_.frozen_parameter_names();
       left_out.insert(frozen.begin(), frozen.end());
-      if (!frozen_checksum_) frozen_checksum_ = checksum_of(model_, frozen);  // they do not change
+      if (!frozen_checksums_) frozen_checksums_ = checksums_of(model_, frozen);  // they do not change
       c10::List<std::string> names;
       for (const auto& name : frozen) names.push_back(name);
       contents->insert("frozen_parameters", names);
-      contents->insert("frozen_crc32", static_cast<std::int64_t>(*frozen_checksum_));
+      contents->insert("frozen_crc32", c10::List<std::int64_t>(*frozen_checksums_));
     }
     c10::Dict<std::string, at::Tensor> parameters;
     for (const auto& [name, parameter] : model_.named_parameters()) {
@@ -747,10 +747,13 @@ std::int64_t Checkpointer::resume() {
                             "(\"checkpoint_frozen_parameters\": false), and this model has " +
                             std::to_string(here.size()) + " others frozen: freeze the same ones before building it");
     }
-    if (checksum_of(model_, frozen) != static_cast<std::uint32_t>(contents.at("frozen_crc32").toInt())) {
+    const std::vector<std::int64_t> saved_checksums = contents.at("frozen_crc32").toIntVector();
+    const std::vector<std::int64_t> here_checksums = checksums_of(model_, frozen);
+    for (std::size_t i = 0; i < frozen.size(); ++i) {
+      if (i < saved_checksums.size() && saved_checksums[i] == here_checksums[i]) continue;
       throw CheckpointError(path + " was saved without its frozen parameters (\"checkpoint_frozen_parameters\": "
-                            "false" + (frozen.empty() ? std::string() : ", e.g. " + frozen.front()) + "), and this model's differ from those it was "
-                            "saved beside: load them (load_pretrained, load_parameters) before resume()");
+                            "false), and this model's " + frozen[i] + " differs from the one it was saved beside: "
+                            "load the same base (load_pretrained, load_parameters) before resume()");
     }
   }
   try {
