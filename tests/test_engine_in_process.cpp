@@ -647,7 +647,8 @@ TEST_CASE("a checkpoint keeps the program's state beside the optimizer's (a resu
     CHECK_THROWS_WITH(resumed_job({{"lr_scheduler", {}}, {"sampler", {[] { return std::string(); },
                                                                       [](const std::string&) {}}}},
                                   nullptr),
-                      Catch::Contains("holds no program state \"sampler\""));
+                      Catch::Contains("holds no program state \"sampler\"") &&
+                          !Catch::Contains("does not fit this optimizer"));
   }
   CHECK(std::system(("rm -rf " + directory).c_str()) == 0);
 }

@@ -86,6 +86,7 @@ class LibTorchOptimizerState final : public OptimizerCheckpointState {
     std::vector<double> rates_built;
     for (const auto& group : groups) rates_built.push_back(group.options().get_lr());
     std::optional<std::map<std::string, std::string>> program_bytes;
+    std::string missing_program_state;
     for (int share = saved.first_share; share < saved.first_share + saved.shares_to_read; ++share) {
       SavedOptimizerShare current = saved.read(share);
       try {
@@ -108,14 +109,18 @@ class LibTorchOptimizerState final : public OptimizerCheckpointState {
         check_saved_optimizer_class(archive, optimizer);
         if (share == saved.first_share) {
           program_bytes = saved_program_state(archive);
-          check_program_state(program_bytes.value_or(std::map<std::string, std::string>{}));
+          missing_program_state = program_state_missing(program_bytes.value_or(std::map<std::string, std::string>{}));
         }
-        optimizer.load(archive);
+        if (missing_program_state.empty()) optimizer.load(archive);
       } catch (const std::exception& error) {
         restore_groups();
         optimizer.state().clear();  // no half-loaded state: it would train on some replicas' moments only
         throw CheckpointError(current.path + ": optimizer state does not fit this optimizer: " +
                               comm::brief_message(error));
+      }
+      if (!missing_program_state.empty()) {  // before the optimizer's state is loaded
+        restore_groups();
+        throw CheckpointError(current.path + ": " + missing_program_state);
       }
       restore_groups();
       std::vector<void*> dropped;
@@ -144,18 +149,17 @@ class LibTorchOptimizerState final : public OptimizerCheckpointState {
   std::string format() const override { return "libtorch"; }
 
  private:
-  // Before the optimizer's state is loaded: a program half restored would continue neither run.
-  void check_program_state(const std::map<std::string, std::string>& saved) const {
+  // Why the program's state cannot be restored, or "": a program half restored would continue neither run.
+  std::string program_state_missing(const std::map<std::string, std::string>& saved) const {
     std::string missing;
     for (const auto& [name, state] : program_state_) {
       if (!saved.count(name)) missing += (missing.empty() ? "\"" : ", \"") + name + "\"";
     }
-    if (!missing.empty()) {
-      throw CheckpointError("the checkpoint holds no program state " + missing + " (saved by a Checkpointer given " +
-                            (saved.empty() ? std::string("none") : "other names") +
-                            "): that state would start over while the rest resumed; give the Checkpointer the state "
-                            "the saving run gave it");
-    }
+    if (missing.empty()) return missing;
+    return "the checkpoint holds no program state " + missing + " (saved by a Checkpointer given " +
+           (saved.empty() ? std::string("none") : "other names") +
+           "): that state would start over while the rest resumed; give the Checkpointer the state the saving run "
+           "gave it";
   }
 
   void restore_program_state(const std::map<std::string, std::string>& saved) {
