@@ -12,6 +12,7 @@
 
 #include "smp/checkpoint.h"
 #include "smp/checkpoint_manifest.h"
+#include "smp/config.h"
 #include "smp/main.h"
 
 namespace {
@@ -20,6 +21,17 @@ namespace {
 std::string sharding(const smp::CheckpointManifest& manifest) {
   if (manifest.optimizer_shards <= 1) return "";
   return ", optimizer state sharded over " + std::to_string(manifest.optimizer_shards) + " replicas";
+}
+
+// Saved without its frozen parameters ("checkpoint_frozen_parameters": false, a LoRA job's): an export of it holds
+// the trained ones alone, and a resume needs the base loaded first.
+std::string frozen_left_out(const smp::CheckpointManifest& manifest) {
+  try {
+    if (smp::Config::from_json_text(manifest.config_json, "manifest").checkpoint_frozen_parameters) return "";
+  } catch (const smp::ConfigError&) {  // a config this version no longer reads: nothing to say
+    return "";
+  }
+  return ", frozen parameters left out (its exports hold the trained ones alone; a resume loads the base first)";
 }
 
 bool is_checkpoint(const std::filesystem::path& directory) {
@@ -60,8 +72,9 @@ int run(int argc, char** argv) {
     for (const auto& directory : directories) {
       try {
         const auto manifest = smp::verify_checkpoint(directory.string());
-        std::printf("%s: complete, step %lld, %d partitions%s\n", directory.c_str(),
-                    static_cast<long long>(manifest.step), manifest.partitions, sharding(manifest).c_str());
+        std::printf("%s: complete, step %lld, %d partitions%s%s\n", directory.c_str(),
+                    static_cast<long long>(manifest.step), manifest.partitions, sharding(manifest).c_str(),
+                    frozen_left_out(manifest).c_str());
       } catch (const smp::CheckpointError& error) {
         std::printf("%s: incomplete: %s\n", directory.c_str(), error.what());
       }
@@ -78,9 +91,9 @@ int run(int argc, char** argv) {
       }
     }
     const auto manifest = smp::verify_checkpoint(argv[2]);
-    std::printf("%s: complete, step %lld, %d partitions x %d virtual stages, saved by %d replicas%s\n", argv[2],
+    std::printf("%s: complete, step %lld, %d partitions x %d virtual stages, saved by %d replicas%s%s\n", argv[2],
                 static_cast<long long>(manifest.step), manifest.partitions, manifest.virtual_stages, manifest.replicas,
-                sharding(manifest).c_str());
+                sharding(manifest).c_str(), frozen_left_out(manifest).c_str());
     return 0;
   }
   if (command == "export" && argc == 4) {

@@ -281,7 +281,7 @@ print(f"resumed at {first}, saved {sorted(smp.load_full_model(newest + '.pt'))},
 """
 
 
-def frozen_left_out(python, root):
+def frozen_left_out(smprun, python, root):
     """"checkpoint_frozen_parameters": false: partition files and exports leave out the frozen parameters (a LoRA
     job's base), a resume finds them in place, and one whose frozen values differ from those saved beside is
     refused, saying to load them first."""
@@ -298,6 +298,11 @@ def frozen_left_out(python, root):
             "refused:" not in other_base or "this model's 0.weight differs from the one it was saved beside" not in \
             other_base:
         raise SystemExit(f"checkpoints without the frozen parameters: {saved}\n{resumed}\n{other_base}")
+    listed = subprocess.run([os.path.join(os.path.dirname(smprun), "smp_checkpoint"), "list", root],
+                            capture_output=True, text=True, timeout=60)
+    if "step-00000001: complete" not in listed.stdout or "frozen parameters left out" not in listed.stdout:
+        raise SystemExit(f"smp_checkpoint list does not say the frozen parameters were left out:\n{listed.stdout}"
+                         f"{listed.stderr}")
 
 
 def frozen_optimizer_lists(python, root):
@@ -422,7 +427,7 @@ def main():
             options_replaced(python, os.path.join(directory, "options"))
             other_model(python, os.path.join(directory, "options"))
             frozen_optimizer_lists(python, os.path.join(directory, "frozen"))
-            frozen_left_out(python, os.path.join(directory, "lean"))
+            frozen_left_out(smprun, python, os.path.join(directory, "lean"))
     print("trained 4 steps" + (" in tensor-parallel shards" if tensor_parallel else "") + ", resumed" +
           (" into one replica, then into two shards again" if sharded else "") +
           ", trained to 6, exported" + ("" if sharded or tensor_parallel else ", resumed by an \"auto\" job on 4 ranks") +
