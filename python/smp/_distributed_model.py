@@ -174,6 +174,13 @@ class DistributedModel(torch.nn.Module):
         meta = isinstance(model, torch.nn.Module) and _materialize.is_meta(model)
         if meta and (_is_sequential(model) or isinstance(model, (GraphModel, torch.jit.ScriptModule))):
             raise ModelError(_META_NEEDS_CAPTURE)  # before planning, which would run its modules
+        real = [name for name, parameter in model.named_parameters() if not parameter.is_meta] if meta else []
+        if real and rt.rank == 0:
+            # Adapters added outside `with torch.device("meta")`: made on every rank whole, with values their own
+            # generator drew, where the meta ones are drawn per (seed, module path) on the ranks that need them.
+            print(f"smp: {len(real)} parameter(s) of a model built on the meta device are real ({real[0]}, ...): they "
+                  "keep the values they were made with, not drawn from (config seed, module path); build them under "
+                  "torch.device(\"meta\") too for the same weights in every run", flush=True)
         if plan_optimizer is not None and not callable(plan_optimizer):  # on every rank, before rank 0 plans
             raise ConfigError(f"plan_optimizer {plan_optimizer!r}: expected a torch.optim class or a callable making "
                               "an optimizer of a list of parameters")

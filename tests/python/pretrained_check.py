@@ -5,6 +5,8 @@ and a ResNet-18 with batch norm statistics, saved whole, sharded with an index, 
 broken files must be refused naming the tensor and the file.
 """
 
+import contextlib
+import io
 import sys
 import tempfile
 import warnings
@@ -116,6 +118,16 @@ def main():
                 failures.append(f"adapters: {name} differs from the pretrained tensor")
         if read != len(list(adapted.named_parameters())) - len(initialized) or not initialized:
             failures.append(f"adapters: {read} tensors read, of {len(list(adapted.named_parameters()))}")
+
+        # Adapters added outside the meta device are real beside a meta base: said (they keep their own draws).
+        with torch.device("meta"):
+            net = hf.GPT2LMHeadModel(config)
+        net.transformer.h[0].mlp.c_proj = Adapted(net.transformer.h[0].mlp.c_proj.to_empty(device="cpu"))
+        said = io.StringIO()
+        with contextlib.redirect_stdout(said):
+            smp.DistributedModel(net, {"input_ids": ids[:2], "labels": ids[:2]}, init_fn=net._init_weights)
+        if (runtime.rank == 0) != ("of a model built on the meta device are real" in said.getvalue()):
+            failures.append(f"real adapters beside a meta base: rank {runtime.rank} said {said.getvalue()[-300:]!r}")
 
         # Broken weights: a tensor missing, a tensor of another shape.
         tensors = load_file(f"{whole}/model.safetensors")
