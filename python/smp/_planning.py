@@ -117,6 +117,9 @@ def _check_plan_arguments(world_size, global_batch_size, memory_limit_mb, optimi
     """One-line errors for smp.plan's arguments, naming the argument, before anything is profiled."""
     def whole(value):
         return isinstance(value, int) and not isinstance(value, bool)
+
+    def number(value):  # True is an int to Python, and an infinite limit would reject every layout
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not callable(optimizer):
         raise ConfigError(f"smp.plan: optimizer {optimizer!r}: expected a torch.optim class or a callable making an "
                           "optimizer of a list of parameters")
@@ -125,15 +128,16 @@ def _check_plan_arguments(world_size, global_batch_size, memory_limit_mb, optimi
     if global_batch_size is not None and (not whole(global_batch_size) or not 1 <= global_batch_size <= 1 << 30):
         raise ConfigError(f"smp.plan: global_batch_size {global_batch_size!r}: expected a whole number of samples "
                           f"from 1 to {1 << 30}")
-    if memory_limit_mb is not None and not (isinstance(memory_limit_mb, (int, float)) and memory_limit_mb >= 0):
-        raise ConfigError(f"smp.plan: memory_limit_mb {memory_limit_mb!r}: expected a number, at least 0 (0: none)")
-    if optimizer_moments is not None and not (isinstance(optimizer_moments, (int, float)) and optimizer_moments >= 0):
-        raise ConfigError(f"smp.plan: optimizer_moments {optimizer_moments!r}: expected a number, at least 0 "
+    if memory_limit_mb is not None and not (number(memory_limit_mb) and memory_limit_mb >= 0):
+        raise ConfigError(f"smp.plan: memory_limit_mb {memory_limit_mb!r}: expected a finite number, at least 0 (0 or "
+                          "None: no limit)")
+    if optimizer_moments is not None and not (number(optimizer_moments) and optimizer_moments >= 0):
+        raise ConfigError(f"smp.plan: optimizer_moments {optimizer_moments!r}: expected a finite number, at least 0 "
                           "(Adam 2, SGD with momentum 1)")
-    if not (isinstance(compute_scale, (int, float)) and compute_scale > 0):
-        raise ConfigError(f"smp.plan: compute_scale {compute_scale!r}: expected a positive number")
+    if not (number(compute_scale) and compute_scale > 0):
+        raise ConfigError(f"smp.plan: compute_scale {compute_scale!r}: expected a finite positive number")
     if device_speeds:  # None or []: the config's
-        if isinstance(device_speeds, str) or not all(isinstance(s, (int, float)) and s > 0 for s in device_speeds):
+        if isinstance(device_speeds, str) or not all(number(s) and s > 0 for s in device_speeds):
             raise ConfigError(f"smp.plan: device_speeds {device_speeds!r}: expected a list of positive numbers, one "
                               "per rank (an \"auto\" job measures them with \"device_speeds\": \"measure\")")
         if len(device_speeds) != world:

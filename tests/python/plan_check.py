@@ -28,7 +28,9 @@ def main():
     for bad, named in ((dict(world_size=0), "world_size 0"), (dict(global_batch_size=2**31 - 1), "global_batch_size"),
                        (dict(device_speeds=[1, 1]), "2 speeds for a world of 4"),
                        (dict(device_speeds="measure"), "device_speeds 'measure'"), (dict(compute_scale=0), "compute_scale"),
-                       (dict(optimizer="sgd"), "optimizer 'sgd'")):
+                       (dict(optimizer="sgd"), "optimizer 'sgd'"),
+                       (dict(memory_limit_mb=float("inf")), "memory_limit_mb inf"),
+                       (dict(memory_limit_mb=True), "memory_limit_mb True")):
         try:
             smp.plan(net, sample, **{"world_size": 4, **bad})
             failures.append(f"smp.plan accepted {bad}")
