@@ -53,6 +53,7 @@ smp_pytest(test_pipelines.py sequential_2_stages_x_2_replicas_equals_pytorch 320
 smp_pytest(test_pipelines.py graph_4_stages_with_skips_equals_pytorch 320)
 smp_pytest(test_pipelines.py traced_model_equals_pytorch 320)
 smp_pytest(test_pipelines.py traced_bf16_matches_float32 320)
+smp_pytest(test_pipelines.py bf16_captured_model_computes_as_autocast 120)
 smp_pytest(test_pipelines.py slow_rank_measured_gets_less_and_equals_pytorch 320 quick)
 smp_pytest(test_pipelines.py a_slow_rank_still_gets_parameters 320)
 smp_pytest(test_pipelines.py a_failed_step_stops_every_rank_at_once 320)

@@ -90,6 +90,44 @@ TEST_CASE("a memory limit counts activations times the microbatches in flight", 
   CHECK(smp::StagePlan::from_json(plan.to_json()).activation_copies == plan.activation_copies);
 }
 
+TEST_CASE("a limit the search's count cannot meet guides a caller that judges the memory itself", "[profile]") {
+  const auto modules = equal_chain(2, 1 << 20, 4 << 20);
+  const smp::Config config = smp::Config::from_json_text(R"({"partitions": 2, "memory_limit_mb": 16})", "test");
+  CHECK_THROWS_WITH(smp::plan_stages(modules, config, {4, 4}), Catch::Matchers::Contains("memory"));
+  const smp::StagePlan guided = smp::plan_stages(modules, config, {4, 4}, 1, nullptr, smp::MemoryLimit::kGuides);
+  CHECK(guided.stage_of_module == std::vector<int>{0, 1});
+  CHECK_THAT(guided.memory_limit_unmet, Catch::Matchers::Contains("memory limit of 16"));
+  CHECK(smp::plan_stages(modules, config, {1, 1}, 1, nullptr, smp::MemoryLimit::kGuides).memory_limit_unmet.empty());
+  // A failure that is not the limit's still throws (a pin to a stage the config lacks).
+  smp::Config pinned = config;
+  pinned.partition_overrides = {{"m0", 1}, {"m1", 0}};
+  CHECK_THROWS(smp::plan_stages(modules, pinned, {4, 4}, 1, nullptr, smp::MemoryLimit::kGuides));
+}
+
+TEST_CASE("the planner judges a layout by its predicted peak: one listed at a peak fits a limit just above it",
+          "[profile]") {
+  // Two equal modules whose parameters, gradients and moments fit but whose activations, counted beside the
+  // gradients all at once by the partition search, do not: the predicted peak (activations freed as gradients
+  // appear) is what the table shows and what the limit is held to.
+  auto modules = equal_chain(4, 1 << 20, 2 << 20);
+  for (auto& module : modules) module.output_bytes = 1 << 10;
+  const smp::Config free = smp::Config::from_json_text(R"({"global_batch_size": 4})", "plan");
+  const auto unlimited = smp::plan_layouts({modules, 2}, free, 2, {0.0, 1e9, 1e9});
+  int checked = 0;
+  for (const auto& prediction : unlimited) {
+    if (!prediction.rejected.empty()) continue;
+    smp::Config limited = free;
+    limited.memory_limit_mb = prediction.peak_memory_mib() + 0.01;
+    for (const auto& again : smp::plan_layouts({modules, 2}, limited, 2, {0.0, 1e9, 1e9})) {
+      if (again.layout.describe() != prediction.layout.describe()) continue;
+      INFO(again.layout.describe() << " at " << limited.memory_limit_mb << " MiB: " << again.rejected);
+      CHECK(again.rejected.empty());
+      ++checked;
+    }
+  }
+  CHECK(checked > 4);
+}
+
 TEST_CASE("a checkpointed module counts no saved activations and its forward twice", "[profile]") {
   // As in the test above: 4 microbatches' activations of a module do not fit 16 MiB; checkpointed, they are gone.
   const auto modules = equal_chain(2, 1 << 20, 4 << 20);
@@ -552,6 +590,15 @@ TEST_CASE("a job's plan rejects the layouts its fixed keys exclude, naming the k
   auto none_fit = smp::plan_layouts({modules, 2}, tight, 4, {0.0, 1e9, 1e9});
   smp::keep_what_the_config_fixes(none_fit, tight, 4);
   CHECK_THAT(smp::layout_report(none_fit), Catch::Matchers::Contains("no layout fits\n"));
+  // And says what the limit would have to be: the least peak among those over it.
+  double least = 1e300;
+  for (const auto& prediction : none_fit) {
+    if (prediction.over_memory_limit()) least = std::min(least, prediction.peak_memory_mib());
+  }
+  REQUIRE(least < 1e300);
+  char least_text[64];
+  std::snprintf(least_text, sizeof least_text, "the least a layout considered needs: %.1f MiB per rank (", least);
+  CHECK_THAT(smp::layout_report(none_fit), Catch::Matchers::Contains(least_text));
   // The error's first line gives a reason a layout of the job's own keys met, not one the config excludes.
   try {
     smp::choose_layout(none_fit, tight, 4);

@@ -149,6 +149,8 @@ TEST_CASE("impossible partitions are refused naming the modules", "[training][mu
   result = run_worker(2, backwards, "--model residual --steps 1");
   CHECK(result.status != 0);
   CHECK_THAT(result.output, Contains("module 'out' is pinned to stage 0 but depends on module 'in' pinned to stage 1"));
+  // Rank 1 says rank 0's reason, not that it waited for what rank 0 never published.
+  CHECK_THAT(result.output, Contains("rank 0 failed: ") && !Contains("in the rendezvous store"));
 
   const auto unknown = write_config("unknown_module", smp_config(2, 1, 2, "interleaved", "cluster", 4, 30,
                                                                  R"(, "partition_overrides": {"nope": 1})"));

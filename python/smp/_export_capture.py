@@ -34,6 +34,7 @@ from ._data_flow import READS_METADATA_ONLY, data_flow, is_random
 from ._exporting import CaptureError, dynamic_shapes, export_as_if_on, export_model, real_constant
 from ._input_limits import InputShapes, TableLookups, shape_guards
 from ._smp import ModelError
+from ._state import runtime_or_none
 from ._value_sketch import sketch_of, sketch_values
 
 _aten = torch.ops.aten
@@ -148,7 +149,7 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
     args, kwargs = _distinct_inputs(args, kwargs)
     on_meta = _materialize.is_meta(model)
     free, held = dynamic_shapes(model, args, kwargs, dynamic)
-    with _exporting(model):
+    with _exporting(model, device):
         exported, fixed_because = _export_in("train", model, args, kwargs, free, device, divided, on_meta)
     # Evaluation's path is checked at the first evaluation (smp._evaluation_path), against the export as it was
     # before the capture rewrites it below: most jobs never evaluate, and a second export at every capture cost the
@@ -156,8 +157,9 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
     raw_graph = _copied(exported.graph_module)
     # Its capture cache key now, while every rank describes the model alike (later each holds its own tensors only):
     # the ranks of a job then export it once between them.
-    evaluation_key = _capture_cache.key(model, args, kwargs, free, device, True, divided, mode="eval") \
-        if evaluation else None
+    with stage_autocast(device):
+        evaluation_key = _capture_cache.key(model, args, kwargs, free, device, True, divided, mode="eval") \
+            if evaluation else None
     evaluation_check = functools.partial(_check_evaluation, model, args, kwargs, free, device, divided, raw_graph,
                                          evaluation_key) if evaluation else None
     graph = exported.graph_module.graph
@@ -383,11 +385,20 @@ def _distinct_inputs(args, kwargs):
     return pytree.tree_map(distinct, (args, kwargs))
 
 
+def stage_autocast(device):
+    """torch.autocast as the config's "bf16" or "fp16" runs every stage. Traced in float32, a cast back to a dtype the
+    code read off an autocast result (Qwen3's q_norm: .to(input_dtype) after a bfloat16 projection) was recorded as a
+    cast to float32, and the stage computed on in float32 where autocast's model gives bfloat16."""
+    rt = runtime_or_none()
+    dtype = None if rt is None else torch.bfloat16 if rt.config.bf16 else torch.float16 if rt.config.fp16 else None
+    return torch.autocast(torch.device(device).type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
 @contextlib.contextmanager
-def _exporting(model):
+def _exporting(model, device):
     """Exports leave no trace in the training state: the modules' modes, buffers, the random numbers dropout draws
     next, a Hugging Face config's use_cache (a forward that passes its keyword arguments on, GraniteMoE's, takes it
-    from there)."""
+    from there). They trace under the autocast the stages run under (stage_autocast)."""
     buffers_before = [(b, b.detach().clone()) for b in model.buffers()]
     modes = [(module, module.training) for module in model.modules()]
     config = getattr(model, "config", None)
@@ -395,7 +406,7 @@ def _exporting(model):
     if cached:
         config.use_cache = False
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), stage_autocast(device):
             yield
     finally:
         for module, mode in modes:
@@ -439,11 +450,11 @@ def _check_evaluation(model, args, kwargs, free, device, divided, raw, key, engi
     training capture `raw` would, else None, the captured code then tagged to leave out in evaluation what the eval
     forward does not run (stochastic depth). The model may hold only this rank's tensors by now (the others
     released to the meta device): exported on fake tensors then, the release's refusal held off."""
-    with _exporting(model), _materialize.released_model_runs():
+    with _exporting(model, device), _materialize.released_model_runs():
         if _mode_calls.same_in_both_modes(model, args, kwargs, device, divided):
             return None
     try:
-        with _exporting(model), _materialize.released_model_runs():
+        with _exporting(model, device), _materialize.released_model_runs():
             # On fake tensors whatever the model holds (the same export on every rank, which the key promises).
             evaluated, _ = _export_in("eval", model, args, kwargs, free, device, divided, True, key)
     except CaptureError as error:

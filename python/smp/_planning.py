@@ -14,6 +14,7 @@ import warnings
 import torch
 
 from . import _routing, _smp, tp
+from ._export_capture import stage_autocast
 from ._expert_parallel import experts_modules
 from ._graph import GraphModel
 from ._model_graph import graph_of, shard_for_tensor_parallelism
@@ -189,7 +190,8 @@ def _profile_at(model, sample, degree, world, tp_plan, dynamic_shapes, config, d
         graph, io_ = graph_of(model, sample, 2 * world, list(config.partition_overrides), dynamic_shapes,
                               experts=(1, 0), evaluation=False)
         # On the job's device, and on twice the sample too (a stage call's fixed cost against its cost per sample).
-        profile = _smp.profile_for_planning(graph._graph, io_.engine_inputs(sample, "sample"), str(device))
+        with stage_autocast(device):  # as the capture traced it: in the precision the stages compute in
+            profile = _smp.profile_for_planning(graph._graph, io_.engine_inputs(sample, "sample"), str(device))
         profile.least_microbatch, profile.most_microbatch = io_.microbatch_range()
         return profile, experts_split
 

@@ -39,6 +39,11 @@ def test_traced_bf16_matches_float32(job):
                       smp_keys(partitions=2, microbatches=4, global_batch_size=8, bf16=True)))
 
 
+def test_bf16_captured_model_computes_as_autocast(job):
+    """A cast back to an autocast result's dtype (Qwen3's q_norm) stays bfloat16: equal to torch.autocast."""
+    assert_passed(job(2, "autocast_capture_check.py"))
+
+
 def test_slow_rank_measured_gets_less_and_equals_pytorch(job):
     """Devices that differ: rank 1 emulates a device 6 times slower, the ranks measure their speeds, and the
     partition gives rank 1's stage fewer modules; training still equals plain PyTorch. (3 times slower was found

@@ -106,9 +106,14 @@ struct ModelProfile {
 // rows says of its noise, plus the spread an exchange of that many samples keeps. 1 for none counted.
 double routing_imbalance(const ExpertRouting& routing, int ep, int samples);
 
+// How a layout rejected for its peak memory says so, after "needs X MiB on pipeline rank R" (LayoutPrediction::
+// rejected), and before the rank's limit.
+inline constexpr const char* kOverMemoryLimit = ", over its memory limit of ";
+
 struct LayoutPrediction {
   Layout layout;
   std::string rejected;  // empty when it fits and partitions
+  bool over_memory_limit() const;  // rejected for its peak memory alone (memory_mib says what it needs)
   double step_s = 0.0;   // the pipeline's makespan, then the replicas' reduction and the optimizer step
   double pipeline_s = 0.0;
   double gradient_sync_s = 0.0;  // the all-reduce (and ZeRO-1's broadcast) after the last backward, not overlapped

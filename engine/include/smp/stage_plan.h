@@ -95,6 +95,9 @@ struct StagePlan {
   std::vector<double> activation_copies;
   // Per stage (empty: alike): the relative speed of the device it runs on; stage_time is the time there.
   std::vector<double> stage_speeds;
+  // Under MemoryLimit::kGuides, why no split met the memory limit as the search counts it (empty: one did); the cut
+  // is then the search's without the limit. Not carried to the other ranks (to_json).
+  std::string memory_limit_unmet;
 
   std::vector<int> modules_of_stage(int stage) const;
   double stage_time(int stage) const;
@@ -164,10 +167,17 @@ std::vector<std::pair<std::string, std::vector<std::int64_t>>> parameter_shapes_
 // holding that share of the two moments.
 // `devices` (StageDevices; empty: alike): the speed and memory of the device each stage runs on; a faster stage
 // gets more of the model, a smaller one less.
+// `memory_limit`: kRefuses throws when no split keeps every stage within the limit as the search counts it: each
+// module's parameters, gradients, two moments and activations added up, all held at once. That count is additive
+// so that the search can sum it over any set of modules, and so it is cruder than the planner's per-rank peak
+// (predict_layouts: activations freed as gradients appear, reduction buckets, the optimizer's temporaries), above
+// it or below. kGuides, for a caller that judges the memory itself (the planner; a job adopting its plan): the
+// limit steers the search, and where it cannot be met the cut is made without it (StagePlan::memory_limit_unmet).
+enum class MemoryLimit { kRefuses, kGuides };
 struct StageDevices;
 StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
                       std::vector<double> activation_copies = {}, int optimizer_state_shards = 1,
-                      const StageDevices* devices = nullptr);
+                      const StageDevices* devices = nullptr, MemoryLimit memory_limit = MemoryLimit::kRefuses);
 
 // Per stage, the device it runs on: the speed of its pipeline rank's slowest device (relative; 1 when alike) and
 // the memory limit of its smallest, in MiB for the rank (0: none). From config.device_speeds (or `speeds`, one per

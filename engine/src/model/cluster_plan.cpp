@@ -225,6 +225,18 @@ std::string cluster_report(const std::vector<ClusterPrediction>& predictions, co
   text << rejected << " rejected (over " << cluster.device_memory_gib << " GiB a device, or not partitionable)\n";
   if (listed == 0) {
     text << "no layout fits\n";
+    const LayoutPrediction* least = nullptr;
+    for (const auto& planned : predictions) {
+      const auto& prediction = planned.prediction;
+      if (prediction.over_memory_limit() && (least == nullptr || prediction.peak_memory_mib() < least->peak_memory_mib())) {
+        least = &prediction;
+      }
+    }
+    if (least != nullptr) {
+      std::snprintf(line, sizeof line, "the least a layout considered needs: %.1f GiB a device (%s)\n",
+                    least->peak_memory_mib() / 1024.0, least->layout.describe().c_str());
+      text << line;
+    }
   } else {
     const auto& best = predictions.front();
     std::snprintf(line, sizeof line, "chosen: %s: %.0f tokens/s per device, MFU %.1f%%\n",

@@ -74,6 +74,17 @@ std::string layout_report(const std::vector<LayoutPrediction>& predictions, int 
   }
   if (listed == 0) {
     text << (excluded > 0 ? "no layout fits within the keys the config fixes\n" : "no layout fits\n");
+    // What the limit would have to be: the least peak of those over it.
+    const LayoutPrediction* least = nullptr;
+    for (const auto& prediction : predictions) {
+      if (prediction.over_memory_limit() && (least == nullptr || prediction.peak_memory_mib() < least->peak_memory_mib())) {
+        least = &prediction;
+      }
+    }
+    if (least != nullptr) {
+      std::snprintf(line, sizeof line, "%.1f MiB", least->peak_memory_mib());
+      text << "the least a layout considered needs: " << line << " per rank (" << least->layout.describe() << ")\n";
+    }
   } else {
     const auto& best = *std::find_if(predictions.begin(), predictions.end(),
                                      [](const LayoutPrediction& prediction) { return prediction.rejected.empty(); });

@@ -205,7 +205,9 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
     auto modules = profile.at(per_microbatch, costs.compute_scale);
     // An experts layer's exchange carries every member's microbatch.
     divide_experts(modules, ep, profile.experts_split, ep * per_microbatch, costs);
-    plan = plan_stages(modules, config, activation_copies(schedule, weight_pass_share(modules)), shards, &devices);
+    // The limit steers the cut; the per-rank peak below judges it (the search's additive count is cruder).
+    plan = plan_stages(modules, config, activation_copies(schedule, weight_pass_share(modules)), shards, &devices,
+                       MemoryLimit::kGuides);
   } catch (const std::exception& error) {
     prediction.rejected = error.what();
     return;
@@ -402,8 +404,8 @@ void predict(LayoutPrediction& prediction, const ModelProfile& profile, const Co
     }
     if (limit > 0 && prediction.memory_mib[rank] > limit) {
       char why[160];
-      std::snprintf(why, sizeof why, "needs %.1f MiB on pipeline rank %d, whose memory limit is %.1f MiB",
-                    prediction.memory_mib[rank], rank, limit);
+      std::snprintf(why, sizeof why, "needs %.1f MiB on pipeline rank %d%s%.1f MiB", prediction.memory_mib[rank], rank,
+                    kOverMemoryLimit, limit);
       prediction.rejected = why;
       break;
     }
@@ -510,6 +512,10 @@ std::string LayoutPrediction::config_json() const {
   nlohmann::json keys = nlohmann::json::parse(layout.config_json());
   if (!cut.empty()) keys["partition_overrides"] = cut;
   return keys.dump();
+}
+
+bool LayoutPrediction::over_memory_limit() const {
+  return rejected.find(kOverMemoryLimit) != std::string::npos && !memory_mib.empty();
 }
 
 double LayoutPrediction::peak_memory_mib() const {

@@ -280,7 +280,8 @@ StageDevices stage_devices(const Config& config, const Topology& topology, const
 }
 
 StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
-                      std::vector<double> activation_copies, int optimizer_state_shards, const StageDevices* devices) {
+                      std::vector<double> activation_copies, int optimizer_state_shards, const StageDevices* devices,
+                      MemoryLimit memory_limit) {
   if (optimizer_state_shards < 1) throw std::invalid_argument("plan_stages: optimizer_state_shards must be positive");
   const int num_modules = static_cast<int>(modules.size());
   const int num_stages = config.num_stages();
@@ -394,7 +395,22 @@ StagePlan plan_stages(std::vector<ModuleProfile> modules, const Config& config,
   }
   StagePlan plan;
   try {
-    plan.stage_of_module = part::partition_graph(graph, options).stage_of_node;
+    try {
+      plan.stage_of_module = part::partition_graph(graph, options).stage_of_node;
+    } catch (const part::PartitionError& error) {
+      const bool limited = options.memory_limit_bytes > 0 || !options.stage_memory_limit_bytes.empty();
+      if (memory_limit != MemoryLimit::kGuides || !limited) throw;
+      // Found without the limit, it was the limit the search could not meet: the caller's count judges.
+      part::GraphPartitionOptions unlimited = options;
+      unlimited.memory_limit_bytes = 0.0;
+      unlimited.stage_memory_limit_bytes.clear();
+      try {
+        plan.stage_of_module = part::partition_graph(graph, unlimited).stage_of_node;
+      } catch (const part::PartitionError&) {
+        throw error;
+      }
+      plan.memory_limit_unmet = error.what();
+    }
   } catch (const part::PartitionError& error) {
     std::string share;
     if (config.memory_limit_mb > 0 && config.virtual_stages > 1) {

@@ -2,9 +2,14 @@
 // Mixed precision for the forwards a stage runs (config bf16 / fp16): autocast on the tensors' device type for as
 // long as the scope lives, nested scopes and the previous state respected.
 
+#include <optional>
+
 #include <ATen/autocast_mode.h>
+#include <c10/core/Device.h>
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
+
+#include "smp/config.h"
 
 namespace smp {
 
@@ -12,6 +17,12 @@ struct AutocastSetting {
   c10::DeviceType device;
   at::ScalarType dtype;
 };
+
+// The autocast a job's stages compute under: the config's bf16 or fp16 on its device; none in float32.
+inline std::optional<AutocastSetting> stage_precision(const Config& config, c10::Device device) {
+  if (!config.bf16 && !config.fp16) return std::nullopt;
+  return AutocastSetting{device.type(), config.bf16 ? at::kBFloat16 : at::kHalf};
+}
 
 class AutocastScope {
  public:

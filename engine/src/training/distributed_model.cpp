@@ -179,7 +179,10 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
   const std::vector<double> speeds = device_speeds(*runtime_, exchange_);
   // Rank 0's, so that ranks seeded apart still draw alike where they must (tensor-parallel ranks of a stage).
   std::uint64_t program_seed = at::detail::getDefaultCPUGenerator().current_seed();
-  if (runtime_->rank() == 0) {
+  // Rank 0 profiles and cuts; its failure (a model that fails on the sample, a cut that cannot be made) reaches the
+  // others as what it is (from_rank0), not as a wait for a key it never published.
+  if (runtime_->rank() != 0) runtime_->publish(exchange_ + "ready/" + std::to_string(runtime_->rank()), "");
+  const std::string stage_plan = runtime_->from_rank0(exchange_ + "stage_plan", [&] {
     // Measured once every rank has built what it builds before this (a Python model's capture): the profile must
     // not share the cores with them.
     for (int rank = 1; rank < runtime_->world_size(); ++rank) runtime_->fetch(exchange_ + "ready/" + std::to_string(rank));
@@ -190,7 +193,11 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
     for (const auto& input : sample) on_device.push_back(input.defined() ? input.to(runtime_->device()) : input);
     // Alone, while its tensor-parallel peers wait: the tp layers compute their shards without communicating.
     const WithoutCollectives alone;
+    // In the precision the stages compute in: a model captured under autocast casts as autocast does.
+    std::optional<AutocastScope> autocast;
+    if (const auto precision = stage_precision(config, runtime_->device())) autocast.emplace(*precision);
     auto profiles = profile_graph(model_, on_device, config.num_stages() > 1 ? 5 : 0);
+    autocast.reset();
     // Parameter names and shapes of the whole model, which only this rank sees whole (nodes built on demand are
     // built here one at a time): a checkpoint of another model is refused by it.
     std::string shapes;
@@ -207,18 +214,25 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
       for (double speed : speeds) measured += (measured.empty() ? "" : ", ") + std::to_string(speed).substr(0, 5);
       log::info("device speeds measured, by rank: " + measured);
     }
-    plan_ = plan_stages(std::move(profiles), with_own_pins(config, model_, runtime_->layout_adopted()), copies,
-                        optimizer_state_shards(), &devices);
+    // A planned layout was judged by the planner's per-rank peak, which may fit where the search's cruder count
+    // does not: the job builds what it chose.
+    const bool planned = runtime_->layout_adopted();
+    plan_ = plan_stages(std::move(profiles), with_own_pins(config, model_, planned), copies, optimizer_state_shards(),
+                        &devices, planned ? MemoryLimit::kGuides : MemoryLimit::kRefuses);
+    if (!plan_.memory_limit_unmet.empty()) {
+      log::info("the partition search found no cut within memory_limit_mb by its own count (" +
+                plan_.memory_limit_unmet + "); the planner's prediction for this layout fits, so it is cut without it");
+    }
     runtime_->publish(exchange_ + "program_seed", std::to_string(at::detail::getDefaultCPUGenerator().current_seed()));
     runtime_->publish(exchange_ + "model_signature", model_signature_);
     runtime_->publish(exchange_ + "modules", modules_listed(model_));
-    runtime_->publish(exchange_ + "stage_plan", plan_.to_json());
-  } else {
-    runtime_->publish(exchange_ + "ready/" + std::to_string(runtime_->rank()), "");
+    return plan_.to_json();
+  });
+  if (runtime_->rank() != 0) {
     model_signature_ = runtime_->fetch(exchange_ + "model_signature");
     program_seed = std::stoull(runtime_->fetch(exchange_ + "program_seed"));
     check_same_modules(runtime_->fetch(exchange_ + "modules"));
-    plan_ = StagePlan::from_json(runtime_->fetch(exchange_ + "stage_plan"));
+    plan_ = StagePlan::from_json(stage_plan);
   }
   never_resumes_ = resume == Resume::kNever;
   if (config.resume && !never_resumes_) {
@@ -487,10 +501,7 @@ StageOutputs DistributedModel::run_stage(int stage, const ModelInputs& model_inp
   }
   const auto& nodes = model_.nodes();
   const Config& config = runtime_->config();
-  std::optional<AutocastSetting> precision;
-  if (config.bf16 || config.fp16) {
-    precision = AutocastSetting{runtime_->device().type(), config.bf16 ? at::kBFloat16 : at::kHalf};
-  }
+  const std::optional<AutocastSetting> precision = stage_precision(config, runtime_->device());
   std::optional<AutocastScope> autocast;
   if (precision) autocast.emplace(*precision);
   compute_runs(

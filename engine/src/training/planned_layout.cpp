@@ -19,6 +19,7 @@
 #include <ATen/DeviceAccelerator.h>
 #include <torch/optim/adamw.h>
 
+#include "pipeline/autocast_scope.h"
 #include "pipeline/split_backward.h"
 #include "training/timed_work.h"
 #include "smp/device_speeds.h"
@@ -532,7 +533,11 @@ std::shared_ptr<Runtime> with_planned_layout(std::shared_ptr<Runtime> runtime, c
                       "build, sample): its smp::tp layers are built over the chosen group), not a built model");
   }
   return adopt_plan(std::move(runtime), [&](Runtime& planner, const PlanningCosts& costs, const std::vector<double>& speeds) {
-    return plan_on_rank0(planner, {{1, planning_profile(model, sample, planner.world_size(), planner.device())}}, {}, costs, speeds);
+    std::optional<AutocastScope> autocast;  // profiled in the precision the stages compute in
+    if (const auto precision = stage_precision(planner.config(), planner.device())) autocast.emplace(*precision);
+    ModelProfile profile = planning_profile(model, sample, planner.world_size(), planner.device());
+    autocast.reset();
+    return plan_on_rank0(planner, {{1, std::move(profile)}}, {}, costs, speeds);
   });
 }
 
@@ -549,6 +554,8 @@ std::shared_ptr<Runtime> with_planned_layout(std::shared_ptr<Runtime> runtime, c
     for (int degree : degrees) {
       // Built as tensor-parallel rank 0 of `degree` builds it, over a stand-in group that moves nothing.
       const tp::ProfiledDegree stand_in(degree);
+      std::optional<AutocastScope> autocast;  // built and profiled in the precision the stages compute in
+      if (const auto precision = stage_precision(planner.config(), planner.device())) autocast.emplace(*precision);
       try {
         ModelProfile profile = planning_profile(build(tp::process_group()), sample, world, planner.device());
         const bool collectives = std::any_of(profile.modules.begin(), profile.modules.end(), [](const ModuleProfile& node) {
