@@ -168,6 +168,8 @@ def check(kind, smprun, python, failures):
                                        max_shard_size="40KB" if kind.startswith("mixtral") else "200KB")
         if len(files) < 2 or not os.path.exists(f"{exported}/model.safetensors.index.json"):
             failures.append(f"{kind}: expected shards and an index, got {files}")
+        if kind == "gpt2":
+            failures += failed_export_failures(directory, exported, files)
         if kind in LANGUAGE:
             trained.config.save_pretrained(exported)
             loaded = type(trained).from_pretrained(exported).state_dict()
@@ -192,6 +194,27 @@ def check(kind, smprun, python, failures):
         if experts_divided and not any("@" in name for name in reloaded):
             failures.append(f"{kind}: the reloading job holds no share of the experts")
         compare(f"{kind} loaded from the export", reloaded, expected5, failures)
+
+
+def failed_export_failures(directory, exported, files):
+    """An export into the same directory that fails at its second shard (where it would write, a directory stands):
+    refused as a CheckpointError, nothing of it left, the earlier export whole."""
+    import smp
+    failures = []
+    before = {name: open(f"{exported}/{name}", "rb").read() for name in sorted(os.listdir(exported))}
+    blocker = f"{exported}/.shard-1.{os.getpid()}.safetensors.tmp"
+    os.mkdir(blocker)
+    try:
+        smp.export_safetensors(smp.latest_checkpoint(f"{directory}/checkpoints"), exported, max_shard_size="1KB")
+        failures.append("an export that cannot write its second shard did not fail")
+    except smp.CheckpointError as error:
+        if ".shard-1." not in str(error):
+            failures.append(f"the failed export's error does not name its shard: {error}")
+    os.rmdir(blocker)
+    after = {name: open(f"{exported}/{name}", "rb").read() for name in sorted(os.listdir(exported))}
+    if after != before:
+        failures.append(f"a failed export changed the earlier one: {sorted(set(after) ^ set(before))} differ")
+    return failures
 
 
 def main():

@@ -49,6 +49,9 @@ class SafetensorsSource {
 class SafetensorsWriter {
  public:
   SafetensorsWriter(std::string directory, std::int64_t max_shard_bytes);
+  ~SafetensorsWriter();  // removes what an unfinished export wrote
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
   void add(const std::string& name, const at::Tensor& tensor);  // CheckpointError for a name given twice
   // Returns the files written, in order.
   std::vector<std::string> finish();
@@ -59,7 +62,8 @@ class SafetensorsWriter {
   std::int64_t max_shard_bytes_;
   std::vector<std::pair<std::string, at::Tensor>> pending_;
   std::int64_t pending_bytes_ = 0;
-  std::vector<std::string> shard_temporaries_;
+  std::vector<std::string> shard_temporaries_;  // written, not yet renamed
+  std::string index_temporary_;
   std::map<std::string, int> shard_of_;  // name -> shard index
   std::int64_t total_bytes_ = 0;
 };

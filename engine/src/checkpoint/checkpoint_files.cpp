@@ -197,7 +197,11 @@ void export_checkpoint(const std::string& checkpoint_directory, const std::strin
   full.insert("parameters", parameters);
   full.insert("buffers", buffers);
   const auto bytes = torch::jit::pickle_save(full);
-  write_file_atomically(output_file, std::string_view(bytes.data(), bytes.size()));
+  try {
+    write_file_atomically(output_file, std::string_view(bytes.data(), bytes.size()));
+  } catch (const std::exception& error) {  // a full disk, a directory not there or read-only: the export's error
+    throw CheckpointError(std::string("exporting ") + checkpoint_directory + ": " + error.what());
+  }
 }
 
 TensorSource tensor_source(const std::string& path) {
@@ -222,10 +226,16 @@ TensorSource tensor_source(const std::string& path) {
 std::vector<std::string> export_checkpoint_safetensors(const std::string& checkpoint_directory,
                                                        const std::string& output_directory,
                                                        std::int64_t max_shard_bytes) {
-  SafetensorsWriter writer(output_directory, max_shard_bytes);
-  for_each_saved_tensor(checkpoint_directory,
-                        [&](const std::string& name, const at::Tensor& tensor, bool) { writer.add(name, tensor); });
-  return writer.finish();
+  try {
+    SafetensorsWriter writer(output_directory, max_shard_bytes);
+    for_each_saved_tensor(checkpoint_directory,
+                          [&](const std::string& name, const at::Tensor& tensor, bool) { writer.add(name, tensor); });
+    return writer.finish();
+  } catch (...) {
+    // Caught here so that the writer's destructor removes what it wrote: a tool's main lets an exception end the
+    // process without unwinding (smp::guarded_main).
+    throw;
+  }
 }
 
 }  // namespace smp

@@ -92,6 +92,10 @@ std::string shard_name(std::size_t index, std::size_t count) {
   return name;
 }
 
+void rename_or_throw(const std::string& from, const std::string& to) {
+  if (::rename(from.c_str(), to.c_str()) != 0) throw CheckpointError(to + ": cannot write: " + std::strerror(errno));
+}
+
 }  // namespace
 
 bool SafetensorsSource::is_safetensors(const std::string& path) {
@@ -210,7 +214,16 @@ std::vector<std::string> SafetensorsSource::names() const {
 SafetensorsWriter::SafetensorsWriter(std::string directory, std::int64_t max_shard_bytes)
     : directory_(std::move(directory)), max_shard_bytes_(max_shard_bytes) {
   if (max_shard_bytes_ <= 0) throw CheckpointError("safetensors shards need a positive size limit");
-  std::filesystem::create_directories(directory_);
+  std::error_code error;
+  std::filesystem::create_directories(directory_, error);
+  if (error) throw CheckpointError(directory_ + ": cannot create the export's directory: " + error.message());
+}
+
+SafetensorsWriter::~SafetensorsWriter() {
+  // An export that failed (a full disk) or was never finished leaves nothing behind: a shard written whole is
+  // renamed by finish(), so only what did not make it is still here.
+  for (const auto& path : shard_temporaries_) ::unlink(path.c_str());
+  if (!index_temporary_.empty()) ::unlink(index_temporary_.c_str());
 }
 
 void SafetensorsWriter::add(const std::string& name, const at::Tensor& tensor) {
@@ -240,7 +253,10 @@ void SafetensorsWriter::flush() {
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned, as the reference writer keeps it
   const int index = static_cast<int>(shard_temporaries_.size());
-  const std::string path = directory_ + "/.shard-" + std::to_string(index) + ".safetensors.tmp";
+  // The process's own: two exports into one directory do not write into each other's.
+  const std::string path =
+      directory_ + "/.shard-" + std::to_string(index) + "." + std::to_string(::getpid()) + ".safetensors.tmp";
+  shard_temporaries_.push_back(path);  // removed by the destructor should the writes below fail
   File file(path, O_WRONLY | O_CREAT | O_TRUNC);
   unsigned char length[8];
   for (int i = 0; i < 8; ++i) length[i] = static_cast<unsigned char>(static_cast<std::uint64_t>(text.size()) >> (8 * i));
@@ -251,7 +267,6 @@ void SafetensorsWriter::flush() {
     shard_of_[name] = index;
   }
   file.sync_and_close(path);
-  shard_temporaries_.push_back(path);
   total_bytes_ += static_cast<std::int64_t>(offset);
   pending_.clear();
   pending_bytes_ = 0;
@@ -264,15 +279,25 @@ std::vector<std::string> SafetensorsWriter::finish() {
   const std::size_t count = shard_temporaries_.size();
   std::vector<std::string> files;
   for (std::size_t i = 0; i < count; ++i) files.push_back(count == 1 ? kSingleFile : shard_name(i, count));
-  for (std::size_t i = 0; i < count; ++i) {
-    fs::rename(shard_temporaries_[i], fs::path(directory_) / files[i]);
-  }
   const fs::path index = fs::path(directory_) / kIndexFile;
+  // Everything written before anything is renamed: a disk that fills up leaves an earlier export whole.
   if (count > 1) {
     nlohmann::ordered_json document;
     document["metadata"] = {{"total_size", total_bytes_}};
     for (const auto& [name, shard] : shard_of_) document["weight_map"][name] = files[static_cast<std::size_t>(shard)];
-    write_file_atomically(index.string(), document.dump(2));
+    const std::string text = document.dump(2);
+    index_temporary_ = index.string() + "." + std::to_string(::getpid()) + ".tmp";
+    File file(index_temporary_, O_WRONLY | O_CREAT | O_TRUNC);
+    write_all(file.fd(), index_temporary_, text.data(), text.size());
+    file.sync_and_close(index_temporary_);
+  }
+  for (std::size_t i = 0; i < count; ++i) {
+    rename_or_throw(shard_temporaries_[i], (fs::path(directory_) / files[i]).string());
+  }
+  shard_temporaries_.clear();
+  if (count > 1) {
+    rename_or_throw(index_temporary_, index.string());
+    index_temporary_.clear();
   }
   // What an earlier export left that this one does not use: its shards, and its index when this has none.
   const std::set<std::string> kept(files.begin(), files.end());
