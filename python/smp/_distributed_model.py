@@ -580,6 +580,35 @@ class DistributedModel(torch.nn.Module):
     def _prefixed(prefix, name):
         return f"{prefix}.{name}" if prefix else name
 
+    def named_children(self):
+        """The wrapped model's children, by their names in it (the names the parameters go by): what modules(),
+        named_modules(), apply(), train() and get_submodule() walk, so that fine-tuning's `for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d): m.eval()` reaches the model's batch norms (the stages follow each
+        module's flag), as it does through DistributedDataParallel. The modules of other ranks' stages hold no
+        tensors here (smp._materialize.release_other_stages): setting their flags is harmless, their tensors are
+        not this rank's."""
+        if isinstance(self._net, torch.nn.Module):
+            yield from self._net.named_children()
+
+    def children(self):
+        for _, child in self.named_children():
+            yield child
+
+    def named_modules(self, memo=None, prefix="", remove_duplicate=True):
+        memo = set() if memo is None else memo
+        if self in memo:
+            return
+        if remove_duplicate:
+            memo.add(self)
+        yield prefix, self
+        for name, child in self.named_children():
+            yield from child.named_modules(memo, self._prefixed(prefix, name), remove_duplicate)
+
+    def get_submodule(self, target):
+        if not target or not isinstance(self._net, torch.nn.Module):
+            return super().get_submodule(target)
+        return self._net.get_submodule(target)
+
     def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
         """This rank's parameters by their names in the full model, in its order (the engine's tensors: no
         copies)."""

@@ -664,6 +664,17 @@ def main():
         failures.append(f"calling a model in eval mode put modules in training mode: "
                         f"{[module.training for module in regularized.modules()]}")
     model.train()
+    # The wrapped model's modules through the wrapper, by their names in it, as DistributedDataParallel's module
+    # gives them: fine-tuning's freeze of batch norm by walking model.modules() or model.apply reaches it.
+    if dict(model.named_modules()).get("1") is not regularized[1] or model.get_submodule("1") is not regularized[1] \
+            or list(model.children()) != list(regularized.children()):
+        failures.append(f"model.named_modules() gives {list(dict(model.named_modules()))}, not the model's modules")
+    model.apply(lambda module: module.eval() if isinstance(module, torch.nn.BatchNorm1d) else None)
+    frozen = regularized[1].running_mean.clone()
+    model.train_step(inputs, targets, F.mse_loss)
+    if regularized[1].training or not torch.equal(regularized[1].running_mean, frozen):
+        failures.append("model.apply(freeze batch norm) did not reach the model's batch norm")
+    model.train()
 
     class Merging(torch.nn.Linear):  # a LoRA layer's way: eval() merges its adapter, train() unmerges it
         merged = False
