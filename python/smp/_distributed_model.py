@@ -343,6 +343,12 @@ class DistributedModel(torch.nn.Module):
         if any(b and v.shape[0] >= (1 if short_allowed else microbatches * replicas) for v, b in zip(values, batched)):
             self._io.check_microbatch(values, batched, microbatches, what, replicas, short_allowed)
         global_batch = None
+        if not replica_share and not short_allowed:
+            rows = next((v.shape[0] for v, b in zip(values, batched) if b), None)
+            if rows is not None and rows < microbatches * replicas:
+                raise ConfigError(f"{what}: a global batch of {rows} samples is fewer than {replicas} replicas x "
+                                  f"{microbatches} microbatches, each of which needs a sample at least (an epoch's "
+                                  "short last batch: drop it, DataLoader(drop_last=True); evaluate takes any size)")
         if not replica_share:
             global_batch = (values, targets)
             filled = not short_allowed  # an evaluation's short batch leaves some microbatches, or shares, empty

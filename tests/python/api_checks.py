@@ -360,7 +360,7 @@ def main():
     expect_error("an optimizer that leaves out a parameter", ValueError, "2.bias",
                  lambda: smp.DistributedOptimizer(torch.optim.SGD(list(model.parameters())[:-1], lr=0.1)))
     expect_error("a batch of fewer samples than microbatches", smp.ConfigError,
-                 "a global batch of 1 samples is fewer than 1 replicas x 2 microbatches",
+                 "train_step: a global batch of 1 samples is fewer than 1 replicas x 2 microbatches",
                  lambda: model.train_step(torch.randn(1, 3), torch.randn(1, 2), F.mse_loss))
     expect_error("a batch on the meta device", smp.ConfigError, "is on the meta device, which holds no values",
                  lambda: model.train_step(torch.randn(4, 3, device="meta"), torch.randn(4, 2), F.mse_loss))
