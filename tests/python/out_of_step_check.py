@@ -3,6 +3,8 @@ pair one call's activations with another's, train apart without a word, nor wait
 
   evaluate_alone: rank 0 evaluates after the first step while rank 1 goes on training (`if rank == 0:`).
   own_batch:      rank 1 draws a batch of its own, of the same shapes (an unseeded sampler).
+  own_shapes:     rank 1 is given a batch of twice the samples: the ranks say the shapes each was given (neither
+                  can tell which is the odd one; rank 1 blamed rank 0 without a shape).
   replica_batch:  two data-parallel replicas, rank 1 given another global batch (each replica takes its share of
                   the global batch, so the ranks must be given the same one); the replicas' models are initialized
                   under different seeds first, and must start from replica 0's weights (as under torch DDP).
@@ -97,6 +99,9 @@ try:
     elif mistake == "whole_batch":
         model._model.next_call_takes_share_of([inputs], targets, [True])
         model._model.train_step([inputs], targets, lambda outputs, target: loss(outputs[0], target), False, [True])
+    elif mistake == "own_shapes":
+        model.train_step(torch.cat([inputs, inputs]) if runtime.rank == 1 else inputs,
+                         torch.cat([targets, targets]) if runtime.rank == 1 else targets, loss)
     else:
         model.train_step(own if mistake in ("own_batch", "replica_batch") and runtime.rank == 1 else inputs, targets,
                          loss)
@@ -107,6 +112,8 @@ waited = time.monotonic() - start
 expected = {"evaluate_alone": "it is in its evaluate 1 after train_step 0, this rank in its train_step 1",
             "own_batch": "rank 1 was given a batch with other values than rank 0, in the same replica (train_step 1)",
             "replica_batch": "rank 1 was given a global batch with other values than rank 0 (train_step 1)",
+            "own_shapes": "in train_step 1 the two were given batches of other shapes; this rank's first microbatch: "
+                          "inputs [4, 16], targets [",  # rank 1's, which rank 0 relays
             "experts_alone": f"expert parallelism: group rank {1 - runtime.rank} is in its "
                              f"{'train_step 1' if runtime.rank == 0 else 'evaluate 1 after train_step 0'}",
             "whole_batch": "the replicas' shares hold 8 samples in all, the global batch they were told of 4",

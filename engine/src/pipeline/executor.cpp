@@ -571,11 +571,28 @@ class PipelineExecutor::Step {
       const ProgramCall theirs = ProgramCall::from_id(error.sent.call), ours = ProgramCall::from_id(error.expected.call);
       const bool calls_differ = error.sent.call != error.expected.call && error.sent.call != comm::kUnchecked &&
                                 error.expected.call != comm::kUnchecked;
+      // Which of the two was given the odd batch, neither end can tell: this rank's shapes say which it was given.
       const std::string why = calls_differ
                                   ? "it is in its " + theirs.describe() + ", this rank in its " + ours.describe()
-                                  : "in " + ours.describe() + " it was given a batch of other shapes than this rank's";
+                                  : "in " + ours.describe() + " the two were given batches of other shapes; this " +
+                                        "rank's first microbatch: " + microbatch_shapes();
       throw comm::CommError(std::string(error.what()) + " (" + why + "): " + kSameCallsEverywhere);
     }
+  }
+
+  std::string microbatch_shapes() const {
+    const auto shape_of = [](const at::Tensor& tensor) {
+      if (!tensor.defined()) return std::string("none");
+      std::string text = "[";
+      for (std::int64_t i = 0; i < tensor.dim(); ++i) text += (i ? ", " : "") + std::to_string(tensor.size(i));
+      return text + "]";
+    };
+    std::string text = "inputs";
+    if (!data_.inputs.empty()) {
+      for (const auto& input : data_.inputs.front()) text += " " + shape_of(input);
+    }
+    if (!data_.targets.empty()) text += ", targets " + shape_of(data_.targets.front());
+    return text;
   }
 
   std::vector<at::Tensor> receive_posted_of_this_call(std::size_t index) {
