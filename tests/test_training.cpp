@@ -1,6 +1,11 @@
 // Multi-process tests: real processes under smprun, Gloo over loopback, ports picked at run time by smprun,
 // one intra-op thread per process, every run bounded by `timeout`.
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <filesystem>
 #include <iterator>
 
@@ -368,6 +373,29 @@ TEST_CASE("a failing rank stops the whole job with a message", "[training][fault
   CHECK_THAT(result.output, Contains("injected failure on rank 2 at step 1"));
   CHECK_THAT(result.output, Contains("rank 2"));
   CHECK(result.seconds < 60);
+}
+
+TEST_CASE("a rank whose rank 0 never comes says so in one line, without LibTorch's C++ frames",
+          "[training][config]") {
+  // A port nobody listens on: bound, read, closed.
+  const int probe = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(probe, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0);
+  socklen_t length = sizeof address;
+  REQUIRE(::getsockname(probe, reinterpret_cast<sockaddr*>(&address), &length) == 0);
+  ::close(probe);
+  const auto config = write_config("alone", smp_config(2, 1, 2, "1f1b", "cluster", 4, 1));
+  const auto result = run_command("env RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+                                      std::to_string(ntohs(address.sin_port)) + " " + training_worker_command() +
+                                      " --config " + config,
+                                  60);
+  INFO(result.output);
+  CHECK(result.status != 0);
+  CHECK_THAT(result.output, Contains("rendezvous at 127.0.0.1:") && Contains("rank 0 hosts the job's store") &&
+                                Contains("launched by RANK and WORLD_SIZE"));
+  CHECK_THAT(result.output, !Contains("frame #"));
 }
 
 TEST_CASE("a bad config fails before any communication, naming the key", "[training][config]") {

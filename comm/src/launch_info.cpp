@@ -31,7 +31,9 @@ LaunchInfo LaunchInfo::from_environment(const std::function<const char*(const ch
     const char* local_world_size;
   };
   static const Variables kLaunchers[] = {
-      {"torchrun/smprun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+      // torchrun's and smprun's variables, which a site's own launcher may set as well: named as what was read.
+      {"RANK and WORLD_SIZE: torchrun, smprun or a launcher of the site's", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+       "LOCAL_WORLD_SIZE"},
       {"mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
        "OMPI_COMM_WORLD_LOCAL_SIZE"},
       {"slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"},

@@ -32,6 +32,18 @@
 namespace smp {
 namespace {
 
+// LibTorch's own error log off while it lives (c10::MessageLogger drops what is below FLAGS_caffe2_log_level).
+class QuietLibTorchLog {
+ public:
+  QuietLibTorchLog() : before_(FLAGS_caffe2_log_level) { FLAGS_caffe2_log_level = 3; }  // fatal alone
+  ~QuietLibTorchLog() { FLAGS_caffe2_log_level = before_; }
+  QuietLibTorchLog(const QuietLibTorchLog&) = delete;
+  QuietLibTorchLog& operator=(const QuietLibTorchLog&) = delete;
+
+ private:
+  int before_;
+};
+
 std::chrono::milliseconds timeout_of(const Config& config) {
   return std::chrono::milliseconds(static_cast<long long>(config.comm_timeout_s * 1000.0));
 }
@@ -169,13 +181,19 @@ Runtime::Runtime(const Config& given, const comm::LaunchInfo& launch)
     if (options.isServer) options.masterListenFd = comm::listen_on(launch_.master_addr, launch_.master_port);
     const std::string where = launch_.master_addr + ":" + std::to_string(launch_.master_port);
     try {
+      // c10d logs a connection that timed out with its exception's C++ frames before it throws; the error below
+      // says what failed, once.
+      const QuietLibTorchLog quiet;
       store_ = c10::make_intrusive<c10d::TCPStore>(launch_.master_addr, options);
       // torchrun's store outlives a restart of the workers: each attempt keeps its keys apart.
       if (launch_.store_hosted_by_launcher) store_ = c10::make_intrusive<c10d::PrefixStore>(launch_.store_prefix, store_);
     } catch (const std::exception& error) {
       throw comm::CommError("rendezvous at " + where + " failed for rank " + std::to_string(launch_.rank) + " of " +
                             std::to_string(launch_.world_size) + " (launched by " + launch_.launcher +
-                            "): " + comm::brief_message(error));
+                            "): " + comm::brief_message(error) +
+                            (options.isServer ? ""
+                                              : " (rank 0 hosts the job's store there: did it start, and can this "
+                                                "host reach MASTER_ADDR?)"));
     }
     check_job_identity(where);
     check_same_config();
