@@ -395,6 +395,7 @@ PYBIND11_MODULE(_smp, module) {
       .def_readonly("fp16", &Config::fp16)
       .def_readonly("sequence_parallel", &Config::sequence_parallel)
       .def_readonly("expert_parallel_degree", &Config::expert_parallel_degree)
+      .def_readonly("memory_limit_mb", &Config::memory_limit_mb)
       .def_readonly("source", &Config::source)
       .def_readonly("text", &Config::text)
       .def_readonly("trace_dir", &Config::trace_dir)

@@ -18,7 +18,7 @@ from ._evaluation_path import check_mode
 from ._graph import GraphModel, _is_sequential, _kind, transient_buffers
 from ._model_graph import graph_of, shard_for_tensor_parallelism
 from ._model_io import own_loss
-from ._planning import adopt_planned_layout
+from ._planning import adopt_planned_layout, check_room_beside_plan
 from ._shared_buffers import check_updated_buffers_on_one_stage
 from ._smp import ConfigError, ModelError
 from ._state import runtime
@@ -271,6 +271,11 @@ class DistributedModel(torch.nn.Module):
             rt.all_reduce_sum(ranks)
         # A model no rank trains (a frozen teacher) has no norm to join.
         self._some_rank_trains_none = bool(ranks[0].item() > 0 and ranks[1].item() > 0)
+        if self.planned is None:  # a teacher beside a planned student: the plan did not count it
+            tensors = list(self._model.named_parameters().values()) + list(self._model.named_buffers().values())
+            gradients = sum(p.nbytes for p in self._model.named_parameters().values() if p.requires_grad)
+            check_room_beside_plan(sum(t.nbytes for t in tensors) + gradients,
+                                   "model" if gradients else "frozen model")
         if self._some_rank_trains_none and not trains_some and self._parameter_names:
             # The usual optimizer of a partly frozen model (LoRA on some layers) fails here alone, and the other
             # ranks then only see this one leave.

@@ -8,6 +8,7 @@ import copy
 import json
 import math
 import os
+import sys
 import time
 import warnings
 
@@ -394,6 +395,27 @@ def _choose(model, sample, rt, links, speeds, dynamic_shapes, tp_plan, optimizer
     return found._choice["config"], row, found.report, found.routing_imbalance(row, whole_step=True)
 
 
+# The layout this process's job adopted from rank 0's plan (adopt_planned_layout's message), for the models built
+# after it, whose memory the plan did not count.
+_adopted = None
+
+
+def check_room_beside_plan(held_bytes, model_kind):
+    """Says, on a rank where it does not fit, that a model built after the planned one takes `held_bytes` here beside
+    the plan's predicted peak, past memory_limit_mb (the plan priced the first model alone)."""
+    rt = runtime()
+    limit = rt.config.memory_limit_mb
+    if _adopted is None or limit <= 0:
+        return
+    planned = _adopted["memory_mib"][rt.pp_rank]
+    held = held_bytes / 2**20
+    if planned + held > limit:
+        print(f"smp: rank {rt.rank}: this {model_kind} holds {held:.1f} MiB here beside the planned model's predicted "
+              f"peak of {planned:.1f} MiB, {planned + held:.1f} MiB in all, over memory_limit_mb {limit:g}: the plan "
+              f"counted the first model alone; to plan room for this one, lower memory_limit_mb by {held:.1f}",
+              file=sys.stderr, flush=True)
+
+
 def adopt_planned_layout(model, sample, dynamic_shapes=None, tp_plan=None, optimizer=None):
     """For a config with "auto" layout keys: rank 0 plans (smp.plan) among the layouts that keep what the config
     fixes, and every rank adopts its choice before the model is partitioned. Returns what was chosen: {"config": the
@@ -425,6 +447,8 @@ def adopt_planned_layout(model, sample, dynamic_shapes=None, tp_plan=None, optim
 
     message = json.loads(rt._from_rank0("planned_layout", choose))
     rt._adopt_layout(_smp.Config.from_json_text(message.pop("text"), rt.config.source))
+    global _adopted
+    _adopted = message
     if rt.rank == 0:
         measured = message["links"]
         # 0 is "not measured" (the links above stand in): printed as such, not as a link of no bandwidth.

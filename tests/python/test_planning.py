@@ -16,7 +16,11 @@ def test_plan_ranks_layouts_and_rejects_by_memory(job):
 def test_a_teacher_beside_a_planned_model_is_cut_freely(job):
     """The planned cut pins the student's modules; a teacher of another architecture built after it trains beside it
     (it was refused: the pins named modules it lacks)."""
-    assert_passed(job(2, "two_models_auto_check.py"))
+    finished = job(2, "two_models_auto_check.py")
+    assert_passed(finished)
+    assert "this frozen model holds " in finished.output
+    assert "beside the planned model's predicted peak" in finished.output
+    assert "to plan room for this one, lower memory_limit_mb by " in finished.output
 
 
 def rank0_lines(output, prefix):

@@ -1,6 +1,7 @@
 """Two models in a job whose layout is planned ("auto" keys): the plan's cut pins the student's modules, and a teacher
 of another architecture built after it is cut freely (the pins named modules it lacks, and it was refused); both
-train and evaluate. Run under `smprun -n 2`; exits 0 when every check holds, printing each failure."""
+train and evaluate. The teacher's megabyte, which the plan did not count, is said where it overflows the memory
+limit beside the student's predicted peak. Run under `smprun -n 2`; exits 0 when every check holds, printing each failure."""
 
 import sys
 
@@ -25,8 +26,8 @@ class Student(torch.nn.Module):
 class Teacher(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.first = torch.nn.Linear(16, 32)
-        self.second = torch.nn.Linear(32, 4)
+        self.first = torch.nn.Linear(16, 16384)  # 1 MiB, past what the plan's memory limit leaves beside the student
+        self.second = torch.nn.Linear(16384, 4)
 
     def forward(self, x):
         return self.second(torch.relu(self.first(x)))
@@ -35,7 +36,7 @@ class Teacher(torch.nn.Module):
 def main():
     torch.set_num_threads(1)
     runtime = smp.init({"partitions": "auto", "microbatches": "auto", "ddp": "auto", "pipeline": "auto",
-                        "global_batch_size": 8, "device": "cpu"})
+                        "global_batch_size": 8, "device": "cpu", "memory_limit_mb": 1.0})
     failures = []
     torch.manual_seed(0)
     student = smp.DistributedModel(Student(), torch.zeros(2, 16))
