@@ -104,6 +104,14 @@ TEST_CASE("a limit the search's count cannot meet guides a caller that judges th
   CHECK_THROWS(smp::plan_stages(modules, pinned, {4, 4}, 1, nullptr, smp::MemoryLimit::kGuides));
 }
 
+TEST_CASE("a lone stage's modules, profiled untimed, are reported as not timed rather than as taking 0 ms", "[profile]") {
+  auto modules = equal_chain(2, 1 << 10, 1 << 10);
+  for (auto& module : modules) module.forward_s = module.backward_s = 0.0;
+  const smp::StagePlan plan = smp::plan_stages(modules, smp::Config::from_json_text(R"({"partitions": 1})", "test"));
+  CHECK_THAT(plan.report(), Catch::Matchers::Contains("est. fwd+bwd not timed") &&
+                                !Catch::Matchers::Contains("0.000 ms"));
+}
+
 TEST_CASE("the planner judges a layout by its predicted peak: one listed at a peak fits a limit just above it",
           "[profile]") {
   // Two equal modules whose parameters, gradients and moments fit but whose activations, counted beside the

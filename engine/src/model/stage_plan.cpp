@@ -102,11 +102,14 @@ std::string StagePlan::report() const {
                                    ? " all frozen"
                                    : " (" + format_bytes(static_cast<double>(frozen_bytes)) + " frozen)";
     const double copies = static_cast<int>(activation_copies.size()) == num_stages ? activation_copies[stage] : 1.0;
+    // A lone stage has nothing to balance, and its modules are not timed (profile_graph with no repeats).
+    char time[48] = "not timed";
+    if (sum > 0) std::snprintf(time, sizeof time, "%.3f ms", stage_time(stage) * 1e3);
     char numbers[256];
     std::snprintf(numbers, sizeof numbers,
-                  "), params %s%s, activations %s per microbatch x %g held, est. fwd+bwd %.3f ms, sends %s",
+                  "), params %s%s, activations %s per microbatch x %g held, est. fwd+bwd %s, sends %s",
                   format_bytes(static_cast<double>(parameter_bytes)).c_str(), frozen.c_str(),
-                  format_bytes(static_cast<double>(kept_bytes)).c_str(), copies, stage_time(stage) * 1e3,
+                  format_bytes(static_cast<double>(kept_bytes)).c_str(), copies, time,
                   stage + 1 < num_stages ? format_bytes(static_cast<double>(stage_sent_bytes(stage))).c_str() : "-");
     if (static_cast<int>(stage_speeds.size()) == num_stages) {
       const std::size_t used = std::strlen(numbers);
