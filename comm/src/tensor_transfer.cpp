@@ -1,6 +1,7 @@
 #include "smp/comm/tensor_transfer.h"
 
 #include <algorithm>
+#include <iterator>
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -8,9 +9,10 @@
 namespace smp::comm {
 namespace {
 
-// Header layout (int64): [magic, count, kind, stamp's call, stamp's batch, then per tensor: dtype, ndim, dims...]; a
-// packed transfer's: [magic, count, kPacked, call, batch, layout message's length, payload's bytes].
-constexpr int64_t kHeaderMagic = 0x736d7003;  // "smp" + format version 3
+// Header layout (int64): [magic, count, kind, stamp's call, stamp's batch, then per tensor: dtype and memory format
+// (format_code << 8 | dtype), ndim, dims...]; a packed transfer's: [magic, count, kPacked, call, batch, layout
+// message's length, payload's bytes].
+constexpr int64_t kHeaderMagic = 0x736d7004;  // "smp" + format version 4
 constexpr int kLayoutSlot = 5;
 constexpr int kHeaderSlots = 72;  // 64 of layout, as before the stamp took two
 constexpr int kMaxDims = 8;
@@ -45,8 +47,32 @@ int layout_tag(int tag) { return tag + kTagsPerTransfer - 1; }
 
 std::vector<TensorLayout> layout_of(const std::vector<at::Tensor>& tensors) {
   std::vector<TensorLayout> layout;
-  for (const auto& tensor : tensors) layout.push_back({tensor.scalar_type(), tensor.sizes().vec()});
+  for (const auto& tensor : tensors) {
+    layout.push_back({tensor.scalar_type(), tensor.sizes().vec(), transferred_format(tensor)});
+  }
   return layout;
+}
+
+constexpr c10::MemoryFormat kFormats[] = {c10::MemoryFormat::Contiguous, c10::MemoryFormat::ChannelsLast,
+                                          c10::MemoryFormat::ChannelsLast3d};
+
+int64_t dtype_and_format(const TensorLayout& tensor) {
+  const auto code = std::find(std::begin(kFormats), std::end(kFormats), tensor.format) - std::begin(kFormats);
+  return static_cast<int64_t>(tensor.dtype) | static_cast<int64_t>(code) << 8;
+}
+
+// The memory of a tensor dense in `format`, as one contiguous tensor of its elements in their order there (a
+// view: a receive into it fills the tensor). The communicators send and receive contiguous tensors; they would
+// make a channels_last one contiguous in the default format, reordering its bytes.
+at::Tensor in_memory_order(const at::Tensor& tensor, c10::MemoryFormat format) {
+  if (format == c10::MemoryFormat::ChannelsLast) return tensor.permute({0, 2, 3, 1}).view(-1);
+  if (format == c10::MemoryFormat::ChannelsLast3d) return tensor.permute({0, 2, 3, 4, 1}).view(-1);
+  return tensor;
+}
+
+// A tensor's bytes as they travel: dense in its transferred format, on the group's device.
+at::Tensor as_sent(const at::Tensor& tensor, c10::MemoryFormat format, c10::Device device) {
+  return in_memory_order(tensor.to(device).contiguous(format), format);
 }
 
 // Only for tensors that fit_header.
@@ -59,10 +85,10 @@ at::Tensor make_header(const std::vector<at::Tensor>& tensors, int64_t kind, Tra
   slot[used++] = kind;
   slot[used++] = stamp.call;
   slot[used++] = stamp.batch;
-  for (const auto& tensor : tensors) {
-    slot[used++] = static_cast<int64_t>(tensor.scalar_type());
-    slot[used++] = tensor.dim();
-    for (int64_t size : tensor.sizes()) slot[used++] = size;
+  for (const auto& tensor : layout_of(tensors)) {
+    slot[used++] = dtype_and_format(tensor);
+    slot[used++] = static_cast<int64_t>(tensor.sizes.size());
+    for (int64_t size : tensor.sizes) slot[used++] = size;
   }
   return header;
 }
@@ -81,12 +107,22 @@ int new_layout_tag(const Communicator& comm, int tag, std::size_t index) {
 std::vector<at::Tensor> allocate(const std::vector<TensorLayout>& layout, c10::Device device) {
   std::vector<at::Tensor> tensors;
   for (const auto& tensor : layout) {
-    tensors.push_back(at::empty(tensor.sizes, at::TensorOptions().dtype(tensor.dtype).device(device)));
+    tensors.push_back(
+        at::empty(tensor.sizes, at::TensorOptions().dtype(tensor.dtype).device(device).memory_format(tensor.format)));
   }
   return tensors;
 }
 
 }  // namespace
+
+c10::MemoryFormat transferred_format(const at::Tensor& tensor) {
+  if (tensor.is_contiguous()) return c10::MemoryFormat::Contiguous;
+  if (tensor.dim() == 4 && tensor.is_contiguous(c10::MemoryFormat::ChannelsLast)) return c10::MemoryFormat::ChannelsLast;
+  if (tensor.dim() == 5 && tensor.is_contiguous(c10::MemoryFormat::ChannelsLast3d)) {
+    return c10::MemoryFormat::ChannelsLast3d;
+  }
+  return c10::MemoryFormat::Contiguous;
+}
 
 const std::vector<TensorLayout>* TransferLayouts::find(int peer, int tag) const {
   const auto found = layouts_.find({peer, tag});
@@ -113,7 +149,7 @@ std::unique_ptr<Pending> send_tensors(Communicator& comm, const std::vector<at::
   if (packed) {
     std::vector<int64_t> description;
     for (const auto& tensor : layout) {
-      description.push_back(static_cast<int64_t>(tensor.dtype));
+      description.push_back(dtype_and_format(tensor));
       description.push_back(static_cast<int64_t>(tensor.sizes.size()));
       description.insert(description.end(), tensor.sizes.begin(), tensor.sizes.end());
       packed_size = aligned(packed_size) + packed_bytes(tensor);
@@ -150,6 +186,7 @@ std::unique_ptr<Pending> send_tensors(Communicator& comm, const std::vector<at::
       offset = aligned(offset);
       const int64_t size = packed_bytes(layout[i]);
       if (size > 0) {
+        // In the default format: the receiver gives each tensor its own after (receive_packed).
         payload.narrow(0, offset, size).copy_(tensors[i].to(comm.device()).contiguous().flatten().view(at::kByte));
       }
       offset += size;
@@ -161,7 +198,7 @@ std::unique_ptr<Pending> send_tensors(Communicator& comm, const std::vector<at::
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     // Payloads travel on the group's device, where the receiver makes its buffers (on a GPU, over NCCL): a tensor a
     // module left on the CPU would otherwise go over Gloo into a receive posted on NCCL, and never arrive.
-    group->parts.push_back(comm.isend(tensors[i].to(comm.device()).contiguous(), peer,
+    group->parts.push_back(comm.isend(as_sent(tensors[i], layout[i].format, comm.device()), peer,
                                       as_expected ? expected_tag(tag, i) : new_layout_tag(comm, tag, i)));
   }
   if (remembering) layouts->remember(peer, tag, std::move(layout));
@@ -187,7 +224,8 @@ void IncomingTensors::post_expected() {
   if (!expected) return;
   expected_ = allocate(*expected, comm_.device());
   for (std::size_t j = 0; j < expected_.size(); ++j) {
-    expected_receives_.push_back(comm_.irecv(expected_[j], peer_, expected_tag(tag_, j)));
+    expected_receives_.push_back(
+        comm_.irecv(in_memory_order(expected_[j], (*expected)[j].format), peer_, expected_tag(tag_, j)));
   }
 }
 
@@ -242,7 +280,8 @@ std::vector<at::Tensor> IncomingTensors::wait() {
     tensors = allocate(layout, comm_.device());
     std::vector<std::unique_ptr<Pending>> receives;
     for (std::size_t i = 0; i < tensors.size(); ++i) {
-      receives.push_back(comm_.irecv(tensors[i], peer_, new_layout_tag(comm_, tag_, i)));
+      receives.push_back(
+          comm_.irecv(in_memory_order(tensors[i], layout[i].format), peer_, new_layout_tag(comm_, tag_, i)));
     }
     waited(receives);
   }
@@ -259,16 +298,22 @@ std::vector<TensorLayout> IncomingTensors::read_layout(const int64_t* slot, int6
   int64_t used = 0;
   for (int64_t i = 0; i < count; ++i) {
     if (used + 2 > slots) throw malformed("truncated");
-    const int64_t dtype = slot[used++];
+    const int64_t dtype = slot[used] & 0xff, format = slot[used] >> 8;
+    ++used;
     const int64_t ndim = slot[used++];
     if (dtype < 0 || dtype >= static_cast<int64_t>(at::ScalarType::NumOptions)) throw malformed("dtype");
+    if (format < 0 || format >= static_cast<int64_t>(std::size(kFormats))) throw malformed("memory format");
     if (ndim < 0 || used + ndim > slots) throw malformed("rank " + std::to_string(ndim));
     std::vector<int64_t> sizes(slot + used, slot + used + ndim);
     used += ndim;
     for (int64_t size : sizes) {
       if (size < 0) throw malformed("negative size");
     }
-    layout.push_back({static_cast<at::ScalarType>(dtype), std::move(sizes)});
+    const c10::MemoryFormat memory_format = kFormats[format];
+    if (memory_format != c10::MemoryFormat::Contiguous && ndim != (memory_format == c10::MemoryFormat::ChannelsLast ? 4 : 5)) {
+      throw malformed("memory format of " + std::to_string(ndim) + " dimensions");
+    }
+    layout.push_back({static_cast<at::ScalarType>(dtype), std::move(sizes), memory_format});
   }
   return layout;
 }
@@ -306,7 +351,8 @@ std::vector<at::Tensor> IncomingTensors::receive_packed(int64_t count, int64_t l
     }
     // A tensor of its own (not a view of the payload): the engine gives each received tensor its own gradient.
     tensors.push_back(size == 0 ? at::empty(tensor.sizes, at::TensorOptions(tensor.dtype).device(comm_.device()))
-                                : payload.narrow(0, offset, size).view(tensor.dtype).view(tensor.sizes).clone());
+                                : payload.narrow(0, offset, size).view(tensor.dtype).view(tensor.sizes).clone(
+                                      tensor.format));
     offset += size;
   }
   if (layouts_) layouts_->forget(peer_, tag_);

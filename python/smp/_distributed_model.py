@@ -591,34 +591,52 @@ class DistributedModel(torch.nn.Module):
     def _prefixed(prefix, name):
         return f"{prefix}.{name}" if prefix else name
 
-    def named_children(self):
-        """The wrapped model's children, by their names in it (the names the parameters go by): what modules(),
-        named_modules(), apply(), train() and get_submodule() walk, so that fine-tuning's `for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d): m.eval()` reaches the model's batch norms (the stages follow each
-        module's flag), as it does through DistributedDataParallel. The modules of other ranks' stages hold no
-        tensors here (smp._materialize.release_other_stages): setting their flags is harmless, their tensors are
-        not this rank's."""
-        if isinstance(self._net, torch.nn.Module):
-            yield from self._net.named_children()
-
-    def children(self):
-        for _, child in self.named_children():
-            yield child
-
     def named_modules(self, memo=None, prefix="", remove_duplicate=True):
+        """The wrapper, then the wrapped model's modules by their names in it (the names the parameters go by), so
+        that fine-tuning's `for m in model.modules(): if isinstance(m, nn.BatchNorm2d): m.eval()` reaches the
+        model's batch norms (the stages follow each module's flag), as it does through DistributedDataParallel.
+        The modules of other ranks' stages hold meta tensors here (smp._materialize.release_other_stages): within a
+        parent module's walk (memo given: it reads each module's own tensors) the wrapper stands alone, its
+        tensors this rank's named_parameters()."""
+        walked_by_parent = memo is not None
         memo = set() if memo is None else memo
         if self in memo:
             return
         if remove_duplicate:
             memo.add(self)
         yield prefix, self
-        for name, child in self.named_children():
-            yield from child.named_modules(memo, self._prefixed(prefix, name), remove_duplicate)
+        if walked_by_parent or not isinstance(self._net, torch.nn.Module):
+            return
+        for name, module in self._net.named_modules(memo, prefix, remove_duplicate):
+            if module is not self._net:
+                yield name, module
+
+    def apply(self, fn):
+        """fn on each of the wrapped model's modules (initialization, freezing), then on the wrapper; not a change
+        of dtype or device (the engine's tensors stay where the config put them: see .to)."""
+        held = [(p, p.dtype, p.device) for p in self.parameters()]
+        if isinstance(self._net, torch.nn.Module):
+            self._net.apply(fn)
+        fn(self)
+        moved = next((p for p, dtype, device in held if p.dtype != dtype or p.device != device), None)
+        if moved is not None:
+            raise ValueError("model.apply changed the dtype or device of the engine's parameters: a DistributedModel "
+                             "stays on the device and dtype its config gives (choose the device with the config's "
+                             "\"device\", mixed precision with \"bf16\" or \"fp16\")")
+        return self
 
     def get_submodule(self, target):
         if not target or not isinstance(self._net, torch.nn.Module):
             return super().get_submodule(target)
         return self._net.get_submodule(target)
+
+    def get_parameter(self, target):
+        """This rank's parameter of that name in the full model (named_parameters' names)."""
+        found = dict(self.named_parameters()).get(target)
+        if found is None:
+            raise AttributeError(f"this rank holds no parameter {target!r} (its stages {list(self.stages)}; "
+                                 "named_parameters() lists what it holds)")
+        return found
 
     def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
         """This rank's parameters by their names in the full model, in its order (the engine's tensors: no

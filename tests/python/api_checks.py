@@ -667,13 +667,20 @@ def main():
     # The wrapped model's modules through the wrapper, by their names in it, as DistributedDataParallel's module
     # gives them: fine-tuning's freeze of batch norm by walking model.modules() or model.apply reaches it.
     if dict(model.named_modules()).get("1") is not regularized[1] or model.get_submodule("1") is not regularized[1] \
-            or list(model.children()) != list(regularized.children()):
+            or model.get_parameter("0.weight") is not dict(model.named_parameters())["0.weight"]:
         failures.append(f"model.named_modules() gives {list(dict(model.named_modules()))}, not the model's modules")
     model.apply(lambda module: module.eval() if isinstance(module, torch.nn.BatchNorm1d) else None)
     frozen = regularized[1].running_mean.clone()
     model.train_step(inputs, targets, F.mse_loss)
     if regularized[1].training or not torch.equal(regularized[1].running_mean, frozen):
         failures.append("model.apply(freeze batch norm) did not reach the model's batch norm")
+    # Within a parent's walk the wrapper stands alone: its tensors this rank's, not the modules' of other stages.
+    if [name for name, _ in torch.nn.ModuleDict({"student": model}).named_modules()] != ["", "student"]:
+        failures.append("a module holding the wrapper walks into the wrapped model's modules")
+    expect_error("model.apply(half)", ValueError, "model.apply changed the dtype",
+                 lambda: model.apply(lambda module: module.double() if isinstance(module, torch.nn.Linear) else None))
+    for module in regularized.modules():
+        module.float()
     model.train()
 
     class Merging(torch.nn.Linear):  # a LoRA layer's way: eval() merges its adapter, train() unmerges it

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include <c10/core/MemoryFormat.h>
 #include <c10/core/ScalarType.h>
 
 #include "smp/comm/communicator.h"
@@ -51,8 +52,16 @@ class TransferOutOfStep : public CommError {
 struct TensorLayout {
   c10::ScalarType dtype;
   std::vector<std::int64_t> sizes;
-  bool operator==(const TensorLayout& other) const { return dtype == other.dtype && sizes == other.sizes; }
+  // channels_last (and its 3-d kind) travel as they are and arrive so: a stage after a cut runs the kernels of the
+  // format its producer chose, as one process would (they arrived in the default one, 1e-4 apart after 3 steps).
+  c10::MemoryFormat format = c10::MemoryFormat::Contiguous;
+  bool operator==(const TensorLayout& other) const {
+    return dtype == other.dtype && sizes == other.sizes && format == other.format;
+  }
 };
+// The format a tensor is dense in, where it is not the default one: channels_last for 4 dimensions, channels_last_3d
+// for 5; Contiguous otherwise (and where both hold, a dimension of 1).
+c10::MemoryFormat transferred_format(const at::Tensor& tensor);
 
 // The layout of each (peer, tag)'s last transfer, as one end saw it. Both ends of a channel see the same transfers
 // in the same order, so the sender's memory of what it sent is the receiver's of what it received.
