@@ -440,6 +440,7 @@ PYBIND11_MODULE(_smp, module) {
           },
           py::arg("what"), py::arg("work"))
       .def("_adopt_layout", &Runtime::adopt_layout, py::arg("chosen"), py::call_guard<py::gil_scoped_release>())
+      .def("_expect_planned_model", &Runtime::expect_planned_model)
       // The links and compute slowdown for planning this job (every rank calls it at once).
       .def(
           "_measured_planning_costs",
@@ -466,7 +467,20 @@ PYBIND11_MODULE(_smp, module) {
       .def(
           "_from_rank0",
           [](Runtime& runtime, const std::string& key, const py::function& make) {
-            return runtime.from_rank0(key, [&] { return make().cast<std::string>(); });
+            return runtime.from_rank0(key, [&] {
+              try {
+                return make().cast<std::string>();
+              } catch (py::error_already_set& error) {
+                // smp's own errors as their C++ kinds, which from_rank0 hands the other ranks; any other exception
+                // keeps its traceback on rank 0 (the others raise ConfigError naming it).
+                const auto smp_module = py::module_::import("smp._smp");
+                const std::string what = py::str(error.value());
+                if (error.matches(smp_module.attr("ModelError"))) throw ModelError(what);
+                if (error.matches(smp_module.attr("CheckpointError"))) throw CheckpointError(what);
+                if (error.matches(smp_module.attr("CommError"))) throw comm::CommError(what);
+                throw;
+              }
+            });
           },
           py::arg("key"), py::arg("make"))
       // Sums a CPU tensor in place over every rank of the job (each calls it): for metrics, e.g. counts that only

@@ -149,7 +149,11 @@ def capture(model, args, kwargs, stages, pinned_paths, graph_factory, device=tor
     args, kwargs = _distinct_inputs(args, kwargs)
     on_meta = _materialize.is_meta(model)
     free, held = dynamic_shapes(model, args, kwargs, dynamic)
-    with _exporting(model, device):
+    # Autocast where the export computes: a model of real tensors is traced where they are (a CPU-built model of a
+    # CUDA job, under CPU autocast), a meta one on the job's device.
+    traced_on = device if on_meta else next((t.device for t in itertools.chain(model.parameters(), model.buffers())
+                                             if not t.is_meta), device)
+    with _exporting(model, traced_on):
         exported, fixed_because = _export_in("train", model, args, kwargs, free, device, divided, on_meta)
     # Evaluation's path is checked at the first evaluation (smp._evaluation_path), against the export as it was
     # before the capture rewrites it below: most jobs never evaluate, and a second export at every capture cost the

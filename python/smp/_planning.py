@@ -447,6 +447,7 @@ def adopt_planned_layout(model, sample, dynamic_shapes=None, tp_plan=None, optim
 
     message = json.loads(rt._from_rank0("planned_layout", choose))
     rt._adopt_layout(_smp.Config.from_json_text(message.pop("text"), rt.config.source))
+    rt._expect_planned_model()
     global _adopted
     _adopted = message
     if rt.rank == 0:

@@ -30,6 +30,17 @@ def raised(call):
     return None
 
 
+
+
+def fails_on_rank0():
+    raise smp.ModelError("the model fails on the sample")
+
+
+# What rank 0 alone computes (a profile, a plan) fails every rank with its kind of error: a loop catching
+# smp.ModelError catches it everywhere (the others raised ConfigError).
+error = raised(lambda: runtime._from_rank0("kind_check", fails_on_rank0))
+if not isinstance(error, smp.ModelError) or "the model fails on the sample" not in str(error):
+    failures.append(f"rank 0's ModelError reached rank {runtime.rank} as {error!r}")
 error = raised(lambda: model.train_step(inputs, targets[:3], torch.nn.functional.mse_loss))
 if not isinstance(error, smp.ConfigError):
     failures.append(f"3 targets for 4 inputs raised {error!r}, expected ConfigError")

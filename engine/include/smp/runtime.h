@@ -6,6 +6,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -45,6 +46,11 @@ class Runtime {
   // The layout was adopted (planned, or a resume's): its partition_overrides pin the modules of the model it was
   // made for, a config with "auto" keys giving none of its own.
   bool layout_adopted() const { return layout_generation_ > 0; }
+  // The next model built is the one a plan was made for (its memory judged by the planner's predicted peak): said
+  // by whoever adopted the plan, taken by that model's constructor on every rank; false for any other (a teacher
+  // built after, a layout a resume adopted).
+  void expect_planned_model() { planned_model_pending_ = true; }
+  bool take_planned_model() { return std::exchange(planned_model_pending_, false); }
   // On rank 0 of a C++ job whose layout was planned (with_planned_layout): the layout and its predicted train_step
   // (the optimizer's step apart), which DistributedModel logs beside the measured one after five steps.
   struct PlannedStep {
@@ -162,6 +168,7 @@ class Runtime {
   int exchanges_ = 0;
   std::string bind_host_;
   int layout_generation_ = 0;  // layouts adopted after the first (adopt_layout)
+  bool planned_model_pending_ = false;
   std::optional<PlannedStep> planned_step_;
   std::optional<std::vector<double>> measured_device_speeds_;
 };

@@ -23,7 +23,9 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <nlohmann/json.hpp>
 
+#include "smp/checkpoint_manifest.h"
 #include "smp/comm/laned_communicator.h"
+#include "smp/errors.h"
 #include "smp/comm/sockets.h"
 #include "smp/log.h"
 #include "smp/replica_statistics.h"
@@ -481,7 +483,12 @@ std::string Runtime::from_rank0(const std::string& key, const std::function<std:
     try {
       value = make();
     } catch (const std::exception& error) {
-      publish(key, std::string("error\n") + error.what());
+      // Its kind too: every rank raises what rank 0 does (a loop catching smp.ModelError catches it everywhere).
+      const char* kind = dynamic_cast<const ModelError*>(&error)        ? "model"
+                         : dynamic_cast<const CheckpointError*>(&error) ? "checkpoint"
+                         : dynamic_cast<const comm::CommError*>(&error) ? "comm"
+                                                                        : "config";
+      publish(key, std::string("error\n") + kind + "\n" + error.what());
       // Rank 0 hosts the store, which ends with its process: the others read the error first (a dead one is not
       // waited for past a few seconds).
       try {
@@ -504,7 +511,13 @@ std::string Runtime::from_rank0(const std::string& key, const std::function<std:
       store_->add("smp/" + key + "/error_read", 1);
     } catch (const std::exception&) {  // rank 0 gone already: its error is what matters
     }
-    throw ConfigError("rank 0 failed: " + message.substr(newline + 1));
+    const auto kind_end = message.find('\n', newline + 1);
+    const std::string kind = message.substr(newline + 1, kind_end - newline - 1);
+    const std::string why = "rank 0 failed: " + message.substr(kind_end + 1);
+    if (kind == "model") throw ModelError(why);
+    if (kind == "checkpoint") throw CheckpointError(why);
+    if (kind == "comm") throw comm::CommError(why);
+    throw ConfigError(why);
   }
   return message.substr(newline + 1);
 }

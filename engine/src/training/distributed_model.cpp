@@ -181,6 +181,8 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
   std::uint64_t program_seed = at::detail::getDefaultCPUGenerator().current_seed();
   // Rank 0 profiles and cuts; its failure (a model that fails on the sample, a cut that cannot be made) reaches the
   // others as what it is (from_rank0), not as a wait for a key it never published.
+  // The model a plan was made for: its memory was judged by the planner's predicted peak (below).
+  const bool planned = runtime_->take_planned_model();
   if (runtime_->rank() != 0) runtime_->publish(exchange_ + "ready/" + std::to_string(runtime_->rank()), "");
   const std::string stage_plan = runtime_->from_rank0(exchange_ + "stage_plan", [&] {
     // Measured once every rank has built what it builds before this (a Python model's capture): the profile must
@@ -214,11 +216,10 @@ DistributedModel::DistributedModel(std::shared_ptr<Runtime> runtime, GraphModel 
       for (double speed : speeds) measured += (measured.empty() ? "" : ", ") + std::to_string(speed).substr(0, 5);
       log::info("device speeds measured, by rank: " + measured);
     }
-    // A planned layout was judged by the planner's per-rank peak, which may fit where the search's cruder count
-    // does not: the job builds what it chose.
-    const bool planned = runtime_->layout_adopted();
-    plan_ = plan_stages(std::move(profiles), with_own_pins(config, model_, planned), copies, optimizer_state_shards(),
-                        &devices, planned ? MemoryLimit::kGuides : MemoryLimit::kRefuses);
+    // The planned model's layout was judged by the planner's per-rank peak, which may fit where the search's
+    // cruder count does not: the job builds what it chose.
+    plan_ = plan_stages(std::move(profiles), with_own_pins(config, model_, runtime_->layout_adopted()), copies,
+                        optimizer_state_shards(), &devices, planned ? MemoryLimit::kGuides : MemoryLimit::kRefuses);
     if (!plan_.memory_limit_unmet.empty()) {
       log::info("the partition search found no cut within memory_limit_mb by its own count (" +
                 plan_.memory_limit_unmet + "); the planner's prediction for this layout fits, so it is cut without it");

@@ -432,6 +432,7 @@ std::shared_ptr<Runtime> adopt_plan(std::shared_ptr<Runtime> runtime, const Plan
   const std::vector<double> speeds = device_speeds(*runtime, "planned_layout/");
   const std::string text = runtime->from_rank0("planned_layout", [&] { return plan(*runtime, costs, speeds); });
   runtime->adopt_layout(Config::from_json_text(text, runtime->config().source));
+  runtime->expect_planned_model();
   return runtime;
 }
 
