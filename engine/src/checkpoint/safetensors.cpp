@@ -301,10 +301,16 @@ std::vector<std::string> SafetensorsWriter::finish() {
   }
   // What an earlier export left that this one does not use: its shards, and its index when this has none.
   const std::set<std::string> kept(files.begin(), files.end());
-  for (const auto& entry : fs::directory_iterator(directory_)) {
+  std::error_code error;
+  for (const auto& entry : fs::directory_iterator(directory_, error)) {
     const std::string name = entry.path().filename().string();
     const bool shard = name == kSingleFile || (name.rfind("model-", 0) == 0 && entry.path().extension() == ".safetensors");
-    if ((shard && !kept.count(name)) || (name == kIndexFile && count == 1)) fs::remove(entry.path());
+    if ((shard && !kept.count(name)) || (name == kIndexFile && count == 1)) fs::remove(entry.path(), error);
+    if (error) break;
+  }
+  if (error) {
+    throw CheckpointError(directory_ + ": exported, but an earlier export's files could not be removed: " +
+                          error.message());
   }
   return files;
 }

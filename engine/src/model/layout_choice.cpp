@@ -184,7 +184,8 @@ std::optional<Config> adopting_layout(const Config& given, const std::string& la
 void keep_what_the_config_fixes(std::vector<LayoutPrediction>& predictions, const Config& given, int world_size) {
   if (given.auto_keys.empty()) return;
   for (auto& prediction : predictions) {
-    if (!prediction.rejected.empty()) continue;
+    // One over the memory limit too: excluded, it is not what the limit would have to be (layout_report's least).
+    if (!prediction.rejected.empty() && !prediction.over_memory_limit()) continue;
     try {
       const std::string differs = adopted_config(given, prediction.config_json(), world_size).second;
       if (!differs.empty()) {
