@@ -44,6 +44,11 @@ def test_bf16_captured_model_computes_as_autocast(job):
     assert_passed(job(2, "autocast_capture_check.py"))
 
 
+def test_channels_last_crosses_a_cut_as_it_is(job):
+    """A channels_last activation arrives channels_last at the next stage, training equal to plain PyTorch."""
+    assert_passed(job(2, "channels_last_check.py"))
+
+
 def test_slow_rank_measured_gets_less_and_equals_pytorch(job):
     """Devices that differ: rank 1 emulates a device 6 times slower, the ranks measure their speeds, and the
     partition gives rank 1's stage fewer modules; training still equals plain PyTorch. (3 times slower was found
