@@ -1,6 +1,6 @@
 """Two models in a job whose layout is planned ("auto" keys): the plan's cut pins the student's modules, and a teacher
 of another architecture built after it is cut freely (the pins named modules it lacks, and it was refused); both
-train and evaluate. The teacher's megabyte, which the plan did not count, is said where it overflows the memory
+train and evaluate. The teacher's 2 MiB, which the plan did not count, are said where they overflow the memory
 limit beside the student's predicted peak. Run under `smprun -n 2`; exits 0 when every check holds, printing each failure."""
 
 import sys
@@ -16,8 +16,8 @@ class Student(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = torch.nn.Linear(16, 64)
-        self.body = torch.nn.Linear(64, 64)
-        self.head = torch.nn.Linear(64, 4)
+        self.body = torch.nn.Linear(64, 2048)
+        self.head = torch.nn.Linear(2048, 4)
 
     def forward(self, x):
         return self.head(torch.tanh(self.body(torch.tanh(self.embed(x)))))
@@ -26,8 +26,8 @@ class Student(torch.nn.Module):
 class Teacher(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.first = torch.nn.Linear(16, 16384)  # 1 MiB, past what the plan's memory limit leaves beside the student
-        self.second = torch.nn.Linear(16384, 4)
+        self.first = torch.nn.Linear(16, 32768)  # 2 MiB, past what the plan's memory limit leaves beside the student
+        self.second = torch.nn.Linear(32768, 4)
 
     def forward(self, x):
         return self.second(torch.relu(self.first(x)))
@@ -36,7 +36,7 @@ class Teacher(torch.nn.Module):
 def main():
     torch.set_num_threads(1)
     runtime = smp.init({"partitions": "auto", "microbatches": "auto", "ddp": "auto", "pipeline": "auto",
-                        "global_batch_size": 8, "device": "cpu", "memory_limit_mb": 1.0})
+                        "global_batch_size": 8, "device": "cpu", "memory_limit_mb": 3.2})
     failures = []
     torch.manual_seed(0)
     student = smp.DistributedModel(Student(), torch.zeros(2, 16))
