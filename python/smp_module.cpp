@@ -396,6 +396,7 @@ PYBIND11_MODULE(_smp, module) {
       .def_readonly("sequence_parallel", &Config::sequence_parallel)
       .def_readonly("expert_parallel_degree", &Config::expert_parallel_degree)
       .def_readonly("memory_limit_mb", &Config::memory_limit_mb)
+      .def_readonly("checkpoint_dir", &Config::checkpoint_dir)
       .def_readonly("source", &Config::source)
       .def_readonly("text", &Config::text)
       .def_readonly("trace_dir", &Config::trace_dir)
@@ -418,6 +419,8 @@ PYBIND11_MODULE(_smp, module) {
       .def_property_readonly("rank", &Runtime::rank)
       .def_property_readonly("world_size", &Runtime::world_size)
       .def_property_readonly("pp_rank", &Runtime::pp_rank)
+      .def_property_readonly("local_rank", [](const Runtime& runtime) { return runtime.launch().local_rank; })
+      .def_property_readonly("local_world_size", [](const Runtime& runtime) { return runtime.launch().local_world_size; })
       .def_property_readonly("dp_rank", &Runtime::dp_rank)
       .def_property_readonly("tp_rank", &Runtime::tp_rank)
       .def_property_readonly("tensor_parallel_degree",

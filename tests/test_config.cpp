@@ -150,6 +150,12 @@ TEST_CASE("config: every bad value is a one-line error naming the key", "[config
   CHECK_THROWS_WITH(parse(R"({"fp16_params": true})"),
                     Contains("key \"fp16_params\" is SageMaker SMP's, which smp does not take: parameters stay float32"));
   CHECK_THROWS_WITH(parse(R"({"sdp_max_live_parameters": 1})"), Contains("\"shard_optimizer_state\" shards the optimizer"));
+  // Those whose false asks for what smp does anyway (an SMP config's defaults written out) are taken.
+  CHECK_NOTHROW(parse(R"({"skip_tracing": false, "delayed_parameter_initialization": false, "fp16_params": false,
+                          "offload_activations": false, "prescaled_batch": false, "partitions": 1})"));
+  CHECK_THROWS_WITH(parse(R"({"prescaled_batch": false, "tensor_parallel_degree": 2})"),
+                    Contains("key \"prescaled_batch\" is SageMaker SMP's"));
+  CHECK_THROWS_WITH(parse(R"({"skip_tracing": true})"), Contains("key \"skip_tracing\" is SageMaker SMP's"));
   CHECK_THROWS_WITH(parse(R"({"enabled": true, "parameters": {"partitions": 2}})"),
                     Contains("key \"enabled\" is SageMaker SMP's, which smp does not take: SageMaker's modelparallel "
                              "options: give their \"parameters\" object as smp's config"));

@@ -89,7 +89,12 @@ _SMP_NAMES = {
             "every microbatch (its .loss is their mean over the replicas; keep_outputs=True keeps .outputs), "
             "model.evaluate(...) the forwards",
     "rank": "smp.runtime().rank", "size": "smp.runtime().world_size",
-    "local_rank": "the launcher's LOCAL_RANK (smp.runtime().device is the rank's device)",
+    "local_rank": "smp.runtime().local_rank (the launcher's LOCAL_RANK; smp.runtime().device is the rank's device)",
+    "local_size": "smp.runtime().local_world_size (the ranks on this host)",
+    "num_microbatches": "smp.runtime().config.microbatches",
+    "is_initialized": "smp.runtime(), which raises RuntimeError before smp.init",
+    "set_activation_checkpointing": "\"activation_checkpointing\" in the config: true (every stage), stages, or "
+                                    "module paths (e.g. [\"transformer.h.0\", \"transformer.h.1\"])",
     "dp_rank": "smp.runtime().dp_rank (the replica: SMP's rdp_rank)",
     "dp_size": "smp.runtime().data_parallel_degree (the replicas: SMP's rdp_size)",
     "rdp_rank": "smp.runtime().dp_rank", "rdp_size": "smp.runtime().data_parallel_degree",

@@ -38,6 +38,11 @@ class Checkpointer:
         if not isinstance(optimizer, DistributedOptimizer):
             raise TypeError(f"expected an smp.DistributedOptimizer, got {type(optimizer).__name__}")
         extra_state = _checked_extra_state(extra_state)
+        if not runtime().config.checkpoint_dir and runtime().rank == 0:
+            # SMP's save_checkpoint took its path in code: a ported script would save nothing, said only in the log.
+            warnings.warn("smp.Checkpointer: the config gives no \"checkpoint_dir\", so save() saves nothing and "
+                          "resume() starts at step 0: set it in smp.init's config (with \"resume\": true to go on "
+                          "from its newest checkpoint)", stacklevel=2)
         extra_checked = []  # whether a save's extra state was read back once: a resume must be able to load it
         inner = optimizer.optimizer
         name_of = {id(tensor): name for name, tensor in model._model.named_parameters().items()}

@@ -149,8 +149,9 @@ class DistributedModel(torch.nn.Module):
     """
 
     def __init__(self, model, sample=None, init_fn=None, tp_plan=None, dynamic_shapes=None, resume=True,
-                 plan_optimizer=None):
+                 plan_optimizer=None, **smp_v1_options):
         super().__init__()
+        _refuse_smp_v1_options("DistributedModel", smp_v1_options, _SMP_V1_MODEL_OPTIONS)
         if sample is None:
             raise TypeError("DistributedModel(model, sample): give a sample, one microbatch of inputs as train_step "
                             "takes them: smp profiles and partitions the model on it before training (SMP traced "
@@ -324,6 +325,7 @@ class DistributedModel(torch.nn.Module):
             raise ConfigError(f"{what}: loss_reduction must be \"mean\" or \"sum\", got {loss_reduction!r}")
         if what == "train_step":
             _refuse_unscaled_half(rt, what)
+        targets, loss = _targets_as_rows(targets, loss, what)
         values = self._io.engine_inputs(inputs, what)
         on_meta = [name for name, value in zip(self._io.input_names or range(len(values)), values)
                    if isinstance(value, torch.Tensor) and value.is_meta]
@@ -759,6 +761,69 @@ class DistributedModel(torch.nn.Module):
 
     def partition_report(self):
         return self._model.partition_report()
+
+
+# SageMaker SMP v1's keyword arguments, which a ported script passes on: what takes their place.
+_SMP_V1_MODEL_OPTIONS = {
+    "trace_device": "smp profiles each module on the config's \"device\" (a model built on the meta device is "
+                    "profiled there)",
+    "trace_execution_times": "smp times each module on the sample whenever there is more than one stage",
+    "trace_memory_usage": "smp profiles each module's memory on the sample",
+    "average_grads_across_microbatches": "train_step's loss is the mean over the microbatches and replicas (its "
+                                         "gradients too); loss_reduction=\"sum\" for a token sum",
+    "backward_passes_per_step": "call train_step again before optimizer.step() to accumulate, or raise "
+                                "\"microbatches\"",
+    "gradient_as_bucket_view": "the replicas' gradient buckets are smp's own",
+    "broadcast_buffers": "each replica's buffers are replica 0's after every step",
+    "overlapping_allreduce": "\"ddp\" overlaps the replicas' reduction with the backward",
+}
+_SMP_V1_OPTIMIZER_OPTIONS = {
+    "static_loss_scale": "\"fp16\": true in the config scales the loss dynamically",
+    "dynamic_loss_scale": "\"fp16\": true in the config scales the loss dynamically",
+    "dynamic_loss_args": "\"fp16\": true in the config scales the loss dynamically",
+}
+
+
+def _refuse_smp_v1_options(what, given, known):
+    if not given:
+        return
+    name = next(iter(given))
+    if name in known:
+        raise TypeError(f"{what}() takes no {name!r} (SageMaker SMP's): {known[name]}. README: Coming from "
+                        "SageMaker SMP")
+    raise TypeError(f"{what}() got an unexpected keyword argument {name!r}")
+
+
+def _targets_as_rows(targets, loss, what):
+    """Targets given as a tuple, list or dict of tensors (labels and a mask, as an SMP step function took them): the
+    engine splits one tensor, their rows' indices, and the loss function is given each microbatch's rows of every
+    one, on the engine's device (the rank computing it was given the same targets). A tensor or None as it is."""
+    if targets is None or isinstance(targets, torch.Tensor):
+        return targets, loss
+    leaves = torch.utils._pytree.tree_leaves(targets)
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    if not isinstance(targets, (tuple, list, dict)) or not tensors:
+        raise ConfigError(f"{what}: targets of type {type(targets).__name__}: expected a tensor, or a tuple, list or "
+                          "dict of tensors whose first dimension is the batch's")
+    if loss is None or loss is _no_loss:
+        raise ConfigError(f"{what}: targets as a {type(targets).__name__} need a loss function to take them (the "
+                          "model computes its own loss from its inputs)")
+    rows = tensors[0].shape[0] if tensors[0].dim() else None
+    odd = next((tensor for tensor in tensors if tensor.dim() == 0 or tensor.shape[0] != rows), None)
+    if odd is not None:
+        raise ConfigError(f"{what}: every tensor of the targets splits along its first dimension, the batch's: "
+                          f"shapes {[tuple(tensor.shape) for tensor in tensors]}")
+    if any(tensor.is_meta for tensor in tensors):
+        raise ConfigError(f"{what}: the targets are on the meta device, which holds no values")
+
+    def loss_of_rows(outputs, picked):
+        def rows_of(value):
+            if not isinstance(value, torch.Tensor):
+                return value
+            return value.index_select(0, picked.to(value.device)).to(picked.device)
+        return loss(outputs, torch.utils._pytree.tree_map(rows_of, targets))
+
+    return torch.arange(rows), loss_of_rows
 
 
 def _refuse_unscaled_half(rt, what):

@@ -56,7 +56,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     replicas.
     """
 
-    def __init__(self, optimizer, model=None):
+    def __init__(self, optimizer, model=None, **smp_v1_options):
+        from ._distributed_model import _SMP_V1_OPTIMIZER_OPTIONS, _refuse_smp_v1_options
+        _refuse_smp_v1_options("DistributedOptimizer", smp_v1_options, _SMP_V1_OPTIMIZER_OPTIONS)
         if isinstance(optimizer, DistributedModel):
             raise TypeError("DistributedOptimizer takes a torch.optim optimizer: "
                             "smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=...))")

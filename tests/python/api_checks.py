@@ -362,6 +362,26 @@ def main():
     expect_error("a batch of fewer samples than microbatches", smp.ConfigError,
                  "train_step: a global batch of 1 samples is fewer than 1 replicas x 2 microbatches",
                  lambda: model.train_step(torch.randn(1, 3), torch.randn(1, 2), F.mse_loss))
+    # Targets as a tuple or dict (labels and a mask): each microbatch's loss gets its rows of every one.
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+
+    def masked(output, target):
+        labels, mask = (target["labels"], target["mask"]) if isinstance(target, dict) else target
+        return ((output - labels) ** 2 * mask[:, None]).sum() / (2 * len(mask))
+
+    plain = model.evaluate(x, y, lambda output, target: F.mse_loss(output, target, reduction="sum") / (2 * len(target)))
+    for given in ((y, torch.ones(4)), {"labels": y, "mask": torch.ones(4)}):
+        taken = model.evaluate(x, given, masked).loss
+        if abs(taken - plain.loss) > 1e-6:
+            failures.append(f"targets as a {type(given).__name__}: loss {taken}, as one tensor {plain.loss}")
+    half = model.evaluate(x, (y, torch.tensor([1.0, 1.0, 0.0, 0.0])), masked).loss
+    first_rows = model.evaluate(x[:2], y[:2], lambda output, target: F.mse_loss(output, target, reduction="sum") / 4)
+    if abs(half - first_rows.loss) > 1e-6:  # each microbatch weighed by its share of the batch
+        failures.append(f"a mask's rows went to other microbatches: loss {half}, expected {first_rows.loss}")
+    expect_error("targets of other row counts", smp.ConfigError, "splits along its first dimension",
+                 lambda: model.train_step(x, (y, torch.ones(3)), masked))
+    expect_error("a dict of targets without a loss function", smp.ConfigError, "need a loss function",
+                 lambda: model.train_step(x, {"labels": y}))
     expect_error("a batch on the meta device", smp.ConfigError, "is on the meta device, which holds no values",
                  lambda: model.train_step(torch.randn(4, 3, device="meta"), torch.randn(4, 2), F.mse_loss))
     # torch's clipping over some of a model's parameters (the whole model's is checked against PyTorch by the
@@ -1046,6 +1066,22 @@ def pytorch_conventions():
     expect_error("model.backward", AttributeError, "train_step runs the backward itself", lambda: model.backward)
     expect_error("DistributedModel without a sample", TypeError, "give a sample, one microbatch",
                  lambda: smp.DistributedModel(torch.nn.Linear(4, 2)))
+    # SMP v1's keyword arguments and names, which a ported script passes on, say what takes their place.
+    expect_error("SMP's trace_device", TypeError, "takes no 'trace_device' (SageMaker SMP's)",
+                 lambda: smp.DistributedModel(torch.nn.Linear(4, 2), torch.zeros(2, 4), trace_device="cpu"))
+    expect_error("an unknown keyword", TypeError, "unexpected keyword argument 'tarce_device'",
+                 lambda: smp.DistributedModel(torch.nn.Linear(4, 2), torch.zeros(2, 4), tarce_device="cpu"))
+    expect_error("SMP's dynamic_loss_scale", TypeError, "\"fp16\": true in the config",
+                 lambda: smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True))
+    expect_error("SMP's set_activation_checkpointing", AttributeError, "\"activation_checkpointing\" in the config",
+                 lambda: smp.set_activation_checkpointing)
+    if (smp.runtime().local_rank, smp.runtime().local_world_size) != (0, 1):
+        failures.append(f"runtime local rank and size {smp.runtime().local_rank}, {smp.runtime().local_world_size}")
+    with warnings.catch_warnings(record=True) as said:  # SMP's save_checkpoint took its path in code
+        warnings.simplefilter("always")
+        smp.Checkpointer(model, smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1)))
+    if not any("gives no \"checkpoint_dir\", so save() saves nothing" in str(w.message) for w in said):
+        failures.append(f"a Checkpointer without checkpoint_dir said {[str(w.message) for w in said]}")
     if "SM_HP_MP_PARAMETERS" not in os.environ:
         expect_error("smp.init() outside SageMaker", smp.ConfigError, "SM_HP_MP_PARAMETERS, which SMP's smp.init() "
                      "reads, is not set", smp.init)

@@ -537,8 +537,17 @@ Config Config::from_json_text(const std::string& text, const std::string& source
   }
   config.application_sections = sections;
 
+  // SMP keys whose false asks for what smp does anyway (an SMP config's defaults written out): taken as they are.
+  // prescaled_batch false, SMP's default, splits a batch over the tensor-parallel ranks: the same without them.
+  static const std::set<std::string> kFalseIsSmps = {"skip_tracing", "delayed_parameter_initialization",
+                                                     "offload_activations", "fp16_params", "horovod"};
+  const bool tensor_parallel = smp_keys.contains("tensor_parallel_degree") && smp_keys["tensor_parallel_degree"] != 1;
   for (auto it = smp_keys.begin(); it != smp_keys.end(); ++it) {
     if (is_known_key(it.key())) continue;
+    if (it.value().is_boolean() && !it.value().get<bool>() &&
+        (kFalseIsSmps.count(it.key()) || (it.key() == "prescaled_batch" && !tensor_parallel))) {
+      continue;
+    }
     std::string nearest;
     std::size_t nearest_distance = 4;  // suggest only plausible typos
     for (const Key& key : key_table()) {
