@@ -397,6 +397,7 @@ PYBIND11_MODULE(_smp, module) {
       .def_readonly("expert_parallel_degree", &Config::expert_parallel_degree)
       .def_readonly("memory_limit_mb", &Config::memory_limit_mb)
       .def_readonly("checkpoint_dir", &Config::checkpoint_dir)
+      .def_readonly("device_memory_mb", &Config::device_memory_mb)
       .def_readonly("source", &Config::source)
       .def_readonly("text", &Config::text)
       .def_readonly("trace_dir", &Config::trace_dir)

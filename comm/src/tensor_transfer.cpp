@@ -116,12 +116,10 @@ std::vector<at::Tensor> allocate(const std::vector<TensorLayout>& layout, c10::D
 }  // namespace
 
 c10::MemoryFormat transferred_format(const at::Tensor& tensor) {
-  if (tensor.is_contiguous()) return c10::MemoryFormat::Contiguous;
-  if (tensor.dim() == 4 && tensor.is_contiguous(c10::MemoryFormat::ChannelsLast)) return c10::MemoryFormat::ChannelsLast;
-  if (tensor.dim() == 5 && tensor.is_contiguous(c10::MemoryFormat::ChannelsLast3d)) {
-    return c10::MemoryFormat::ChannelsLast3d;
-  }
-  return c10::MemoryFormat::Contiguous;
+  // By the strides' order, as PyTorch's kernels choose their output's format: a channels_last [N, C, 1, 1] (a
+  // squeeze-excite's pooled map) is contiguous too, and a channel chunk of a channels_last map dense in neither.
+  if (tensor.dim() != 4 && tensor.dim() != 5) return c10::MemoryFormat::Contiguous;
+  return tensor.suggest_memory_format();
 }
 
 const std::vector<TensorLayout>* TransferLayouts::find(int peer, int tag) const {

@@ -26,7 +26,7 @@ import os
 
 import torch  # noqa: F401 - loads LibTorch before the extension that links it
 
-from . import _materialize, _smp, _state, ep, tp  # noqa: F401 - smp.ep and smp.tp are public
+from . import _materialize, _planning, _smp, _state, ep, tp  # noqa: F401 - smp.ep and smp.tp are public
 from ._checkpoints import Checkpointer, export_checkpoint, export_safetensors, latest_checkpoint, load_full_model
 from ._clip import take_over_torch_clipping
 from ._distributed_model import DistributedModel, StepResult  # noqa: F401 - what train_step returns
@@ -64,6 +64,7 @@ def init(config=None, sections=None):
         parsed = _smp.Config.from_file(os.fspath(config))
     if sections is not None:
         parsed.check_sections(list(sections))
+    _planning.forget_adopted_plan()
     _state.set_runtime(_smp.Runtime.init(parsed))
     device = torch.device(_state.runtime().device)
     if device.type == "cuda":

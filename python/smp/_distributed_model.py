@@ -796,11 +796,12 @@ def _refuse_smp_v1_options(what, given, known):
 
 def _targets_as_rows(targets, loss, what):
     """Targets given as a tuple, list or dict of tensors (labels and a mask, as an SMP step function took them): the
-    engine splits one tensor, their rows' indices, and the loss function is given each microbatch's rows of every
-    one, on the engine's device (the rank computing it was given the same targets). A tensor or None as it is."""
+    engine splits one tensor, every target tensor's rows side by side as bytes, so that the step compares their
+    values across ranks as it does one tensor's and moves them to its device; the loss function is given each
+    microbatch's rows of every one, in the structure given. A tensor or None as it is."""
     if targets is None or isinstance(targets, torch.Tensor):
         return targets, loss
-    leaves = torch.utils._pytree.tree_leaves(targets)
+    leaves, spec = torch.utils._pytree.tree_flatten(targets)
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     if not isinstance(targets, (tuple, list, dict)) or not tensors:
         raise ConfigError(f"{what}: targets of type {type(targets).__name__}: expected a tensor, or a tuple, list or "
@@ -809,21 +810,28 @@ def _targets_as_rows(targets, loss, what):
         raise ConfigError(f"{what}: targets as a {type(targets).__name__} need a loss function to take them (the "
                           "model computes its own loss from its inputs)")
     rows = tensors[0].shape[0] if tensors[0].dim() else None
-    odd = next((tensor for tensor in tensors if tensor.dim() == 0 or tensor.shape[0] != rows), None)
-    if odd is not None:
+    if any(tensor.dim() == 0 or tensor.shape[0] != rows for tensor in tensors):
         raise ConfigError(f"{what}: every tensor of the targets splits along its first dimension, the batch's: "
                           f"shapes {[tuple(tensor.shape) for tensor in tensors]}")
     if any(tensor.is_meta for tensor in tensors):
         raise ConfigError(f"{what}: the targets are on the meta device, which holds no values")
+    device = tensors[0].device
+    columns, places, start = [], {}, 0  # leaf index -> (dtype, a row's shape, first byte column, past its last)
+    for index, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        row_bytes = leaf.detach().to(device).contiguous().reshape(rows, -1).view(torch.uint8)
+        columns.append(row_bytes)
+        places[index] = (leaf.dtype, tuple(leaf.shape[1:]), start, start + row_bytes.shape[1])
+        start += row_bytes.shape[1]
 
-    def loss_of_rows(outputs, picked):
-        def rows_of(value):
-            if not isinstance(value, torch.Tensor):
-                return value
-            return value.index_select(0, picked.to(value.device)).to(picked.device)
-        return loss(outputs, torch.utils._pytree.tree_map(rows_of, targets))
+    def loss_of_rows(outputs, packed):
+        unpacked = list(leaves)
+        for index, (dtype, shape, first, past) in places.items():
+            unpacked[index] = packed[:, first:past].contiguous().view(dtype).reshape(packed.shape[0], *shape)
+        return loss(outputs, torch.utils._pytree.tree_unflatten(unpacked, spec))
 
-    return torch.arange(rows), loss_of_rows
+    return torch.cat(columns, dim=1), loss_of_rows
 
 
 def _refuse_unscaled_half(rt, what):

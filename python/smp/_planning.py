@@ -404,16 +404,25 @@ def check_room_beside_plan(held_bytes, model_kind):
     """Says, on a rank where it does not fit, that a model built after the planned one takes `held_bytes` here beside
     the plan's predicted peak, past memory_limit_mb (the plan priced the first model alone)."""
     rt = runtime()
-    limit = rt.config.memory_limit_mb
-    if _adopted is None or limit <= 0:
+    # This rank's device's own figure where the config gives one, as the planner held the layout to it.
+    devices = rt.config.device_memory_mb
+    own = devices[rt.rank] if rt.rank < len(devices) and devices[rt.rank] > 0 else 0.0
+    limit, named = (own, f"device_memory_mb[{rt.rank}]") if own > 0 else (rt.config.memory_limit_mb, "memory_limit_mb")
+    if _adopted is None or limit <= 0 or rt.pp_rank >= len(_adopted["memory_mib"]):
         return
     planned = _adopted["memory_mib"][rt.pp_rank]
     held = held_bytes / 2**20
     if planned + held > limit:
-        print(f"smp: rank {rt.rank}: this {model_kind} holds {held:.1f} MiB here beside the planned model's predicted "
-              f"peak of {planned:.1f} MiB, {planned + held:.1f} MiB in all, over memory_limit_mb {limit:g}: the plan "
-              f"counted the first model alone; to plan room for this one, lower memory_limit_mb by {held:.1f}",
-              file=sys.stderr, flush=True)
+        print(f"smp: rank {rt.rank}: this {model_kind} holds {held:.1f} MiB here (its optimizer's state not counted) "
+              f"beside the planned model's predicted peak of {planned:.1f} MiB, {planned + held:.1f} MiB in all, over "
+              f"{named} {limit:g}: the plan counted the first model alone; to plan room for this one, lower {named} "
+              f"by {held:.1f}", file=sys.stderr, flush=True)
+
+
+def forget_adopted_plan():
+    """A new runtime (smp.init again) plans anew: the models of the last one's plan are not its."""
+    global _adopted
+    _adopted = None
 
 
 def adopt_planned_layout(model, sample, dynamic_shapes=None, tp_plan=None, optimizer=None):

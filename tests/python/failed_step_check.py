@@ -3,6 +3,7 @@ peer at once, naming the failed rank and why, not at the timeout) and refuse eve
 activations with earlier targets. Errors found before any transfer (a batch that does not split) leave the job in
 step. Exits 0 only then."""
 
+import copy
 import sys
 import time
 
@@ -18,6 +19,7 @@ inputs, targets = torch.randn(4, 16), torch.randn(4, 8)
 failing_call = sys.argv[1] if len(sys.argv) > 1 else "train_step"
 width = 2 ** 19 if failing_call == "evaluate" else 32
 net = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, 8), torch.nn.ReLU())
+net_reference = copy.deepcopy(net)
 model = smp.DistributedModel(net, inputs[:2])
 optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
@@ -41,6 +43,14 @@ def fails_on_rank0():
 error = raised(lambda: runtime._from_rank0("kind_check", fails_on_rank0))
 if not isinstance(error, smp.ModelError) or "the model fails on the sample" not in str(error):
     failures.append(f"rank 0's ModelError reached rank {runtime.rank} as {error!r}")
+# Targets as a dict of a float and a bool tensor reach the last stage's loss, each microbatch its own rows.
+masked = model.evaluate(inputs, {"labels": targets, "keep": torch.tensor([True, True, False, True])},
+                        lambda output, target: ((output - target["labels"]) ** 2).mean(1)[target["keep"]].sum() /
+                        len(target["keep"])).loss
+kept_rows = (torch.nn.functional.mse_loss(net_reference(inputs), targets, reduction="none").mean(1) *
+             torch.tensor([1.0, 1.0, 0.0, 1.0])).sum().item() / 4
+if abs(masked - kept_rows) > 1e-6:
+    failures.append(f"a dict of targets gave loss {masked}, plain PyTorch {kept_rows}")
 error = raised(lambda: model.train_step(inputs, targets[:3], torch.nn.functional.mse_loss))
 if not isinstance(error, smp.ConfigError):
     failures.append(f"3 targets for 4 inputs raised {error!r}, expected ConfigError")

@@ -3,6 +3,7 @@ pair one call's activations with another's, train apart without a word, nor wait
 
   evaluate_alone: rank 0 evaluates after the first step while rank 1 goes on training (`if rank == 0:`).
   own_batch:      rank 1 draws a batch of its own, of the same shapes (an unseeded sampler).
+  own_targets:    targets as a tuple (labels and a mask), rank 1's mask drawn apart: compared as one tensor's are.
   own_shapes:     rank 1 is given a batch of twice the samples: the ranks say the shapes each was given (neither
                   can tell which is the odd one; rank 1 blamed rank 0 without a shape).
   replica_batch:  two data-parallel replicas, rank 1 given another global batch (each replica takes its share of
@@ -99,6 +100,10 @@ try:
     elif mistake == "whole_batch":
         model._model.next_call_takes_share_of([inputs], targets, [True])
         model._model.train_step([inputs], targets, lambda outputs, target: loss(outputs[0], target), False, [True])
+    elif mistake == "own_targets":
+        mask = torch.ones(4) if runtime.rank == 0 else torch.tensor([1.0, 0.0, 1.0, 1.0])
+        model.train_step(inputs, (targets, mask),
+                         lambda output, target: (((output - target[0]) ** 2).mean(1) * target[1]).mean())
     elif mistake == "own_shapes":
         model.train_step(torch.cat([inputs, inputs]) if runtime.rank == 1 else inputs,
                          torch.cat([targets, targets]) if runtime.rank == 1 else targets, loss)
@@ -112,6 +117,7 @@ waited = time.monotonic() - start
 expected = {"evaluate_alone": "it is in its evaluate 1 after train_step 0, this rank in its train_step 1",
             "own_batch": "rank 1 was given a batch with other values than rank 0, in the same replica (train_step 1)",
             "replica_batch": "rank 1 was given a global batch with other values than rank 0 (train_step 1)",
+            "own_targets": "rank 1 was given a batch with other values than rank 0, in the same replica (train_step 1)",
             "own_shapes": "in train_step 1 the two were given batches of other shapes; this rank's first microbatch: "
                           "inputs [4, 16], targets [",  # rank 1's, which rank 0 relays
             "experts_alone": f"expert parallelism: group rank {1 - runtime.rank} is in its "

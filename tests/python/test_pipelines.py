@@ -79,7 +79,7 @@ def test_a_failed_evaluation_frees_peers_blocked_sending_to_it(job):
     assert_passed(job(2, "failed_step_check.py", "evaluate"))
 
 
-@pytest.mark.parametrize("mistake", ["evaluate_alone", "own_batch", "own_shapes", "replica_batch", "experts_alone", "whole_batch",
+@pytest.mark.parametrize("mistake", ["evaluate_alone", "own_batch", "own_targets", "own_shapes", "replica_batch", "experts_alone", "whole_batch",
                                      "replica_refused", "replica_skipped"])
 def test_ranks_out_of_step_fail_at_once_saying_how(job, mistake):
     """A rank that evaluates alone, or draws a batch of its own, or a replica given another global batch, makes every

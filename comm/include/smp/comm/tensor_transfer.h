@@ -59,8 +59,8 @@ struct TensorLayout {
     return dtype == other.dtype && sizes == other.sizes && format == other.format;
   }
 };
-// The format a tensor is dense in, where it is not the default one: channels_last for 4 dimensions, channels_last_3d
-// for 5; Contiguous otherwise (and where both hold, a dimension of 1).
+// The format a tensor of 4 or 5 dimensions travels in: channels_last (or its 3-d kind) where its strides say so, as
+// PyTorch's suggest_memory_format reads them; Contiguous otherwise.
 c10::MemoryFormat transferred_format(const at::Tensor& tensor);
 
 // The layout of each (peer, tag)'s last transfer, as one end saw it. Both ends of a channel see the same transfers
