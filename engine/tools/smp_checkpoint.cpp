@@ -17,10 +17,21 @@
 
 namespace {
 
-// Its optimizer state is spread over several files: say so where it is listed.
+// Its state is spread over more files than one a stage: say so where it is listed.
 std::string sharding(const smp::CheckpointManifest& manifest) {
-  if (manifest.optimizer_shards <= 1) return "";
-  return ", optimizer state sharded over " + std::to_string(manifest.optimizer_shards) + " replicas";
+  std::string said;
+  if (manifest.tensor_parallel_degree > 1) {
+    said += ", each stage's tensors split over " + std::to_string(manifest.tensor_parallel_degree) +
+            " tensor-parallel ranks";
+  }
+  if (manifest.expert_parallel_degree > 1) {
+    said += ", experts divided over " + std::to_string(manifest.expert_parallel_degree) +
+            " replicas (a file each, -epNN)";
+  }
+  if (manifest.optimizer_shards > 1) {
+    said += ", optimizer state sharded over " + std::to_string(manifest.optimizer_shards) + " replicas";
+  }
+  return said;
 }
 
 // Saved without its frozen parameters ("checkpoint_frozen_parameters": false, a LoRA job's): an export of it holds

@@ -170,6 +170,12 @@ def check(kind, smprun, python, failures):
             failures.append(f"{kind}: expected shards and an index, got {files}")
         if kind == "gpt2":
             failures += failed_export_failures(directory, exported, files)
+        if experts_divided:  # its files per expert share, which the listing names
+            verified = subprocess.run([os.path.join(os.path.dirname(smprun), "smp_checkpoint"), "verify",
+                                       smp.latest_checkpoint(f"{directory}/checkpoints")],
+                                      capture_output=True, text=True, timeout=60)
+            if "experts divided over 2 replicas" not in verified.stdout:
+                failures.append(f"smp_checkpoint verify does not name the divided experts: {verified.stdout}")
         if kind in LANGUAGE:
             trained.config.save_pretrained(exported)
             loaded = type(trained).from_pretrained(exported).state_dict()
