@@ -223,6 +223,13 @@ class InputShapes:
                     raise ConfigError(f"{what}: microbatch inputs {shapes}: sequence parallelism splits the sequence "
                                       f"over \"tensor_parallel_degree\" {split}, so every batch's sequence length "
                                       f"must divide by {split} (pad the batch to a multiple of it)")
+                fixed = re.fullmatch(r"\s*(\w+)\.size\(\)\[(\d+)\]\s*==\s*(\d+)\s*", readable)
+                if fixed and fixed.group(1) in microbatch and int(fixed.group(2)) < microbatch[fixed.group(1)].dim():
+                    # One size the code allows (a convolution's input channels): said as the input's mistake.
+                    name, dim, size = fixed.group(1), int(fixed.group(2)), int(fixed.group(3))
+                    raise ConfigError(f"{what}: input '{name}' has {microbatch[name].shape[dim]} at dimension {dim}, "
+                                      f"where the model's code takes {size} alone (its guard {readable}, as the "
+                                      f"sample had it): microbatch inputs {shapes}")
                 raise ConfigError(f"{what}: the captured model cannot take microbatch inputs {shapes}: export "
                                   f"captured it under a condition these shapes break (its guard {readable}), where "
                                   "the model's code takes another path than the sample's, or fails; give a sample of "

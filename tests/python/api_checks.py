@@ -768,6 +768,11 @@ def dynamic_shapes_choices():
                  lambda: smp.DistributedModel(Images(), sample, dynamic_shapes={"pixels": [2]}))
     expect_error("dynamic_shapes naming no dimension", smp.ConfigError, "dimension 4",
                  lambda: smp.DistributedModel(Images(), sample, dynamic_shapes={"x": [4]}))
+    # A size the code takes alone (a convolution's 3 input channels), said as the input's mistake.
+    expect_error("grayscale images for a model of 3 channels", smp.ConfigError,
+                 "input 'x' has 1 at dimension 1, where the model's code takes 3 alone",
+                 lambda: smp.DistributedModel(Images(), sample).train_step(torch.randn(6, 1, 8, 8), targets,
+                                                                           F.cross_entropy))
 
 
 def fused_runs():
