@@ -87,6 +87,11 @@ class Loss(float):
         return self
 
 
+# A loss saved in a log or a Checkpointer's extra_state reads back where smp is imported: torch.load's weights_only
+# reader takes only the classes it is told of (not even float's, which a float subclass pickles by).
+torch.serialization.add_safe_globals([Loss])
+
+
 def _no_loss(output, target):
     """The loss of a forward for inference: zero, on the outputs' device."""
     leaves = [leaf for leaf in torch.utils._pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)]
@@ -156,6 +161,11 @@ class DistributedModel(torch.nn.Module):
             raise TypeError("DistributedModel(model, sample): give a sample, one microbatch of inputs as train_step "
                             "takes them: smp profiles and partitions the model on it before training (SMP traced "
                             "the first step instead)")
+        empty = next((tuple(leaf.shape) for leaf in torch.utils._pytree.tree_leaves(sample)
+                      if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == 0), None)
+        if empty is not None:  # export would fail inside the model's code, as if the model could not be captured
+            raise ConfigError(f"DistributedModel: the sample holds no samples (a tensor of shape {empty}): give one "
+                              "microbatch of at least one (a batch // (replicas x microbatches) rounded to 0?)")
         if type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None),
                                                                     torch.nn.Module):
             warnings.warn("smp runs each stage's modules as they are, not compiled: training the module "

@@ -216,7 +216,11 @@ class ColumnParallelLinear(_FromWhole):
         in_features, out_features, self.transposed = _linear_shapes(whole, path)
         if out_features % blocks or (out_features // blocks) % degree():
             raise ConfigError(f"{path}: output features {out_features} in {blocks} block(s) do not divide by "
-                              f"\"tensor_parallel_degree\" {degree()}")
+                              f"\"tensor_parallel_degree\" {degree()}" +
+                              ("; a vocabulary's: pad it to a multiple of the degree (Hugging Face's "
+                               f"model.resize_token_embeddings(n, pad_to_multiple_of={degree()})), or keep the "
+                               "layer whole with tp_plan" if "head" in path.rpartition(".")[2] or
+                               "embed" in path else ""))
         self.in_features, self.out_features = in_features, out_features // degree()
         self.blocks, self.gather_output = blocks, gather_output
         self._cut(whole)
@@ -534,7 +538,10 @@ def _check_heads(model, path, module, style):
     features = module.weight.shape[1 if _is_conv1d(module) else 0] // style.blocks if isinstance(style, Colwise) \
         else module.weight.shape[0 if _is_conv1d(module) else 1]
     if features % head_dim == 0 and (features // head_dim) % degree():
-        raise ConfigError(f"{path}: {features // head_dim} heads do not divide by \"tensor_parallel_degree\" "
+        # A grouped-query model's key and value projections hold fewer heads than its attention has.
+        kind = "key/value heads (num_key_value_heads)" if path.rpartition(".")[2] in ("k_proj", "v_proj", "key",
+                                                                                       "value") else "heads"
+        raise ConfigError(f"{path}: {features // head_dim} {kind} do not divide by \"tensor_parallel_degree\" "
                           f"{degree()}")
 
 

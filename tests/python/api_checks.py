@@ -2,6 +2,7 @@
 parameters it returns are the engine's own tensors. Exits 0 when every check holds; prints each failure."""
 
 import copy
+import io
 import os
 import sys
 import tempfile
@@ -1071,6 +1072,13 @@ def pytorch_conventions():
     expect_error("model.backward", AttributeError, "train_step runs the backward itself", lambda: model.backward)
     expect_error("DistributedModel without a sample", TypeError, "give a sample, one microbatch",
                  lambda: smp.DistributedModel(torch.nn.Linear(4, 2)))
+    expect_error("a sample of no rows", smp.ConfigError, "the sample holds no samples (a tensor of shape (0, 4))",
+                 lambda: smp.DistributedModel(torch.nn.Linear(4, 2), torch.zeros(0, 4)))
+    saved = io.BytesIO()  # a step's loss saved in a log or extra_state reads back as the float it is
+    torch.save({"loss": model.train_step(torch.randn(4, 4), torch.randn(4, 2), F.mse_loss).loss}, saved)
+    saved.seek(0)
+    if not isinstance(torch.load(saved, weights_only=True)["loss"], float):
+        failures.append("a saved loss does not read back as a float")
     # SMP v1's keyword arguments and names, which a ported script passes on, say what takes their place.
     expect_error("SMP's trace_device", TypeError, "takes no 'trace_device' (SageMaker SMP's)",
                  lambda: smp.DistributedModel(torch.nn.Linear(4, 2), torch.zeros(2, 4), trace_device="cpu"))

@@ -130,7 +130,7 @@ def main():
             failures.append(f"{layout['layout']}: does not name its tensor-parallel degree {degree}")
     if set(degrees) != {2}:
         failures.append(f"layouts of tensor-parallel degrees {sorted(degrees)}, not 2 alone")
-    if "2 heads do not divide" not in sharded.unplanned_degrees.get(4, "") or "tp 4: not planned" not in str(sharded):
+    if "2 key/value heads (num_key_value_heads) do not divide" not in sharded.unplanned_degrees.get(4, "") or "tp 4: not planned" not in str(sharded):
         failures.append(f"degree 4 is not left out naming the heads: {sharded.unplanned_degrees}")
     # A shard holds half of the sharded layers' parameters, state and activations: recomputing microbatches of the
     # same 4 samples (one held at a time), a tp 2 layout's ranks hold less than the whole model's.

@@ -111,6 +111,11 @@ def bad_plans():
     expect_error("heads that do not divide", smp.ConfigError, "3 heads do not divide by \"tensor_parallel_degree\" 2",
                  lambda: smp.DistributedModel(llama(hidden_size=24, num_attention_heads=3, num_key_value_heads=3),
                                               {"input_ids": torch.ones(1, 4, dtype=torch.long)}))
+    expect_error("key/value heads that do not divide", smp.ConfigError, "1 key/value heads (num_key_value_heads) do",
+                 lambda: smp.DistributedModel(llama(num_key_value_heads=1),
+                                              {"input_ids": torch.ones(1, 4, dtype=torch.long)}))
+    expect_error("a vocabulary that does not divide", smp.ConfigError, "pad_to_multiple_of=2",
+                 lambda: smp.DistributedModel(llama(vocab_size=127), {"input_ids": torch.ones(1, 4, dtype=torch.long)}))
 
     class Plain(nn.Module):
         def __init__(self):
