@@ -656,6 +656,11 @@ TEST_CASE("errors name the modules involved") {
     GraphPartitionOptions options = stages(2);
     options.memory_limit_bytes = 50;
     CHECK_THROWS_WITH(partition_graph(graph, options), Contains("'big'") && Contains("memory limit"));
+    // Sizes that round alike in MiB are said in bytes.
+    graph.nodes[1].memory_bytes = 1.04 * 1024 * 1024;
+    options.memory_limit_bytes = 1.0 * 1024 * 1024;
+    CHECK_THROWS_WITH(partition_graph(graph, options),
+                      Contains("alone needs 1090519 bytes, over the per-stage memory limit of 1048576 bytes"));
   }
   SECTION("a memory limit that no split meets") {
     GraphPartitionOptions options = stages(2);

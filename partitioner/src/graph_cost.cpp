@@ -226,8 +226,13 @@ StageBounds validate(const ModuleGraph& graph, const Adjacency& adjacency, const
       if (stage == 0 || need - limit < closest_need - closest_limit) closest_need = need, closest_limit = limit;
     }
     if (!fits) {
-      throw PartitionError("module " + node_label(graph, node) + " alone needs " + readable_bytes(closest_need) +
-                           ", over the per-stage memory limit of " + readable_bytes(closest_limit));
+      std::string need = readable_bytes(closest_need), limit = readable_bytes(closest_limit);
+      if (need == limit) {  // rounded alike ("1.0 MiB, over ... 1.0 MiB"): in bytes, which differ
+        need = std::to_string(static_cast<long long>(closest_need)) + " bytes";
+        limit = std::to_string(static_cast<long long>(closest_limit)) + " bytes";
+      }
+      throw PartitionError("module " + node_label(graph, node) + " alone needs " + need +
+                           ", over the per-stage memory limit of " + limit);
     }
   }
 
