@@ -42,6 +42,22 @@ __all__ = ["init", "runtime", "GraphModel", "DistributedModel", "DistributedOpti
            "ConfigError", "ModelError", "NonFiniteError", "CheckpointError", "CommError"]
 
 
+def _as_json(config, where=()):
+    """The dict as JSON text; a key whose value JSON cannot hold (nan, a tensor) is named, not left to the parser's
+    line and column of text the caller never wrote."""
+    for key, value in config.items():
+        path = (*where, str(key))
+        if isinstance(value, dict):
+            _as_json(value, path)
+            continue
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError):
+            raise ConfigError(f"smp.init's config: key \"{'.'.join(path)}\": {value!r} is not a JSON value (a number, "
+                              "string, true/false, null, list or object)") from None
+    return json.dumps(config)
+
+
 def init(config=None, sections=None):
     """Joins the job: reads the config (a JSON file path, or a dict holding what the file would), checks it against
     the launch (smprun's environment), and connects to the other processes. Returns the runtime (rank, pp_rank,
@@ -59,7 +75,7 @@ def init(config=None, sections=None):
                               "SM_HP_MP_PARAMETERS, which SMP's smp.init() reads, is not set)")
         parsed = _smp.Config.from_json_text(given, "SM_HP_MP_PARAMETERS")
     elif isinstance(config, dict):
-        parsed = _smp.Config.from_json_text(json.dumps(config), "smp.init's config")
+        parsed = _smp.Config.from_json_text(_as_json(config), "smp.init's config")
     else:
         parsed = _smp.Config.from_file(os.fspath(config))
     if sections is not None:

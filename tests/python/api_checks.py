@@ -32,6 +32,8 @@ def main():
         bad.flush()
         expect_error("unknown key in a file", smp.ConfigError, "microbatchs", lambda: smp.init(bad.name))
     expect_error("ConfigError is a ValueError", ValueError, "partitions", lambda: smp.init({"partitions": 0}))
+    expect_error("nan in a dict", smp.ConfigError, "key \"memory_limit_mb\": nan is not a JSON value",
+                 lambda: smp.init({"partitions": 1, "memory_limit_mb": float("nan")}))
     expect_error("too many stages for the launch", smp.ConfigError, "2", lambda: smp.init({"partitions": 2}))
     # Keys beside the "smp" section: an smp key there is misplaced; a section the application does not read is an
     # error once it names the ones it does.
