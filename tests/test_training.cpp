@@ -163,6 +163,13 @@ TEST_CASE("impossible partitions are refused naming the modules", "[training][mu
   CHECK(result.status != 0);
   CHECK_THAT(result.output, Contains("no module \"nope\" in the model") && Contains("(its modules: in, a, b, c, join, d, out)"));
 
+  // A tie held as a plain member (not registered in the node that reads it) across stages: the copy on the reading
+  // rank would never be stepped, training otherwise than one process without a word.
+  const auto held = write_config("held_tie", smp_config(2, 1, 2, "1f1b", "cluster", 4, 30));
+  result = run_worker(2, held, "--model held_tie --steps 1");
+  CHECK(result.status != 0);
+  CHECK_THAT(result.output, Contains("computed with 'first.weight', a tensor its node holds on another stage's rank"));
+
   const auto no_experts = write_config("no_experts", smp_config(1, 2, 2, "interleaved", "cluster", 4, 30,
                                                                 R"(, "expert_parallel_degree": 2)"));
   result = run_worker(2, no_experts, "--model residual --steps 1");

@@ -89,6 +89,17 @@ class TiedLinearImpl : public torch::nn::Module {
 };
 TORCH_MODULE(TiedLinear);
 
+// The same tie held as a plain member, LibTorch's other way: correct in one process, refused across stages.
+class HeldLinearImpl : public torch::nn::Module {
+ public:
+  explicit HeldLinearImpl(const at::Tensor& weight) : weight_(weight) {}
+  at::Tensor forward(const at::Tensor& x) { return at::matmul(x, weight_); }
+
+ private:
+  at::Tensor weight_;
+};
+TORCH_MODULE(HeldLinear);
+
 // `tensor_parallel`: the group whose shards the GPT's layers hold (none: the whole model, the reference), with the
 // activations between them split along the sequence when `sequence_parallel`.
 smp::GraphModel make_model(const Options& options, const smp::tp::Group& tensor_parallel = nullptr,
@@ -127,7 +138,7 @@ smp::GraphModel make_model(const Options& options, const smp::tp::Group& tensor_
     graph.add("out", torch::nn::Linear(32, kMlpOut), {"join2"});
     return graph;
   }
-  if (options.model == "tied") {
+  if (options.model == "tied" || options.model == "held_tie") {
     // The first and the last layer share one matrix, so on several stages two ranks hold copies.
     smp::GraphModel graph("x");
     torch::nn::Linear first(torch::nn::LinearOptions(kMlpIn, 32).bias(false));
@@ -136,7 +147,11 @@ smp::GraphModel make_model(const Options& options, const smp::tp::Group& tensor_
     graph.add("b", TanhLinear(32, 32), {"a"});
     graph.add("c", TanhLinear(32, kMlpIn), {"b"});
     graph.add("d", TanhLinear(kMlpIn, 32), {"c"});
-    graph.add("tied", TiedLinear(first->weight), {"d"});  // [.., 32] x [32, 8] -> [.., 8]
+    if (options.model == "held_tie") {
+      graph.add("tied", HeldLinear(first->weight), {"d"});
+    } else {
+      graph.add("tied", TiedLinear(first->weight), {"d"});  // [.., 32] x [32, 8] -> [.., 8]
+    }
     graph.add("out", torch::nn::Linear(kMlpIn, kMlpOut), {"tied"});
     return graph;
   }

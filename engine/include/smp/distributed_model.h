@@ -330,6 +330,7 @@ class DistributedModel {
   std::string model_parameters_;
   bool last_step_skipped_ = false;
   bool said_replicas_alike_ = false;
+  bool checked_foreign_gradients_ = false;  // ForeignGradients, on the first train_step
   bool gradients_dropped_ = false;
   // Each parameter's gradient as a dropped step's train_step left it (its tensor and version): a gradient since
   // replaced or written (zero_grad, with or without set_to_none) no longer holds the dropped step.

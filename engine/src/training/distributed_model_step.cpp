@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <map>
 #include <optional>
+#include <set>
 
 #include <ATen/ATen.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -588,6 +589,53 @@ class EarlierGradients {
   std::vector<std::pair<at::Tensor, at::Tensor>> held_;  // (parameter, its gradient before the step)
 };
 
+// The parameters of other ranks' nodes, which this rank keeps (a C++ model is built whole on every rank) but whose
+// nodes it never runs: a gradient reaching one during this rank's step means a node of its stages computed with a
+// tensor another node registers (a head holding the embedding's matrix as a plain member, a LibTorch tie), whose
+// copy here the optimizer never steps: it would train otherwise than one process, silently. Set aside before the
+// step (gradients a program left from training the model before wrapping it), put back after.
+class ForeignGradients {
+ public:
+  ForeignGradients(const GraphModel& model, const std::vector<int>& local_nodes,
+                   const std::vector<std::pair<std::string, at::Tensor>>& own) {
+    std::set<const void*> owned;
+    for (const auto& [name, parameter] : own) owned.insert(parameter.unsafeGetTensorImpl());
+    std::set<int> local(local_nodes.begin(), local_nodes.end());
+    for (std::size_t i = 0; i < model.nodes().size(); ++i) {
+      const auto& node = model.nodes()[i];
+      if (local.count(static_cast<int>(i)) || !node.built()) continue;
+      for (const auto& item : node.module->named_parameters()) {
+        const at::Tensor& parameter = item.value();
+        if (owned.count(parameter.unsafeGetTensorImpl()) || !parameter.requires_grad() || parameter.is_meta()) continue;
+        watched_.push_back({node.parameter_name(item.key()), parameter, parameter.grad()});
+        if (parameter.grad().defined()) watched_.back().parameter.mutable_grad() = at::Tensor();
+      }
+    }
+  }
+  // Throws ModelError naming the first that took a gradient.
+  void check() const {
+    for (const auto& watched : watched_) {
+      if (!watched.parameter.grad().defined()) continue;
+      throw ModelError("a node of this rank's stages computed with '" + watched.name + "', a tensor its node holds "
+                       "on another stage's rank: this rank's copy of it is never updated, so training would part "
+                       "from one process's silently. A tensor two nodes use must be registered in both (a tied "
+                       "weight: GraphModel's shared parameters, README: tied weights), not held as a plain member");
+    }
+  }
+  ~ForeignGradients() {
+    for (auto& watched : watched_) watched.parameter.mutable_grad() = watched.earlier;
+  }
+  ForeignGradients(const ForeignGradients&) = delete;
+  ForeignGradients& operator=(const ForeignGradients&) = delete;
+
+ private:
+  struct Watched {
+    std::string name;
+    at::Tensor parameter, earlier;
+  };
+  std::vector<Watched> watched_;
+};
+
 }  // namespace
 
 StepOutput DistributedModel::train_step(const at::Tensor& inputs, const at::Tensor& targets, const LossFunction& loss,
@@ -651,6 +699,12 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
   const ModelRandomStream::Entered model_draws(*random_stream_);
   ClosingSums sums(runtime_->topology(), runtime_->rank(), data.stamp.call, std::move(batch),
                    std::move(global_batch));
+  std::optional<ForeignGradients> foreign;  // the first step's: which tensors a model's nodes read does not change
+  if (!checked_foreign_gradients_) {
+    std::vector<int> local_nodes;
+    for (const auto& [stage, local] : stages_) local_nodes.insert(local_nodes.end(), local.nodes.begin(), local.nodes.end());
+    foreign.emplace(model_, local_nodes, named_parameters_);
+  }
   refused.dismiss();  // from here a failure is shared with the peers (with_peers), and a success counts below
   try {
     runtime_->with_peers("step " + std::to_string(step_), [&] {
@@ -666,6 +720,10 @@ StepOutput DistributedModel::train_step(const ModelInputs& inputs, const at::Ten
       }
       stats = executor_->run(callbacks, data);
       observer.reset();
+      if (foreign) {
+        foreign->check();
+        checked_foreign_gradients_ = true;
+      }
       for (auto& collective : collectives) {
         for (const auto& event : stats.events) {
           // An overlapped pair's forward and backward run at once: each collective belongs to its own thread's.
