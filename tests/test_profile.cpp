@@ -525,6 +525,15 @@ TEST_CASE("a planned layout carries its cut, and a job adopting it partitions as
   CHECK(names == std::vector<std::string>{"in", "block.0", "block.1", "block.2", "out"});
   CHECK(graph.expanded_to_paths({"block", "out"}).nodes().size() == 3);  // already nodes
   CHECK(graph.expanded_to_paths({"head"}).nodes().size() == 3);          // no such module: plan_stages names it
+
+  // For more stages than nodes, the Sequential is expanded until enough nodes hold parameters: a residual sum beside
+  // it, holding none, left it whole on 4 stages (one of them the sum's alone, training nothing).
+  graph.add("sum", std::make_shared<torch::nn::Module>(),
+            [](const std::vector<at::Tensor>& in) { return in[0] + in[1]; }, {"out", "in"});
+  std::vector<std::string> cut;
+  const smp::GraphModel for_four = graph.expanded_to(4);
+  for (const auto& node : for_four.nodes()) cut.push_back(node.name);
+  CHECK(cut == std::vector<std::string>{"in", "block.0", "block.1", "block.2", "out", "sum"});
 }
 
 TEST_CASE("a job's plan rejects the layouts its fixed keys exclude, naming the key, and its report chooses among the "

@@ -154,8 +154,8 @@ class GraphModel {
   GraphModel expanded(const std::string& node) const;
   // True when `node`'s module is a Sequential of two or more children with one input.
   bool expandable(int node) const;
-  // Expands Sequential nodes, largest parameter count first, until there are at least `nodes` of them or nothing
-  // is left to expand: granularity follows the module tree.
+  // Expands Sequential nodes, largest parameter count first, until at least `nodes` of them hold parameters (a
+  // node not built here counted as one) or nothing is left to expand: granularity follows the module tree.
   GraphModel expanded_to(std::size_t nodes) const;
   // Expands the Sequential nodes that hold one of `paths` ("layer4.0.conv2" inside node "layer4") until a node is
   // at or under each path, where the module tree allows: partition_overrides name modules at any depth.

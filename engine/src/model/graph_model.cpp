@@ -280,8 +280,15 @@ GraphModel GraphModel::expanded(const std::string& node) const {
 }
 
 GraphModel GraphModel::expanded_to(std::size_t nodes) const {
+  // Counted by the nodes holding parameters (one not built here may): a residual Add beside a Sequential body made
+  // four nodes of four stages, the body left whole and a stage given the Add alone, nothing to train.
+  const auto holding = [](const GraphModel& model) {
+    std::size_t count = 0;
+    for (const auto& node : model.nodes_) count += !node.built() || !node.module->parameters().empty();
+    return count;
+  };
   GraphModel result = *this;
-  while (result.nodes_.size() < nodes) {
+  while (holding(result) < nodes) {
     int largest = -1;
     std::int64_t largest_parameters = -1;
     for (int i = 0; i < static_cast<int>(result.nodes_.size()); ++i) {

@@ -377,6 +377,13 @@ void DistributedModel::build_stages(const sched::Schedule& schedule) {
       trainable_at_build_.push_back(parameter.requires_grad());
     }
   }
+  if (named_parameters_.empty() && !model_.named_parameters().empty()) {
+    // An optimizer over this rank's parameters steps nothing (LibTorch takes an empty list; torch.optim does not).
+    std::string held;
+    for (const auto& [stage, local] : stages_) held += (held.empty() ? "" : ", ") + std::to_string(stage);
+    log::warn("rank " + std::to_string(runtime_->rank()) + " holds no parameters (its stages " + held + " have none): "
+              "pin a module with parameters to its stage in \"partition_overrides\", or use fewer \"partitions\"");
+  }
   std::set<const void*> local_buffers;
   for (const auto& [stage, local] : stages_) {
     for (int node : local.nodes) {
