@@ -30,7 +30,9 @@ int run(int argc, char** argv) {
   auto runtime = smp::Runtime::init(config);
   const auto model_options = smp::examples::gpt_options_from_section(config.application("model").dump(), config.source);
   const int64_t batch = config.global_batch_size, length = model_options.context;
-  auto tokens = at::randint(model_options.vocab_size, {batch, length + 1}, at::kLong);
+  // Drawn alike on every rank (the ranks of a replica must be given the same batch: a step refuses others).
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.seed));
+  auto tokens = at::randint(model_options.vocab_size, {batch, length + 1}, generator, at::kLong);
   const auto inputs = tokens.narrow(1, 0, length).contiguous(), targets = tokens.narrow(1, 1, length).contiguous();
   const int64_t microbatch = batch / runtime->topology().data_parallel_degree() / config.microbatches;
 
@@ -47,14 +49,19 @@ int run(int argc, char** argv) {
   model->train_step(runtime->replica_slice(inputs), runtime->replica_slice(targets), smp::examples::gpt_loss);
   optimizer->step();
 
-  smp::Checkpointer saver(*model, *optimizer);
-  runtime->world().barrier();
+  double save_s = 0.0, save_all_s = 0.0;
   auto start = std::chrono::steady_clock::now();
-  saver.save(0);
-  const double save_s = seconds_since(start);  // what the step waits for: the copy of the state
-  saver.wait();
-  runtime->world().barrier();
-  const double save_all_s = seconds_since(start);
+  {
+    // Let go before the loader is made: one Checkpointer of a job holds the directory at a time.
+    smp::Checkpointer saver(*model, *optimizer);
+    runtime->world().barrier();
+    start = std::chrono::steady_clock::now();
+    saver.save(0);
+    save_s = seconds_since(start);  // what the step waits for: the copy of the state
+    saver.wait();
+    runtime->world().barrier();
+    save_all_s = seconds_since(start);
+  }
 
   auto [reloaded, reloaded_optimizer] = build();
   smp::Checkpointer loader(*reloaded, *reloaded_optimizer);

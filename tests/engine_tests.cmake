@@ -88,3 +88,7 @@ set_tests_properties(gpu_tests PROPERTIES LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT
 add_test(NAME two_hosts_in_network_namespaces
   COMMAND ${CMAKE_CURRENT_LIST_DIR}/netns_two_hosts.sh ${CMAKE_BINARY_DIR}/bin ${PROJECT_SOURCE_DIR}/examples/hybrid_2x4.json)
 set_tests_properties(two_hosts_in_network_namespaces PROPERTIES TIMEOUT 600 SKIP_RETURN_CODE 77)
+
+# A benchmark run small, so that it cannot rot unseen between long benchmark runs.
+add_test(NAME bench_checkpoint_runs COMMAND ${CMAKE_CURRENT_LIST_DIR}/bench_checkpoint_smoke.sh ${CMAKE_BINARY_DIR}/bin)
+set_tests_properties(bench_checkpoint_runs PROPERTIES TIMEOUT 180 LABELS quick)
