@@ -154,8 +154,12 @@ def train(name, keys, steps):
 
 def job(processes, *args):
     smprun = os.environ.get("SMP_SMPRUN", os.path.join(HERE, "..", "build", "bin", "smprun"))
+    # The package built beside the launcher, as bench_peers.py gives its jobs (this process may have found smp on
+    # a PYTHONPATH of its own, or not at all).
+    package = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(smprun))), "python")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package, os.environ.get("PYTHONPATH")])))
     result = subprocess.run([smprun, "-n", str(processes), "--no-prefix", "--timeout", "300", "--", sys.executable,
-                             os.path.abspath(__file__), *args], capture_output=True, text=True, timeout=400)
+                             os.path.abspath(__file__), *args], capture_output=True, text=True, timeout=400, env=env)
     if result.returncode != 0:
         sys.exit(f"bench_plan {' '.join(args)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
