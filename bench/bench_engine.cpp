@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <cstdio>
 #include <map>
 #include <set>
 #include <string>
@@ -172,6 +173,11 @@ void print_split_nodes(const smp::examples::GptOptions& options, int64_t batch, 
 }
 
 int run(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) != "--split-nodes") {
+    const bool help = std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h";
+    std::fputs("usage: bench_engine [--split-nodes]   (one process; about 10 s)\n", help ? stdout : stderr);
+    return help ? 0 : 2;
+  }
   if (argc > 1 && std::string(argv[1]) == "--split-nodes") {
     at::set_num_threads(1);
     print_split_nodes({256, 64, 128, 4, 4}, /*batch=*/4, /*rounds=*/50);

@@ -50,6 +50,10 @@ int run(int argc, char** argv) {
       whole = true;
       continue;
     }
+    if (flag == "--help" || flag == "-h") {
+      std::puts("usage: smprun -n P -- bench_memory [--layers N] [--width D] [--steps N] [--whole]");
+      return 0;
+    }
     if (i + 1 >= argc) throw smp::ConfigError("bench_memory: " + flag + " needs a value");
     const std::string value = argv[++i];
     if (flag == "--layers") options.layers = std::stoll(value);

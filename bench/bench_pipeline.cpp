@@ -29,6 +29,13 @@ int run(int argc, char** argv) {
   std::string config_path;
   int warmup = 2, measured = 10;
   std::string optimizer_name = "sgd";
+  static const char* const kUsage =
+      "usage: smprun -n P -- bench_pipeline --config FILE [--warmup N] [--steps N] [--optimizer sgd|adamw]\n"
+      "  FILE: smp's keys in an \"smp\" section and the GPT's in \"model\" (bench/run_benchmarks.py writes them)\n";
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--help" || std::string(argv[i]) == "-h") return std::fputs(kUsage, stdout), 0;
+  }
+  if (argc % 2 == 0) throw smp::ConfigError(std::string("bench_pipeline: ") + argv[argc - 1] + " needs a value\n" + kUsage);
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--config") config_path = argv[i + 1];
@@ -37,6 +44,7 @@ int run(int argc, char** argv) {
     else if (flag == "--optimizer") optimizer_name = argv[i + 1];
     else throw smp::ConfigError("bench_pipeline: unknown flag " + flag);
   }
+  if (config_path.empty()) throw smp::ConfigError(std::string("bench_pipeline: no --config\n") + kUsage);
   const auto config = smp::Config::from_file(config_path);
   config.check_sections({"model"});
   auto runtime = smp::Runtime::init(config);
